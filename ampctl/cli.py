@@ -1,0 +1,64 @@
+"""`ampctl <command> [args]`: a router only. It takes the command word, rewrites sys.argv to what follows,
+and calls that command's own entry point, so each command keeps every Hydra feature (-m, --cfg, --help,
+-cd, run directories)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Optional
+
+from ampctl.errors import USAGE_EXIT_CODE, UsageError
+
+# command -> (module, function, one-line description)
+COMMANDS = {
+    "train": ("ampctl.commands.train", "train", "train a recipe under a precision mode (a Hydra app: try --help)"),
+    "list": ("ampctl.commands.list", "main", "list precision modes, scalers, recipes and optimizers, and what runs here"),
+}
+
+
+def print_help() -> None:
+    print("usage: ampctl <command> [overrides...]\n")
+    print("A command-line runner for mixed-precision training experiments in PyTorch.\n")
+    print("commands:")
+    for name, (_, _, description) in COMMANDS.items():
+        print(f"  {name:<8} {description}")
+    print("\nexamples:")
+    print("  ampctl train precision=bf16")
+    print("  ampctl train precision=fp16 scaler.growth_interval=500 train.steps=200")
+    print("  ampctl train -m precision=fp16 scaler.growth_interval=100,500,2000")
+    print("  ampctl train --help          config groups and their options")
+    print("  ampctl train --cfg job       the composed config, without training")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print_help()
+        return
+    if args[0] in ("-V", "--version"):
+        from ampctl import __version__
+
+        print(f"ampctl {__version__}")
+        return
+    command, rest = args[0], args[1:]
+    if command not in COMMANDS:
+        print(f"ampctl: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+
+    from ampctl.config import register_configs
+
+    register_configs()
+    module_name, function_name, _ = COMMANDS[command]
+    entry = getattr(importlib.import_module(module_name), function_name)
+    try:
+        if command == "train":
+            from ampctl.preflight import preflight
+            from ampctl.run import check_config
+
+            preflight(rest, "train", check_config)
+    except UsageError as exc:
+        print(f"ampctl {command}: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    sys.argv = [f"ampctl-{command}", *rest]
+    entry()

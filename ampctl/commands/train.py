@@ -1,0 +1,28 @@
+"""`ampctl train [overrides]`: one Hydra app, so -m, --cfg, --help, -cd and run dirs all work."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.run import run_training
+
+
+@hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="train")
+def train(cfg: DictConfig) -> Optional[float]:
+    hydra_cfg = HydraConfig.get()
+    try:
+        summary = run_training(cfg, Path(hydra_cfg.runtime.output_dir), choices=dict(hydra_cfg.runtime.choices))
+    except UsageError as exc:
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            raise  # the sweeper marks this job failed; the other jobs still run
+        print(f"ampctl train: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    return summary.get("final_loss")

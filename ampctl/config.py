@@ -1,0 +1,230 @@
+"""Config schemas: one source of defaults and types, plus the range checks OmegaConf cannot express.
+
+Every YAML in conf/ extends one of the schemas stored here (``defaults: [/schema/<group>/<name>@_here_]``),
+so a typo'd key or a wrong type is rejected by OmegaConf at compose time. Ranges and cross-field rules
+are checked by :func:`validate`, before anything is built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from ampctl.errors import ConfigError
+
+
+class DeviceChoice(Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Dtype(Enum):
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class Schedule(Enum):
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+class ConsoleMode(Enum):
+    auto = "auto"  # live view on a terminal, plain lines otherwise
+    live = "live"
+    plain = "plain"
+    quiet = "quiet"
+
+
+@dataclass
+class PrecisionConfig:
+    """One precision mode. The YAMLs in conf/precision/ are rows of the README's precision table."""
+
+    name: str = MISSING
+    description: str = ""
+    autocast: bool = False  # run forward under torch.autocast(dtype)
+    dtype: Dtype = Dtype.float32  # the low-precision dtype: autocast's, or the model's when cast_model
+    cast_model: bool = False  # O2/O3: the model's weights are stored in `dtype`
+    master_weights: bool = False  # O2: the optimizer steps on fp32 copies of the half weights
+    keep_norm_fp32: bool = False  # O2: normalization layers keep fp32 weights and run in fp32
+    tf32: bool = False  # TF32 for matmul and cuDNN convolutions; false means explicitly off
+
+
+@dataclass
+class NoScalerConfig:
+    kind: str = "none"
+
+
+@dataclass
+class StaticScalerConfig:
+    kind: str = "static"
+    scale: float = 1.0
+
+
+@dataclass
+class DynamicScalerConfig:
+    """torch.amp.GradScaler's arguments, same names and defaults, plus optional bounds."""
+
+    kind: str = "dynamic"
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+    min_scale: Optional[float] = None
+    max_scale: Optional[float] = None
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    grad_accum_steps: int = 1
+    clip_grad_norm: Optional[float] = None  # max total grad norm after unscale_; null = no clipping
+    log_every: int = 10  # the only steps that read values back from the device
+    seed: int = 0
+    lr_schedule: Schedule = Schedule.constant
+    lr_warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
+    timing_warmup_steps: int = 5  # first steps left out of median step time and throughput
+    console: ConsoleMode = ConsoleMode.auto
+
+
+@dataclass
+class AmpctlConfig:
+    """The primary config of `ampctl train`. Open-ended groups (recipe, optimizer) are `_target_` nodes."""
+
+    device: DeviceChoice = DeviceChoice.auto
+    train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = MISSING
+    scaler: Any = MISSING
+    recipe: Any = MISSING
+    optimizer: Any = MISSING
+
+
+SCALER_SCHEMAS = {"none": NoScalerConfig, "static": StaticScalerConfig, "dynamic": DynamicScalerConfig}
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore. Called explicitly by the router and by tests."""
+    cs = ConfigStore.instance()
+    cs.store(name="ampctl_schema", node=AmpctlConfig)
+    cs.store(group="schema/precision", name="base", node=PrecisionConfig)
+    for name, node in SCALER_SCHEMAS.items():
+        cs.store(group="schema/scaler", name=name, node=node)
+
+
+# --- range and cross-field validation ------------------------------------------------------------
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, allowed)
+
+
+def _positive_finite(x: float) -> bool:
+    return x > 0 and math.isfinite(x)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check every value a user can set; raise ConfigError naming the first bad key."""
+    train = cfg.train
+    _require(train.steps >= 1, "train.steps", train.steps, "an integer >= 1")
+    _require(train.grad_accum_steps >= 1, "train.grad_accum_steps", train.grad_accum_steps, "an integer >= 1")
+    _require(train.log_every >= 1, "train.log_every", train.log_every, "an integer >= 1")
+    _require(train.lr_warmup_steps >= 0, "train.lr_warmup_steps", train.lr_warmup_steps, "an integer >= 0")
+    _require(
+        train.timing_warmup_steps >= 0, "train.timing_warmup_steps", train.timing_warmup_steps, "an integer >= 0"
+    )
+    _require(0.0 <= train.min_lr_ratio <= 1.0, "train.min_lr_ratio", train.min_lr_ratio, "a number in [0, 1]")
+    if train.clip_grad_norm is not None:
+        _require(
+            _positive_finite(train.clip_grad_norm),
+            "train.clip_grad_norm",
+            train.clip_grad_norm,
+            "a finite number > 0, or null for no clipping",
+        )
+    _validate_precision(cfg.precision)
+    _validate_scaler(cfg.scaler)
+    _validate_targets(cfg)
+
+
+def _validate_precision(p: DictConfig) -> None:
+    half = p.dtype in (Dtype.float16, Dtype.bfloat16)
+    if p.autocast or p.cast_model:
+        _require(half, "precision.dtype", p.dtype.name, "float16 or bfloat16 when autocast or cast_model is on")
+    else:
+        _require(not half, "precision.dtype", p.dtype.name, "float32 when neither autocast nor cast_model is on")
+    _require(
+        not (p.autocast and p.cast_model),
+        "precision.cast_model",
+        p.cast_model,
+        "false with autocast=true (autocast over a half model is not a supported mode; use O2 or O3)",
+    )
+    _require(
+        not p.master_weights or p.cast_model,
+        "precision.master_weights",
+        p.master_weights,
+        "false unless cast_model=true (fp32 weights are already their own masters)",
+    )
+    _require(
+        not p.keep_norm_fp32 or p.cast_model,
+        "precision.keep_norm_fp32",
+        p.keep_norm_fp32,
+        "false unless cast_model=true",
+    )
+    _require(
+        not (p.tf32 and half),
+        "precision.tf32",
+        p.tf32,
+        "false for half-precision modes (tf32 is its own mode: precision=tf32)",
+    )
+
+
+def _validate_scaler(s: DictConfig) -> None:
+    kind = s.kind
+    _require(kind in SCALER_SCHEMAS, "scaler.kind", kind, " | ".join(SCALER_SCHEMAS))
+    if kind == "static":
+        _require(_positive_finite(s.scale), "scaler.scale", s.scale, "a finite number > 0")
+    if kind != "dynamic":
+        return
+    _require(_positive_finite(s.init_scale), "scaler.init_scale", s.init_scale, "a finite number > 0")
+    _require(
+        s.growth_factor > 1.0 and math.isfinite(s.growth_factor),
+        "scaler.growth_factor",
+        s.growth_factor,
+        "a finite number > 1",
+    )
+    _require(0.0 < s.backoff_factor < 1.0, "scaler.backoff_factor", s.backoff_factor, "a number in (0, 1)")
+    _require(s.growth_interval >= 1, "scaler.growth_interval", s.growth_interval, "an integer >= 1")
+    for key in ("min_scale", "max_scale"):
+        value = s[key]
+        if value is not None:
+            _require(_positive_finite(value), f"scaler.{key}", value, "a finite number > 0, or null")
+    if s.min_scale is not None and s.max_scale is not None:
+        _require(s.min_scale <= s.max_scale, "scaler.min_scale", s.min_scale, f"<= scaler.max_scale ({s.max_scale})")
+
+
+def _validate_targets(cfg: DictConfig) -> None:
+    for group in ("recipe", "optimizer"):
+        node = cfg[group]
+        _require(
+            isinstance(node, DictConfig) and "_target_" in node,
+            group,
+            OmegaConf.to_container(node) if isinstance(node, DictConfig) else node,
+            "a config with a _target_ naming an importable callable",
+        )
+    lr = cfg.optimizer.get("lr")
+    if lr is not None:
+        _require(
+            isinstance(lr, (int, float)) and _positive_finite(float(lr)),
+            "optimizer.lr",
+            lr,
+            "a finite number > 0",
+        )

@@ -1,0 +1,93 @@
+"""Which device a run uses, and what that device and this torch build can do. Feature-detected, not
+version-checked, so the same code runs on torch 2.4 through the newest."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+
+from ampctl.errors import UnsupportedError
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UnsupportedError(
+            f"device=cuda but no CUDA device is visible to torch {torch.__version__} "
+            f"(built with CUDA {torch.version.cuda}); use device=cpu or device=auto"
+        )
+    return torch.device(choice)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return cpu_model()
+
+
+@functools.lru_cache(maxsize=None)
+def autocast_works(device_type: str, dtype: torch.dtype) -> bool:
+    """Does torch.autocast(device_type, dtype) actually run a matmul in dtype here?"""
+    try:
+        a = torch.ones(2, 2, device=device_type)
+        with torch.autocast(device_type, dtype=dtype):
+            return torch.mm(a, a).dtype == dtype
+    except (RuntimeError, AssertionError):
+        return False
+
+
+def cpu_grad_scaler_available() -> bool:
+    try:
+        torch.amp.GradScaler("cpu")
+        return True
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def has_tf32(device: torch.device) -> bool:
+    return device.type == "cuda" and cuda_capability(device) >= (8, 0)
+
+
+def has_native_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        try:
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch < 2.3 has no including_emulation and reports native support only
+            return torch.cuda.is_bf16_supported()
+    return autocast_works("cpu", torch.bfloat16)
+
+
+def has_fast_bf16_cpu() -> bool:
+    """AMX or AVX512-BF16: hardware bf16 dot products, where bf16 autocast is faster than fp32."""
+    flags = cpu_flags()
+    return "amx_bf16" in flags or "avx512_bf16" in flags

@@ -1,0 +1,97 @@
+"""The training step and fit(). Written out in order, like nanoGPT's; no precision branches.
+
+Per optimizer step: forward under autocast -> scale -> backward (x grad_accum_steps micro-batches) ->
+half grads into fp32 masters (O2; a no-op otherwise) -> unscale_ once -> clip -> step -> record ->
+update -> lr schedule -> masters back into the model -> zero grads. Nothing here reads from the device:
+the only reads are the telemetry's, on log steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from ampctl.optim import LRSchedule
+from ampctl.precision import PrecisionPolicy, WeightLayout
+from ampctl.recipe import Recipe
+from ampctl.scaling import LossScaler
+from ampctl.telemetry import Telemetry
+
+
+def grad_norm_(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
+    """Total norm of the (unscaled) gradients; clips them to max_norm when given. Stays on the device."""
+    if max_norm is not None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    grads = [p.grad for p in params if p.grad is not None]
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+@dataclass
+class TrainState:
+    """Everything the step mutates."""
+
+    model: nn.Module
+    weights: WeightLayout
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    schedule: LRSchedule
+    step: int = 0
+
+
+def train_step(
+    state: TrainState,
+    batches: Iterator[Any],
+    recipe: Recipe,
+    policy: PrecisionPolicy,
+    grad_accum_steps: int,
+    clip_grad_norm: Optional[float],
+    telemetry: Telemetry,
+) -> None:
+    opt, scaler = state.optimizer, state.scaler
+    losses = []
+    for _ in range(grad_accum_steps):
+        batch = next(batches)
+        with policy.autocast():
+            loss = recipe.loss(state.model, batch)
+        # backward outside autocast, as torch.amp recommends; the loss is averaged over micro-batches.
+        scaler.scale(loss / grad_accum_steps).backward()
+        losses.append(loss.detach())
+    state.weights.grads_to_masters()
+    # One unscale_ after the last micro-batch: clipping and the grad norm must see true gradients.
+    scaler.unscale_(opt)
+    grad_norm = grad_norm_(state.weights.optimizer_params, clip_grad_norm)
+    # A fused optimizer's step() runs even when the scaler skips (the kernel reads found_inf), so
+    # "skipped" comes from found_inf itself, never from whether step() was called.
+    scaler.step(opt)
+    found_inf = scaler.found_inf(opt)
+    state.step += 1
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    # Recorded before update(): the scale logged is the one that multiplied this step's loss.
+    telemetry.record(state.step, loss, scaler.current_scale(), found_inf, grad_norm, state.schedule.current_lr())
+    scaler.update()
+    state.schedule.step(found_inf, scaler.can_skip)  # a skipped step does not advance the schedule
+    state.weights.masters_to_model()
+    opt.zero_grad(set_to_none=True)
+
+
+def fit(
+    state: TrainState,
+    recipe: Recipe,
+    policy: PrecisionPolicy,
+    steps: int,
+    grad_accum_steps: int,
+    clip_grad_norm: Optional[float],
+    seed: int,
+    telemetry: Telemetry,
+) -> None:
+    device = policy.device
+    batches = recipe.batches(device, seed)
+    state.model.train()
+    while state.step < steps:
+        train_step(state, batches, recipe, policy, grad_accum_steps, clip_grad_norm, telemetry)
+        telemetry.end_step(last=state.step == steps)

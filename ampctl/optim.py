@@ -1,0 +1,104 @@
+"""The optimizer and its learning-rate schedule.
+
+The schedule is a function of the number of steps the optimizer actually applied, so a step skipped by
+the loss scaler does not advance it. With fused optimizers the learning rate is a device tensor and the
+schedule is evaluated on the device from a device-side count of applied steps: no host sync per step.
+Other optimizers keep a float lr; knowing whether a step was skipped then needs one read of found_inf,
+which torch's GradScaler has already paid for (it syncs in step() for non-fused optimizers).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from ampctl.config import Schedule
+from ampctl.errors import UnsupportedError, UsageError
+
+
+def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+    """Instantiate the `_partial_` optimizer config over params. Fused optimizers get a device tensor lr."""
+    target = cfg.get("_target_")
+    try:
+        factory: Callable[..., torch.optim.Optimizer] = instantiate(cfg)
+    except InstantiationException as exc:
+        first_line = str(exc).strip().splitlines()[0]
+        raise UsageError(f"optimizer._target_={target!r} could not be instantiated: {first_line}") from None
+    if not callable(factory):
+        raise UsageError(f"optimizer._target_={target!r} must be a callable taking params (set _partial_: true)")
+    params = list(params)
+    kwargs: dict[str, Any] = {}
+    if cfg.get("fused") or cfg.get("capturable"):
+        kwargs["lr"] = torch.tensor(float(cfg.lr), device=device)
+    try:
+        return factory(params, **kwargs)
+    except (RuntimeError, ValueError) as exc:
+        if cfg.get("fused"):
+            raise UnsupportedError(
+                f"optimizer.fused=true: torch {torch.__version__} has no fused {target} for these "
+                f"{device.type} parameters ({str(exc).splitlines()[0]}); set optimizer.fused=false"
+            ) from None
+        raise UsageError(f"optimizer {target}: {str(exc).splitlines()[0]}") from None
+
+
+def lr_factor(applied: torch.Tensor, kind: Schedule, warmup: int, total: int, min_ratio: float) -> torch.Tensor:
+    """Multiplier of the base lr after `applied` optimizer steps (a float tensor; works on any device)."""
+    factor = torch.ones_like(applied)
+    if warmup > 0:
+        factor = torch.clamp((applied + 1) / warmup, max=1.0)
+    progress = torch.clamp((applied - warmup) / max(1, total - warmup), 0.0, 1.0)
+    if kind is Schedule.cosine:
+        factor = factor * (min_ratio + (1 - min_ratio) * 0.5 * (1 + torch.cos(math.pi * progress)))
+    elif kind is Schedule.linear:
+        factor = factor * (1 - (1 - min_ratio) * progress)
+    return factor
+
+
+class LRSchedule:
+    """Sets the optimizer's lr for the next step from the count of applied (not skipped) steps."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: DictConfig, device: torch.device) -> None:
+        self.optimizer = optimizer
+        self.kind: Schedule = cfg.lr_schedule
+        self.warmup, self.total, self.min_ratio = cfg.lr_warmup_steps, cfg.steps, cfg.min_lr_ratio
+        first_lr = optimizer.param_groups[0]["lr"]
+        self.on_device = isinstance(first_lr, torch.Tensor)
+        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]  # one read, before training
+        count_device = device if self.on_device else torch.device("cpu")
+        self.applied = torch.zeros((), device=count_device)
+        # The lr of the coming step as a device tensor, for telemetry; in host mode a mirror of the float.
+        self._lr_now = first_lr if self.on_device else torch.zeros((), device=device)
+        self._apply()
+
+    def _apply(self) -> None:
+        factor = lr_factor(self.applied, self.kind, self.warmup, self.total, self.min_ratio)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            if self.on_device:
+                group["lr"].copy_(factor * base)
+            else:
+                group["lr"] = float(factor) * base
+        if not self.on_device:
+            self._lr_now.fill_(self.optimizer.param_groups[0]["lr"])
+
+    def current_lr(self) -> torch.Tensor:
+        return self._lr_now
+
+    def step(self, found_inf: torch.Tensor, can_skip: bool) -> None:
+        if self.on_device:
+            self.applied += 1 - found_inf
+        elif not can_skip or not bool(found_inf):  # bool() reads the device: see module docstring
+            self.applied += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"applied": self.applied.item(), "base_lrs": self.base_lrs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.applied.fill_(state["applied"])
+        self.base_lrs = list(state["base_lrs"])
+        self._apply()

@@ -1,0 +1,235 @@
+"""PrecisionPolicy: everything a precision mode changes, in one place.
+
+The data of each mode lives in conf/precision/*.yaml; this class turns it into behaviour: the autocast
+context, how the model is prepared (cast to half, norm layers kept fp32), the weight layout the optimizer
+steps on (fp32 masters for O2), and the global TF32 flags (set for the run, restored afterwards). The loop
+never branches on precision: it calls these verbs whatever the mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from ampctl import devices
+from ampctl.config import Dtype
+from ampctl.errors import UnsupportedError
+
+TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
+
+# Normalization layers kept (and run) in fp32 under O2: their statistics are where half precision loses
+# the most (Apex kept BatchNorm; transformers need LayerNorm too).
+NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
+    t
+    for t in (
+        nn.modules.batchnorm._BatchNorm,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.modules.instancenorm._InstanceNorm,
+        getattr(nn, "RMSNorm", None),
+    )
+    if t is not None
+)
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """A validated precision config, as plain Python values."""
+
+    name: str
+    description: str
+    autocast: bool
+    dtype: torch.dtype
+    cast_model: bool
+    master_weights: bool
+    keep_norm_fp32: bool
+    tf32: bool
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> "PrecisionSpec":
+        return cls(
+            name=cfg.name,
+            description=cfg.description,
+            autocast=cfg.autocast,
+            dtype=TORCH_DTYPES[cfg.dtype],
+            cast_model=cfg.cast_model,
+            master_weights=cfg.master_weights,
+            keep_norm_fp32=cfg.keep_norm_fp32,
+            tf32=cfg.tf32,
+        )
+
+    @property
+    def uses_half(self) -> bool:
+        return self.autocast or self.cast_model
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    """Cast floating-point tensors in (nested tuples/lists/dicts of) value; leave everything else."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floats(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype) for k, v in value.items()}
+    return value
+
+
+class WeightLayout:
+    """The weights the optimizer steps on are the model's own (every mode but O2)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.optimizer_params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads_to_masters(self) -> None:
+        """Called after the last backward of a step, before unscale_."""
+
+    def masters_to_model(self) -> None:
+        """Called after the optimizer step."""
+
+
+class FP32MasterWeights(WeightLayout):
+    """O2: the optimizer steps on fp32 copies of the half weights.
+
+    Half gradients are copied into fp32 master gradients before unscale_ (torch's GradScaler refuses to
+    unscale fp16 gradients, and the update must be computed in fp32 to not lose small steps). After the
+    step the masters are copied back into the half model. Weights that are already fp32 (norm layers)
+    are their own masters. A skipped step leaves the masters, and so the model, untouched.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        self.optimizer_params = []
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            if p.dtype == torch.float32:
+                self.optimizer_params.append(p)
+                continue
+            master = nn.Parameter(p.detach().float())
+            self._pairs.append((p, master))
+            self.optimizer_params.append(master)
+
+    def grads_to_masters(self) -> None:
+        for model_param, master in self._pairs:
+            master.grad = None if model_param.grad is None else model_param.grad.float()
+            model_param.grad = None
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        for model_param, master in self._pairs:
+            model_param.copy_(master)
+
+
+class PrecisionPolicy:
+    """Context manager for a run: sets the global matmul flags on enter and restores them on exit."""
+
+    def __init__(self, spec: PrecisionSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self._saved_flags: Optional[tuple[str, bool, bool]] = None
+
+    # --- what the device can do -----------------------------------------------------------------
+
+    def check(self) -> None:
+        """Refuse what this device or torch build cannot do, naming what to use instead."""
+        s, dev = self.spec, self.device
+        if s.tf32 and not devices.has_tf32(dev):
+            where = devices.device_name(dev) if dev.type == "cuda" else "a CPU"
+            raise UnsupportedError(
+                f"precision={s.name} needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or "
+                f"newer); this run is on {where}: use precision=fp32, or precision=bf16 for a faster mode"
+            )
+        if not s.uses_half:
+            return
+        if s.dtype == torch.bfloat16 and not devices.has_native_bf16(dev):
+            raise UnsupportedError(
+                f"precision={s.name} with dtype=bfloat16 needs native bf16 support, which "
+                f"{devices.device_name(dev)} lacks; use precision=fp16 (with its loss scaler) instead"
+            )
+        if s.autocast and not devices.autocast_works(dev.type, s.dtype):
+            raise UnsupportedError(
+                f"precision={s.name}: torch {torch.__version__} has no {dev.type} autocast for "
+                f"{str(s.dtype).removeprefix('torch.')}; use precision=bf16, or upgrade torch"
+            )
+
+    def combination_warnings(self, scaler_kind: str) -> list[str]:
+        """Legal but suspicious pairings of this mode with a loss scaler: warned once, not refused."""
+        s = self.spec
+        if s.uses_half and s.dtype == torch.bfloat16 and scaler_kind == "dynamic":
+            return [
+                f"precision={s.name} runs in bfloat16, which has fp32's exponent range: a dynamic loss scaler "
+                "is rarely needed there (scaler=none is the usual choice)"
+            ]
+        if s.uses_half and s.dtype == torch.float16 and scaler_kind == "none":
+            return [
+                f"precision={s.name} runs in float16 without loss scaling: small gradients will underflow to "
+                "zero (scaler=dynamic is the usual choice)"
+            ]
+        return []
+
+    # --- the run ----------------------------------------------------------------------------------
+
+    def __enter__(self) -> "PrecisionPolicy":
+        self._saved_flags = (
+            torch.get_float32_matmul_precision(),
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+        )
+        # "fp32" must be true fp32: cuDNN allows TF32 by default, so it is switched off explicitly.
+        torch.set_float32_matmul_precision("high" if self.spec.tf32 else "highest")
+        torch.backends.cuda.matmul.allow_tf32 = self.spec.tf32
+        torch.backends.cudnn.allow_tf32 = self.spec.tf32
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._saved_flags is not None
+        precision, matmul_tf32, cudnn_tf32 = self._saved_flags
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Always a context manager; "off" is enabled=False, so the loop has no branch."""
+        dtype = self.spec.dtype if self.spec.autocast else torch.bfloat16  # dtype is unused when disabled
+        return torch.autocast(self.device.type, dtype=dtype, enabled=self.spec.autocast)
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """Move the model to the device, and for O2/O3 cast it to half the way Apex did."""
+        model.to(self.device)
+        if not self.spec.cast_model:
+            return model
+        half = self.spec.dtype
+        model.to(half)
+        if self.spec.keep_norm_fp32:
+            for module in model.modules():
+                if isinstance(module, NORM_LAYERS):
+                    module.float()
+                    module.register_forward_pre_hook(lambda _m, args: _cast_floats(args, torch.float32))
+                    module.register_forward_hook(lambda _m, _args, out: _cast_floats(out, half))
+        # Inputs are cast to the model's dtype and outputs back to fp32, so the loss is computed in fp32.
+        model.register_forward_pre_hook(lambda _m, args: _cast_floats(args, half))
+        model.register_forward_hook(lambda _m, _args, out: _cast_floats(out, torch.float32))
+        return model
+
+    def weight_layout(self, model: nn.Module) -> WeightLayout:
+        return FP32MasterWeights(model) if self.spec.master_weights else WeightLayout(model)
+
+    def describe(self, scaler_description: str) -> str:
+        """The resolved options, printed once at start (as Apex's "Selected optimization level")."""
+        s = self.spec
+        short = lambda dt: str(dt).removeprefix("torch.")  # noqa: E731
+        parts = [
+            f"autocast={short(s.dtype) if s.autocast else 'off'}",
+            f"model_weights={short(s.dtype) if s.cast_model else 'float32'}",
+            f"master_weights={'float32' if s.master_weights else 'none'}",
+            "norm_layers=" + ("float32" if (s.keep_norm_fp32 or not s.cast_model) else short(s.dtype)),
+            f"tf32={'on' if s.tf32 else 'off'}",
+            f"loss_scale={scaler_description}",
+        ]
+        return f"Selected precision={s.name}: " + ", ".join(parts)
+

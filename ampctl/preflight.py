@@ -1,0 +1,77 @@
+"""Check a command line before Hydra runs anything.
+
+Hydra reports a bad override (unknown option, wrong type, unknown key) with exit code 1 and several lines,
+and in a multirun only when it reaches the bad job. ampctl instead composes every job's config up front
+with Hydra's compose API, validates it, and checks it against the device, so a mistake anywhere in a sweep
+is one line and exit code 2 before the first job starts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable
+
+from hydra import compose, initialize_config_module
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from ampctl.errors import UsageError
+
+CONFIG_MODULE = "ampctl.conf"
+
+
+def job_overrides(overrides: list[str], multirun: bool) -> list[list[str]]:
+    """The override list of every job Hydra would launch (one job without --multirun)."""
+    if not multirun:
+        return [overrides]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def preflight(argv: list[str], config_name: str, check: Callable[[DictConfig], object]) -> int:
+    """Compose and check every job of this command line. Returns the number of jobs; raises UsageError."""
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.shell_completion or args.config_path:
+        return 0  # nothing will be trained; Hydra handles these itself
+    overrides = list(args.overrides)
+    if args.config_dir:
+        overrides.append(f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]")
+    try:
+        jobs = job_overrides(overrides, args.multirun)
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+            for job in jobs:
+                cfg = compose(config_name=args.config_name or config_name, overrides=job)
+                if args.cfg is None and args.info is None:
+                    check(cfg)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UsageError(one_line(exc)) from None
+    return len(jobs)
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line reports, reduced to the line a user needs."""
+    for err in _chain(exc):
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            msg = str(getattr(err, "msg", "") or err).splitlines()[0]
+            return f"{err.full_key}: {msg}"
+    text = str(exc).strip()
+    missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
+        allowed = f"; choose one of {', '.join(options)}" if options else ""
+        return f"{group}={option}: no such {group}{allowed}"
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__

@@ -1,0 +1,119 @@
+"""Compose one training run from a validated config: policy, recipe, model, optimizer, scaler, schedule,
+telemetry; run the loop; write the run directory (metrics.jsonl, summary.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from ampctl import devices
+from ampctl.config import validate
+from ampctl.console import make_console_sink
+from ampctl.loop import TrainState, fit
+from ampctl.optim import LRSchedule, build_optimizer
+from ampctl.precision import PrecisionPolicy, PrecisionSpec
+from ampctl.recipe import build_recipe
+from ampctl.scaling import build_scaler
+from ampctl.telemetry import JsonlSink, Telemetry, summarize
+
+
+def check_config(cfg: DictConfig) -> PrecisionPolicy:
+    """Everything that can be refused before building anything: ranges, then what the device can do."""
+    validate(cfg)
+    device = devices.resolve_device(cfg.device.value)
+    policy = PrecisionPolicy(PrecisionSpec.from_config(cfg.precision), device)
+    policy.check()
+    return policy
+
+
+def peak_memory_reader(device: torch.device) -> tuple[Callable[[], Optional[int]], str]:
+    """The measured peak and what it measures: the CUDA caching allocator's peak, or the process's max RSS."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return (lambda: torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
+    # Linux reports ru_maxrss in KiB. It is the whole process (interpreter, torch, data), an upper bound.
+    return (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "process max RSS (ru_maxrss)"
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def run_training(
+    cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None, echo: Callable[[str], None] = print
+) -> dict:
+    """Train as cfg says, recording into run_dir. Returns the summary. Raises UsageError for user mistakes."""
+    choices = choices or {}
+    policy = check_config(cfg)
+    device = policy.device
+    for message in policy.combination_warnings(cfg.scaler.kind):
+        echo(f"warning: {message}")
+    recipe = build_recipe(cfg.recipe)
+
+    torch.manual_seed(cfg.train.seed)
+    with policy:
+        model = policy.prepare_model(recipe.build_model())
+        weights = policy.weight_layout(model)
+        optimizer = build_optimizer(cfg.optimizer, weights.optimizer_params, device)
+        half_grads = any(p.dtype != torch.float32 for p in weights.optimizer_params)
+        scaler = build_scaler(cfg.scaler, device, half_grads=half_grads)
+        schedule = LRSchedule(optimizer, cfg.train, device)
+        state = TrainState(model, weights, optimizer, scaler, schedule)
+
+        n_params = sum(p.numel() for p in model.parameters())
+        echo(policy.describe(scaler.describe()))
+        echo(
+            f"recipe={choices.get('recipe', type(recipe).__name__)} params={n_params / 1e6:.2f}M "
+            f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={run_dir}"
+        )
+
+        peak_memory, peak_memory_source = peak_memory_reader(device)
+        samples = recipe.samples_per_batch * cfg.train.grad_accum_steps
+        tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * cfg.train.grad_accum_steps
+        run_dir.mkdir(parents=True, exist_ok=True)
+        sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
+        console = make_console_sink(cfg.train.console, cfg.train.steps, tokens is not None, peak_memory)
+        if console is not None:
+            sinks.append(console)
+        telemetry = Telemetry(device, cfg.train.log_every, samples, tokens, sinks)
+        try:
+            fit(
+                state,
+                recipe,
+                policy,
+                steps=cfg.train.steps,
+                grad_accum_steps=cfg.train.grad_accum_steps,
+                clip_grad_norm=cfg.train.clip_grad_norm,
+                seed=cfg.train.seed,
+                telemetry=telemetry,
+            )
+        finally:
+            telemetry.close()
+
+    summary = {
+        "precision": cfg.precision.name,
+        "precision_choice": choices.get("precision", cfg.precision.name),
+        "scaler": scaler.kind,
+        "recipe": choices.get("recipe", type(recipe).__name__),
+        "optimizer": cfg.optimizer._target_,
+        "device": device.type,
+        "device_name": devices.device_name(device),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "python_version": platform.python_version(),
+        "parameters": n_params,
+        **summarize(telemetry.records, cfg.train.timing_warmup_steps),
+        "peak_memory_bytes": peak_memory(),
+        "peak_memory_source": peak_memory_source,
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    return summary

@@ -1,0 +1,197 @@
+"""Loss scalers: one interface, three kinds (none, static, dynamic).
+
+The loop always calls the same verbs, in this order, whatever the kind:
+``scale(loss).backward()`` per micro-batch, ``unscale_(opt)`` once, ``step(opt)``, ``found_inf(opt)``,
+``update()``. Static and dynamic both run on torch.amp.GradScaler, so unscaling, the inf check and the
+fused-optimizer path (found_inf handed to the kernel, no host sync) are torch's own code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+import torch
+from omegaconf import DictConfig
+
+from ampctl.errors import UnsupportedError
+
+
+class LossScaler(Protocol):
+    kind: str
+    can_skip: bool  # whether this scaler ever skips a step
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        """1.0 on the device if this step's gradients were not finite (the step was skipped), else 0.0.
+        Valid between step() and update()."""
+        ...
+
+    def current_scale(self) -> torch.Tensor:
+        """The scale multiplying losses now, as a device tensor (reading it does not sync)."""
+        ...
+
+    def update(self) -> None: ...
+
+    def describe(self) -> str: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class NoLossScaler:
+    kind = "none"
+    can_skip = False
+
+    def __init__(self, device: torch.device) -> None:
+        self._one = torch.ones((), device=device)
+        self._zero = torch.zeros((), device=device)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        return self._zero
+
+    def current_scale(self) -> torch.Tensor:
+        return self._one
+
+    def update(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return "none"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class AmpGradScaler(torch.amp.GradScaler):
+    """torch.amp.GradScaler plus what torch lacks: optional scale bounds, a static mode, and unscaling of
+    fp16 gradients for pure-half training (O3), which torch refuses because it is usually a mistake."""
+
+    def __init__(
+        self,
+        device: str,
+        *,
+        static: bool = False,
+        allow_fp16_grads: bool = False,
+        min_scale: Optional[float] = None,
+        max_scale: Optional[float] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(device, **kwargs)
+        self.static = static
+        self.allow_fp16_grads = allow_fp16_grads
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
+        return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self.allow_fp16_grads)
+
+    def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
+        if not self._enabled:
+            return
+        if self.static and new_scale is None:
+            new_scale = self._scale  # a static scaler only forgets this step's found_inf
+        super().update(new_scale)
+        if self.min_scale is not None or self.max_scale is not None:
+            assert self._scale is not None
+            self._scale.clamp_(min=self.min_scale, max=self.max_scale)  # on the device, no sync
+
+
+class TorchLossScaler:
+    """Adapts AmpGradScaler to the LossScaler interface (device-side found_inf and scale)."""
+
+    def __init__(self, kind: str, scaler: AmpGradScaler, device: torch.device, description: str) -> None:
+        self.kind = kind
+        self.can_skip = scaler.is_enabled()
+        self.scaler = scaler
+        self._description = description
+        self._zero = torch.zeros((), device=device)
+        self._one = torch.ones((), device=device)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        # With a fused optimizer this hands found_inf to the kernel (which skips on the device); with
+        # any other optimizer torch reads found_inf on the host, one sync per step: prefer fused.
+        self.scaler.step(optimizer)
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        if not self.scaler.is_enabled():
+            return self._zero
+        per_device = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return torch.stack([t.to(self._zero.device) for t in per_device.values()]).sum().clamp(max=1.0)
+
+    def current_scale(self) -> torch.Tensor:
+        scale = self.scaler._scale
+        return self._one if scale is None or not self.scaler.is_enabled() else scale
+
+    def update(self) -> None:
+        self.scaler.update()
+
+    def describe(self) -> str:
+        return self._description
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scaler.load_state_dict(state)
+
+
+def build_scaler(cfg: DictConfig, device: torch.device, half_grads: bool) -> LossScaler:
+    """cfg is a validated scaler config. half_grads: the optimizer's own parameters are half (O3)."""
+    if cfg.kind == "none":
+        return NoLossScaler(device)
+    try:
+        if cfg.kind == "static":
+            scaler = AmpGradScaler(
+                device.type, static=True, allow_fp16_grads=half_grads, init_scale=float(cfg.scale)
+            )
+            return TorchLossScaler("static", scaler, device, f"static {cfg.scale:g}")
+        scaler = AmpGradScaler(
+            device.type,
+            allow_fp16_grads=half_grads,
+            min_scale=cfg.min_scale,
+            max_scale=cfg.max_scale,
+            init_scale=cfg.init_scale,
+            growth_factor=cfg.growth_factor,
+            backoff_factor=cfg.backoff_factor,
+            growth_interval=cfg.growth_interval,
+            enabled=cfg.enabled,
+        )
+    except (RuntimeError, TypeError, AttributeError) as exc:
+        raise UnsupportedError(
+            f"scaler={cfg.kind}: torch {torch.__version__} has no GradScaler for {device.type} ({exc}); "
+            "use scaler=none with precision=bf16, or upgrade torch"
+        ) from None
+    if not cfg.enabled:
+        return TorchLossScaler("dynamic", scaler, device, "dynamic (disabled)")
+    bounds = ""
+    if cfg.min_scale is not None or cfg.max_scale is not None:
+        bounds = f", bounds=[{cfg.min_scale}, {cfg.max_scale}]"
+    description = (
+        f"dynamic init={cfg.init_scale:g} growth={cfg.growth_factor:g}/{cfg.growth_interval} "
+        f"backoff={cfg.backoff_factor:g}{bounds}"
+    )
+    return TorchLossScaler("dynamic", scaler, device, description)

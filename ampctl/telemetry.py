@@ -1,0 +1,191 @@
+"""Step records: produced once per optimizer step, kept on the device, read back once per log interval.
+
+The loop hands device tensors to :class:`Telemetry.record`; they are stacked into a preallocated device
+buffer (no sync). On a log step one ``tolist()`` brings the whole interval back, step times come from the
+timer, and the finished :class:`StepRecord` s go to the sinks (console, metrics.jsonl, summary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Protocol, TextIO
+
+import torch
+
+# Columns of the device buffer, in order.
+_LOSS, _SCALE, _FOUND_INF, _GRAD_NORM, _LR = range(5)
+_COLUMNS = 5
+
+
+@dataclass
+class StepRecord:
+    step: int  # 1-based optimizer step
+    loss: float  # mean over the micro-batches, unscaled
+    loss_scale: float  # the scale that multiplied this step's loss (1.0 without scaling)
+    skipped: bool  # the scaler found non-finite gradients and the optimizer did not apply the step
+    skipped_total: int
+    grad_norm: float  # total norm of the unscaled gradients, before clipping
+    lr: float  # the learning rate this step used
+    step_time_ms: float
+    samples_per_s: float
+    tokens_per_s: Optional[float] = None
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        if data["tokens_per_s"] is None:
+            del data["tokens_per_s"]
+        # JSON has no inf/nan: a skipped step's grad norm is written as null.
+        return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()})
+
+
+class Sink(Protocol):
+    def write(self, records: list[StepRecord]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StepTimer:
+    """Per-step wall time without syncing: CUDA events on the GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._marks: list = []
+        self._last = self._now()
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def mark(self) -> None:
+        self._marks.append(self._now())
+
+    def drain_ms(self) -> list[float]:
+        """Durations of the steps marked since the last drain. Syncs on CUDA (called on log steps only)."""
+        if not self._marks:
+            return []
+        if self.cuda:
+            self._marks[-1].synchronize()
+            spans = [a.elapsed_time(b) for a, b in zip([self._last, *self._marks[:-1]], self._marks)]
+        else:
+            spans = [(b - a) * 1e3 for a, b in zip([self._last, *self._marks[:-1]], self._marks)]
+        self._last = self._marks[-1]
+        self._marks = []
+        return spans
+
+
+class Telemetry:
+    def __init__(
+        self,
+        device: torch.device,
+        log_every: int,
+        samples_per_step: int,
+        tokens_per_step: Optional[int],
+        sinks: list[Sink],
+    ) -> None:
+        self.log_every = log_every
+        self.samples_per_step = samples_per_step
+        self.tokens_per_step = tokens_per_step
+        self.sinks = sinks
+        self._buffer = torch.zeros(log_every, _COLUMNS, device=device)
+        self._pending_steps: list[int] = []
+        self.timer = StepTimer(device)
+        self.skipped_total = 0
+        self.records: list[StepRecord] = []
+
+    def record(
+        self,
+        step: int,
+        loss: torch.Tensor,
+        loss_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        grad_norm: torch.Tensor,
+        lr: torch.Tensor,
+    ) -> None:
+        """Queue this step's values on the device. Must be called before the scaler's update()."""
+        row = torch.stack([t.detach().float().reshape(()) for t in (loss, loss_scale, found_inf, grad_norm, lr)])
+        self._buffer[len(self._pending_steps)].copy_(row)
+        self._pending_steps.append(step)
+
+    def end_step(self, last: bool) -> None:
+        """Called after every optimizer step; reads back and emits on log steps and on the last step."""
+        self.timer.mark()
+        if len(self._pending_steps) == self.log_every or (last and self._pending_steps):
+            self.flush()
+
+    def flush(self) -> None:
+        n = len(self._pending_steps)
+        rows = self._buffer[:n].tolist()  # the one device->host copy of this interval
+        times = self.timer.drain_ms()
+        records = []
+        for step, row, ms in zip(self._pending_steps, rows, times):
+            skipped = row[_FOUND_INF] > 0
+            self.skipped_total += skipped
+            per_s = 1e3 / ms if ms > 0 else float("inf")
+            records.append(
+                StepRecord(
+                    step=step,
+                    loss=row[_LOSS],
+                    loss_scale=row[_SCALE],
+                    skipped=skipped,
+                    skipped_total=self.skipped_total,
+                    grad_norm=row[_GRAD_NORM],
+                    lr=row[_LR],
+                    step_time_ms=ms,
+                    samples_per_s=self.samples_per_step * per_s,
+                    tokens_per_s=None if self.tokens_per_step is None else self.tokens_per_step * per_s,
+                )
+            )
+        self._pending_steps = []
+        self.records.extend(records)
+        for sink in self.sinks:
+            sink.write(records)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+class JsonlSink:
+    """metrics.jsonl: one JSON object per optimizer step, flushed every log interval."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: TextIO = path.open("a", encoding="utf-8")
+
+    def write(self, records: list[StepRecord]) -> None:
+        self._file.write("".join(r.to_json() + "\n" for r in records))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def summarize(records: list[StepRecord], timing_warmup_steps: int) -> dict:
+    """Run statistics from the step records. Timings leave out the warm-up steps (when enough remain)."""
+    if not records:
+        return {}
+    timed = records[timing_warmup_steps:] or records
+    median_ms = statistics.median(r.step_time_ms for r in timed)
+    last = records[-1]
+    tail = records[-max(1, len(records) // 10):]
+    summary = {
+        "steps": last.step,
+        "final_loss": last.loss,
+        "tail_loss": statistics.fmean(r.loss for r in tail),
+        "skipped_total": last.skipped_total,
+        "final_loss_scale": last.loss_scale,
+        "median_step_time_ms": median_ms,
+        "samples_per_s": statistics.median(r.samples_per_s for r in timed),
+        "timed_steps": len(timed),
+    }
+    if last.tokens_per_s is not None:
+        summary["tokens_per_s"] = statistics.median(r.tokens_per_s for r in timed)  # type: ignore[misc]
+    return summary

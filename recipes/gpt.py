@@ -1,0 +1,162 @@
+"""gpt: a decoder-only transformer in the style of nanoGPT, byte-level, on a real text corpus.
+
+The default corpus is the Python standard library's own source, which every machine with Python has,
+so the recipe needs no download. Any text file or directory of text files can replace it.
+"""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampctl.errors import ConfigError, UsageError
+
+VOCAB_SIZE = 256  # bytes
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_heads, c // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout)
+        self.ln_2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model), nn.Dropout(dropout)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, block_size: int, d_model: int, n_layers: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB_SIZE, d_model)
+        self.wpe = nn.Embedding(block_size, d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, dropout) for _ in range(n_layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, VOCAB_SIZE, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
+        self.apply(self._init_weights)
+        # GPT-2's scaled init of the residual projections.
+        for name, p in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def default_corpus_files() -> list[Path]:
+    """The standard library's .py files, sorted so the corpus is the same on every run."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+
+
+def read_corpus(corpus: Optional[str], max_bytes: int) -> bytes:
+    if corpus is None:
+        files = default_corpus_files()
+    else:
+        path = Path(corpus).expanduser()
+        if not path.exists():
+            raise UsageError(f"recipe.corpus={corpus!r} does not exist: give a text file or a directory of them")
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    chunks, size = [], 0
+    for f in files:
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+    text = b"".join(chunks)[:max_bytes]
+    return text
+
+
+@dataclass
+class GPTRecipe:
+    corpus: Optional[str] = None
+    max_corpus_bytes: int = 8_000_000
+    block_size: int = 128
+    batch_size: int = 16
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        for key in ("block_size", "batch_size", "d_model", "n_layers", "n_heads", "max_corpus_bytes"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"recipe.{key}", getattr(self, key), "an integer >= 1")
+        if self.d_model % self.n_heads:
+            raise ConfigError("recipe.n_heads", self.n_heads, f"a divisor of recipe.d_model ({self.d_model})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("recipe.dropout", self.dropout, "a number in [0, 1)")
+        self.samples_per_batch = self.batch_size
+        self.tokens_per_batch = self.batch_size * self.block_size
+        self._data = read_corpus(self.corpus, self.max_corpus_bytes)
+        if len(self._data) < self.block_size + 2:
+            where = self.corpus if self.corpus is not None else "the standard library"
+            raise UsageError(
+                f"recipe.corpus={where!r} holds {len(self._data)} bytes; at least block_size+2 "
+                f"({self.block_size + 2}) are needed"
+            )
+
+    def build_model(self) -> nn.Module:
+        return GPT(self.block_size, self.d_model, self.n_layers, self.n_heads, self.dropout)
+
+    def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # The corpus sits on the device as bytes and windows are drawn there, as nanoGPT's get_batch
+        # does but without the host->device copy per step.
+        data = torch.frombuffer(bytearray(self._data), dtype=torch.uint8).to(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        offsets = torch.arange(self.block_size + 1, device=device)
+        high = len(self._data) - self.block_size - 1
+        while True:
+            starts = torch.randint(high, (self.batch_size, 1), generator=gen, device=device)
+            window = data[starts + offsets].long()
+            yield window[:, :-1], window[:, 1:]
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        idx, targets = batch
+        logits = model(idx)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
