@@ -27,7 +27,7 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], devic
     try:
         factory: Callable[..., torch.optim.Optimizer] = instantiate(cfg)
     except InstantiationException as exc:
-        first_line = str(exc).strip().splitlines()[0]
+        first_line = str(exc).strip().splitlines()[0].split(", set env var HYDRA_FULL_ERROR")[0]
         raise UsageError(f"optimizer._target_={target!r} could not be instantiated: {first_line}") from None
     if not callable(factory):
         raise UsageError(f"optimizer._target_={target!r} must be a callable taking params (set _partial_: true)")

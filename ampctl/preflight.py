@@ -8,6 +8,7 @@ is one line and exit code 2 before the first job starts.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Callable
@@ -18,7 +19,7 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from ampctl.errors import UsageError
 
@@ -57,6 +58,8 @@ def one_line(exc: BaseException) -> str:
     """Hydra's and OmegaConf's multi-line reports, reduced to the line a user needs."""
     for err in _chain(exc):
         if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+                return f"{err.full_key}: no such key{_allowed_keys(err)}"
             msg = str(getattr(err, "msg", "") or err).splitlines()[0]
             return f"{err.full_key}: {msg}"
     text = str(exc).strip()
@@ -66,7 +69,20 @@ def one_line(exc: BaseException) -> str:
         options = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
         allowed = f"; choose one of {', '.join(options)}" if options else ""
         return f"{group}={option}: no such {group}{allowed}"
+    text = text.replace(", set env var HYDRA_FULL_ERROR=1 to see chained exception.", "")
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _allowed_keys(err: OmegaConfBaseException) -> str:
+    """The keys the node does have, from its schema dataclass (e.g. which keys scaler=none takes)."""
+    schema = getattr(err, "object_type", None)
+    if not dataclasses.is_dataclass(schema):
+        return ""
+    fields = {f.name: f.default for f in dataclasses.fields(schema)}
+    kind = fields.pop("kind", None)
+    if not fields:
+        return f": scaler={kind} takes no keys (choose scaler=dynamic or scaler=static before setting scaler.*)"
+    return f"; allowed: {', '.join(fields)}"
 
 
 def _chain(exc: BaseException):

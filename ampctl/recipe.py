@@ -43,7 +43,7 @@ def build_recipe(cfg: DictConfig) -> Recipe:
         cause = exc.__cause__
         if isinstance(cause, UsageError):
             raise cause from None
-        first_line = str(exc).strip().splitlines()[0]
+        first_line = str(exc).strip().splitlines()[0].split(", set env var HYDRA_FULL_ERROR")[0]
         raise UsageError(f"recipe._target_={target!r} could not be instantiated: {first_line}") from None
     missing = [name for name in ("samples_per_batch", "tokens_per_batch", "build_model", "batches", "loss")
                if not hasattr(recipe, name)]
