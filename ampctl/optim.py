@@ -34,7 +34,7 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], devic
     params = list(params)
     kwargs: dict[str, Any] = {}
     if cfg.get("fused") or cfg.get("capturable"):
-        kwargs["lr"] = torch.tensor(float(cfg.lr), device=device)
+        kwargs["lr"] = torch.tensor(float(cfg.lr), device=device, dtype=lr_tensor_dtype(device))
     try:
         return factory(params, **kwargs)
     except (RuntimeError, ValueError) as exc:
@@ -44,6 +44,12 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], devic
                 f"{device.type} parameters ({str(exc).splitlines()[0]}); set optimizer.fused=false"
             ) from None
         raise UsageError(f"optimizer {target}: {str(exc).splitlines()[0]}") from None
+
+
+def lr_tensor_dtype(device: torch.device) -> torch.dtype:
+    """CUDA's fused kernels read a float32 lr tensor. The CPU kernels read it as a double, so float64
+    there keeps the step bit-identical to a plain float lr (the canonical torch.amp loop)."""
+    return torch.float64 if device.type == "cpu" else torch.float32
 
 
 def lr_factor(applied: torch.Tensor, kind: Schedule, warmup: int, total: int, min_ratio: float) -> torch.Tensor:
@@ -70,7 +76,9 @@ class LRSchedule:
         self.on_device = isinstance(first_lr, torch.Tensor)
         self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]  # one read, before training
         count_device = device if self.on_device else torch.device("cpu")
-        self.applied = torch.zeros((), device=count_device)
+        # In the lr's own dtype, so factor * base loses nothing against the lr the user wrote.
+        count_dtype = first_lr.dtype if self.on_device else torch.float64
+        self.applied = torch.zeros((), device=count_device, dtype=count_dtype)
         # The lr of the coming step as a device tensor, for telemetry; in host mode a mirror of the float.
         self._lr_now = first_lr if self.on_device else torch.zeros((), device=device)
         self._apply()

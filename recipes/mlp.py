@@ -57,7 +57,11 @@ class MLPRecipe:
         gen = torch.Generator(device=device).manual_seed(seed)
         while True:
             x = torch.randn(self.batch_size, self.in_features, generator=gen, device=device)
-            yield x, (x @ teacher).argmax(dim=-1)
+            # Labels in fp32 even when the caller draws a batch inside autocast (as the torch.amp examples
+            # do): the data must not depend on the precision mode under test.
+            with torch.autocast(device.type, enabled=False):
+                y = (x @ teacher).argmax(dim=-1)
+            yield x, y
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

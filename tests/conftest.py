@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from ampctl.config import register_configs
+from ampctl.run import run_training
+
+register_configs()
+
+# A small, fast workload: every precision mode trains it in about a second on 2 CPU cores.
+FAST = [
+    "recipe=mlp",
+    "recipe.hidden=64",
+    "recipe.batch_size=32",
+    "train.console=quiet",
+    "train.log_every=5",
+    "train.lr_warmup_steps=0",
+]
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_module(config_module="ampctl.conf", version_base=None):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+def train(tmp_path: Path, *overrides: str) -> tuple[dict, list[dict]]:
+    """Run ampctl's training in-process; return (summary, metrics rows)."""
+    cfg = compose_cfg(*FAST, *overrides)
+    summary = run_training(cfg, tmp_path, echo=lambda _msg: None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows
+
+
+@pytest.fixture
+def restore_argv():
+    saved = sys.argv[:]
+    yield
+    sys.argv = saved
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

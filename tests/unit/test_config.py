@@ -1,0 +1,90 @@
+"""Configs: every shipped YAML is typed by a schema, and every bad value is refused with its key."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import pytest
+import yaml
+
+from ampctl.errors import ConfigError
+from ampctl.config import validate
+from tests.conftest import compose_cfg
+
+CONF = resources.files("ampctl.conf")
+CLOSED_GROUPS = ("precision", "scaler")
+
+
+def yaml_files(group: str) -> list[str]:
+    return sorted(p.name for p in CONF.joinpath(group).iterdir() if p.name.endswith(".yaml"))
+
+
+@pytest.mark.parametrize("group", CLOSED_GROUPS)
+def test_every_closed_group_yaml_extends_a_schema(group):
+    # A YAML that forgets its schema silently accepts garbage; aliases extend a file that has one.
+    for name in yaml_files(group):
+        data = yaml.safe_load(CONF.joinpath(group, name).read_text())
+        defaults = data.get("defaults", [])
+        extends_schema = any(isinstance(d, str) and d.startswith(f"/schema/{group}/") for d in defaults)
+        alias_of = [d for d in defaults if isinstance(d, str) and f"{d}.yaml" in yaml_files(group)]
+        assert extends_schema or alias_of, f"conf/{group}/{name} extends no schema"
+
+
+@pytest.mark.parametrize("name", [n.removesuffix(".yaml") for n in yaml_files("precision")])
+def test_every_precision_mode_composes_and_validates(name):
+    cfg = compose_cfg(f"precision={name}")
+    validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "precision,scaler",
+    [("fp32", "none"), ("O0", "none"), ("tf32", "none"), ("fp16", "dynamic"), ("O1", "dynamic"),
+     ("bf16", "none"), ("O2", "dynamic"), ("O3", "static")],
+)
+def test_each_precision_mode_picks_its_default_scaler(precision, scaler):
+    assert compose_cfg(f"precision={precision}").scaler.kind == scaler
+
+
+def test_command_line_scaler_beats_the_precision_default():
+    assert compose_cfg("precision=fp16", "scaler=none").scaler.kind == "none"
+    assert compose_cfg("scaler=dynamic", "precision=bf16").scaler.kind == "dynamic"
+
+
+def test_O3_is_static_one_as_apex():
+    assert compose_cfg("precision=O3").scaler.scale == 1.0
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("scaler.growth_factor=1.0", "scaler.growth_factor"),
+        ("scaler.growth_factor=0.5", "scaler.growth_factor"),
+        ("scaler.backoff_factor=1.0", "scaler.backoff_factor"),
+        ("scaler.backoff_factor=0", "scaler.backoff_factor"),
+        ("scaler.growth_interval=0", "scaler.growth_interval"),
+        ("scaler.init_scale=0", "scaler.init_scale"),
+        ("scaler.init_scale=-5", "scaler.init_scale"),
+        ("scaler.min_scale=-1", "scaler.min_scale"),
+        ("train.steps=0", "train.steps"),
+        ("train.grad_accum_steps=0", "train.grad_accum_steps"),
+        ("train.log_every=0", "train.log_every"),
+        ("train.clip_grad_norm=0", "train.clip_grad_norm"),
+        ("train.min_lr_ratio=2", "train.min_lr_ratio"),
+        ("optimizer.lr=-1", "optimizer.lr"),
+        ("precision.master_weights=true", "precision.master_weights"),
+        ("precision.cast_model=true", "precision.cast_model"),
+    ],
+)
+def test_out_of_range_values_name_key_and_allowed(override, key):
+    precision = "precision=bf16" if override.startswith("precision.") else "precision=fp16"
+    cfg = compose_cfg(precision, override)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert info.value.key == key
+    assert "expected" in str(info.value)
+
+
+def test_min_scale_above_max_scale_is_refused():
+    cfg = compose_cfg("precision=fp16", "scaler.min_scale=1024", "scaler.max_scale=2")
+    with pytest.raises(ConfigError, match="scaler.min_scale"):
+        validate(cfg)

@@ -1,0 +1,73 @@
+"""Golden behaviour against the canonical torch.amp loop, as the PyTorch docs write it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ampctl.recipes.mlp import MLPRecipe
+from tests.conftest import train
+
+STEPS = 12
+GOLDEN = ["train.lr_schedule=constant", "train.clip_grad_norm=null", f"train.steps={STEPS}", "train.seed=3"]
+
+
+def canonical_loop(dtype: torch.dtype, use_scaler: bool, init_scale: float = 65536.0, steps: int = STEPS):
+    """autocast + GradScaler exactly as in the torch.amp examples, on the same recipe, seed and batches."""
+    recipe = MLPRecipe(hidden=64, batch_size=32)
+    torch.manual_seed(3)
+    model = recipe.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=use_scaler)
+    batches = recipe.batches(torch.device("cpu"), seed=3)
+    losses, scales = [], []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=dtype):
+            loss = recipe.loss(model, next(batches))
+        scales.append(scaler.get_scale() if use_scaler else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+    return losses, scales, model
+
+
+@pytest.mark.parametrize(
+    "precision,dtype,use_scaler",
+    [("fp16", torch.float16, True), ("bf16", torch.bfloat16, False)],
+)
+def test_losses_and_scales_equal_the_canonical_loop(tmp_path, precision, dtype, use_scaler):
+    _, rows = train(tmp_path, f"precision={precision}", *GOLDEN)
+    losses, scales, _ = canonical_loop(dtype, use_scaler)
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=0, abs=0)
+    assert [r["loss_scale"] for r in rows] == scales
+
+
+def test_forced_overflow_skips_and_matches_canonical_scales(tmp_path):
+    _, rows = train(tmp_path, "precision=fp16", "scaler.init_scale=1e20", *GOLDEN)
+    losses, scales, _ = canonical_loop(torch.float16, True, init_scale=1e20)
+    assert [r["loss_scale"] for r in rows] == pytest.approx(scales, rel=1e-6)
+    assert [r["loss"] for r in rows] == losses
+    assert rows[0]["skipped"] and rows[0]["loss_scale"] == pytest.approx(1e20, rel=1e-6)
+
+
+def test_recorded_scale_follows_gradscaler_law(tmp_path):
+    """x backoff after a skip, x growth after growth_interval clean steps, unchanged otherwise."""
+    growth_interval = 3
+    _, rows = train(
+        tmp_path, "precision=fp16", "scaler.init_scale=1e20", f"scaler.growth_interval={growth_interval}",
+        "scaler.growth_factor=4", "scaler.backoff_factor=0.25", "train.steps=40", "train.clip_grad_norm=null",
+    )
+    skipped = [r["skipped"] for r in rows]
+    assert skipped[0] and not all(skipped) and sum(skipped) >= 2
+    expected, clean = rows[0]["loss_scale"], 0
+    for row in rows:
+        assert row["loss_scale"] == pytest.approx(expected, rel=1e-6), f"step {row['step']}"
+        if row["skipped"]:
+            expected, clean = expected * 0.25, 0
+        else:
+            clean += 1
+            if clean == growth_interval:
+                expected, clean = expected * 4, 0
+    assert rows[-1]["skipped_total"] == sum(skipped)
