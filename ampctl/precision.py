@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ampctl import devices
+from ampctl import devices, fp32_math
 from ampctl.config import Dtype
 from ampctl.errors import UnsupportedError
 
@@ -131,7 +131,7 @@ class PrecisionPolicy:
     def __init__(self, spec: PrecisionSpec, device: torch.device) -> None:
         self.spec = spec
         self.device = device
-        self._saved_flags: Optional[tuple[str, bool, bool]] = None
+        self._saved_flags: Optional[dict[str, Any]] = None
 
     # --- what the device can do -----------------------------------------------------------------
 
@@ -175,23 +175,14 @@ class PrecisionPolicy:
     # --- the run ----------------------------------------------------------------------------------
 
     def __enter__(self) -> "PrecisionPolicy":
-        self._saved_flags = (
-            torch.get_float32_matmul_precision(),
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-        )
-        # "fp32" must be true fp32: cuDNN allows TF32 by default, so it is switched off explicitly.
-        torch.set_float32_matmul_precision("high" if self.spec.tf32 else "highest")
-        torch.backends.cuda.matmul.allow_tf32 = self.spec.tf32
-        torch.backends.cudnn.allow_tf32 = self.spec.tf32
+        self._saved_flags = fp32_math.snapshot()
+        fp32_math.set_tf32(self.spec.tf32)  # "fp32" is true fp32: TF32 is switched off, not left at default
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._saved_flags is not None
-        precision, matmul_tf32, cudnn_tf32 = self._saved_flags
-        torch.set_float32_matmul_precision(precision)
-        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        fp32_math.restore(self._saved_flags)
+        self._saved_flags = None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Always a context manager; "off" is enabled=False, so the loop has no branch."""

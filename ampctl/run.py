@@ -19,7 +19,7 @@ from ampctl.console import make_console_sink
 from ampctl.loop import TrainState, fit
 from ampctl.optim import LRSchedule, build_optimizer
 from ampctl.precision import PrecisionPolicy, PrecisionSpec
-from ampctl.recipe import build_recipe
+from ampctl.recipe import Recipe, build_recipe
 from ampctl.scaling import build_scaler
 from ampctl.telemetry import JsonlSink, Telemetry, summarize
 
@@ -48,6 +48,18 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe) -> TrainState:
+    """Seed, build the model the policy's way, then its optimizer, loss scaler and lr schedule."""
+    torch.manual_seed(cfg.train.seed)
+    model = policy.prepare_model(recipe.build_model())
+    weights = policy.weight_layout(model)
+    optimizer = build_optimizer(cfg.optimizer, weights.optimizer_params, policy.device)
+    half_grads = any(p.dtype != torch.float32 for p in weights.optimizer_params)
+    scaler = build_scaler(cfg.scaler, policy.device, half_grads=half_grads)
+    schedule = LRSchedule(optimizer, cfg.train, policy.device)
+    return TrainState(model, weights, optimizer, scaler, schedule)
+
+
 def run_training(
     cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None, echo: Callable[[str], None] = print
 ) -> dict:
@@ -59,16 +71,9 @@ def run_training(
         echo(f"warning: {message}")
     recipe = build_recipe(cfg.recipe)
 
-    torch.manual_seed(cfg.train.seed)
     with policy:
-        model = policy.prepare_model(recipe.build_model())
-        weights = policy.weight_layout(model)
-        optimizer = build_optimizer(cfg.optimizer, weights.optimizer_params, device)
-        half_grads = any(p.dtype != torch.float32 for p in weights.optimizer_params)
-        scaler = build_scaler(cfg.scaler, device, half_grads=half_grads)
-        schedule = LRSchedule(optimizer, cfg.train, device)
-        state = TrainState(model, weights, optimizer, scaler, schedule)
-
+        state = build_state(cfg, policy, recipe)
+        model, scaler = state.model, state.scaler
         n_params = sum(p.numel() for p in model.parameters())
         echo(policy.describe(scaler.describe()))
         echo(

@@ -143,8 +143,10 @@ class TorchLossScaler:
         return torch.stack([t.to(self._zero.device) for t in per_device.values()]).sum().clamp(max=1.0)
 
     def current_scale(self) -> torch.Tensor:
+        if not self.scaler.is_enabled():
+            return self._one  # a disabled GradScaler never creates its _scale
         scale = self.scaler._scale
-        return self._one if scale is None or not self.scaler.is_enabled() else scale
+        return self._one if scale is None else scale
 
     def update(self) -> None:
         self.scaler.update()

@@ -51,3 +51,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def build(*overrides: str):
+    """(cfg, policy, recipe) for driving train_step by hand; use `with policy:` around the steps."""
+    from ampctl.recipe import build_recipe
+    from ampctl.run import check_config
+
+    cfg = compose_cfg(*FAST, *overrides)
+    return cfg, check_config(cfg), build_recipe(cfg.recipe)

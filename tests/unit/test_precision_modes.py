@@ -1,0 +1,155 @@
+"""Every row of the precision table: it trains, its model has the promised layout, its flags are restored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ampctl import fp32_math
+from ampctl.errors import UnsupportedError
+from ampctl.precision import FP32MasterWeights
+from ampctl.run import build_state
+from tests.conftest import build, train
+
+MODES = [
+    ["precision=fp32"],
+    ["precision=O0"],
+    ["precision=fp16"],
+    ["precision=O1"],
+    ["precision=bf16"],
+    ["precision=O2"],
+    ["precision=O3"],
+    ["precision=O1", "precision.dtype=bfloat16"],
+    ["precision=O2", "precision.dtype=bfloat16"],
+    ["precision=O3", "precision.dtype=bfloat16"],
+]
+
+
+@pytest.mark.parametrize("overrides", MODES, ids=lambda o: " ".join(x.split("=")[1] for x in o))
+def test_every_mode_trains_the_mlp(tmp_path, overrides):
+    summary, rows = train(tmp_path, *overrides, "train.steps=60", "optimizer.lr=0.005")
+    assert len(rows) == 60
+    first = sum(r["loss"] for r in rows[:5]) / 5
+    assert summary["tail_loss"] < 0.8 * first, (first, summary["tail_loss"])
+    assert summary["skipped_total"] <= 3  # a scaler may back off once or twice from 65536, not more
+
+
+def layout(*overrides: str):
+    cfg, policy, recipe = build(*overrides)
+    with policy:
+        return build_state(cfg, policy, recipe), policy
+
+
+def test_o2_steps_fp32_masters_and_keeps_norms_fp32():
+    state, _ = layout("precision=O2")
+    model = state.model
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert linears and norms
+    assert all(m.weight.dtype == torch.float16 for m in linears)
+    assert all(m.weight.dtype == torch.float32 for m in norms)
+    assert isinstance(state.weights, FP32MasterWeights)
+    assert all(p.dtype == torch.float32 for p in state.weights.optimizer_params)
+    model_ids = {id(p) for p in model.parameters()}
+    masters = [p for p in state.weights.optimizer_params if id(p) not in model_ids]
+    assert len(masters) == 2 * len(linears)  # a master per half weight and bias; norms are their own
+    assert state.optimizer.param_groups[0]["params"] == state.weights.optimizer_params
+
+
+def test_o2_model_is_the_rounded_masters_after_steps(tmp_path):
+    from ampctl.loop import train_step
+    from ampctl.telemetry import Telemetry
+
+    cfg, policy, recipe = build("precision=O2")
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        telemetry = Telemetry(policy.device, 5, recipe.samples_per_batch, None, [])
+        batches = recipe.batches(policy.device, 0)
+        for _ in range(3):
+            train_step(state, batches, recipe, policy, 1, 1.0, telemetry)
+    half = [p for p in state.model.parameters() if p.dtype == torch.float16]
+    for model_param, master in state.weights._pairs:
+        assert torch.equal(model_param, master.half())
+    assert len(half) == len(state.weights._pairs)
+
+
+def test_o3_is_pure_half_without_masters():
+    state, _ = layout("precision=O3")
+    assert all(p.dtype == torch.float16 for p in state.model.parameters())  # norms included
+    assert not isinstance(state.weights, FP32MasterWeights)
+    assert [id(p) for p in state.weights.optimizer_params] == [id(p) for p in state.model.parameters()]
+    assert state.scaler.kind == "static"
+
+
+def test_amp_modes_keep_fp32_weights():
+    for mode in ("fp16", "bf16"):
+        state, _ = layout(f"precision={mode}")
+        assert all(p.dtype == torch.float32 for p in state.model.parameters())
+
+
+def test_fp32_is_true_fp32_and_global_flags_are_restored(tmp_path):
+    saved = fp32_math.snapshot()
+    try:
+        fp32_math.set_tf32(True)  # what a user's environment may have set before the run
+        before = fp32_math.snapshot()
+        _, policy, _ = build("precision=fp32")
+        with policy:
+            inside = fp32_math.snapshot()
+        assert all(v in ("ieee", "highest", False) for v in inside.values()), inside
+        train(tmp_path, "precision=fp32", "train.steps=2")
+        assert fp32_math.snapshot() == before
+    finally:
+        fp32_math.restore(saved)
+
+
+def test_flags_are_restored_when_a_run_fails():
+    before = fp32_math.snapshot()
+    _, policy, _ = build("precision=fp32")
+    with pytest.raises(RuntimeError), policy:
+        raise RuntimeError("boom")
+    assert fp32_math.snapshot() == before
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tf32 runs on a CUDA GPU")
+def test_tf32_is_refused_on_cpu_naming_the_alternative():
+    with pytest.raises(UnsupportedError, match="precision=tf32 needs TF32.*use precision=fp32"):
+        build("precision=tf32", "device=cpu")
+
+
+@pytest.mark.parametrize(
+    "overrides,default_scaler",
+    [("fp32", "none"), ("fp16", "dynamic"), ("O1", "dynamic"), ("bf16", "none"), ("O2", "dynamic"), ("O3", "static")],
+)
+def test_each_mode_brings_its_default_scaler(overrides, default_scaler):
+    cfg, _, _ = build(f"precision={overrides}")
+    assert cfg.scaler.kind == default_scaler
+
+
+def test_a_scaler_on_the_command_line_wins_over_the_mode_default():
+    cfg, _, _ = build("precision=fp16", "scaler=static", "scaler.scale=128")
+    assert cfg.scaler.kind == "static" and cfg.scaler.scale == 128
+
+
+@pytest.mark.parametrize(
+    "overrides,warning",
+    [(["precision=bf16", "scaler=dynamic"], "rarely needed"), (["precision=fp16", "scaler=none"], "underflow")],
+)
+def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
+    from ampctl.run import run_training
+    from tests.conftest import FAST, compose_cfg
+
+    lines: list[str] = []
+    run_training(compose_cfg(*FAST, *overrides, "train.steps=2"), tmp_path, echo=lines.append)
+    warnings = [line for line in lines if line.startswith("warning:")]
+    assert len(warnings) == 1 and warning in warnings[0]
+
+
+def test_the_resolved_options_are_printed_at_start(tmp_path):
+    from ampctl.run import run_training
+    from tests.conftest import FAST, compose_cfg
+
+    lines: list[str] = []
+    run_training(compose_cfg(*FAST, "precision=O2", "train.steps=1"), tmp_path, echo=lines.append)
+    assert lines[0].startswith("Selected precision=O2: autocast=off, model_weights=float16, "
+                               "master_weights=float32, norm_layers=float32, tf32=off, loss_scale=dynamic")
