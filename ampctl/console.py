@@ -5,6 +5,7 @@ Rendering only: the sinks here receive finished StepRecords and never reach into
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Callable, Optional
 
@@ -56,6 +57,16 @@ class _Latest:
         return f"{human_rate(r.samples_per_s)} samples/s"
 
 
+def say(line: str) -> None:
+    """print() a line. If the reader has gone (`ampctl train ... | head`), training and recording go on and
+    the rest of the output goes to /dev/null, the pattern the Python docs give for SIGPIPE."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 class PlainConsole:
     """One line per log interval, for CI logs and pipes."""
 
@@ -69,11 +80,10 @@ class PlainConsole:
         r = self.latest.record
         assert r is not None
         last = "-" if self.latest.last_skipped is None else str(self.latest.last_skipped)
-        print(
+        say(
             f"step {r.step}/{self.total} | loss {r.loss:.4f} | scale {r.loss_scale:g} | "
             f"skipped {r.skipped_total} (last {last}) | grad_norm {r.grad_norm:.3g} | lr {r.lr:.3g} | "
-            f"{self.latest.throughput()} | {r.step_time_ms:.1f} ms/step | peak {human_bytes(self.peak_memory())}",
-            flush=True,
+            f"{self.latest.throughput()} | {r.step_time_ms:.1f} ms/step | peak {human_bytes(self.peak_memory())}"
         )
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Callable
+from typing import Callable, Optional
 
 from hydra import compose, initialize_config_module
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -61,7 +61,7 @@ def one_line(exc: BaseException) -> str:
             if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
                 return f"{err.full_key}: no such key{_allowed_keys(err)}"
             msg = str(getattr(err, "msg", "") or err).splitlines()[0]
-            return f"{err.full_key}: {msg}"
+            return _type_error(err.full_key, msg) or f"{err.full_key}: {msg}"
     text = str(exc).strip()
     missing = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if missing:
@@ -71,6 +71,24 @@ def one_line(exc: BaseException) -> str:
         return f"{group}={option}: no such {group}{allowed}"
     text = text.replace(", set env var HYDRA_FULL_ERROR=1 to see chained exception.", "")
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+_TYPE_NAMES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+def _type_error(key: str, msg: str) -> Optional[str]:
+    """OmegaConf's conversion messages as `key=value is not allowed: expected ...`."""
+    conversion = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", msg)
+    if conversion:
+        value, type_name = conversion.groups()
+        return f"{key}={value!r} is not allowed: expected {_TYPE_NAMES.get(type_name, type_name)}"
+    boolean = re.match(r"Value '(.*)' is not a valid bool", msg)
+    if boolean:
+        return f"{key}={boolean.group(1)!r} is not allowed: expected true or false"
+    choice = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", msg)
+    if choice:
+        return f"{key}={choice.group(1)!r} is not allowed: expected one of {choice.group(2)}"
+    return None
 
 
 def _allowed_keys(err: OmegaConfBaseException) -> str:

@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from ampctl import devices
 from ampctl.config import validate
-from ampctl.console import make_console_sink
+from ampctl.console import make_console_sink, say
 from ampctl.loop import TrainState, fit
 from ampctl.optim import LRSchedule, build_optimizer
 from ampctl.precision import PrecisionPolicy, PrecisionSpec
@@ -61,7 +61,7 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe) -> Tra
 
 
 def run_training(
-    cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None, echo: Callable[[str], None] = print
+    cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None, echo: Callable[[str], None] = say
 ) -> dict:
     """Train as cfg says, recording into run_dir. Returns the summary. Raises UsageError for user mistakes."""
     choices = choices or {}
@@ -121,4 +121,15 @@ def run_training(
         "peak_memory_source": peak_memory_source,
     }
     write_json_atomic(run_dir / "summary.json", summary)
+    echo(final_line(summary, run_dir))
     return summary
+
+
+def final_line(summary: dict, run_dir: Path) -> str:
+    rate = (f"{summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary
+            else f"{summary['samples_per_s']:,.0f} samples/s")
+    return (
+        f"done: {summary['steps']} steps | final loss {summary['final_loss']:.4f} | skipped "
+        f"{summary['skipped_total']} | final scale {summary['final_loss_scale']:g} | median "
+        f"{summary['median_step_time_ms']:.1f} ms/step, {rate} | {run_dir / 'summary.json'}"
+    )

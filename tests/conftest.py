@@ -13,15 +13,9 @@ from ampctl.run import run_training
 
 register_configs()
 
+QUIET = ["train.console=quiet", "train.log_every=5", "train.lr_warmup_steps=0"]
 # A small, fast workload: every precision mode trains it in about a second on 2 CPU cores.
-FAST = [
-    "recipe=mlp",
-    "recipe.hidden=64",
-    "recipe.batch_size=32",
-    "train.console=quiet",
-    "train.log_every=5",
-    "train.lr_warmup_steps=0",
-]
+FAST = ["recipe=mlp", "recipe.hidden=64", "recipe.batch_size=32", *QUIET]
 
 
 def compose_cfg(*overrides: str):
@@ -29,9 +23,9 @@ def compose_cfg(*overrides: str):
         return compose(config_name="train", overrides=list(overrides))
 
 
-def train(tmp_path: Path, *overrides: str) -> tuple[dict, list[dict]]:
+def train(tmp_path: Path, *overrides: str, base: list[str] = FAST) -> tuple[dict, list[dict]]:
     """Run ampctl's training in-process; return (summary, metrics rows)."""
-    cfg = compose_cfg(*FAST, *overrides)
+    cfg = compose_cfg(*base, *overrides)
     summary = run_training(cfg, tmp_path, echo=lambda _msg: None)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return summary, rows

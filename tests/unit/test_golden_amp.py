@@ -12,18 +12,20 @@ STEPS = 12
 GOLDEN = ["train.lr_schedule=constant", "train.clip_grad_norm=null", f"train.steps={STEPS}", "train.seed=3"]
 
 
-def canonical_loop(dtype: torch.dtype, use_scaler: bool, init_scale: float = 65536.0, steps: int = STEPS):
+def canonical_loop(
+    dtype: torch.dtype, use_scaler: bool, init_scale: float = 65536.0, steps: int = STEPS, device: str = "cpu"
+):
     """autocast + GradScaler exactly as in the torch.amp examples, on the same recipe, seed and batches."""
     recipe = MLPRecipe(hidden=64, batch_size=32)
     torch.manual_seed(3)
-    model = recipe.build_model()
+    model = recipe.build_model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, enabled=use_scaler)
-    batches = recipe.batches(torch.device("cpu"), seed=3)
+    scaler = torch.amp.GradScaler(device, init_scale=init_scale, enabled=use_scaler)
+    batches = recipe.batches(torch.device(device), seed=3)
     losses, scales = [], []
     for _ in range(steps):
         optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device, dtype=dtype):
             loss = recipe.loss(model, next(batches))
         scales.append(scaler.get_scale() if use_scaler else 1.0)
         scaler.scale(loss).backward()

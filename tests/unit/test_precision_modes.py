@@ -118,20 +118,6 @@ def test_tf32_is_refused_on_cpu_naming_the_alternative():
 
 
 @pytest.mark.parametrize(
-    "overrides,default_scaler",
-    [("fp32", "none"), ("fp16", "dynamic"), ("O1", "dynamic"), ("bf16", "none"), ("O2", "dynamic"), ("O3", "static")],
-)
-def test_each_mode_brings_its_default_scaler(overrides, default_scaler):
-    cfg, _, _ = build(f"precision={overrides}")
-    assert cfg.scaler.kind == default_scaler
-
-
-def test_a_scaler_on_the_command_line_wins_over_the_mode_default():
-    cfg, _, _ = build("precision=fp16", "scaler=static", "scaler.scale=128")
-    assert cfg.scaler.kind == "static" and cfg.scaler.scale == 128
-
-
-@pytest.mark.parametrize(
     "overrides,warning",
     [(["precision=bf16", "scaler=dynamic"], "rarely needed"), (["precision=fp16", "scaler=none"], "underflow")],
 )

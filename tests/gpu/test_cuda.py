@@ -1,0 +1,56 @@
+"""CUDA-only behaviour: parity with the canonical loop on the GPU, no host sync in the step, TF32 for real.
+Marked `gpu`; skipped cleanly on a machine without CUDA (see conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ampctl import fp32_math
+from ampctl.loop import train_step
+from ampctl.run import build_state
+from ampctl.telemetry import Telemetry
+from tests.conftest import build, train
+from tests.unit.test_golden_amp import GOLDEN, canonical_loop
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("precision,dtype,use_scaler", [("fp16", torch.float16, True), ("bf16", torch.bfloat16, False)])
+def test_cuda_losses_and_scales_match_the_canonical_loop(tmp_path, precision, dtype, use_scaler):
+    _, rows = train(tmp_path, f"precision={precision}", "device=cuda", *GOLDEN)
+    losses, scales, _ = canonical_loop(dtype, use_scaler, device="cuda")
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-5)
+    assert [r["loss_scale"] for r in rows] == scales
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "O2", "O3"])
+def test_a_step_never_syncs_the_host_with_fused_optimizers(precision):
+    """torch.cuda.set_sync_debug_mode("error") raises on any synchronizing call inside the step."""
+    cfg, policy, recipe = build(f"precision={precision}", "device=cuda", "scaler.init_scale=1e20"
+                                if precision in ("fp16", "O2") else "train.seed=0")
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        telemetry = Telemetry(policy.device, 100, recipe.samples_per_batch, None, [])
+        batches = recipe.batches(policy.device, 0)
+        train_step(state, batches, recipe, policy, 2, 1.0, telemetry)  # warm-up: lazy inits may sync once
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                train_step(state, batches, recipe, policy, 2, 1.0, telemetry)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+def test_tf32_mode_enables_tf32_for_the_run_only(tmp_path):
+    if not torch.cuda.get_device_capability() >= (8, 0):
+        pytest.skip("TF32 needs compute capability 8.0+")
+    before = fp32_math.snapshot()
+    _, policy, _ = build("precision=tf32", "device=cuda")
+    with policy:
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+    assert fp32_math.snapshot() == before
+    summary, _ = train(tmp_path, "precision=tf32", "device=cuda", "train.steps=5")
+    assert summary["device"] == "cuda"

@@ -1,0 +1,156 @@
+"""The CLI end to end: in-process through the router (fast), and a few real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampctl.cli import main
+
+FAST = ["recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=6", "train.log_every=3",
+        "train.console=plain"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ampctl(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ampctl", *args], capture_output=True, text=True, cwd=cwd or REPO,
+        env={**os.environ, **(env or {})}, timeout=300,
+    )
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- in-process -------------------------------------------------------------------------------------
+
+
+def test_train_writes_the_run_directory(tmp_path, restore_argv, capsys):
+    run_dir = tmp_path / "run"
+    main(["train", "precision=fp16", *FAST, f"hydra.run.dir={run_dir}"])
+    out = capsys.readouterr().out
+    assert out.startswith("Selected precision=fp16: autocast=float16")
+    assert "step 3/6 |" in out and "step 6/6 |" in out and "done: 6 steps" in out
+    records = rows(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    required = {"step", "loss", "loss_scale", "skipped", "skipped_total", "grad_norm", "lr", "step_time_ms",
+                "samples_per_s"}
+    assert all(required <= r.keys() for r in records)
+    assert records[0]["loss_scale"] == 65536.0 and records[0]["skipped"] is False
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for key in ("precision", "recipe", "device", "torch_version", "steps", "final_loss", "skipped_total",
+                "final_loss_scale", "median_step_time_ms", "samples_per_s", "peak_memory_bytes"):
+        assert key in summary, key
+    assert summary["precision"] == "fp16" and summary["recipe"] == "mlp" and summary["steps"] == 6
+    assert summary["final_loss"] == records[-1]["loss"]
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / ".hydra" / "overrides.yaml").is_file()
+
+
+def test_a_language_model_reports_tokens_per_second(tmp_path, restore_argv):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    run_dir = tmp_path / "run"
+    main(["train", "precision=bf16", "recipe=gpt", f"recipe.corpus={corpus}", "recipe.d_model=32",
+          "recipe.n_layers=1", "recipe.n_heads=2", "recipe.block_size=16", "recipe.batch_size=4",
+          "train.steps=4", "train.log_every=2", "train.console=quiet", f"hydra.run.dir={run_dir}"])
+    assert all(r["tokens_per_s"] > 0 for r in rows(run_dir))
+    assert json.loads((run_dir / "summary.json").read_text())["tokens_per_s"] > 0
+
+
+def test_multirun_sweeps_scaler_settings(tmp_path, restore_argv):
+    sweep_dir = tmp_path / "sweep"
+    main(["train", "-m", "precision=fp16", "scaler.growth_interval=100,500,2000", *FAST,
+          f"hydra.sweep.dir={sweep_dir}"])
+    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert len(jobs) == 3
+    for num, (job, interval) in enumerate(zip(jobs, (100, 500, 2000))):
+        assert job.name.startswith(f"{num}_") and f"scaler.growth_interval={interval}" in job.name
+    for job, interval in zip(jobs, (100, 500, 2000)):
+        assert len(rows(job)) == 6
+        config = (job / ".hydra" / "config.yaml").read_text()
+        assert f"growth_interval: {interval}" in config
+
+
+def test_cfg_job_prints_the_config_without_training(tmp_path, restore_argv, capsys):
+    main(["train", "--cfg", "job", "precision=O2", f"hydra.run.dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert "name: O2" in out and "master_weights: true" in out and "init_scale: 65536.0" in out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["precision=fp61"], "precision=fp61: no such precision; choose one of O0, O1, O2, O3, bf16, fp16, fp32, tf32"),
+        (["precision=fp16", "scaler.growth_factor=1"], "scaler.growth_factor=1.0 is not allowed"),
+        (["precision=fp16", "scaler.backoff_factor=1.5"], "scaler.backoff_factor=1.5 is not allowed"),
+        (["precision=fp16", "scaler.growth_interval=0"], "scaler.growth_interval=0 is not allowed"),
+        (["precision=fp16", "scaler.init_scale=0"], "scaler.init_scale=0.0 is not allowed"),
+        (["train.steps=0"], "train.steps=0 is not allowed"),
+        (["train.steps=abc"], "train.steps='abc' is not allowed: expected an integer"),
+        (["device=tpu"], "device='tpu' is not allowed: expected one of auto, cpu, cuda"),
+        (["scaler.growth_interval=5"], "scaler.growth_interval: no such key"),
+        (["recipe.corpus=/no/such/file"], "recipe.corpus='/no/such/file' does not exist"),
+        (["precision=fp16", "scaler.growth_interval=100,500"], "add --multirun"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, message):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *args, f"hydra.run.dir={run_dir}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not run_dir.exists()
+
+
+def test_unknown_command_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["trian"])
+    assert exit_info.value.code == 2
+    assert "unknown command 'trian'; choose one of: train, list" in capsys.readouterr().err
+
+
+# --- real processes ---------------------------------------------------------------------------------
+
+
+def test_console_script_help_and_list():
+    result = ampctl("--help")
+    assert result.returncode == 0 and "train" in result.stdout and "list" in result.stdout
+    result = ampctl("list")
+    assert result.returncode == 0
+    for name in ("fp32", "tf32", "fp16", "bf16", "O1", "O2", "O3", "dynamic", "static", "mlp", "gpt", "resnet"):
+        assert name in result.stdout
+
+
+def test_train_help_lists_the_config_groups():
+    result = ampctl("train", "--help")
+    assert result.returncode == 0
+    for text in ("precision: O0, O1, O2, O3, bf16, fp16, fp32, tf32", "scaler: dynamic, none, static",
+                 "recipe:", "optimizer: adam, adamw, sgd"):
+        assert text in result.stdout, result.stdout
+
+
+def test_a_bad_config_in_a_real_process_has_no_traceback(tmp_path):
+    result = ampctl("train", "precision=fp16", "scaler.backoff_factor=2", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "ampctl train: error: scaler.backoff_factor=2.0 is not allowed: expected a number in (0, 1)"
+    ]
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_real_run_in_a_pipe_prints_plain_lines(tmp_path):
+    result = ampctl("train", "precision=bf16", *FAST[:-1], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("Selected precision=bf16")
+    assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 3/6", "step 6/6"]
+    [run_dir] = list((tmp_path / "outputs").glob("*/*_bf16"))
+    assert len(rows(run_dir)) == 6 and (run_dir / "summary.json").is_file()
