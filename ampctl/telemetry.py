@@ -94,7 +94,8 @@ class Telemetry:
         self.samples_per_step = samples_per_step
         self.tokens_per_step = tokens_per_step
         self.sinks = sinks
-        self._buffer = torch.zeros(log_every, _COLUMNS, device=device)
+        # float64 so that a float64 lr (CPU fused optimizers) is recorded exactly; float32 values widen losslessly.
+        self._buffer = torch.zeros(log_every, _COLUMNS, device=device, dtype=torch.float64)
         self._pending_steps: list[int] = []
         self.timer = StepTimer(device)
         self.skipped_total = 0
@@ -110,7 +111,7 @@ class Telemetry:
         lr: torch.Tensor,
     ) -> None:
         """Queue this step's values on the device. Must be called before the scaler's update()."""
-        row = torch.stack([t.detach().float().reshape(()) for t in (loss, loss_scale, found_inf, grad_norm, lr)])
+        row = torch.stack([t.detach().double().reshape(()) for t in (loss, loss_scale, found_inf, grad_norm, lr)])
         self._buffer[len(self._pending_steps)].copy_(row)
         self._pending_steps.append(step)
 

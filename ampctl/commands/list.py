@@ -16,6 +16,12 @@ from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.precision import PrecisionPolicy, PrecisionSpec
 
 GROUPS = ("scaler", "recipe", "optimizer")
+# The README's table order: baselines first, then autocast modes, then Apex's cast-model levels.
+PRECISION_ORDER = ("fp32", "O0", "tf32", "fp16", "O1", "bf16", "O2", "O3")
+
+
+def precision_sort_key(option: str) -> tuple[int, str]:
+    return (PRECISION_ORDER.index(option) if option in PRECISION_ORDER else len(PRECISION_ORDER), option)
 
 
 def yaml_description(group: str, option: str) -> str:
@@ -49,7 +55,7 @@ def main() -> None:
         table = Table(title=f"precision modes on {device.type} ({devices.device_name(device)})")
         for column in ("precision", "description", "default scaler", "runs here"):
             table.add_column(column)
-        for option in loader.get_group_options("precision"):
+        for option in sorted(loader.get_group_options("precision"), key=precision_sort_key):
             cfg = compose(config_name="train", overrides=[f"precision={option}"])
             spec = PrecisionSpec.from_config(cfg.precision)
             try:
