@@ -91,3 +91,9 @@ def has_fast_bf16_cpu() -> bool:
     """AMX or AVX512-BF16: hardware bf16 dot products, where bf16 autocast is faster than fp32."""
     flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def has_fast_fp16_cpu() -> bool:
+    """AVX512-FP16 or AMX-FP16: without them oneDNN has no fast fp16 matmul, and fp16 runs far slower than fp32."""
+    flags = cpu_flags()
+    return "avx512_fp16" in flags or "amx_fp16" in flags

@@ -172,6 +172,17 @@ class PrecisionPolicy:
             ]
         return []
 
+    def speed_warnings(self) -> list[str]:
+        """Legal runs that will be much slower than the user likely expects."""
+        s, dev = self.spec, self.device
+        if dev.type == "cpu" and s.uses_half and s.dtype == torch.float16 and not devices.has_fast_fp16_cpu():
+            return [
+                f"precision={s.name} computes in float16 on a CPU without AVX512-FP16/AMX-FP16 "
+                f"({devices.cpu_model()}): expect it to run many times slower than fp32; precision=bf16"
+                + (" is fast here" if devices.has_fast_bf16_cpu() else " is the CPU's half type")
+            ]
+        return []
+
     # --- the run ----------------------------------------------------------------------------------
 
     def __enter__(self) -> "PrecisionPolicy":

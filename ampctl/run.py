@@ -67,8 +67,6 @@ def run_training(
     choices = choices or {}
     policy = check_config(cfg)
     device = policy.device
-    for message in policy.combination_warnings(cfg.scaler.kind):
-        echo(f"warning: {message}")
     recipe = build_recipe(cfg.recipe)
 
     with policy:
@@ -80,6 +78,8 @@ def run_training(
             f"recipe={choices.get('recipe', type(recipe).__name__)} params={n_params / 1e6:.2f}M "
             f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={run_dir}"
         )
+        for message in policy.combination_warnings(cfg.scaler.kind) + policy.speed_warnings():
+            echo(f"warning: {message}")
 
         peak_memory, peak_memory_source = peak_memory_reader(device)
         samples = recipe.samples_per_batch * cfg.train.grad_accum_steps

@@ -127,8 +127,23 @@ def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
 
     lines: list[str] = []
     run_training(compose_cfg(*FAST, *overrides, "train.steps=2"), tmp_path, echo=lines.append)
-    warnings = [line for line in lines if line.startswith("warning:")]
+    warnings = [line for line in lines if line.startswith("warning:") and "slower than fp32" not in line]
     assert len(warnings) == 1 and warning in warnings[0]
+
+
+def test_fp16_on_a_cpu_without_fp16_hardware_warns_it_will_be_slow(monkeypatch, tmp_path):
+    from ampctl import devices
+    from ampctl.run import run_training
+    from tests.conftest import FAST, compose_cfg
+
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    lines: list[str] = []
+    run_training(compose_cfg(*FAST, "precision=fp16", "device=cpu", "train.steps=1"), tmp_path, echo=lines.append)
+    assert any("slower than fp32; precision=bf16 is fast here" in line for line in lines)
+    monkeypatch.setattr(devices, "cpu_flags", lambda: frozenset({"avx512_fp16"}))
+    lines.clear()
+    run_training(compose_cfg(*FAST, "precision=fp16", "device=cpu", "train.steps=1"), tmp_path / "b", echo=lines.append)
+    assert not any("slower than fp32" in line for line in lines)
 
 
 def test_the_resolved_options_are_printed_at_start(tmp_path):
