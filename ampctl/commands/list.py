@@ -59,8 +59,9 @@ def main() -> None:
             cfg = compose(config_name="train", overrides=[f"precision={option}"])
             spec = PrecisionSpec.from_config(cfg.precision)
             try:
-                PrecisionPolicy(spec, device).check()
-                runs = "[green]yes[/]"
+                policy = PrecisionPolicy(spec, device)
+                policy.check()
+                runs = "[yellow]yes, slowly[/]: no fp16 hardware" if policy.speed_warnings() else "[green]yes[/]"
             except UsageError as exc:
                 runs = f"[red]no[/]: {str(exc).split(';')[0].split(': ', 1)[-1]}"
             label = option if option == spec.name else f"{option} (= {spec.name})"
