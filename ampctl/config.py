@@ -108,6 +108,24 @@ class AmpctlConfig:
     optimizer: Any = MISSING
 
 
+@dataclass
+class CompareConfig:
+    # null: every mode this device runs at speed among DEFAULT_COMPARE_PRECISIONS
+    precisions: Optional[list[str]] = None
+    warmup_steps: int = 10  # steps left out of each mode's timings
+
+
+# The modes `ampctl compare` runs when compare.precisions is null (those the device can run).
+DEFAULT_COMPARE_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "O2")
+
+
+@dataclass
+class CompareAppConfig(AmpctlConfig):
+    """The primary config of `ampctl compare`: a train config plus what to compare."""
+
+    compare: CompareConfig = field(default_factory=CompareConfig)
+
+
 SCALER_SCHEMAS = {"none": NoScalerConfig, "static": StaticScalerConfig, "dynamic": DynamicScalerConfig}
 
 
@@ -115,6 +133,7 @@ def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore. Called explicitly by the router and by tests."""
     cs = ConfigStore.instance()
     cs.store(name="ampctl_schema", node=AmpctlConfig)
+    cs.store(name="ampctl_compare_schema", node=CompareAppConfig)
     cs.store(group="schema/precision", name="base", node=PrecisionConfig)
     for name, node in SCALER_SCHEMAS.items():
         cs.store(group="schema/scaler", name=name, node=node)
