@@ -13,6 +13,7 @@ from ampctl.errors import USAGE_EXIT_CODE, UsageError
 # command -> (module, function, one-line description)
 COMMANDS = {
     "train": ("ampctl.commands.train", "train", "train a recipe under a precision mode (a Hydra app: try --help)"),
+    "compare": ("ampctl.commands.compare", "compare", "the same run under several precision modes, one table and report"),
     "list": ("ampctl.commands.list", "main", "list precision modes, scalers, recipes and optimizers, and what runs here"),
 }
 
@@ -29,6 +30,14 @@ def print_help() -> None:
     print("  ampctl train -m precision=fp16 scaler.growth_interval=100,500,2000")
     print("  ampctl train --help          config groups and their options")
     print("  ampctl train --cfg job       the composed config, without training")
+
+
+def validate_compare(cfg) -> None:
+    from ampctl.config import validate
+
+    validate(cfg)
+    if cfg.compare.warmup_steps < 0:
+        raise UsageError(f"compare.warmup_steps={cfg.compare.warmup_steps} is not allowed: expected an integer >= 0")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -52,11 +61,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     module_name, function_name, _ = COMMANDS[command]
     entry = getattr(importlib.import_module(module_name), function_name)
     try:
-        if command == "train":
+        if command in ("train", "compare"):
             from ampctl.preflight import preflight
             from ampctl.run import check_config
 
-            preflight(rest, "train", check_config)
+            # compare checks its base config here; each mode is composed and checked by compare itself
+            preflight(rest, command, check_config if command == "train" else validate_compare)
     except UsageError as exc:
         print(f"ampctl {command}: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)

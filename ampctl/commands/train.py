@@ -16,7 +16,7 @@ from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.run import run_training
 
 
-HYDRA_FILES = {".hydra", "train.log"}
+HYDRA_FILES = {".hydra", "train.log", "compare.log"}
 
 
 def remove_if_only_hydra_files(run_dir: Path) -> None:

@@ -1,0 +1,36 @@
+"""`ampctl compare [overrides]`: a Hydra app over conf/compare.yaml (train's config plus compare.*)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ampctl.commands.train import remove_if_only_hydra_files
+from ampctl.compare import run_compare
+from ampctl.errors import USAGE_EXIT_CODE, UsageError
+
+
+def command_line_config_dir(hydra_cfg: DictConfig) -> str | None:
+    """The -cd directory, if any, so that every mode's process sees the same configs."""
+    for source in hydra_cfg.runtime.config_sources:
+        if source.provider == "command-line" and source.schema == "file":
+            return source.path
+    return None
+
+
+@hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="compare")
+def compare(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        failed = run_compare(cfg, out_dir, list(hydra_cfg.overrides.task), command_line_config_dir(hydra_cfg))
+    except UsageError as exc:
+        remove_if_only_hydra_files(out_dir)
+        print(f"ampctl compare: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    if failed:
+        sys.exit(1)

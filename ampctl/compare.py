@@ -1,0 +1,179 @@
+"""`ampctl compare`: the same recipe, seed and batches under several precision modes, one table.
+
+Each mode trains in its own `ampctl train` process, one after the other, so that no mode inherits another's
+allocator caches, compiled kernels or peak-memory high-water mark; its run directory is a subfolder of the
+comparison's. Timings leave out the warm-up steps (compare.warmup_steps) and use medians.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hydra import compose
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from ampctl import report
+from ampctl.config import DEFAULT_COMPARE_PRECISIONS
+from ampctl.errors import UnsupportedError, UsageError
+from ampctl.preflight import one_line
+from ampctl.run import check_config
+from ampctl.runs import ERROR_FILE, RunRecord, load_run
+
+CHILD_LOG = "compare_child.log"
+
+
+@dataclass
+class ModePlan:
+    mode: str
+    overrides: list[str]  # for its `ampctl train` process
+    steps: int
+
+
+def split_overrides(task_overrides: list[str]) -> list[str]:
+    """The user's overrides that go to every mode's training run (compare.* stays here)."""
+    run_overrides = []
+    for override in task_overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key == "precision" or key.startswith("precision."):
+            raise UsageError(
+                f"{override!r}: ampctl compare chooses the precision of each run; "
+                "list the modes with compare.precisions=[fp32,bf16,...]"
+            )
+        if not key.startswith("compare."):
+            run_overrides.append(override)
+    return run_overrides
+
+
+def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan], dict[str, str]]:
+    """The modes to run, each with its overrides, and the modes skipped with the reason."""
+    options = GlobalHydra.instance().config_loader().get_group_options("precision")
+    explicit = cfg.compare.precisions is not None
+    names = list(cfg.compare.precisions) if explicit else list(DEFAULT_COMPARE_PRECISIONS)
+    for name in names:
+        if name not in options:
+            raise UsageError(f"compare.precisions: {name!r} is not a precision mode; choose from {', '.join(options)}")
+    if len(set(names)) != len(names) or not names:
+        raise UsageError(f"compare.precisions={names}: give one or more distinct precision modes")
+    plans, skipped = [], {}
+    for name in names:
+        overrides = [f"precision={name}", *run_overrides]
+        without_scaler_keys = [o for o in overrides if not o.lstrip("+~").startswith("scaler.")]
+        try:
+            mode_cfg = _compose_train(without_scaler_keys)
+            if mode_cfg.scaler.kind == "none":
+                # scaler.* settings are for the modes that scale; fp32 and bf16 keep scaler=none
+                overrides = without_scaler_keys
+            else:
+                mode_cfg = _compose_train(overrides)
+            policy = check_config(mode_cfg)
+        except UnsupportedError as exc:
+            skipped[name] = str(exc).split("; ")[0].removeprefix(f"precision={name} ")
+            continue
+        if not explicit and policy.speed_warnings():
+            skipped[name] = "no fp16 hardware on this CPU (many times slower than fp32); name it in compare.precisions to run it"
+            continue
+        plans.append(ModePlan(name, overrides, mode_cfg.train.steps))
+    if not plans:
+        raise UsageError(f"none of compare.precisions={names} can run here: " +
+                         "; ".join(f"{m}: {r}" for m, r in skipped.items()))
+    return plans, skipped
+
+
+def _compose_train(overrides: list[str]) -> DictConfig:
+    try:
+        return compose(config_name="train", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UsageError(one_line(exc)) from None
+
+
+def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> int:
+    """Run every mode, then write the table, CSV, JSON, report.md and plots. Returns the number of failed modes."""
+    plans, skipped = plan_modes(cfg, split_overrides(task_overrides))
+    console = report.make_console()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    console.print(f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe, seed and batches; "
+                  f"each in its own process -> {out_dir}")
+    for mode, reason in skipped.items():
+        console.print(f"  skipped {mode}: {reason}")
+    runs = run_all(plans, cfg.compare.warmup_steps, out_dir, config_dir, console)
+    table = report.comparison_table(runs, skipped)
+    images = report.comparison_images(runs, table, out_dir)
+    machine = report.machine_info([run.summary for _, run in runs if run.summary])
+    extra = {"kind": "compare", "modes": [p.mode for p in plans], "skipped": skipped,
+             "overrides": task_overrides}
+    files = report.write_files(table, out_dir, "comparison", machine, images, extra)
+    report.print_table(table, console)
+    console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
+    return sum(run.failed for _, run in runs)
+
+
+def run_all(
+    plans: list[ModePlan], warmup_steps: int, out_dir: Path, config_dir: Optional[str], console: Console
+) -> list[tuple[str, RunRecord]]:
+    total = sum(p.steps for p in plans)
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+        TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
+        disable=not console.is_terminal,
+    )
+    runs = []
+    with progress:
+        overall = progress.add_task("compare", total=total)
+        done_steps = 0
+        for index, plan in enumerate(plans, 1):
+            label = f"[{index}/{len(plans)}] {plan.mode}"
+            progress.update(overall, description=label)
+            if not console.is_terminal:
+                print(f"{label}: training {plan.steps} steps", flush=True)
+            started = time.perf_counter()
+            run_dir = out_dir / plan.mode
+            error = run_mode(plan, run_dir, warmup_steps, config_dir,
+                             lambda steps: progress.update(overall, completed=done_steps + steps))
+            done_steps += plan.steps
+            progress.update(overall, completed=done_steps)
+            if error:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / ERROR_FILE).write_text(error + "\n")
+            run = load_run(run_dir)
+            runs.append((plan.mode, run))
+            status = f"failed: {run.error}" if run.failed else f"done in {time.perf_counter() - started:.1f} s"
+            if console.is_terminal:
+                progress.console.print(f"{label}: {status}")
+            else:
+                print(f"{label}: {status}", flush=True)
+    return runs
+
+
+def run_mode(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: Optional[str], on_steps) -> Optional[str]:
+    """Train one mode in a child process; report its progress from its metrics.jsonl. Returns an error or None."""
+    command = [sys.executable, "-m", "ampctl", "train", *(["-cd", config_dir] if config_dir else []),
+               *plan.overrides, f"hydra.run.dir={run_dir}", "train.console=quiet",
+               f"train.timing_warmup_steps={warmup_steps}"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / CHILD_LOG
+    metrics = run_dir / "metrics.jsonl"
+    with log_path.open("w") as log:
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while child.poll() is None:
+                time.sleep(0.5)
+                if metrics.is_file():
+                    on_steps(metrics.read_bytes().count(b"\n"))
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
+    if child.returncode == 0:
+        return None
+    lines = [line for line in log_path.read_text().splitlines() if line.strip()]
+    return (lines[-1] if lines else f"exit code {child.returncode}") + f" (see {log_path})"
