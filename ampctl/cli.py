@@ -14,6 +14,7 @@ from ampctl.errors import USAGE_EXIT_CODE, UsageError
 COMMANDS = {
     "train": ("ampctl.commands.train", "train", "train a recipe under a precision mode (a Hydra app: try --help)"),
     "compare": ("ampctl.commands.compare", "compare", "the same run under several precision modes, one table and report"),
+    "report": ("ampctl.commands.report", "main", "the table, files and plots of a run, multirun or compare directory, again"),
     "list": ("ampctl.commands.list", "main", "list precision modes, scalers, recipes and optimizers, and what runs here"),
 }
 

@@ -27,7 +27,7 @@ from ampctl.config import DEFAULT_COMPARE_PRECISIONS
 from ampctl.errors import UnsupportedError, UsageError
 from ampctl.preflight import one_line
 from ampctl.run import check_config
-from ampctl.runs import ERROR_FILE, RunRecord, load_run
+from ampctl.runs import ERROR_FILE, load_run
 
 CHILD_LOG = "compare_child.log"
 
@@ -105,12 +105,19 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
                   f"each in its own process -> {out_dir}")
     for mode, reason in skipped.items():
         console.print(f"  skipped {mode}: {reason}")
-    runs = run_all(plans, cfg.compare.warmup_steps, out_dir, config_dir, console)
+    run_all(plans, cfg.compare.warmup_steps, out_dir, config_dir, console)
+    return write_comparison_report(out_dir, [p.mode for p in plans], skipped, task_overrides, console)
+
+
+def write_comparison_report(
+    out_dir: Path, modes: list[str], skipped: dict[str, str], overrides: list[str], console: Console
+) -> int:
+    """Table, comparison.csv/.json, report.md and plots from the modes' run directories. Returns failed count."""
+    runs = [(mode, load_run(out_dir / mode)) for mode in modes]
     table = report.comparison_table(runs, skipped)
     images = report.comparison_images(runs, table, out_dir)
     machine = report.machine_info([run.summary for _, run in runs if run.summary])
-    extra = {"kind": "compare", "modes": [p.mode for p in plans], "skipped": skipped,
-             "overrides": task_overrides}
+    extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides}
     files = report.write_files(table, out_dir, "comparison", machine, images, extra)
     report.print_table(table, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
@@ -119,14 +126,13 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
 
 def run_all(
     plans: list[ModePlan], warmup_steps: int, out_dir: Path, config_dir: Optional[str], console: Console
-) -> list[tuple[str, RunRecord]]:
+) -> None:
     total = sum(p.steps for p in plans)
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
         disable=not console.is_terminal,
     )
-    runs = []
     with progress:
         overall = progress.add_task("compare", total=total)
         done_steps = 0
@@ -145,13 +151,11 @@ def run_all(
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / ERROR_FILE).write_text(error + "\n")
             run = load_run(run_dir)
-            runs.append((plan.mode, run))
             status = f"failed: {run.error}" if run.failed else f"done in {time.perf_counter() - started:.1f} s"
             if console.is_terminal:
                 progress.console.print(f"{label}: {status}")
             else:
                 print(f"{label}: {status}", flush=True)
-    return runs
 
 
 def run_mode(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: Optional[str], on_steps) -> Optional[str]:

@@ -146,13 +146,13 @@ def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
     for run in runs:
         values = [run.override_values().get(k) for k in keys]
         if run.failed:
-            rows.append([run.name.split("_", 1)[0], *values, "failed", None, None, None, None])
+            rows.append([run.job, *values, "failed", None, None, None, None])
             continue
         rate, unit = _rate(run.summary)  # type: ignore[arg-type]
         s = run.summary
-        rows.append([run.name.split("_", 1)[0], *values, "ok", s["final_loss"], s["skipped_total"],
+        rows.append([run.job, *values, "ok", s["final_loss"], s["skipped_total"],
                      s["final_loss_scale"], f"{rate:,.0f} {unit}"])
-    notes = [f"job {run.name.split('_', 1)[0]} failed: {run.error}" for run in runs if run.failed]
+    notes = [f"job {run.job} failed: {run.error}" for run in runs if run.failed]
     formats = {"final_loss": lambda v: f"{v:.4f}", "final_loss_scale": lambda v: f"{v:g}"}
     headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale"}
     return ReportTable("sweep", columns, rows, notes, headers, formats)

@@ -25,6 +25,12 @@ class RunRecord:
         return self.path.name
 
     @property
+    def job(self) -> str:
+        """The job number of a multirun job directory (`3_key=value,...`), else the directory's name."""
+        head = self.name.split("_", 1)[0]
+        return head if head.isdigit() else self.name
+
+    @property
     def failed(self) -> bool:
         return self.summary is None
 

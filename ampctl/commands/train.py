@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -14,6 +15,9 @@ from omegaconf import DictConfig
 
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.run import run_training
+from ampctl.runs import ERROR_FILE
+
+log = logging.getLogger(__name__)
 
 
 HYDRA_FILES = {".hydra", "train.log", "compare.log"}
@@ -29,12 +33,28 @@ def remove_if_only_hydra_files(run_dir: Path) -> None:
 def train(cfg: DictConfig) -> Optional[float]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         summary = run_training(cfg, run_dir, choices=dict(hydra_cfg.runtime.choices))
     except UsageError as exc:
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            raise  # the sweeper marks this job failed; the other jobs still run
+        if multirun:
+            return record_failed_job(run_dir, exc)
         remove_if_only_hydra_files(run_dir)
         print(f"ampctl train: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
+    except Exception as exc:  # noqa: BLE001 - in a sweep one job's crash must not end the others
+        if not multirun:
+            raise
+        log.exception("job failed")
+        return record_failed_job(run_dir, exc)
     return summary.get("final_loss")
+
+
+def record_failed_job(run_dir: Path, exc: BaseException) -> None:
+    """The job's error, one line, in its directory (the sweep's table shows it; the traceback is in train.log)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    message = text if isinstance(exc, UsageError) else f"{type(exc).__name__}: {text}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / ERROR_FILE).write_text(message + "\n", encoding="utf-8")
+    print(f"ampctl train: job in {run_dir} failed: {message}", file=sys.stderr)
+    return None

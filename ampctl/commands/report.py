@@ -1,0 +1,61 @@
+"""`ampctl report PATH`: the table, files and plots of a run, a multirun or a compare directory, again,
+from what the runs recorded (no re-training)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ampctl import report
+from ampctl.compare import write_comparison_report
+from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.runs import find_runs, is_run_dir, load_run
+from ampctl.sweep import write_sweep_report
+
+USAGE = "usage: ampctl report PATH   (a run, multirun or compare directory)"
+
+
+def render(path: Path) -> int:
+    """Render the report for path; returns the number of failed runs in it. Raises UsageError."""
+    if not path.exists():
+        raise UsageError(f"PATH={str(path)!r} does not exist; give a run, multirun or compare directory")
+    if not path.is_dir():
+        raise UsageError(f"PATH={str(path)!r} is a file; give a run, multirun or compare directory")
+    console = report.make_console()
+    comparison = path / "comparison.json"
+    if comparison.is_file():
+        meta = json.loads(comparison.read_text())
+        return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console)
+    if is_run_dir(path):
+        run = load_run(path)
+        table = report.single_run_table(run)
+        images = report.run_images([(run.name, run)], path)
+        machine = report.machine_info([run.summary] if run.summary else [])
+        report.write_files(table, path, "run", machine, images, {"kind": "run"})
+        report.print_table(table, console)
+        console.print(f"wrote run.csv, run.json, report.md and plots in {path}")
+        return int(run.failed)
+    if (path / "multirun.yaml").is_file() or find_runs(path):
+        return write_sweep_report(path, console)
+    raise UsageError(
+        f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
+        "no comparison.json)"
+    )
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args in (["-h"], ["--help"]):
+        print(USAGE)
+        return
+    if len(args) != 1:
+        print(f"ampctl report: error: expected one PATH, got {len(args)} arguments\n{USAGE}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    try:
+        failed = render(Path(args[0]))
+    except UsageError as exc:
+        print(f"ampctl report: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    if failed:
+        sys.exit(1)

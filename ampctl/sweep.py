@@ -1,0 +1,65 @@
+"""Hydra callback for `ampctl train -m`: which job of how many is running with an overall ETA, and at the
+end one table of all jobs (swept keys, final loss, skipped steps, final scale, throughput), written to the
+multirun directory with its plots. Failed jobs are listed with their error; they do not hide the others."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from ampctl import report
+from ampctl.preflight import job_overrides
+from ampctl.runs import find_runs
+
+
+def format_seconds(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class SweepReport(Callback):
+    def __init__(self) -> None:
+        self.total_jobs = 0
+        self.started = 0.0
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        overrides = OmegaConf.to_container(config.hydra.overrides.task)
+        self.total_jobs = len(job_overrides([str(o) for o in overrides], multirun=True))  # type: ignore[union-attr]
+        self.started = time.perf_counter()
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN or not self.total_jobs:
+            return
+        num = config.hydra.job.num  # 0-based
+        elapsed = time.perf_counter() - self.started
+        eta = f"eta {format_seconds(elapsed / num * (self.total_jobs - num))}" if num else "eta -"
+        overrides = " ".join(config.hydra.overrides.task)
+        print(f"ampctl sweep: job {num + 1}/{self.total_jobs} ({overrides}) | elapsed {format_seconds(elapsed)} | {eta}",
+              flush=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        failed = write_sweep_report(Path(config.hydra.sweep.dir))
+        if failed:
+            sys.exit(1)  # the table says which jobs failed and why; the exit code says that some did
+
+
+def write_sweep_report(sweep_dir: Path, console=None) -> int:
+    """Table, sweep.csv, sweep.json, report.md and plots for a multirun directory. Returns the failed count."""
+    runs = find_runs(sweep_dir)
+    table = report.sweep_table(runs)
+    keys = report.swept_keys(runs)
+    labels = [(f"{run.job}: " + " ".join(f"{k}={run.override_values().get(k)}" for k in keys), run) for run in runs]
+    images = report.run_images([(label, run) for label, run in labels if not run.failed], sweep_dir)
+    machine = report.machine_info([run.summary for run in runs if run.summary])
+    report.write_files(table, sweep_dir, "sweep", machine, images, {"kind": "multirun"})
+    console = console or report.make_console()
+    report.print_table(table, console)
+    console.print(f"wrote sweep.csv, sweep.json, report.md and plots in {sweep_dir}")
+    return sum(run.failed for run in runs)
