@@ -1,0 +1,140 @@
+"""ampctl compare, the sweep report after `train -m`, and `ampctl report` on each kind of directory."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from ampctl.cli import main
+
+TINY = ["recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=8", "train.log_every=4"]
+
+
+def read_csv(path: Path) -> list[dict]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def assert_png(path: Path) -> None:
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    import sys
+
+    saved = sys.argv[:]
+    try:
+        main(["compare", *TINY, "compare.precisions=[fp32,bf16,tf32]", "compare.warmup_steps=2",
+              f"hydra.run.dir={out}"])
+    finally:
+        sys.argv = saved
+    return out
+
+
+def test_compare_writes_table_csv_json_report_and_plots(comparison):
+    rows = read_csv(comparison / "comparison.csv")
+    assert [r["precision"] for r in rows] == ["fp32", "bf16", "tf32"]
+    fp32, bf16, tf32 = rows
+    assert fp32["status"] == bf16["status"] == "ok" and float(fp32["speedup"]) == 1.0
+    assert float(bf16["speedup"]) > 0 and float(bf16["memory_ratio"]) > 0
+    assert abs(float(bf16["final_loss"]) - float(fp32["final_loss"])) < 0.05  # same batches, close numerics
+    meta = json.loads((comparison / "comparison.json").read_text())
+    assert meta["modes"] == ["fp32", "bf16"] and "tf32" in meta["skipped"]
+    assert meta["machine"]["cpu_model"] and meta["machine"]["torch_version"]
+    report_md = (comparison / "report.md").read_text()
+    assert "| fp32 | ok |" in report_md and "tf32 skipped: needs TF32" in report_md and "![loss](loss.png)" in report_md
+    for image in ("loss.png", "throughput_memory.png"):
+        assert_png(comparison / image)
+    for mode in ("fp32", "bf16"):  # each mode keeps its own run directory
+        summary = json.loads((comparison / mode / "summary.json").read_text())
+        assert summary["precision"] == mode and summary["timed_steps"] == 6
+
+
+def test_compare_runs_every_mode_on_the_same_batches(comparison):
+    """With the same seed and batches the first step's loss is the same in every mode (before any update)."""
+    first = [json.loads((comparison / m / "metrics.jsonl").read_text().splitlines()[0])["loss"] for m in ("fp32", "bf16")]
+    assert first[0] == pytest.approx(first[1], abs=2e-2)
+
+
+def test_report_renders_a_compare_directory_again(comparison, capsys):
+    (comparison / "comparison.csv").unlink()
+    (comparison / "loss.png").unlink()
+    main(["report", str(comparison)])  # returns normally: every mode finished
+    assert (comparison / "comparison.csv").is_file() and (comparison / "loss.png").is_file()
+    assert "precision comparison" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["precision=bf16"], "ampctl compare chooses the precision of each run"),
+        (["compare.precisions=[fp32,fp99]"], "'fp99' is not a precision mode"),
+        (["compare.warmup_steps=-1"], "compare.warmup_steps=-1 is not allowed"),
+    ],
+)
+def test_compare_refuses_bad_input_with_one_line(tmp_path, restore_argv, capsys, args, message):
+    out = tmp_path / "cmp"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", *TINY, *args, f"hydra.run.dir={out}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_sweep_report_lists_every_job_and_failures(tmp_path, restore_argv, capsys):
+    sweep = tmp_path / "sweep"
+    with pytest.raises(SystemExit) as exit_info:  # one job fails: exit 1 after the table
+        main(["train", "-m", "recipe=mlp,resnet", "precision=bf16", "train.steps=4", "train.console=quiet",
+              f"hydra.sweep.dir={sweep}"])
+    assert exit_info.value.code == 1
+    out = capsys.readouterr().out
+    assert "job 1/2" in out and "job 2/2" in out and "job 1 failed: recipe.data_root=" in out
+    rows = read_csv(sweep / "sweep.csv")
+    assert [(r["job"], r["recipe"], r["status"]) for r in rows] == [("0", "mlp", "ok"), ("1", "resnet", "failed")]
+    assert float(rows[0]["final_loss"]) > 0
+    assert_png(sweep / "loss.png")
+    # ampctl report renders it again, with the same exit status
+    (sweep / "sweep.csv").unlink()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(sweep)])
+    assert exit_info.value.code == 1 and (sweep / "sweep.csv").is_file()
+
+
+def test_sweep_over_scaler_settings_has_one_column_per_swept_key(tmp_path, restore_argv):
+    sweep = tmp_path / "sweep"
+    main(["train", "-m", *TINY, "precision=fp16", "scaler.growth_interval=2,4", "scaler.init_scale=1e6,1e8",
+          "train.console=quiet", f"hydra.sweep.dir={sweep}"])
+    rows = read_csv(sweep / "sweep.csv")
+    assert len(rows) == 4
+    assert list(rows[0])[:3] == ["job", "scaler.growth_interval", "scaler.init_scale"]
+    assert all(r["status"] == "ok" for r in rows)
+    assert_png(sweep / "loss_scale.png")
+
+
+def test_report_on_a_single_run(tmp_path, restore_argv):
+    run = tmp_path / "run"
+    main(["train", *TINY, "precision=fp16", "train.console=quiet", f"hydra.run.dir={run}"])
+    main(["report", str(run)])
+    assert (run / "report.md").is_file() and (run / "run.csv").is_file()
+    assert_png(run / "loss.png")
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: p / "missing", "does not exist"),
+    (lambda p: p, "holds no ampctl runs"),
+])
+def test_report_refuses_bad_paths(tmp_path, capsys, make, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(make(tmp_path))])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert list(tmp_path.iterdir()) == []  # nothing written
