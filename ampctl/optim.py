@@ -101,7 +101,8 @@ class LRSchedule:
             self.applied += 1 - found_inf
         elif not can_skip or not bool(found_inf):  # bool() reads the device: see module docstring
             self.applied += 1
-        self._apply()
+        if self.kind is not Schedule.constant or self.warmup > 0:
+            self._apply()  # a constant lr without warm-up never changes: nothing to recompute
 
     def state_dict(self) -> dict[str, Any]:
         return {"applied": self.applied.item(), "base_lrs": self.base_lrs}

@@ -111,8 +111,10 @@ class Telemetry:
         lr: torch.Tensor,
     ) -> None:
         """Queue this step's values on the device. Must be called before the scaler's update()."""
-        row = torch.stack([t.detach().double().reshape(()) for t in (loss, loss_scale, found_inf, grad_norm, lr)])
-        self._buffer[len(self._pending_steps)].copy_(row)
+        # One foreach kernel copies (and casts) the five scalars into the buffer row: the cheapest way on
+        # every device, which matters on small steps where this runs every ~2 ms.
+        row = self._buffer[len(self._pending_steps)].unbind()
+        torch._foreach_copy_(row, [t.detach().reshape(()) for t in (loss, loss_scale, found_inf, grad_norm, lr)])
         self._pending_steps.append(step)
 
     def end_step(self, last: bool) -> None:

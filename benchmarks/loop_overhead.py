@@ -1,0 +1,136 @@
+"""Overhead of ampctl's training step against a minimal hand-written torch.amp loop.
+
+Both loops train the same model (same init, same batches) under the same autocast dtype and scaler; they
+run in one process, alternating in rounds, so that machine noise falls on both alike. ampctl's step does
+what the hand loop does plus its telemetry (grad norm, per-step record on the device, read back every
+log_every steps) and its on-device lr schedule. Both clip the gradient norm to 1.0 (ampctl's default; the
+hand loop unscales then clips, as the torch.amp docs show), or neither with --clip none, in which case
+ampctl still computes the norm it records. Prints medians and the ratio.
+
+    python benchmarks/loop_overhead.py                       # gpt recipe, bf16; clipping on in both loops
+    python benchmarks/loop_overhead.py --recipe mlp --precisions bf16,fp16 --clip none
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from hydra import compose, initialize_config_module
+
+from ampctl.config import register_configs
+from ampctl.loop import train_step
+from ampctl.recipe import build_recipe
+from ampctl.run import build_state, check_config
+from ampctl.telemetry import Telemetry
+
+RECIPES = {
+    # step time dominated by matmuls, small enough for a 2-core CPU
+    "gpt": ["recipe=gpt", "recipe.d_model=256", "recipe.n_layers=2", "recipe.block_size=128", "recipe.batch_size=8",
+            "recipe.max_corpus_bytes=2000000"],
+    # small enough that fp16 (emulated on CPUs without fp16 hardware) still takes ~20 ms a step
+    "mlp": ["recipe=mlp", "recipe.hidden=256", "recipe.batch_size=128"],
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class AmpctlLoop:
+    def __init__(self, overrides: list[str]) -> None:
+        cfg = compose(config_name="train", overrides=overrides)
+        self.policy = check_config(cfg)
+        self.recipe = build_recipe(cfg.recipe)
+        self.policy.__enter__()
+        self.state = build_state(cfg, self.policy, self.recipe)
+        self.batches = self.recipe.batches(self.policy.device, cfg.train.seed)
+        self.clip = cfg.train.clip_grad_norm
+        self.telemetry = Telemetry(self.policy.device, cfg.train.log_every, self.recipe.samples_per_batch, None, [])
+
+    def step(self) -> None:
+        train_step(self.state, self.batches, self.recipe, self.policy, 1, self.clip, self.telemetry)
+        self.telemetry.end_step(last=False)
+
+
+class HandWrittenLoop:
+    """The torch.amp docs' loop: autocast forward, scaled backward, scaler.step, scaler.update."""
+
+    def __init__(self, reference: AmpctlLoop, dtype: torch.dtype, scaled: bool, clip: float | None) -> None:
+        device = reference.policy.device
+        torch.manual_seed(0)
+        self.model = reference.recipe.build_model().to(device)
+        self.recipe, self.device, self.dtype = reference.recipe, device, dtype
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
+                                           fused=True)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=scaled)
+        self.batches = self.recipe.batches(device, 0)
+        self.clip = clip
+
+    def step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            loss = self.recipe.loss(self.model, next(self.batches))
+        self.scaler.scale(loss).backward()
+        if self.clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
+def timed_steps(loop, steps: int, device: torch.device) -> list[float]:
+    sync(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loop.step()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="gpt")
+    parser.add_argument("--precisions", default="bf16")
+    parser.add_argument("--clip", default="1.0", help="max grad norm in both loops, or 'none'")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+    args = parser.parse_args()
+    register_configs()
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    clip = None if args.clip == "none" else float(args.clip)
+    print(f"{'precision':<10}{'ampctl ms':>12}{'hand ms':>12}{'overhead':>10}   ({args.recipe}, {args.rounds} rounds x "
+          f"{args.steps_per_round} steps each, alternating; clip {args.clip}; after {args.warmup_steps} warm-up steps)")
+    with initialize_config_module(config_module="ampctl.conf", version_base=None):
+        for precision in args.precisions.split(","):
+            overrides = [*RECIPES[args.recipe], f"precision={precision}", f"device={args.device}",
+                         f"train.clip_grad_norm={'null' if clip is None else clip}", "train.lr_schedule=constant", "train.lr_warmup_steps=0"]
+            ours = AmpctlLoop(overrides)
+            theirs = HandWrittenLoop(ours, dtypes[precision], ours.state.scaler.kind != "none", clip)
+            device = ours.policy.device
+            timed_steps(ours, args.warmup_steps, device)
+            timed_steps(theirs, args.warmup_steps, device)
+            ours_ms, theirs_ms, ratios = [], [], []
+            for _ in range(args.rounds):
+                a = timed_steps(ours, args.steps_per_round, device)
+                b = timed_steps(theirs, args.steps_per_round, device)
+                ours_ms += a
+                theirs_ms += b
+                ratios.append(statistics.median(a) / statistics.median(b))
+            ours.policy.__exit__(None, None, None)
+            # The overhead is the median of the per-round ratios: each ratio compares neighbours in time,
+            # so slow phases of a noisy machine cancel out. The quartiles show how noisy it was.
+            q1, median, q3 = statistics.quantiles(ratios, n=4)
+            print(f"{precision:<10}{statistics.median(ours_ms):>12.2f}{statistics.median(theirs_ms):>12.2f}"
+                  f"{(median - 1) * 100:>+9.1f}%   quartiles {(q1 - 1) * 100:+.1f}% .. {(q3 - 1) * 100:+.1f}%")
+
+
+if __name__ == "__main__":
+    main()
