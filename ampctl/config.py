@@ -94,6 +94,8 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
     timing_warmup_steps: int = 5  # first steps left out of median step time and throughput
     console: ConsoleMode = ConsoleMode.auto
+    checkpoint_every: Optional[int] = None  # steps between checkpoints; one is always written at the end
+    keep_checkpoints: int = 2  # the newest K checkpoints are kept
 
 
 @dataclass
@@ -106,6 +108,7 @@ class AmpctlConfig:
     scaler: Any = MISSING
     recipe: Any = MISSING
     optimizer: Any = MISSING
+    resume: Optional[str] = None  # a run dir or checkpoint file to continue from; "auto": this run dir's newest
 
 
 @dataclass
@@ -160,6 +163,12 @@ def validate(cfg: DictConfig) -> None:
     _require(train.lr_warmup_steps >= 0, "train.lr_warmup_steps", train.lr_warmup_steps, "an integer >= 0")
     _require(
         train.timing_warmup_steps >= 0, "train.timing_warmup_steps", train.timing_warmup_steps, "an integer >= 0"
+    )
+    if train.checkpoint_every is not None:
+        _require(train.checkpoint_every >= 1, "train.checkpoint_every", train.checkpoint_every,
+                 "an integer >= 1, or null for a checkpoint at the end only")
+    _require(
+        train.keep_checkpoints >= 1, "train.keep_checkpoints", train.keep_checkpoints, "an integer >= 1"
     )
     _require(0.0 <= train.min_lr_ratio <= 1.0, "train.min_lr_ratio", train.min_lr_ratio, "a number in [0, 1]")
     if train.clip_grad_norm is not None:

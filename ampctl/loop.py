@@ -9,7 +9,7 @@ the only reads are the telemetry's, on log steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -88,10 +88,23 @@ def fit(
     clip_grad_norm: Optional[float],
     seed: int,
     telemetry: Telemetry,
-) -> None:
+    after_step: Callable[[bool], None] = lambda last: None,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> bool:
+    """Train from state.step to steps. after_step(last) runs after every step (checkpoints); stop_requested()
+    is a host-side flag checked between steps. Returns False when stopped early."""
     device = policy.device
     batches = recipe.batches(device, seed)
+    # A resumed run continues the same batch stream: the data position is the number of batches consumed.
+    for _ in range(state.step * grad_accum_steps):
+        next(batches)
     state.model.train()
     while state.step < steps:
         train_step(state, batches, recipe, policy, grad_accum_steps, clip_grad_norm, telemetry)
-        telemetry.end_step(last=state.step == steps)
+        stopping = stop_requested()
+        last = state.step == steps or stopping
+        telemetry.end_step(last=last)
+        after_step(last)
+        if stopping:
+            return False
+    return True

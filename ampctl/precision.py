@@ -91,6 +91,12 @@ class WeightLayout:
     def masters_to_model(self) -> None:
         """Called after the optimizer step."""
 
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
 
 class FP32MasterWeights(WeightLayout):
     """O2: the optimizer steps on fp32 copies of the half weights.
@@ -123,6 +129,17 @@ class FP32MasterWeights(WeightLayout):
     def masters_to_model(self) -> None:
         for model_param, master in self._pairs:
             model_param.copy_(master)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"masters": [master.detach() for _, master in self._pairs]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["masters"]
+        if len(saved) != len(self._pairs):
+            raise ValueError(f"{len(saved)} fp32 master weights saved, {len(self._pairs)} in this model")
+        for (_, master), value in zip(self._pairs, saved):
+            master.copy_(value)
 
 
 class PrecisionPolicy:

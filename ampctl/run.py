@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 from omegaconf import DictConfig
 
-from ampctl import devices
+from ampctl import checkpoint, devices
 from ampctl.config import validate
 from ampctl.console import make_console_sink, say
 from ampctl.loop import TrainState, fit
@@ -21,7 +21,8 @@ from ampctl.optim import LRSchedule, build_optimizer
 from ampctl.precision import PrecisionPolicy, PrecisionSpec
 from ampctl.recipe import Recipe, build_recipe
 from ampctl.scaling import build_scaler
-from ampctl.telemetry import JsonlSink, Telemetry, summarize
+from ampctl.interrupt import Interrupted, StopOnSignal
+from ampctl.telemetry import JsonlSink, StepRecord, Telemetry, summarize
 
 
 def check_config(cfg: DictConfig) -> PrecisionPolicy:
@@ -63,14 +64,22 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe) -> Tra
 def run_training(
     cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None, echo: Callable[[str], None] = say
 ) -> dict:
-    """Train as cfg says, recording into run_dir. Returns the summary. Raises UsageError for user mistakes."""
+    """Train as cfg says, recording into run_dir (the checkpoint's run dir when resuming from another).
+    Returns the summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
     choices = choices or {}
     policy = check_config(cfg)
     device = policy.device
+    resume_from = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+    payload = checkpoint.load(resume_from) if resume_from else None
+    changes = checkpoint.config_changes(payload["config"], cfg) if payload else []
+    if resume_from:
+        run_dir = checkpoint.run_dir_of(resume_from)
     recipe = build_recipe(cfg.recipe)
 
     with policy:
         state = build_state(cfg, policy, recipe)
+        if payload:
+            checkpoint.restore(payload, state)
         model, scaler = state.model, state.scaler
         n_params = sum(p.numel() for p in model.parameters())
         echo(policy.describe(scaler.describe()))
@@ -78,6 +87,10 @@ def run_training(
             f"recipe={choices.get('recipe', type(recipe).__name__)} params={n_params / 1e6:.2f}M "
             f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={run_dir}"
         )
+        if payload:
+            echo(f"resumed from {resume_from} at step {state.step}" + (f"; changed: {'; '.join(changes)}" if changes else ""))
+        elif cfg.resume == "auto":
+            echo(f"resume=auto: no checkpoint in {run_dir} yet, starting from step 0")
         for message in policy.combination_warnings(cfg.scaler.kind) + policy.speed_warnings():
             echo(f"warning: {message}")
 
@@ -85,24 +98,43 @@ def run_training(
         samples = recipe.samples_per_batch * cfg.train.grad_accum_steps
         tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * cfg.train.grad_accum_steps
         run_dir.mkdir(parents=True, exist_ok=True)
+        earlier = keep_metrics_up_to(run_dir / "metrics.jsonl", state.step) if payload else []
         sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
         console = make_console_sink(cfg.train.console, cfg.train.steps, tokens is not None, peak_memory)
         if console is not None:
             sinks.append(console)
         telemetry = Telemetry(device, cfg.train.log_every, samples, tokens, sinks)
+        telemetry.records = earlier
+        telemetry.skipped_total = payload["skipped_total"] if payload else 0
+        last_checkpoint: list[Path] = []
+
+        def after_step(last: bool) -> None:
+            every = cfg.train.checkpoint_every
+            if last or (every is not None and state.step % every == 0):
+                telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
+                payload_now = checkpoint.capture(state, cfg, state.step * cfg.train.grad_accum_steps,
+                                                 telemetry.skipped_total)
+                last_checkpoint[:] = [checkpoint.save(payload_now, run_dir, cfg.train.keep_checkpoints)]
+
         try:
-            fit(
-                state,
-                recipe,
-                policy,
-                steps=cfg.train.steps,
-                grad_accum_steps=cfg.train.grad_accum_steps,
-                clip_grad_norm=cfg.train.clip_grad_norm,
-                seed=cfg.train.seed,
-                telemetry=telemetry,
-            )
+            with StopOnSignal() as stop:
+                finished = fit(
+                    state,
+                    recipe,
+                    policy,
+                    steps=cfg.train.steps,
+                    grad_accum_steps=cfg.train.grad_accum_steps,
+                    clip_grad_norm=cfg.train.clip_grad_norm,
+                    seed=cfg.train.seed,
+                    telemetry=telemetry,
+                    after_step=after_step,
+                    stop_requested=lambda: stop.requested,
+                )
         finally:
             telemetry.close()
+        if not finished:
+            assert stop.signum is not None
+            raise Interrupted(stop.signum, state.step, str(last_checkpoint[0]) if last_checkpoint else None)
 
     summary = {
         "precision": cfg.precision.name,
@@ -119,10 +151,32 @@ def run_training(
         **summarize(telemetry.records, cfg.train.timing_warmup_steps),
         "peak_memory_bytes": peak_memory(),
         "peak_memory_source": peak_memory_source,
+        "run_dir": str(run_dir),
     }
     write_json_atomic(run_dir / "summary.json", summary)
     echo(final_line(summary, run_dir))
     return summary
+
+
+def keep_metrics_up_to(path: Path, step: int) -> list[StepRecord]:
+    """Resuming at `step`: drop the rows a killed run wrote after its checkpoint, so metrics.jsonl continues
+    without gaps or duplicates. Returns the kept rows, for the run's summary."""
+    if not path.is_file():
+        return []
+    kept_lines, records = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break  # a line cut by the kill
+        if row["step"] > step:
+            break
+        kept_lines.append(line)
+        records.append(StepRecord(**{k: (float("nan") if v is None else v) for k, v in row.items()}))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept_lines), encoding="utf-8")
+    os.replace(tmp, path)
+    return records
 
 
 def final_line(summary: dict, run_dir: Path) -> str:

@@ -125,6 +125,8 @@ class Telemetry:
 
     def flush(self) -> None:
         n = len(self._pending_steps)
+        if n == 0:
+            return
         rows = self._buffer[:n].tolist()  # the one device->host copy of this interval
         times = self.timer.drain_ms()
         records = []

@@ -14,6 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.interrupt import Interrupted
 from ampctl.run import run_training
 from ampctl.runs import ERROR_FILE
 
@@ -36,6 +37,12 @@ def train(cfg: DictConfig) -> Optional[float]:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         summary = run_training(cfg, run_dir, choices=dict(hydra_cfg.runtime.choices))
+    except Interrupted as exc:
+        where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
+        resume_dir = Path(exc.checkpoint).parent.parent if exc.checkpoint else run_dir
+        print(f"ampctl train: interrupted at step {exc.step}; {where}; continue with: "
+              f"ampctl train <same overrides> resume={resume_dir}", file=sys.stderr)
+        sys.exit(exc.exit_code)
     except UsageError as exc:
         if multirun:
             return record_failed_job(run_dir, exc)
@@ -47,6 +54,8 @@ def train(cfg: DictConfig) -> Optional[float]:
             raise
         log.exception("job failed")
         return record_failed_job(run_dir, exc)
+    if Path(summary["run_dir"]) != run_dir:
+        remove_if_only_hydra_files(run_dir)  # resumed into the checkpoint's own run dir
     return summary.get("final_loss")
 
 
