@@ -166,7 +166,8 @@ def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
     old = _flatten(saved)
     new = _flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     changes = []
-    for key in sorted(old.keys() | new.keys()):
+    # a mode's or a class's name first: "precision.name was 'fp16'" says more than one of its fields
+    for key in sorted(old.keys() | new.keys(), key=lambda k: (not k.endswith((".name", "._target_")), k)):
         if old.get(key) == new.get(key):
             continue
         if not key.startswith(SAFE_TO_CHANGE):
