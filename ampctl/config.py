@@ -80,6 +80,7 @@ class DynamicScalerConfig:
     enabled: bool = True
     min_scale: Optional[float] = None
     max_scale: Optional[float] = None
+    hysteresis: int = 1  # overflows tolerated before backing off (1 = GradScaler's rule)
 
 
 @dataclass
@@ -98,12 +99,27 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
 
 
+class NonfiniteAction(Enum):
+    stop = "stop"
+    warn = "warn"
+
+
+@dataclass
+class GuardConfig:
+    """Checked on log steps (when values come back from the device anyway): never a per-step sync."""
+
+    max_consecutive_skips: Optional[int] = 100  # this many skipped steps in a row stop the run; null: never
+    stop_at_min_scale: bool = True  # an overflow at scaler.min_scale stops the run: it cannot back off further
+    on_nonfinite: NonfiniteAction = NonfiniteAction.stop  # a non-finite loss no scaler can absorb
+
+
 @dataclass
 class AmpctlConfig:
     """The primary config of `ampctl train`. Open-ended groups (recipe, optimizer) are `_target_` nodes."""
 
     device: DeviceChoice = DeviceChoice.auto
     train: TrainConfig = field(default_factory=TrainConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     precision: PrecisionConfig = MISSING
     scaler: Any = MISSING
     recipe: Any = MISSING
@@ -178,6 +194,9 @@ def validate(cfg: DictConfig) -> None:
             train.clip_grad_norm,
             "a finite number > 0, or null for no clipping",
         )
+    if cfg.guard.max_consecutive_skips is not None:
+        _require(cfg.guard.max_consecutive_skips >= 1, "guard.max_consecutive_skips", cfg.guard.max_consecutive_skips,
+                 "an integer >= 1, or null to never stop on skipped steps")
     _validate_precision(cfg.precision)
     _validate_scaler(cfg.scaler)
     _validate_targets(cfg)
@@ -235,6 +254,7 @@ def _validate_scaler(s: DictConfig) -> None:
         value = s[key]
         if value is not None:
             _require(_positive_finite(value), f"scaler.{key}", value, "a finite number > 0, or null")
+    _require(s.hysteresis >= 1, "scaler.hysteresis", s.hysteresis, "an integer >= 1")
     if s.min_scale is not None and s.max_scale is not None:
         _require(s.min_scale <= s.max_scale, "scaler.min_scale", s.min_scale, f"<= scaler.max_scale ({s.max_scale})")
 

@@ -21,3 +21,7 @@ class ConfigError(UsageError):
 
 class UnsupportedError(UsageError):
     """A combination this device or torch build cannot honour. Refused, never silently downgraded."""
+
+
+class RunStopped(Exception):
+    """A guard stopped the run (non-finite values, the scale at its minimum): not the user's typing, exit 1."""

@@ -21,6 +21,9 @@ from ampctl.optim import LRSchedule, build_optimizer
 from ampctl.precision import PrecisionPolicy, PrecisionSpec
 from ampctl.recipe import Recipe, build_recipe
 from ampctl.scaling import build_scaler
+from ampctl.diagnose import DIAGNOSIS_FILE, replay
+from ampctl.errors import RunStopped
+from ampctl.guards import Guard, GuardStop
 from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.telemetry import JsonlSink, StepRecord, Telemetry, summarize
 
@@ -107,8 +110,17 @@ def run_training(
         telemetry.records = earlier
         telemetry.skipped_total = payload["skipped_total"] if payload else 0
         last_checkpoint: list[Path] = []
+        guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
+        checked = [len(telemetry.records)]
 
         def after_step(last: bool) -> None:
+            if len(telemetry.records) > checked[0]:  # new records came back from the device (a log step)
+                trip, warnings = guard.check(telemetry.records[checked[0]:])
+                checked[0] = len(telemetry.records)
+                for message in warnings:
+                    echo(f"warning: {message}")
+                if trip:
+                    raise GuardStop(trip)
             every = cfg.train.checkpoint_every
             if last or (every is not None and state.step % every == 0):
                 telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
@@ -130,6 +142,11 @@ def run_training(
                     after_step=after_step,
                     stop_requested=lambda: stop.requested,
                 )
+        except GuardStop as stop_exc:
+            telemetry.close()
+            echo(f"stopped: {stop_exc.trip.reason}; replaying step {stop_exc.trip.step} to find the layer...")
+            diagnosis = replay(cfg, policy, recipe, run_dir, stop_exc.trip.step, stop_exc.trip.reason, build_state)
+            raise RunStopped(f"{stop_exc.trip.reason}. {diagnosis['summary']}. Written to {run_dir / DIAGNOSIS_FILE}") from None
         finally:
             telemetry.close()
         if not finished:

@@ -8,10 +8,13 @@ fused-optimizer path (found_inf handed to the kernel, no host sync) are torch's 
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any, Optional, Protocol
 
 import torch
 from omegaconf import DictConfig
+
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from ampctl.errors import UnsupportedError
 
@@ -92,9 +95,12 @@ class AmpGradScaler(torch.amp.GradScaler):
         allow_fp16_grads: bool = False,
         min_scale: Optional[float] = None,
         max_scale: Optional[float] = None,
+        hysteresis: int = 1,
         **kwargs: Any,
     ) -> None:
         super().__init__(device, **kwargs)
+        self.hysteresis = hysteresis
+        self._hysteresis_left: Optional[torch.Tensor] = None
         self.static = static
         self.allow_fp16_grads = allow_fp16_grads
         self.min_scale = min_scale
@@ -108,10 +114,51 @@ class AmpGradScaler(torch.amp.GradScaler):
             return
         if self.static and new_scale is None:
             new_scale = self._scale  # a static scaler only forgets this step's found_inf
-        super().update(new_scale)
+        if self.hysteresis > 1 and new_scale is None:
+            self._update_with_hysteresis()
+        else:
+            super().update(new_scale)
         if self.min_scale is not None or self.max_scale is not None:
             assert self._scale is not None
             self._scale.clamp_(min=self.min_scale, max=self.max_scale)  # on the device, no sync
+
+
+    def _update_with_hysteresis(self) -> None:
+        """GradScaler's update, except that the scale backs off only after `hysteresis` overflows since it
+        last grew (Megatron-LM's and DeepSpeed's rule). The skipped steps are still skipped. On the device."""
+        assert self._scale is not None and self._growth_tracker is not None
+        found = torch.stack([
+            t.to(self._scale.device) for state in self._per_optimizer_states.values()
+            for t in state["found_inf_per_device"].values()
+        ]).sum().clamp(max=1.0)
+        if self._hysteresis_left is None:
+            self._hysteresis_left = torch.full((), float(self.hysteresis), device=self._scale.device)
+        overflow = found > 0
+        self._hysteresis_left.sub_(found)
+        back_off = overflow & (self._hysteresis_left <= 0)
+        tracker = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
+        grow = tracker >= self._growth_interval
+        grown = self._scale * self._growth_factor
+        grow = grow & torch.isfinite(grown)
+        self._scale.copy_(torch.where(back_off, self._scale * self._backoff_factor, torch.where(grow, grown, self._scale)))
+        self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))
+        self._hysteresis_left.copy_(torch.where(grow, torch.full_like(self._hysteresis_left, self.hysteresis),
+                                                self._hysteresis_left))
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.hysteresis > 1 and self._hysteresis_left is not None:
+            state["hysteresis_left"] = float(self._hysteresis_left)  # a checkpoint reads the device anyway
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        left = state.pop("hysteresis_left", None)
+        super().load_state_dict(state)
+        if left is not None:
+            self._lazy_init_scale_growth_tracker(torch.device(self._device))
+            self._hysteresis_left = torch.full((), left, device=self._device)
 
 
 class TorchLossScaler:
@@ -176,6 +223,7 @@ def build_scaler(cfg: DictConfig, device: torch.device, half_grads: bool) -> Los
             allow_fp16_grads=half_grads,
             min_scale=cfg.min_scale,
             max_scale=cfg.max_scale,
+            hysteresis=cfg.hysteresis,
             init_scale=cfg.init_scale,
             growth_factor=cfg.growth_factor,
             backoff_factor=cfg.backoff_factor,
@@ -192,6 +240,8 @@ def build_scaler(cfg: DictConfig, device: torch.device, half_grads: bool) -> Los
     bounds = ""
     if cfg.min_scale is not None or cfg.max_scale is not None:
         bounds = f", bounds=[{cfg.min_scale}, {cfg.max_scale}]"
+    if cfg.hysteresis > 1:
+        bounds += f", hysteresis={cfg.hysteresis}"
     description = (
         f"dynamic init={cfg.init_scale:g} growth={cfg.growth_factor:g}/{cfg.growth_interval} "
         f"backoff={cfg.backoff_factor:g}{bounds}"

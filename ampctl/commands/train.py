@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.errors import USAGE_EXIT_CODE, RunStopped, UsageError
 from ampctl.interrupt import Interrupted
 from ampctl.run import run_training
 from ampctl.runs import ERROR_FILE
@@ -43,6 +43,11 @@ def train(cfg: DictConfig) -> Optional[float]:
         print(f"ampctl train: interrupted at step {exc.step}; {where}; continue with: "
               f"ampctl train <same overrides> resume={resume_dir}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except RunStopped as exc:
+        if multirun:
+            return record_failed_job(run_dir, exc)
+        print(f"ampctl train: stopped: {exc}", file=sys.stderr)
+        sys.exit(1)
     except UsageError as exc:
         if multirun:
             return record_failed_job(run_dir, exc)
@@ -62,7 +67,7 @@ def train(cfg: DictConfig) -> Optional[float]:
 def record_failed_job(run_dir: Path, exc: BaseException) -> None:
     """The job's error, one line, in its directory (the sweep's table shows it; the traceback is in train.log)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    message = text if isinstance(exc, UsageError) else f"{type(exc).__name__}: {text}"
+    message = text if isinstance(exc, (UsageError, RunStopped)) else f"{type(exc).__name__}: {text}"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ERROR_FILE).write_text(message + "\n", encoding="utf-8")
     print(f"ampctl train: job in {run_dir} failed: {message}", file=sys.stderr)

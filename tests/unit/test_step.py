@@ -83,7 +83,7 @@ def test_the_lr_schedule_does_not_advance_on_skipped_steps(tmp_path, fused):
 
 def test_scale_bounds_hold(tmp_path):
     _, rows = train(tmp_path / "min", "precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
-                    "scaler.min_scale=1e6", "train.steps=20")
+                    "scaler.min_scale=1e6", "guard.stop_at_min_scale=false", "train.steps=20")
     assert [r["loss_scale"] for r in rows][:6] == pytest.approx([1e20, 1e17, 1e14, 1e11, 1e8, 1e6])
     assert min(r["loss_scale"] for r in rows) == pytest.approx(1e6)
     _, rows = train(tmp_path / "max", "precision=fp16", "scaler.init_scale=8", "scaler.growth_interval=1",

@@ -1,0 +1,180 @@
+"""Why did a step overflow? Replay it with hooks on every layer and name the first one whose output, or
+gradient, stopped being finite or left the half dtype's range.
+
+The replay is exact: it restores the newest checkpoint before the bad step (or rebuilds the initial state,
+which is seeded), trains up to the step before it exactly as the run did, then runs the bad step's
+forward and backward with forward and backward hooks on every leaf module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+
+from ampctl import checkpoint
+from ampctl.loop import TrainState, train_step
+from ampctl.precision import PrecisionPolicy
+from ampctl.recipe import Recipe
+from ampctl.telemetry import Telemetry
+
+DIAGNOSIS_FILE = "diagnosis.json"
+
+
+@dataclass
+class Finding:
+    module: str
+    type: str
+    dtype: str
+    max_abs: float
+    problem: str
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _problem(tensors: list[torch.Tensor], half_max: Optional[float]) -> Optional[tuple[str, float, str]]:
+    """(problem, max |x|, dtype) of the first tensor that is non-finite or beyond the half dtype's range."""
+    for t in tensors:
+        max_abs = float(t.detach().abs().max()) if t.numel() else 0.0
+        if not bool(torch.isfinite(t.detach()).all()):
+            return "non-finite", max_abs, str(t.dtype).removeprefix("torch.")
+        if half_max is not None and t.dtype == torch.float32 and max_abs > half_max:
+            return f"beyond float16's max {half_max:g} (overflows when cast to float16)", max_abs, "float32"
+    return None
+
+
+class LayerWatch:
+    """Forward and backward hooks on every leaf module; keeps the first problem found in each direction."""
+
+    def __init__(self, model: nn.Module, half_max: Optional[float]) -> None:
+        self.half_max = half_max
+        self.forward: Optional[Finding] = None
+        self.backward: Optional[Finding] = None
+        self._backward_seen = False
+        self._handles = []
+        for name, module in model.named_modules():
+            if next(module.children(), None) is not None:
+                continue
+            self._handles.append(module.register_forward_hook(self._on_forward(name or "<model>")))
+            self._handles.append(module.register_full_backward_hook(self._on_backward(name or "<model>")))
+
+    def _on_forward(self, name: str):
+        def hook(module: nn.Module, _args: Any, output: Any) -> None:
+            if self.forward is None and (found := _problem(_tensors(output), self.half_max)):
+                self.forward = Finding(name, type(module).__name__, found[2], found[1], found[0])
+        return hook
+
+    def _on_backward(self, name: str):
+        def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            # where the gradient first goes bad on its way back: finite coming in, not finite going out
+            if self.backward is not None:
+                return
+            first_call = not self._backward_seen
+            self._backward_seen = True
+            if arriving := _problem(_tensors(grad_output), None):
+                if first_call:  # bad before any layer touched it: the scaled loss's own gradient
+                    self.backward = Finding(name, type(module).__name__, arriving[2], arriving[1],
+                                            "the scaled loss's gradient is already beyond the dtype's range "
+                                            "(loss scale too large)")
+                return
+            if found := _problem(_tensors(grad_input), None):
+                self.backward = Finding(name, type(module).__name__, found[2], found[1], f"gradient {found[0]}")
+        return hook
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def replay(
+    cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir: Path, bad_step: int, reason: str,
+    build_state,
+) -> dict[str, Any]:
+    """Rebuild the state before bad_step, replay it under hooks; write and return the diagnosis."""
+    state: TrainState = build_state(cfg, policy, recipe)
+    earlier = [p for p in checkpoint.list_checkpoints(run_dir) if int(p.stem.split("_")[1]) < bad_step]
+    if earlier:
+        checkpoint.restore(checkpoint.load(earlier[-1]), state)
+    accum = cfg.train.grad_accum_steps
+    batches = recipe.batches(policy.device, cfg.train.seed)
+    for _ in range(state.step * accum):
+        next(batches)
+    quiet = Telemetry(policy.device, 1, recipe.samples_per_batch, None, [])
+    state.model.train()
+    while state.step < bad_step - 1:
+        train_step(state, batches, recipe, policy, accum, cfg.train.clip_grad_norm, quiet)
+        quiet.end_step(last=False)
+
+    half_max = float(torch.finfo(torch.float16).max) if policy.spec.uses_half and policy.spec.dtype == torch.float16 else None
+    watch = LayerWatch(state.model, half_max)
+    losses = []
+    try:
+        with warnings.catch_warnings():
+            # full backward hooks warn on a first layer whose input needs no grad: expected here
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(accum):
+                with policy.autocast():
+                    loss = recipe.loss(state.model, next(batches))
+                losses.append(float(loss.detach()))
+                state.scaler.scale(loss / accum).backward()
+    finally:
+        watch.close()
+    scale = float(state.scaler.current_scale())  # after scale(): a GradScaler creates its scale lazily
+    bad_grads = [name for name, p in state.model.named_parameters()
+                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    if not all(math.isfinite(v) for v in losses):
+        watch.backward = None  # every gradient of a non-finite loss is non-finite: nothing to locate backward
+    diagnosis = {
+        "step": bad_step,
+        "reason": reason,
+        "loss": losses[0] if accum == 1 else losses,
+        "loss_scale": scale,
+        "forward": asdict(watch.forward) if watch.forward else None,
+        "backward": asdict(watch.backward) if watch.backward else None,
+        "parameters_with_nonfinite_grads": bad_grads,
+        "checkpoint_replayed_from": str(earlier[-1]) if earlier else None,
+    }
+    diagnosis["summary"] = describe(diagnosis)
+    tmp = run_dir / (DIAGNOSIS_FILE + ".tmp")
+    tmp.write_text(json.dumps(diagnosis, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, run_dir / DIAGNOSIS_FILE)
+    return diagnosis
+
+
+def describe(d: dict[str, Any]) -> str:
+    parts = [f"replayed step {d['step']} (loss {d['loss']}, loss scale {d['loss_scale']:g})"]
+    if d["forward"]:
+        f = d["forward"]
+        parts.append(f"forward: first problem at '{f['module']}' ({f['type']}, {f['dtype']} output): {f['problem']}, "
+                     f"max |x| = {f['max_abs']:.4g}")
+    else:
+        parts.append("forward: every layer's output finite and in range")
+    losses = d["loss"] if isinstance(d["loss"], list) else [d["loss"]]
+    if not all(math.isfinite(v) for v in losses):
+        parts.append("backward: not located (the loss itself is non-finite)")
+    elif d["backward"]:
+        b = d["backward"]
+        parts.append(f"backward: {b['problem']}, first seen at '{b['module']}' ({b['type']}), "
+                     f"max |grad| = {b['max_abs']:.4g}")
+    elif d["parameters_with_nonfinite_grads"]:
+        parts.append("backward: activation gradients finite; non-finite parameter gradients in "
+                     + ", ".join(d["parameters_with_nonfinite_grads"][:5]))
+    else:
+        parts.append("backward: every gradient finite in the replay")
+    return "; ".join(parts)

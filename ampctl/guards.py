@@ -1,0 +1,64 @@
+"""Numeric guards, checked on the step records as they come back from the device (log steps only, so the
+training step never syncs for them): too many skipped steps in a row, an overflow at the minimum loss scale,
+a non-finite loss that no loss scaler can absorb."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from ampctl.config import NonfiniteAction
+from ampctl.telemetry import StepRecord
+
+
+@dataclass
+class GuardTrip:
+    step: int  # the step to replay: the first bad one
+    reason: str
+
+
+class GuardStop(Exception):
+    def __init__(self, trip: GuardTrip) -> None:
+        super().__init__(trip.reason)
+        self.trip = trip
+
+
+class Guard:
+    def __init__(self, cfg: DictConfig, can_skip: bool, min_scale: Optional[float]) -> None:
+        self.max_skips = cfg.max_consecutive_skips
+        self.stop_at_min_scale = cfg.stop_at_min_scale and min_scale is not None
+        self.on_nonfinite: NonfiniteAction = cfg.on_nonfinite
+        self.can_skip = can_skip
+        self.min_scale = min_scale
+        self.streak_start: Optional[int] = None
+        self.streak = 0
+
+    def check(self, records: list[StepRecord]) -> tuple[Optional[GuardTrip], list[str]]:
+        """The first trip in these records (if any), and warnings to print."""
+        warnings = []
+        for r in records:
+            # The loss, not the grad norm: a norm can overflow fp32 while every gradient is finite.
+            if not self.can_skip and not math.isfinite(r.loss):
+                message = (f"non-finite loss {r.loss} at step {r.step}, and this precision mode has no loss "
+                           "scaler to skip the step: the weights are no longer finite")
+                if self.on_nonfinite is NonfiniteAction.stop:
+                    return GuardTrip(r.step, message), warnings
+                if not warnings:
+                    warnings.append(message + " (guard.on_nonfinite=warn: training on)")
+                continue
+            if r.skipped:
+                self.streak_start = r.step if self.streak == 0 else self.streak_start
+                self.streak += 1
+            else:
+                self.streak = 0
+            if self.stop_at_min_scale and r.skipped and r.loss_scale <= self.min_scale * (1 + 1e-6):  # type: ignore[operator]
+                return GuardTrip(r.step, f"step {r.step} overflowed at the minimum loss scale "
+                                         f"(scaler.min_scale={self.min_scale:g}): the scale cannot back off further"), warnings
+            if self.max_skips is not None and self.streak >= self.max_skips:
+                return GuardTrip(self.streak_start or r.step, f"{self.streak} consecutive skipped steps "
+                                 f"({self.streak_start}..{r.step}), loss scale now {r.loss_scale:g}: the run is "
+                                 "not recovering (guard.max_consecutive_skips)"), warnings
+        return None, warnings

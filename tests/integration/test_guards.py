@@ -1,0 +1,84 @@
+"""Numeric guards stop a run that trains nothing, and the replay names the layer that overflowed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ampctl.cli import main
+
+QUIET = ["train.console=quiet", "train.lr_warmup_steps=0"]
+
+
+@pytest.fixture
+def conf_dir(tmp_path) -> Path:
+    recipe_dir = tmp_path / "conf" / "recipe"
+    recipe_dir.mkdir(parents=True)
+    (recipe_dir / "exploding.yaml").write_text(
+        "# 'amplifier' blows up from step 5 on\n_target_: tests.exploding_recipe.ExplodingRecipe\n"
+        "factor: 1000.0\ninput_gain: 100.0\n"
+    )
+    return tmp_path / "conf"
+
+
+def stopped(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("ampctl train: stopped: ")
+    return err
+
+
+def test_fp16_overflow_in_a_named_layer_is_found_by_the_replay(tmp_path, conf_dir, capsys, restore_argv):
+    run = tmp_path / "run"
+    err = stopped(capsys, ["train", "-cd", str(conf_dir), "recipe=exploding", "precision=fp16", "scaler.init_scale=1",
+                           "guard.max_consecutive_skips=4", "train.steps=40", "train.log_every=2",
+                           "train.checkpoint_every=2", *QUIET, f"hydra.run.dir={run}"])
+    assert "4 consecutive skipped steps (5..8)" in err and "'amplifier'" in err
+    diagnosis = json.loads((run / "diagnosis.json").read_text())
+    assert diagnosis["step"] == 5
+    assert diagnosis["forward"] == {"module": "amplifier", "type": "Amplify", "dtype": "float16",
+                                    "max_abs": float("inf"), "problem": "non-finite"}
+    assert diagnosis["checkpoint_replayed_from"].endswith("step_00000004.pt")  # replayed from the last good one
+
+
+def test_a_nonfinite_loss_without_a_scaler_stops_at_once(tmp_path, conf_dir, capsys, restore_argv):
+    run = tmp_path / "run"
+    err = stopped(capsys, ["train", "-cd", str(conf_dir), "recipe=exploding", "recipe.factor=1e36",
+                           "recipe.input_gain=1e4", "precision=bf16", "train.steps=40", "train.log_every=1", *QUIET,
+                           f"hydra.run.dir={run}"])
+    assert "non-finite loss nan at step 5" in err
+    diagnosis = json.loads((run / "diagnosis.json").read_text())
+    assert diagnosis["forward"]["module"] == "amplifier" and diagnosis["checkpoint_replayed_from"] is None
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 5  # with log_every=1 it stops on the very step
+
+
+def test_on_nonfinite_warn_trains_on(tmp_path, conf_dir, capsys, restore_argv):
+    run = tmp_path / "run"
+    main(["train", "-cd", str(conf_dir), "recipe=exploding", "recipe.factor=1e36", "recipe.input_gain=1e4",
+          "precision=bf16", "guard.on_nonfinite=warn", "train.steps=8", "train.log_every=4", *QUIET,
+          f"hydra.run.dir={run}"])
+    assert "warning: non-finite loss" in capsys.readouterr().out
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8
+
+
+def test_an_overflow_at_min_scale_stops_the_run(tmp_path, capsys, restore_argv):
+    run = tmp_path / "run"
+    err = stopped(capsys, ["train", "recipe=mlp", "precision=fp16", "scaler.init_scale=1e30", "scaler.backoff_factor=0.01",
+                           "scaler.min_scale=1e26", "train.steps=40", "train.log_every=2", *QUIET,
+                           f"hydra.run.dir={run}"])
+    assert "step 3 overflowed at the minimum loss scale (scaler.min_scale=1e+26)" in err
+    assert json.loads((run / "diagnosis.json").read_text())["loss_scale"] == pytest.approx(1e26, rel=1e-6)
+
+
+def test_hysteresis_tolerates_overflows_before_backing_off(tmp_path, restore_argv):
+    run = tmp_path / "run"
+    main(["train", "recipe=mlp", "precision=fp16", "scaler.init_scale=1e9", "scaler.hysteresis=3",
+          "scaler.growth_interval=1000", "train.steps=6", "train.log_every=3", *QUIET, f"hydra.run.dir={run}"])
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows[:4]] == [True] * 4
+    assert [r["loss_scale"] for r in rows[:5]] == [1e9, 1e9, 1e9, 5e8, 2.5e8]  # backs off from the 3rd on
