@@ -73,6 +73,10 @@ def test_O3_is_static_one_as_apex():
         ("optimizer.lr=-1", "optimizer.lr"),
         ("precision.master_weights=true", "precision.master_weights"),
         ("precision.cast_model=true", "precision.cast_model"),
+        ("scaler.hysteresis=0", "scaler.hysteresis"),
+        ("train.checkpoint_every=0", "train.checkpoint_every"),
+        ("train.keep_checkpoints=0", "train.keep_checkpoints"),
+        ("guard.max_consecutive_skips=0", "guard.max_consecutive_skips"),
     ],
 )
 def test_out_of_range_values_name_key_and_allowed(override, key):

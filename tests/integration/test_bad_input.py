@@ -1,0 +1,65 @@
+"""Every kind of user-supplied input that can be wrong, beyond config values (see test_config and test_cli):
+recipe targets, corpus and data paths. One line naming the input, exit code 2, no run directory left."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampctl.cli import main
+
+
+def refused(tmp_path, capsys, *args: str) -> str:
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *args, "train.steps=2", f"hydra.run.dir={run_dir}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert not run_dir.exists()
+    return err
+
+
+def test_a_recipe_target_that_does_not_import(tmp_path, capsys, restore_argv):
+    err = refused(tmp_path, capsys, "recipe=mlp", "recipe._target_=no_such_module.Recipe")
+    assert "recipe._target_='no_such_module.Recipe' could not be instantiated" in err
+
+
+def test_a_recipe_target_that_does_not_follow_the_protocol(tmp_path, capsys, restore_argv):
+    err = refused(tmp_path, capsys, "recipe=mlp", "recipe._target_=argparse.Namespace")
+    assert "returned a Namespace without samples_per_batch, tokens_per_batch, build_model, batches, loss" in err
+
+
+def test_an_optimizer_target_that_does_not_import(tmp_path, capsys, restore_argv):
+    err = refused(tmp_path, capsys, "recipe=mlp", "optimizer._target_=torch.optim.NoSuchOptimizer")
+    assert "optimizer._target_='torch.optim.NoSuchOptimizer' could not be instantiated" in err
+
+
+def empty_file(folder):
+    (folder / "empty.txt").write_text("")
+    return folder / "empty.txt"
+
+
+def empty_dir(folder):
+    (folder / "empty_dir").mkdir()
+    return folder / "empty_dir"
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda folder: folder / "missing.txt", "does not exist"),
+    (empty_file, "holds 0 bytes"),
+    (empty_dir, "holds 0 bytes"),
+])
+def test_bad_corpus_paths(tmp_path, capsys, restore_argv, make, message):
+    corpus = make(tmp_path)
+    err = refused(tmp_path, capsys, "recipe=gpt", f"recipe.corpus={corpus}")
+    assert f"recipe.corpus='{corpus}'" in err and message in err
+
+
+def test_missing_cifar10_without_download(tmp_path, capsys, restore_argv):
+    err = refused(tmp_path, capsys, "recipe=resnet", f"recipe.data_root={tmp_path / 'nothing'}")
+    assert "holds no CIFAR-10" in err and "recipe.download=true" in err
+
+
+def test_an_unknown_resnet_arch(tmp_path, capsys, restore_argv):
+    err = refused(tmp_path, capsys, "recipe=resnet", "recipe.data=synthetic", "recipe.arch=resnet9000")
+    assert "recipe.arch='resnet9000' is not allowed" in err
