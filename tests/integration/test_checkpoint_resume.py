@@ -165,3 +165,18 @@ def test_bad_resume_targets(tmp_path, capsys, restore_argv, target, message):
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+def test_a_second_sigint_exits_at_once_and_corrupts_nothing(tmp_path, restore_argv):
+    run_dir = tmp_path / "run"
+    child = start(run_dir, "recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint_every=2", "train.steps=40")
+    wait_for(lambda: metrics_lines(run_dir) >= 6)
+    child.send_signal(signal.SIGINT)
+    child.send_signal(signal.SIGINT)
+    child.wait(timeout=60)
+    assert child.returncode == 130
+    for path in (run_dir / "checkpoints").glob("step_*.pt"):
+        assert torch.load(path, weights_only=True)["format_version"] == 1
+    main(["train", *RUN, "recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint_every=2", "train.steps=40",
+          "train.console=quiet", f"hydra.run.dir={run_dir}", "resume=auto"])
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, 41))
