@@ -49,6 +49,9 @@ def split_overrides(task_overrides: list[str]) -> list[str]:
                 f"{override!r}: ampctl compare chooses the precision of each run; "
                 "list the modes with compare.precisions=[fp32,bf16,...]"
             )
+        if key == "resume":
+            raise UsageError(f"{override!r}: ampctl compare starts fresh runs; resume a single mode's run with "
+                             "ampctl train resume=<its run dir>")
         if not key.startswith("compare."):
             run_overrides.append(override)
     return run_overrides

@@ -25,7 +25,7 @@ from ampctl.diagnose import DIAGNOSIS_FILE, replay
 from ampctl.errors import RunStopped
 from ampctl.guards import Guard, GuardStop
 from ampctl.interrupt import Interrupted, StopOnSignal
-from ampctl.telemetry import JsonlSink, StepRecord, Telemetry, summarize
+from ampctl.telemetry import JsonlSink, Telemetry, read_metrics, summarize
 
 
 def check_config(cfg: DictConfig) -> PrecisionPolicy:
@@ -101,22 +101,21 @@ def run_training(
         samples = recipe.samples_per_batch * cfg.train.grad_accum_steps
         tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * cfg.train.grad_accum_steps
         run_dir.mkdir(parents=True, exist_ok=True)
-        earlier = keep_metrics_up_to(run_dir / "metrics.jsonl", state.step) if payload else []
+        if payload:
+            keep_metrics_up_to(run_dir / "metrics.jsonl", state.step)
         sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
         console = make_console_sink(cfg.train.console, cfg.train.steps, tokens is not None, peak_memory)
         if console is not None:
             sinks.append(console)
         telemetry = Telemetry(device, cfg.train.log_every, samples, tokens, sinks)
-        telemetry.records = earlier
         telemetry.skipped_total = payload["skipped_total"] if payload else 0
         last_checkpoint: list[Path] = []
         guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
-        checked = [len(telemetry.records)]
 
         def after_step(last: bool) -> None:
-            if len(telemetry.records) > checked[0]:  # new records came back from the device (a log step)
-                trip, warnings = guard.check(telemetry.records[checked[0]:])
-                checked[0] = len(telemetry.records)
+            fresh = telemetry.take_fresh()  # non-empty on log steps, when values came back from the device
+            if fresh:
+                trip, warnings = guard.check(fresh)
                 for message in warnings:
                     echo(f"warning: {message}")
                 if trip:
@@ -165,7 +164,7 @@ def run_training(
         "cuda_version": torch.version.cuda,
         "python_version": platform.python_version(),
         "parameters": n_params,
-        **summarize(telemetry.records, cfg.train.timing_warmup_steps),
+        **summarize(read_metrics(run_dir / "metrics.jsonl"), cfg.train.timing_warmup_steps),
         "peak_memory_bytes": peak_memory(),
         "peak_memory_source": peak_memory_source,
         "run_dir": str(run_dir),
@@ -175,25 +174,16 @@ def run_training(
     return summary
 
 
-def keep_metrics_up_to(path: Path, step: int) -> list[StepRecord]:
-    """Resuming at `step`: drop the rows a killed run wrote after its checkpoint, so metrics.jsonl continues
-    without gaps or duplicates. Returns the kept rows, for the run's summary."""
+def keep_metrics_up_to(path: Path, step: int) -> None:
+    """Resuming at `step`: drop the rows a killed run wrote after its checkpoint (and a line cut by the
+    kill), so that metrics.jsonl continues without gaps or duplicates."""
     if not path.is_file():
-        return []
-    kept_lines, records = [], []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            break  # a line cut by the kill
-        if row["step"] > step:
-            break
-        kept_lines.append(line)
-        records.append(StepRecord(**{k: (float("nan") if v is None else v) for k, v in row.items()}))
+        return
+    kept = [line for line, record in zip(path.read_text(encoding="utf-8").splitlines(), read_metrics(path))
+            if record.step <= step]
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept_lines), encoding="utf-8")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     os.replace(tmp, path)
-    return records
 
 
 def final_line(summary: dict, run_dir: Path) -> str:

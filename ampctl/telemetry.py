@@ -99,7 +99,9 @@ class Telemetry:
         self._pending_steps: list[int] = []
         self.timer = StepTimer(device)
         self.skipped_total = 0
-        self.records: list[StepRecord] = []
+        # Records of the latest log intervals, until the guards take them; the run's full record is
+        # metrics.jsonl (nothing grows with the number of steps in memory).
+        self._fresh: list[StepRecord] = []
 
     def record(
         self,
@@ -149,13 +151,31 @@ class Telemetry:
                 )
             )
         self._pending_steps = []
-        self.records.extend(records)
+        self._fresh.extend(records)
         for sink in self.sinks:
             sink.write(records)
+
+    def take_fresh(self) -> list[StepRecord]:
+        """The records read back since the last call."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+
+
+class ListSink:
+    """Keeps every record in memory: for tests and short replays."""
+
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def write(self, records: list[StepRecord]) -> None:
+        self.records.extend(records)
+
+    def close(self) -> None:
+        pass
 
 
 class JsonlSink:
@@ -171,6 +191,22 @@ class JsonlSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def parse_metrics_line(line: str) -> StepRecord:
+    row = json.loads(line)
+    return StepRecord(**{k: (float("nan") if v is None else v) for k, v in row.items()})  # null: non-finite
+
+
+def read_metrics(path: Path) -> list[StepRecord]:
+    """metrics.jsonl back as records (stops at a line cut short by a kill)."""
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(parse_metrics_line(line))
+        except (json.JSONDecodeError, TypeError):
+            break
+    return records
 
 
 def summarize(records: list[StepRecord], timing_warmup_steps: int) -> dict:

@@ -77,6 +77,7 @@ def test_report_renders_a_compare_directory_again(comparison, capsys):
         (["precision=bf16"], "ampctl compare chooses the precision of each run"),
         (["compare.precisions=[fp32,fp99]"], "'fp99' is not a precision mode"),
         (["compare.warmup_steps=-1"], "compare.warmup_steps=-1 is not allowed"),
+        (["resume=auto"], "ampctl compare starts fresh runs"),
     ],
 )
 def test_compare_refuses_bad_input_with_one_line(tmp_path, restore_argv, capsys, args, message):

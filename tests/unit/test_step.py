@@ -11,16 +11,17 @@ import torch
 from ampctl.loop import train_step
 from ampctl.run import build_state
 from ampctl.scaling import AmpGradScaler
-from ampctl.telemetry import Telemetry
+from ampctl.telemetry import ListSink, Telemetry
 from tests.conftest import build, train
 
 
 def run_steps(state, policy, recipe, batches, steps=1, accum=1, clip=None):
-    telemetry = Telemetry(policy.device, max(steps, 1), recipe.samples_per_batch, None, [])
+    sink = ListSink()
+    telemetry = Telemetry(policy.device, max(steps, 1), recipe.samples_per_batch, None, [sink])
     for step in range(steps):
         train_step(state, batches, recipe, policy, accum, clip, telemetry)
         telemetry.end_step(last=step == steps - 1)
-    return telemetry.records
+    return sink.records
 
 
 def snapshot(state):
