@@ -1,6 +1,6 @@
 """Config schemas: one source of defaults and types, plus the range checks OmegaConf cannot express.
 
-Every YAML in conf/ extends one of the schemas stored here (``defaults: [/schema/<group>/<name>@_here_]``),
+Every YAML in conf/ extends one of the schemas stored here (``defaults: [/schema_<group>[_<kind>]@_here_]``),
 so a typo'd key or a wrong type is rejected by OmegaConf at compose time. Ranges and cross-field rules
 are checked by :func:`validate`, before anything is built.
 """
@@ -153,9 +153,10 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="ampctl_schema", node=AmpctlConfig)
     cs.store(name="ampctl_compare_schema", node=CompareAppConfig)
-    cs.store(group="schema/precision", name="base", node=PrecisionConfig)
+    # Root-level names, not a schema/ group: a group would be listed among the options in `--help`.
+    cs.store(name="schema_precision", node=PrecisionConfig)
     for name, node in SCALER_SCHEMAS.items():
-        cs.store(group="schema/scaler", name=name, node=node)
+        cs.store(name=f"schema_scaler_{name}", node=node)
 
 
 # --- range and cross-field validation ------------------------------------------------------------

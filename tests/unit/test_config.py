@@ -25,7 +25,7 @@ def test_every_closed_group_yaml_extends_a_schema(group):
     for name in yaml_files(group):
         data = yaml.safe_load(CONF.joinpath(group, name).read_text())
         defaults = data.get("defaults", [])
-        extends_schema = any(isinstance(d, str) and d.startswith(f"/schema/{group}/") for d in defaults)
+        extends_schema = any(isinstance(d, str) and d.startswith(f"/schema_{group}") for d in defaults)
         alias_of = [d for d in defaults if isinstance(d, str) and f"{d}.yaml" in yaml_files(group)]
         assert extends_schema or alias_of, f"conf/{group}/{name} extends no schema"
 
