@@ -95,6 +95,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
     timing_warmup_steps: int = 5  # first steps left out of median step time and throughput
     console: ConsoleMode = ConsoleMode.auto
+    activation_checkpointing: bool = False  # recompute the recipe's blocks in backward instead of storing
     checkpoint_every: Optional[int] = None  # steps between checkpoints; one is always written at the end
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
 

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig
 
 from ampctl import checkpoint, devices
+from ampctl.activation_checkpointing import apply_activation_checkpointing
 from ampctl.config import validate
 from ampctl.console import make_console_sink, say
 from ampctl.loop import TrainState, fit
@@ -56,6 +57,8 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe) -> Tra
     """Seed, build the model the policy's way, then its optimizer, loss scaler and lr schedule."""
     torch.manual_seed(cfg.train.seed)
     model = policy.prepare_model(recipe.build_model())
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model, recipe, cfg.recipe._target_.rsplit(".", 1)[-1])
     weights = policy.weight_layout(model)
     optimizer = build_optimizer(cfg.optimizer, weights.optimizer_params, policy.device)
     half_grads = any(p.dtype != torch.float32 for p in weights.optimizer_params)

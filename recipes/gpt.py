@@ -141,6 +141,9 @@ class GPTRecipe:
                 f"({self.block_size + 2}) are needed"
             )
 
+    def activation_checkpoint_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.blocks)  # type: ignore[arg-type]
+
     def build_model(self) -> nn.Module:
         return GPT(self.block_size, self.d_model, self.n_layers, self.n_heads, self.dropout)
 

@@ -62,6 +62,10 @@ class ResNetRecipe:
         except (RuntimeError, OSError) as exc:
             raise UsageError(f"recipe.data_root={self.data_root!r}: CIFAR-10 could not be read: {exc}") from None
 
+    def activation_checkpoint_blocks(self, model: nn.Module) -> list[nn.Module]:
+        return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4)  # type: ignore[union-attr]
+                for block in stage]
+
     def build_model(self) -> nn.Module:
         import torchvision
 
