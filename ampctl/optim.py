@@ -9,6 +9,8 @@ which torch's GradScaler has already paid for (it syncs in step() for non-fused 
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import math
 from typing import Any, Callable, Iterable
 
@@ -24,11 +26,17 @@ from ampctl.errors import UnsupportedError, UsageError
 def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
     """Instantiate the `_partial_` optimizer config over params. Fused optimizers get a device tensor lr."""
     target = cfg.get("_target_")
+    if str(target).startswith("bitsandbytes."):
+        # its CPU backend warns at import about 4-bit matmul kernels, which an 8-bit optimizer never uses
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
         factory: Callable[..., torch.optim.Optimizer] = instantiate(cfg)
     except InstantiationException as exc:
         first_line = str(exc).strip().splitlines()[0].split(", set env var HYDRA_FULL_ERROR")[0]
-        raise UsageError(f"optimizer._target_={target!r} could not be instantiated: {first_line}") from None
+        hint = ""
+        if str(target).startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
+            hint = "; bitsandbytes is not installed: pip install 'ampctl[adam8bit]'"
+        raise UsageError(f"optimizer._target_={target!r} could not be instantiated: {first_line}{hint}") from None
     if not callable(factory):
         raise UsageError(f"optimizer._target_={target!r} must be a callable taking params (set _partial_: true)")
     params = list(params)
