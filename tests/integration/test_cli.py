@@ -133,7 +133,7 @@ def test_train_help_lists_the_config_groups():
     result = ampctl("train", "--help")
     assert result.returncode == 0
     for text in ("precision: O0, O1, O2, O3, bf16, fp16, fp32, tf32", "scaler: dynamic, none, static",
-                 "recipe:", "optimizer: adam, adamw, sgd"):
+                 "recipe:", "optimizer: adafactor, adam, adam8bit, adamw, sgd"):
         assert text in result.stdout, result.stdout
 
 
