@@ -33,6 +33,8 @@ RECIPES = {
     # the d_model 768 GPT of the README's bf16-vs-fp32 comparison (about a second a step on 2 CPU cores)
     "gpt768": ["recipe=gpt", "recipe.d_model=768", "recipe.n_heads=12", "recipe.n_layers=4", "recipe.block_size=256",
                "recipe.batch_size=8", "recipe.max_corpus_bytes=2000000"],
+    # GPT-2 small's shape, for GPUs
+    "gpt2": ["recipe=gpt2", "recipe.max_corpus_bytes=2000000"],
     # small enough that fp16 (emulated on CPUs without fp16 hardware) still takes ~20 ms a step
     "mlp": ["recipe=mlp", "recipe.hidden=256", "recipe.batch_size=128"],
 }

@@ -13,7 +13,8 @@ from ampctl.run import run_training
 
 register_configs()
 
-QUIET = ["train.console=quiet", "train.log_every=5", "train.lr_warmup_steps=0"]
+# device=cpu: tests are CPU tests unless marked gpu, also on a machine that has a GPU.
+QUIET = ["device=cpu", "train.console=quiet", "train.log_every=5", "train.lr_warmup_steps=0"]
 # A small, fast workload: every precision mode trains it in about a second on 2 CPU cores.
 FAST = ["recipe=mlp", "recipe.hidden=64", "recipe.batch_size=32", *QUIET]
 
@@ -45,6 +46,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def cpu_only_subprocesses(request, monkeypatch):
+    """`ampctl` started by a test that is not marked gpu sees no GPU (this process's CUDA, if any, is
+    initialised already and stays visible to the gpu-marked tests)."""
+    if "gpu" not in request.keywords:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
 
 def build(*overrides: str):

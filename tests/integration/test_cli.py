@@ -12,7 +12,7 @@ import pytest
 
 from ampctl.cli import main
 
-FAST = ["recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=6", "train.log_every=3",
+FAST = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=6", "train.log_every=3",
         "train.console=plain"]
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,7 +11,7 @@ import pytest
 
 from ampctl.cli import main
 
-TINY = ["recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=8", "train.log_every=4"]
+TINY = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=8", "train.log_every=4"]
 
 
 def read_csv(path: Path) -> list[dict]:

@@ -9,7 +9,7 @@ import pytest
 
 from ampctl.cli import main
 
-QUIET = ["train.console=quiet", "train.lr_warmup_steps=0"]
+QUIET = ["device=cpu", "train.console=quiet", "train.lr_warmup_steps=0"]
 
 
 @pytest.fixture

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU verification run, in one command (device time is scarce): the whole test suite (gpu-marked tests
+# on CUDA, the rest on CPU under this machine's torch), compare on ResNet-50 and GPT-2 small, and the
+# loop-overhead benchmark on CUDA. Writes logs and a tarball of the run directories to $OUT (or
+# outputs/gpu_suite). Usage, from the project root on a machine with a GPU and ampctl importable:
+#
+#   bash benchmarks/gpu_suite.sh
+set -uo pipefail
+out=${OUT:-outputs/gpu_suite}
+runs=outputs/gpu
+mkdir -p "$out" "$runs"
+py=${PYTHON:-python3}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$out/env.txt"
+
+timeout 300 $py -m pytest -q -p no:cacheprovider tests 2>&1 | tail -25 | tee "$out/pytest.log"
+
+for recipe in "resnet50 recipe.batch_size=128" "gpt2"; do
+  name=${recipe%% *}
+  timeout 240 $py -m ampctl compare recipe=$recipe train.steps=60 compare.warmup_steps=15 \
+    hydra.run.dir=$runs/compare_$name 2>&1 | tail -20 | tee "$out/compare_$name.log"
+done
+
+timeout 150 $py benchmarks/loop_overhead.py --recipe gpt2 --precisions bf16,fp16 --device cuda --rounds 10 \
+  2>&1 | tee "$out/loop_overhead.log"
+
+tar czf "$out/runs.tgz" --exclude='*.pt' --exclude='checkpoints' "$runs"
