@@ -228,6 +228,11 @@ class PrecisionPolicy:
             for module in model.modules():
                 if isinstance(module, NORM_LAYERS):
                     module.float()
+                    if self.device.type == "cuda" and isinstance(module, nn.modules.batchnorm._BatchNorm):
+                        # cuDNN's batch norm takes half input with fp32 parameters and statistics and
+                        # computes in fp32 (what Apex O2 relied on): casting around it would only add two
+                        # memory-bound passes per layer.
+                        continue
                     module.register_forward_pre_hook(lambda _m, args: _cast_floats(args, torch.float32))
                     module.register_forward_hook(lambda _m, _args, out: _cast_floats(out, half))
         # Inputs are cast to the model's dtype and outputs back to fp32, so the loss is computed in fp32.

@@ -54,3 +54,19 @@ def test_tf32_mode_enables_tf32_for_the_run_only(tmp_path):
     assert fp32_math.snapshot() == before
     summary, _ = train(tmp_path, "precision=tf32", "device=cuda", "train.steps=5")
     assert summary["device"] == "cuda"
+
+
+def test_o2_batchnorm_runs_fp32_parameters_on_half_input_without_casts(tmp_path):
+    """cuDNN's batch norm takes fp16 input with fp32 parameters: O2 keeps BN in fp32 without the two
+    casting passes per layer that the other norm layers need."""
+    cfg, policy, recipe = build("precision=O2", "device=cuda", "recipe=resnet", "recipe.data=synthetic",
+                                "recipe.image_size=32", "recipe.batch_size=8")
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        bn = state.model.bn1
+        assert bn.weight.dtype == torch.float32 and not bn._forward_pre_hooks
+        seen = []
+        bn.register_forward_hook(lambda _m, args, out: seen.append((args[0].dtype, out.dtype)))
+        telemetry = Telemetry(policy.device, 100, recipe.samples_per_batch, None, [])
+        train_step(state, recipe.batches(policy.device, 0), recipe, policy, 1, 1.0, telemetry)
+    assert seen == [(torch.float16, torch.float16)]
