@@ -31,3 +31,11 @@ def apply_activation_checkpointing(model: nn.Module, recipe: Any, recipe_name: s
         # An instance attribute shadows the class's forward; parameters and state_dict stay as they were.
         block.forward = functools.partial(_checkpointed, block.forward)
     return len(blocks)
+
+
+def original_forward(block: nn.Module) -> Callable[..., Any]:
+    """The block's forward without checkpointing (to measure what one recomputation holds)."""
+    forward = block.forward
+    if isinstance(forward, functools.partial) and forward.func is _checkpointed:
+        return forward.args[0]
+    return forward

@@ -14,6 +14,7 @@ from ampctl.errors import USAGE_EXIT_CODE, UsageError
 COMMANDS = {
     "train": ("ampctl.commands.train", "train", "train a recipe under a precision mode (a Hydra app: try --help)"),
     "compare": ("ampctl.commands.compare", "compare", "the same run under several precision modes, one table and report"),
+    "memory": ("ampctl.commands.memory", "memory", "estimated memory per part next to the measured peak, per precision mode"),
     "report": ("ampctl.commands.report", "main", "the table, files and plots of a run, multirun or compare directory, again"),
     "list": ("ampctl.commands.list", "main", "list precision modes, scalers, recipes and optimizers, and what runs here"),
 }
@@ -41,6 +42,20 @@ def validate_compare(cfg) -> None:
         raise UsageError(f"compare.warmup_steps={cfg.compare.warmup_steps} is not allowed: expected an integer >= 0")
 
 
+def validate_memory(cfg) -> None:
+    from ampctl.config import validate
+    from ampctl.memory_model import parse_size
+
+    validate(cfg)
+    m = cfg.memory
+    if m.steps < 1:
+        raise UsageError(f"memory.steps={m.steps} is not allowed: expected an integer >= 1")
+    if m.timed_steps < 0:
+        raise UsageError(f"memory.timed_steps={m.timed_steps} is not allowed: expected an integer >= 0")
+    if m.budget is not None:
+        parse_size(m.budget)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -62,12 +77,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     module_name, function_name, _ = COMMANDS[command]
     entry = getattr(importlib.import_module(module_name), function_name)
     try:
-        if command in ("train", "compare"):
+        if command in ("train", "compare", "memory"):
             from ampctl.preflight import preflight
             from ampctl.run import check_config
 
-            # compare checks its base config here; each mode is composed and checked by compare itself
-            preflight(rest, command, check_config if command == "train" else validate_compare)
+            # compare and memory check their base config here; each mode is composed and checked later
+            check = {"train": check_config, "compare": validate_compare, "memory": validate_memory}[command]
+            preflight(rest, command, check)
     except UsageError as exc:
         print(f"ampctl {command}: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)

@@ -146,6 +146,23 @@ class CompareAppConfig(AmpctlConfig):
     compare: CompareConfig = field(default_factory=CompareConfig)
 
 
+@dataclass
+class MemoryConfig:
+    precisions: Optional[list[str]] = None  # null: the run's own precision= only
+    activation_checkpointing: Optional[list[bool]] = None  # e.g. [false,true]; null: train.activation_checkpointing
+    budget: Optional[str] = None  # e.g. 80GB or 16GiB: the largest batch that fits, per mode
+    steps: int = 2  # measured steps; the first allocates the optimizer's states
+    timed_steps: int = 3  # more steps after the measured ones, timed (activation checkpointing's cost)
+    search: Optional[bool] = None  # verify the batch estimate with real steps; null: on CUDA
+
+
+@dataclass
+class MemoryAppConfig(AmpctlConfig):
+    """The primary config of `ampctl memory`: a train config plus what to measure."""
+
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+
 SCALER_SCHEMAS = {"none": NoScalerConfig, "static": StaticScalerConfig, "dynamic": DynamicScalerConfig}
 
 
@@ -154,6 +171,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="ampctl_schema", node=AmpctlConfig)
     cs.store(name="ampctl_compare_schema", node=CompareAppConfig)
+    cs.store(name="ampctl_memory_schema", node=MemoryAppConfig)
     # Root-level names, not a schema/ group: a group would be listed among the options in `--help`.
     cs.store(name="schema_precision", node=PrecisionConfig)
     for name, node in SCALER_SCHEMAS.items():

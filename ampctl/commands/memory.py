@@ -1,0 +1,27 @@
+"""`ampctl memory [overrides]`: a Hydra app over conf/memory.yaml (train's config plus memory.*)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ampctl.commands.compare import command_line_config_dir
+from ampctl.commands.train import remove_if_only_hydra_files
+from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.memory import run_memory
+
+
+@hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="memory")
+def memory(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        run_memory(cfg, out_dir, list(hydra_cfg.overrides.task), command_line_config_dir(hydra_cfg))
+    except UsageError as exc:
+        remove_if_only_hydra_files(out_dir)
+        print(f"ampctl memory: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)

@@ -1,0 +1,315 @@
+"""`ampctl memory`: the memory model of a run next to its measured peak, per precision mode.
+
+For each mode (and with or without activation checkpointing), in this process one after the other: build
+the model, optimizer and scaler as `ampctl train` would, run memory.steps training steps inside the peak
+measurement (the first step allocates the optimizer's state), time a few more steps, then count the
+activations of one forward. With memory.budget, the activations are counted at a second batch size too and
+the largest batch that fits is estimated, then, on CUDA, found by a search of real steps, each probe in a
+process of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from ampctl import report
+from ampctl.errors import UsageError
+from ampctl.preflight import one_line
+from ampctl.loop import train_step
+from ampctl.memory_measure import MeasuredPeak, measure_peak, release_memory
+from ampctl.memory_model import (ActivationLine, ModelStateBytes, SavedTensorCounter, estimate_model_states,
+                                 format_bytes, largest_batch, parse_size)
+from ampctl.recipe import build_recipe
+from ampctl.run import build_state, check_config
+from ampctl.telemetry import Telemetry
+
+SEARCH_PROBES = 10  # real-step probes of the batch search, at most
+
+
+class ProbeFailed(Exception):
+    """A probe of the batch search ended in an error other than running out of device memory."""
+
+
+@dataclass
+class ModeMemory:
+    label: str
+    states: ModelStateBytes
+    activations: int  # saved for backward by one forward at the configured batch
+    peak: MeasuredPeak
+    step_time_ms: Optional[float]
+    batch_size: Optional[int]
+    activation_line: Optional[ActivationLine] = None
+    batch_estimate: Optional[int] = None
+    batch_found: Optional[int] = None
+    search_log: list[str] = field(default_factory=list)
+
+    @property
+    def estimate(self) -> Optional[int]:
+        return None if self.states.total is None else self.states.total + self.activations
+
+
+def plan(cfg: DictConfig, task_overrides: list[str]) -> list[tuple[str, list[str]]]:
+    """(row label, overrides of its train config) for every mode and checkpointing choice."""
+    run_overrides = [o for o in task_overrides if not o.lstrip("+~").startswith("memory.")]
+    names = [cfg.precision.name] if cfg.memory.precisions is None else list(cfg.memory.precisions)
+    if cfg.memory.precisions is not None:
+        given = [o for o in run_overrides if o.lstrip("+~").split("=", 1)[0].split(".")[0] == "precision"]
+        if given:
+            raise UsageError(f"{given[0]!r}: give the modes with memory.precisions=[...] or one precision=, not both")
+        options = GlobalHydra.instance().config_loader().get_group_options("precision")
+        for name in names:
+            if name not in options:
+                raise UsageError(f"memory.precisions: {name!r} is not a precision mode; choose from {', '.join(options)}")
+        if not names or len(set(names)) != len(names):
+            raise UsageError(f"memory.precisions={names}: give one or more distinct precision modes")
+    checkpointing = ([cfg.train.activation_checkpointing] if cfg.memory.activation_checkpointing is None
+                     else list(cfg.memory.activation_checkpointing))
+    if not checkpointing or len(set(checkpointing)) != len(checkpointing):
+        raise UsageError(f"memory.activation_checkpointing={checkpointing}: give [false], [true] or [false,true]")
+    rows = []
+    for name in names:
+        for ac in checkpointing:
+            label = name + ("+ac" if ac and len(checkpointing) > 1 else "")
+            rows.append((label, [*run_overrides, f"precision={name}", f"train.activation_checkpointing={str(ac).lower()}"]))
+    return rows
+
+
+def _steps(state, recipe, batches: Iterator[Any], policy, cfg: DictConfig, n: int, telemetry: Telemetry) -> list[float]:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        train_step(state, batches, recipe, policy, cfg.train.grad_accum_steps, cfg.train.clip_grad_norm, telemetry)
+        telemetry.end_step(last=False)
+        if policy.device.type == "cuda":
+            torch.cuda.synchronize(policy.device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def _recipe_with_batch(cfg: DictConfig, batch_size: int):
+    recipe_cfg = OmegaConf.to_container(cfg.recipe, resolve=True)
+    recipe_cfg["batch_size"] = batch_size
+    return build_recipe(OmegaConf.create(recipe_cfg))
+
+
+def _checkpointed_blocks(cfg: DictConfig, recipe: Any, model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(recipe.activation_checkpoint_blocks(model)) if cfg.train.activation_checkpointing else []
+
+
+def _count_activations(state, recipe, policy, cfg: DictConfig) -> int:
+    counter = SavedTensorCounter(state.model)
+    batch = next(recipe.batches(policy.device, cfg.train.seed))
+    with counter.counting(_checkpointed_blocks(cfg, recipe, state.model)), policy.autocast():
+        loss = recipe.loss(state.model, batch)
+    del loss
+    return counter.bytes
+
+
+def measure_mode(label: str, cfg: DictConfig, budget: Optional[int]) -> ModeMemory:
+    policy = check_config(cfg)
+    recipe = build_recipe(cfg.recipe)
+    batch_size = cfg.recipe.get("batch_size") if isinstance(cfg.recipe.get("batch_size"), int) else None
+    if budget is not None and batch_size is None:
+        raise UsageError("memory.budget needs a recipe with an integer recipe.batch_size to vary")
+    with policy:
+        with measure_peak(policy.device) as peak:
+            state = build_state(cfg, policy, recipe)
+            telemetry = Telemetry(policy.device, cfg.train.log_every, recipe.samples_per_batch, None, [])
+            batches = recipe.batches(policy.device, cfg.train.seed)
+            _steps(state, recipe, batches, policy, cfg, cfg.memory.steps, telemetry)
+        states = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
+        times = _steps(state, recipe, batches, policy, cfg, cfg.memory.timed_steps, telemetry)
+        # Counted after the measurement, so that the counting (and its recomputation of a checkpointed
+        # block) is never part of the measured peak.
+        activations = _count_activations(state, recipe, policy, cfg)
+        result = ModeMemory(label, states, activations, peak, statistics.median(times) if times else None, batch_size)
+        if budget is not None:
+            other = max(1, batch_size // 2) if batch_size > 1 else 2
+            other_bytes = _count_activations(state, _recipe_with_batch(cfg, other), policy, cfg)
+            result.activation_line = ActivationLine.through(batch_size, activations, other, other_bytes)
+            if states.total is not None:
+                result.batch_estimate = largest_batch(budget, states.total, result.activation_line)
+        del state, batches, telemetry
+        release_memory(policy.device)
+    return result
+
+
+def find_batch(result: ModeMemory, overrides: list[str], config_dir: Optional[str], budget: int) -> None:
+    """The batch search for one row, each probe in its own process, after every row is measured."""
+    try:
+        result.batch_found = search_batch(overrides, config_dir, budget, result.batch_estimate or result.batch_size,
+                                          result.search_log)
+    except ProbeFailed as exc:
+        result.search_log.append(f"search stopped: a probe failed: {exc}")
+
+
+def _fits(overrides: list[str], config_dir: Optional[str], batch_size: int, budget: int) -> tuple[bool, Optional[int]]:
+    """Two real steps at this batch size, in a fresh process: does the peak stay within the budget (and
+    the device)? Returns (fits, measured peak or None when out of device memory)."""
+    command = [sys.executable, "-m", "ampctl.memory_probe", str(batch_size),
+               *(["--config-dir", config_dir] if config_dir else []), *overrides]
+    child = subprocess.run(command, capture_output=True, text=True)
+    lines = child.stdout.strip().splitlines()
+    if child.returncode != 0 or not lines:
+        errors = [line for line in child.stderr.splitlines() if line.strip()]
+        raise ProbeFailed(errors[-1] if errors else f"exit code {child.returncode}")
+    answer = json.loads(lines[-1])
+    if answer.get("out_of_memory"):
+        return False, None
+    return answer["peak"] <= budget, answer["peak"]
+
+
+def search_batch(overrides: list[str], config_dir: Optional[str], budget: int, start: int, log: list[str]) -> int:
+    """The largest batch whose measured peak fits: double from the estimate until one does not fit, then
+    bisect. Stops after SEARCH_PROBES probes with the largest batch seen to fit."""
+    fitting, failing = 0, None  # the largest batch known to fit, the smallest known not to
+    candidate = max(1, start)
+    for _ in range(SEARCH_PROBES):
+        fits, peak = _fits(overrides, config_dir, candidate, budget)
+        log.append(f"batch {candidate}: " + ("fits" if fits else "does not fit") +
+                   (f" (peak {format_bytes(peak)})" if peak is not None else " (out of device memory)"))
+        if fits:
+            fitting = candidate
+        else:
+            failing = candidate
+        if failing is not None and failing - fitting <= 1:
+            return fitting
+        candidate = candidate * 2 if failing is None else (fitting + failing) // 2
+    log.append(f"search stopped after {SEARCH_PROBES} probes: at least {fitting}")
+    return fitting
+
+
+# --- the table ------------------------------------------------------------------------------------------
+
+
+def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Optional[str]) -> report.ReportTable:
+    columns = ["precision", "weights", "gradients", "master_weights", "optimizer_states", "activations",
+               "estimate", "measured_peak", "difference", "step_time_ms"]
+    if budget is not None:
+        columns += ["batch_estimate", "batch_found"]
+    table_rows = []
+    for r in rows:
+        s = r.states
+        values = {
+            "precision": r.label, "weights": s.weights, "gradients": s.gradients,
+            "master_weights": s.master_weights + s.master_gradients, "optimizer_states": s.optimizer_states,
+            "activations": r.activations, "estimate": r.estimate, "measured_peak": r.peak.bytes,
+            "difference": None if r.estimate is None or r.peak.bytes is None else r.peak.bytes - r.estimate,
+            "step_time_ms": r.step_time_ms, "batch_estimate": r.batch_estimate, "batch_found": r.batch_found,
+        }
+        table_rows.append([values[c] for c in columns])
+    size = {c: format_bytes for c in ("weights", "gradients", "master_weights", "optimizer_states", "activations",
+                                       "estimate", "measured_peak")}
+    headers = {"precision": "mode", "gradients": "grads", "master_weights": "masters", "optimizer_states": "optimizer",
+               "measured_peak": "peak", "difference": "peak − est.", "step_time_ms": "step ms",
+               "batch_estimate": "batch (est.)", "batch_found": "batch (found)"}
+    formats = {**size, "difference": lambda v: ("+" if v >= 0 else "−") + format_bytes(abs(v)),
+               "step_time_ms": lambda v: f"{v:,.1f}"}
+    title = "memory per precision mode" + (f" (budget {budget_text})" if budget is not None else "")
+    return report.ReportTable(title, columns, table_rows, notes=memory_notes(rows, budget), headers=headers,
+                              formats=formats)
+
+
+def memory_notes(rows: list[ModeMemory], budget: Optional[int]) -> list[str]:
+    notes = ["estimate = weights + grads + masters (O2's fp32 master weights and their gradients) + optimizer "
+             "states + activations (the bytes autograd saves in one forward, autocast's half weight copies included)."]
+    source = rows[0].peak.source if rows else ""
+    if source.startswith("torch.cuda"):
+        notes.append("measured peak = torch.cuda.max_memory_allocated (tensors only). The caching allocator "
+                     "reserved more: " + ", ".join(f"{r.label} {format_bytes(r.peak.reserved)}" for r in rows) +
+                     "; the CUDA context and cuBLAS/cuDNN workspaces are outside both.")
+    elif source:
+        notes.append(f"measured peak = {source}: tensor memory of the process, the interpreter not included.")
+    for r in rows:
+        if r.peak.breakdown:
+            parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in r.peak.breakdown.items())
+            notes.append(f"{r.label} at its peak: {parts}.")
+    notes.append("Why the peak differs from the estimate: gradients are freed after each step (set_to_none) and "
+                 "activations are freed as backward consumes them, so not all of both are alive at once "
+                 "(measured < estimate); temporaries (attention and softmax buffers, the logits and the loss, "
+                 "clipping and the fused optimizer's scratch) come on top (measured > estimate).")
+    if budget is not None:
+        notes.append("max batch (est.) = (budget − model states − fixed activations) / activations per sample, "
+                     "from counts at two batch sizes; max batch (found): largest batch whose two real steps "
+                     "stayed within the budget (CUDA only).")
+    return notes
+
+
+def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> None:
+    budget = None if cfg.memory.budget is None else parse_size(cfg.memory.budget)
+    rows = plan(cfg, task_overrides)
+    configs = [(label, _compose_memory(overrides)) for label, overrides in rows]
+    for _, mode_cfg in configs:
+        check_config(mode_cfg)  # refuse what cannot run before measuring anything
+    if any(mode_cfg.train.activation_checkpointing for _, mode_cfg in configs):
+        recipe = build_recipe(configs[0][1].recipe)
+        if not hasattr(recipe, "activation_checkpoint_blocks"):
+            raise UsageError(f"activation checkpointing: recipe {type(recipe).__name__} names no blocks to "
+                             "checkpoint (a recipe offers activation_checkpoint_blocks(model); gpt and resnet do)")
+    device = check_config(configs[0][1]).device
+    search = device.type == "cuda" if cfg.memory.search is None else bool(cfg.memory.search)
+    if search and device.type != "cuda":
+        raise UsageError("memory.search=true needs a CUDA device: on a CPU the batch is estimated only")
+    console = report.make_console()
+    console.print(f"ampctl memory: {', '.join(label for label, _ in configs)}; {cfg.memory.steps} measured "
+                  f"steps each -> {out_dir}")
+    results = []
+    for i, (label, mode_cfg) in enumerate(configs, 1):
+        console.print(f"[{i}/{len(configs)}] {label}: measuring")
+        results.append(measure_mode(label, mode_cfg, budget))
+    if budget is not None and search:
+        for i, (result, (label, overrides)) in enumerate(zip(results, rows), 1):
+            console.print(f"[{i}/{len(rows)}] {label}: searching the largest batch within {cfg.memory.budget}")
+            find_batch(result, overrides, config_dir, budget)
+            for line in result.search_log:
+                console.print(f"    {line}")
+    table = memory_table(results, budget, cfg.memory.budget)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = report.machine_info([{"device": device.type, "device_name": _device_name(device)}])
+    extra = {"kind": "memory", "overrides": task_overrides, "budget_bytes": budget,
+             "modes": [_mode_record(r) for r in results]}
+    files = report.write_files(table, out_dir, "memory", machine, [], extra)
+    report.print_table(table, console)
+    console.print(f"wrote {', '.join(p.name for p in files)} in {out_dir}")
+
+
+def _compose_memory(overrides: list[str]) -> DictConfig:
+    """The config of one row: the train config under its precision, plus the memory node."""
+    from hydra import compose
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return compose(config_name="memory", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UsageError(one_line(exc)) from None
+
+
+def _device_name(device: torch.device) -> str:
+    from ampctl import devices
+
+    return devices.device_name(device)
+
+
+def _mode_record(r: ModeMemory) -> dict[str, Any]:
+    return {
+        "precision": r.label, "model_states": r.states.as_dict(), "activations": r.activations,
+        "estimate": r.estimate, "measured_peak": r.peak.bytes, "measured_source": r.peak.source,
+        "measured_breakdown": r.peak.breakdown, "peak_reserved": r.peak.reserved, "step_time_ms": r.step_time_ms,
+        "batch_size": r.batch_size,
+        "activations_per_sample": None if r.activation_line is None else r.activation_line.per_sample,
+        "activations_fixed": None if r.activation_line is None else r.activation_line.fixed,
+        "batch_estimate": r.batch_estimate, "batch_found": r.batch_found, "search": r.search_log,
+    }

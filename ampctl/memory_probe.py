@@ -1,0 +1,61 @@
+"""One probe of `ampctl memory`'s batch search, in a process of its own, so that nothing an earlier probe
+or measurement left in the caching allocator (cached blocks, fragmentation, a failed step's tensors) can
+decide whether this batch fits.
+
+    python -m ampctl.memory_probe BATCH_SIZE [--config-dir DIR] [overrides ...]
+
+Builds the run of `ampctl memory <overrides> recipe.batch_size=BATCH_SIZE`, takes two training steps and
+prints one JSON line: {"peak": bytes} or {"out_of_memory": true}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Optional
+
+import torch
+from hydra import compose, initialize_config_module
+
+PROBE_STEPS = 2  # the second step is the first with the optimizer's states already allocated
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from ampctl.config import register_configs
+    from ampctl.loop import train_step
+    from ampctl.memory_measure import measure_peak
+    from ampctl.recipe import build_recipe
+    from ampctl.run import build_state, check_config
+    from ampctl.telemetry import Telemetry
+
+    parser = argparse.ArgumentParser(prog="python -m ampctl.memory_probe")
+    parser.add_argument("batch_size", type=int)
+    parser.add_argument("--config-dir")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    overrides = [*args.overrides, f"recipe.batch_size={args.batch_size}"]
+    if args.config_dir:
+        overrides.append(f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]")
+    register_configs()
+    with initialize_config_module(config_module="ampctl.conf", version_base=None):
+        cfg = compose(config_name="memory", overrides=overrides)
+    policy = check_config(cfg)
+    recipe = build_recipe(cfg.recipe)
+    try:
+        with policy, measure_peak(policy.device) as peak:
+            state = build_state(cfg, policy, recipe)
+            telemetry = Telemetry(policy.device, PROBE_STEPS, recipe.samples_per_batch, None, [])
+            batches = recipe.batches(policy.device, cfg.train.seed)
+            for _ in range(PROBE_STEPS):
+                train_step(state, batches, recipe, policy, cfg.train.grad_accum_steps, cfg.train.clip_grad_norm,
+                           telemetry)
+                telemetry.end_step(last=False)
+    except torch.cuda.OutOfMemoryError:
+        print(json.dumps({"out_of_memory": True}), flush=True)
+        return
+    print(json.dumps({"peak": peak.bytes}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""`ampctl memory` end to end on the CPU: the table's files, the activation saving of bf16 and of
+activation checkpointing in the measured peak, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ampctl.cli import main
+
+# activation-heavy: long context, narrow model
+HEAVY = ["device=cpu", "recipe=gpt", "recipe.d_model=64", "recipe.n_layers=4", "recipe.n_heads=4",
+         "recipe.block_size=256", "recipe.batch_size=8", "recipe.max_corpus_bytes=300000", "memory.timed_steps=1"]
+
+
+def test_memory_shows_the_activation_saving_of_bf16_and_of_checkpointing(tmp_path, restore_argv, capsys):
+    out = tmp_path / "memory"
+    main(["memory", *HEAVY, "memory.precisions=[fp32,bf16]", "memory.activation_checkpointing=[false,true]",
+          "memory.budget=1GiB", f"hydra.run.dir={out}"])
+    printed = capsys.readouterr().out
+    assert "memory per precision mode (budget 1GiB)" in printed
+    data = json.loads((out / "memory.json").read_text())
+    modes = {m["precision"]: m for m in data["modes"]}
+    assert list(modes) == ["fp32", "fp32+ac", "bf16", "bf16+ac"]
+    assert all(m["measured_source"].startswith("torch memory profiler") for m in modes.values())
+    peak = {k: m["measured_peak"] for k, m in modes.items()}
+    # bf16 halves most activations; checkpointing keeps only the blocks' inputs
+    assert peak["bf16"] < 0.8 * peak["fp32"], peak
+    assert peak["fp32+ac"] < 0.6 * peak["fp32"] and peak["bf16+ac"] < 0.6 * peak["bf16"], peak
+    assert modes["bf16"]["measured_breakdown"]["activations"] < modes["fp32"]["measured_breakdown"]["activations"]
+    for m in modes.values():
+        # the count of saved activations is close to the activations the profiler sees at the peak
+        assert m["estimate"] == m["model_states"]["total"] + m["activations"]
+        assert m["batch_estimate"] > m["batch_size"] and m["batch_found"] is None  # no search on a CPU
+    assert modes["fp32"]["batch_estimate"] < modes["bf16"]["batch_estimate"] < modes["bf16+ac"]["batch_estimate"]
+    rows = (out / "memory.csv").read_text().splitlines()
+    assert rows[0].startswith("precision,weights,gradients") and len(rows) == 5
+    assert (out / "report.md").read_text().startswith("# memory per precision mode")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["memory.budget=80XB"], "memory.budget='80XB' is not allowed: expected a size such as 80GB"),
+    (["memory.budget=-3GB"], "memory.budget='-3GB' is not allowed"),
+    (["memory.steps=0"], "memory.steps=0 is not allowed: expected an integer >= 1"),
+    (["memory.precisions=[fp32,fp64]"], "'fp64' is not a precision mode"),
+    (["precision=bf16", "memory.precisions=[fp32]"], "give the modes with memory.precisions=[...] or one precision="),
+    (["memory.search=true"], "memory.search=true needs a CUDA device"),
+    (["recipe=mlp", "memory.activation_checkpointing=[true]"], "activation checkpointing"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, message):
+    out = tmp_path / "memory"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["memory", "device=cpu", "recipe=mlp", "recipe.hidden=16", *args, f"hydra.run.dir={out}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_a_probe_of_the_batch_search_reports_its_peak_from_its_own_process():
+    import subprocess
+    import sys
+
+    small, large = (
+        json.loads(subprocess.run([sys.executable, "-m", "ampctl.memory_probe", str(batch), *HEAVY[:-1]],
+                                  capture_output=True, text=True, check=True).stdout.splitlines()[-1])["peak"]
+        for batch in (2, 8)
+    )
+    assert 0 < small < large
+
+
+def test_the_search_doubles_then_bisects_to_the_largest_fitting_batch(monkeypatch):
+    from ampctl import memory
+
+    probed = []
+
+    def fake_fits(_overrides, _config_dir, batch, budget):
+        probed.append(batch)
+        peak = 1000 + 10 * batch
+        return peak <= budget, peak
+
+    monkeypatch.setattr(memory, "_fits", fake_fits)
+    log: list[str] = []
+    assert memory.search_batch([], None, 1000 + 10 * 150, 64, log) == 150
+    assert probed[:3] == [64, 128, 256] and len(probed) <= memory.SEARCH_PROBES
+    assert log[0] == "batch 64: fits (peak 1.60 KiB)"  # 1640 bytes

@@ -1,0 +1,87 @@
+"""The memory model against hand-computed bytes, and against the state torch really allocates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ampctl.errors import UsageError
+from ampctl.memory_model import ActivationLine, SavedTensorCounter, estimate_model_states, largest_batch, parse_size
+from ampctl.run import build_state
+from tests.conftest import build
+
+# The default mlp recipe: Linear(64,256), LayerNorm, GELU, Linear(256,256), LayerNorm, GELU,
+# Linear(256,256), LayerNorm, GELU, Linear(256,10): 8 Linear tensors and 6 LayerNorm tensors.
+MLP = ["recipe.hidden=256", "recipe.batch_size=128"]
+P_LINEAR = (64 * 256 + 256) + 2 * (256 * 256 + 256) + (256 * 10 + 10)
+P_NORM = 3 * (256 + 256)
+P = P_LINEAR + P_NORM
+STEP = 4 * 14  # AdamW's float32 `step` tensor per parameter tensor
+
+HAND_COMPUTED = {
+    # precision: (weights, gradients, fp32 masters, master gradients, AdamW states)
+    "fp32": (4 * P, 4 * P, 0, 0, 8 * P + STEP),
+    "fp16": (4 * P, 4 * P, 0, 0, 8 * P + STEP),  # autocast leaves the model (and its states) in fp32
+    "bf16": (4 * P, 4 * P, 0, 0, 8 * P + STEP),
+    "O2": (2 * P_LINEAR + 4 * P_NORM, 2 * P_LINEAR + 4 * P_NORM, 4 * P_LINEAR, 4 * P_LINEAR, 8 * P + STEP),
+    "O3": (2 * P, 2 * P, 0, 0, 4 * P + STEP),  # no masters: the moments are half too
+}
+
+
+@pytest.mark.parametrize("precision", sorted(HAND_COMPUTED))
+def test_model_states_equal_the_hand_computed_bytes(precision):
+    cfg, policy, recipe = build(f"precision={precision}", *MLP)
+    with policy:
+        state = build_state(cfg, policy, recipe)
+    s = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
+    assert (s.weights, s.gradients, s.master_weights, s.master_gradients, s.optimizer_states) == HAND_COMPUTED[precision]
+    if precision == "O2":
+        # the textbook's 16 bytes per parameter, plus O2's fp32 master gradients (4); fp32 norm layers: 4 + 4 + 8
+        assert s.total == 20 * P_LINEAR + 16 * P_NORM + STEP
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+               if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "adafactor"])
+@pytest.mark.parametrize("precision", ["fp32", "O2", "O3"])
+def test_optimizer_states_equal_what_torch_allocates(optimizer, precision):
+    cfg, policy, recipe = build(f"precision={precision}", f"optimizer={optimizer}", "recipe.hidden=32")
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        for p in state.weights.optimizer_params:
+            p.grad = torch.zeros_like(p)
+        state.optimizer.step()
+    estimate = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
+    assert estimate.optimizer_states == optimizer_state_bytes(state.optimizer)
+
+
+def test_saved_tensor_count_leaves_out_parameters():
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU())
+    counter = SavedTensorCounter(model)
+    with counter.counting():
+        model(torch.randn(32, 64))
+    # addmm saves its input (the weight too, but that is a parameter); GELU saves its input.
+    assert counter.bytes == 32 * 64 * 4 + 32 * 256 * 4
+
+
+def test_largest_batch_from_the_activation_line():
+    line = ActivationLine.through(8, 1000 + 8 * 100, 4, 1000 + 4 * 100)
+    assert (line.fixed, line.per_sample) == (1000, 100)
+    assert largest_batch(10_000, 2_000, line) == 70
+    assert largest_batch(2_500, 2_000, line) == 0
+
+
+@pytest.mark.parametrize("text,expected", [("80GB", 80 * 10**9), ("16GiB", 16 * 2**30), ("512 MiB", 512 * 2**20),
+                                           ("1.5TB", 1.5e12), ("4096", 4096), ("2kb", 2000)])
+def test_budget_sizes(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80XB", "GB", "-1GB", "0", "eighty", "1e9", ""])
+def test_bad_budget_is_refused_naming_the_value(text):
+    with pytest.raises(UsageError, match=r"memory.budget=.* is not allowed: expected a size such as 80GB"):
+        parse_size(text)
