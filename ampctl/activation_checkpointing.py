@@ -18,15 +18,18 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, recipe: Any, recipe_name: str) -> int:
-    """Checkpoint every block the recipe's activation_checkpoint_blocks(model) returns; the number wrapped."""
-    blocks_of = getattr(recipe, "activation_checkpoint_blocks", None)
-    if blocks_of is None:
+def require_checkpoint_blocks(recipe: Any, recipe_name: str) -> None:
+    if getattr(recipe, "activation_checkpoint_blocks", None) is None:
         raise UsageError(
             f"train.activation_checkpointing=true: recipe {recipe_name} names no blocks to checkpoint "
             "(a recipe offers activation_checkpoint_blocks(model); gpt and resnet do)"
         )
-    blocks = list(blocks_of(model))
+
+
+def apply_activation_checkpointing(model: nn.Module, recipe: Any, recipe_name: str) -> int:
+    """Checkpoint every block the recipe's activation_checkpoint_blocks(model) returns; the number wrapped."""
+    require_checkpoint_blocks(recipe, recipe_name)
+    blocks = list(recipe.activation_checkpoint_blocks(model))
     for block in blocks:
         # An instance attribute shadows the class's forward; parameters and state_dict stay as they were.
         block.forward = functools.partial(_checkpointed, block.forward)

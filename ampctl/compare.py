@@ -24,7 +24,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ampctl import report
 from ampctl.config import DEFAULT_COMPARE_PRECISIONS
+from ampctl.activation_checkpointing import require_checkpoint_blocks
 from ampctl.errors import UnsupportedError, UsageError
+from ampctl.recipe import build_recipe
 from ampctl.preflight import one_line
 from ampctl.run import check_config
 from ampctl.runs import ERROR_FILE, load_run
@@ -67,6 +69,10 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan
             raise UsageError(f"compare.precisions: {name!r} is not a precision mode; choose from {', '.join(options)}")
     if len(set(names)) != len(names) or not names:
         raise UsageError(f"compare.precisions={names}: give one or more distinct precision modes")
+    checkpointing = ([cfg.train.activation_checkpointing] if cfg.compare.activation_checkpointing is None
+                     else list(cfg.compare.activation_checkpointing))
+    if not checkpointing or len(set(checkpointing)) != len(checkpointing):
+        raise UsageError(f"compare.activation_checkpointing={checkpointing}: give [false], [true] or [false,true]")
     plans, skipped = [], {}
     for name in names:
         overrides = [f"precision={name}", *run_overrides]
@@ -85,7 +91,13 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan
         if not explicit and policy.speed_warnings():
             skipped[name] = "no fp16 hardware on this CPU (many times slower than fp32); name it in compare.precisions to run it"
             continue
-        plans.append(ModePlan(name, overrides, mode_cfg.train.steps))
+        for ac in checkpointing:
+            label = name + ("+ac" if ac and len(checkpointing) > 1 else "")
+            plans.append(ModePlan(label, [*overrides, f"train.activation_checkpointing={str(ac).lower()}"],
+                                  mode_cfg.train.steps))
+    if True in checkpointing and plans:  # refused here rather than in every mode's process
+        recipe = build_recipe(mode_cfg.recipe)
+        require_checkpoint_blocks(recipe, type(recipe).__name__)
     if not plans:
         raise UsageError(f"none of compare.precisions={names} can run here: " +
                          "; ".join(f"{m}: {r}" for m, r in skipped.items()))

@@ -133,6 +133,8 @@ class CompareConfig:
     # null: every mode this device runs at speed among DEFAULT_COMPARE_PRECISIONS
     precisions: Optional[list[str]] = None
     warmup_steps: int = 10  # steps left out of each mode's timings
+    # [false,true]: each mode without and with activation checkpointing (rows "bf16", "bf16+ac")
+    activation_checkpointing: Optional[list[bool]] = None
 
 
 # The modes `ampctl compare` runs when compare.precisions is null (those the device can run).

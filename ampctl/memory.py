@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ampctl import report
+from ampctl.activation_checkpointing import require_checkpoint_blocks
 from ampctl.errors import UsageError
 from ampctl.preflight import one_line
 from ampctl.loop import train_step
@@ -255,9 +256,7 @@ def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
         check_config(mode_cfg)  # refuse what cannot run before measuring anything
     if any(mode_cfg.train.activation_checkpointing for _, mode_cfg in configs):
         recipe = build_recipe(configs[0][1].recipe)
-        if not hasattr(recipe, "activation_checkpoint_blocks"):
-            raise UsageError(f"activation checkpointing: recipe {type(recipe).__name__} names no blocks to "
-                             "checkpoint (a recipe offers activation_checkpoint_blocks(model); gpt and resnet do)")
+        require_checkpoint_blocks(recipe, type(recipe).__name__)
     device = check_config(configs[0][1]).device
     search = device.type == "cuda" if cfg.memory.search is None else bool(cfg.memory.search)
     if search and device.type != "cuda":

@@ -78,6 +78,7 @@ def test_report_renders_a_compare_directory_again(comparison, capsys):
         (["compare.precisions=[fp32,fp99]"], "'fp99' is not a precision mode"),
         (["compare.warmup_steps=-1"], "compare.warmup_steps=-1 is not allowed"),
         (["resume=auto"], "ampctl compare starts fresh runs"),
+        (["compare.activation_checkpointing=[false,true]"], "recipe MLPRecipe names no blocks to checkpoint"),
     ],
 )
 def test_compare_refuses_bad_input_with_one_line(tmp_path, restore_argv, capsys, args, message):
@@ -139,3 +140,18 @@ def test_report_refuses_bad_paths(tmp_path, capsys, make, message):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_compare_shows_activation_checkpointing_side_by_side(tmp_path, restore_argv, capsys):
+    out = tmp_path / "cmp"
+    gpt = ["device=cpu", "recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2",
+           "recipe.block_size=64", "recipe.batch_size=4", "recipe.max_corpus_bytes=100000", "train.steps=4",
+           "train.log_every=2", "compare.warmup_steps=1"]
+    main(["compare", *gpt, "compare.precisions=[fp32,bf16]", "compare.activation_checkpointing=[false,true]",
+          f"hydra.run.dir={out}"])
+    rows = {r["precision"]: r for r in read_csv(out / "comparison.csv")}
+    assert list(rows) == ["fp32", "fp32+ac", "bf16", "bf16+ac"]
+    assert all(r["status"] == "ok" for r in rows.values())
+    # recomputation changes memory and time, never the numbers
+    assert rows["fp32+ac"]["final_loss"] == rows["fp32"]["final_loss"]
+    assert rows["bf16+ac"]["final_loss"] == rows["bf16"]["final_loss"]
