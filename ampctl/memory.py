@@ -274,14 +274,28 @@ def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
             find_batch(result, overrides, config_dir, budget)
             for line in result.search_log:
                 console.print(f"    {line}")
-    table = memory_table(results, budget, cfg.memory.budget)
-    out_dir.mkdir(parents=True, exist_ok=True)
     machine = report.machine_info([{"device": device.type, "device_name": _device_name(device)}])
-    extra = {"kind": "memory", "overrides": task_overrides, "budget_bytes": budget,
+    write_memory_report(out_dir, results, cfg.memory.budget, machine, task_overrides, console)
+
+
+def write_memory_report(out_dir: Path, results: list[ModeMemory], budget_text: Optional[str], machine: dict,
+                        overrides: list[str], console: Console) -> None:
+    """memory.csv, memory.json (everything needed to render it again) and report.md; the table printed."""
+    budget = None if budget_text is None else parse_size(budget_text)
+    table = memory_table(results, budget, budget_text)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    extra = {"kind": "memory", "overrides": overrides, "budget": budget_text, "budget_bytes": budget,
              "modes": [_mode_record(r) for r in results]}
     files = report.write_files(table, out_dir, "memory", machine, [], extra)
     report.print_table(table, console)
     console.print(f"wrote {', '.join(p.name for p in files)} in {out_dir}")
+
+
+def rerender(out_dir: Path, console: Console) -> None:
+    """`ampctl report` on a memory directory: the table again from memory.json."""
+    data = json.loads((out_dir / "memory.json").read_text())
+    write_memory_report(out_dir, [_from_record(m) for m in data["modes"]], data.get("budget"), data["machine"],
+                        data.get("overrides", []), console)
 
 
 def _compose_memory(overrides: list[str]) -> DictConfig:
@@ -312,3 +326,13 @@ def _mode_record(r: ModeMemory) -> dict[str, Any]:
         "activations_fixed": None if r.activation_line is None else r.activation_line.fixed,
         "batch_estimate": r.batch_estimate, "batch_found": r.batch_found, "search": r.search_log,
     }
+
+
+def _from_record(m: dict[str, Any]) -> ModeMemory:
+    states = {k: v for k, v in m["model_states"].items() if k != "total"}
+    line = (None if m.get("activations_per_sample") is None
+            else ActivationLine(m["activations_fixed"], m["activations_per_sample"]))
+    peak = MeasuredPeak(m["measured_peak"], m["measured_source"], m.get("measured_breakdown") or {},
+                        m.get("peak_reserved"))
+    return ModeMemory(m["precision"], ModelStateBytes(**states), m["activations"], peak, m["step_time_ms"],
+                      m["batch_size"], line, m["batch_estimate"], m["batch_found"], m.get("search") or [])

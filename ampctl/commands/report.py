@@ -1,4 +1,4 @@
-"""`ampctl report PATH`: the table, files and plots of a run, a multirun or a compare directory, again,
+"""`ampctl report PATH`: the table, files and plots of a run, a multirun, a compare or a memory directory, again,
 from what the runs recorded (no re-training)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.runs import find_runs, is_run_dir, load_run
 from ampctl.sweep import write_sweep_report
 
-USAGE = "usage: ampctl report PATH   (a run, multirun or compare directory)"
+USAGE = "usage: ampctl report PATH   (a run, multirun, compare or memory directory)"
 
 
 def render(path: Path) -> int:
@@ -27,6 +27,11 @@ def render(path: Path) -> int:
     if comparison.is_file():
         meta = json.loads(comparison.read_text())
         return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console)
+    if (path / "memory.json").is_file():
+        from ampctl.memory import rerender
+
+        rerender(path, console)
+        return 0
     if is_run_dir(path):
         run = load_run(path)
         table = report.single_run_table(run)
@@ -40,7 +45,7 @@ def render(path: Path) -> int:
         return write_sweep_report(path, console)
     raise UsageError(
         f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
-        "no comparison.json)"
+        "no comparison.json or memory.json)"
     )
 
 

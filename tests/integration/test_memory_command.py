@@ -37,6 +37,11 @@ def test_memory_shows_the_activation_saving_of_bf16_and_of_checkpointing(tmp_pat
     rows = (out / "memory.csv").read_text().splitlines()
     assert rows[0].startswith("precision,weights,gradients") and len(rows) == 5
     assert (out / "report.md").read_text().startswith("# memory per precision mode")
+    # `ampctl report` renders the same table again from memory.json, without measuring
+    before = (out / "memory.csv").read_text()
+    (out / "memory.csv").unlink()
+    main(["report", str(out)])
+    assert (out / "memory.csv").read_text() == before
 
 
 @pytest.mark.parametrize("args,message", [
