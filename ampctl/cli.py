@@ -87,5 +87,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UsageError as exc:
         print(f"ampctl {command}: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
+    if command == "train":
+        from ampctl.distributed import NON_MAIN_HYDRA_OVERRIDES, is_main_process
+
+        if not is_main_process():
+            rest = [*rest, *NON_MAIN_HYDRA_OVERRIDES]
     sys.argv = [f"ampctl-{command}", *rest]
     entry()

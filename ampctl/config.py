@@ -100,6 +100,17 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
 
 
+class ParallelKind(Enum):
+    none = "none"
+    ddp = "ddp"
+
+
+@dataclass
+class DistributedConfig:
+    kind: ParallelKind = ParallelKind.none
+    timeout_s: int = 600  # process-group timeout: a rank that dies or hangs ends the job instead of hanging it
+
+
 class NonfiniteAction(Enum):
     stop = "stop"
     warn = "warn"
@@ -125,6 +136,7 @@ class AmpctlConfig:
     scaler: Any = MISSING
     recipe: Any = MISSING
     optimizer: Any = MISSING
+    distributed: DistributedConfig = MISSING
     resume: Optional[str] = None  # a run dir or checkpoint file to continue from; "auto": this run dir's newest
 
 
@@ -176,6 +188,7 @@ def register_configs() -> None:
     cs.store(name="ampctl_memory_schema", node=MemoryAppConfig)
     # Root-level names, not a schema/ group: a group would be listed among the options in `--help`.
     cs.store(name="schema_precision", node=PrecisionConfig)
+    cs.store(name="schema_distributed", node=DistributedConfig)
     for name, node in SCALER_SCHEMAS.items():
         cs.store(name=f"schema_scaler_{name}", node=node)
 
@@ -198,6 +211,7 @@ def validate(cfg: DictConfig) -> None:
     _require(train.steps >= 1, "train.steps", train.steps, "an integer >= 1")
     _require(train.grad_accum_steps >= 1, "train.grad_accum_steps", train.grad_accum_steps, "an integer >= 1")
     _require(train.log_every >= 1, "train.log_every", train.log_every, "an integer >= 1")
+    _require(cfg.distributed.timeout_s >= 1, "distributed.timeout_s", cfg.distributed.timeout_s, "an integer >= 1")
     _require(train.lr_warmup_steps >= 0, "train.lr_warmup_steps", train.lr_warmup_steps, "an integer >= 0")
     _require(
         train.timing_warmup_steps >= 0, "train.timing_warmup_steps", train.timing_warmup_steps, "an integer >= 0"

@@ -25,9 +25,10 @@ class Interrupted(Exception):
 class StopOnSignal:
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self) -> None:
+    def __init__(self, announce: str = "after this step") -> None:
         self.signum: Optional[int] = None
         self._previous: dict[int, object] = {}
+        self._announce = announce  # when the run will stop; "" for a process that should not print
 
     @property
     def requested(self) -> bool:
@@ -37,8 +38,9 @@ class StopOnSignal:
         if self.signum is not None:
             os._exit(128 + signum)  # second signal: now, without unwinding (nothing half-written survives)
         self.signum = signum
-        print(f"\nampctl: {signal.Signals(signum).name}: stopping after this step and writing a checkpoint "
-              "(again to exit at once)", file=sys.stderr, flush=True)
+        if self._announce:
+            print(f"\nampctl: {signal.Signals(signum).name}: stopping {self._announce} and writing a checkpoint "
+                  "(again to exit at once)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there

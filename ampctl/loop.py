@@ -8,12 +8,13 @@ the only reads are the telemetry's, on log steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
+from ampctl.distributed import SingleProcess
 from ampctl.optim import LRSchedule
 from ampctl.precision import PrecisionPolicy, WeightLayout
 from ampctl.recipe import Recipe
@@ -41,6 +42,7 @@ class TrainState:
     scaler: LossScaler
     schedule: LRSchedule
     step: int = 0
+    parallel: SingleProcess = field(default_factory=SingleProcess)  # DDP's hooks; identities in one process
 
 
 def train_step(
@@ -54,12 +56,14 @@ def train_step(
 ) -> None:
     opt, scaler = state.optimizer, state.scaler
     losses = []
-    for _ in range(grad_accum_steps):
+    model = state.parallel.training_model(state.model)
+    for micro in range(grad_accum_steps):
         batch = next(batches)
-        with policy.autocast():
-            loss = recipe.loss(state.model, batch)
-        # backward outside autocast, as torch.amp recommends; the loss is averaged over micro-batches.
-        scaler.scale(loss / grad_accum_steps).backward()
+        with state.parallel.grad_sync(last_micro_batch=micro == grad_accum_steps - 1):
+            with policy.autocast():
+                loss = recipe.loss(model, batch)
+            # backward outside autocast, as torch.amp recommends; the loss is averaged over micro-batches.
+            scaler.scale(loss / grad_accum_steps).backward()
         losses.append(loss.detach())
     state.weights.grads_to_masters()
     # One unscale_ after the last micro-batch: clipping and the grad norm must see true gradients.
@@ -70,7 +74,7 @@ def train_step(
     scaler.step(opt)
     found_inf = scaler.found_inf(opt)
     state.step += 1
-    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    loss = state.parallel.mean_(losses[0] if len(losses) == 1 else torch.stack(losses).mean())
     # Recorded before update(): the scale logged is the one that multiplied this step's loss.
     telemetry.record(state.step, loss, scaler.current_scale(), found_inf, grad_norm, state.schedule.current_lr())
     scaler.update()

@@ -7,13 +7,14 @@ import json
 import os
 import platform
 import resource
+import signal
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig
 
-from ampctl import checkpoint, devices
+from ampctl import checkpoint, devices, distributed
 from ampctl.activation_checkpointing import apply_activation_checkpointing
 from ampctl.config import validate
 from ampctl.console import make_console_sink, say
@@ -32,7 +33,8 @@ from ampctl.telemetry import JsonlSink, Telemetry, read_metrics, summarize
 def check_config(cfg: DictConfig) -> PrecisionPolicy:
     """Everything that can be refused before building anything: ranges, then what the device can do."""
     validate(cfg)
-    device = devices.resolve_device(cfg.device.value)
+    distributed.check(cfg)
+    device = distributed.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind.value)
     policy = PrecisionPolicy(PrecisionSpec.from_config(cfg.precision), device)
     policy.check()
     return policy
@@ -45,6 +47,10 @@ def peak_memory_reader(device: torch.device) -> tuple[Callable[[], Optional[int]
         return (lambda: torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
     # Linux reports ru_maxrss in KiB. It is the whole process (interpreter, torch, data), an upper bound.
     return (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "process max RSS (ru_maxrss)"
+
+
+def _silent(_message: str) -> None:
+    pass
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -74,24 +80,42 @@ def run_training(
     Returns the summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
     choices = choices or {}
     policy = check_config(cfg)
+    parallel = distributed.start(cfg, policy.device)
+    try:
+        return _run(cfg, run_dir, choices, echo, policy, parallel)
+    finally:
+        parallel.close()
+
+
+def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable[[str], None],
+         policy: PrecisionPolicy, parallel: distributed.SingleProcess) -> dict:
     device = policy.device
+    run_dir = parallel.main_value(run_dir)  # every rank records into (and resumes from) rank 0's run dir
+    if not parallel.is_main:
+        echo = _silent  # only rank 0 speaks; the others raise their errors
     resume_from = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
     payload = checkpoint.load(resume_from) if resume_from else None
     changes = checkpoint.config_changes(payload["config"], cfg) if payload else []
     if resume_from:
         run_dir = checkpoint.run_dir_of(resume_from)
-    recipe = build_recipe(cfg.recipe)
+    recipe = build_recipe(distributed.global_recipe_config(cfg.recipe, parallel.world_size))
+    if parallel.world_size > 1:
+        recipe = distributed.RankShard(recipe, parallel.rank, parallel.world_size)
 
     with policy:
         state = build_state(cfg, policy, recipe)
         if payload:
             checkpoint.restore(payload, state)
+        parallel.wrap(state.model)
+        state.parallel = parallel
         model, scaler = state.model, state.scaler
         n_params = sum(p.numel() for p in model.parameters())
         echo(policy.describe(scaler.describe()))
         echo(
             f"recipe={choices.get('recipe', type(recipe).__name__)} params={n_params / 1e6:.2f}M "
             f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={run_dir}"
+            + (f" ranks={parallel.world_size} (ddp; global batch = recipe.batch_size x {parallel.world_size})"
+               if parallel.world_size > 1 else "")
         )
         if payload:
             echo(f"resumed from {resume_from} at step {state.step}" + (f"; changed: {'; '.join(changes)}" if changes else ""))
@@ -101,15 +125,19 @@ def run_training(
             echo(f"warning: {message}")
 
         peak_memory, peak_memory_source = peak_memory_reader(device)
-        samples = recipe.samples_per_batch * cfg.train.grad_accum_steps
-        tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * cfg.train.grad_accum_steps
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if payload:
-            keep_metrics_up_to(run_dir / "metrics.jsonl", state.step)
-        sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
-        console = make_console_sink(cfg.train.console, cfg.train.steps, tokens is not None, peak_memory)
-        if console is not None:
-            sinks.append(console)
+        # throughput is the whole job's: every rank's samples
+        per_step = cfg.train.grad_accum_steps * parallel.world_size
+        samples = recipe.samples_per_batch * per_step
+        tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * per_step
+        sinks: list = []
+        if parallel.is_main:  # one record of the run, rank 0's (the loss is the mean over ranks)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if payload:
+                keep_metrics_up_to(run_dir / "metrics.jsonl", state.step)
+            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+            console = make_console_sink(cfg.train.console, cfg.train.steps, tokens is not None, peak_memory)
+            if console is not None:
+                sinks.append(console)
         telemetry = Telemetry(device, cfg.train.log_every, samples, tokens, sinks)
         telemetry.skipped_total = payload["skipped_total"] if payload else 0
         last_checkpoint: list[Path] = []
@@ -128,10 +156,23 @@ def run_training(
                 telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
                 payload_now = checkpoint.capture(state, cfg, state.step * cfg.train.grad_accum_steps,
                                                  telemetry.skipped_total)
-                last_checkpoint[:] = [checkpoint.save(payload_now, run_dir, cfg.train.keep_checkpoints)]
+                # Ranks hold the same weights and states (DDP): rank 0's full state dict is the checkpoint,
+                # and a resumed job, of any size, loads it on every rank.
+                path = checkpoint.checkpoint_path(run_dir, state.step)
+                if parallel.is_main:
+                    checkpoint.save(payload_now, run_dir, cfg.train.keep_checkpoints)
+                last_checkpoint[:] = [path]
+
+        def stop_requested() -> bool:
+            if parallel.world_size == 1:
+                return stop.requested
+            # Every rank must stop after the same step, or the others wait in a collective: they agree on
+            # log steps, where the host reads from the device anyway.
+            return state.step % cfg.train.log_every == 0 and parallel.agree(stop.requested)
 
         try:
-            with StopOnSignal() as stop:
+            announce = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
+            with StopOnSignal(announce if parallel.is_main else "") as stop:
                 finished = fit(
                     state,
                     recipe,
@@ -142,19 +183,23 @@ def run_training(
                     seed=cfg.train.seed,
                     telemetry=telemetry,
                     after_step=after_step,
-                    stop_requested=lambda: stop.requested,
+                    stop_requested=stop_requested,
                 )
         except GuardStop as stop_exc:
             telemetry.close()
+            if not parallel.is_main:
+                raise RunStopped(stop_exc.trip.reason) from None
             echo(f"stopped: {stop_exc.trip.reason}; replaying step {stop_exc.trip.step} to find the layer...")
             diagnosis = replay(cfg, policy, recipe, run_dir, stop_exc.trip.step, stop_exc.trip.reason, build_state)
             raise RunStopped(f"{stop_exc.trip.reason}. {diagnosis['summary']}. Written to {run_dir / DIAGNOSIS_FILE}") from None
         finally:
             telemetry.close()
         if not finished:
-            assert stop.signum is not None
-            raise Interrupted(stop.signum, state.step, str(last_checkpoint[0]) if last_checkpoint else None)
+            # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
+            raise Interrupted(stop.signum or signal.SIGTERM, state.step, str(last_checkpoint[0]) if last_checkpoint else None)
 
+    if not parallel.is_main:
+        return {"run_dir": str(run_dir)}
     summary = {
         "precision": cfg.precision.name,
         "precision_choice": choices.get("precision", cfg.precision.name),
@@ -167,6 +212,7 @@ def run_training(
         "cuda_version": torch.version.cuda,
         "python_version": platform.python_version(),
         "parameters": n_params,
+        "world_size": parallel.world_size,
         **summarize(read_metrics(run_dir / "metrics.jsonl"), cfg.train.timing_warmup_steps),
         "peak_memory_bytes": peak_memory(),
         "peak_memory_source": peak_memory_source,

@@ -13,6 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from ampctl.distributed import is_main_process
 from ampctl.errors import USAGE_EXIT_CODE, RunStopped, UsageError
 from ampctl.interrupt import Interrupted
 from ampctl.run import run_training
@@ -38,6 +39,8 @@ def train(cfg: DictConfig) -> Optional[float]:
     try:
         summary = run_training(cfg, run_dir, choices=dict(hydra_cfg.runtime.choices))
     except Interrupted as exc:
+        if not is_main_process():
+            sys.exit(exc.exit_code)
         where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
         resume_dir = Path(exc.checkpoint).parent.parent if exc.checkpoint else run_dir
         print(f"ampctl train: interrupted at step {exc.step}; {where}; continue with: "
@@ -51,7 +54,8 @@ def train(cfg: DictConfig) -> Optional[float]:
     except UsageError as exc:
         if multirun:
             return record_failed_job(run_dir, exc)
-        remove_if_only_hydra_files(run_dir)
+        if is_main_process():
+            remove_if_only_hydra_files(run_dir)
         print(f"ampctl train: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
     except Exception as exc:  # noqa: BLE001 - in a sweep one job's crash must not end the others
@@ -59,7 +63,7 @@ def train(cfg: DictConfig) -> Optional[float]:
             raise
         log.exception("job failed")
         return record_failed_job(run_dir, exc)
-    if Path(summary["run_dir"]) != run_dir:
+    if Path(summary["run_dir"]) != run_dir and is_main_process():
         remove_if_only_hydra_files(run_dir)  # resumed into the checkpoint's own run dir
     return summary.get("final_loss")
 

@@ -1,0 +1,92 @@
+"""Data parallelism on the CPU: torchrun, gloo, 2 processes. Each test starts real torchrun jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampctl.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "train.steps=12", "train.log_every=4",
+       "train.console=plain", "train.lr_warmup_steps=0"]
+COMPARED = ("step", "loss", "loss_scale", "skipped")
+
+
+def torchrun(run_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         "-m", "ampctl", "train", "distributed=ddp", *args, f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, cwd=run_dir.parent, env=env,
+    )
+
+
+def single(run_dir: Path, *args: str) -> None:
+    main(["train", *args, "train.console=quiet", f"hydra.run.dir={run_dir}"])
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [{k: r[k] for k in COMPARED} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.parametrize("precision,accum", [("fp16", 2), ("bf16", 1)])
+def test_two_ranks_of_batch_b_train_as_one_process_of_batch_2b(tmp_path, restore_argv, precision, accum):
+    args = [*MLP, f"precision={precision}", f"train.grad_accum_steps={accum}",
+            *(["scaler.init_scale=1e6"] if precision == "fp16" else [])]
+    result = torchrun(tmp_path / "ddp", *args, "recipe.batch_size=16")
+    assert result.returncode == 0, result.stderr
+    single(tmp_path / "one", *args, "recipe.batch_size=32")
+    ddp, one = rows(tmp_path / "ddp"), rows(tmp_path / "one")
+    assert [r["step"] for r in ddp] == list(range(1, 13))
+    assert [r["loss"] for r in ddp] == pytest.approx([r["loss"] for r in one], rel=2e-3)
+    assert [(r["loss_scale"], r["skipped"]) for r in ddp] == [(r["loss_scale"], r["skipped"]) for r in one]
+    summary = json.loads((tmp_path / "ddp" / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    # only rank 0 speaks and records: one final line, one run dir, nothing written where torchrun ran
+    assert result.stdout.count("done: 12 steps") == 1, result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp", "one"]
+
+
+def test_an_inf_on_one_rank_makes_every_rank_skip(tmp_path):
+    recipe = ["recipe._target_=tests.rank_fault_recipe.RankFaultRecipe", "+recipe.fault_step=3"]
+    result = torchrun(tmp_path / "ddp", *MLP, *recipe, "precision=fp16", "recipe.batch_size=16")
+    assert result.returncode == 0, result.stderr
+    skipped = [r["step"] for r in rows(tmp_path / "ddp") if r["skipped"]]
+    # rank 0 computed finite gradients at step 3; the all-reduce brought rank 1's inf to it
+    assert skipped == [3], rows(tmp_path / "ddp")
+    assert "Traceback" not in result.stderr
+
+
+def test_a_failure_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
+    recipe = ["recipe._target_=tests.rank_fault_recipe.RankFaultRecipe", "+recipe.fault=crash"]
+    result = torchrun(tmp_path / "ddp", *MLP, *recipe, "precision=bf16", "recipe.batch_size=16",
+                      "distributed.timeout_s=30")
+    assert result.returncode != 0
+    assert "injected failure on rank 1" in result.stderr
+    assert "rank      : 1" in result.stderr or "rank: 1" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_ddp_job_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
+    args = [*MLP, "precision=fp16", "recipe.batch_size=16", "scaler.init_scale=1e9", "scaler.growth_interval=3"]
+    assert torchrun(tmp_path / "whole", *args).returncode == 0
+    first = torchrun(tmp_path / "resumed", *args, "train.steps=6")
+    assert first.returncode == 0, first.stderr
+    second = torchrun(tmp_path / "resumed", *args, "resume=auto")
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout and "changed: train.steps: 6 -> 12" in second.stdout
+    assert rows(tmp_path / "resumed") == rows(tmp_path / "whole")
+
+
+def test_ddp_outside_torchrun_is_refused_with_one_line(tmp_path, restore_argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "distributed=ddp", *MLP, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "distributed=ddp runs under torchrun" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
