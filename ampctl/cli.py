@@ -34,10 +34,17 @@ def print_help() -> None:
     print("  ampctl train --cfg job       the composed config, without training")
 
 
+def refuse_distributed(cfg, command: str) -> None:
+    if cfg.distributed.kind.value != "none":
+        raise UsageError(f"distributed={cfg.distributed.kind.value}: ampctl {command} runs on one device; "
+                         f"data parallelism is for ampctl train under torchrun")
+
+
 def validate_compare(cfg) -> None:
     from ampctl.config import validate
 
     validate(cfg)
+    refuse_distributed(cfg, "compare")
     if cfg.compare.warmup_steps < 0:
         raise UsageError(f"compare.warmup_steps={cfg.compare.warmup_steps} is not allowed: expected an integer >= 0")
 
@@ -47,6 +54,7 @@ def validate_memory(cfg) -> None:
     from ampctl.memory_model import parse_size
 
     validate(cfg)
+    refuse_distributed(cfg, "memory")
     m = cfg.memory
     if m.steps < 1:
         raise UsageError(f"memory.steps={m.steps} is not allowed: expected an integer >= 1")

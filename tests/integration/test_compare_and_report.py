@@ -78,6 +78,7 @@ def test_report_renders_a_compare_directory_again(comparison, capsys):
         (["compare.precisions=[fp32,fp99]"], "'fp99' is not a precision mode"),
         (["compare.warmup_steps=-1"], "compare.warmup_steps=-1 is not allowed"),
         (["resume=auto"], "ampctl compare starts fresh runs"),
+        (["distributed=ddp"], "distributed=ddp: ampctl compare runs on one device"),
         (["compare.activation_checkpointing=[false,true]"], "recipe MLPRecipe names no blocks to checkpoint"),
     ],
 )

@@ -51,6 +51,7 @@ def test_memory_shows_the_activation_saving_of_bf16_and_of_checkpointing(tmp_pat
     (["memory.precisions=[fp32,fp64]"], "'fp64' is not a precision mode"),
     (["precision=bf16", "memory.precisions=[fp32]"], "give the modes with memory.precisions=[...] or one precision="),
     (["memory.search=true"], "memory.search=true needs a CUDA device"),
+    (["distributed=ddp"], "distributed=ddp: ampctl memory runs on one device"),
     (["recipe=mlp", "memory.activation_checkpointing=[true]"], "recipe MLPRecipe names no blocks to checkpoint"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, message):
