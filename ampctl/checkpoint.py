@@ -61,16 +61,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def capture(state: TrainState, cfg: DictConfig, batches_consumed: int, skipped_total: int) -> dict[str, Any]:
-    """The checkpoint's payload. Reads the device (scaler scale, lr count): called between steps only."""
+    """The checkpoint's payload. Reads the device (scaler scale, lr count): called between steps only, on
+    every rank (gathering sharded states is a collective); rank 0's payload is the one saved."""
+    model_state, optimizer_state = state.parallel.full_state(state.model, state.optimizer)
     return {
         "format_version": FORMAT_VERSION,
         "step": state.step,
         "batches_consumed": batches_consumed,
         "skipped_total": skipped_total,
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
-        "model": state.model.state_dict(),
+        "model": model_state,
         "weights": state.weights.state_dict(),
-        "optimizer": state.optimizer.state_dict(),
+        "optimizer": optimizer_state,
         "scaler": state.scaler.state_dict(),
         "schedule": state.schedule.state_dict(),
         "rng": rng_state(),
@@ -183,11 +185,10 @@ def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
 
 def restore(payload: dict[str, Any], state: TrainState) -> None:
     """Load a checkpoint into a freshly built state (same config), so the next step is the one that follows."""
-    state.model.load_state_dict(payload["model"])
     state.weights.load_state_dict(payload["weights"])
     # The lr tensors of fused optimizers are the schedule's own device tensors: keep them, not the saved copies.
     lrs = [group["lr"] for group in state.optimizer.param_groups]
-    state.optimizer.load_state_dict(payload["optimizer"])
+    state.parallel.load_full_state(state.model, state.optimizer, payload["model"], payload["optimizer"])
     for group, lr in zip(state.optimizer.param_groups, lrs):
         group["lr"] = lr
     state.scaler.load_state_dict(payload["scaler"])

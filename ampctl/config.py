@@ -103,12 +103,14 @@ class TrainConfig:
 class ParallelKind(Enum):
     none = "none"
     ddp = "ddp"
+    fsdp = "fsdp"
 
 
 @dataclass
 class DistributedConfig:
     kind: ParallelKind = ParallelKind.none
     timeout_s: int = 600  # process-group timeout: a rank that dies or hangs ends the job instead of hanging it
+    reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3), or keep (ZeRO-2)
 
 
 class NonfiniteAction(Enum):

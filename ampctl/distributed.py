@@ -1,11 +1,12 @@
-"""Data parallelism under torchrun, on PyTorch's own engine: DistributedDataParallel over a process group
-(nccl on CUDA, gloo on CPU). One process per device; torchrun sets RANK, WORLD_SIZE and LOCAL_RANK.
+"""Data parallelism under torchrun, on PyTorch's own engine: DistributedDataParallel or FSDP2 (fully_shard)
+over a process group (nccl on CUDA, gloo on CPU). One process per device; torchrun sets RANK, WORLD_SIZE and LOCAL_RANK.
 
 What the loop needs from it is small, so that the step has no distributed branches: the model to run the
 forward on (the DDP wrapper), a context that turns gradient all-reduce off for all but the last micro-batch
 (no_sync), the mean of the recorded loss over ranks, and agreement on host-side decisions (stop on a signal).
-The loss scaler needs nothing: DDP's all-reduce makes every rank's gradients equal, so an inf on any rank is
-an inf on all, and every rank takes the same skip decision.
+The loss scaler: DDP's all-reduce makes every rank's gradients equal, so an inf on any rank is an inf on all
+and every rank takes the same skip decision; under FSDP each rank holds a shard of the gradients, so the
+scaler all-reduces its found-inf (shards_gradients).
 
 Each rank's data: the recipe is built for the global batch (recipe.batch_size x world size) and each rank
 keeps its own slice of every batch, so that N ranks of batch B see exactly what one process of batch N*B
@@ -46,8 +47,8 @@ def torchrun_world_size() -> int:
 
 
 def local_device(device: torch.device, kind: str) -> torch.device:
-    """Under torchrun with DDP on CUDA, each process owns the GPU of its local rank."""
-    if kind == "ddp" and device.type == "cuda":
+    """Under torchrun on CUDA, each process owns the GPU of its local rank."""
+    if kind != "none" and device.type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
 
@@ -58,6 +59,10 @@ def check(cfg: DictConfig) -> None:
     if kind == "none" and torchrun_world_size() > 1:
         raise UsageError(f"this process is one of {torchrun_world_size()} started by torchrun, but distributed=none: "
                          "add distributed=ddp")
+    if kind == "fsdp" and cfg.precision.cast_model:
+        raise UsageError(f"distributed=fsdp with precision={cfg.precision.name}: FSDP2 keeps fp32 sharded "
+                         "parameters and casts them for compute (its MixedPrecisionPolicy is O2 for sharded "
+                         "training); use precision=bf16 or fp16 (or fp32, tf32)")
     if kind != "none":
         missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
         if missing:
@@ -71,9 +76,22 @@ class SingleProcess:
     rank = 0
     world_size = 1
     is_main = True
+    shards_gradients = False  # each rank holds only a shard of the gradients (found-inf must be agreed)
 
-    def wrap(self, model: nn.Module) -> None:
+    def describe(self) -> str:
+        return ""
+
+    def wrap(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         pass
+
+    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """Model and optimizer state dicts, whole (not sharded): what a checkpoint holds."""
+        return model.state_dict(), optimizer.state_dict()
+
+    def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                        optimizer_state: dict) -> None:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
 
     def training_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -109,7 +127,10 @@ class DataParallel(SingleProcess):
         self.device, self.backend = device, backend
         self._ddp: nn.Module | None = None
 
-    def wrap(self, model: nn.Module) -> None:
+    def describe(self) -> str:
+        return f"ddp over {self.world_size} ranks ({self.backend})"
+
+    def wrap(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
         self._ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
@@ -146,10 +167,76 @@ class DataParallel(SingleProcess):
             dist.destroy_process_group()
 
 
-def start(cfg: DictConfig, device: torch.device) -> SingleProcess:
-    if cfg.distributed.kind.value == "none":
+class FullyShardedDataParallel(DataParallel):
+    """FSDP2: fully_shard on each recipe block, then on the root. Parameters stay fp32 and sharded (the
+    optimizer steps on them: they are the master weights); the MixedPrecisionPolicy gathers them in the
+    compute dtype and reduces gradients in fp32."""
+
+    shards_gradients = True
+
+    def __init__(self, device: torch.device, timeout_s: int, param_dtype: torch.dtype | None,
+                 reshard_after_forward: bool) -> None:
+        super().__init__(device, timeout_s)
+        self._param_dtype, self._reshard = param_dtype, reshard_after_forward
+        self._model: nn.Module | None = None
+
+    def describe(self) -> str:
+        param = "float32" if self._param_dtype is None else str(self._param_dtype).removeprefix("torch.")
+        return (f"fsdp over {self.world_size} ranks ({self.backend}): param_dtype={param} reduce_dtype=float32, "
+                f"reshard_after_forward={self._reshard}")
+
+    def wrap(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        fully_shard, policy_class = _fsdp2()
+        policy = policy_class(param_dtype=self._param_dtype, reduce_dtype=torch.float32)
+        for block in blocks:
+            fully_shard(block, mp_policy=policy, reshard_after_forward=self._reshard)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=self._reshard)
+        self._model = model
+
+    def training_model(self, model: nn.Module) -> nn.Module:
+        return model  # fully_shard changed the model in place
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, enabled: bool) -> Iterator[None]:
+        assert self._model is not None, "wrap() the model first"
+        self._model.set_requires_gradient_sync(enabled)  # off: accumulate unsharded, reduce-scatter later
+        yield
+
+    def grad_sync(self, last_micro_batch: bool) -> ContextManager:
+        return self._gradient_sync(last_micro_batch)
+
+    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        # A collective: every rank calls it; rank 0 gets the whole state on the CPU, the others nothing.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                        optimizer_state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                       options=StateDictOptions(full_state_dict=True))
+
+
+def _fsdp2():
+    """fully_shard and MixedPrecisionPolicy: public in torch >= 2.6, under _composable before."""
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard  # type: ignore
+    return fully_shard, MixedPrecisionPolicy
+
+
+def start(cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype | None = None) -> SingleProcess:
+    """The parallelism of this process. compute_dtype: the precision mode's half dtype, if it has one."""
+    kind = cfg.distributed.kind.value
+    if kind == "none":
         return SingleProcess()
-    return DataParallel(device, cfg.distributed.timeout_s)
+    if kind == "ddp":
+        return DataParallel(device, cfg.distributed.timeout_s)
+    return FullyShardedDataParallel(device, cfg.distributed.timeout_s, compute_dtype,
+                                    cfg.distributed.reshard_after_forward)
 
 
 def global_recipe_config(recipe_cfg: DictConfig, world_size: int) -> DictConfig:

@@ -24,11 +24,16 @@ from ampctl.telemetry import Telemetry
 
 def grad_norm_(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
     """Total norm of the (unscaled) gradients; clips them to max_norm when given. Stays on the device."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6: clip_grad_norm_'s own two halves
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(norm, "full_tensor"):  # FSDP: the norm over every rank's shard (a collective, no sync)
+            norm = norm.full_tensor()
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        return norm
     if max_norm is not None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-    grads = [p.grad for p in params if p.grad is not None]
-    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-        return torch.nn.utils.get_total_norm(grads, foreach=True)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 

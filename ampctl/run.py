@@ -59,18 +59,25 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe) -> TrainState:
-    """Seed, build the model the policy's way, then its optimizer, loss scaler and lr schedule."""
+def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
+                parallel: Optional[distributed.SingleProcess] = None) -> TrainState:
+    """Seed, build the model the policy's way (wrapped for data parallelism: DDP, or sharded by FSDP before
+    the optimizer sees its parameters), then its optimizer, loss scaler and lr schedule."""
+    parallel = parallel or distributed.SingleProcess()
     torch.manual_seed(cfg.train.seed)
     model = policy.prepare_model(recipe.build_model())
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, recipe, cfg.recipe._target_.rsplit(".", 1)[-1])
+    blocks = getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(model)
+    parallel.wrap(model, list(blocks))
     weights = policy.weight_layout(model)
     optimizer = build_optimizer(cfg.optimizer, weights.optimizer_params, policy.device)
     half_grads = any(p.dtype != torch.float32 for p in weights.optimizer_params)
     scaler = build_scaler(cfg.scaler, policy.device, half_grads=half_grads)
+    if parallel.shards_gradients:
+        scaler.agree_across_ranks()
     schedule = LRSchedule(optimizer, cfg.train, policy.device)
-    return TrainState(model, weights, optimizer, scaler, schedule)
+    return TrainState(model, weights, optimizer, scaler, schedule, parallel=parallel)
 
 
 def run_training(
@@ -80,7 +87,7 @@ def run_training(
     Returns the summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
     choices = choices or {}
     policy = check_config(cfg)
-    parallel = distributed.start(cfg, policy.device)
+    parallel = distributed.start(cfg, policy.device, policy.spec.dtype if policy.spec.autocast else None)
     try:
         return _run(cfg, run_dir, choices, echo, policy, parallel)
     finally:
@@ -103,18 +110,16 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
         recipe = distributed.RankShard(recipe, parallel.rank, parallel.world_size)
 
     with policy:
-        state = build_state(cfg, policy, recipe)
+        state = build_state(cfg, policy, recipe, parallel)
         if payload:
             checkpoint.restore(payload, state)
-        parallel.wrap(state.model)
-        state.parallel = parallel
         model, scaler = state.model, state.scaler
         n_params = sum(p.numel() for p in model.parameters())
         echo(policy.describe(scaler.describe()))
         echo(
             f"recipe={choices.get('recipe', type(recipe).__name__)} params={n_params / 1e6:.2f}M "
             f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={run_dir}"
-            + (f" ranks={parallel.world_size} (ddp; global batch = recipe.batch_size x {parallel.world_size})"
+            + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
                if parallel.world_size > 1 else "")
         )
         if payload:

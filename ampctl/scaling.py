@@ -29,6 +29,10 @@ class LossScaler(Protocol):
 
     def step(self, optimizer: torch.optim.Optimizer) -> None: ...
 
+    def agree_across_ranks(self) -> None:
+        """Sharded gradients: make every rank's skip decision the same."""
+        ...
+
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """1.0 on the device if this step's gradients were not finite (the step was skipped), else 0.0.
         Valid between step() and update()."""
@@ -66,6 +70,9 @@ class NoLossScaler:
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         return self._zero
+
+    def agree_across_ranks(self) -> None:
+        pass  # never skips
 
     def current_scale(self) -> torch.Tensor:
         return self._one
@@ -106,8 +113,20 @@ class AmpGradScaler(torch.amp.GradScaler):
         self.min_scale = min_scale
         self.max_scale = max_scale
 
+    agree_across_ranks = False  # sharded gradients (FSDP): each rank checks only its shard
+
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self.allow_fp16_grads)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        if self.agree_across_ranks and self._enabled:
+            # An inf in any rank's shard skips the step on every rank (as FSDP's ShardedGradScaler does): a
+            # collective on the device, no host sync.
+            import torch.distributed as dist
+
+            for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
         if not self._enabled:
@@ -177,6 +196,9 @@ class TorchLossScaler:
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.unscale_(optimizer)
+
+    def agree_across_ranks(self) -> None:
+        self.scaler.agree_across_ranks = True
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         # With a fused optimizer this hands found_inf to the kernel (which skips on the device); with

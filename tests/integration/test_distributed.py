@@ -22,7 +22,7 @@ def torchrun(run_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedP
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         "-m", "ampctl", "train", "distributed=ddp", *args, f"hydra.run.dir={run_dir}"],
+         "-m", "ampctl", "train", *args, f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=300, cwd=run_dir.parent, env=env,
     )
 
@@ -35,11 +35,11 @@ def rows(run_dir: Path) -> list[dict]:
     return [{k: r[k] for k in COMPARED} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
-@pytest.mark.parametrize("precision,accum", [("fp16", 2), ("bf16", 1)])
-def test_two_ranks_of_batch_b_train_as_one_process_of_batch_2b(tmp_path, restore_argv, precision, accum):
+@pytest.mark.parametrize("kind,precision,accum", [("ddp", "fp16", 2), ("ddp", "bf16", 1), ("fsdp", "fp32", 2)])
+def test_two_ranks_of_batch_b_train_as_one_process_of_batch_2b(tmp_path, restore_argv, kind, precision, accum):
     args = [*MLP, f"precision={precision}", f"train.grad_accum_steps={accum}",
             *(["scaler.init_scale=1e6"] if precision == "fp16" else [])]
-    result = torchrun(tmp_path / "ddp", *args, "recipe.batch_size=16")
+    result = torchrun(tmp_path / "ddp", *args, "recipe.batch_size=16", f"distributed={kind}")
     assert result.returncode == 0, result.stderr
     single(tmp_path / "one", *args, "recipe.batch_size=32")
     ddp, one = rows(tmp_path / "ddp"), rows(tmp_path / "one")
@@ -53,9 +53,12 @@ def test_two_ranks_of_batch_b_train_as_one_process_of_batch_2b(tmp_path, restore
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp", "one"]
 
 
-def test_an_inf_on_one_rank_makes_every_rank_skip(tmp_path):
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_an_inf_on_one_rank_makes_every_rank_skip(tmp_path, kind):
+    """DDP: the all-reduce carries the inf to every rank. FSDP: each rank sees only its shard of the
+    gradients, so the scaler all-reduces its found-inf."""
     recipe = ["recipe._target_=tests.rank_fault_recipe.RankFaultRecipe", "+recipe.fault_step=3"]
-    result = torchrun(tmp_path / "ddp", *MLP, *recipe, "precision=fp16", "recipe.batch_size=16")
+    result = torchrun(tmp_path / "ddp", *MLP, *recipe, "precision=fp16", "recipe.batch_size=16", f"distributed={kind}")
     assert result.returncode == 0, result.stderr
     skipped = [r["step"] for r in rows(tmp_path / "ddp") if r["skipped"]]
     # rank 0 computed finite gradients at step 3; the all-reduce brought rank 1's inf to it
@@ -66,14 +69,23 @@ def test_an_inf_on_one_rank_makes_every_rank_skip(tmp_path):
 def test_a_failure_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
     recipe = ["recipe._target_=tests.rank_fault_recipe.RankFaultRecipe", "+recipe.fault=crash"]
     result = torchrun(tmp_path / "ddp", *MLP, *recipe, "precision=bf16", "recipe.batch_size=16",
-                      "distributed.timeout_s=30")
+                      "distributed=ddp", "distributed.timeout_s=30")
     assert result.returncode != 0
     assert "injected failure on rank 1" in result.stderr
     assert "rank      : 1" in result.stderr or "rank: 1" in result.stderr, result.stderr[-2000:]
 
 
-def test_a_ddp_job_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
-    args = [*MLP, "precision=fp16", "recipe.batch_size=16", "scaler.init_scale=1e9", "scaler.growth_interval=3"]
+GPT = ["device=cpu", "recipe=gpt", "recipe.d_model=64", "recipe.n_layers=2", "recipe.n_heads=2",
+       "recipe.block_size=64", "recipe.batch_size=4", "recipe.max_corpus_bytes=200000", "train.steps=12",
+       "train.log_every=4", "train.console=plain"]
+
+
+@pytest.mark.parametrize("args", [
+    [*MLP, "distributed=ddp", "precision=fp16", "recipe.batch_size=16", "scaler.init_scale=1e9",
+     "scaler.growth_interval=3"],
+    [*GPT, "distributed=fsdp", "precision=bf16"],  # sharded states: gathered into one checkpoint, re-sharded
+], ids=["ddp-fp16", "fsdp-bf16-gpt"])
+def test_a_job_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, args):
     assert torchrun(tmp_path / "whole", *args).returncode == 0
     first = torchrun(tmp_path / "resumed", *args, "train.steps=6")
     assert first.returncode == 0, first.stderr
@@ -83,10 +95,16 @@ def test_a_ddp_job_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path):
     assert rows(tmp_path / "resumed") == rows(tmp_path / "whole")
 
 
-def test_ddp_outside_torchrun_is_refused_with_one_line(tmp_path, restore_argv, capsys):
+@pytest.mark.parametrize("args,message", [
+    (["distributed=ddp"], "distributed=ddp runs under torchrun"),
+    (["distributed=fsdp"], "distributed=fsdp runs under torchrun"),
+    (["distributed=fsdp", "precision=O2"], "distributed=fsdp with precision=O2: FSDP2 keeps fp32 sharded parameters"),
+    (["distributed.timeout_s=0"], "distributed.timeout_s=0 is not allowed"),
+])
+def test_bad_distributed_input_is_refused_with_one_line(tmp_path, restore_argv, capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "distributed=ddp", *MLP, f"hydra.run.dir={tmp_path / 'run'}"])
+        main(["train", *MLP, *args, f"hydra.run.dir={tmp_path / 'run'}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "distributed=ddp runs under torchrun" in err and err.count("\n") == 1, err
+    assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
