@@ -70,3 +70,28 @@ def test_o2_batchnorm_runs_fp32_parameters_on_half_input_without_casts(tmp_path)
         telemetry = Telemetry(policy.device, 100, recipe.samples_per_batch, None, [])
         train_step(state, recipe.batches(policy.device, 0), recipe, policy, 1, 1.0, telemetry)
     assert seen == [(torch.float16, torch.float16)]
+
+
+@pytest.mark.parametrize("kind,precision", [("ddp", "fp16"), ("fsdp", "bf16")])
+def test_data_parallel_on_cuda_with_nccl(tmp_path, kind, precision):
+    """torchrun with one process per GPU (as many as there are, at most 2): the nccl path end to end."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    nproc = min(torch.cuda.device_count(), 2)
+    repo = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "ampctl",
+         "train", f"distributed={kind}", "device=cuda", f"precision={precision}", "recipe=gpt",
+         "recipe.max_corpus_bytes=300000", "train.steps=20", "train.log_every=5", "train.console=plain",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300, cwd=repo,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["world_size"] == nproc and summary["device"] == "cuda"
+    assert f"{kind} over {nproc} ranks (nccl)" in result.stdout or nproc == 1
