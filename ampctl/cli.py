@@ -15,6 +15,7 @@ COMMANDS = {
     "train": ("ampctl.commands.train", "train", "train a recipe under a precision mode (a Hydra app: try --help)"),
     "compare": ("ampctl.commands.compare", "compare", "the same run under several precision modes, one table and report"),
     "memory": ("ampctl.commands.memory", "memory", "estimated memory per part next to the measured peak, per precision mode"),
+    "inspect": ("ampctl.commands.inspect", "inspect", "where values fall against fp16, bf16 and FP8 ranges, per layer"),
     "report": ("ampctl.commands.report", "main", "the table, files and plots of a run, multirun or compare directory, again"),
     "list": ("ampctl.commands.list", "main", "list precision modes, scalers, recipes and optimizers, and what runs here"),
 }
@@ -64,6 +65,18 @@ def validate_memory(cfg) -> None:
         parse_size(m.budget)
 
 
+def validate_inspect(cfg) -> None:
+    from ampctl.config import validate
+    from ampctl.inspect import power_of_two_log2
+
+    validate(cfg)
+    refuse_distributed(cfg, "inspect")
+    if cfg.inspect.steps < 1:
+        raise UsageError(f"inspect.steps={cfg.inspect.steps} is not allowed: expected an integer >= 1")
+    if cfg.inspect.loss_scale is not None:
+        power_of_two_log2(cfg.inspect.loss_scale, "inspect.loss_scale")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -85,12 +98,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     module_name, function_name, _ = COMMANDS[command]
     entry = getattr(importlib.import_module(module_name), function_name)
     try:
-        if command in ("train", "compare", "memory"):
+        if command in ("train", "compare", "memory", "inspect"):
             from ampctl.preflight import preflight
             from ampctl.run import check_config
 
             # compare and memory check their base config here; each mode is composed and checked later
-            check = {"train": check_config, "compare": validate_compare, "memory": validate_memory}[command]
+            check = {"train": check_config, "compare": validate_compare, "memory": validate_memory,
+                     "inspect": validate_inspect}[command]
             preflight(rest, command, check)
     except UsageError as exc:
         print(f"ampctl {command}: error: {exc}", file=sys.stderr)

@@ -179,6 +179,19 @@ class MemoryAppConfig(AmpctlConfig):
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
+@dataclass
+class InspectConfig:
+    steps: int = 3  # training steps recorded
+    loss_scale: Optional[float] = None  # the loss scale studied; null: the mode's scaler's, else 65536
+
+
+@dataclass
+class InspectAppConfig(AmpctlConfig):
+    """The primary config of `ampctl inspect`: a train config plus what to inspect."""
+
+    inspect: InspectConfig = field(default_factory=InspectConfig)
+
+
 SCALER_SCHEMAS = {"none": NoScalerConfig, "static": StaticScalerConfig, "dynamic": DynamicScalerConfig}
 
 
@@ -188,6 +201,7 @@ def register_configs() -> None:
     cs.store(name="ampctl_schema", node=AmpctlConfig)
     cs.store(name="ampctl_compare_schema", node=CompareAppConfig)
     cs.store(name="ampctl_memory_schema", node=MemoryAppConfig)
+    cs.store(name="ampctl_inspect_schema", node=InspectAppConfig)
     # Root-level names, not a schema/ group: a group would be listed among the options in `--help`.
     cs.store(name="schema_precision", node=PrecisionConfig)
     cs.store(name="schema_distributed", node=DistributedConfig)

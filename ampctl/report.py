@@ -180,7 +180,7 @@ def print_table(table: ReportTable, console: Optional[Console] = None) -> None:
     console = console or make_console()
     rich_table = Table(title=table.title)
     for column, header in zip(table.columns, table.display_headers()):
-        rich_table.add_column(header, justify="left" if column in ("precision", "status", "job", "key") else "right")
+        rich_table.add_column(header, justify="left" if column in ("precision", "status", "job", "key", "kind", "layer") else "right")
     for row, cells in zip(table.rows, table.display_rows()):
         status = dict(zip(table.columns, row)).get("status", "ok")
         style = {"ok": None, "failed": "red"}.get(status, "yellow")

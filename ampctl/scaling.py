@@ -215,7 +215,9 @@ class TorchLossScaler:
         if not self.scaler.is_enabled():
             return self._one  # a disabled GradScaler never creates its _scale
         scale = self.scaler._scale
-        return self._one if scale is None else scale
+        if scale is None:  # GradScaler creates its scale at the first scale(): until then it is init_scale
+            return torch.full_like(self._one, self.scaler._init_scale)
+        return scale
 
     def update(self) -> None:
         self.scaler.update()

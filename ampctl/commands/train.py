@@ -22,7 +22,7 @@ from ampctl.runs import ERROR_FILE
 log = logging.getLogger(__name__)
 
 
-HYDRA_FILES = {".hydra", "train.log", "compare.log", "memory.log"}
+HYDRA_FILES = {".hydra", "train.log", "compare.log", "memory.log", "inspect.log"}
 
 
 def remove_if_only_hydra_files(run_dir: Path) -> None:

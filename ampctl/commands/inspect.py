@@ -1,0 +1,26 @@
+"""`ampctl inspect [overrides]`: a Hydra app over conf/inspect.yaml (train's config plus inspect.*)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ampctl.commands.train import remove_if_only_hydra_files
+from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.inspect import run_inspect
+
+
+@hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="inspect")
+def inspect(cfg: DictConfig) -> None:
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        run_inspect(cfg, out_dir, list(hydra_cfg.overrides.task))
+    except UsageError as exc:
+        remove_if_only_hydra_files(out_dir)
+        print(f"ampctl inspect: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)

@@ -1,0 +1,244 @@
+"""`ampctl inspect`: where a model's values fall against fp16, bf16 and FP8 ranges, per layer.
+
+Runs inspect.steps real training steps of the recipe under its precision mode with hooks on every leaf
+module, and records, on the device, log2-magnitude histograms of activations (module outputs), activation
+gradients (gradients of those outputs), weight gradients and weights. Gradients are recorded as true values
+(divided by the loss scale the step used) and judged twice: as they are, and multiplied by the loss scale
+under study (the mode's scaler's, or inspect.loss_scale). The hooks exist only inside the inspection: a
+normal `ampctl train` has none.
+
+For the loss-scaling picture of Micikevicius et al. (2018) for your own model, inspect in fp32
+(`precision=fp32`, the default), where no value has been flushed yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig
+from rich.console import Console
+from torch import nn
+
+from ampctl import report
+from ampctl.errors import UsageError
+from ampctl.loop import train_step
+from ampctl.numerics import FORMATS, FP16, RangeStats, largest_safe_scale
+from ampctl.recipe import build_recipe
+from ampctl.run import build_state, check_config
+from ampctl.telemetry import Telemetry
+
+KINDS = ("activation", "activation_grad", "weight_grad", "weight")
+GRADIENT_KINDS = ("activation_grad", "weight_grad")
+GRADSCALER_DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale: the scale studied for unscaled modes
+
+
+def power_of_two_log2(value: float, key: str) -> int:
+    exponent = math.log2(value) if value > 0 else float("nan")
+    if not math.isfinite(exponent) or exponent != int(exponent):
+        raise UsageError(f"{key}={value:g} is not allowed: expected a power of two (e.g. 65536), so that "
+                         "scaling shifts magnitudes exactly")
+    return int(exponent)
+
+
+class RangeRecorder:
+    """Forward hooks on every leaf module (and a gradient hook on each output, and on each parameter):
+    registered on entry, removed on exit."""
+
+    def __init__(self, model: nn.Module, device: torch.device, study_scale_log2: int) -> None:
+        self.layers = [(name or "model", m) for name, m in model.named_modules() if not list(m.children())]
+        self.stats: dict[tuple[str, str], RangeStats] = {}
+        self._device, self._study = device, study_scale_log2
+        self._handles: list[Any] = []
+        self.run_scale = 1.0  # the loss scale of the step being recorded (gradients are divided by it)
+
+    def _stats(self, layer: str, kind: str) -> RangeStats:
+        key = (layer, kind)
+        if key not in self.stats:
+            self.stats[key] = RangeStats(self._device, self._study if kind in GRADIENT_KINDS else 0)
+        return self.stats[key]
+
+    def _on_output(self, layer: str, output: Any) -> None:
+        for tensor in _tensors(output):
+            if not tensor.is_floating_point():
+                continue
+            self._stats(layer, "activation").add(tensor)
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad, layer=layer: self._stats(layer, "activation_grad").add(
+                    grad / self.run_scale))
+
+    def __enter__(self) -> "RangeRecorder":
+        seen: set[int] = set()
+        for layer, module in self.layers:
+            self._handles.append(module.register_forward_hook(
+                lambda _m, _args, output, layer=layer: self._on_output(layer, output)))
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) in seen or not param.requires_grad:
+                    continue  # a tied weight is recorded once, under its first layer
+                seen.add(id(param))
+                self._handles.append(param.register_post_accumulate_grad_hook(
+                    lambda p, layer=layer: self._stats(layer, "weight_grad").add(p.grad / self.run_scale)))
+        return self
+
+    def record_weights(self) -> None:
+        seen: set[int] = set()
+        for layer, module in self.layers:
+            for param in module.parameters(recurse=False):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    self._stats(layer, "weight").add(param)
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []
+
+
+@dataclass
+class Inspection:
+    recorder: RangeRecorder
+    study_scale: float
+    run_scales: list[float]
+
+
+def inspect_run(cfg: DictConfig) -> Inspection:
+    policy = check_config(cfg)
+    recipe = build_recipe(cfg.recipe)
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        scaled_mode = state.scaler.can_skip
+        study = cfg.inspect.loss_scale
+        if study is None:
+            study = float(state.scaler.current_scale()) if scaled_mode else GRADSCALER_DEFAULT_SCALE
+        recorder = RangeRecorder(state.model, policy.device, power_of_two_log2(study, "inspect.loss_scale"))
+        telemetry = Telemetry(policy.device, cfg.inspect.steps, recipe.samples_per_batch, None, [])
+        batches = recipe.batches(policy.device, cfg.train.seed)
+        run_scales = []
+        state.model.train()
+        with recorder:
+            recorder.record_weights()
+            for _ in range(cfg.inspect.steps):
+                # the scale this step multiplies the loss by: its gradients are divided by it (a host read:
+                # inspect is not a training run)
+                recorder.run_scale = float(state.scaler.current_scale())
+                power_of_two_log2(recorder.run_scale, "the scaler's current scale")
+                run_scales.append(recorder.run_scale)
+                train_step(state, batches, recipe, policy, cfg.train.grad_accum_steps, cfg.train.clip_grad_norm,
+                           telemetry)
+                telemetry.end_step(last=False)
+    return Inspection(recorder, study, run_scales)
+
+
+# --- tables ---------------------------------------------------------------------------------------
+
+
+def _format_columns() -> list[str]:
+    return [f"{f.name}_{what}{suffix}" for f in FORMATS for what in ("to_zero", "subnormal", "overflow")
+            for suffix in ("", "_scaled")]
+
+
+def layer_table(inspection: Inspection) -> report.ReportTable:
+    """One row per layer and tensor kind: every format's fractions, unscaled and at the studied scale."""
+    columns = ["layer", "kind", "values", "max_abs", *_format_columns()]
+    rows = []
+    for (layer, kind), stats in inspection.recorder.stats.items():
+        values: dict[str, Any] = {"layer": layer, "kind": kind, "values": int(stats.total),
+                                  "max_abs": float(stats.max_abs)}
+        for f in FORMATS:
+            for scaled, suffix in ((False, ""), (True, "_scaled")):
+                for what, fraction in stats.fractions(f, scaled).items():
+                    values[f"{f.name}_{what}{suffix}"] = fraction
+        rows.append([values[c] for c in columns])
+    order = {k: i for i, k in enumerate(KINDS)}
+    rows.sort(key=lambda r: (order[r[1]], [l for l, _ in inspection.recorder.layers].index(r[0])))
+    return report.ReportTable("value ranges per layer", columns, rows)
+
+
+def summary_table(inspection: Inspection) -> report.ReportTable:
+    """One row per tensor kind, all layers together: what the terminal shows."""
+    scale_text = f"2^{int(math.log2(inspection.study_scale))}"
+    columns = ["kind", "max_abs"]
+    for f in FORMATS:
+        columns += [f"{f.name}_to_zero", f"{f.name}_overflow"]
+    columns += ["fp16_to_zero_scaled", "fp16_subnormal_scaled", "fp16_overflow_scaled"]
+    rows = []
+    for kind in KINDS:
+        merged = _merged(inspection, kind)
+        if merged is None:
+            continue
+        values: dict[str, Any] = {"kind": kind, "max_abs": float(merged.max_abs)}
+        for f in FORMATS:
+            fr = merged.fractions(f, scaled=False)
+            values[f"{f.name}_to_zero"], values[f"{f.name}_overflow"] = fr["to_zero"], fr["overflow"]
+        scaled = merged.fractions(FP16, scaled=True)
+        for what in ("to_zero", "subnormal", "overflow"):
+            values[f"fp16_{what}_scaled"] = scaled[what] if kind in GRADIENT_KINDS else None
+        rows.append([values[c] for c in columns])
+    percent = lambda v: "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")  # noqa: E731
+    headers = {c: c.replace("_to_zero", " →0").replace("_overflow", " >max").replace("_subnormal", " subn.")
+               .replace("fp8_", "") for c in columns}
+    for c in ("fp16_to_zero_scaled", "fp16_subnormal_scaled", "fp16_overflow_scaled"):
+        headers[c] = headers[c].replace("_scaled", f" ×{scale_text}")
+    headers["max_abs"] = "max |x|"
+    formats = {c: percent for c in columns if c not in ("kind", "max_abs")}
+    formats["max_abs"] = lambda v: f"{v:.3g}"
+    grads = [m for m in (_merged(inspection, k) for k in GRADIENT_KINDS) if m is not None]
+    max_grad = max((float(m.max_abs) for m in grads), default=0.0)
+    notes = [f"fractions of all values; →0: flushed to zero, subn.: kept only as a subnormal, >max: overflow. "
+             f"Gradients are true values (each step's loss scale {sorted(set(inspection.run_scales))} divided "
+             f"out); ×{scale_text}: multiplied by the loss scale studied."]
+    if max_grad > 0:
+        safe = largest_safe_scale(max_grad)
+        notes.append(f"largest loss scale keeping every gradient finite in fp16 with a factor 2 to spare: "
+                     f"2^{int(math.log2(safe))} = {safe:g} (max |gradient| {max_grad:.3g}, activation and weight "
+                     "gradients).")
+    return report.ReportTable("value ranges by tensor kind, all layers", columns, rows, notes=notes,
+                              headers=headers, formats=formats)
+
+
+def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
+    parts = [s for (_, k), s in inspection.recorder.stats.items() if k == kind]
+    if not parts:
+        return None
+    merged = RangeStats(parts[0].histogram.device, parts[0].scale_log2)
+    for part in parts:
+        merged.total += part.total
+        merged.histogram += part.histogram
+        merged.max_abs = torch.maximum(merged.max_abs, part.max_abs)
+        for key in merged._overflow:
+            merged._overflow[key] += part._overflow[key]
+    return merged
+
+
+def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
+    from ampctl import plots
+
+    console = report.make_console()
+    console.print(f"ampctl inspect: {cfg.inspect.steps} steps of precision={cfg.precision.name} with range hooks "
+                  f"on every leaf module -> {out_dir}")
+    inspection = inspect_run(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = summary_table(inspection)
+    layers = layer_table(inspection)
+    device = next(iter(inspection.recorder.stats.values())).histogram.device
+    machine = report.machine_info([{"device": device.type}])
+    kind = "activation_grad" if _merged(inspection, "activation_grad") is not None else "weight_grad"
+    images = [plots.gradient_ranges(_merged(inspection, kind), kind.replace("_grad", " gradients"),
+                                    inspection.study_scale, out_dir / "gradient_ranges.png"),
+              plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png")]
+    extra = {"kind": "inspect", "overrides": overrides, "study_scale": inspection.study_scale,
+             "run_scales": inspection.run_scales, "summary": summary.as_dicts(), "summary_notes": summary.notes}
+    files = report.write_files(layers, out_dir, "ranges", machine, images, extra)
+    report.print_table(summary, console)
+    console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")

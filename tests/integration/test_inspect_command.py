@@ -1,0 +1,64 @@
+"""`ampctl inspect` end to end on the CPU: its table, files and plots, and bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from PIL import Image
+
+from ampctl.cli import main
+
+GPT = ["device=cpu", "recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2",
+       "recipe.block_size=32", "recipe.batch_size=4", "recipe.max_corpus_bytes=100000", "inspect.steps=2"]
+MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "inspect.steps=2"]
+
+
+@pytest.mark.parametrize("args", [GPT, [*MLP, "precision=fp16", "scaler.init_scale=1024"]], ids=["gpt-fp32", "mlp-fp16"])
+def test_inspect_writes_its_table_and_plots(tmp_path, restore_argv, capsys, args):
+    out = tmp_path / "inspect"
+    main(["inspect", *args, f"hydra.run.dir={out}"])
+    printed = capsys.readouterr().out
+    assert "value ranges by tensor kind" in printed and "largest loss scale keeping every gradient" in printed
+    rows = list(csv.DictReader((out / "ranges.csv").open()))
+    kinds = {r["kind"] for r in rows}
+    assert kinds == {"activation", "activation_grad", "weight_grad", "weight"}
+    for r in rows:
+        for fmt in ("fp16", "bf16", "fp8_e4m3", "fp8_e5m2"):
+            assert 0.0 <= float(r[f"{fmt}_to_zero"]) <= 1.0 and 0.0 <= float(r[f"{fmt}_overflow"]) <= 1.0
+    data = json.loads((out / "ranges.json").read_text())
+    if "scaler.init_scale=1024" in args:
+        # the fp16 run scaled its loss by 1024 (its gradients were divided by it) and that scale is studied
+        assert data["study_scale"] == 1024 and set(data["run_scales"]) <= {1024.0, 512.0, 2048.0}
+    else:
+        assert data["study_scale"] == 65536 and data["run_scales"] == [1.0, 1.0]
+    for image in ("gradient_ranges.png", "underflow_heatmap.png"):
+        with Image.open(out / image) as png:
+            assert png.format == "PNG" and png.size[0] > 400
+
+
+def test_gradients_are_recorded_as_true_values_whatever_the_loss_scale(tmp_path, restore_argv):
+    """The same fp32 step with the loss scaled by 2^10 (static scaler) records the same gradients."""
+    maxima = {}
+    for name, extra in (("plain", []), ("scaled", ["scaler=static", "scaler.scale=1024"])):
+        out = tmp_path / name
+        main(["inspect", *MLP, "inspect.steps=1", *extra, f"hydra.run.dir={out}"])
+        rows = list(csv.DictReader((out / "ranges.csv").open()))
+        maxima[name] = {(r["layer"], r["kind"]): float(r["max_abs"]) for r in rows if r["kind"].endswith("_grad")}
+    assert maxima["plain"] == pytest.approx(maxima["scaled"], rel=1e-6)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["inspect.loss_scale=1000"], "inspect.loss_scale=1000 is not allowed: expected a power of two"),
+    (["inspect.steps=0"], "inspect.steps=0 is not allowed: expected an integer >= 1"),
+    (["distributed=ddp"], "distributed=ddp: ampctl inspect runs on one device"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, message):
+    out = tmp_path / "inspect"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", *MLP, *args, f"hydra.run.dir={out}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not out.exists()
