@@ -100,6 +100,11 @@ class TrainConfig:
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
 
 
+@dataclass
+class TelemetryConfig:
+    ranges_every: Optional[int] = None  # every N steps, record per-layer value ranges into ranges.jsonl (ampctl inspect's)
+
+
 class ParallelKind(Enum):
     none = "none"
     ddp = "ddp"
@@ -134,6 +139,7 @@ class AmpctlConfig:
     device: DeviceChoice = DeviceChoice.auto
     train: TrainConfig = field(default_factory=TrainConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     precision: PrecisionConfig = MISSING
     scaler: Any = MISSING
     recipe: Any = MISSING
@@ -227,6 +233,8 @@ def validate(cfg: DictConfig) -> None:
     _require(train.steps >= 1, "train.steps", train.steps, "an integer >= 1")
     _require(train.grad_accum_steps >= 1, "train.grad_accum_steps", train.grad_accum_steps, "an integer >= 1")
     _require(train.log_every >= 1, "train.log_every", train.log_every, "an integer >= 1")
+    every = cfg.telemetry.ranges_every
+    _require(every is None or every >= 1, "telemetry.ranges_every", every, "an integer >= 1, or null")
     _require(cfg.distributed.timeout_s >= 1, "distributed.timeout_s", cfg.distributed.timeout_s, "an integer >= 1")
     _require(train.lr_warmup_steps >= 0, "train.lr_warmup_steps", train.lr_warmup_steps, "an integer >= 0")
     _require(

@@ -13,10 +13,12 @@ For the loss-scaling picture of Micikevicius et al. (2018) for your own model, i
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -242,3 +244,38 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     files = report.write_files(layers, out_dir, "ranges", machine, images, extra)
     report.print_table(summary, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
+
+
+class RangesLog:
+    """telemetry.ranges_every=N during `ampctl train`: on every N-th step, the range hooks are on for that
+    step alone, and afterwards one line of per-layer fractions goes to ranges.jsonl (one host read, on
+    those steps only). The other steps run without hooks."""
+
+    FILE = "ranges.jsonl"
+
+    def __init__(self, model: nn.Module, scaler: Any, device: torch.device, every: int, path: Path) -> None:
+        self._model, self._scaler, self._device, self._every, self._path = model, scaler, device, every, path
+
+    @contextlib.contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        if step % self._every:
+            yield
+            return
+        run_scale = float(self._scaler.current_scale())
+        recorder = RangeRecorder(self._model, self._device, power_of_two_log2(run_scale, "the loss scale"))
+        recorder.run_scale = run_scale
+        with recorder:
+            recorder.record_weights()
+            yield
+        layers: dict[str, dict[str, Any]] = {}
+        for (layer, kind), stats in recorder.stats.items():
+            entry = {"max_abs": float(stats.max_abs)}
+            for f in FORMATS:
+                for what, fraction in stats.fractions(f, scaled=False).items():
+                    entry[f"{f.name}_{what}"] = fraction
+            if kind in GRADIENT_KINDS:  # where the scaled gradients of this step fell in fp16
+                for what, fraction in stats.fractions(FP16, scaled=True).items():
+                    entry[f"fp16_{what}_scaled"] = fraction
+            layers.setdefault(layer, {})[kind] = entry
+        with self._path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "loss_scale": run_scale, "layers": layers}) + "\n")

@@ -8,8 +8,10 @@ the only reads are the telemetry's, on log steps.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterator, Optional
 
 import torch
 from torch import nn
@@ -99,6 +101,7 @@ def fit(
     telemetry: Telemetry,
     after_step: Callable[[bool], None] = lambda last: None,
     stop_requested: Callable[[], bool] = lambda: False,
+    around_step: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext(),
 ) -> bool:
     """Train from state.step to steps. after_step(last) runs after every step (checkpoints); stop_requested()
     is a host-side flag checked between steps. Returns False when stopped early."""
@@ -109,7 +112,8 @@ def fit(
         next(batches)
     state.model.train()
     while state.step < steps:
-        train_step(state, batches, recipe, policy, grad_accum_steps, clip_grad_norm, telemetry)
+        with around_step(state.step + 1):  # e.g. range hooks on the steps telemetry.ranges_every picks
+            train_step(state, batches, recipe, policy, grad_accum_steps, clip_grad_norm, telemetry)
         stopping = stop_requested()
         last = state.step == steps or stopping
         telemetry.end_step(last=last)

@@ -3,6 +3,7 @@ telemetry; run the loop; write the run directory (metrics.jsonl, summary.json)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -139,6 +140,7 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
             run_dir.mkdir(parents=True, exist_ok=True)
             if payload:
                 keep_metrics_up_to(run_dir / "metrics.jsonl", state.step)
+                keep_ranges_up_to(run_dir / "ranges.jsonl", state.step)
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
             console = make_console_sink(cfg.train.console, cfg.train.steps, tokens is not None, peak_memory)
             if console is not None:
@@ -168,6 +170,12 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
                     checkpoint.save(payload_now, run_dir, cfg.train.keep_checkpoints)
                 last_checkpoint[:] = [path]
 
+        ranges_log = None
+        if cfg.telemetry.ranges_every and parallel.is_main:
+            from ampctl.inspect import RangesLog
+
+            ranges_log = RangesLog(state.model, scaler, device, cfg.telemetry.ranges_every, run_dir / RangesLog.FILE)
+
         def stop_requested() -> bool:
             if parallel.world_size == 1:
                 return stop.requested
@@ -189,6 +197,7 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
                     telemetry=telemetry,
                     after_step=after_step,
                     stop_requested=stop_requested,
+                    around_step=ranges_log.around if ranges_log else (lambda _step: contextlib.nullcontext()),
                 )
         except GuardStop as stop_exc:
             telemetry.close()
@@ -235,6 +244,22 @@ def keep_metrics_up_to(path: Path, step: int) -> None:
         return
     kept = [line for line, record in zip(path.read_text(encoding="utf-8").splitlines(), read_metrics(path))
             if record.step <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def keep_ranges_up_to(path: Path, step: int) -> None:
+    """As keep_metrics_up_to, for telemetry.ranges_every's ranges.jsonl."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            break  # a line cut by a kill ends what was written
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     os.replace(tmp, path)

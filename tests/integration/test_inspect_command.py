@@ -62,3 +62,18 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, 
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_ranges_every_records_into_the_run_directory_without_changing_the_run(tmp_path):
+    from tests.conftest import train
+
+    base = ["precision=fp16", "train.steps=6"]
+    _, plain = train(tmp_path / "plain", *base)
+    _, watched = train(tmp_path / "watched", *base, "telemetry.ranges_every=3")
+    assert [r["loss"] for r in watched] == [r["loss"] for r in plain]  # the hooks only read
+    assert not (tmp_path / "plain" / "ranges.jsonl").exists()
+    lines = [json.loads(line) for line in (tmp_path / "watched" / "ranges.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [3, 6]
+    first_layer = next(iter(lines[0]["layers"].values()))
+    assert {"activation", "activation_grad", "weight_grad", "weight"} <= set(first_layer)
+    assert "fp16_to_zero_scaled" in first_layer["activation_grad"] and "fp8_e4m3_overflow" in first_layer["weight"]
