@@ -114,7 +114,7 @@ def test_unknown_command_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["trian"])
     assert exit_info.value.code == 2
-    assert "unknown command 'trian'; choose one of: train, compare, memory, report, list" in capsys.readouterr().err
+    assert "unknown command 'trian'; choose one of: train, compare, memory, inspect, report, list" in capsys.readouterr().err
 
 
 # --- real processes ---------------------------------------------------------------------------------
