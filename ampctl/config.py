@@ -43,6 +43,33 @@ class ConsoleMode(Enum):
     quiet = "quiet"
 
 
+class Fp8Scaling(Enum):
+    current = "current"
+    delayed = "delayed"
+    blockwise = "blockwise"
+
+
+class Fp8Format(Enum):
+    hybrid = "hybrid"
+    e4m3 = "e4m3"
+
+
+class AmaxAlgo(Enum):
+    max = "max"
+    most_recent = "most_recent"
+
+
+@dataclass
+class Fp8Config:
+    """Emulated FP8 for every Linear's matmul inputs (see ampctl/fp8.py)."""
+
+    scaling: Fp8Scaling = Fp8Scaling.current
+    format: Fp8Format = Fp8Format.hybrid  # hybrid: e4m3 forward, e5m2 gradients; blockwise is e4m3 only
+    amax_history_len: int = 16  # delayed scaling
+    amax_compute_algo: AmaxAlgo = AmaxAlgo.max  # delayed scaling
+    margin: int = 0  # scales map amax to the format's max / 2^margin
+
+
 @dataclass
 class PrecisionConfig:
     """One precision mode. The YAMLs in conf/precision/ are rows of the README's precision table."""
@@ -55,6 +82,7 @@ class PrecisionConfig:
     master_weights: bool = False  # O2: the optimizer steps on fp32 copies of the half weights
     keep_norm_fp32: bool = False  # O2: normalization layers keep fp32 weights and run in fp32
     tf32: bool = False  # TF32 for matmul and cuDNN convolutions; false means explicitly off
+    fp8: Optional[Fp8Config] = None  # emulated FP8 matmul inputs for every nn.Linear
 
 
 @dataclass
@@ -292,6 +320,12 @@ def _validate_precision(p: DictConfig) -> None:
         p.tf32,
         "false for half-precision modes (tf32 is its own mode: precision=tf32)",
     )
+    if p.fp8 is not None:
+        f = p.fp8
+        _require(f.amax_history_len >= 1, "precision.fp8.amax_history_len", f.amax_history_len, "an integer >= 1")
+        _require(f.margin >= 0, "precision.fp8.margin", f.margin, "an integer >= 0")
+        _require(not (f.scaling == Fp8Scaling.blockwise and f.format == Fp8Format.hybrid), "precision.fp8.format",
+                 f.format.name, "e4m3 with scaling=blockwise (DeepSeek-V3's fine-grained scaling is E4M3 only)")
 
 
 def _validate_scaler(s: DictConfig) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from ampctl import devices, fp32_math
 from ampctl.config import Dtype
 from ampctl.errors import UnsupportedError
+from ampctl.fp8 import Fp8Recipe, convert_linears
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
 
@@ -49,6 +50,7 @@ class PrecisionSpec:
     master_weights: bool
     keep_norm_fp32: bool
     tf32: bool
+    fp8: Optional[Fp8Recipe] = None
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "PrecisionSpec":
@@ -61,6 +63,10 @@ class PrecisionSpec:
             master_weights=cfg.master_weights,
             keep_norm_fp32=cfg.keep_norm_fp32,
             tf32=cfg.tf32,
+            fp8=None if cfg.get("fp8") is None else Fp8Recipe(
+                scaling=cfg.fp8.scaling.value, format=cfg.fp8.format.value,
+                amax_history_len=cfg.fp8.amax_history_len, amax_compute_algo=cfg.fp8.amax_compute_algo.value,
+                margin=cfg.fp8.margin),
         )
 
     @property
@@ -192,6 +198,9 @@ class PrecisionPolicy:
     def speed_warnings(self) -> list[str]:
         """Legal runs that will be much slower than the user likely expects."""
         s, dev = self.spec, self.device
+        if s.fp8 is not None:
+            return [f"precision={s.name} emulates FP8 (quantize and dequantize around fp32 matmuls): slower than "
+                    "fp32 by design; it is for studying FP8's convergence and error, not for speed"]
         if dev.type == "cpu" and s.uses_half and s.dtype == torch.float16 and not devices.has_fast_fp16_cpu():
             return [
                 f"precision={s.name} computes in float16 on a CPU without AVX512-FP16/AMX-FP16 "
@@ -220,6 +229,8 @@ class PrecisionPolicy:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Move the model to the device, and for O2/O3 cast it to half the way Apex did."""
         model.to(self.device)
+        if self.spec.fp8 is not None:
+            convert_linears(model, self.spec.fp8)
         if not self.spec.cast_model:
             return model
         half = self.spec.dtype
@@ -255,5 +266,10 @@ class PrecisionPolicy:
             f"tf32={'on' if s.tf32 else 'off'}",
             f"loss_scale={scaler_description}",
         ]
+        if s.fp8 is not None:
+            f = s.fp8
+            parts.insert(0, f"fp8=emulated scaling={f.scaling} format={f.format} margin={f.margin}" + (
+                f" amax_history_len={f.amax_history_len} amax_compute_algo={f.amax_compute_algo}"
+                if f.scaling == "delayed" else ""))
         return f"Selected precision={s.name}: " + ", ".join(parts)
 

@@ -17,7 +17,7 @@ from ampctl.precision import PrecisionPolicy, PrecisionSpec
 
 GROUPS = ("scaler", "recipe", "optimizer")
 # The README's table order: baselines first, then autocast modes, then Apex's cast-model levels.
-PRECISION_ORDER = ("fp32", "O0", "tf32", "fp16", "O1", "bf16", "O2", "O3")
+PRECISION_ORDER = ("fp32", "O0", "tf32", "fp16", "O1", "bf16", "O2", "O3", "fp8_emulated")
 
 
 def precision_sort_key(option: str) -> tuple[int, str]:
@@ -61,7 +61,8 @@ def main() -> None:
             try:
                 policy = PrecisionPolicy(spec, device)
                 policy.check()
-                runs = "[yellow]yes, slowly[/]: no fp16 hardware" if policy.speed_warnings() else "[green]yes[/]"
+                slow = "emulated, by design" if spec.fp8 is not None else "no fp16 hardware"
+                runs = f"[yellow]yes, slowly[/]: {slow}" if policy.speed_warnings() else "[green]yes[/]"
             except UsageError as exc:
                 runs = f"[red]no[/]: {str(exc).split(';')[0].split(': ', 1)[-1]}"
             label = option if option == spec.name else f"{option} (= {spec.name})"
