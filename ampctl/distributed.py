@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from typing import Any, ContextManager, Iterator
 
@@ -126,6 +127,7 @@ class DataParallel(SingleProcess):
         self.is_main = self.rank == 0
         self.device, self.backend = device, backend
         self._ddp: nn.Module | None = None
+        self._model: nn.Module | None = None
 
     def describe(self) -> str:
         return f"ddp over {self.world_size} ranks ({self.backend})"
@@ -163,8 +165,14 @@ class DataParallel(SingleProcess):
         dist.barrier()
 
     def close(self) -> None:
+        self._ddp = self._model = None
+        # The run's model, optimizer and hooks hold the group's C++ backend (and its worker threads) through
+        # reference cycles. Collect them now, while the interpreter is whole: a backend destroyed during
+        # interpreter shutdown can abort the process ("terminate called without an active exception").
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()
 
 
 class FullyShardedDataParallel(DataParallel):
@@ -178,7 +186,6 @@ class FullyShardedDataParallel(DataParallel):
                  reshard_after_forward: bool) -> None:
         super().__init__(device, timeout_s)
         self._param_dtype, self._reshard = param_dtype, reshard_after_forward
-        self._model: nn.Module | None = None
 
     def describe(self) -> str:
         param = "float32" if self._param_dtype is None else str(self._param_dtype).removeprefix("torch.")

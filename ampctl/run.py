@@ -90,7 +90,9 @@ def run_training(
     policy = check_config(cfg)
     parallel = distributed.start(cfg, policy.device, policy.spec.dtype if policy.spec.autocast else None)
     try:
-        return _run(cfg, run_dir, choices, echo, policy, parallel)
+        summary = _run(cfg, run_dir, choices, echo, policy, parallel)
+        parallel.barrier()  # ranks leave together: none tears the group down while another still talks to it
+        return summary
     finally:
         parallel.close()
 
