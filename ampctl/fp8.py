@@ -76,20 +76,23 @@ def quantize_tiles(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, ma
 
 
 class AmaxHistory:
-    """Transformer Engine's delayed scaling for one tensor role of one layer."""
+    """Transformer Engine's delayed scaling for one tensor role of one layer. The history is a buffer of the
+    layer (most recent first), so it is in the model's state_dict: checkpoints carry it and a resumed run
+    scales exactly as the uninterrupted one. Zeros mean "no history yet": the first step uses its own amax,
+    as TE's first step does. Everything stays on the device."""
 
-    def __init__(self, length: int, algo: str) -> None:
-        self.history: Optional[torch.Tensor] = None
-        self.length, self.algo = length, algo
+    def __init__(self, layer: nn.Module, role: str, length: int, algo: str) -> None:
+        self.layer, self.name, self.algo = layer, f"fp8_amax_history_{role}", algo
+        layer.register_buffer(self.name, torch.zeros(length, device=layer.weight.device))
 
     def scale_then_record(self, x: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+        history = getattr(self.layer, self.name)
         amax = x.detach().abs().max().float()
-        if self.history is None:  # the first step has no history: its own amax (as TE's first step)
-            self.history = amax.repeat(self.length)
-        reference = self.history.max() if self.algo == "max" else self.history[0]
+        recorded = history.max() if self.algo == "max" else history[0]
+        reference = torch.where(history.max() > 0, recorded, amax)
         scale = scale_for(reference, dtype, margin)
-        self.history = torch.roll(self.history, 1)
-        self.history[0] = amax  # this step's amax: most recent first
+        history.copy_(torch.roll(history, 1))
+        history[0] = amax
         return scale
 
 
@@ -115,10 +118,10 @@ class _Fp8Linear(torch.autograd.Function):
 class Fp8Quantizers:
     """The quantizers of one Linear layer: its activations, weight and output gradient."""
 
-    def __init__(self, recipe: Fp8Recipe) -> None:
+    def __init__(self, layer: nn.Linear, recipe: Fp8Recipe) -> None:
         self.recipe = recipe
-        self.history = {role: AmaxHistory(recipe.amax_history_len, recipe.amax_compute_algo)
-                        for role in ("x", "w", "grad")}
+        self.history = {role: AmaxHistory(layer, role, recipe.amax_history_len, recipe.amax_compute_algo)
+                        for role in ("x", "w", "grad")} if recipe.scaling == "delayed" else {}
 
     def _tensor(self, role: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         r = self.recipe
@@ -141,7 +144,7 @@ def convert_linears(model: nn.Module, recipe: Fp8Recipe) -> int:
     converted = 0
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            quantizers = Fp8Quantizers(recipe)
+            quantizers = Fp8Quantizers(module, recipe)
 
             def forward(x: torch.Tensor, module: nn.Linear = module, q: Fp8Quantizers = quantizers) -> torch.Tensor:
                 return _Fp8Linear.apply(x, module.weight, module.bias, q).to(x.dtype)

@@ -33,3 +33,12 @@ def test_blockwise_scaling_in_the_hybrid_format_is_refused(tmp_path, restore_arg
     err = capsys.readouterr().err
     assert "precision.fp8.format='hybrid' is not allowed: expected e4m3 with scaling=blockwise" in err
     assert err.count("\n") == 1
+
+
+def test_delayed_scaling_resumes_exactly_because_its_amax_history_is_checkpointed(tmp_path):
+    args = [*GPT, "precision=fp8_emulated", "precision.fp8.scaling=delayed", "precision.fp8.amax_history_len=4",
+            "train.steps=8", "train.lr_schedule=constant"]
+    _, whole = train(tmp_path / "whole", *args, base=QUIET)
+    train(tmp_path / "resumed", *args, "train.steps=4", base=QUIET)
+    _, resumed = train(tmp_path / "resumed", *args, "resume=auto", base=QUIET)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]

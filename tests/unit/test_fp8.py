@@ -43,7 +43,7 @@ def test_fine_grained_scaling_keeps_a_small_tile_that_one_scale_would_flush():
 
 
 def test_delayed_scaling_uses_the_amax_history():
-    history = AmaxHistory(length=4, algo="max")
+    history = AmaxHistory(nn.Linear(8, 8), "x", length=4, algo="max")
     big, small = torch.full((8,), 100.0), torch.full((8,), 1.0)
     first = history.scale_then_record(big, E4M3, margin=0)
     assert first == pytest.approx(448 / 100)  # no history yet: its own amax
@@ -52,7 +52,7 @@ def test_delayed_scaling_uses_the_amax_history():
     for _ in range(3):
         history.scale_then_record(small, E4M3, margin=0)
     assert history.scale_then_record(small, E4M3, margin=0) == pytest.approx(448 / 1)  # it has rolled out
-    recent = AmaxHistory(length=4, algo="most_recent")
+    recent = AmaxHistory(nn.Linear(8, 8), "x", length=4, algo="most_recent")
     recent.scale_then_record(big, E4M3, margin=1)
     assert recent.scale_then_record(small, E4M3, margin=1) == pytest.approx(448 / 2 / 100)
 
