@@ -70,6 +70,21 @@ class Fp8Config:
     margin: int = 0  # scales map amax to the format's max / 2^margin
 
 
+class Float8RecipeName(Enum):
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
+@dataclass
+class Float8Config:
+    """Real FP8 through torchao's float8 training (see ampctl/float8.py)."""
+
+    recipe_name: Float8RecipeName = Float8RecipeName.tensorwise
+    auto_filter_small_kn: bool = True  # keep Linear layers too small to gain from FP8 in bf16 (torchao's heuristics)
+    filter_fqns: list[str] = field(default_factory=list)  # keep Linear layers whose name contains one of these in bf16
+    compile: bool = True  # torch.compile the model (torchao fuses its scaling and casts only when compiled)
+
+
 @dataclass
 class PrecisionConfig:
     """One precision mode. The YAMLs in conf/precision/ are rows of the README's precision table."""
@@ -83,6 +98,7 @@ class PrecisionConfig:
     keep_norm_fp32: bool = False  # O2: normalization layers keep fp32 weights and run in fp32
     tf32: bool = False  # TF32 for matmul and cuDNN convolutions; false means explicitly off
     fp8: Optional[Fp8Config] = None  # emulated FP8 matmul inputs for every nn.Linear
+    float8: Optional[Float8Config] = None  # real FP8 matmuls (torchao) for the large nn.Linear layers
 
 
 @dataclass
@@ -326,6 +342,12 @@ def _validate_precision(p: DictConfig) -> None:
         _require(f.margin >= 0, "precision.fp8.margin", f.margin, "an integer >= 0")
         _require(not (f.scaling == Fp8Scaling.blockwise and f.format == Fp8Format.hybrid), "precision.fp8.format",
                  f.format.name, "e4m3 with scaling=blockwise (DeepSeek-V3's fine-grained scaling is E4M3 only)")
+
+
+    if p.float8 is not None:
+        _require(p.fp8 is None, "precision.fp8", "set", "unset with precision.float8 (emulated or real FP8, not both)")
+        _require(p.autocast and p.dtype == Dtype.bfloat16, "precision.dtype", p.dtype.name,
+                 "bfloat16 with autocast=true under precision.float8 (torchao's FP8 layers run inside bf16 autocast)")
 
 
 def _validate_scaler(s: DictConfig) -> None:

@@ -19,6 +19,8 @@ from torch import nn
 from ampctl import devices, fp32_math
 from ampctl.config import Dtype
 from ampctl.errors import UnsupportedError
+from ampctl import float8
+from ampctl.errors import UsageError
 from ampctl.fp8 import Fp8Recipe, convert_linears
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
@@ -50,7 +52,8 @@ class PrecisionSpec:
     master_weights: bool
     keep_norm_fp32: bool
     tf32: bool
-    fp8: Optional[Fp8Recipe] = None
+    fp8: Optional[Fp8Recipe] = None  # emulated FP8
+    float8: Optional[float8.Float8Recipe] = None  # real FP8 (torchao)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "PrecisionSpec":
@@ -67,6 +70,9 @@ class PrecisionSpec:
                 scaling=cfg.fp8.scaling.value, format=cfg.fp8.format.value,
                 amax_history_len=cfg.fp8.amax_history_len, amax_compute_algo=cfg.fp8.amax_compute_algo.value,
                 margin=cfg.fp8.margin),
+            float8=None if cfg.get("float8") is None else float8.Float8Recipe(
+                recipe_name=cfg.float8.recipe_name.value, auto_filter_small_kn=cfg.float8.auto_filter_small_kn,
+                filter_fqns=tuple(cfg.float8.filter_fqns), compile=cfg.float8.compile),
         )
 
     @property
@@ -155,6 +161,8 @@ class PrecisionPolicy:
         self.spec = spec
         self.device = device
         self._saved_flags: Optional[dict[str, Any]] = None
+        self.float8_layers: list[str] = []  # the Linear layers precision=fp8 converted, by name
+        self._linears = 0
 
     # --- what the device can do -----------------------------------------------------------------
 
@@ -167,6 +175,9 @@ class PrecisionPolicy:
                 f"precision={s.name} needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or "
                 f"newer); this run is on {where}: use precision=fp32, or precision=bf16 for a faster mode"
             )
+        if s.float8 is not None and (reason := float8.unsupported_reason(dev)):
+            raise UnsupportedError(f"precision={s.name} {reason}: use precision=fp8_emulated to study FP8's "
+                                   "numerics on this machine, or precision=bf16 for speed")
         if not s.uses_half:
             return
         if s.dtype == torch.bfloat16 and not devices.has_native_bf16(dev):
@@ -231,6 +242,8 @@ class PrecisionPolicy:
         model.to(self.device)
         if self.spec.fp8 is not None:
             convert_linears(model, self.spec.fp8)
+        if self.spec.float8 is not None:
+            self._convert_to_float8(model, self.spec.float8)
         if not self.spec.cast_model:
             return model
         half = self.spec.dtype
@@ -251,6 +264,15 @@ class PrecisionPolicy:
         model.register_forward_hook(lambda _m, _args, out: _cast_floats(out, torch.float32))
         return model
 
+    def _convert_to_float8(self, model: nn.Module, recipe: float8.Float8Recipe) -> None:
+        self._linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+        self.float8_layers = float8.convert_linears(model, recipe)
+        if not self.float8_layers:
+            # A run labelled fp8 that computes nothing in FP8 would be bf16 under another name.
+            raise UsageError(float8.nothing_converted_message(recipe, self._linears))
+        if recipe.compile:
+            model.compile()  # in place: parameter names, hooks and checkpoints stay the model's own
+
     def weight_layout(self, model: nn.Module) -> WeightLayout:
         return FP32MasterWeights(model) if self.spec.master_weights else WeightLayout(model)
 
@@ -266,6 +288,13 @@ class PrecisionPolicy:
             f"tf32={'on' if s.tf32 else 'off'}",
             f"loss_scale={scaler_description}",
         ]
+        if s.float8 is not None:
+            f8 = s.float8
+            parts.insert(0, f"fp8=torchao recipe={f8.recipe_name} auto_filter_small_kn={f8.auto_filter_small_kn}"
+                         + (f" filter_fqns={list(f8.filter_fqns)}" if f8.filter_fqns else "")
+                         + f" compile={f8.compile}"
+                         + (f" ({len(self.float8_layers)} of {self._linears} Linear layers in FP8)"
+                            if self.float8_layers else ""))
         if s.fp8 is not None:
             f = s.fp8
             parts.insert(0, f"fp8=emulated scaling={f.scaling} format={f.format} margin={f.margin}" + (

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU verification run, in one command (device time is scarce): the whole test suite (gpu-marked tests
-# on CUDA, the rest on CPU under this machine's torch), compare on ResNet-50 and GPT-2 small, and the
+# on CUDA, the rest on CPU under this machine's torch), compare on ResNet-50 and GPT-2 small, bf16 vs FP8, and the
 # loop-overhead benchmark on CUDA. Writes logs and a tarball of the run directories to $OUT (or
 # outputs/gpu_suite). Usage, from the project root on a machine with a GPU and ampctl importable:
 #
@@ -21,6 +21,11 @@ for recipe in "resnet50 recipe.batch_size=128" "gpt2"; do
   timeout 240 $py -m ampctl compare recipe=$recipe train.steps=60 compare.warmup_steps=15 \
     hydra.run.dir=$runs/compare_$name 2>&1 | tail -20 | tee "$out/compare_$name.log"
 done
+
+# Real FP8 (torchao, sm_89+) against bf16 where GEMMs dominate: GPT-2 small's width, a longer context.
+timeout 300 $py -m ampctl compare recipe=gpt2 recipe.d_model=2048 recipe.n_heads=16 recipe.n_layers=8 \
+  "compare.precisions=[bf16,fp8]" train.steps=60 compare.warmup_steps=20 \
+  hydra.run.dir=$runs/compare_fp8 2>&1 | tail -12 | tee "$out/compare_fp8.log"
 
 timeout 150 $py benchmarks/loop_overhead.py --recipe gpt2 --precisions bf16,fp16 --device cuda --rounds 10 \
   2>&1 | tee "$out/loop_overhead.log"

@@ -17,7 +17,7 @@ from ampctl.precision import PrecisionPolicy, PrecisionSpec
 
 GROUPS = ("scaler", "recipe", "optimizer")
 # The README's table order: baselines first, then autocast modes, then Apex's cast-model levels.
-PRECISION_ORDER = ("fp32", "O0", "tf32", "fp16", "O1", "bf16", "O2", "O3", "fp8_emulated")
+PRECISION_ORDER = ("fp32", "O0", "tf32", "fp16", "O1", "bf16", "O2", "O3", "fp8", "fp8_emulated")
 
 
 def precision_sort_key(option: str) -> tuple[int, str]:

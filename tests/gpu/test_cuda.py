@@ -10,7 +10,7 @@ from ampctl import fp32_math
 from ampctl.loop import train_step
 from ampctl.run import build_state
 from ampctl.telemetry import Telemetry
-from tests.conftest import build, train
+from tests.conftest import QUIET, build, train
 from tests.unit.test_golden_amp import GOLDEN, canonical_loop
 
 pytestmark = pytest.mark.gpu
@@ -95,3 +95,17 @@ def test_data_parallel_on_cuda_with_nccl(tmp_path, kind, precision):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world_size"] == nproc and summary["device"] == "cuda"
     assert f"{kind} over {nproc} ranks (nccl)" in result.stdout or nproc == 1
+
+
+def test_fp8_trains_its_large_linears_on_fp8_tensor_cores(tmp_path):
+    """precision=fp8 as a user runs it: torchao's size filter, torch.compile, FP8 tensor cores."""
+    from ampctl import float8
+
+    if (reason := float8.unsupported_reason(torch.device("cuda"))) is not None:
+        pytest.skip(f"precision=fp8 {reason}")
+    shape = ["recipe=gpt2", "recipe.n_layers=2", "recipe.block_size=256", "recipe.max_corpus_bytes=300000",
+             "train.steps=30"]
+    _, bf16 = train(tmp_path / "bf16", "device=cuda", "precision=bf16", *shape, base=QUIET)
+    _, fp8 = train(tmp_path / "fp8", "device=cuda", "precision=fp8", *shape, base=QUIET)
+    assert fp8[-1]["loss"] < fp8[0]["loss"] - 1.0
+    assert abs(fp8[-1]["loss"] - bf16[-1]["loss"]) < 0.1, (fp8[-1]["loss"], bf16[-1]["loss"])
