@@ -28,13 +28,14 @@ from torch import nn
 from ampctl import report
 from ampctl.errors import UsageError
 from ampctl.loop import train_step
-from ampctl.numerics import FORMATS, FP16, RangeStats, largest_safe_scale
+from ampctl.numerics import FORMATS, FP16, LOG2_LOW, RangeStats, largest_safe_scale
 from ampctl.recipe import build_recipe
 from ampctl.run import build_state, check_config
 from ampctl.telemetry import Telemetry
 
 KINDS = ("activation", "activation_grad", "weight_grad", "weight")
 GRADIENT_KINDS = ("activation_grad", "weight_grad")
+SUMMARY_TITLE, LAYERS_TITLE = "value ranges by tensor kind, all layers", "value ranges per layer"
 GRADSCALER_DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale: the scale studied for unscaled modes
 
 
@@ -164,7 +165,7 @@ def layer_table(inspection: Inspection) -> report.ReportTable:
         rows.append([values[c] for c in columns])
     order = {k: i for i, k in enumerate(KINDS)}
     rows.sort(key=lambda r: (order[r[1]], [l for l, _ in inspection.recorder.layers].index(r[0])))
-    return report.ReportTable("value ranges per layer", columns, rows)
+    return report.ReportTable(LAYERS_TITLE, columns, rows)
 
 
 def summary_table(inspection: Inspection) -> report.ReportTable:
@@ -187,14 +188,6 @@ def summary_table(inspection: Inspection) -> report.ReportTable:
         for what in ("to_zero", "subnormal", "overflow"):
             values[f"fp16_{what}_scaled"] = scaled[what] if kind in GRADIENT_KINDS else None
         rows.append([values[c] for c in columns])
-    percent = lambda v: "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")  # noqa: E731
-    headers = {c: c.replace("_to_zero", " →0").replace("_overflow", " >max").replace("_subnormal", " subn.")
-               .replace("fp8_", "") for c in columns}
-    for c in ("fp16_to_zero_scaled", "fp16_subnormal_scaled", "fp16_overflow_scaled"):
-        headers[c] = headers[c].replace("_scaled", f" ×{scale_text}")
-    headers["max_abs"] = "max |x|"
-    formats = {c: percent for c in columns if c not in ("kind", "max_abs")}
-    formats["max_abs"] = lambda v: f"{v:.3g}"
     grads = [m for m in (_merged(inspection, k) for k in GRADIENT_KINDS) if m is not None]
     max_grad = max((float(m.max_abs) for m in grads), default=0.0)
     notes = [f"fractions of all values; →0: flushed to zero, subn.: kept only as a subnormal, >max: overflow. "
@@ -205,8 +198,22 @@ def summary_table(inspection: Inspection) -> report.ReportTable:
         notes.append(f"largest loss scale keeping every gradient finite in fp16 with a factor 2 to spare: "
                      f"2^{int(math.log2(safe))} = {safe:g} (max |gradient| {max_grad:.3g}, activation and weight "
                      "gradients).")
-    return report.ReportTable("value ranges by tensor kind, all layers", columns, rows, notes=notes,
-                              headers=headers, formats=formats)
+    return _styled_summary(columns, rows, notes, inspection.study_scale)
+
+
+def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str], study_scale: float
+                    ) -> report.ReportTable:
+    """The summary table with its short headers and percentages (from a run, or from ranges.json again)."""
+    scale_text = f"2^{int(math.log2(study_scale))}"
+    percent = lambda v: "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")  # noqa: E731
+    headers = {c: c.replace("_to_zero", " →0").replace("_overflow", " >max").replace("_subnormal", " subn.")
+               .replace("fp8_", "") for c in columns}
+    for c in ("fp16_to_zero_scaled", "fp16_subnormal_scaled", "fp16_overflow_scaled"):
+        headers[c] = headers[c].replace("_scaled", f" ×{scale_text}")
+    headers["max_abs"] = "max |x|"
+    formats = {c: percent for c in columns if c not in ("kind", "max_abs")}
+    formats["max_abs"] = lambda v: f"{v:.3g}"
+    return report.ReportTable(SUMMARY_TITLE, columns, rows, notes=notes, headers=headers, formats=formats)
 
 
 def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
@@ -224,26 +231,53 @@ def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
 
 
 def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
-    from ampctl import plots
-
     console = report.make_console()
     console.print(f"ampctl inspect: {cfg.inspect.steps} steps of precision={cfg.precision.name} with range hooks "
                   f"on every leaf module -> {out_dir}")
     inspection = inspect_run(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = summary_table(inspection)
-    layers = layer_table(inspection)
     device = next(iter(inspection.recorder.stats.values())).histogram.device
-    machine = report.machine_info([{"device": device.type}])
     kind = "activation_grad" if _merged(inspection, "activation_grad") is not None else "weight_grad"
-    images = [plots.gradient_ranges(_merged(inspection, kind), kind.replace("_grad", " gradients"),
-                                    inspection.study_scale, out_dir / "gradient_ranges.png"),
+    plotted = _merged(inspection, kind)
+    histogram = {"kind": kind, "log2_low": LOG2_LOW, "total": int(plotted.total),
+                 "counts": plotted.histogram.cpu().tolist()}
+    write_inspect_report(out_dir, layer_table(inspection), summary_table(inspection), histogram,
+                         inspection.study_scale, inspection.run_scales, overrides,
+                         report.machine_info([{"device": device.type}]), console)
+
+
+def write_inspect_report(out_dir: Path, layers: report.ReportTable, summary: report.ReportTable, histogram: dict,
+                         study_scale: float, run_scales: list[float], overrides: list[str], machine: dict,
+                         console: Console) -> None:
+    """ranges.csv / ranges.json / report.md and the two plots; everything `ampctl report` needs to redo them
+    goes into ranges.json (the summary rows and the plotted histogram too)."""
+    from ampctl import plots
+
+    label = histogram["kind"].replace("_grad", " gradients")
+    images = [plots.gradient_ranges(histogram["counts"], histogram["total"], label, study_scale,
+                                    out_dir / "gradient_ranges.png"),
               plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png")]
-    extra = {"kind": "inspect", "overrides": overrides, "study_scale": inspection.study_scale,
-             "run_scales": inspection.run_scales, "summary": summary.as_dicts(), "summary_notes": summary.notes}
+    extra = {"kind": "inspect", "overrides": overrides, "study_scale": study_scale, "run_scales": run_scales,
+             "summary": summary.as_dicts(), "summary_notes": summary.notes, "histogram": histogram}
     files = report.write_files(layers, out_dir, "ranges", machine, images, extra)
     report.print_table(summary, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
+
+
+def rerender(out_dir: Path, console: Console) -> None:
+    """`ampctl report` on an inspect directory: the tables, files and plots again from ranges.json."""
+    data = json.loads((out_dir / "ranges.json").read_text())
+    if "histogram" not in data or data["histogram"].get("log2_low") != LOG2_LOW:
+        raise UsageError(f"{out_dir / 'ranges.json'} was written by an older ampctl inspect (no histogram to plot "
+                         "again); run ampctl inspect again")
+    rows = data["rows"]
+    layers = report.ReportTable(LAYERS_TITLE, list(rows[0]) if rows else [], [list(r.values()) for r in rows],
+                                notes=data.get("notes", []))
+    summary_rows = data["summary"]
+    summary = _styled_summary(list(summary_rows[0]) if summary_rows else [], [list(r.values()) for r in summary_rows],
+                              data.get("summary_notes", []), data["study_scale"])
+    write_inspect_report(out_dir, layers, summary, data["histogram"], data["study_scale"], data["run_scales"],
+                         data.get("overrides", []), data["machine"], console)
 
 
 class RangesLog:

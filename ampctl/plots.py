@@ -81,15 +81,15 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def gradient_ranges(stats, label: str, study_scale: float, path: Path) -> Path:
-    """The loss-scaling picture for this model: the histogram of gradient magnitudes (log2), each format's
-    range drawn under it, and the same histogram shifted by the loss scale."""
+def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: float, path: Path) -> Path:
+    """The loss-scaling picture for this model: the histogram of gradient magnitudes (counts per log2 bin,
+    numerics.LOG2_LOW upwards, as fractions of all `total` values, zeros included), each format's range
+    drawn under it, and the same histogram shifted by the loss scale."""
     import math
 
     from ampctl.numerics import FORMATS, LOG2_LOW
 
-    total = max(float(stats.total), 1.0)
-    fractions = [float(c) / total for c in stats.histogram.cpu().tolist()]
+    fractions = [float(c) / max(total, 1) for c in counts]
     exponents = list(range(LOG2_LOW, LOG2_LOW + len(fractions)))
     used = [e for e, f in zip(exponents, fractions) if f > 0]
     shift = int(math.log2(study_scale))

@@ -1,5 +1,5 @@
-"""`ampctl report PATH`: the table, files and plots of a run, a multirun, a compare or a memory directory, again,
-from what the runs recorded (no re-training)."""
+"""`ampctl report PATH`: the table, files and plots of a run, a multirun, a compare, a memory or an inspect
+directory, again, from what the runs recorded (no re-training)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.runs import find_runs, is_run_dir, load_run
 from ampctl.sweep import write_sweep_report
 
-USAGE = "usage: ampctl report PATH   (a run, multirun, compare or memory directory)"
+USAGE = "usage: ampctl report PATH   (a run, multirun, compare, memory or inspect directory)"
 
 
 def render(path: Path) -> int:
@@ -32,6 +32,11 @@ def render(path: Path) -> int:
 
         rerender(path, console)
         return 0
+    if (path / "ranges.json").is_file():
+        from ampctl.inspect import rerender
+
+        rerender(path, console)
+        return 0
     if is_run_dir(path):
         run = load_run(path)
         table = report.single_run_table(run)
@@ -45,7 +50,7 @@ def render(path: Path) -> int:
         return write_sweep_report(path, console)
     raise UsageError(
         f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
-        "no comparison.json or memory.json)"
+        "no comparison.json, memory.json or ranges.json)"
     )
 
 

@@ -77,3 +77,18 @@ def test_ranges_every_records_into_the_run_directory_without_changing_the_run(tm
     first_layer = next(iter(lines[0]["layers"].values()))
     assert {"activation", "activation_grad", "weight_grad", "weight"} <= set(first_layer)
     assert "fp16_to_zero_scaled" in first_layer["activation_grad"] and "fp8_e4m3_overflow" in first_layer["weight"]
+
+
+def test_report_renders_an_inspect_directory_again_without_rerunning(tmp_path, restore_argv, capsys):
+    out = tmp_path / "inspect"
+    main(["inspect", *MLP, "precision=fp16", f"hydra.run.dir={out}"])
+    first = capsys.readouterr().out
+    written = {name: (out / name).read_bytes() for name in ("ranges.csv", "ranges.json", "report.md")}
+    for image in ("gradient_ranges.png", "underflow_heatmap.png"):
+        (out / image).unlink()
+    main(["report", str(out)])
+    again = capsys.readouterr().out
+    assert {name: (out / name).read_bytes() for name in written} == written
+    assert (out / "gradient_ranges.png").is_file() and (out / "underflow_heatmap.png").is_file()
+    table = lambda text: text[text.index("value ranges by tensor kind"):]  # noqa: E731
+    assert table(again) == table(first)
