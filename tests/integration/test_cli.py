@@ -87,7 +87,7 @@ def test_cfg_job_prints_the_config_without_training(tmp_path, restore_argv, caps
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["precision=fp61"], "precision=fp61: no such precision; choose one of O0, O1, O2, O3, bf16, fp16, fp32, fp8_emulated, tf32"),
+        (["precision=fp61"], "precision=fp61: no such precision; choose one of O0, O1, O2, O3, bf16, fp16, fp32, fp8, fp8_emulated, tf32"),
         (["precision=fp16", "scaler.growth_factor=1"], "scaler.growth_factor=1.0 is not allowed"),
         (["precision=fp16", "scaler.backoff_factor=1.5"], "scaler.backoff_factor=1.5 is not allowed"),
         (["precision=fp16", "scaler.growth_interval=0"], "scaler.growth_interval=0 is not allowed"),
@@ -132,7 +132,7 @@ def test_console_script_help_and_list():
 def test_train_help_lists_the_config_groups():
     result = ampctl("train", "--help")
     assert result.returncode == 0
-    for text in ("precision: O0, O1, O2, O3, bf16, fp16, fp32, fp8_emulated, tf32", "scaler: dynamic, none, static",
+    for text in ("precision: O0, O1, O2, O3, bf16, fp16, fp32, fp8, fp8_emulated, tf32", "scaler: dynamic, none, static",
                  "recipe:", "optimizer: adafactor, adam, adam8bit, adamw, sgd"):
         assert text in result.stdout, result.stdout
 
