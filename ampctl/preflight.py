@@ -16,9 +16,10 @@ from typing import Callable, Optional
 from hydra import compose, initialize_config_module
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra._internal.utils import get_args_parser
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from ampctl.errors import UsageError
@@ -42,16 +43,44 @@ def preflight(argv: list[str], config_name: str, check: Callable[[DictConfig], o
     overrides = list(args.overrides)
     if args.config_dir:
         overrides.append(f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]")
+    name = args.config_name or config_name
     try:
         jobs = job_overrides(overrides, args.multirun)
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
             for job in jobs:
-                cfg = compose(config_name=args.config_name or config_name, overrides=job)
+                try:
+                    cfg = compose(config_name=name, overrides=job)
+                except AssertionError:
+                    # OmegaConf asserts when an override sets a key under a node that is null in this
+                    # config (precision.fp8.margin=2 under precision=fp32, whose fp8 node is null)
+                    raise UsageError(_key_under_null_node(name, job)) from None
                 if args.cfg is None and args.info is None:
                     check(cfg)
     except (HydraException, OmegaConfBaseException) as exc:
         raise UsageError(one_line(exc)) from None
     return len(jobs)
+
+
+def _key_under_null_node(config_name: str, job: list[str]) -> str:
+    """The override that set a key under a null node, and which options of its group have that node."""
+    key_of = lambda override: override.split("=", 1)[0].lstrip("+~")  # noqa: E731
+    choices = [o for o in job if "=" in o and "." not in key_of(o)]  # group choices: precision=fp32
+    base = compose(config_name=config_name, overrides=choices)
+    for override in job:
+        parts = key_of(override).split(".")
+        for depth in range(1, len(parts)):
+            parent = ".".join(parts[:depth])
+            if OmegaConf.select(base, parent) is not None or depth == 1:
+                continue
+            group = parts[0]
+            owners = [option for option in GlobalHydra.instance().config_loader().get_group_options(group)
+                      if OmegaConf.select(compose(config_name=config_name, overrides=[*choices, f"{group}={option}"]),
+                                          parent) is not None]
+            chosen = OmegaConf.select(base, f"{group}.name", default=None)
+            where = f"{group}={chosen}" if chosen else "this config"
+            return (f"{override}: {where} has no {parent}" + (f"; it belongs to {group}={' | '.join(owners)}"
+                                                               if owners else ""))
+    return f"{' '.join(job)}: an override sets a key under a node that is null in this config"
 
 
 def one_line(exc: BaseException) -> str:

@@ -63,3 +63,14 @@ def test_missing_cifar10_without_download(tmp_path, capsys, restore_argv):
 def test_an_unknown_resnet_arch(tmp_path, capsys, restore_argv):
     err = refused(tmp_path, capsys, "recipe=resnet", "recipe.data=synthetic", "recipe.arch=resnet9000")
     assert "recipe.arch='resnet9000' is not allowed" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["precision.fp8.margin=2"], "precision.fp8.margin=2: precision=fp32 has no precision.fp8; "
+                                 "it belongs to precision=fp8_emulated"),
+    (["precision=bf16", "precision.float8.recipe_name=rowwise"],
+     "precision.float8.recipe_name=rowwise: precision=bf16 has no precision.float8; it belongs to precision=fp8"),
+])
+def test_a_mode_option_under_a_mode_without_it(tmp_path, capsys, restore_argv, args, message):
+    """OmegaConf asserts on a key under a null node; the user sees which mode owns the option."""
+    assert message in refused(tmp_path, capsys, "recipe=mlp", *args)
