@@ -109,10 +109,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     except UsageError as exc:
         print(f"ampctl {command}: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
+    under_torchrun = False
     if command == "train":
-        from ampctl.distributed import NON_MAIN_HYDRA_OVERRIDES, is_main_process
+        from ampctl.distributed import NON_MAIN_HYDRA_OVERRIDES, is_main_process, torchrun_world_size
 
+        under_torchrun = torchrun_world_size() > 1
         if not is_main_process():
             rest = [*rest, *NON_MAIN_HYDRA_OVERRIDES]
     sys.argv = [f"ampctl-{command}", *rest]
-    entry()
+    entry()  # raises SystemExit when the run fails
+    if under_torchrun:
+        from ampctl.distributed import exit_worker
+
+        exit_worker()

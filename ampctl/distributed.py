@@ -19,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import logging
 import os
-from typing import Any, ContextManager, Iterator
+import sys
+from typing import Any, ContextManager, Iterator, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,17 @@ NON_MAIN_HYDRA_OVERRIDES = ["hydra.output_subdir=null", "hydra/job_logging=disab
 
 def torchrun_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def exit_worker() -> NoReturn:
+    """End a torchrun worker whose run succeeded: flush what it wrote, then leave without interpreter
+    shutdown. The process group is destroyed by then, but C++ objects of the backend that are still
+    referenced (gloo's worker threads) would be destroyed during shutdown, where they can abort the process
+    ("terminate called without an active exception") and fail a finished job."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def local_device(device: torch.device, kind: str) -> torch.device:
