@@ -155,7 +155,8 @@ def layer_table(inspection: Inspection) -> report.ReportTable:
     """One row per layer and tensor kind: every format's fractions, unscaled and at the studied scale."""
     columns = ["layer", "kind", "values", "max_abs", *_format_columns()]
     rows = []
-    for (layer, kind), stats in inspection.recorder.stats.items():
+    recorded = inspection.recorder.stats
+    for (layer, kind), stats in zip(recorded, RangeStats.on_host(list(recorded.values()))):
         values: dict[str, Any] = {"layer": layer, "kind": kind, "values": int(stats.total),
                                   "max_abs": float(stats.max_abs)}
         for f in FORMATS:
@@ -282,8 +283,9 @@ def rerender(out_dir: Path, console: Console) -> None:
 
 class RangesLog:
     """telemetry.ranges_every=N during `ampctl train`: on every N-th step, the range hooks are on for that
-    step alone, and afterwards one line of per-layer fractions goes to ranges.jsonl (one host read, on
-    those steps only). The other steps run without hooks."""
+    step alone, and afterwards one line of per-layer fractions goes to ranges.jsonl (two host reads, the
+    loss scale before the step and every counter in one transfer after it, on those steps only). The other
+    steps run without hooks."""
 
     FILE = "ranges.jsonl"
 
@@ -302,7 +304,7 @@ class RangesLog:
             recorder.record_weights()
             yield
         layers: dict[str, dict[str, Any]] = {}
-        for (layer, kind), stats in recorder.stats.items():
+        for (layer, kind), stats in zip(recorder.stats, RangeStats.on_host(list(recorder.stats.values()))):
             entry = {"max_abs": float(stats.max_abs)}
             for f in FORMATS:
                 for what, fraction in stats.fractions(f, scaled=False).items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -114,6 +115,22 @@ class RangeStats:
         for f in FORMATS:
             self._overflow[(f.name, False)] += (a > f.max).sum()
             self._overflow[(f.name, True)] += (a * 2.0**self.scale_log2 > f.max).sum()
+
+    @staticmethod
+    def on_host(stats: Sequence["RangeStats"]) -> list["RangeStats"]:
+        """CPU copies of many stats in one device-to-host transfer (one sync, not one per counter). Counts
+        travel as float64, exact below 2^53."""
+        if not stats:
+            return []
+        packed = torch.cat([torch.cat([s.histogram.double(), s.total.double()[None], s.max_abs.double()[None],
+                                       torch.stack(list(s._overflow.values())).double()]) for s in stats]).cpu()
+        bins, copies = len(stats[0].histogram), []
+        for s, row in zip(stats, packed.split(bins + 2 + len(stats[0]._overflow))):
+            copy = RangeStats(torch.device("cpu"), s.scale_log2)
+            copy.histogram, copy.total, copy.max_abs = row[:bins].long(), row[bins].long(), row[bins + 1].float()
+            copy._overflow = dict(zip(s._overflow, row[bins + 2:].long()))
+            copies.append(copy)
+        return copies
 
     def fractions(self, fmt: FormatRange, scaled: bool) -> dict[str, float]:
         """Host-side fractions (reads the device: for the report at the end)."""

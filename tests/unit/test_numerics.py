@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ampctl.numerics import FORMATS, LOG2_LOW, largest_safe_scale, log2_histogram, range_counts
+from ampctl.numerics import FORMATS, LOG2_LOW, RangeStats, largest_safe_scale, log2_histogram, range_counts
 
 FMT = {f.name: f for f in FORMATS}
 
@@ -55,8 +55,6 @@ def test_largest_safe_scale():
 
 
 def test_range_stats_from_the_histogram_equal_the_direct_counts():
-    from ampctl.numerics import RangeStats
-
     torch.manual_seed(0)
     chunks = [torch.randn(1000) * 2.0 ** torch.randint(-40, 20, (1000,)) for _ in range(3)]
     chunks[1][:10] = 0.0
@@ -68,3 +66,16 @@ def test_range_stats_from_the_histogram_equal_the_direct_counts():
         for scaled, scale in ((False, 1.0), (True, 2.0**16)):
             assert stats.fractions(fmt, scaled) == pytest.approx(range_counts(everything, fmt, scale).fractions())
     assert float(stats.max_abs) == float(everything.abs().max())
+
+
+def test_stats_brought_to_the_host_together_keep_every_count():
+    torch.manual_seed(0)
+    stats = [RangeStats(torch.device("cpu"), scale_log2=16), RangeStats(torch.device("cpu"))]
+    stats[0].add(torch.randn(1000) * 1e-6)
+    stats[1].add(torch.randn(500) * 1e5)
+    for original, copy in zip(stats, RangeStats.on_host(stats)):
+        assert int(copy.total) == int(original.total) and float(copy.max_abs) == float(original.max_abs)
+        assert torch.equal(copy.histogram, original.histogram)
+        for fmt in FORMATS:
+            for scaled in (False, True):
+                assert copy.fractions(fmt, scaled) == original.fractions(fmt, scaled)
