@@ -182,12 +182,11 @@ class DataParallel(SingleProcess):
 
     def close(self) -> None:
         self._ddp = self._model = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
         # The run's model, optimizer and hooks hold the group's C++ backend (and its worker threads) through
         # reference cycles. Collect them now, while the interpreter is whole: a backend destroyed during
         # interpreter shutdown can abort the process ("terminate called without an active exception").
-        gc.collect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
         gc.collect()
 
 

@@ -9,7 +9,6 @@ the only reads are the telemetry's, on log steps.
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional
 

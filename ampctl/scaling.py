@@ -113,14 +113,14 @@ class AmpGradScaler(torch.amp.GradScaler):
         self.min_scale = min_scale
         self.max_scale = max_scale
 
-    agree_across_ranks = False  # sharded gradients (FSDP): each rank checks only its shard
+    all_reduce_found_inf = False  # sharded gradients (FSDP): each rank checks only its shard
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self.allow_fp16_grads)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)
-        if self.agree_across_ranks and self._enabled:
+        if self.all_reduce_found_inf and self._enabled:
             # An inf in any rank's shard skips the step on every rank (as FSDP's ShardedGradScaler does): a
             # collective on the device, no host sync.
             import torch.distributed as dist
@@ -198,7 +198,7 @@ class TorchLossScaler:
         self.scaler.unscale_(optimizer)
 
     def agree_across_ranks(self) -> None:
-        self.scaler.agree_across_ranks = True
+        self.scaler.all_reduce_found_inf = True
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         # With a fused optimizer this hands found_inf to the kernel (which skips on the device); with
