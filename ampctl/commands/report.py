@@ -23,20 +23,13 @@ def render(path: Path) -> int:
     if not path.is_dir():
         raise UsageError(f"PATH={str(path)!r} is a file; give a run, multirun or compare directory")
     console = report.make_console()
-    comparison = path / "comparison.json"
-    if comparison.is_file():
-        meta = json.loads(comparison.read_text())
-        return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console)
-    if (path / "memory.json").is_file():
-        from ampctl.memory import rerender
-
-        rerender(path, console)
-        return 0
-    if (path / "ranges.json").is_file():
-        from ampctl.inspect import rerender
-
-        rerender(path, console)
-        return 0
+    for record in ("comparison.json", "memory.json", "ranges.json"):
+        if (path / record).is_file():
+            try:
+                return _render_record(path, record, console)
+            except (ValueError, KeyError, TypeError) as exc:  # json's errors are ValueErrors
+                raise UsageError(f"{path / record} is not a whole ampctl record ({type(exc).__name__}: {exc}); "
+                                 "run the command that wrote it again") from None
     if is_run_dir(path):
         run = load_run(path)
         table = report.single_run_table(run)
@@ -52,6 +45,19 @@ def render(path: Path) -> int:
         f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
         "no comparison.json, memory.json or ranges.json)"
     )
+
+
+def _render_record(path: Path, record: str, console) -> int:
+    """A compare, memory or inspect directory, from the JSON record its command wrote."""
+    if record == "comparison.json":
+        meta = json.loads((path / record).read_text())
+        return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console)
+    if record == "memory.json":
+        from ampctl.memory import rerender
+    else:
+        from ampctl.inspect import rerender
+    rerender(path, console)
+    return 0
 
 
 def main() -> None:

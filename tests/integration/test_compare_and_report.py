@@ -143,6 +143,17 @@ def test_report_refuses_bad_paths(tmp_path, capsys, make, message):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
+@pytest.mark.parametrize("record", ["comparison.json", "memory.json", "ranges.json"])
+def test_report_refuses_a_cut_record_in_one_line(tmp_path, capsys, record):
+    (tmp_path / record).write_text('{"modes": [{"precision": "fp3')  # a write cut short
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{record} is not a whole ampctl record" in err, err
+    assert [p.name for p in tmp_path.iterdir()] == [record]  # nothing written
+
+
 def test_compare_shows_activation_checkpointing_side_by_side(tmp_path, restore_argv, capsys):
     out = tmp_path / "cmp"
     gpt = ["device=cpu", "recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2",
