@@ -28,7 +28,7 @@ from torch import nn
 from ampctl import report
 from ampctl.errors import UsageError
 from ampctl.loop import train_step
-from ampctl.numerics import FORMATS, FP16, LOG2_LOW, RangeStats, largest_safe_scale
+from ampctl.numerics import FORMATS, FP16, LOG2_LOW, RangeStats, largest_safe_scale, scale_label
 from ampctl.recipe import build_recipe
 from ampctl.run import build_state, check_config
 from ampctl.telemetry import Telemetry
@@ -49,19 +49,20 @@ def power_of_two_log2(value: float, key: str) -> int:
 
 class RangeRecorder:
     """Forward hooks on every leaf module (and a gradient hook on each output, and on each parameter):
-    registered on entry, removed on exit."""
+    registered on entry, removed on exit. Gradients arrive multiplied by the loss scale of their step
+    (run_scale) and are recorded as their true values, divided out in float64 (see numerics)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, study_scale_log2: int) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, study_scale: float) -> None:
         self.layers = [(name or "model", m) for name, m in model.named_modules() if not list(m.children())]
         self.stats: dict[tuple[str, str], RangeStats] = {}
-        self._device, self._study = device, study_scale_log2
+        self._device, self._study = device, study_scale
         self._handles: list[Any] = []
-        self.run_scale = 1.0  # the loss scale of the step being recorded (gradients are divided by it)
+        self.run_scale = 1.0  # the loss scale of the step being recorded
 
     def _stats(self, layer: str, kind: str) -> RangeStats:
         key = (layer, kind)
         if key not in self.stats:
-            self.stats[key] = RangeStats(self._device, self._study if kind in GRADIENT_KINDS else 0)
+            self.stats[key] = RangeStats(self._device, self._study if kind in GRADIENT_KINDS else 1.0)
         return self.stats[key]
 
     def _on_output(self, layer: str, output: Any) -> None:
@@ -71,7 +72,7 @@ class RangeRecorder:
             self._stats(layer, "activation").add(tensor)
             if tensor.requires_grad:
                 tensor.register_hook(lambda grad, layer=layer: self._stats(layer, "activation_grad").add(
-                    grad / self.run_scale))
+                    grad, divided_by=self.run_scale))
 
     def __enter__(self) -> "RangeRecorder":
         seen: set[int] = set()
@@ -83,7 +84,8 @@ class RangeRecorder:
                     continue  # a tied weight is recorded once, under its first layer
                 seen.add(id(param))
                 self._handles.append(param.register_post_accumulate_grad_hook(
-                    lambda p, layer=layer: self._stats(layer, "weight_grad").add(p.grad / self.run_scale)))
+                    lambda p, layer=layer: self._stats(layer, "weight_grad").add(
+                        p.grad, divided_by=self.run_scale)))
         return self
 
     def record_weights(self) -> None:
@@ -124,7 +126,7 @@ def inspect_run(cfg: DictConfig) -> Inspection:
         study = cfg.inspect.loss_scale
         if study is None:
             study = float(state.scaler.current_scale()) if scaled_mode else GRADSCALER_DEFAULT_SCALE
-        recorder = RangeRecorder(state.model, policy.device, power_of_two_log2(study, "inspect.loss_scale"))
+        recorder = RangeRecorder(state.model, policy.device, study)
         telemetry = Telemetry(policy.device, cfg.inspect.steps, recipe.samples_per_batch, None, [])
         batches = recipe.batches(policy.device, cfg.train.seed)
         run_scales = []
@@ -135,7 +137,6 @@ def inspect_run(cfg: DictConfig) -> Inspection:
                 # the scale this step multiplies the loss by: its gradients are divided by it (a host read:
                 # inspect is not a training run)
                 recorder.run_scale = float(state.scaler.current_scale())
-                power_of_two_log2(recorder.run_scale, "the scaler's current scale")
                 run_scales.append(recorder.run_scale)
                 train_step(state, batches, recipe, policy, cfg.train.grad_accum_steps, cfg.train.clip_grad_norm,
                            telemetry)
@@ -171,7 +172,7 @@ def layer_table(inspection: Inspection) -> report.ReportTable:
 
 def summary_table(inspection: Inspection) -> report.ReportTable:
     """One row per tensor kind, all layers together: what the terminal shows."""
-    scale_text = f"2^{int(math.log2(inspection.study_scale))}"
+    scale_text = scale_label(inspection.study_scale)
     columns = ["kind", "max_abs"]
     for f in FORMATS:
         columns += [f"{f.name}_to_zero", f"{f.name}_overflow"]
@@ -205,7 +206,7 @@ def summary_table(inspection: Inspection) -> report.ReportTable:
 def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str], study_scale: float
                     ) -> report.ReportTable:
     """The summary table with its short headers and percentages (from a run, or from ranges.json again)."""
-    scale_text = f"2^{int(math.log2(study_scale))}"
+    scale_text = scale_label(study_scale)
     percent = lambda v: "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")  # noqa: E731
     headers = {c: c.replace("_to_zero", " →0").replace("_overflow", " >max").replace("_subnormal", " subn.")
                .replace("fp8_", "") for c in columns}
@@ -221,13 +222,9 @@ def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
     parts = [s for (_, k), s in inspection.recorder.stats.items() if k == kind]
     if not parts:
         return None
-    merged = RangeStats(parts[0].histogram.device, parts[0].scale_log2)
+    merged = RangeStats(parts[0].histogram.device, parts[0].study_scale)
     for part in parts:
-        merged.total += part.total
-        merged.histogram += part.histogram
-        merged.max_abs = torch.maximum(merged.max_abs, part.max_abs)
-        for key in merged._overflow:
-            merged._overflow[key] += part._overflow[key]
+        merged.merge(part)
     return merged
 
 
@@ -298,7 +295,7 @@ class RangesLog:
             yield
             return
         run_scale = float(self._scaler.current_scale())
-        recorder = RangeRecorder(self._model, self._device, power_of_two_log2(run_scale, "the loss scale"))
+        recorder = RangeRecorder(self._model, self._device, study_scale=run_scale)  # where this step's fell
         recorder.run_scale = run_scale
         with recorder:
             recorder.record_weights()

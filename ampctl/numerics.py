@@ -1,9 +1,19 @@
 """Where values fall against each floating-point format's range: the bookkeeping behind loss scaling.
 
-A format represents magnitudes up to `max`, normally down to `min_normal`, and with lost precision
-(subnormals) down to `min_subnormal`; round-to-nearest sends anything below half of `min_subnormal` to zero.
-The ranges come from torch.finfo, so they are the formats torch computes with. Everything is counted on the
-device, as tensors; nothing here reads a value back to the host.
+A value cast to a format is rounded to nearest, ties to even, so its fate is decided by where it lies
+against the format's rounding boundaries, not against the representable values themselves:
+
+- to zero: |x| <= min_subnormal / 2 (the tie at exactly half rounds to 0, the even neighbour);
+- kept only as a subnormal: |x| < min_normal - min_subnormal / 2 (from there it rounds up to min_normal);
+- overflow: |x| >= max + ulp(max) / 2, where the tie rounds away from max if max's significand is odd (the
+  IEEE formats: fp16, bf16, e5m2), and |x| > max + ulp(max) / 2 if it is even (e4m3fn, whose next value up
+  is NaN). Non-finite values count as overflows too: they are not representable either.
+
+The ranges come from torch.finfo, so they are the formats torch computes with. Values are classified in
+float64, where every fp32/fp16/bf16 value and every power-of-two loss scale applied to it is exact, so a
+gradient stored scaled (by the loss scale of its step) is judged as its true value without first being
+divided in a format that would flush it. Everything is counted on the device; nothing here reads a value
+back to the host.
 """
 
 from __future__ import annotations
@@ -14,6 +24,9 @@ from typing import Sequence
 
 import torch
 
+# Outcomes of a cast, in the order of RangeStats' count columns.
+OUTCOMES = ("to_zero", "subnormal", "overflow")
+
 
 @dataclass(frozen=True)
 class FormatRange:
@@ -21,15 +34,37 @@ class FormatRange:
     max: float
     min_normal: float
     min_subnormal: float
+    overflow_from: float  # max + ulp(max) / 2: the rounding boundary above max
+    overflow_at_tie: bool  # whether a value of exactly overflow_from overflows (max's significand is odd)
 
     @classmethod
     def of(cls, name: str, dtype: torch.dtype) -> "FormatRange":
         info = torch.finfo(dtype)
-        return cls(name, float(info.max), float(info.tiny), float(info.tiny * info.eps))
+        max_value = float(info.max)
+        mantissa_bits = round(-math.log2(info.eps))
+        ulp_at_max = 2.0 ** (math.floor(math.log2(max_value)) - mantissa_bits)
+        odd = int(max_value / ulp_at_max) % 2 == 1
+        return cls(name, max_value, float(info.tiny), float(info.tiny * info.eps), max_value + ulp_at_max / 2, odd)
 
     @property
-    def rounds_to_zero_below(self) -> float:
+    def zero_up_to(self) -> float:
+        """The largest magnitude that rounds to zero (ties to even: exactly half the smallest subnormal)."""
         return self.min_subnormal / 2
+
+    @property
+    def subnormal_below(self) -> float:
+        """Magnitudes from here up round to min_normal or above."""
+        return self.min_normal - self.min_subnormal / 2
+
+    def boundaries(self, scale: float = 1.0) -> torch.Tensor:
+        """Float64 boundaries for torch.bucketize(|x|, b) (right=False: bucket i holds b[i-1] < |x| <= b[i])
+        of the values x * scale: bucket 0 exact zeros, 1 to zero, 2 subnormal, 3 normal, 4 overflow (NaN
+        lands in 4 too). The format's boundaries are divided by the scale instead of the values multiplied:
+        exact for a power of two (dyadic boundaries, far inside float64's range)."""
+        below = lambda v: math.nextafter(v, 0.0)  # noqa: E731  "|x| < v" as "|x| <= below(v)"
+        overflow_edge = self.overflow_from / scale
+        return torch.tensor([0.0, self.zero_up_to / scale, below(self.subnormal_below / scale),
+                             below(overflow_edge) if self.overflow_at_tie else overflow_edge], dtype=torch.float64)
 
 
 def _formats() -> tuple[FormatRange, ...]:
@@ -44,45 +79,40 @@ FORMATS = _formats()
 FP16 = FORMATS[0]
 
 
-@dataclass
-class RangeCounts:
-    """Counts (device tensors) of values that a format would flush to zero, keep only as subnormals, or
-    overflow; out of `total` values, exact zeros included (they lose nothing)."""
-
-    total: torch.Tensor
-    to_zero: torch.Tensor
-    subnormal: torch.Tensor
-    overflow: torch.Tensor
-
-    def fractions(self) -> dict[str, float]:
-        """Read back (a host sync): for reports, never in the training step."""
-        total = max(int(self.total), 1)
-        return {"to_zero": int(self.to_zero) / total, "subnormal": int(self.subnormal) / total,
-                "overflow": int(self.overflow) / total}
+def true_magnitudes(values: torch.Tensor, divided_by: float = 1.0) -> torch.Tensor:
+    """|values| / divided_by in float64: exact for any stored dtype up to fp32 and a power-of-two scale, and
+    correctly rounded to 53 bits for any other (dividing a scaled fp16 gradient in fp16 instead would flush
+    the very values being counted)."""
+    magnitudes = values.detach().abs().double()
+    return magnitudes if divided_by == 1.0 else magnitudes / divided_by
 
 
-def range_counts(values: torch.Tensor, fmt: FormatRange, scale: float = 1.0) -> RangeCounts:
-    """Where values * scale would fall in fmt."""
-    a = values.detach().abs().float() * scale
-    nonzero = a > 0
-    return RangeCounts(
-        total=torch.tensor(a.numel(), device=a.device),
-        to_zero=(nonzero & (a < fmt.rounds_to_zero_below)).sum(),
-        subnormal=((a >= fmt.rounds_to_zero_below) & (a < fmt.min_normal)).sum(),
-        overflow=(a > fmt.max).sum(),  # inf and nan included: they are not representable either
-    )
+def outcome_counts(magnitudes: torch.Tensor, fmt: FormatRange, scale: float = 1.0) -> torch.Tensor:
+    """Counts [to_zero, subnormal, overflow] (a long tensor on the device) of float64 magnitudes multiplied by
+    scale and cast to fmt. Exact zeros are none of them: they lose nothing."""
+    buckets = torch.bucketize(magnitudes.flatten(), fmt.boundaries(scale).to(magnitudes.device))
+    counts = torch.bincount(buckets, minlength=5)
+    return counts[[1, 2, 4]]
 
 
 LOG2_LOW, LOG2_HIGH = -160, 128  # bins of floor(log2 |x|): below bf16's subnormals to above its max
 
 
-def log2_histogram(values: torch.Tensor) -> torch.Tensor:
+def log2_histogram(magnitudes: torch.Tensor) -> torch.Tensor:
     """Counts of floor(log2 |x|) for the non-zero finite values, one bin per power of two from LOG2_LOW to
-    LOG2_HIGH (clamped at both ends), on the device."""
-    a = values.detach().abs().float().flatten()
+    LOG2_HIGH (clamped at both ends), on the device. frexp gives the exponent exactly (a log2 in floating
+    point can round a value just below a power of two up into the next bin)."""
+    a = magnitudes.detach().abs().flatten()
     a = a[(a > 0) & torch.isfinite(a)]
-    exponents = torch.floor(torch.log2(a)).clamp_(LOG2_LOW, LOG2_HIGH).long() - LOG2_LOW
-    return torch.bincount(exponents, minlength=LOG2_HIGH - LOG2_LOW + 1)
+    _, exponent = torch.frexp(a)  # a = m * 2**e with m in [0.5, 1): floor(log2 a) = e - 1
+    bins = (exponent.long() - 1).clamp_(LOG2_LOW, LOG2_HIGH) - LOG2_LOW
+    return torch.bincount(bins, minlength=LOG2_HIGH - LOG2_LOW + 1)
+
+
+def scale_label(scale: float) -> str:
+    """2^16 for a power of two, the number otherwise."""
+    exponent = math.log2(scale) if scale > 0 else float("nan")
+    return f"2^{int(exponent)}" if math.isfinite(exponent) and exponent == int(exponent) else f"{scale:g}"
 
 
 def largest_safe_scale(max_abs: float, fmt: FormatRange = FP16, margin_bits: int = 1) -> float:
@@ -94,27 +124,37 @@ def largest_safe_scale(max_abs: float, fmt: FormatRange = FP16, margin_bits: int
 
 
 class RangeStats:
-    """Accumulates, on the device, what range_counts and log2_histogram say about a stream of tensors, for
-    one layer and tensor kind, at scale 1 and at a power-of-two loss scale. Flushes to zero and subnormals
-    start at powers of two, so they come from the histogram (a power-of-two scale only shifts its bins);
-    the formats' maxima are not powers of two, so overflows are counted directly."""
+    """Accumulates, on the device, where a stream of tensors (one layer's, one tensor kind) falls in every
+    format: cast as they are, and multiplied by the loss scale under study (study_scale). A tensor
+    stored scaled is added with the scale it carries (divided_by) and judged as its true values. The
+    log2 histogram is kept for plots; the fractions come from exact counts against the rounding boundaries."""
 
-    def __init__(self, device: torch.device, scale_log2: int = 0) -> None:
-        self.scale_log2 = scale_log2
+    def __init__(self, device: torch.device, study_scale: float = 1.0) -> None:
+        self.study_scale = study_scale
         self.total = torch.zeros((), dtype=torch.long, device=device)
         self.histogram = torch.zeros(LOG2_HIGH - LOG2_LOW + 1, dtype=torch.long, device=device)
-        self.max_abs = torch.zeros((), device=device)
-        self._overflow = {(f.name, scaled): torch.zeros((), dtype=torch.long, device=device)
-                          for f in FORMATS for scaled in (False, True)}
+        self.max_abs = torch.zeros((), dtype=torch.float64, device=device)
+        # (format, scaled) -> counts [to_zero, subnormal, overflow]
+        self.counts = {(f.name, scaled): torch.zeros(len(OUTCOMES), dtype=torch.long, device=device)
+                       for f in FORMATS for scaled in (False, True)}
 
-    def add(self, values: torch.Tensor) -> None:
-        a = values.detach().abs().float()
+    def add(self, values: torch.Tensor, divided_by: float = 1.0) -> None:
+        """Add values / divided_by (the true values of a tensor stored multiplied by a loss scale)."""
+        a = true_magnitudes(values, divided_by)
         self.total += a.numel()
         self.histogram += log2_histogram(a)
-        self.max_abs = torch.maximum(self.max_abs, a.max() if a.numel() else self.max_abs)
+        if a.numel():
+            self.max_abs = torch.maximum(self.max_abs, a.max())
         for f in FORMATS:
-            self._overflow[(f.name, False)] += (a > f.max).sum()
-            self._overflow[(f.name, True)] += (a * 2.0**self.scale_log2 > f.max).sum()
+            self.counts[(f.name, False)] += outcome_counts(a, f)
+            self.counts[(f.name, True)] += outcome_counts(a, f, self.study_scale)
+
+    def merge(self, other: "RangeStats") -> None:
+        self.total += other.total
+        self.histogram += other.histogram
+        self.max_abs = torch.maximum(self.max_abs, other.max_abs)
+        for key in self.counts:
+            self.counts[key] += other.counts[key]
 
     @staticmethod
     def on_host(stats: Sequence["RangeStats"]) -> list["RangeStats"]:
@@ -123,25 +163,17 @@ class RangeStats:
         if not stats:
             return []
         packed = torch.cat([torch.cat([s.histogram.double(), s.total.double()[None], s.max_abs.double()[None],
-                                       torch.stack(list(s._overflow.values())).double()]) for s in stats]).cpu()
+                                       torch.cat(list(s.counts.values())).double()]) for s in stats]).cpu()
         bins, copies = len(stats[0].histogram), []
-        for s, row in zip(stats, packed.split(bins + 2 + len(stats[0]._overflow))):
-            copy = RangeStats(torch.device("cpu"), s.scale_log2)
-            copy.histogram, copy.total, copy.max_abs = row[:bins].long(), row[bins].long(), row[bins + 1].float()
-            copy._overflow = dict(zip(s._overflow, row[bins + 2:].long()))
+        row_length = bins + 2 + len(OUTCOMES) * len(stats[0].counts)
+        for s, row in zip(stats, packed.split(row_length)):
+            copy = RangeStats(torch.device("cpu"), s.study_scale)
+            copy.histogram, copy.total, copy.max_abs = row[:bins].long(), row[bins].long(), row[bins + 1]
+            copy.counts = dict(zip(s.counts, row[bins + 2:].long().split(len(OUTCOMES))))
             copies.append(copy)
         return copies
 
     def fractions(self, fmt: FormatRange, scaled: bool) -> dict[str, float]:
-        """Host-side fractions (reads the device: for the report at the end)."""
-        shift = self.scale_log2 if scaled else 0
-        histogram = self.histogram.cpu()
+        """Host-side fractions of all values, exact zeros included (reads the device: for reports)."""
         total = max(int(self.total), 1)
-        exponents = torch.arange(LOG2_LOW, LOG2_HIGH + 1) + shift  # floor(log2 |x * scale|) per bin
-        zero_below = int(math.log2(fmt.rounds_to_zero_below))  # exact: a power of two
-        normal_from = int(math.log2(fmt.min_normal))
-        return {
-            "to_zero": int(histogram[exponents < zero_below].sum()) / total,
-            "subnormal": int(histogram[(exponents >= zero_below) & (exponents < normal_from)].sum()) / total,
-            "overflow": int(self._overflow[(fmt.name, scaled)]) / total,
-        }
+        return {what: int(n) / total for what, n in zip(OUTCOMES, self.counts[(fmt.name, scaled)].tolist())}

@@ -87,18 +87,18 @@ def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: 
     drawn under it, and the same histogram shifted by the loss scale."""
     import math
 
-    from ampctl.numerics import FORMATS, LOG2_LOW
+    from ampctl.numerics import FORMATS, LOG2_LOW, scale_label
 
     fractions = [float(c) / max(total, 1) for c in counts]
     exponents = list(range(LOG2_LOW, LOG2_LOW + len(fractions)))
     used = [e for e, f in zip(exponents, fractions) if f > 0]
-    shift = int(math.log2(study_scale))
+    shift = math.log2(study_scale)
     lo = min(min(used, default=-30), -26) - 2
     hi = max(max(used, default=0) + shift, 17) + 2
     fig, ax = plt.subplots(figsize=(9, 5))
     ax.bar(exponents, fractions, width=1.0, align="edge", color="tab:blue", alpha=0.75, label=label)
     ax.step([e + shift for e in exponents], fractions, where="post", color="tab:orange",
-            label=f"× loss scale 2^{shift}")
+            label=f"× loss scale {scale_label(study_scale)}")
     top = max(fractions, default=1.0) or 1.0
     for i, fmt in enumerate(FORMATS):
         y = -(0.06 + 0.06 * i) * top

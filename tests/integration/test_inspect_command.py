@@ -92,3 +92,30 @@ def test_report_renders_an_inspect_directory_again_without_rerunning(tmp_path, r
     assert (out / "gradient_ranges.png").is_file() and (out / "underflow_heatmap.png").is_file()
     table = lambda text: text[text.index("value ranges by tensor kind"):]  # noqa: E731
     assert table(again) == table(first)
+
+
+def test_fp32_and_fp16_report_the_same_true_underflow_fractions(tmp_path, restore_argv):
+    """fp16's gradients are stored multiplied by the loss scale; with it divided out (exactly, in float64)
+    they flush to zero in fp16 as fp32's do. Divided in fp16, the flushed values used to vanish from the count."""
+    mlp = ["device=cpu", "recipe=mlp", "inspect.steps=1"]
+    fractions = {}
+    for name, extra in (("fp32", []), ("fp16", ["precision=fp16", "scaler.init_scale=1024"])):
+        main(["inspect", *mlp, *extra, f"hydra.run.dir={tmp_path / name}"])
+        summary = {r["kind"]: r for r in json.loads((tmp_path / name / "ranges.json").read_text())["summary"]}
+        fractions[name] = summary["activation_grad"]["fp16_to_zero"]
+    assert fractions["fp32"] > 1e-4  # this model has gradients below fp16's reach
+    assert fractions["fp16"] == pytest.approx(fractions["fp32"], rel=0.15)  # autocast changes values a little
+
+
+def test_ranges_every_counts_scaled_half_gradients_as_their_true_values(tmp_path):
+    from tests.conftest import train
+
+    layers = {}
+    for name, extra in (("fp32", []), ("fp16", ["precision=fp16", "scaler.init_scale=1024"])):
+        train(tmp_path / name, "recipe.hidden=256", "recipe.batch_size=128", "train.steps=1",
+              "telemetry.ranges_every=1", *extra)
+        line = json.loads((tmp_path / name / "ranges.jsonl").read_text().splitlines()[0])
+        layers[name] = {layer: kinds["activation_grad"]["fp16_to_zero"] for layer, kinds in line["layers"].items()
+                        if "activation_grad" in kinds}
+    assert sum(layers["fp32"].values()) > 0
+    assert sum(layers["fp16"].values()) == pytest.approx(sum(layers["fp32"].values()), rel=0.15)
