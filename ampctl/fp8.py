@@ -2,21 +2,27 @@
 back (torch's float8_e4m3fn / float8_e5m2 dtypes), the matmul itself runs in fp32, gradients flow straight
 through the quantizers. Slow by design: it exists to study FP8's convergence and error on any machine.
 
-Scaling granularities (fp8.scaling):
-- current: one scale per tensor from its own amax, this step (torchao's "tensorwise").
-- delayed: one scale per tensor from an amax history of the previous steps (Transformer Engine's
-  DelayedScaling: amax_history_len, amax_compute_algo max | most_recent, margin); this step's amax then
-  joins the history. The format is HYBRID (e4m3 forward, e5m2 gradients) or E4M3 everywhere (fp8.format).
+Scaling granularities (fp8.scaling), each after its reference implementation:
+- current: one scale per tensor from its own amax, this step: torchao's "tensorwise" (amax_to_scale: the
+  scale is computed in float64 from an amax clamped at 1e-12, then cast to fp32), bit for bit.
+- delayed: Transformer Engine's DelayedScaling. Each tensor role of each layer keeps an amax history (this
+  step's amax and the amax_history_len - 1 before it) and a scale. A step quantizes with the scale computed
+  after the previous step (1.0 on the first, as TE starts), then records its amax and computes the next
+  scale from the history (its max, or the most recent entry) with TE's rule: fp8_max / amax / 2^margin in
+  fp32; an amax of 0 or a non-finite one keeps the previous scale; an infinite scale becomes fp32's max.
 - blockwise: DeepSeek-V3's fine-grained scaling, E4M3 only: one scale per 1x128 tile of activations and
-  gradients (along the reduction dimension), one per 128x128 block of weights.
-A scale maps the tensor's amax to the format's max divided by 2^margin.
+  gradients along the reduction dimension of the matmul they enter, one per 128x128 block of weights. The
+  weight-gradient matmul reduces over tokens, so there the activations and gradients are quantized again
+  in 128x1 tiles (128 tokens of one feature), as Transformer Engine's Float8BlockScaling quantizes its
+  columnwise copies. Scales as torchao computes them (float64, amax >= 1e-12), in fp32 (TE's
+  Float8BlockScaling rounds them down to powers of two by default; DeepSeek-V3's are fp32).
+A margin (fp8.margin) maps amax to the format's max divided by 2^margin, as TE's margin does.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +31,8 @@ from torch import nn
 E4M3 = torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else None
 E5M2 = torch.float8_e5m2 if hasattr(torch, "float8_e5m2") else None
 TILE = 128  # DeepSeek-V3's tile (1x128) and block (128x128) edge
+AMAX_EPS = 1e-12  # torchao's floor on an amax: a tiny or all-zero tensor gets a large finite scale, never inf
+FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -45,98 +53,118 @@ def _fp8_max(dtype: torch.dtype) -> float:
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor) -> torch.Tensor:
-    """x * scale cast to FP8 (saturating at the format's max) and back, divided by scale, in fp32."""
+    """x * scale cast to FP8 (saturating at the format's max) and back, divided by scale, in fp32: torchao's
+    hp_tensor_and_scale_to_float8 followed by its dequantization."""
     limit = _fp8_max(dtype)
     scaled = (x.float() * scale).clamp(-limit, limit)
     return scaled.to(dtype).float() / scale
 
 
-def scale_for(amax: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
-    """The scale that maps amax to the format's max / 2^margin (1 where amax is 0)."""
-    target = _fp8_max(dtype) / 2.0**margin
-    return torch.where(amax > 0, target / amax.float().clamp(min=torch.finfo(torch.float32).tiny),
-                       torch.ones_like(amax, dtype=torch.float32))
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
+    """torchao's amax_to_scale: fp8_max / max(amax, 1e-12) in float64, cast to fp32 (correctly rounded, and
+    the same in eager and compiled code); divided by 2^margin, exactly, for TE's margin."""
+    scale = _fp8_max(dtype) / amax.double().clamp(min=AMAX_EPS)
+    return (scale / 2.0**margin).float()
+
+
+def delayed_scale(amax: torch.Tensor, previous: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+    """Transformer Engine's _default_sf_compute, in fp32 as TE computes it."""
+    scale = _fp8_max(dtype) / amax.float() / 2.0**margin
+    scale = torch.where((amax > 0) & torch.isfinite(amax), scale, previous)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, FP32_MAX), scale)
 
 
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, margin: int = 0) -> torch.Tensor:
-    return quantize(x, dtype, scale_for(x.detach().abs().max(), dtype, margin))
+    return quantize(x, dtype, scale_from_amax(x.detach().abs().max(), dtype, margin))
 
 
 def quantize_tiles(x: torch.Tensor, dtype: torch.dtype, rows: int, cols: int, margin: int = 0) -> torch.Tensor:
-    """One scale per rows x cols tile of the last two dimensions (1x128: rows=1; 128x128 blocks)."""
+    """One scale per rows x cols tile of x viewed as a matrix (its last dimension the columns): 1x128 tiles
+    along the columns, 128x1 along the rows, 128x128 blocks."""
     shape = x.shape
-    matrix = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
+    matrix = x.reshape(-1, shape[-1])
     r, c = matrix.shape
     pad_r, pad_c = (-r) % rows, (-c) % cols
     padded = F.pad(matrix.float(), (0, pad_c, 0, pad_r))
     tiles = padded.reshape(padded.shape[0] // rows, rows, padded.shape[1] // cols, cols)
     amax = tiles.detach().abs().amax(dim=(1, 3), keepdim=True)
-    out = quantize(tiles, dtype, scale_for(amax, dtype, margin))
+    out = quantize(tiles, dtype, scale_from_amax(amax, dtype, margin))
     return out.reshape(padded.shape)[:r, :c].reshape(shape)
 
 
-class AmaxHistory:
-    """Transformer Engine's delayed scaling for one tensor role of one layer. The history is a buffer of the
-    layer (most recent first), so it is in the model's state_dict: checkpoints carry it and a resumed run
-    scales exactly as the uninterrupted one. Zeros mean "no history yet": the first step uses its own amax,
-    as TE's first step does. Everything stays on the device."""
+class DelayedScaling:
+    """Transformer Engine's delayed scaling for one tensor role of one layer. The amax history (most recent
+    first) and the scale are buffers of the layer, so they are in the model's state_dict: checkpoints carry
+    them and a resumed run scales exactly as the uninterrupted one. Everything stays on the device."""
 
     def __init__(self, layer: nn.Module, role: str, length: int, algo: str) -> None:
-        self.layer, self.name, self.algo = layer, f"fp8_amax_history_{role}", algo
-        layer.register_buffer(self.name, torch.zeros(length, device=layer.weight.device))
+        self.layer, self.algo = layer, algo
+        self.history_name, self.scale_name = f"fp8_amax_history_{role}", f"fp8_scale_{role}"
+        layer.register_buffer(self.history_name, torch.zeros(length, device=layer.weight.device))
+        layer.register_buffer(self.scale_name, torch.ones((), device=layer.weight.device))
 
-    def scale_then_record(self, x: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
-        history = getattr(self.layer, self.name)
-        amax = x.detach().abs().max().float()
-        recorded = history.max() if self.algo == "max" else history[0]
-        reference = torch.where(history.max() > 0, recorded, amax)
-        scale = scale_for(reference, dtype, margin)
+    def quantize(self, x: torch.Tensor, dtype: torch.dtype, margin: int) -> torch.Tensor:
+        """x quantized with the current scale; then its amax joins the history and the next scale is set."""
+        history, scale = getattr(self.layer, self.history_name), getattr(self.layer, self.scale_name)
+        out = quantize(x, dtype, scale.clone())
         history.copy_(torch.roll(history, 1))
-        history[0] = amax
-        return scale
+        history[0] = x.detach().abs().max().float()
+        amax = history.max() if self.algo == "max" else history[0]
+        scale.copy_(delayed_scale(amax, scale, dtype, margin))
+        return out
 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):  # type: ignore[override]
-        qx, qw = layer.quantize_forward(x, weight)
-        ctx.save_for_backward(qx, qw)
+        qx, qw, qx_for_wgrad = layer.quantize_forward(x, weight)
+        ctx.save_for_backward(qx_for_wgrad, qw)
         ctx.layer, ctx.has_bias = layer, bias is not None
         out = qx @ qw.t()
         return out + bias.float() if bias is not None else out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        qx, qw = ctx.saved_tensors
-        qg = ctx.layer.quantize_grad(grad_out)
+        qx_for_wgrad, qw = ctx.saved_tensors
+        qg, qg_for_wgrad = ctx.layer.quantize_grad(grad_out)
         grad_x = qg @ qw
-        grad_w = qg.reshape(-1, qg.shape[-1]).t() @ qx.reshape(-1, qx.shape[-1])
-        grad_b = qg.reshape(-1, qg.shape[-1]).sum(0) if ctx.has_bias else None
+        grad_w = qg_for_wgrad.reshape(-1, qg.shape[-1]).t() @ qx_for_wgrad.reshape(-1, qx_for_wgrad.shape[-1])
+        # the bias gradient is a sum, not a matmul: from the unquantized gradient, as torchao and TE do
+        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None
 
 
 class Fp8Quantizers:
-    """The quantizers of one Linear layer: its activations, weight and output gradient."""
+    """The quantizers of one Linear layer: its activations, weight and output gradient, each in the layout
+    of the matmul it enters (a tensor-wide scale serves every layout)."""
 
     def __init__(self, layer: nn.Linear, recipe: Fp8Recipe) -> None:
         self.recipe = recipe
-        self.history = {role: AmaxHistory(layer, role, recipe.amax_history_len, recipe.amax_compute_algo)
+        self.delayed = {role: DelayedScaling(layer, role, recipe.amax_history_len, recipe.amax_compute_algo)
                         for role in ("x", "w", "grad")} if recipe.scaling == "delayed" else {}
 
-    def _tensor(self, role: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        r = self.recipe
-        if r.scaling == "blockwise":
-            rows, cols = (TILE, TILE) if role == "w" else (1, TILE)
-            return quantize_tiles(t, dtype, rows, cols, r.margin)
-        if r.scaling == "delayed":
-            return quantize(t, dtype, self.history[role].scale_then_record(t, dtype, r.margin))
-        return quantize_tensorwise(t, dtype, r.margin)
+    def _tensorwise(self, role: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.recipe.scaling == "delayed":
+            return self.delayed[role].quantize(t, dtype, self.recipe.margin)
+        return quantize_tensorwise(t, dtype, self.recipe.margin)
 
-    def quantize_forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._tensor("x", x, E4M3), self._tensor("w", w, E4M3)
+    def quantize_forward(self, x: torch.Tensor, w: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x for the forward matmul, w, x for the weight-gradient matmul)."""
+        margin = self.recipe.margin
+        if self.recipe.scaling == "blockwise":
+            return (quantize_tiles(x, E4M3, 1, TILE, margin), quantize_tiles(w, E4M3, TILE, TILE, margin),
+                    quantize_tiles(x, E4M3, TILE, 1, margin))
+        qx = self._tensorwise("x", x, E4M3)
+        return qx, self._tensorwise("w", w, E4M3), qx
 
-    def quantize_grad(self, g: torch.Tensor) -> torch.Tensor:
-        return self._tensor("grad", g, self.recipe.backward_dtype)
+    def quantize_grad(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g for the input-gradient matmul, g for the weight-gradient matmul)."""
+        dtype, margin = self.recipe.backward_dtype, self.recipe.margin
+        if self.recipe.scaling == "blockwise":
+            return quantize_tiles(g, dtype, 1, TILE, margin), quantize_tiles(g, dtype, TILE, 1, margin)
+        qg = self._tensorwise("grad", g, dtype)
+        return qg, qg
 
 
 def convert_linears(model: nn.Module, recipe: Fp8Recipe) -> int:
