@@ -271,6 +271,21 @@ def _positive_finite(x: float) -> bool:
     return x > 0 and math.isfinite(x)
 
 
+# A loss scale lives in an fp32 tensor and the gradients are unscaled by its reciprocal, so both must be
+# finite in fp32: 2^-126 (fp32's smallest normal) up to fp32's max.
+LOSS_SCALE_RANGE = (2.0**-126, 3.4028234663852886e38)
+LOSS_SCALE_ALLOWED = ("a number in [2^-126, 3.4e38] (the scale is an fp32 tensor and the gradients are "
+                      "unscaled by its reciprocal: both must be finite)")
+
+
+def _yaml(value: Any) -> str:
+    return "null" if value is None else f"{value:g}"
+
+
+def _loss_scale_ok(x: float) -> bool:
+    return LOSS_SCALE_RANGE[0] <= x <= LOSS_SCALE_RANGE[1]
+
+
 def validate(cfg: DictConfig) -> None:
     """Check every value a user can set; raise ConfigError naming the first bad key."""
     train = cfg.train
@@ -354,10 +369,10 @@ def _validate_scaler(s: DictConfig) -> None:
     kind = s.kind
     _require(kind in SCALER_SCHEMAS, "scaler.kind", kind, " | ".join(SCALER_SCHEMAS))
     if kind == "static":
-        _require(_positive_finite(s.scale), "scaler.scale", s.scale, "a finite number > 0")
+        _require(_loss_scale_ok(s.scale), "scaler.scale", s.scale, LOSS_SCALE_ALLOWED)
     if kind != "dynamic":
         return
-    _require(_positive_finite(s.init_scale), "scaler.init_scale", s.init_scale, "a finite number > 0")
+    _require(_loss_scale_ok(s.init_scale), "scaler.init_scale", s.init_scale, LOSS_SCALE_ALLOWED)
     _require(
         s.growth_factor > 1.0 and math.isfinite(s.growth_factor),
         "scaler.growth_factor",
@@ -369,10 +384,16 @@ def _validate_scaler(s: DictConfig) -> None:
     for key in ("min_scale", "max_scale"):
         value = s[key]
         if value is not None:
-            _require(_positive_finite(value), f"scaler.{key}", value, "a finite number > 0, or null")
+            _require(_loss_scale_ok(value), f"scaler.{key}", value, LOSS_SCALE_ALLOWED + ", or null")
     _require(s.hysteresis >= 1, "scaler.hysteresis", s.hysteresis, "an integer >= 1")
     if s.min_scale is not None and s.max_scale is not None:
         _require(s.min_scale <= s.max_scale, "scaler.min_scale", s.min_scale, f"<= scaler.max_scale ({s.max_scale})")
+    # Apex starts at min(max_scale, init_scale) silently; a start outside the bounds is refused instead, so
+    # that the scale recorded at step 1 is the one the user asked for.
+    low = -math.inf if s.min_scale is None else s.min_scale
+    high = math.inf if s.max_scale is None else s.max_scale
+    _require(low <= s.init_scale <= high, "scaler.init_scale", s.init_scale,
+             f"a value within [scaler.min_scale, scaler.max_scale] = [{_yaml(s.min_scale)}, {_yaml(s.max_scale)}]")
 
 
 def _validate_targets(cfg: DictConfig) -> None:

@@ -1,9 +1,9 @@
 """The training step and fit(). Written out in order, like nanoGPT's; no precision branches.
 
 Per optimizer step: forward under autocast -> scale -> backward (x grad_accum_steps micro-batches) ->
-half grads into fp32 masters (O2; a no-op otherwise) -> unscale_ once -> clip -> step -> record ->
-update -> lr schedule -> masters back into the model -> zero grads. Nothing here reads from the device:
-the only reads are the telemetry's, on log steps.
+half grads into fp32 masters (O2; a no-op otherwise) -> unscale_ once -> clip (a non-finite norm skips the
+step) -> step -> record -> update -> lr schedule -> masters back into the model -> zero grads. Nothing here
+reads from the device: the only reads are the telemetry's, on log steps.
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def train_step(
     # One unscale_ after the last micro-batch: clipping and the grad norm must see true gradients.
     scaler.unscale_(opt)
     grad_norm = grad_norm_(state.weights.optimizer_params, clip_grad_norm)
+    scaler.skip_if_not_finite(opt, grad_norm)
     # A fused optimizer's step() runs even when the scaler skips (the kernel reads found_inf), so
     # "skipped" comes from found_inf itself, never from whether step() was called.
     scaler.step(opt)

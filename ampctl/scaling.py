@@ -33,6 +33,11 @@ class LossScaler(Protocol):
         """Sharded gradients: make every rank's skip decision the same."""
         ...
 
+    def skip_if_not_finite(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+        """Between unscale_() and step(): a step whose unscaled gradients have a non-finite norm is skipped,
+        like one whose scaled gradients were not finite (on the device)."""
+        ...
+
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         """1.0 on the device if this step's gradients were not finite (the step was skipped), else 0.0.
         Valid between step() and update()."""
@@ -67,6 +72,9 @@ class NoLossScaler:
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
+
+    def skip_if_not_finite(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+        pass  # never skips: a non-finite loss stops the run instead (guard.on_nonfinite)
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         return self._zero
@@ -199,6 +207,17 @@ class TorchLossScaler:
 
     def agree_across_ranks(self) -> None:
         self.scaler.all_reduce_found_inf = True
+
+    def skip_if_not_finite(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+        # GradScaler checks the gradients before unscaling them. Unscaling can still make them non-finite:
+        # half gradients (O3) overflowing as a scale below 1 is divided out, or a norm whose sum of squares
+        # overflows. Folding that into found_inf skips the step (fused kernels read found_inf on the device)
+        # and backs the scale off, as an overflow would.
+        if not self.scaler.is_enabled():
+            return
+        not_finite = (~torch.isfinite(grad_norm)).float()
+        for found_inf in self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            torch.maximum(found_inf, not_finite.to(found_inf.device), out=found_inf)
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         # With a fused optimizer this hands found_inf to the kernel (which skips on the device); with

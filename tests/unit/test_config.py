@@ -88,6 +88,30 @@ def test_out_of_range_values_name_key_and_allowed(override, key):
     assert "expected" in str(info.value)
 
 
+@pytest.mark.parametrize("overrides,message", [
+    # Apex would start at min(max_scale, init_scale); GradScaler would record 2^32 at step 1
+    (["scaler.init_scale=4294967296", "scaler.max_scale=1048576"],
+     "scaler.init_scale=4294967296.0 is not allowed: expected a value within [scaler.min_scale, scaler.max_scale] "
+     "= [null, 1.04858e+06]"),
+    (["scaler.init_scale=2", "scaler.min_scale=4"], "scaler.init_scale=2.0 is not allowed: expected a value within"),
+    # 1/scale overflows fp32: the unscaled gradients would be inf * 0 = NaN, applied as a step
+    (["scaler.init_scale=1e-45"], "scaler.init_scale=1e-45 is not allowed: expected a number in [2^-126, 3.4e38]"),
+    (["scaler.init_scale=1e39"], "scaler.init_scale=1e+39 is not allowed: expected a number in [2^-126, 3.4e38]"),
+    (["scaler.min_scale=1e-40"], "scaler.min_scale=1e-40 is not allowed: expected a number in [2^-126, 3.4e38]"),
+    (["scaler=static", "scaler.scale=1e-40"], "scaler.scale=1e-40 is not allowed: expected a number in [2^-126"),
+])
+def test_loss_scales_outside_their_bounds_or_fp32_are_refused(overrides, message):
+    cfg = compose_cfg("precision=O3", "scaler=dynamic", *overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(cfg)
+    assert str(info.value).startswith(message)
+
+
+def test_loss_scales_at_the_edges_of_their_ranges_are_allowed():
+    validate(compose_cfg("precision=fp16", "scaler.init_scale=1024", "scaler.min_scale=1024", "scaler.max_scale=1024"))
+    validate(compose_cfg("precision=fp16", f"scaler.init_scale={2.0**-126!r}"))
+
+
 def test_min_scale_above_max_scale_is_refused():
     cfg = compose_cfg("precision=fp16", "scaler.min_scale=1024", "scaler.max_scale=2")
     with pytest.raises(ConfigError, match="scaler.min_scale"):

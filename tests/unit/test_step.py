@@ -107,6 +107,41 @@ def test_static_scaler_skips_a_nonfinite_step_and_keeps_its_scale():
     assert not all(torch.equal(a, b) for a, b in zip(params, snapshot(state)[0]))
 
 
+class HugeGradientRecipe:
+    """One weight whose true gradient, 1e5, fits fp16 only while the loss is scaled below 1."""
+
+    samples_per_batch, tokens_per_batch = 1, None
+
+    def build_model(self):
+        model = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.ones_(model.weight)
+        return model
+
+    def batches(self, device, seed):
+        return itertools.repeat(torch.ones(1, 1, device=device))
+
+    def loss(self, model, x):
+        return model(x).float().sum() * 1e5
+
+
+@pytest.mark.parametrize("scaler", [["scaler=static", "scaler.scale=0.0625"],
+                                    ["scaler=dynamic", "scaler.init_scale=0.0625"]], ids=["static", "dynamic"])
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_gradients_that_become_non_finite_when_unscaled_skip_the_step(scaler, fused):
+    """O3's half gradient is 1e5 / 16 = 6250, finite, so GradScaler's check (made before unscaling) passes;
+    unscaled in fp16 it is 1e5 > 65504 = inf. The step must be skipped, not applied."""
+    cfg, policy, recipe = build("precision=O3", *scaler, f"optimizer.fused={fused}")
+    recipe = HugeGradientRecipe()
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        [record] = run_steps(state, policy, recipe, recipe.batches(policy.device, 0), steps=1)
+    assert record.skipped and record.skipped_total == 1
+    assert state.model.weight.item() == 1.0  # untouched
+    assert state.schedule.applied.item() == 0  # the lr schedule did not advance
+    if "scaler=dynamic" in scaler:
+        assert state.scaler.current_scale().item() == 0.0625 * 0.5  # backed off as after an overflow
+
+
 def test_a_disabled_dynamic_scaler_is_the_identity(tmp_path):
     _, rows = train(tmp_path, "precision=bf16", "scaler=dynamic", "scaler.enabled=false", "train.steps=3")
     assert [r["loss_scale"] for r in rows] == [1.0, 1.0, 1.0]
