@@ -245,6 +245,12 @@ class InspectAppConfig(AmpctlConfig):
 SCALER_SCHEMAS = {"none": NoScalerConfig, "static": StaticScalerConfig, "dynamic": DynamicScalerConfig}
 
 
+def scaler_is_active(scaler: DictConfig) -> bool:
+    """Whether this scaler config scales losses and skips non-finite steps: static, or dynamic and enabled
+    (scaler.enabled=false is GradScaler's identity, the same as scaler=none)."""
+    return scaler.kind == "static" or (scaler.kind == "dynamic" and scaler.enabled)
+
+
 def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore. Called explicitly by the router and by tests."""
     cs = ConfigStore.instance()

@@ -54,6 +54,31 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], devic
         raise UsageError(f"optimizer {target}: {str(exc).splitlines()[0]}") from None
 
 
+def prime_fused_sgd_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """torch's fused SGD allocates its momentum buffers with empty_like on its first step and marks them
+    initialised even when the loss scaler skips that step: the next step reads uninitialised memory (NaN
+    weights). Zero buffers, put in place before the first step, avoid that and change nothing else: with
+    dampening 0 the kernel's later-step rule, buf = momentum * 0 + grad, is exactly its first-step rule,
+    buf = grad; a skipped first step leaves them zero, as an unfused SGD leaves its buffers unset."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return
+    for group in optimizer.param_groups:
+        if group.get("fused") and group["momentum"] != 0:
+            for p in group["params"]:
+                optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+
+
+def check_optimizer_with_scaler(optimizer_cfg: DictConfig, scaler_can_skip: bool) -> None:
+    """Refuse what prime_fused_sgd_momentum cannot make right: with dampening, torch's first-step rule
+    (buf = grad) differs from its later-step rule on a zero buffer."""
+    if (scaler_can_skip and str(optimizer_cfg.get("_target_")) == "torch.optim.SGD" and optimizer_cfg.get("fused")
+            and optimizer_cfg.get("momentum", 0) and optimizer_cfg.get("dampening", 0)):
+        raise UsageError(
+            f"optimizer.dampening={optimizer_cfg.dampening} with optimizer.fused=true under a loss scaler: torch's "
+            "fused SGD leaves its momentum uninitialised when the scaler skips its first step; set "
+            "optimizer.fused=false (or dampening=0)")
+
+
 def lr_tensor_dtype(device: torch.device) -> torch.dtype:
     """CUDA's fused kernels read a float32 lr tensor. The CPU kernels read it as a double, so float64
     there keeps the step bit-identical to a plain float lr (the canonical torch.amp loop)."""

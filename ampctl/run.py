@@ -17,10 +17,10 @@ from omegaconf import DictConfig
 
 from ampctl import checkpoint, devices, distributed
 from ampctl.activation_checkpointing import apply_activation_checkpointing
-from ampctl.config import validate
+from ampctl.config import scaler_is_active, validate
 from ampctl.console import make_console_sink, say
 from ampctl.loop import TrainState, fit
-from ampctl.optim import LRSchedule, build_optimizer
+from ampctl.optim import LRSchedule, build_optimizer, check_optimizer_with_scaler, prime_fused_sgd_momentum
 from ampctl.precision import PrecisionPolicy, PrecisionSpec
 from ampctl.recipe import Recipe, build_recipe
 from ampctl.scaling import build_scaler
@@ -38,6 +38,7 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     device = distributed.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind.value)
     policy = PrecisionPolicy(PrecisionSpec.from_config(cfg.precision), device)
     policy.check()
+    check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
     return policy
 
 
@@ -77,6 +78,8 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
     scaler = build_scaler(cfg.scaler, policy.device, half_grads=half_grads)
     if parallel.shards_gradients:
         scaler.agree_across_ranks()
+    if scaler.can_skip:
+        prime_fused_sgd_momentum(optimizer)
     schedule = LRSchedule(optimizer, cfg.train, policy.device)
     return TrainState(model, weights, optimizer, scaler, schedule, parallel=parallel)
 

@@ -4,6 +4,7 @@ optimizers alike, do not advance the lr schedule; scale bounds; static scaling; 
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -140,6 +141,29 @@ def test_gradients_that_become_non_finite_when_unscaled_skip_the_step(scaler, fu
     assert state.schedule.applied.item() == 0  # the lr schedule did not advance
     if "scaler=dynamic" in scaler:
         assert state.scaler.current_scale().item() == 0.0625 * 0.5  # backed off as after an overflow
+
+
+def test_fused_sgd_whose_first_step_is_skipped_trains_as_unfused_sgd(tmp_path):
+    """torch's fused SGD marks its empty_like momentum buffers initialised even when the scaler skips its first
+    step (NaN weights afterwards); ampctl zeroes them first, which leaves every step bit-identical."""
+    common = ["precision=fp16", "optimizer=sgd", "scaler.init_scale=4294967296", "scaler.backoff_factor=0.125",
+              "train.steps=12"]
+    _, fused = train(tmp_path / "fused", *common, "optimizer.fused=true")
+    _, unfused = train(tmp_path / "unfused", *common, "optimizer.fused=false")
+    assert fused[0]["skipped"] and not all(r["skipped"] for r in fused)
+    assert [r["loss"] for r in fused] == [r["loss"] for r in unfused]
+    assert all(math.isfinite(r["loss"]) for r in fused)
+
+
+def test_fused_sgd_with_dampening_under_a_loss_scaler_is_refused():
+    from ampctl.errors import UsageError
+    from ampctl.run import check_config
+    from tests.conftest import FAST, compose_cfg
+
+    cfg = compose_cfg(*FAST, "precision=fp16", "optimizer=sgd", "+optimizer.dampening=0.1")
+    with pytest.raises(UsageError, match="optimizer.dampening=0.1 with optimizer.fused=true under a loss scaler"):
+        check_config(cfg)
+    check_config(compose_cfg(*FAST, "precision=bf16", "optimizer=sgd", "+optimizer.dampening=0.1"))  # no scaler
 
 
 def test_a_disabled_dynamic_scaler_is_the_identity(tmp_path):
