@@ -8,9 +8,7 @@ forward and backward with forward and backward hooks on every leaf module.
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,7 +18,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ampctl import checkpoint
+from ampctl import checkpoint, io
 from ampctl.loop import TrainState, train_step
 from ampctl.precision import PrecisionPolicy
 from ampctl.recipe import Recipe
@@ -151,9 +149,7 @@ def replay(
         "checkpoint_replayed_from": str(earlier[-1]) if earlier else None,
     }
     diagnosis["summary"] = describe(diagnosis)
-    tmp = run_dir / (DIAGNOSIS_FILE + ".tmp")
-    tmp.write_text(json.dumps(diagnosis, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, run_dir / DIAGNOSIS_FILE)
+    io.write_json(run_dir / DIAGNOSIS_FILE, diagnosis)
     return diagnosis
 
 

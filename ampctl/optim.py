@@ -112,8 +112,9 @@ class LRSchedule:
         # In the lr's own dtype, so factor * base loses nothing against the lr the user wrote.
         count_dtype = first_lr.dtype if self.on_device else torch.float64
         self.applied = torch.zeros((), device=count_device, dtype=count_dtype)
-        # The lr of the coming step as a device tensor, for telemetry; in host mode a mirror of the float.
-        self._lr_now = first_lr if self.on_device else torch.zeros((), device=device)
+        # The lr of the coming step as a device tensor, for telemetry; in host mode a float64 mirror of the
+        # Python float the optimizer uses (a float32 mirror would record 5e-05 as 4.999999873689376e-05).
+        self._lr_now = first_lr if self.on_device else torch.zeros((), device=device, dtype=torch.float64)
         self._apply()
 
     def _apply(self) -> None:

@@ -7,7 +7,6 @@ rendered again at any time (`ampctl report PATH`) without re-training.
 from __future__ import annotations
 
 import csv
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ampctl import devices, plots
+from ampctl import devices, io, plots
 from ampctl.runs import RunRecord
 
 
@@ -202,23 +201,17 @@ def write_files(
     """<stem>.csv, <stem>.json and report.md in out_dir; each written whole, then renamed into place."""
     csv_path, json_path, md_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.json", out_dir / "report.md"
 
-    def atomic(path: Path, text: str) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-
     tmp_csv = csv_path.with_name(csv_path.name + ".tmp")
     with tmp_csv.open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(table.columns)
         writer.writerows(["" if v is None else v for v in row] for row in table.rows)
     os.replace(tmp_csv, csv_path)
-    atomic(json_path, json.dumps({**extra, "machine": machine, "notes": table.notes, "rows": table.as_dicts()},
-                                 indent=2) + "\n")
+    io.write_json(json_path, {**extra, "machine": machine, "notes": table.notes, "rows": table.as_dicts()})
     machine_lines = [f"- {k}: {v}" for k, v in machine.items()]
     report = [f"# {table.title}", "", markdown(table), "## Machine", "", *machine_lines, ""]
     report += [f"![{image.stem}]({image.name})\n" for image in images]
-    atomic(md_path, "\n".join(report))
+    io.atomic_write_text(md_path, "\n".join(report))
     return [csv_path, json_path, md_path]
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import platform
 import resource
 import signal
@@ -15,7 +14,7 @@ from typing import Callable, Optional
 import torch
 from omegaconf import DictConfig
 
-from ampctl import checkpoint, devices, distributed
+from ampctl import checkpoint, devices, distributed, io
 from ampctl.activation_checkpointing import apply_activation_checkpointing
 from ampctl.config import scaler_is_active, validate
 from ampctl.console import make_console_sink, say
@@ -53,12 +52,6 @@ def peak_memory_reader(device: torch.device) -> tuple[Callable[[], Optional[int]
 
 def _silent(_message: str) -> None:
     pass
-
-
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
@@ -237,7 +230,7 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
         "peak_memory_source": peak_memory_source,
         "run_dir": str(run_dir),
     }
-    write_json_atomic(run_dir / "summary.json", summary)
+    io.write_json(run_dir / "summary.json", summary)
     echo(final_line(summary, run_dir))
     return summary
 
@@ -249,9 +242,7 @@ def keep_metrics_up_to(path: Path, step: int) -> None:
         return
     kept = [line for line, record in zip(path.read_text(encoding="utf-8").splitlines(), read_metrics(path))
             if record.step <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    io.atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def keep_ranges_up_to(path: Path, step: int) -> None:
@@ -265,9 +256,7 @@ def keep_ranges_up_to(path: Path, step: int) -> None:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             break  # a line cut by a kill ends what was written
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    io.atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def final_line(summary: dict, run_dir: Path) -> str:

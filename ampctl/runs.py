@@ -10,6 +10,9 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 ERROR_FILE = "error.txt"  # written by a multirun job that failed, so the sweep's table can show why
+# summary.json's measured figures: null there stands for a non-finite value (JSON has no NaN), read back as NaN
+SUMMARY_FIGURES = ("final_loss", "tail_loss", "final_loss_scale", "median_step_time_ms", "samples_per_s",
+                   "tokens_per_s")
 
 
 @dataclass
@@ -46,6 +49,8 @@ def is_run_dir(path: Path) -> bool:
 def load_run(path: Path) -> RunRecord:
     summary_path, metrics_path = path / "summary.json", path / "metrics.jsonl"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    if summary is not None:
+        summary.update({k: float("nan") for k in SUMMARY_FIGURES if k in summary and summary[k] is None})
     metrics = []
     if metrics_path.is_file():
         for line in metrics_path.read_text().splitlines():

@@ -8,7 +8,6 @@ timer, and the finished :class:`StepRecord` s go to the sinks (console, metrics.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Optional, Protocol, TextIO
 
 import torch
+
+from ampctl import io
 
 # Columns of the device buffer, in order.
 _LOSS, _SCALE, _FOUND_INF, _GRAD_NORM, _LR = range(5)
@@ -39,8 +40,7 @@ class StepRecord:
         data = asdict(self)
         if data["tokens_per_s"] is None:
             del data["tokens_per_s"]
-        # JSON has no inf/nan: a skipped step's grad norm is written as null.
-        return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in data.items()})
+        return io.dumps(data)  # JSON has no inf/nan: a skipped step's grad norm is written as null
 
 
 class Sink(Protocol):

@@ -4,7 +4,6 @@ config changes on resume. A resumed run must equal the uninterrupted one bit for
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess

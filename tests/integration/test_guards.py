@@ -23,6 +23,13 @@ def conf_dir(tmp_path) -> Path:
     return tmp_path / "conf"
 
 
+def strict_json(path: Path):
+    """Parse as strict JSON readers do: a bare NaN or Infinity is an error, not a float."""
+    def refuse(token):
+        raise ValueError(f"{path.name} holds {token}, which is not JSON")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
 def stopped(capsys, argv: list[str]) -> str:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -38,10 +45,10 @@ def test_fp16_overflow_in_a_named_layer_is_found_by_the_replay(tmp_path, conf_di
                            "guard.max_consecutive_skips=4", "train.steps=40", "train.log_every=2",
                            "train.checkpoint_every=2", *QUIET, f"hydra.run.dir={run}"])
     assert "4 consecutive skipped steps (5..8)" in err and "'amplifier'" in err
-    diagnosis = json.loads((run / "diagnosis.json").read_text())
+    diagnosis = strict_json(run / "diagnosis.json")
     assert diagnosis["step"] == 5
     assert diagnosis["forward"] == {"module": "amplifier", "type": "Amplify", "dtype": "float16",
-                                    "max_abs": float("inf"), "problem": "non-finite"}
+                                    "max_abs": None, "problem": "non-finite"}  # inf, written as JSON's null
     assert diagnosis["checkpoint_replayed_from"].endswith("step_00000004.pt")  # replayed from the last good one
 
 
@@ -51,8 +58,9 @@ def test_a_nonfinite_loss_without_a_scaler_stops_at_once(tmp_path, conf_dir, cap
                            "recipe.input_gain=1e4", "precision=bf16", "train.steps=40", "train.log_every=1", *QUIET,
                            f"hydra.run.dir={run}"])
     assert "non-finite loss nan at step 5" in err
-    diagnosis = json.loads((run / "diagnosis.json").read_text())
+    diagnosis = strict_json(run / "diagnosis.json")
     assert diagnosis["forward"]["module"] == "amplifier" and diagnosis["checkpoint_replayed_from"] is None
+    assert diagnosis["loss"] is None  # nan
     rows = (run / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 5  # with log_every=1 it stops on the very step
 
@@ -63,7 +71,8 @@ def test_on_nonfinite_warn_trains_on(tmp_path, conf_dir, capsys, restore_argv):
           "precision=bf16", "guard.on_nonfinite=warn", "train.steps=8", "train.log_every=4", *QUIET,
           f"hydra.run.dir={run}"])
     assert "warning: non-finite loss" in capsys.readouterr().out
-    assert json.loads((run / "summary.json").read_text())["steps"] == 8
+    summary = strict_json(run / "summary.json")
+    assert summary["steps"] == 8 and summary["final_loss"] is None and summary["tail_loss"] is None  # nan
 
 
 def test_an_overflow_at_min_scale_stops_the_run(tmp_path, capsys, restore_argv):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from importlib import resources
 
 import pytest
@@ -116,3 +118,16 @@ def test_min_scale_above_max_scale_is_refused():
     cfg = compose_cfg("precision=fp16", "scaler.min_scale=1024", "scaler.max_scale=2")
     with pytest.raises(ConfigError, match="scaler.min_scale"):
         validate(cfg)
+
+
+def test_run_records_are_strict_json(tmp_path):
+    from ampctl import io
+    from ampctl.runs import load_run
+
+    summary = {"final_loss": float("nan"), "tail_loss": float("inf"), "steps": 3, "nested": [float("-inf"), 1.5]}
+    io.write_json(tmp_path / "summary.json", summary)
+    text = (tmp_path / "summary.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"final_loss": None, "tail_loss": None, "steps": 3, "nested": [None, 1.5]}
+    back = load_run(tmp_path).summary
+    assert math.isnan(back["final_loss"]) and back["steps"] == 3  # read back as the number it stood for

@@ -83,6 +83,14 @@ def test_the_lr_schedule_does_not_advance_on_skipped_steps(tmp_path, fused):
         applied += not row["skipped"]
 
 
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_the_lr_recorded_is_the_lr_the_optimizer_used(tmp_path, fused):
+    """Not its float32 rounding: 5e-05 through a float32 tensor reads back as 4.999999873689376e-05."""
+    _, rows = train(tmp_path, "optimizer.lr=5e-05", "train.lr_schedule=constant", "train.steps=2",
+                    f"optimizer.fused={fused}")
+    assert [r["lr"] for r in rows] == [5e-05, 5e-05]
+
+
 def test_scale_bounds_hold(tmp_path):
     _, rows = train(tmp_path / "min", "precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
                     "scaler.min_scale=1e6", "guard.stop_at_min_scale=false", "train.steps=20")
