@@ -191,15 +191,16 @@ class PrecisionPolicy:
                 f"{str(s.dtype).removeprefix('torch.')}; use precision=bf16, or upgrade torch"
             )
 
-    def combination_warnings(self, scaler_kind: str) -> list[str]:
-        """Legal but suspicious pairings of this mode with a loss scaler: warned once, not refused."""
+    def combination_warnings(self, scaler_active: bool) -> list[str]:
+        """Legal but suspicious pairings of this mode with a loss scaler (scaler_active: it scales and skips;
+        scaler=none and a disabled dynamic scaler are the same here): warned once, not refused."""
         s = self.spec
-        if s.uses_half and s.dtype == torch.bfloat16 and scaler_kind == "dynamic":
+        if s.uses_half and s.dtype == torch.bfloat16 and scaler_active:
             return [
-                f"precision={s.name} runs in bfloat16, which has fp32's exponent range: a dynamic loss scaler "
+                f"precision={s.name} runs in bfloat16, which has fp32's exponent range: a loss scaler "
                 "is rarely needed there (scaler=none is the usual choice)"
             ]
-        if s.uses_half and s.dtype == torch.float16 and scaler_kind == "none":
+        if s.uses_half and s.dtype == torch.float16 and not scaler_active:
             return [
                 f"precision={s.name} runs in float16 without loss scaling: small gradients will underflow to "
                 "zero (scaler=dynamic is the usual choice)"

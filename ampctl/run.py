@@ -125,7 +125,7 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
             echo(f"resumed from {resume_from} at step {state.step}" + (f"; changed: {'; '.join(changes)}" if changes else ""))
         elif cfg.resume == "auto":
             echo(f"resume=auto: no checkpoint in {run_dir} yet, starting from step 0")
-        for message in policy.combination_warnings(cfg.scaler.kind) + policy.speed_warnings():
+        for message in policy.combination_warnings(scaler_is_active(cfg.scaler)) + policy.speed_warnings():
             echo(f"warning: {message}")
 
         peak_memory, peak_memory_source = peak_memory_reader(device)

@@ -119,7 +119,10 @@ def test_tf32_is_refused_on_cpu_naming_the_alternative():
 
 @pytest.mark.parametrize(
     "overrides,warning",
-    [(["precision=bf16", "scaler=dynamic"], "rarely needed"), (["precision=fp16", "scaler=none"], "underflow")],
+    [(["precision=bf16", "scaler=dynamic"], "rarely needed"), (["precision=fp16", "scaler=none"], "underflow"),
+     # the same situation in other words: a disabled GradScaler is the identity
+     (["precision=fp16", "scaler.enabled=false"], "runs in float16 without loss scaling: small gradients will"),
+     (["precision=bf16", "scaler=static", "scaler.scale=1024"], "a loss scaler is rarely needed")],
 )
 def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
     from ampctl.run import run_training
