@@ -205,7 +205,7 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
         s = r.states
         values = {
             "precision": r.label, "weights": s.weights, "gradients": s.gradients,
-            "master_weights": s.master_weights + s.master_gradients, "optimizer_states": s.optimizer_states,
+            "master_weights": s.master_weights, "optimizer_states": s.optimizer_states,
             "activations": r.activations, "estimate": r.estimate, "measured_peak": r.peak.bytes,
             "difference": None if r.estimate is None or r.peak.bytes is None else r.peak.bytes - r.estimate,
             "step_time_ms": r.step_time_ms, "batch_estimate": r.batch_estimate, "batch_found": r.batch_found,
@@ -224,8 +224,10 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
 
 
 def memory_notes(rows: list[ModeMemory], budget: Optional[int]) -> list[str]:
-    notes = ["estimate = weights + grads + masters (O2's fp32 master weights and their gradients) + optimizer "
-             "states + activations (the bytes autograd saves in one forward, autocast's half weight copies included)."]
+    notes = ["estimate = weights + grads + masters (O2's fp32 master weights) + optimizer states + activations "
+             "(the bytes autograd saves in one forward, autocast's half weight copies included). grads: the most "
+             "gradient memory alive at once; under O2 the fp32 master gradients replace the half ones as they are "
+             "made, so the larger set counts, not both."]
     source = rows[0].peak.source if rows else ""
     if source.startswith("torch.cuda"):
         notes.append("measured peak = torch.cuda.max_memory_allocated (tensors only). The caching allocator "
@@ -294,6 +296,9 @@ def write_memory_report(out_dir: Path, results: list[ModeMemory], budget_text: O
 def rerender(out_dir: Path, console: Console) -> None:
     """`ampctl report` on a memory directory: the table again from memory.json."""
     data = json.loads((out_dir / "memory.json").read_text())
+    if any("master_gradients" in m["model_states"] for m in data["modes"]):
+        raise UsageError(f"{out_dir / 'memory.json'} was written by an older ampctl memory (it counted O2's half and "
+                         "fp32 gradients both); run ampctl memory again")
     write_memory_report(out_dir, [_from_record(m) for m in data["modes"]], data.get("budget"), data["machine"],
                         data.get("overrides", []), console)
 

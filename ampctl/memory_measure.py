@@ -4,8 +4,14 @@ CUDA: torch.cuda.max_memory_allocated, the caching allocator's high-water mark o
 reserve, the CUDA context and library workspaces are outside it; the reserve is reported beside it).
 CPU: torch's memory profiler (torch.profiler with profile_memory=True), which sees every allocation of
 torch's CPU allocator with the tensor it belongs to, so the peak comes with a breakdown by category
-(parameters, optimizer state, gradients, activations, temporaries...). The process's max RSS, which the
-training runs report, would include the interpreter and torch's own code, hundreds of MiB.
+(parameters, optimizer state, gradients, activations, temporaries...). The process's max RSS would include
+the interpreter and torch's own code, hundreds of MiB.
+
+`ampctl memory`, `ampctl train` and `ampctl compare` report this one definition: tensor memory held by
+torch's allocator. A training run (TrainingPeak) measures it over its whole length on CUDA, where reading the
+allocator's high-water mark costs nothing, and on a CPU over the model build and its first MEASURED_STEPS
+steps, the steps `ampctl memory` measures by default: profiling every step would slow the run, and a step
+after the second repeats the second's allocations.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
+import sys
 import tempfile
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
@@ -24,6 +32,7 @@ import torch
 
 # The order of the categories in torch's memory timeline (torch.profiler._memory_profiler's
 # _CATEGORY_TO_INDEX), after its leading total column; None is memory it could not attribute.
+MEASURED_STEPS = 2  # on a CPU: the first step allocates the optimizer's states, the second is a steady one
 PROFILER_CATEGORIES = ("parameters", "optimizer_state", "inputs", "temporaries", "activations", "gradients",
                        "autograd_detail", "unattributed")
 
@@ -69,8 +78,8 @@ def measure_peak(device: torch.device) -> Iterator[MeasuredPeak]:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
-                                  with_stack=True) as prof:
+    with _quiet_kineto(), _without_stderr_lines(_UNKNOWN_BLOCK), profile(
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         yield result
     result.bytes, result.breakdown = _timeline_peak(prof)
     result.source = "torch memory profiler (CPU allocator)"
@@ -89,6 +98,79 @@ def _quiet_kineto() -> Iterator[None]:
             os.environ.pop("KINETO_LOG_LEVEL", None)
         else:
             os.environ["KINETO_LOG_LEVEL"] = saved
+
+
+# torch's CPU allocator logs this (from C++, straight to stderr) whenever a tensor allocated before the
+# profiler started is freed inside it: expected here, since the recipe's data predates the measurement.
+_UNKNOWN_BLOCK = re.compile(r"Memory block of unknown size was allocated before the profiling started")
+
+
+@contextmanager
+def _without_stderr_lines(pattern: re.Pattern) -> Iterator[None]:
+    """Holds what is written to file descriptor 2 inside (C++ logs included) and passes it on at the end,
+    less the lines matching pattern."""
+    try:
+        saved_fd = os.dup(2)
+    except OSError:  # no stderr to redirect
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not pattern.search(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+class TrainingPeak:
+    """The peak memory of a training run (see the module docstring): `with peak.measuring():` around the
+    model's build and the training, after_step() after every step. bytes() is None until it is known."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._measurement = ExitStack()
+        self._result: Optional[MeasuredPeak] = None
+        self._steps = 0
+        if device.type == "cuda":
+            self.source = "torch.cuda.max_memory_allocated"
+        elif cpu_profiler_available():
+            self.source = f"torch memory profiler (CPU allocator), model build and steps 1-{MEASURED_STEPS}"
+        else:
+            self.source = "not measured: this torch has no CPU memory timeline"
+
+    @contextmanager
+    def measuring(self, enabled: bool = True) -> Iterator["TrainingPeak"]:
+        """Measures from entry (before the model is built) to MEASURED_STEPS steps on a CPU, or to the exit."""
+        if enabled and self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif enabled and cpu_profiler_available():
+            self._result = self._measurement.enter_context(measure_peak(self.device))
+        with self._measurement:
+            yield self
+
+    def after_step(self) -> None:
+        self._steps += 1
+        if self._steps == MEASURED_STEPS:
+            self._measurement.close()  # a CPU measurement fills its result on exit
+
+    @property
+    def untimed_steps(self) -> int:
+        """Steps whose time the CPU profiler distorts."""
+        return MEASURED_STEPS if self._result is not None else 0
+
+    def bytes(self) -> Optional[int]:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return None if self._result is None else self._result.bytes
 
 
 def _timeline_peak(prof) -> tuple[int, dict[str, int]]:

@@ -3,7 +3,8 @@ mode's weight layout and the optimizer's kind; activations counted from what aut
 
 Model states follow the textbook accounting (ZeRO, Rajbhandari et al. 2020): for mixed-precision Adam,
 2 bytes of half weights + 2 of half gradients + 4 of fp32 master weights + 8 of Adam moments = 16 bytes
-per parameter. Here each part is computed from the real parameters (their count, shape and dtype after
+per parameter (18 under O2 as it runs: its fp32 master gradients, 4 bytes, replace the 2-byte half ones
+rather than joining them). Here each part is computed from the real parameters (their count, shape and dtype after
 the precision mode has prepared the model), so norm layers kept in fp32 under O2, O3's half optimizer
 states, Adafactor's factored moments and 8-bit Adam's block-wise quantized states are all counted as
 they are.
@@ -37,19 +38,23 @@ STEP_TENSOR_BYTES = 4  # torch's Adam/AdamW/Adafactor keep `step` as a float32 s
 
 @dataclass(frozen=True)
 class ModelStateBytes:
-    """Bytes of each model-state part. optimizer_states is None for an optimizer the model does not know."""
+    """Bytes of each model-state part. optimizer_states is None for an optimizer the model does not know.
+
+    gradients is the most gradient memory alive at once: under O2 the half gradients that backward produces
+    are replaced, one by one, by the fp32 master gradients the optimizer steps on, so the larger of the two
+    sets counts, not both (mixed-precision Adam under O2: 2 weights + 4 masters + 4 gradients + 8 moments =
+    18 bytes per parameter)."""
 
     weights: int
     gradients: int
     master_weights: int
-    master_gradients: int
     optimizer_states: Optional[int]
 
     @property
     def total(self) -> Optional[int]:
         if self.optimizer_states is None:
             return None
-        return self.weights + self.gradients + self.master_weights + self.master_gradients + self.optimizer_states
+        return self.weights + self.gradients + self.master_weights + self.optimizer_states
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -108,12 +113,12 @@ def estimate_model_states(model: nn.Module, optimizer_params: list[nn.Parameter]
     trainable = [p for p in model.parameters() if p.requires_grad]
     model_ids = {id(p) for p in trainable}
     masters = [p for p in optimizer_params if id(p) not in model_ids]
-    # O2 frees each half gradient as it copies it into its master's fp32 gradient.
+    # Backward fills the model's gradients; O2 then frees each half gradient as it makes its master's fp32
+    # one (precision.FP32MasterWeights.grads_to_masters): the two sets are never alive together.
     return ModelStateBytes(
         weights=sum(_nbytes(p) for p in model.parameters()),
-        gradients=sum(_nbytes(p) for p in trainable),
+        gradients=max(sum(_nbytes(p) for p in trainable), sum(_nbytes(p) for p in optimizer_params)),
         master_weights=sum(_nbytes(p) for p in masters),
-        master_gradients=sum(_nbytes(p) for p in masters),
         optimizer_states=optimizer_state_bytes(optimizer_kind(optimizer_cfg), optimizer_cfg, optimizer_params),
     )
 

@@ -119,9 +119,10 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
         notes.append(f"fp32 is not in the list: speedup, memory ratio and loss delta are against {baseline}.")
     elif baseline:
         notes.append(f"speedup, memory ratio and loss delta are against {baseline} (true fp32: TF32 off).")
-    if base and base.summary.get("peak_memory_source", "").startswith("process"):
-        notes.append("peak memory on a CPU is the process's max RSS: it includes the interpreter and torch itself.")
-    headers = {"precision": "mode", "step_time_ms": "step ms", unit: unit, "peak_memory_mib": "peak MiB",
+    if base and base.summary.get("peak_memory_source"):
+        notes.append(f"peak MiB: tensor memory held by torch's allocator, as ampctl memory measures it "
+                     f"({base.summary['peak_memory_source']}).")
+    headers = {"precision": "mode", "step_time_ms": "step ms", unit: unit, "peak_memory_mib": "peak MiB (allocator)",
                "memory_ratio": "memory", "final_loss": "final loss", "loss_delta": "Δ loss",
                "skipped_steps": "skipped", "final_loss_scale": "scale"}
     formats = {"step_time_ms": lambda v: f"{v:.1f}", unit: lambda v: f"{v:,.0f}", "speedup": ratio,

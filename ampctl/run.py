@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
-import resource
 import signal
 from pathlib import Path
 from typing import Callable, Optional
@@ -19,6 +18,7 @@ from ampctl.activation_checkpointing import apply_activation_checkpointing
 from ampctl.config import scaler_is_active, validate
 from ampctl.console import make_console_sink, say
 from ampctl.loop import TrainState, fit
+from ampctl.memory_measure import TrainingPeak
 from ampctl.optim import LRSchedule, build_optimizer, check_optimizer_with_scaler, prime_fused_sgd_momentum
 from ampctl.precision import PrecisionPolicy, PrecisionSpec
 from ampctl.recipe import Recipe, build_recipe
@@ -39,15 +39,6 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     policy.check()
     check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
     return policy
-
-
-def peak_memory_reader(device: torch.device) -> tuple[Callable[[], Optional[int]], str]:
-    """The measured peak and what it measures: the CUDA caching allocator's peak, or the process's max RSS."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return (lambda: torch.cuda.max_memory_allocated(device)), "torch.cuda.max_memory_allocated"
-    # Linux reports ru_maxrss in KiB. It is the whole process (interpreter, torch, data), an upper bound.
-    return (lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024), "process max RSS (ru_maxrss)"
 
 
 def _silent(_message: str) -> None:
@@ -108,7 +99,8 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
     if parallel.world_size > 1:
         recipe = distributed.RankShard(recipe, parallel.rank, parallel.world_size)
 
-    with policy:
+    peak = TrainingPeak(device)
+    with policy, peak.measuring(enabled=parallel.is_main):  # the peak counts the model's build
         state = build_state(cfg, policy, recipe, parallel)
         if payload:
             checkpoint.restore(payload, state)
@@ -128,7 +120,6 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
         for message in policy.combination_warnings(scaler_is_active(cfg.scaler)) + policy.speed_warnings():
             echo(f"warning: {message}")
 
-        peak_memory, peak_memory_source = peak_memory_reader(device)
         # throughput is the whole job's: every rank's samples
         per_step = cfg.train.grad_accum_steps * parallel.world_size
         samples = recipe.samples_per_batch * per_step
@@ -140,7 +131,7 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
                 keep_metrics_up_to(run_dir / "metrics.jsonl", state.step)
                 keep_ranges_up_to(run_dir / "ranges.jsonl", state.step)
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-            console = make_console_sink(cfg.train.console, cfg.train.steps, tokens is not None, peak_memory)
+            console = make_console_sink(cfg.train.console, cfg.train.steps, tokens is not None, peak.bytes)
             if console is not None:
                 sinks.append(console)
         telemetry = Telemetry(device, cfg.train.log_every, samples, tokens, sinks)
@@ -149,6 +140,7 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
         guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
 
         def after_step(last: bool) -> None:
+            peak.after_step()
             fresh = telemetry.take_fresh()  # non-empty on log steps, when values came back from the device
             if fresh:
                 trip, warnings = guard.check(fresh)
@@ -225,9 +217,10 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
         "python_version": platform.python_version(),
         "parameters": n_params,
         "world_size": parallel.world_size,
-        **summarize(read_metrics(run_dir / "metrics.jsonl"), cfg.train.timing_warmup_steps),
-        "peak_memory_bytes": peak_memory(),
-        "peak_memory_source": peak_memory_source,
+        # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says
+        **summarize(read_metrics(run_dir / "metrics.jsonl"), max(cfg.train.timing_warmup_steps, peak.untimed_steps)),
+        "peak_memory_bytes": peak.bytes(),
+        "peak_memory_source": peak.source,
         "run_dir": str(run_dir),
     }
     io.write_json(run_dir / "summary.json", summary)

@@ -91,3 +91,22 @@ def test_the_search_doubles_then_bisects_to_the_largest_fitting_batch(monkeypatc
     assert memory.search_batch([], None, 1000 + 10 * 150, 64, log) == 150
     assert probed[:3] == [64, 128, 256] and len(probed) <= memory.SEARCH_PROBES
     assert log[0] == "batch 64: fits (peak 1.60 KiB)"  # 1640 bytes
+
+
+@pytest.mark.parametrize("precision", ["fp32", "O2"])
+def test_train_reports_the_peak_that_ampctl_memory_measures(tmp_path, restore_argv, precision):
+    """One definition of peak memory everywhere: on a CPU, the allocator's peak from torch's memory profiler
+    over the model build and the first two steps (process RSS, hundreds of MiB of interpreter and torch,
+    is not it)."""
+    from tests.conftest import train
+
+    mlp = ["recipe=mlp", "recipe.hidden=256", "recipe.batch_size=128"]
+    main(["memory", "device=cpu", *mlp, f"precision={precision}", f"hydra.run.dir={tmp_path / 'memory'}"])
+    [mode] = json.loads((tmp_path / "memory" / "memory.json").read_text())["modes"]
+    summary, _ = train(tmp_path / "train", *mlp, f"precision={precision}", "train.steps=4",
+                       "train.timing_warmup_steps=0")
+    assert summary["peak_memory_source"].startswith("torch memory profiler (CPU allocator)")
+    assert mode["measured_source"].startswith("torch memory profiler (CPU allocator)")
+    assert summary["peak_memory_bytes"] == pytest.approx(mode["measured_peak"], rel=0.1)
+    assert summary["peak_memory_bytes"] < 16 * 2**20  # a 0.15M-parameter MLP: a few MiB, not the process
+    assert summary["timed_steps"] == 4 - 2  # the profiled steps are not timed

@@ -20,12 +20,13 @@ P = P_LINEAR + P_NORM
 STEP = 4 * 14  # AdamW's float32 `step` tensor per parameter tensor
 
 HAND_COMPUTED = {
-    # precision: (weights, gradients, fp32 masters, master gradients, AdamW states)
-    "fp32": (4 * P, 4 * P, 0, 0, 8 * P + STEP),
-    "fp16": (4 * P, 4 * P, 0, 0, 8 * P + STEP),  # autocast leaves the model (and its states) in fp32
-    "bf16": (4 * P, 4 * P, 0, 0, 8 * P + STEP),
-    "O2": (2 * P_LINEAR + 4 * P_NORM, 2 * P_LINEAR + 4 * P_NORM, 4 * P_LINEAR, 4 * P_LINEAR, 8 * P + STEP),
-    "O3": (2 * P, 2 * P, 0, 0, 4 * P + STEP),  # no masters: the moments are half too
+    # precision: (weights, gradients, fp32 masters, AdamW states)
+    "fp32": (4 * P, 4 * P, 0, 8 * P + STEP),
+    "fp16": (4 * P, 4 * P, 0, 8 * P + STEP),  # autocast leaves the model (and its states) in fp32
+    "bf16": (4 * P, 4 * P, 0, 8 * P + STEP),
+    # the fp32 master gradients (4 P_LINEAR) replace the half ones (2 P_LINEAR): the larger set counts
+    "O2": (2 * P_LINEAR + 4 * P_NORM, 4 * P, 4 * P_LINEAR, 8 * P + STEP),
+    "O3": (2 * P, 2 * P, 0, 4 * P + STEP),  # no masters: the moments are half too
 }
 
 
@@ -35,10 +36,32 @@ def test_model_states_equal_the_hand_computed_bytes(precision):
     with policy:
         state = build_state(cfg, policy, recipe)
     s = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
-    assert (s.weights, s.gradients, s.master_weights, s.master_gradients, s.optimizer_states) == HAND_COMPUTED[precision]
+    assert (s.weights, s.gradients, s.master_weights, s.optimizer_states) == HAND_COMPUTED[precision]
     if precision == "O2":
-        # the textbook's 16 bytes per parameter, plus O2's fp32 master gradients (4); fp32 norm layers: 4 + 4 + 8
-        assert s.total == 20 * P_LINEAR + 16 * P_NORM + STEP
+        # 2 half weights + 4 fp32 masters + 4 fp32 gradients + 8 moments; fp32 norm layers: 4 + 4 + 8
+        assert s.total == 18 * P_LINEAR + 16 * P_NORM + STEP
+
+
+@pytest.mark.parametrize("precision", ["fp32", "O2", "O3"])
+def test_gradient_bytes_are_the_most_that_a_real_step_holds_at_once(precision):
+    """The reference: every .grad alive in a real step, summed after backward (half, under O2) and after
+    they become the optimizer's (fp32 masters under O2, the half ones freed)."""
+    cfg, policy, recipe = build(f"precision={precision}", *MLP)
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        everything = list(state.model.parameters()) + list(state.weights.optimizer_params)
+        alive = lambda: sum(p.grad.numel() * p.grad.element_size()  # noqa: E731
+                            for p in {id(p): p for p in everything}.values() if p.grad is not None)
+        with policy.autocast():
+            loss = recipe.loss(state.model, next(recipe.batches(policy.device, 0)))
+        state.scaler.scale(loss).backward()
+        after_backward = alive()
+        state.weights.grads_to_masters()
+        after_handover = alive()
+    s = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
+    assert s.gradients == max(after_backward, after_handover)
+    if precision == "O2":
+        assert after_handover > after_backward  # fp32 masters' gradients, the half ones gone
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
