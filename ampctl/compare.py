@@ -88,8 +88,9 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan
         except UnsupportedError as exc:
             skipped[name] = str(exc).split("; ")[0].removeprefix(f"precision={name} ")
             continue
-        if not explicit and policy.speed_warnings():
-            skipped[name] = "no fp16 hardware on this CPU (many times slower than fp32); name it in compare.precisions to run it"
+        slow = policy.slow_here()
+        if not explicit and slow:
+            skipped[name] = f"{slow}; name it in compare.precisions to run it"
             continue
         for ac in checkpointing:
             label = name + ("+ac" if ac and len(checkpointing) > 1 else "")

@@ -3,9 +3,16 @@ version-checked, so the same code runs on torch 2.4 through the newest."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import math
+import os
 import platform
+import statistics
+import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -87,13 +94,79 @@ def has_native_bf16(device: torch.device) -> bool:
     return autocast_works("cpu", torch.bfloat16)
 
 
+# A half type "runs at speed" on a CPU when its autocast matmul takes at most this many times fp32's time.
+# Measured: AVX512-BF16 EPYC, bf16 ~0.5x; AVX2-only EPYC, bf16 ~16x and fp16 ~20x (oneDNN converts in software).
+SLOW_FACTOR = 1.5
+_BENCH_SIZE, _BENCH_REPEATS = 256, 5
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "ampctl" / "cpu_matmul_speed.json"
+
+
+def _machine_key() -> str:
+    """What decides the result: the CPU, its instruction sets, torch (oneDNN's kernels) and the threads."""
+    isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "sse4", "asimd", "sve", "bf16", "fp16")))
+    return f"{cpu_model()}|{platform.machine()}|{','.join(isa)}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+
+
+def _time_matmul(dtype: Optional[torch.dtype]) -> float:
+    """Median seconds of a 256x256 matmul on the CPU, in fp32 (dtype None) or under autocast(dtype)."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(_BENCH_SIZE, _BENCH_SIZE, generator=gen) for _ in range(2))
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    times = []
+    with autocast:
+        torch.mm(a, b)  # warm-up: oneDNN picks and prepares its kernel
+        for _ in range(_BENCH_REPEATS):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_half_slowdown(dtype: torch.dtype) -> float:
+    """How many times longer a matmul takes under CPU autocast(dtype) than in fp32 on this machine. Measured
+    once (well under a second) and kept in ~/.cache/ampctl, keyed by CPU, instruction sets, torch version and
+    threads: flags alone cannot tell a CPU that emulates bf16 in AVX512 from one that runs it natively."""
+    name = str(dtype).removeprefix("torch.")
+    path, key = _cache_path(), _machine_key()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached.get(key), dict) and isinstance(cached[key].get(name), (int, float)):
+        return float(cached[key][name])
+    if not autocast_works("cpu", dtype):
+        return math.inf
+    slowdown = _time_matmul(dtype) / _time_matmul(None)
+    cached.setdefault(key, {})[name] = slowdown
+    try:
+        from ampctl import io
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        io.atomic_write_text(path, json.dumps(cached, indent=2) + "\n")
+    except OSError:
+        pass  # a read-only home: measured again next time
+    return slowdown
+
+
+def half_runs_at_speed(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether compute in this half type is not much slower than fp32 here: always on CUDA (refusals cover
+    what a GPU lacks), on a CPU as measured."""
+    return device.type != "cpu" or cpu_half_slowdown(dtype) <= SLOW_FACTOR
+
+
 def has_fast_bf16_cpu() -> bool:
-    """AMX or AVX512-BF16: hardware bf16 dot products, where bf16 autocast is faster than fp32."""
+    """AMX or AVX512-BF16: the instruction sets that give bf16 dot products in hardware (a description of the
+    CPU; decisions use the measured half_runs_at_speed)."""
     flags = cpu_flags()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def has_fast_fp16_cpu() -> bool:
-    """AVX512-FP16 or AMX-FP16: without them oneDNN has no fast fp16 matmul, and fp16 runs far slower than fp32."""
+    """AVX512-FP16 or AMX-FP16: the instruction sets that give fp16 dot products in hardware."""
     flags = cpu_flags()
     return "avx512_fp16" in flags or "amx_fp16" in flags

@@ -25,6 +25,19 @@ from ampctl.fp8 import Fp8Recipe, convert_linears
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
 
+# The CPU instruction sets that compute in each half type in hardware (named when it is slow).
+HALF_HARDWARE = {torch.bfloat16: "AVX512-BF16 or AMX", torch.float16: "AVX512-FP16 or AMX-FP16"}
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _bf16_if_fast(device: torch.device, advice: str) -> str:
+    """advice, where bf16 is a faster mode on this device; "" where it is not (a CPU that emulates bf16)."""
+    return advice if devices.has_native_bf16(device) and devices.half_runs_at_speed(device, torch.bfloat16) else ""
+
+
 # Normalization layers kept (and run) in fp32 under O2: their statistics are where half precision loses
 # the most (Apex kept BatchNorm; transformers need LayerNorm too).
 NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
@@ -173,11 +186,11 @@ class PrecisionPolicy:
             where = devices.device_name(dev) if dev.type == "cuda" else "a CPU"
             raise UnsupportedError(
                 f"precision={s.name} needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or "
-                f"newer); this run is on {where}: use precision=fp32, or precision=bf16 for a faster mode"
+                f"newer); this run is on {where}: use precision=fp32{_bf16_if_fast(dev, ', or precision=bf16 for a faster mode')}"
             )
         if s.float8 is not None and (reason := float8.unsupported_reason(dev)):
             raise UnsupportedError(f"precision={s.name} {reason}: use precision=fp8_emulated to study FP8's "
-                                   "numerics on this machine, or precision=bf16 for speed")
+                                   f"numerics on this machine{_bf16_if_fast(dev, ', or precision=bf16 for speed')}")
         if not s.uses_half:
             return
         if s.dtype == torch.bfloat16 and not devices.has_native_bf16(dev):
@@ -207,19 +220,30 @@ class PrecisionPolicy:
             ]
         return []
 
+    def slow_here(self) -> Optional[str]:
+        """Why this legal mode runs much slower than fp32 on this device, in a few words; None if it does not."""
+        s, dev = self.spec, self.device
+        if s.fp8 is not None:
+            return "emulated, by design"
+        if dev.type == "cpu" and s.uses_half and not devices.half_runs_at_speed(dev, s.dtype):
+            return (f"{_short(s.dtype)} matmuls run {devices.cpu_half_slowdown(s.dtype):.0f}x slower than fp32 on this "
+                    f"CPU (measured; no {HALF_HARDWARE[s.dtype]})")
+        return None
+
     def speed_warnings(self) -> list[str]:
         """Legal runs that will be much slower than the user likely expects."""
         s, dev = self.spec, self.device
+        why = self.slow_here()
+        if why is None:
+            return []
         if s.fp8 is not None:
             return [f"precision={s.name} emulates FP8 (quantize and dequantize around fp32 matmuls): slower than "
                     "fp32 by design; it is for studying FP8's convergence and error, not for speed"]
-        if dev.type == "cpu" and s.uses_half and s.dtype == torch.float16 and not devices.has_fast_fp16_cpu():
-            return [
-                f"precision={s.name} computes in float16 on a CPU without AVX512-FP16/AMX-FP16 "
-                f"({devices.cpu_model()}): expect it to run many times slower than fp32; precision=bf16"
-                + (" is fast here" if devices.has_fast_bf16_cpu() else " is the CPU's half type")
-            ]
-        return []
+        other = torch.float16 if s.dtype == torch.bfloat16 else torch.bfloat16
+        instead = ("precision=bf16 is fast here" if other == torch.bfloat16 and devices.half_runs_at_speed(dev, other)
+                   else "precision=fp32 is the fastest mode on this CPU")
+        return [f"precision={s.name} computes in {_short(s.dtype)} ({devices.cpu_model()}: {why}): expect it to run "
+                f"many times slower than fp32; {instead}"]
 
     # --- the run ----------------------------------------------------------------------------------
 

@@ -167,3 +167,26 @@ def test_compare_shows_activation_checkpointing_side_by_side(tmp_path, restore_a
     # recomputation changes memory and time, never the numbers
     assert rows["fp32+ac"]["final_loss"] == rows["fp32"]["final_loss"]
     assert rows["bf16+ac"]["final_loss"] == rows["bf16"]["final_loss"]
+
+
+@pytest.mark.parametrize("bf16,expected", [(0.5, ["fp32", "bf16"]), (16.0, ["fp32"])], ids=["bf16-hardware", "no-bf16"])
+def test_compare_runs_by_default_only_the_modes_that_are_fast_here(monkeypatch, bf16, expected):
+    """On a CPU that emulates bf16 (16x slower than fp32 there), the default comparison leaves it out and says why;
+    named in compare.precisions it runs."""
+    import torch
+    from hydra import compose, initialize_config_module
+
+    from ampctl import devices
+    from ampctl.compare import plan_modes
+
+    table = {torch.bfloat16: bf16, torch.float16: 30.0}
+    monkeypatch.setattr(devices, "cpu_half_slowdown", lambda dtype: table[dtype])
+    with initialize_config_module(config_module="ampctl.conf", version_base=None):
+        plans, skipped = plan_modes(compose(config_name="compare", overrides=["device=cpu"]), ["device=cpu"])
+        assert [p.mode for p in plans] == expected
+        assert skipped["fp16"].startswith("float16 matmuls run 30x slower than fp32 on this CPU")
+        if bf16 > 1:
+            assert skipped["bf16"].startswith("bfloat16 matmuls run 16x slower than fp32 on this CPU (measured; no "
+                                              "AVX512-BF16 or AMX); name it in compare.precisions to run it")
+        named = compose(config_name="compare", overrides=["device=cpu", "compare.precisions=[fp32,bf16]"])
+        assert [p.mode for p in plan_modes(named, ["device=cpu"])[0]] == ["fp32", "bf16"]
