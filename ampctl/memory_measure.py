@@ -81,8 +81,12 @@ def measure_peak(device: torch.device) -> Iterator[MeasuredPeak]:
     with _quiet_kineto(), _without_stderr_lines(_UNKNOWN_BLOCK), profile(
             activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         yield result
-    result.bytes, result.breakdown = _timeline_peak(prof)
-    result.source = "torch memory profiler (CPU allocator)"
+    try:
+        result.bytes, result.breakdown = _timeline_peak(prof)
+        result.source = "torch memory profiler (CPU allocator)"
+    except Exception as exc:  # noqa: BLE001  torch's timeline analysis is private and has failed on FSDP graphs:
+        # an instrument that cannot read a run must not end it
+        result.source = f"not measured: torch's memory profiler could not analyse this run ({type(exc).__name__})"
 
 
 @contextmanager
@@ -140,16 +144,12 @@ class TrainingPeak:
         self._measurement = ExitStack()
         self._result: Optional[MeasuredPeak] = None
         self._steps = 0
-        if device.type == "cuda":
-            self.source = "torch.cuda.max_memory_allocated"
-        elif cpu_profiler_available():
-            self.source = f"torch memory profiler (CPU allocator), model build and steps 1-{MEASURED_STEPS}"
-        else:
-            self.source = "not measured: this torch has no CPU memory timeline"
+        self._enabled = True
 
     @contextmanager
     def measuring(self, enabled: bool = True) -> Iterator["TrainingPeak"]:
         """Measures from entry (before the model is built) to MEASURED_STEPS steps on a CPU, or to the exit."""
+        self._enabled = enabled
         if enabled and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         elif enabled and cpu_profiler_available():
@@ -166,6 +166,19 @@ class TrainingPeak:
     def untimed_steps(self) -> int:
         """Steps whose time the CPU profiler distorts."""
         return MEASURED_STEPS if self._result is not None else 0
+
+    @property
+    def source(self) -> str:
+        """What measured bytes(), or why nothing did."""
+        if self.device.type == "cuda":
+            return "torch.cuda.max_memory_allocated"
+        if not self._enabled:
+            return "not measured (telemetry.profile_cpu_memory=false)"
+        if not cpu_profiler_available():
+            return "not measured: this torch has no CPU memory timeline"
+        if self._result is not None and self._result.source.startswith("not measured"):
+            return self._result.source
+        return f"torch memory profiler (CPU allocator), model build and steps 1-{MEASURED_STEPS}"
 
     def bytes(self) -> Optional[int]:
         if self.device.type == "cuda":

@@ -242,8 +242,8 @@ class PrecisionPolicy:
         other = torch.float16 if s.dtype == torch.bfloat16 else torch.bfloat16
         instead = ("precision=bf16 is fast here" if other == torch.bfloat16 and devices.half_runs_at_speed(dev, other)
                    else "precision=fp32 is the fastest mode on this CPU")
-        return [f"precision={s.name} computes in {_short(s.dtype)} ({devices.cpu_model()}: {why}): expect it to run "
-                f"many times slower than fp32; {instead}"]
+        return [f"precision={s.name} on {devices.cpu_model()}: {why}: expect it to run many times slower than fp32; "
+                f"{instead}"]
 
     # --- the run ----------------------------------------------------------------------------------
 

@@ -100,7 +100,8 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
         recipe = distributed.RankShard(recipe, parallel.rank, parallel.world_size)
 
     peak = TrainingPeak(device)
-    with policy, peak.measuring(enabled=parallel.is_main):  # the peak counts the model's build
+    measure = parallel.is_main and (device.type == "cuda" or cfg.telemetry.profile_cpu_memory)
+    with policy, peak.measuring(enabled=measure):  # the peak counts the model's build
         state = build_state(cfg, policy, recipe, parallel)
         if payload:
             checkpoint.restore(payload, state)

@@ -104,6 +104,7 @@ def test_train_reports_the_peak_that_ampctl_memory_measures(tmp_path, restore_ar
     main(["memory", "device=cpu", *mlp, f"precision={precision}", f"hydra.run.dir={tmp_path / 'memory'}"])
     [mode] = json.loads((tmp_path / "memory" / "memory.json").read_text())["modes"]
     summary, _ = train(tmp_path / "train", *mlp, f"precision={precision}", "train.steps=4",
+                       "telemetry.profile_cpu_memory=true",
                        "train.timing_warmup_steps=0")
     assert summary["peak_memory_source"].startswith("torch memory profiler (CPU allocator)")
     assert mode["measured_source"].startswith("torch memory profiler (CPU allocator)")
