@@ -111,3 +111,19 @@ def test_train_reports_the_peak_that_ampctl_memory_measures(tmp_path, restore_ar
     assert summary["peak_memory_bytes"] == pytest.approx(mode["measured_peak"], rel=0.1)
     assert summary["peak_memory_bytes"] < 16 * 2**20  # a 0.15M-parameter MLP: a few MiB, not the process
     assert summary["timed_steps"] == 4 - 2  # the profiled steps are not timed
+
+
+def test_a_memory_profile_that_torch_cannot_analyse_does_not_end_the_run(tmp_path, monkeypatch):
+    """torch's memory-timeline analysis is private code and has asserted on an FSDP graph: the run goes on and
+    says the peak was not measured."""
+    from ampctl import memory_measure
+    from tests.conftest import train
+
+    def fails(_prof):
+        raise AssertionError("version mismatch")
+
+    monkeypatch.setattr(memory_measure, "_timeline_peak", fails)
+    summary, rows = train(tmp_path, "train.steps=3", "telemetry.profile_cpu_memory=true")
+    assert len(rows) == 3 and summary["peak_memory_bytes"] is None
+    assert summary["peak_memory_source"] == ("not measured: torch's memory profiler could not analyse this run "
+                                             "(AssertionError)")
