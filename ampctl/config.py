@@ -1,8 +1,9 @@
 """Config schemas: one source of defaults and types, plus the range checks OmegaConf cannot express.
 
 Every YAML in conf/ extends one of the schemas stored here (``defaults: [/schema_<group>[_<kind>]@_here_]``),
-so a typo'd key or a wrong type is rejected by OmegaConf at compose time. Ranges and cross-field rules
-are checked by :func:`validate`, before anything is built.
+so a typo'd key or a wrong type is rejected by OmegaConf at compose time. The dataclasses' defaults are the
+only ones: a YAML states what differs from them and nothing else (tests/unit/test_config.py checks every
+file). Ranges and cross-field rules are checked by :func:`validate`, before anything is built.
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ class AmaxAlgo(Enum):
 class Fp8Config:
     """Emulated FP8 for every Linear's matmul inputs (see ampctl/fp8.py)."""
 
+    # current (per tensor, this step) | delayed (amax history, TE) | blockwise (DeepSeek-V3, e4m3 only)
     scaling: Fp8Scaling = Fp8Scaling.current
-    format: Fp8Format = Fp8Format.hybrid  # hybrid: e4m3 forward, e5m2 gradients; blockwise is e4m3 only
+    format: Fp8Format = Fp8Format.hybrid  # hybrid: e4m3 forward, e5m2 gradients | e4m3
     amax_history_len: int = 16  # delayed scaling
-    amax_compute_algo: AmaxAlgo = AmaxAlgo.max  # delayed scaling
+    amax_compute_algo: AmaxAlgo = AmaxAlgo.max  # delayed scaling: max | most_recent
     margin: int = 0  # scales map amax to the format's max / 2^margin
 
 
@@ -79,10 +81,11 @@ class Float8RecipeName(Enum):
 class Float8Config:
     """Real FP8 through torchao's float8 training (see ampctl/float8.py)."""
 
+    # tensorwise: one scale per tensor | rowwise: one per row (more accurate, slower)
     recipe_name: Float8RecipeName = Float8RecipeName.tensorwise
     auto_filter_small_kn: bool = True  # keep Linear layers too small to gain from FP8 in bf16 (torchao's heuristics)
     filter_fqns: list[str] = field(default_factory=list)  # keep Linear layers whose name contains one of these in bf16
-    compile: bool = True  # torch.compile the model (torchao fuses its scaling and casts only when compiled)
+    compile: bool = True  # torch.compile the model (torchao fuses its amax and casts only when compiled)
 
 
 @dataclass
@@ -131,15 +134,15 @@ class DynamicScalerConfig:
 class TrainConfig:
     steps: int = 200
     grad_accum_steps: int = 1
-    clip_grad_norm: Optional[float] = None  # max total grad norm after unscale_; null = no clipping
+    clip_grad_norm: Optional[float] = 1.0  # max total grad norm after unscale_; null = no clipping
     log_every: int = 10  # the only steps that read values back from the device
     seed: int = 0
-    lr_schedule: Schedule = Schedule.constant
-    lr_warmup_steps: int = 0
+    lr_schedule: Schedule = Schedule.cosine
+    lr_warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
     timing_warmup_steps: int = 5  # first steps left out of median step time and throughput
     console: ConsoleMode = ConsoleMode.auto
-    activation_checkpointing: bool = False  # recompute the recipe's blocks in backward instead of storing
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (gpt, resnet)
     checkpoint_every: Optional[int] = None  # steps between checkpoints; one is always written at the end
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
 
@@ -161,7 +164,7 @@ class ParallelKind(Enum):
 @dataclass
 class DistributedConfig:
     kind: ParallelKind = ParallelKind.none
-    timeout_s: int = 600  # process-group timeout: a rank that dies or hangs ends the job instead of hanging it
+    timeout_s: int = 600  # a collective that waits longer (a rank died or hangs) ends the job with an error
     reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3), or keep (ZeRO-2)
 
 
@@ -176,7 +179,7 @@ class GuardConfig:
 
     max_consecutive_skips: Optional[int] = 100  # this many skipped steps in a row stop the run; null: never
     stop_at_min_scale: bool = True  # an overflow at scaler.min_scale stops the run: it cannot back off further
-    on_nonfinite: NonfiniteAction = NonfiniteAction.stop  # a non-finite loss no scaler can absorb
+    on_nonfinite: NonfiniteAction = NonfiniteAction.stop  # stop | warn, for a non-finite loss no scaler can absorb
 
 
 @dataclass

@@ -131,3 +131,67 @@ def test_run_records_are_strict_json(tmp_path):
     assert json.loads(text) == {"final_loss": None, "tail_loss": None, "steps": 3, "nested": [None, 1.5]}
     back = load_run(tmp_path).summary
     assert math.isnan(back["final_loss"]) and back["steps"] == 3  # read back as the number it stood for
+
+
+def _schema_default(schema, dotted: str):
+    """The default the schema dataclass gives dotted (descending into nested config dataclasses)."""
+    import dataclasses
+    import typing
+
+    head, _, rest = dotted.partition(".")
+    hints = typing.get_type_hints(schema)
+    field = {f.name: f for f in dataclasses.fields(schema)}[head]
+    if rest:
+        nested = [t for t in (hints[head], *typing.get_args(hints[head])) if dataclasses.is_dataclass(t)]
+        return _schema_default(nested[0], rest)
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def _leaves(node, prefix=""):
+    for key, value in node.items():
+        if isinstance(value, dict) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _schema_of(path: str):
+    from ampctl import config
+
+    group = path.split("/")[0] if "/" in path else None
+    if group == "scaler":
+        return config.SCALER_SCHEMAS[path.split("/")[1].removesuffix(".yaml")]
+    return {"precision": config.PrecisionConfig, "distributed": config.DistributedConfig,
+            None: {"run_defaults.yaml": config.AmpctlConfig, "train.yaml": config.AmpctlConfig,
+                   "compare.yaml": config.CompareAppConfig, "memory.yaml": config.MemoryAppConfig,
+                   "inspect.yaml": config.InspectAppConfig}.get(path)}.get(group)
+
+
+def test_a_yaml_states_only_what_differs_from_its_schema():
+    """The schema dataclasses are the one source of defaults: a YAML that repeats one can drift from it
+    (TrainConfig and run_defaults.yaml once disagreed on clipping, the lr schedule and its warm-up)."""
+    paths = ["run_defaults.yaml", "train.yaml", "compare.yaml", "memory.yaml", "inspect.yaml"]
+    paths += [f"{group}/{name}" for group in ("precision", "scaler", "distributed") for name in yaml_files(group)]
+    repeated = []
+    for path in paths:
+        schema = _schema_of(path)
+        data = yaml.safe_load(CONF.joinpath(path).read_text()) or {}
+        for key, value in _leaves({k: v for k, v in data.items() if k not in ("defaults", "hydra")}):
+            default = _schema_default(schema, key)
+            default = getattr(default, "value", default)  # an Enum's YAML spelling
+            if value == default and not (isinstance(value, dict) and not value):
+                repeated.append(f"conf/{path}: {key}: {value!r}")
+    assert not repeated, "restated schema defaults:\n" + "\n".join(repeated)
+
+
+def test_the_composed_defaults_are_the_schemas():
+    cfg = compose_cfg()
+    assert cfg.train.clip_grad_norm == 1.0 and cfg.train.lr_schedule.value == "cosine"
+    assert cfg.train.lr_warmup_steps == 20 and cfg.scaler.kind == "none" and cfg.precision.name == "fp32"
+    from ampctl.config import TrainConfig
+
+    schema = TrainConfig()
+    assert {k: getattr(v, "value", v) for k, v in cfg.train.items()} == {
+        k: getattr(v, "value", v) for k, v in vars(schema).items()}
