@@ -15,7 +15,7 @@ COMMANDS = {
     "train": ("ampctl.commands.train", "train", "train a recipe under a precision mode (a Hydra app: try --help)"),
     "compare": ("ampctl.commands.compare", "compare", "the same run under several precision modes, one table and report"),
     "memory": ("ampctl.commands.memory", "memory", "estimated memory per part next to the measured peak, per precision mode"),
-    "inspect": ("ampctl.commands.inspect", "inspect", "where values fall against fp16, bf16 and FP8 ranges, per layer"),
+    "inspect": ("ampctl.commands.inspect_ranges", "inspect", "where values fall against fp16, bf16 and FP8 ranges, per layer"),
     "report": ("ampctl.commands.report", "main", "the table, files and plots of a run, multirun or compare directory, again"),
     "list": ("ampctl.commands.list", "main", "list precision modes, scalers, recipes and optimizers, and what runs here"),
 }
@@ -42,7 +42,7 @@ def refuse_distributed(cfg, command: str) -> None:
 
 
 def validate_compare(cfg) -> None:
-    from ampctl.config import validate
+    from ampctl.conf.schema import validate
 
     validate(cfg)
     refuse_distributed(cfg, "compare")
@@ -51,8 +51,8 @@ def validate_compare(cfg) -> None:
 
 
 def validate_memory(cfg) -> None:
-    from ampctl.config import validate
-    from ampctl.memory_model import parse_size
+    from ampctl.analysis.memory.model import parse_size
+    from ampctl.conf.schema import validate
 
     validate(cfg)
     refuse_distributed(cfg, "memory")
@@ -66,8 +66,8 @@ def validate_memory(cfg) -> None:
 
 
 def validate_inspect(cfg) -> None:
-    from ampctl.config import validate
-    from ampctl.inspect import power_of_two_log2
+    from ampctl.analysis.ranges import power_of_two_log2
+    from ampctl.conf.schema import validate
 
     validate(cfg)
     refuse_distributed(cfg, "inspect")
@@ -92,15 +92,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"ampctl: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
 
-    from ampctl.config import register_configs
+    from ampctl.conf.schema import register_configs
 
     register_configs()
     module_name, function_name, _ = COMMANDS[command]
     entry = getattr(importlib.import_module(module_name), function_name)
     try:
         if command in ("train", "compare", "memory", "inspect"):
+            from ampctl.engine.build import check_config
             from ampctl.preflight import preflight
-            from ampctl.run import check_config
 
             # compare and memory check their base config here; each mode is composed and checked later
             check = {"train": check_config, "compare": validate_compare, "memory": validate_memory,
@@ -111,7 +111,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(USAGE_EXIT_CODE)
     under_torchrun = False
     if command == "train":
-        from ampctl.distributed import NON_MAIN_HYDRA_OVERRIDES, is_main_process, torchrun_world_size
+        from ampctl.engine.parallel import (
+            NON_MAIN_HYDRA_OVERRIDES,
+            is_main_process,
+            torchrun_world_size,
+        )
 
         under_torchrun = torchrun_world_size() > 1
         if not is_main_process():
@@ -119,6 +123,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     sys.argv = [f"ampctl-{command}", *rest]
     entry()  # raises SystemExit when the run fails
     if under_torchrun:
-        from ampctl.distributed import exit_worker
+        from ampctl.engine.parallel import exit_worker
 
         exit_worker()

@@ -20,11 +20,11 @@ import time
 import torch
 from hydra import compose, initialize_config_module
 
-from ampctl.config import register_configs
-from ampctl.loop import train_step
-from ampctl.recipe import build_recipe
-from ampctl.run import build_state, check_config
-from ampctl.telemetry import Telemetry
+from ampctl.conf.schema import register_configs
+from ampctl.engine.loop import train_step
+from ampctl.recipes.base import build_recipe
+from ampctl.engine.build import build_state, check_config
+from ampctl.engine.telemetry import Telemetry
 
 RECIPES = {
     # step time dominated by matmuls, small enough for a 2-core CPU

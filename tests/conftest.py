@@ -8,8 +8,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from ampctl.config import register_configs
-from ampctl.run import run_training
+from ampctl.conf.schema import register_configs
+from ampctl.runner.run import run_training
 
 register_configs()
 
@@ -60,8 +60,8 @@ def cpu_only_subprocesses(request, monkeypatch):
 
 def build(*overrides: str):
     """(cfg, policy, recipe) for driving train_step by hand; use `with policy:` around the steps."""
-    from ampctl.recipe import build_recipe
-    from ampctl.run import check_config
+    from ampctl.recipes.base import build_recipe
+    from ampctl.engine.build import check_config
 
     cfg = compose_cfg(*FAST, *overrides)
     return cfg, check_config(cfg), build_recipe(cfg.recipe)

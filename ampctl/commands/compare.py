@@ -10,8 +10,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.commands.train import remove_if_only_hydra_files
-from ampctl.compare import run_compare
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.runner.compare import run_compare
 
 
 def command_line_config_dir(hydra_cfg: DictConfig) -> str | None:

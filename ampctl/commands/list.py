@@ -12,9 +12,9 @@ from hydra.core.global_hydra import GlobalHydra
 from rich.console import Console
 from rich.table import Table
 
-from ampctl import devices
+from ampctl.engine import devices
+from ampctl.engine.precision.policy import PrecisionPolicy, PrecisionSpec
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.precision import PrecisionPolicy, PrecisionSpec
 
 GROUPS = ("scaler", "recipe", "optimizer")
 # The README's table order: baselines first, then autocast modes, then Apex's cast-model levels.

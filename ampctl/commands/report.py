@@ -7,11 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from ampctl import report
-from ampctl.compare import write_comparison_report
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.runs import find_runs, is_run_dir, load_run
-from ampctl.sweep import write_sweep_report
+from ampctl.reports import tables
+from ampctl.reports.runs import find_runs, is_run_dir, load_run
+from ampctl.reports.sweep import write_sweep_report
+from ampctl.runner.compare import write_comparison_report
 
 USAGE = "usage: ampctl report PATH   (a run, multirun, compare, memory or inspect directory)"
 
@@ -22,7 +22,7 @@ def render(path: Path) -> int:
         raise UsageError(f"PATH={str(path)!r} does not exist; give a run, multirun or compare directory")
     if not path.is_dir():
         raise UsageError(f"PATH={str(path)!r} is a file; give a run, multirun or compare directory")
-    console = report.make_console()
+    console = tables.make_console()
     for record in ("comparison.json", "memory.json", "ranges.json"):
         if (path / record).is_file():
             try:
@@ -32,11 +32,11 @@ def render(path: Path) -> int:
                                  "run the command that wrote it again") from None
     if is_run_dir(path):
         run = load_run(path)
-        table = report.single_run_table(run)
-        images = report.run_images([(run.name, run)], path)
-        machine = report.machine_info([run.summary] if run.summary else [])
-        report.write_files(table, path, "run", machine, images, {"kind": "run"})
-        report.print_table(table, console)
+        table = tables.single_run_table(run)
+        images = tables.run_images([(run.name, run)], path)
+        machine = tables.machine_info([run.summary] if run.summary else [])
+        tables.write_files(table, path, "run", machine, images, {"kind": "run"})
+        tables.print_table(table, console)
         console.print(f"wrote run.csv, run.json, report.md and plots in {path}")
         return int(run.failed)
     if (path / "multirun.yaml").is_file() or find_runs(path):
@@ -53,9 +53,9 @@ def _render_record(path: Path, record: str, console) -> int:
         meta = json.loads((path / record).read_text())
         return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console)
     if record == "memory.json":
-        from ampctl.memory import rerender
+        from ampctl.analysis.memory.study import rerender
     else:
-        from ampctl.inspect import rerender
+        from ampctl.analysis.ranges import rerender
     rerender(path, console)
     return 0
 

@@ -13,11 +13,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ampctl.distributed import is_main_process
+from ampctl.engine.parallel import is_main_process
 from ampctl.errors import USAGE_EXIT_CODE, RunStopped, UsageError
-from ampctl.interrupt import Interrupted
-from ampctl.run import run_training
-from ampctl.runs import ERROR_FILE
+from ampctl.reports.runs import ERROR_FILE
+from ampctl.runner.interrupt import Interrupted
+from ampctl.runner.run import run_training
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampctl import fp32_math
-from ampctl.loop import train_step
-from ampctl.run import build_state
-from ampctl.telemetry import Telemetry
+from ampctl.engine.precision import fp32_math
+from ampctl.engine.loop import train_step
+from ampctl.engine.build import build_state
+from ampctl.engine.telemetry import Telemetry
 from tests.conftest import QUIET, build, train
 from tests.unit.test_golden_amp import GOLDEN, canonical_loop
 
@@ -99,9 +99,9 @@ def test_data_parallel_on_cuda_with_nccl(tmp_path, kind, precision):
 
 def test_fp8_trains_its_large_linears_on_fp8_tensor_cores(tmp_path):
     """precision=fp8 as a user runs it: torchao's size filter, torch.compile, FP8 tensor cores."""
-    from ampctl import float8
+    from ampctl.engine.precision import fp8_torchao
 
-    if (reason := float8.unsupported_reason(torch.device("cuda"))) is not None:
+    if (reason := fp8_torchao.unsupported_reason(torch.device("cuda"))) is not None:
         pytest.skip(f"precision=fp8 {reason}")
     shape = ["recipe=gpt2", "recipe.n_layers=2", "recipe.block_size=256", "recipe.max_corpus_bytes=300000",
              "train.steps=30"]

@@ -176,8 +176,8 @@ def test_compare_runs_by_default_only_the_modes_that_are_fast_here(monkeypatch, 
     import torch
     from hydra import compose, initialize_config_module
 
-    from ampctl import devices
-    from ampctl.compare import plan_modes
+    from ampctl.engine import devices
+    from ampctl.runner.compare import plan_modes
 
     table = {torch.bfloat16: bf16, torch.float16: 30.0}
     monkeypatch.setattr(devices, "cpu_half_slowdown", lambda dtype: table[dtype])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from ampctl import float8
+from ampctl.engine.precision import fp8_torchao
 from ampctl.cli import main
 from tests.conftest import QUIET, train
 
@@ -24,7 +24,7 @@ EVERY_LINEAR = ["precision=fp8", "precision.float8.auto_filter_small_kn=false", 
 @pytest.fixture
 def fp8_tensor_cores(monkeypatch):
     """Pretend this device has FP8 tensor cores: the one check a CPU fails."""
-    monkeypatch.setattr(float8, "unsupported_reason", lambda _device: None)
+    monkeypatch.setattr(fp8_torchao, "unsupported_reason", lambda _device: None)
 
 
 def test_fp8_is_refused_without_fp8_tensor_cores_in_one_line(tmp_path, restore_argv, capsys):
@@ -53,12 +53,12 @@ def test_the_size_filter_keeps_small_and_named_layers_in_bf16():
     model.add_module("square", nn.Linear(1024, 1024))  # K <= 4096 and N <= 1024: slower in FP8
     model.add_module("odd", nn.Linear(1000, 2048))  # K not a multiple of 16: no FP8 matmul
     model.add_module("head", nn.Linear(1024, 2048))  # named in filter_fqns
-    recipe = float8.Float8Recipe(filter_fqns=("head",))
-    assert float8.convert_linears(model, recipe) == ["up"]
+    recipe = fp8_torchao.Float8Recipe(filter_fqns=("head",))
+    assert fp8_torchao.convert_linears(model, recipe) == ["up"]
     assert [type(m).__name__ for m in model] == ["Float8Linear", "Linear", "Linear", "Linear"]
     # without the size heuristics, every layer the FP8 matmul accepts, less the named ones
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(30, 32))
-    assert float8.convert_linears(model, float8.Float8Recipe(auto_filter_small_kn=False)) == ["0"]
+    assert fp8_torchao.convert_linears(model, fp8_torchao.Float8Recipe(auto_filter_small_kn=False)) == ["0"]
 
 
 def test_a_model_with_nothing_worth_fp8_is_refused_not_run_as_bf16(tmp_path, fp8_tensor_cores, restore_argv, capsys):

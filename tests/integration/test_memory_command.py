@@ -69,7 +69,7 @@ def test_a_probe_of_the_batch_search_reports_its_peak_from_its_own_process():
     import sys
 
     small, large = (
-        json.loads(subprocess.run([sys.executable, "-m", "ampctl.memory_probe", str(batch), *HEAVY[:-1]],
+        json.loads(subprocess.run([sys.executable, "-m", "ampctl.analysis.memory.probe", str(batch), *HEAVY[:-1]],
                                   capture_output=True, text=True, check=True).stdout.splitlines()[-1])["peak"]
         for batch in (2, 8)
     )
@@ -77,7 +77,7 @@ def test_a_probe_of_the_batch_search_reports_its_peak_from_its_own_process():
 
 
 def test_the_search_doubles_then_bisects_to_the_largest_fitting_batch(monkeypatch):
-    from ampctl import memory
+    from ampctl.analysis.memory import study
 
     probed = []
 
@@ -86,10 +86,10 @@ def test_the_search_doubles_then_bisects_to_the_largest_fitting_batch(monkeypatc
         peak = 1000 + 10 * batch
         return peak <= budget, peak
 
-    monkeypatch.setattr(memory, "_fits", fake_fits)
+    monkeypatch.setattr(study, "_fits", fake_fits)
     log: list[str] = []
-    assert memory.search_batch([], None, 1000 + 10 * 150, 64, log) == 150
-    assert probed[:3] == [64, 128, 256] and len(probed) <= memory.SEARCH_PROBES
+    assert study.search_batch([], None, 1000 + 10 * 150, 64, log) == 150
+    assert probed[:3] == [64, 128, 256] and len(probed) <= study.SEARCH_PROBES
     assert log[0] == "batch 64: fits (peak 1.60 KiB)"  # 1640 bytes
 
 
@@ -116,13 +116,13 @@ def test_train_reports_the_peak_that_ampctl_memory_measures(tmp_path, restore_ar
 def test_a_memory_profile_that_torch_cannot_analyse_does_not_end_the_run(tmp_path, monkeypatch):
     """torch's memory-timeline analysis is private code and has asserted on an FSDP graph: the run goes on and
     says the peak was not measured."""
-    from ampctl import memory_measure
+    from ampctl.analysis.memory import measure
     from tests.conftest import train
 
     def fails(_prof):
         raise AssertionError("version mismatch")
 
-    monkeypatch.setattr(memory_measure, "_timeline_peak", fails)
+    monkeypatch.setattr(measure, "_timeline_peak", fails)
     summary, rows = train(tmp_path, "train.steps=3", "telemetry.profile_cpu_memory=true")
     assert len(rows) == 3 and summary["peak_memory_bytes"] is None
     assert summary["peak_memory_source"] == ("not measured: torch's memory profiler could not analyse this run "

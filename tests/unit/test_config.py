@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from ampctl.errors import ConfigError
-from ampctl.config import validate
+from ampctl.conf.schema import validate
 from tests.conftest import compose_cfg
 
 CONF = resources.files("ampctl.conf")
@@ -122,7 +122,7 @@ def test_min_scale_above_max_scale_is_refused():
 
 def test_run_records_are_strict_json(tmp_path):
     from ampctl import io
-    from ampctl.runs import load_run
+    from ampctl.reports.runs import load_run
 
     summary = {"final_loss": float("nan"), "tail_loss": float("inf"), "steps": 3, "nested": [float("-inf"), 1.5]}
     io.write_json(tmp_path / "summary.json", summary)
@@ -158,7 +158,7 @@ def _leaves(node, prefix=""):
 
 
 def _schema_of(path: str):
-    from ampctl import config
+    from ampctl.conf import schema as config
 
     group = path.split("/")[0] if "/" in path else None
     if group == "scaler":
@@ -190,7 +190,7 @@ def test_the_composed_defaults_are_the_schemas():
     cfg = compose_cfg()
     assert cfg.train.clip_grad_norm == 1.0 and cfg.train.lr_schedule.value == "cosine"
     assert cfg.train.lr_warmup_steps == 20 and cfg.scaler.kind == "none" and cfg.precision.name == "fp32"
-    from ampctl.config import TrainConfig
+    from ampctl.conf.schema import TrainConfig
 
     schema = TrainConfig()
     assert {k: getattr(v, "value", v) for k, v in cfg.train.items()} == {

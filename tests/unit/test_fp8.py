@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.fp8 import (E4M3, E5M2, DelayedScaling, Fp8Recipe, convert_linears, quantize_tensorwise, quantize_tiles,
+from ampctl.engine.precision.fp8_emulated import (E4M3, E5M2, DelayedScaling, Fp8Recipe, convert_linears, quantize_tensorwise, quantize_tiles,
                         relative_error_bound, scale_from_amax)
 
 

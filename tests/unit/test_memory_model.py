@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ampctl.errors import UsageError
-from ampctl.memory_model import ActivationLine, SavedTensorCounter, estimate_model_states, largest_batch, parse_size
-from ampctl.run import build_state
+from ampctl.analysis.memory.model import ActivationLine, SavedTensorCounter, estimate_model_states, largest_batch, parse_size
+from ampctl.engine.build import build_state
 from tests.conftest import build
 
 # The default mlp recipe: Linear(64,256), LayerNorm, GELU, Linear(256,256), LayerNorm, GELU,

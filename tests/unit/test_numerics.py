@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ampctl.numerics import (FORMATS, LOG2_LOW, OUTCOMES, RangeStats, largest_safe_scale, log2_histogram,
+from ampctl.analysis.numerics import (FORMATS, LOG2_LOW, OUTCOMES, RangeStats, largest_safe_scale, log2_histogram,
                              outcome_counts, scale_label, true_magnitudes)
 
 FMT = {f.name: f for f in FORMATS}

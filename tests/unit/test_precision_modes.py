@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl import fp32_math
+from ampctl.engine.precision import fp32_math
 from ampctl.errors import UnsupportedError
-from ampctl.precision import FP32MasterWeights
-from ampctl.run import build_state
+from ampctl.engine.precision.policy import FP32MasterWeights
+from ampctl.engine.build import build_state
 from tests.conftest import build, train
 
 MODES = [
@@ -58,8 +58,8 @@ def test_o2_steps_fp32_masters_and_keeps_norms_fp32():
 
 
 def test_o2_model_is_the_rounded_masters_after_steps(tmp_path):
-    from ampctl.loop import train_step
-    from ampctl.telemetry import Telemetry
+    from ampctl.engine.loop import train_step
+    from ampctl.engine.telemetry import Telemetry
 
     cfg, policy, recipe = build("precision=O2")
     with policy:
@@ -125,7 +125,7 @@ def test_tf32_is_refused_on_cpu_naming_the_alternative():
      (["precision=bf16", "scaler=static", "scaler.scale=1024"], "a loss scaler is rarely needed")],
 )
 def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
-    from ampctl.run import run_training
+    from ampctl.runner.run import run_training
     from tests.conftest import FAST, compose_cfg
 
     lines: list[str] = []
@@ -135,7 +135,7 @@ def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
 
 
 def fake_slowdowns(monkeypatch, bf16: float, fp16: float) -> None:
-    from ampctl import devices
+    from ampctl.engine import devices
 
     table = {torch.bfloat16: bf16, torch.float16: fp16}
     monkeypatch.setattr(devices, "cpu_half_slowdown", lambda dtype: table[dtype])
@@ -149,7 +149,7 @@ def fake_slowdowns(monkeypatch, bf16: float, fp16: float) -> None:
     ("bf16", 0.5, 30.0, None),
 ])
 def test_a_half_mode_slower_than_fp32_on_this_cpu_warns_at_start(monkeypatch, tmp_path, precision, bf16, fp16, warning):
-    from ampctl.run import run_training
+    from ampctl.runner.run import run_training
     from tests.conftest import FAST, compose_cfg
 
     fake_slowdowns(monkeypatch, bf16, fp16)
@@ -170,7 +170,7 @@ def test_bf16_is_recommended_only_where_it_is_fast(monkeypatch):
 
 
 def test_the_cpu_half_speed_is_measured_once_and_cached(monkeypatch, tmp_path):
-    from ampctl import devices
+    from ampctl.engine import devices
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     calls = []
@@ -188,7 +188,7 @@ def test_the_cpu_half_speed_is_measured_once_and_cached(monkeypatch, tmp_path):
 
 
 def test_the_resolved_options_are_printed_at_start(tmp_path):
-    from ampctl.run import run_training
+    from ampctl.runner.run import run_training
     from tests.conftest import FAST, compose_cfg
 
     lines: list[str] = []

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from ampctl.loop import train_step
-from ampctl.run import build_state
-from ampctl.scaling import AmpGradScaler
-from ampctl.telemetry import ListSink, Telemetry
+from ampctl.engine.loop import train_step
+from ampctl.engine.build import build_state
+from ampctl.engine.scaler import AmpGradScaler
+from ampctl.engine.telemetry import ListSink, Telemetry
 from tests.conftest import build, train
 
 
@@ -165,7 +165,7 @@ def test_fused_sgd_whose_first_step_is_skipped_trains_as_unfused_sgd(tmp_path):
 
 def test_fused_sgd_with_dampening_under_a_loss_scaler_is_refused():
     from ampctl.errors import UsageError
-    from ampctl.run import check_config
+    from ampctl.engine.build import check_config
     from tests.conftest import FAST, compose_cfg
 
     cfg = compose_cfg(*FAST, "precision=fp16", "optimizer=sgd", "+optimizer.dampening=0.1")

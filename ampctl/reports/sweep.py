@@ -13,9 +13,9 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import report
 from ampctl.preflight import job_overrides
-from ampctl.runs import find_runs
+from ampctl.reports import tables
+from ampctl.reports.runs import find_runs
 
 
 def format_seconds(seconds: float) -> str:
@@ -53,13 +53,13 @@ class SweepReport(Callback):
 def write_sweep_report(sweep_dir: Path, console=None) -> int:
     """Table, sweep.csv, sweep.json, report.md and plots for a multirun directory. Returns the failed count."""
     runs = find_runs(sweep_dir)
-    table = report.sweep_table(runs)
-    keys = report.swept_keys(runs)
+    table = tables.sweep_table(runs)
+    keys = tables.swept_keys(runs)
     labels = [(f"{run.job}: " + " ".join(f"{k}={run.override_values().get(k)}" for k in keys), run) for run in runs]
-    images = report.run_images([(label, run) for label, run in labels if not run.failed], sweep_dir)
-    machine = report.machine_info([run.summary for run in runs if run.summary])
-    report.write_files(table, sweep_dir, "sweep", machine, images, {"kind": "multirun"})
-    console = console or report.make_console()
-    report.print_table(table, console)
+    images = tables.run_images([(label, run) for label, run in labels if not run.failed], sweep_dir)
+    machine = tables.machine_info([run.summary for run in runs if run.summary])
+    tables.write_files(table, sweep_dir, "sweep", machine, images, {"kind": "multirun"})
+    console = console or tables.make_console()
+    tables.print_table(table, console)
     console.print(f"wrote sweep.csv, sweep.json, report.md and plots in {sweep_dir}")
     return sum(run.failed for run in runs)

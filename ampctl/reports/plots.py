@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: works on headless machines and never opens a window
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ampctl.runs import RunRecord  # noqa: E402
+from ampctl.reports.runs import RunRecord  # noqa: E402
 
 # Curves of modes that agree (fp32 and bf16 often do) lie on top of each other: vary the dash too.
 LINESTYLES = ("-", "--", "-.", ":")
@@ -87,7 +87,7 @@ def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: 
     drawn under it, and the same histogram shifted by the loss scale."""
     import math
 
-    from ampctl.numerics import FORMATS, LOG2_LOW, scale_label
+    from ampctl.analysis.numerics import FORMATS, LOG2_LOW, scale_label
 
     fractions = [float(c) / max(total, 1) for c in counts]
     exponents = list(range(LOG2_LOW, LOG2_LOW + len(fractions)))
@@ -116,7 +116,7 @@ def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: 
 
 def underflow_heatmap(layer_table, path: Path) -> Path:
     """Fraction of values flushed to zero, per layer (rows) and tensor kind × format (columns)."""
-    from ampctl.numerics import FORMATS
+    from ampctl.analysis.numerics import FORMATS
 
     rows = layer_table.as_dicts()
     layers = list(dict.fromkeys(r["layer"] for r in rows))

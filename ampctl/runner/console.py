@@ -11,12 +11,19 @@ from typing import Callable, Optional
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
-from ampctl.config import ConsoleMode
-from ampctl.telemetry import StepRecord
+from ampctl.conf.schema import ConsoleMode
+from ampctl.engine.telemetry import StepRecord
 
 
 def human_bytes(n: Optional[float]) -> str:

@@ -13,59 +13,26 @@ from typing import Callable, Optional
 import torch
 from omegaconf import DictConfig
 
-from ampctl import checkpoint, devices, distributed, io
-from ampctl.activation_checkpointing import apply_activation_checkpointing
-from ampctl.config import scaler_is_active, validate
-from ampctl.console import make_console_sink, say
-from ampctl.loop import TrainState, fit
-from ampctl.memory_measure import TrainingPeak
-from ampctl.optim import LRSchedule, build_optimizer, check_optimizer_with_scaler, prime_fused_sgd_momentum
-from ampctl.precision import PrecisionPolicy, PrecisionSpec
-from ampctl.recipe import Recipe, build_recipe
-from ampctl.scaling import build_scaler
-from ampctl.diagnose import DIAGNOSIS_FILE, replay
+from ampctl import io
+from ampctl.analysis.memory.measure import TrainingPeak
+from ampctl.conf.schema import scaler_is_active
+from ampctl.engine import devices
+from ampctl.engine import parallel as parallelism
+from ampctl.engine.build import build_state, check_config
+from ampctl.engine.loop import fit
+from ampctl.engine.precision.policy import PrecisionPolicy
+from ampctl.engine.telemetry import JsonlSink, Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped
-from ampctl.guards import Guard, GuardStop
-from ampctl.interrupt import Interrupted, StopOnSignal
-from ampctl.telemetry import JsonlSink, Telemetry, read_metrics, summarize
-
-
-def check_config(cfg: DictConfig) -> PrecisionPolicy:
-    """Everything that can be refused before building anything: ranges, then what the device can do."""
-    validate(cfg)
-    distributed.check(cfg)
-    device = distributed.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind.value)
-    policy = PrecisionPolicy(PrecisionSpec.from_config(cfg.precision), device)
-    policy.check()
-    check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
-    return policy
+from ampctl.recipes.base import build_recipe
+from ampctl.runner import checkpoint
+from ampctl.runner.console import make_console_sink, say
+from ampctl.runner.diagnose import DIAGNOSIS_FILE, replay
+from ampctl.runner.guards import Guard, GuardStop
+from ampctl.runner.interrupt import Interrupted, StopOnSignal
 
 
 def _silent(_message: str) -> None:
     pass
-
-
-def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
-                parallel: Optional[distributed.SingleProcess] = None) -> TrainState:
-    """Seed, build the model the policy's way (wrapped for data parallelism: DDP, or sharded by FSDP before
-    the optimizer sees its parameters), then its optimizer, loss scaler and lr schedule."""
-    parallel = parallel or distributed.SingleProcess()
-    torch.manual_seed(cfg.train.seed)
-    model = policy.prepare_model(recipe.build_model())
-    if cfg.train.activation_checkpointing:
-        apply_activation_checkpointing(model, recipe, cfg.recipe._target_.rsplit(".", 1)[-1])
-    blocks = getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(model)
-    parallel.wrap(model, list(blocks))
-    weights = policy.weight_layout(model)
-    optimizer = build_optimizer(cfg.optimizer, weights.optimizer_params, policy.device)
-    half_grads = any(p.dtype != torch.float32 for p in weights.optimizer_params)
-    scaler = build_scaler(cfg.scaler, policy.device, half_grads=half_grads)
-    if parallel.shards_gradients:
-        scaler.agree_across_ranks()
-    if scaler.can_skip:
-        prime_fused_sgd_momentum(optimizer)
-    schedule = LRSchedule(optimizer, cfg.train, policy.device)
-    return TrainState(model, weights, optimizer, scaler, schedule, parallel=parallel)
 
 
 def run_training(
@@ -75,7 +42,7 @@ def run_training(
     Returns the summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
     choices = choices or {}
     policy = check_config(cfg)
-    parallel = distributed.start(cfg, policy.device, policy.spec.dtype if policy.spec.autocast else None)
+    parallel = parallelism.start(cfg, policy.device, policy.spec.dtype if policy.spec.autocast else None)
     try:
         summary = _run(cfg, run_dir, choices, echo, policy, parallel)
         parallel.barrier()  # ranks leave together: none tears the group down while another still talks to it
@@ -85,7 +52,7 @@ def run_training(
 
 
 def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable[[str], None],
-         policy: PrecisionPolicy, parallel: distributed.SingleProcess) -> dict:
+         policy: PrecisionPolicy, parallel: parallelism.SingleProcess) -> dict:
     device = policy.device
     run_dir = parallel.main_value(run_dir)  # every rank records into (and resumes from) rank 0's run dir
     if not parallel.is_main:
@@ -95,9 +62,9 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
     changes = checkpoint.config_changes(payload["config"], cfg) if payload else []
     if resume_from:
         run_dir = checkpoint.run_dir_of(resume_from)
-    recipe = build_recipe(distributed.global_recipe_config(cfg.recipe, parallel.world_size))
+    recipe = build_recipe(parallelism.global_recipe_config(cfg.recipe, parallel.world_size))
     if parallel.world_size > 1:
-        recipe = distributed.RankShard(recipe, parallel.rank, parallel.world_size)
+        recipe = parallelism.RankShard(recipe, parallel.rank, parallel.world_size)
 
     peak = TrainingPeak(device)
     measure = parallel.is_main and (device.type == "cuda" or cfg.telemetry.profile_cpu_memory)
@@ -163,7 +130,7 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
 
         ranges_log = None
         if cfg.telemetry.ranges_every and parallel.is_main:
-            from ampctl.inspect import RangesLog
+            from ampctl.analysis.ranges import RangesLog
 
             ranges_log = RangesLog(state.model, scaler, device, cfg.telemetry.ranges_every, run_dir / RangesLog.FILE)
 
@@ -195,7 +162,7 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
             if not parallel.is_main:
                 raise RunStopped(stop_exc.trip.reason) from None
             echo(f"stopped: {stop_exc.trip.reason}; replaying step {stop_exc.trip.step} to find the layer...")
-            diagnosis = replay(cfg, policy, recipe, run_dir, stop_exc.trip.step, stop_exc.trip.reason, build_state)
+            diagnosis = replay(cfg, policy, recipe, run_dir, stop_exc.trip.step, stop_exc.trip.reason)
             raise RunStopped(f"{stop_exc.trip.reason}. {diagnosis['summary']}. Written to {run_dir / DIAGNOSIS_FILE}") from None
         finally:
             telemetry.close()

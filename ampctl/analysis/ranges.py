@@ -25,13 +25,20 @@ from omegaconf import DictConfig
 from rich.console import Console
 from torch import nn
 
-from ampctl import report
+from ampctl.analysis.numerics import (
+    FORMATS,
+    FP16,
+    LOG2_LOW,
+    RangeStats,
+    largest_safe_scale,
+    scale_label,
+)
+from ampctl.engine.build import build_state, check_config
+from ampctl.engine.loop import train_step
+from ampctl.engine.telemetry import Telemetry
 from ampctl.errors import UsageError
-from ampctl.loop import train_step
-from ampctl.numerics import FORMATS, FP16, LOG2_LOW, RangeStats, largest_safe_scale, scale_label
-from ampctl.recipe import build_recipe
-from ampctl.run import build_state, check_config
-from ampctl.telemetry import Telemetry
+from ampctl.recipes.base import build_recipe
+from ampctl.reports import tables
 
 KINDS = ("activation", "activation_grad", "weight_grad", "weight")
 GRADIENT_KINDS = ("activation_grad", "weight_grad")
@@ -152,7 +159,7 @@ def _format_columns() -> list[str]:
             for suffix in ("", "_scaled")]
 
 
-def layer_table(inspection: Inspection) -> report.ReportTable:
+def layer_table(inspection: Inspection) -> tables.ReportTable:
     """One row per layer and tensor kind: every format's fractions, unscaled and at the studied scale."""
     columns = ["layer", "kind", "values", "max_abs", *_format_columns()]
     rows = []
@@ -167,10 +174,10 @@ def layer_table(inspection: Inspection) -> report.ReportTable:
         rows.append([values[c] for c in columns])
     order = {k: i for i, k in enumerate(KINDS)}
     rows.sort(key=lambda r: (order[r[1]], [l for l, _ in inspection.recorder.layers].index(r[0])))
-    return report.ReportTable(LAYERS_TITLE, columns, rows)
+    return tables.ReportTable(LAYERS_TITLE, columns, rows)
 
 
-def summary_table(inspection: Inspection) -> report.ReportTable:
+def summary_table(inspection: Inspection) -> tables.ReportTable:
     """One row per tensor kind, all layers together: what the terminal shows."""
     scale_text = scale_label(inspection.study_scale)
     columns = ["kind", "max_abs"]
@@ -204,7 +211,7 @@ def summary_table(inspection: Inspection) -> report.ReportTable:
 
 
 def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str], study_scale: float
-                    ) -> report.ReportTable:
+                    ) -> tables.ReportTable:
     """The summary table with its short headers and percentages (from a run, or from ranges.json again)."""
     scale_text = scale_label(study_scale)
     percent = lambda v: "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")  # noqa: E731
@@ -215,7 +222,7 @@ def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str],
     headers["max_abs"] = "max |x|"
     formats = {c: percent for c in columns if c not in ("kind", "max_abs")}
     formats["max_abs"] = lambda v: f"{v:.3g}"
-    return report.ReportTable(SUMMARY_TITLE, columns, rows, notes=notes, headers=headers, formats=formats)
+    return tables.ReportTable(SUMMARY_TITLE, columns, rows, notes=notes, headers=headers, formats=formats)
 
 
 def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
@@ -229,7 +236,7 @@ def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
 
 
 def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
-    console = report.make_console()
+    console = tables.make_console()
     console.print(f"ampctl inspect: {cfg.inspect.steps} steps of precision={cfg.precision.name} with range hooks "
                   f"on every leaf module -> {out_dir}")
     inspection = inspect_run(cfg)
@@ -241,15 +248,15 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
                  "counts": plotted.histogram.cpu().tolist()}
     write_inspect_report(out_dir, layer_table(inspection), summary_table(inspection), histogram,
                          inspection.study_scale, inspection.run_scales, overrides,
-                         report.machine_info([{"device": device.type}]), console)
+                         tables.machine_info([{"device": device.type}]), console)
 
 
-def write_inspect_report(out_dir: Path, layers: report.ReportTable, summary: report.ReportTable, histogram: dict,
+def write_inspect_report(out_dir: Path, layers: tables.ReportTable, summary: tables.ReportTable, histogram: dict,
                          study_scale: float, run_scales: list[float], overrides: list[str], machine: dict,
                          console: Console) -> None:
     """ranges.csv / ranges.json / report.md and the two plots; everything `ampctl report` needs to redo them
     goes into ranges.json (the summary rows and the plotted histogram too)."""
-    from ampctl import plots
+    from ampctl.reports import plots
 
     label = histogram["kind"].replace("_grad", " gradients")
     images = [plots.gradient_ranges(histogram["counts"], histogram["total"], label, study_scale,
@@ -257,8 +264,8 @@ def write_inspect_report(out_dir: Path, layers: report.ReportTable, summary: rep
               plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png")]
     extra = {"kind": "inspect", "overrides": overrides, "study_scale": study_scale, "run_scales": run_scales,
              "summary": summary.as_dicts(), "summary_notes": summary.notes, "histogram": histogram}
-    files = report.write_files(layers, out_dir, "ranges", machine, images, extra)
-    report.print_table(summary, console)
+    files = tables.write_files(layers, out_dir, "ranges", machine, images, extra)
+    tables.print_table(summary, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
 
 
@@ -269,7 +276,7 @@ def rerender(out_dir: Path, console: Console) -> None:
         raise UsageError(f"{out_dir / 'ranges.json'} was written by an older ampctl inspect (no histogram to plot "
                          "again); run ampctl inspect again")
     rows = data["rows"]
-    layers = report.ReportTable(LAYERS_TITLE, list(rows[0]) if rows else [], [list(r.values()) for r in rows],
+    layers = tables.ReportTable(LAYERS_TITLE, list(rows[0]) if rows else [], [list(r.values()) for r in rows],
                                 notes=data.get("notes", []))
     summary_rows = data["summary"]
     summary = _styled_summary(list(summary_rows[0]) if summary_rows else [], [list(r.values()) for r in summary_rows],

@@ -2,7 +2,7 @@
 or measurement left in the caching allocator (cached blocks, fragmentation, a failed step's tensors) can
 decide whether this batch fits.
 
-    python -m ampctl.memory_probe BATCH_SIZE [--config-dir DIR] [overrides ...]
+    python -m ampctl.analysis.memory.probe BATCH_SIZE [--config-dir DIR] [overrides ...]
 
 Builds the run of `ampctl memory <overrides> recipe.batch_size=BATCH_SIZE`, takes two training steps and
 prints one JSON line: {"peak": bytes} or {"out_of_memory": true}.
@@ -22,14 +22,14 @@ PROBE_STEPS = 2  # the second step is the first with the optimizer's states alre
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from ampctl.config import register_configs
-    from ampctl.loop import train_step
-    from ampctl.memory_measure import measure_peak
-    from ampctl.recipe import build_recipe
-    from ampctl.run import build_state, check_config
-    from ampctl.telemetry import Telemetry
+    from ampctl.analysis.memory.measure import measure_peak
+    from ampctl.conf.schema import register_configs
+    from ampctl.engine.build import build_state, check_config
+    from ampctl.engine.loop import train_step
+    from ampctl.engine.telemetry import Telemetry
+    from ampctl.recipes.base import build_recipe
 
-    parser = argparse.ArgumentParser(prog="python -m ampctl.memory_probe")
+    parser = argparse.ArgumentParser(prog="python -m ampctl.analysis.memory.probe")
     parser.add_argument("batch_size", type=int)
     parser.add_argument("--config-dir")
     parser.add_argument("overrides", nargs="*")

@@ -20,16 +20,23 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
-from ampctl import report
-from ampctl.config import DEFAULT_COMPARE_PRECISIONS
-from ampctl.activation_checkpointing import require_checkpoint_blocks
+from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
+from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
+from ampctl.engine.build import check_config
 from ampctl.errors import UnsupportedError, UsageError
-from ampctl.recipe import build_recipe
 from ampctl.preflight import one_line
-from ampctl.run import check_config
-from ampctl.runs import ERROR_FILE, load_run
+from ampctl.recipes.base import build_recipe
+from ampctl.reports import tables
+from ampctl.reports.runs import ERROR_FILE, load_run
 
 CHILD_LOG = "compare_child.log"
 
@@ -115,7 +122,7 @@ def _compose_train(overrides: list[str]) -> DictConfig:
 def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> int:
     """Run every mode, then write the table, CSV, JSON, report.md and plots. Returns the number of failed modes."""
     plans, skipped = plan_modes(cfg, split_overrides(task_overrides))
-    console = report.make_console()
+    console = tables.make_console()
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe, seed and batches; "
                   f"each in its own process -> {out_dir}")
@@ -130,12 +137,12 @@ def write_comparison_report(
 ) -> int:
     """Table, comparison.csv/.json, report.md and plots from the modes' run directories. Returns failed count."""
     runs = [(mode, load_run(out_dir / mode)) for mode in modes]
-    table = report.comparison_table(runs, skipped)
-    images = report.comparison_images(runs, table, out_dir)
-    machine = report.machine_info([run.summary for _, run in runs if run.summary])
+    table = tables.comparison_table(runs, skipped)
+    images = tables.comparison_images(runs, table, out_dir)
+    machine = tables.machine_info([run.summary for _, run in runs if run.summary])
     extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides}
-    files = report.write_files(table, out_dir, "comparison", machine, images, extra)
-    report.print_table(table, console)
+    files = tables.write_files(table, out_dir, "comparison", machine, images, extra)
+    tables.print_table(table, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
     return sum(run.failed for _, run in runs)
 

@@ -16,12 +16,11 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ampctl import devices, fp32_math
-from ampctl.config import Dtype
-from ampctl.errors import UnsupportedError
-from ampctl import float8
-from ampctl.errors import UsageError
-from ampctl.fp8 import Fp8Recipe, convert_linears
+from ampctl.conf.schema import Dtype
+from ampctl.engine import devices
+from ampctl.engine.precision import fp8_torchao, fp32_math
+from ampctl.engine.precision.fp8_emulated import Fp8Recipe, convert_linears
+from ampctl.errors import UnsupportedError, UsageError
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
 
@@ -66,7 +65,7 @@ class PrecisionSpec:
     keep_norm_fp32: bool
     tf32: bool
     fp8: Optional[Fp8Recipe] = None  # emulated FP8
-    float8: Optional[float8.Float8Recipe] = None  # real FP8 (torchao)
+    float8: Optional[fp8_torchao.Float8Recipe] = None  # real FP8 (torchao)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> "PrecisionSpec":
@@ -83,7 +82,7 @@ class PrecisionSpec:
                 scaling=cfg.fp8.scaling.value, format=cfg.fp8.format.value,
                 amax_history_len=cfg.fp8.amax_history_len, amax_compute_algo=cfg.fp8.amax_compute_algo.value,
                 margin=cfg.fp8.margin),
-            float8=None if cfg.get("float8") is None else float8.Float8Recipe(
+            float8=None if cfg.get("float8") is None else fp8_torchao.Float8Recipe(
                 recipe_name=cfg.float8.recipe_name.value, auto_filter_small_kn=cfg.float8.auto_filter_small_kn,
                 filter_fqns=tuple(cfg.float8.filter_fqns), compile=cfg.float8.compile),
         )
@@ -188,7 +187,7 @@ class PrecisionPolicy:
                 f"precision={s.name} needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or "
                 f"newer); this run is on {where}: use precision=fp32{_bf16_if_fast(dev, ', or precision=bf16 for a faster mode')}"
             )
-        if s.float8 is not None and (reason := float8.unsupported_reason(dev)):
+        if s.float8 is not None and (reason := fp8_torchao.unsupported_reason(dev)):
             raise UnsupportedError(f"precision={s.name} {reason}: use precision=fp8_emulated to study FP8's "
                                    f"numerics on this machine{_bf16_if_fast(dev, ', or precision=bf16 for speed')}")
         if not s.uses_half:
@@ -289,12 +288,12 @@ class PrecisionPolicy:
         model.register_forward_hook(lambda _m, _args, out: _cast_floats(out, torch.float32))
         return model
 
-    def _convert_to_float8(self, model: nn.Module, recipe: float8.Float8Recipe) -> None:
+    def _convert_to_float8(self, model: nn.Module, recipe: fp8_torchao.Float8Recipe) -> None:
         self._linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-        self.float8_layers = float8.convert_linears(model, recipe)
+        self.float8_layers = fp8_torchao.convert_linears(model, recipe)
         if not self.float8_layers:
             # A run labelled fp8 that computes nothing in FP8 would be bf16 under another name.
-            raise UsageError(float8.nothing_converted_message(recipe, self._linears))
+            raise UsageError(fp8_torchao.nothing_converted_message(recipe, self._linears))
         if recipe.compile:
             model.compile()  # in place: parameter names, hooks and checkpoints stay the model's own
 

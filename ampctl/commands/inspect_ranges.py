@@ -9,9 +9,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from ampctl.analysis.ranges import run_inspect
 from ampctl.commands.train import remove_if_only_hydra_files
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.inspect import run_inspect
 
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="inspect")

@@ -13,7 +13,6 @@ from typing import Any, Optional, Protocol
 
 import torch
 from omegaconf import DictConfig
-
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from ampctl.errors import UnsupportedError

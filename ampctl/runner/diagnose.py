@@ -18,11 +18,13 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ampctl import checkpoint, io
-from ampctl.loop import TrainState, train_step
-from ampctl.precision import PrecisionPolicy
-from ampctl.recipe import Recipe
-from ampctl.telemetry import Telemetry
+from ampctl import io
+from ampctl.engine.build import build_state
+from ampctl.engine.loop import TrainState, train_step
+from ampctl.engine.precision.policy import PrecisionPolicy
+from ampctl.engine.telemetry import Telemetry
+from ampctl.recipes.base import Recipe
+from ampctl.runner import checkpoint
 
 DIAGNOSIS_FILE = "diagnosis.json"
 
@@ -101,8 +103,7 @@ class LayerWatch:
 
 
 def replay(
-    cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir: Path, bad_step: int, reason: str,
-    build_state,
+    cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir: Path, bad_step: int, reason: str
 ) -> dict[str, Any]:
     """Rebuild the state before bad_step, replay it under hooks; write and return the diagnosis."""
     state: TrainState = build_state(cfg, policy, recipe)

@@ -15,12 +15,12 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 from torch import nn
 
-from ampctl.distributed import SingleProcess
-from ampctl.optim import LRSchedule
-from ampctl.precision import PrecisionPolicy, WeightLayout
-from ampctl.recipe import Recipe
-from ampctl.scaling import LossScaler
-from ampctl.telemetry import Telemetry
+from ampctl.engine.optim import LRSchedule
+from ampctl.engine.parallel import SingleProcess
+from ampctl.engine.precision.policy import PrecisionPolicy, WeightLayout
+from ampctl.engine.scaler import LossScaler
+from ampctl.engine.telemetry import Telemetry
+from ampctl.recipes.base import Recipe
 
 
 def grad_norm_(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:

@@ -16,8 +16,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ampctl import devices, io, plots
-from ampctl.runs import RunRecord
+from ampctl import io
+from ampctl.engine import devices
+from ampctl.reports import plots
+from ampctl.reports.runs import RunRecord
 
 
 @dataclass

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl.engine.loop import TrainState
 from ampctl.errors import UsageError
-from ampctl.loop import TrainState
 
 FORMAT_VERSION = 1
 CHECKPOINT_DIR = "checkpoints"

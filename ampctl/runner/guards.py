@@ -10,8 +10,8 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from ampctl.config import NonfiniteAction
-from ampctl.telemetry import StepRecord
+from ampctl.conf.schema import NonfiniteAction
+from ampctl.engine.telemetry import StepRecord
 
 
 @dataclass

@@ -229,13 +229,19 @@ class FullyShardedDataParallel(DataParallel):
 
     def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         # A collective: every rank calls it; rank 0 gets the whole state on the CPU, the others nothing.
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+        )
 
         return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                         optimizer_state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_state_dict,
+        )
 
         set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
                        options=StateDictOptions(full_state_dict=True))

@@ -24,17 +24,24 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from ampctl import report
-from ampctl.activation_checkpointing import require_checkpoint_blocks
+from ampctl.analysis.memory.measure import MeasuredPeak, measure_peak, release_memory
+from ampctl.analysis.memory.model import (
+    ActivationLine,
+    ModelStateBytes,
+    SavedTensorCounter,
+    estimate_model_states,
+    format_bytes,
+    largest_batch,
+    parse_size,
+)
+from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
+from ampctl.engine.build import build_state, check_config
+from ampctl.engine.loop import train_step
+from ampctl.engine.telemetry import Telemetry
 from ampctl.errors import UsageError
 from ampctl.preflight import one_line
-from ampctl.loop import train_step
-from ampctl.memory_measure import MeasuredPeak, measure_peak, release_memory
-from ampctl.memory_model import (ActivationLine, ModelStateBytes, SavedTensorCounter, estimate_model_states,
-                                 format_bytes, largest_batch, parse_size)
-from ampctl.recipe import build_recipe
-from ampctl.run import build_state, check_config
-from ampctl.telemetry import Telemetry
+from ampctl.recipes.base import build_recipe
+from ampctl.reports import tables
 
 SEARCH_PROBES = 10  # real-step probes of the batch search, at most
 
@@ -159,7 +166,7 @@ def find_batch(result: ModeMemory, overrides: list[str], config_dir: Optional[st
 def _fits(overrides: list[str], config_dir: Optional[str], batch_size: int, budget: int) -> tuple[bool, Optional[int]]:
     """Two real steps at this batch size, in a fresh process: does the peak stay within the budget (and
     the device)? Returns (fits, measured peak or None when out of device memory)."""
-    command = [sys.executable, "-m", "ampctl.memory_probe", str(batch_size),
+    command = [sys.executable, "-m", "ampctl.analysis.memory.probe", str(batch_size),
                *(["--config-dir", config_dir] if config_dir else []), *overrides]
     child = subprocess.run(command, capture_output=True, text=True)
     lines = child.stdout.strip().splitlines()
@@ -195,7 +202,7 @@ def search_batch(overrides: list[str], config_dir: Optional[str], budget: int, s
 # --- the table ------------------------------------------------------------------------------------------
 
 
-def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Optional[str]) -> report.ReportTable:
+def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Optional[str]) -> tables.ReportTable:
     columns = ["precision", "weights", "gradients", "master_weights", "optimizer_states", "activations",
                "estimate", "measured_peak", "difference", "step_time_ms"]
     if budget is not None:
@@ -219,7 +226,7 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
     formats = {**size, "difference": lambda v: ("+" if v >= 0 else "−") + format_bytes(abs(v)),
                "step_time_ms": lambda v: f"{v:,.1f}"}
     title = "memory per precision mode" + (f" (budget {budget_text})" if budget is not None else "")
-    return report.ReportTable(title, columns, table_rows, notes=memory_notes(rows, budget), headers=headers,
+    return tables.ReportTable(title, columns, table_rows, notes=memory_notes(rows, budget), headers=headers,
                               formats=formats)
 
 
@@ -263,7 +270,7 @@ def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     search = device.type == "cuda" if cfg.memory.search is None else bool(cfg.memory.search)
     if search and device.type != "cuda":
         raise UsageError("memory.search=true needs a CUDA device: on a CPU the batch is estimated only")
-    console = report.make_console()
+    console = tables.make_console()
     console.print(f"ampctl memory: {', '.join(label for label, _ in configs)}; {cfg.memory.steps} measured "
                   f"steps each -> {out_dir}")
     results = []
@@ -276,7 +283,7 @@ def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
             find_batch(result, overrides, config_dir, budget)
             for line in result.search_log:
                 console.print(f"    {line}")
-    machine = report.machine_info([{"device": device.type, "device_name": _device_name(device)}])
+    machine = tables.machine_info([{"device": device.type, "device_name": _device_name(device)}])
     write_memory_report(out_dir, results, cfg.memory.budget, machine, task_overrides, console)
 
 
@@ -288,8 +295,8 @@ def write_memory_report(out_dir: Path, results: list[ModeMemory], budget_text: O
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = {"kind": "memory", "overrides": overrides, "budget": budget_text, "budget_bytes": budget,
              "modes": [_mode_record(r) for r in results]}
-    files = report.write_files(table, out_dir, "memory", machine, [], extra)
-    report.print_table(table, console)
+    files = tables.write_files(table, out_dir, "memory", machine, [], extra)
+    tables.print_table(table, console)
     console.print(f"wrote {', '.join(p.name for p in files)} in {out_dir}")
 
 
@@ -316,7 +323,7 @@ def _compose_memory(overrides: list[str]) -> DictConfig:
 
 
 def _device_name(device: torch.device) -> str:
-    from ampctl import devices
+    from ampctl.engine import devices
 
     return devices.device_name(device)
 

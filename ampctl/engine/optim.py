@@ -19,7 +19,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from ampctl.config import Schedule
+from ampctl.conf.schema import Schedule
 from ampctl.errors import UnsupportedError, UsageError
 
 

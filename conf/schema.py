@@ -62,7 +62,7 @@ class AmaxAlgo(Enum):
 
 @dataclass
 class Fp8Config:
-    """Emulated FP8 for every Linear's matmul inputs (see ampctl/fp8.py)."""
+    """Emulated FP8 for every Linear's matmul inputs (ampctl/engine/precision/fp8_emulated.py)."""
 
     # current (per tensor, this step) | delayed (amax history, TE) | blockwise (DeepSeek-V3, e4m3 only)
     scaling: Fp8Scaling = Fp8Scaling.current
@@ -79,7 +79,7 @@ class Float8RecipeName(Enum):
 
 @dataclass
 class Float8Config:
-    """Real FP8 through torchao's float8 training (see ampctl/float8.py)."""
+    """Real FP8 through torchao's float8 training (ampctl/engine/precision/fp8_torchao.py)."""
 
     # tensorwise: one scale per tensor | rowwise: one per row (more accurate, slower)
     recipe_name: Float8RecipeName = Float8RecipeName.tensorwise

@@ -167,7 +167,7 @@ class SavedTensorCounter:
 def _saved_by_one_recompute(block: nn.Module, args: tuple) -> int:
     """What backward holds while it recomputes this checkpointed block: its saved tensors, counted by
     running its forward once more, without checkpointing, under the caller's autocast state."""
-    from ampctl.activation_checkpointing import original_forward
+    from ampctl.engine.activation_checkpointing import original_forward
 
     inner = SavedTensorCounter(block)
     with inner.counting():

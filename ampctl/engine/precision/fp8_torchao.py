@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ampctl import devices
+from ampctl.engine import devices
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
 RECIPES = ("tensorwise", "rowwise")
