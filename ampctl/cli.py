@@ -5,10 +5,11 @@ and calls that command's own entry point, so each command keeps every Hydra feat
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from typing import Optional
 
-from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.errors import USAGE_EXIT_CODE, CommandLineRefused, UsageError
 
 # command -> (module, function, one-line description)
 COMMANDS = {
@@ -35,48 +36,6 @@ def print_help() -> None:
     print("  ampctl train --cfg job       the composed config, without training")
 
 
-def refuse_distributed(cfg, command: str) -> None:
-    if cfg.distributed.kind.value != "none":
-        raise UsageError(f"distributed={cfg.distributed.kind.value}: ampctl {command} runs on one device; "
-                         f"data parallelism is for ampctl train under torchrun")
-
-
-def validate_compare(cfg) -> None:
-    from ampctl.conf.schema import validate
-
-    validate(cfg)
-    refuse_distributed(cfg, "compare")
-    if cfg.compare.warmup_steps < 0:
-        raise UsageError(f"compare.warmup_steps={cfg.compare.warmup_steps} is not allowed: expected an integer >= 0")
-
-
-def validate_memory(cfg) -> None:
-    from ampctl.analysis.memory.model import parse_size
-    from ampctl.conf.schema import validate
-
-    validate(cfg)
-    refuse_distributed(cfg, "memory")
-    m = cfg.memory
-    if m.steps < 1:
-        raise UsageError(f"memory.steps={m.steps} is not allowed: expected an integer >= 1")
-    if m.timed_steps < 0:
-        raise UsageError(f"memory.timed_steps={m.timed_steps} is not allowed: expected an integer >= 0")
-    if m.budget is not None:
-        parse_size(m.budget)
-
-
-def validate_inspect(cfg) -> None:
-    from ampctl.analysis.ranges import power_of_two_log2
-    from ampctl.conf.schema import validate
-
-    validate(cfg)
-    refuse_distributed(cfg, "inspect")
-    if cfg.inspect.steps < 1:
-        raise UsageError(f"inspect.steps={cfg.inspect.steps} is not allowed: expected an integer >= 1")
-    if cfg.inspect.loss_scale is not None:
-        power_of_two_log2(cfg.inspect.loss_scale, "inspect.loss_scale")
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     args = sys.argv[1:] if argv is None else list(argv)
     if not args or args[0] in ("-h", "--help", "help"):
@@ -88,6 +47,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"ampctl {__version__}")
         return
     command, rest = args[0], args[1:]
+    if command in ("-sc", "--shell-completion"):
+        command, rest = completion_target(rest)
+        if command is None:
+            return
     if command not in COMMANDS:
         print(f"ampctl: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
@@ -97,18 +60,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     register_configs()
     module_name, function_name, _ = COMMANDS[command]
     entry = getattr(importlib.import_module(module_name), function_name)
-    try:
-        if command in ("train", "compare", "memory", "inspect"):
-            from ampctl.engine.build import check_config
-            from ampctl.preflight import preflight
-
-            # compare and memory check their base config here; each mode is composed and checked later
-            check = {"train": check_config, "compare": validate_compare, "memory": validate_memory,
-                     "inspect": validate_inspect}[command]
-            preflight(rest, command, check)
-    except UsageError as exc:
-        print(f"ampctl {command}: error: {exc}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
     under_torchrun = False
     if command == "train":
         from ampctl.engine.parallel import (
@@ -120,9 +71,62 @@ def main(argv: Optional[list[str]] = None) -> None:
         under_torchrun = torchrun_world_size() > 1
         if not is_main_process():
             rest = [*rest, *NON_MAIN_HYDRA_OVERRIDES]
-    sys.argv = [f"ampctl-{command}", *rest]
-    entry()  # raises SystemExit when the run fails
+    # argv[0] is the program's name for Hydra: the shell-completion script it writes registers `ampctl`
+    sys.argv = ["ampctl", *rest]
+    if hasattr(entry, "__wrapped__"):  # a @hydra.main app
+        run_hydra_app(command, entry)
+    else:
+        entry()
     if under_torchrun:
         from ampctl.engine.parallel import exit_worker
 
         exit_worker()
+
+
+def run_hydra_app(command: str, entry) -> None:
+    """Run a command's @hydra.main. What fails before its task function runs — composing the config, the
+    check of every job of a sweep — is the user's command line: one line, exit 2. Hydra prints such errors
+    itself (several lines, exit 1) unless HYDRA_FULL_ERROR=1 lets them reach us."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ampctl.conf.messages import key_under_null_node, one_line
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        entry()  # raises SystemExit when the run fails
+    except CommandLineRefused as exc:
+        print(f"ampctl {command}: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    except (UsageError, HydraException, OmegaConfBaseException, AssertionError, ValueError) as exc:
+        if raised_in(exc, entry.__wrapped__):
+            raise  # an error inside a job is not the command line's: the job reported it, or it is a bug
+        message = str(exc) if isinstance(exc, UsageError) else (
+            isinstance(exc, AssertionError) and key_under_null_node(sys.argv[1:]) or one_line(exc))
+        print(f"ampctl {command}: error: {message}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+
+
+def raised_in(exc: BaseException, function) -> bool:
+    """Whether `function` is on exc's traceback."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is function.__code__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def completion_target(rest: list[str]) -> tuple[Optional[str], list[str]]:
+    """`ampctl -sc query=bash`, called by the completion script Hydra installs: route the query to the
+    command in COMP_LINE, with that word taken out so that Hydra sees `ampctl <overrides>`. Before a command
+    word is complete, the command words are the answer. `ampctl -sc install=bash` installs through train."""
+    line = os.environ.get("COMP_LINE")
+    if not any(arg.startswith("query") for arg in rest) or line is None:
+        return "train", ["-sc", *rest]
+    words = line.split()
+    if len(words) >= 2 and words[1] in COMMANDS and (len(words) > 2 or line.endswith(" ")):
+        os.environ["COMP_LINE"] = " ".join([words[0], *words[2:]]) + (" " if line.endswith(" ") else "")
+        return words[1], ["-sc", *rest]
+    print(("\n" if "query=fish" in rest else " ").join(COMMANDS))
+    return None, []

@@ -25,3 +25,11 @@ class UnsupportedError(UsageError):
 
 class RunStopped(Exception):
     """A guard stopped the run (non-finite values, the scale at its minimum): not the user's typing, exit 1."""
+
+
+class CommandLineRefused(BaseException):
+    """A UsageError found by a Hydra callback (the check of every job of a sweep), carried out of Hydra to the
+    router. A BaseException because Hydra turns an Exception raised by a callback into a warning and goes on."""
+
+    def __init__(self, error: UsageError) -> None:
+        super().__init__(str(error))

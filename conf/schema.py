@@ -8,6 +8,7 @@ file). Ranges and cross-field rules are checked by :func:`validate`, before anyt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -16,7 +17,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from ampctl.errors import ConfigError
+from ampctl.errors import ConfigError, UsageError
 
 
 class DeviceChoice(Enum):
@@ -44,24 +45,24 @@ class ConsoleMode(Enum):
     quiet = "quiet"
 
 
-class Fp8Scaling(Enum):
+class Fp8Scaling(str, Enum):  # a str too: the FP8 code compares it with its names
     current = "current"
     delayed = "delayed"
     blockwise = "blockwise"
 
 
-class Fp8Format(Enum):
+class Fp8Format(str, Enum):  # a str too: the FP8 code compares it with its names
     hybrid = "hybrid"
     e4m3 = "e4m3"
 
 
-class AmaxAlgo(Enum):
+class AmaxAlgo(str, Enum):  # a str too: the FP8 code compares it with its names
     max = "max"
     most_recent = "most_recent"
 
 
 @dataclass
-class Fp8Config:
+class Fp8EmulatedConfig:
     """Emulated FP8 for every Linear's matmul inputs (ampctl/engine/precision/fp8_emulated.py)."""
 
     # current (per tensor, this step) | delayed (amax history, TE) | blockwise (DeepSeek-V3, e4m3 only)
@@ -72,13 +73,13 @@ class Fp8Config:
     margin: int = 0  # scales map amax to the format's max / 2^margin
 
 
-class Float8RecipeName(Enum):
+class Float8RecipeName(str, Enum):  # a str too: the FP8 code compares it with its names
     tensorwise = "tensorwise"
     rowwise = "rowwise"
 
 
 @dataclass
-class Float8Config:
+class Fp8TorchaoConfig:
     """Real FP8 through torchao's float8 training (ampctl/engine/precision/fp8_torchao.py)."""
 
     # tensorwise: one scale per tensor | rowwise: one per row (more accurate, slower)
@@ -100,8 +101,13 @@ class PrecisionConfig:
     master_weights: bool = False  # O2: the optimizer steps on fp32 copies of the half weights
     keep_norm_fp32: bool = False  # O2: normalization layers keep fp32 weights and run in fp32
     tf32: bool = False  # TF32 for matmul and cuDNN convolutions; false means explicitly off
-    fp8: Optional[Fp8Config] = None  # emulated FP8 matmul inputs for every nn.Linear
-    float8: Optional[Float8Config] = None  # real FP8 matmuls (torchao) for the large nn.Linear layers
+    fp8_emulated: Optional[Fp8EmulatedConfig] = None  # precision=fp8_emulated: FP8 inputs for every nn.Linear
+    fp8_torchao: Optional[Fp8TorchaoConfig] = None  # precision=fp8: torchao's FP8 matmuls for large nn.Linear layers
+
+
+# The precision nodes that only one mode has (null in the others), and that mode; and their old names.
+MODE_OPTION_NODES = {"fp8_emulated": "fp8_emulated", "fp8_torchao": "fp8"}
+RENAMED_KEYS = {"precision.fp8": "precision.fp8_emulated", "precision.float8": "precision.fp8_torchao"}
 
 
 @dataclass
@@ -257,6 +263,34 @@ def scaler_is_active(scaler: DictConfig) -> bool:
     return scaler.kind == "static" or (scaler.kind == "dynamic" and scaler.enabled)
 
 
+def typed_config(cfg: DictConfig, schema: type = AmpctlConfig) -> DictConfig:
+    """cfg merged onto its schema: every node typed, a key the schema lacks refused. A config Hydra composed
+    from ampctl's YAMLs is typed already, except keys added with `+` (`+train.stepz=5`); a config loaded back
+    from `--cfg job` (no defaults list) is plain YAML until it passes through here."""
+    scaler = cfg.get("scaler")
+    kind = scaler.get("kind") if isinstance(scaler, DictConfig) else None
+    if kind not in SCALER_SCHEMAS:
+        raise ConfigError("scaler.kind", kind, " | ".join(SCALER_SCHEMAS))
+    typed = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    typed.scaler = OmegaConf.merge(OmegaConf.structured(SCALER_SCHEMAS[kind]), scaler)
+    _refuse_unknown_keys(typed, "")
+    return typed
+
+
+def _refuse_unknown_keys(node: DictConfig, path: str) -> None:
+    """A key a typed node's dataclass lacks (OmegaConf keeps one added with force_add, as Hydra's `+` does)."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    names = [f.name for f in dataclasses.fields(schema)]
+    for key in node.keys():
+        if key not in names:
+            raise UsageError(f"{path}{key}: no such key; allowed: {', '.join(n for n in names if n != 'kind')}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none():
+            _refuse_unknown_keys(child, f"{path}{key}.")
+
+
 def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore. Called explicitly by the router and by tests."""
     cs = ConfigStore.instance()
@@ -363,18 +397,19 @@ def _validate_precision(p: DictConfig) -> None:
         p.tf32,
         "false for half-precision modes (tf32 is its own mode: precision=tf32)",
     )
-    if p.fp8 is not None:
-        f = p.fp8
-        _require(f.amax_history_len >= 1, "precision.fp8.amax_history_len", f.amax_history_len, "an integer >= 1")
-        _require(f.margin >= 0, "precision.fp8.margin", f.margin, "an integer >= 0")
-        _require(not (f.scaling == Fp8Scaling.blockwise and f.format == Fp8Format.hybrid), "precision.fp8.format",
+    if p.fp8_emulated is not None:
+        f = p.fp8_emulated
+        _require(f.amax_history_len >= 1, "precision.fp8_emulated.amax_history_len", f.amax_history_len, "an integer >= 1")
+        _require(f.margin >= 0, "precision.fp8_emulated.margin", f.margin, "an integer >= 0")
+        _require(not (f.scaling == Fp8Scaling.blockwise and f.format == Fp8Format.hybrid), "precision.fp8_emulated.format",
                  f.format.name, "e4m3 with scaling=blockwise (DeepSeek-V3's fine-grained scaling is E4M3 only)")
 
 
-    if p.float8 is not None:
-        _require(p.fp8 is None, "precision.fp8", "set", "unset with precision.float8 (emulated or real FP8, not both)")
+    if p.fp8_torchao is not None:
+        _require(p.fp8_emulated is None, "precision.fp8_emulated", "set",
+                 "unset with precision.fp8_torchao (emulated or real FP8, not both)")
         _require(p.autocast and p.dtype == Dtype.bfloat16, "precision.dtype", p.dtype.name,
-                 "bfloat16 with autocast=true under precision.float8 (torchao's FP8 layers run inside bf16 autocast)")
+                 "bfloat16 with autocast=true under precision.fp8_torchao (torchao's FP8 layers run inside bf16 autocast)")
 
 
 def _validate_scaler(s: DictConfig) -> None:

@@ -10,6 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.commands.train import remove_if_only_hydra_files
+from ampctl.commands.checks import check_command
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.runner.compare import run_compare
 
@@ -27,7 +28,8 @@ def compare(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        failed = run_compare(cfg, out_dir, list(hydra_cfg.overrides.task), command_line_config_dir(hydra_cfg))
+        failed = run_compare(check_command("compare", cfg), out_dir, list(hydra_cfg.overrides.task),
+                                command_line_config_dir(hydra_cfg))
     except UsageError as exc:
         remove_if_only_hydra_files(out_dir)
         print(f"ampctl compare: error: {exc}", file=sys.stderr)

@@ -9,11 +9,12 @@ from importlib import resources
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
 from ampctl.engine import devices
-from ampctl.engine.precision.policy import PrecisionPolicy, PrecisionSpec
+from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 
 GROUPS = ("scaler", "recipe", "optimizer")
@@ -58,16 +59,16 @@ def main() -> None:
             table.add_column(column)
         for option in sorted(loader.get_group_options("precision"), key=precision_sort_key):
             cfg = compose(config_name="train", overrides=[f"precision={option}"])
-            spec = PrecisionSpec.from_config(cfg.precision)
+            precision = cfg.precision
             try:
-                policy = PrecisionPolicy(spec, device)
+                policy = PrecisionPolicy(OmegaConf.to_object(precision), device)
                 policy.check()
                 slow = policy.slow_here()
                 runs = f"[yellow]yes, slowly[/]: {slow}" if slow else "[green]yes[/]"
             except UsageError as exc:
                 runs = f"[red]no[/]: {str(exc).split(';')[0].split(': ', 1)[-1]}"
-            label = option if option == spec.name else f"{option} (= {spec.name})"
-            table.add_row(label, spec.description, cfg.scaler.kind, runs)
+            label = option if option == precision.name else f"{option} (= {precision.name})"
+            table.add_row(label, precision.description, cfg.scaler.kind, runs)
         console.print(table)
         for group in GROUPS:
             table = Table(title=f"{group} options")

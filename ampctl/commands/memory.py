@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from ampctl.analysis.memory.study import run_memory
 from ampctl.commands.compare import command_line_config_dir
 from ampctl.commands.train import remove_if_only_hydra_files
+from ampctl.commands.checks import check_command
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 
 
@@ -20,7 +21,8 @@ def memory(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        run_memory(cfg, out_dir, list(hydra_cfg.overrides.task), command_line_config_dir(hydra_cfg))
+        run_memory(check_command("memory", cfg), out_dir, list(hydra_cfg.overrides.task),
+                      command_line_config_dir(hydra_cfg))
     except UsageError as exc:
         remove_if_only_hydra_files(out_dir)
         print(f"ampctl memory: error: {exc}", file=sys.stderr)

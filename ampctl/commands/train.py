@@ -13,6 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from ampctl.commands.checks import typed
 from ampctl.engine.parallel import is_main_process
 from ampctl.errors import USAGE_EXIT_CODE, RunStopped, UsageError
 from ampctl.reports.runs import ERROR_FILE
@@ -37,7 +38,7 @@ def train(cfg: DictConfig) -> Optional[float]:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        summary = run_training(cfg, run_dir, choices=dict(hydra_cfg.runtime.choices))
+        summary = run_training(typed("train", cfg), run_dir, choices=dict(hydra_cfg.runtime.choices))
     except Interrupted as exc:
         if not is_main_process():
             sys.exit(exc.exit_code)
@@ -68,11 +69,12 @@ def train(cfg: DictConfig) -> Optional[float]:
     return summary.get("final_loss")
 
 
-def record_failed_job(run_dir: Path, exc: BaseException) -> None:
-    """The job's error, one line, in its directory (the sweep's table shows it; the traceback is in train.log)."""
+def record_failed_job(run_dir: Path, exc: BaseException) -> float:
+    """The job's error, one line, in its directory (the sweep's table shows it; the traceback is in train.log).
+    Returns NaN, the objective of a failed trial for a sweeper plugin (Optuna marks it failed and goes on)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     message = text if isinstance(exc, (UsageError, RunStopped)) else f"{type(exc).__name__}: {text}"
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / ERROR_FILE).write_text(message + "\n", encoding="utf-8")
     print(f"ampctl train: job in {run_dir} failed: {message}", file=sys.stderr)
-    return None
+    return float("nan")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ampctl.conf.schema import scaler_is_active, validate
 from ampctl.engine import devices
@@ -19,7 +19,7 @@ from ampctl.engine.optim import (
     check_optimizer_with_scaler,
     prime_fused_sgd_momentum,
 )
-from ampctl.engine.precision.policy import PrecisionPolicy, PrecisionSpec
+from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import build_scaler
 from ampctl.recipes.base import Recipe
 
@@ -29,7 +29,7 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     validate(cfg)
     parallelism.check(cfg)
     device = parallelism.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind.value)
-    policy = PrecisionPolicy(PrecisionSpec.from_config(cfg.precision), device)
+    policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     policy.check()
     check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
     return policy

@@ -77,7 +77,7 @@ def check(cfg: DictConfig) -> None:
         raise UsageError(f"distributed=fsdp with precision={cfg.precision.name}: FSDP2 keeps fp32 sharded "
                          "parameters and casts them for compute (its MixedPrecisionPolicy is O2 for sharded "
                          "training); use precision=bf16 or fp16 (or fp32, tf32)")
-    if kind == "fsdp" and cfg.precision.get("float8") is not None:
+    if kind == "fsdp" and cfg.precision.fp8_torchao is not None:
         raise UsageError(f"distributed=fsdp with precision={cfg.precision.name} is not supported: ampctl does not "
                          "yet shard torchao's FP8 layers (or all-gather their weights in FP8); use distributed=ddp")
     if kind != "none":

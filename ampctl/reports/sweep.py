@@ -13,7 +13,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl.preflight import job_overrides
+from ampctl.conf.sweeps import planned_jobs
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs
 
@@ -30,8 +30,9 @@ class SweepReport(Callback):
         self.started = 0.0
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        overrides = OmegaConf.to_container(config.hydra.overrides.task)
-        self.total_jobs = len(job_overrides([str(o) for o in overrides], multirun=True))  # type: ignore[union-attr]
+        jobs = planned_jobs(config)  # None when a sweeper plugin chooses the jobs: its trial count, if it says
+        trials = OmegaConf.select(config, "hydra.sweeper.n_trials")
+        self.total_jobs = len(jobs) if jobs is not None else int(trials or 0)
         self.started = time.perf_counter()
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:

@@ -120,7 +120,7 @@ def replay(
         train_step(state, batches, recipe, policy, accum, cfg.train.clip_grad_norm, quiet)
         quiet.end_step(last=False)
 
-    half_max = float(torch.finfo(torch.float16).max) if policy.spec.uses_half and policy.spec.dtype == torch.float16 else None
+    half_max = float(torch.finfo(torch.float16).max) if policy.uses_half and policy.dtype == torch.float16 else None
     watch = LayerWatch(state.model, half_max)
     losses = []
     try:

@@ -42,7 +42,7 @@ def run_training(
     Returns the summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
     choices = choices or {}
     policy = check_config(cfg)
-    parallel = parallelism.start(cfg, policy.device, policy.spec.dtype if policy.spec.autocast else None)
+    parallel = parallelism.start(cfg, policy.device, policy.dtype if policy.precision.autocast else None)
     try:
         summary = _run(cfg, run_dir, choices, echo, policy, parallel)
         parallel.barrier()  # ranks leave together: none tears the group down while another still talks to it

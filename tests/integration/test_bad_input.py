@@ -66,10 +66,16 @@ def test_an_unknown_resnet_arch(tmp_path, capsys, restore_argv):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["precision.fp8.margin=2"], "precision.fp8.margin=2: precision=fp32 has no precision.fp8; "
-                                 "it belongs to precision=fp8_emulated"),
-    (["precision=bf16", "precision.float8.recipe_name=rowwise"],
-     "precision.float8.recipe_name=rowwise: precision=bf16 has no precision.float8; it belongs to precision=fp8"),
+    (["precision.fp8_emulated.margin=2"],
+     "precision.fp8_emulated.margin=2: precision.fp8_emulated.* are the options of precision=fp8_emulated only; "
+     "choose it on the same command line (precision=fp8_emulated precision.fp8_emulated.margin=2)"),
+    (["precision=bf16", "precision.fp8_torchao.recipe_name=rowwise"],
+     "precision.fp8_torchao.recipe_name=rowwise: precision.fp8_torchao.* are the options of precision=fp8 only"),
+    # the names before the rename (precision.fp8 was the emulation's, precision.float8 torchao's)
+    (["precision=fp8_emulated", "precision.fp8.margin=2"],
+     "precision.fp8: renamed; set precision.fp8_emulated.* (the options of precision=fp8_emulated)"),
+    (["precision.float8.compile=false"],
+     "precision.float8: renamed; set precision.fp8_torchao.* (the options of precision=fp8)"),
 ])
 def test_a_mode_option_under_a_mode_without_it(tmp_path, capsys, restore_argv, args, message):
     """OmegaConf asserts on a key under a null node; the user sees which mode owns the option."""

@@ -7,8 +7,17 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.engine.precision.fp8_emulated import (E4M3, E5M2, DelayedScaling, Fp8Recipe, convert_linears, quantize_tensorwise, quantize_tiles,
-                        relative_error_bound, scale_from_amax)
+from ampctl.conf.schema import Fp8EmulatedConfig, Fp8Format, Fp8Scaling
+from ampctl.engine.precision.fp8_emulated import (
+    E4M3,
+    E5M2,
+    DelayedScaling,
+    convert_linears,
+    quantize_tensorwise,
+    quantize_tiles,
+    relative_error_bound,
+    scale_from_amax,
+)
 
 
 def normal_values(shape, seed=0):
@@ -148,7 +157,7 @@ def test_blockwise_weight_gradient_quantizes_along_tokens():
     operands are quantized again in 128x1 tiles (Transformer Engine's columnwise usage)."""
     torch.manual_seed(0)
     layer = nn.Linear(64, 32)
-    convert_linears(layer, Fp8Recipe(scaling="blockwise", format="e4m3"))
+    convert_linears(layer, Fp8EmulatedConfig(scaling=Fp8Scaling.blockwise, format=Fp8Format.e4m3))
     x = torch.randn(256, 64) * torch.logspace(-3, 3, 256)[:, None]  # token magnitudes vary: tiles matter
     x.requires_grad_(True)
     g = torch.randn(256, 32) * torch.logspace(2, -2, 256)[:, None]
@@ -166,7 +175,7 @@ def test_gradients_flow_through_the_quantizers(scaling):
     reference = nn.Linear(128, 64)
     emulated = nn.Linear(128, 64)
     emulated.load_state_dict(reference.state_dict())
-    assert convert_linears(emulated, Fp8Recipe(scaling=scaling)) == 1
+    assert convert_linears(emulated, Fp8EmulatedConfig(scaling=Fp8Scaling(scaling))) == 1
     x = torch.randn(32, 128)
     for model in (reference, emulated):
         model(x).square().mean().backward()

@@ -39,7 +39,7 @@ from ampctl.engine.build import build_state, check_config
 from ampctl.engine.loop import train_step
 from ampctl.engine.telemetry import Telemetry
 from ampctl.errors import UsageError
-from ampctl.preflight import one_line
+from ampctl.conf.messages import one_line
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import tables
 

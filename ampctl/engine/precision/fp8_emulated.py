@@ -22,11 +22,12 @@ A margin (fp8.margin) maps amax to the format's max divided by 2^margin, as TE's
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ampctl.conf.schema import Fp8EmulatedConfig
 
 E4M3 = torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else None
 E5M2 = torch.float8_e5m2 if hasattr(torch, "float8_e5m2") else None
@@ -35,17 +36,9 @@ AMAX_EPS = 1e-12  # torchao's floor on an amax: a tiny or all-zero tensor gets a
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-@dataclass(frozen=True)
-class Fp8Recipe:
-    scaling: str = "current"  # current | delayed | blockwise
-    format: str = "hybrid"  # hybrid (e4m3 forward, e5m2 backward) | e4m3
-    amax_history_len: int = 16
-    amax_compute_algo: str = "max"  # max | most_recent
-    margin: int = 0
-
-    @property
-    def backward_dtype(self) -> torch.dtype:
-        return E5M2 if self.format == "hybrid" and self.scaling != "blockwise" else E4M3
+def backward_dtype(config: Fp8EmulatedConfig) -> torch.dtype:
+    """The gradients' FP8 type: e5m2 in the hybrid format, e4m3 otherwise (blockwise is e4m3 only)."""
+    return E5M2 if config.format == "hybrid" and config.scaling != "blockwise" else E4M3
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
@@ -138,21 +131,21 @@ class Fp8Quantizers:
     """The quantizers of one Linear layer: its activations, weight and output gradient, each in the layout
     of the matmul it enters (a tensor-wide scale serves every layout)."""
 
-    def __init__(self, layer: nn.Linear, recipe: Fp8Recipe) -> None:
-        self.recipe = recipe
-        self.delayed = {role: DelayedScaling(layer, role, recipe.amax_history_len, recipe.amax_compute_algo)
-                        for role in ("x", "w", "grad")} if recipe.scaling == "delayed" else {}
+    def __init__(self, layer: nn.Linear, config: Fp8EmulatedConfig) -> None:
+        self.config = config
+        self.delayed = {role: DelayedScaling(layer, role, config.amax_history_len, config.amax_compute_algo)
+                        for role in ("x", "w", "grad")} if config.scaling == "delayed" else {}
 
     def _tensorwise(self, role: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.recipe.scaling == "delayed":
-            return self.delayed[role].quantize(t, dtype, self.recipe.margin)
-        return quantize_tensorwise(t, dtype, self.recipe.margin)
+        if self.config.scaling == "delayed":
+            return self.delayed[role].quantize(t, dtype, self.config.margin)
+        return quantize_tensorwise(t, dtype, self.config.margin)
 
     def quantize_forward(self, x: torch.Tensor, w: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x for the forward matmul, w, x for the weight-gradient matmul)."""
-        margin = self.recipe.margin
-        if self.recipe.scaling == "blockwise":
+        margin = self.config.margin
+        if self.config.scaling == "blockwise":
             return (quantize_tiles(x, E4M3, 1, TILE, margin), quantize_tiles(w, E4M3, TILE, TILE, margin),
                     quantize_tiles(x, E4M3, TILE, 1, margin))
         qx = self._tensorwise("x", x, E4M3)
@@ -160,19 +153,19 @@ class Fp8Quantizers:
 
     def quantize_grad(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g for the input-gradient matmul, g for the weight-gradient matmul)."""
-        dtype, margin = self.recipe.backward_dtype, self.recipe.margin
-        if self.recipe.scaling == "blockwise":
+        dtype, margin = backward_dtype(self.config), self.config.margin
+        if self.config.scaling == "blockwise":
             return quantize_tiles(g, dtype, 1, TILE, margin), quantize_tiles(g, dtype, TILE, 1, margin)
         qg = self._tensorwise("grad", g, dtype)
         return qg, qg
 
 
-def convert_linears(model: nn.Module, recipe: Fp8Recipe) -> int:
+def convert_linears(model: nn.Module, config: Fp8EmulatedConfig) -> int:
     """Make every nn.Linear compute through emulated FP8. Returns how many were converted."""
     converted = 0
     for module in model.modules():
         if isinstance(module, nn.Linear):
-            quantizers = Fp8Quantizers(module, recipe)
+            quantizers = Fp8Quantizers(module, config)
 
             def forward(x: torch.Tensor, module: nn.Linear = module, q: Fp8Quantizers = quantizers) -> torch.Tensor:
                 return _Fp8Linear.apply(x, module.weight, module.bias, q).to(x.dtype)

@@ -15,12 +15,12 @@ torchtitan does; the rest stay bf16. This is the only module that imports torcha
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
+from ampctl.conf.schema import Fp8TorchaoConfig
 from ampctl.engine import devices
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
@@ -30,14 +30,6 @@ AUTO_FILTER_RULE = {
     "tensorwise": "K <= 4096 and N <= 1024",
     "rowwise": "N <= 2048, K <= 1024, or N <= 4096 and K <= 2048",
 }
-
-
-@dataclass(frozen=True)
-class Float8Recipe:
-    recipe_name: str = "tensorwise"  # tensorwise | rowwise
-    auto_filter_small_kn: bool = True  # keep the layers torchao expects to be slower in FP8 in bf16
-    filter_fqns: tuple[str, ...] = ()  # keep Linear layers whose name contains one of these in bf16
-    compile: bool = True  # torch.compile the model: torchao fuses its casts only when compiled
 
 
 def torchao_available() -> bool:
@@ -58,16 +50,16 @@ def unsupported_reason(device: torch.device) -> str | None:
     return None
 
 
-def module_filter(recipe: Float8Recipe) -> Callable[[nn.Module, str], bool]:
+def module_filter(config: Fp8TorchaoConfig) -> Callable[[nn.Module, str], bool]:
     """Which nn.Linear layers become Float8Linear: torchao's own size heuristics, or every layer whose
     dimensions the FP8 matmul accepts (multiples of 16), less the named ones either way."""
-    if recipe.auto_filter_small_kn:
+    if config.auto_filter_small_kn:
         from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
-        return _auto_filter_for_recipe(recipe.recipe_name, list(recipe.filter_fqns))
+        return _auto_filter_for_recipe(config.recipe_name.value, list(config.filter_fqns))
 
     def fits(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or any(name in fqn for name in recipe.filter_fqns):
+        if not isinstance(module, nn.Linear) or any(name in fqn for name in config.filter_fqns):
             return False
         n, k = module.weight.shape
         return n % 16 == 0 and k % 16 == 0
@@ -75,21 +67,23 @@ def module_filter(recipe: Float8Recipe) -> Callable[[nn.Module, str], bool]:
     return fits
 
 
-def convert_linears(model: nn.Module, recipe: Float8Recipe) -> list[str]:
+def convert_linears(model: nn.Module, config: Fp8TorchaoConfig) -> list[str]:
     """Swap the chosen Linear layers for torchao's Float8Linear in place; returns their names."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    chosen = module_filter(recipe)
+    chosen = module_filter(config)
     names = [fqn for fqn, module in model.named_modules() if chosen(module, fqn)]
     if names:
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe.recipe_name),
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(config.recipe_name.value),
                                    module_filter_fn=chosen)
     return names
 
 
-def nothing_converted_message(recipe: Float8Recipe, linears: int) -> str:
-    why = (f"torchao's {recipe.recipe_name} size filter keeps layers with {AUTO_FILTER_RULE[recipe.recipe_name]} "
-           "in bf16, being slower in FP8" if recipe.auto_filter_small_kn
-           else "none has dimensions that are multiples of 16, or all are named in precision.float8.filter_fqns")
+def nothing_converted_message(config: Fp8TorchaoConfig, linears: int) -> str:
+    name = config.recipe_name.value
+    why = (f"torchao's {name} size filter keeps layers with {AUTO_FILTER_RULE[name]} in bf16, being slower in FP8"
+           if config.auto_filter_small_kn
+           else "none has dimensions that are multiples of 16, or all are named in precision.fp8_torchao.filter_fqns")
     return (f"precision=fp8 would convert none of this model's {linears} nn.Linear layers to FP8: {why}; "
-            "use precision=bf16 for this model, or precision.float8.auto_filter_small_kn=false to convert them anyway")
+            "use precision=bf16 for this model, or precision.fp8_torchao.auto_filter_small_kn=false to convert them "
+            "anyway")

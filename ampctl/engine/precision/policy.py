@@ -9,17 +9,15 @@ never branches on precision: it calls these verbs whatever the mode.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
-from ampctl.conf.schema import Dtype
+from ampctl.conf.schema import Dtype, Fp8TorchaoConfig, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import fp8_torchao, fp32_math
-from ampctl.engine.precision.fp8_emulated import Fp8Recipe, convert_linears
+from ampctl.engine.precision.fp8_emulated import convert_linears
 from ampctl.errors import UnsupportedError, UsageError
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
@@ -50,46 +48,6 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
     )
     if t is not None
 )
-
-
-@dataclass(frozen=True)
-class PrecisionSpec:
-    """A validated precision config, as plain Python values."""
-
-    name: str
-    description: str
-    autocast: bool
-    dtype: torch.dtype
-    cast_model: bool
-    master_weights: bool
-    keep_norm_fp32: bool
-    tf32: bool
-    fp8: Optional[Fp8Recipe] = None  # emulated FP8
-    float8: Optional[fp8_torchao.Float8Recipe] = None  # real FP8 (torchao)
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> "PrecisionSpec":
-        return cls(
-            name=cfg.name,
-            description=cfg.description,
-            autocast=cfg.autocast,
-            dtype=TORCH_DTYPES[cfg.dtype],
-            cast_model=cfg.cast_model,
-            master_weights=cfg.master_weights,
-            keep_norm_fp32=cfg.keep_norm_fp32,
-            tf32=cfg.tf32,
-            fp8=None if cfg.get("fp8") is None else Fp8Recipe(
-                scaling=cfg.fp8.scaling.value, format=cfg.fp8.format.value,
-                amax_history_len=cfg.fp8.amax_history_len, amax_compute_algo=cfg.fp8.amax_compute_algo.value,
-                margin=cfg.fp8.margin),
-            float8=None if cfg.get("float8") is None else fp8_torchao.Float8Recipe(
-                recipe_name=cfg.float8.recipe_name.value, auto_filter_small_kn=cfg.float8.auto_filter_small_kn,
-                filter_fqns=tuple(cfg.float8.filter_fqns), compile=cfg.float8.compile),
-        )
-
-    @property
-    def uses_half(self) -> bool:
-        return self.autocast or self.cast_model
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -169,8 +127,11 @@ class FP32MasterWeights(WeightLayout):
 class PrecisionPolicy:
     """Context manager for a run: sets the global matmul flags on enter and restores them on exit."""
 
-    def __init__(self, spec: PrecisionSpec, device: torch.device) -> None:
-        self.spec = spec
+    def __init__(self, precision: PrecisionConfig, device: torch.device) -> None:
+        """precision: the mode's config as its schema dataclass (OmegaConf.to_object of cfg.precision)."""
+        self.precision = precision
+        self.dtype = TORCH_DTYPES[precision.dtype]  # the half type, or float32 in fp32 and tf32
+        self.uses_half = precision.autocast or precision.cast_model
         self.device = device
         self._saved_flags: Optional[dict[str, Any]] = None
         self.float8_layers: list[str] = []  # the Linear layers precision=fp8 converted, by name
@@ -180,39 +141,39 @@ class PrecisionPolicy:
 
     def check(self) -> None:
         """Refuse what this device or torch build cannot do, naming what to use instead."""
-        s, dev = self.spec, self.device
+        s, dev = self.precision, self.device
         if s.tf32 and not devices.has_tf32(dev):
             where = devices.device_name(dev) if dev.type == "cuda" else "a CPU"
             raise UnsupportedError(
                 f"precision={s.name} needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or "
                 f"newer); this run is on {where}: use precision=fp32{_bf16_if_fast(dev, ', or precision=bf16 for a faster mode')}"
             )
-        if s.float8 is not None and (reason := fp8_torchao.unsupported_reason(dev)):
+        if s.fp8_torchao is not None and (reason := fp8_torchao.unsupported_reason(dev)):
             raise UnsupportedError(f"precision={s.name} {reason}: use precision=fp8_emulated to study FP8's "
                                    f"numerics on this machine{_bf16_if_fast(dev, ', or precision=bf16 for speed')}")
-        if not s.uses_half:
+        if not self.uses_half:
             return
-        if s.dtype == torch.bfloat16 and not devices.has_native_bf16(dev):
+        if self.dtype == torch.bfloat16 and not devices.has_native_bf16(dev):
             raise UnsupportedError(
                 f"precision={s.name} with dtype=bfloat16 needs native bf16 support, which "
                 f"{devices.device_name(dev)} lacks; use precision=fp16 (with its loss scaler) instead"
             )
-        if s.autocast and not devices.autocast_works(dev.type, s.dtype):
+        if s.autocast and not devices.autocast_works(dev.type, self.dtype):
             raise UnsupportedError(
                 f"precision={s.name}: torch {torch.__version__} has no {dev.type} autocast for "
-                f"{str(s.dtype).removeprefix('torch.')}; use precision=bf16, or upgrade torch"
+                f"{str(self.dtype).removeprefix('torch.')}; use precision=bf16, or upgrade torch"
             )
 
     def combination_warnings(self, scaler_active: bool) -> list[str]:
         """Legal but suspicious pairings of this mode with a loss scaler (scaler_active: it scales and skips;
         scaler=none and a disabled dynamic scaler are the same here): warned once, not refused."""
-        s = self.spec
-        if s.uses_half and s.dtype == torch.bfloat16 and scaler_active:
+        s = self.precision
+        if self.uses_half and self.dtype == torch.bfloat16 and scaler_active:
             return [
                 f"precision={s.name} runs in bfloat16, which has fp32's exponent range: a loss scaler "
                 "is rarely needed there (scaler=none is the usual choice)"
             ]
-        if s.uses_half and s.dtype == torch.float16 and not scaler_active:
+        if self.uses_half and self.dtype == torch.float16 and not scaler_active:
             return [
                 f"precision={s.name} runs in float16 without loss scaling: small gradients will underflow to "
                 "zero (scaler=dynamic is the usual choice)"
@@ -221,24 +182,24 @@ class PrecisionPolicy:
 
     def slow_here(self) -> Optional[str]:
         """Why this legal mode runs much slower than fp32 on this device, in a few words; None if it does not."""
-        s, dev = self.spec, self.device
-        if s.fp8 is not None:
+        s, dev = self.precision, self.device
+        if s.fp8_emulated is not None:
             return "emulated, by design"
-        if dev.type == "cpu" and s.uses_half and not devices.half_runs_at_speed(dev, s.dtype):
-            return (f"{_short(s.dtype)} matmuls run {devices.cpu_half_slowdown(s.dtype):.0f}x slower than fp32 on this "
-                    f"CPU (measured; no {HALF_HARDWARE[s.dtype]})")
+        if dev.type == "cpu" and self.uses_half and not devices.half_runs_at_speed(dev, self.dtype):
+            return (f"{_short(self.dtype)} matmuls run {devices.cpu_half_slowdown(self.dtype):.0f}x slower than fp32 on this "
+                    f"CPU (measured; no {HALF_HARDWARE[self.dtype]})")
         return None
 
     def speed_warnings(self) -> list[str]:
         """Legal runs that will be much slower than the user likely expects."""
-        s, dev = self.spec, self.device
+        s, dev = self.precision, self.device
         why = self.slow_here()
         if why is None:
             return []
-        if s.fp8 is not None:
+        if s.fp8_emulated is not None:
             return [f"precision={s.name} emulates FP8 (quantize and dequantize around fp32 matmuls): slower than "
                     "fp32 by design; it is for studying FP8's convergence and error, not for speed"]
-        other = torch.float16 if s.dtype == torch.bfloat16 else torch.bfloat16
+        other = torch.float16 if self.dtype == torch.bfloat16 else torch.bfloat16
         instead = ("precision=bf16 is fast here" if other == torch.bfloat16 and devices.half_runs_at_speed(dev, other)
                    else "precision=fp32 is the fastest mode on this CPU")
         return [f"precision={s.name} on {devices.cpu_model()}: {why}: expect it to run many times slower than fp32; "
@@ -248,7 +209,7 @@ class PrecisionPolicy:
 
     def __enter__(self) -> "PrecisionPolicy":
         self._saved_flags = fp32_math.snapshot()
-        fp32_math.set_tf32(self.spec.tf32)  # "fp32" is true fp32: TF32 is switched off, not left at default
+        fp32_math.set_tf32(self.precision.tf32)  # "fp32" is true fp32: TF32 is switched off, not left at default
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -258,21 +219,21 @@ class PrecisionPolicy:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Always a context manager; "off" is enabled=False, so the loop has no branch."""
-        dtype = self.spec.dtype if self.spec.autocast else torch.bfloat16  # dtype is unused when disabled
-        return torch.autocast(self.device.type, dtype=dtype, enabled=self.spec.autocast)
+        dtype = self.dtype if self.precision.autocast else torch.bfloat16  # dtype is unused when disabled
+        return torch.autocast(self.device.type, dtype=dtype, enabled=self.precision.autocast)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """Move the model to the device, and for O2/O3 cast it to half the way Apex did."""
         model.to(self.device)
-        if self.spec.fp8 is not None:
-            convert_linears(model, self.spec.fp8)
-        if self.spec.float8 is not None:
-            self._convert_to_float8(model, self.spec.float8)
-        if not self.spec.cast_model:
+        if self.precision.fp8_emulated is not None:
+            convert_linears(model, self.precision.fp8_emulated)
+        if self.precision.fp8_torchao is not None:
+            self._convert_to_float8(model, self.precision.fp8_torchao)
+        if not self.precision.cast_model:
             return model
-        half = self.spec.dtype
+        half = self.dtype
         model.to(half)
-        if self.spec.keep_norm_fp32:
+        if self.precision.keep_norm_fp32:
             for module in model.modules():
                 if isinstance(module, NORM_LAYERS):
                     module.float()
@@ -288,7 +249,7 @@ class PrecisionPolicy:
         model.register_forward_hook(lambda _m, _args, out: _cast_floats(out, torch.float32))
         return model
 
-    def _convert_to_float8(self, model: nn.Module, recipe: fp8_torchao.Float8Recipe) -> None:
+    def _convert_to_float8(self, model: nn.Module, recipe: Fp8TorchaoConfig) -> None:
         self._linears = sum(isinstance(m, nn.Linear) for m in model.modules())
         self.float8_layers = fp8_torchao.convert_linears(model, recipe)
         if not self.float8_layers:
@@ -298,31 +259,31 @@ class PrecisionPolicy:
             model.compile()  # in place: parameter names, hooks and checkpoints stay the model's own
 
     def weight_layout(self, model: nn.Module) -> WeightLayout:
-        return FP32MasterWeights(model) if self.spec.master_weights else WeightLayout(model)
+        return FP32MasterWeights(model) if self.precision.master_weights else WeightLayout(model)
 
     def describe(self, scaler_description: str) -> str:
         """The resolved options, printed once at start (as Apex's "Selected optimization level")."""
-        s = self.spec
+        s = self.precision
         short = lambda dt: str(dt).removeprefix("torch.")  # noqa: E731
         parts = [
-            f"autocast={short(s.dtype) if s.autocast else 'off'}",
-            f"model_weights={short(s.dtype) if s.cast_model else 'float32'}",
+            f"autocast={short(self.dtype) if s.autocast else 'off'}",
+            f"model_weights={short(self.dtype) if s.cast_model else 'float32'}",
             f"master_weights={'float32' if s.master_weights else 'none'}",
-            "norm_layers=" + ("float32" if (s.keep_norm_fp32 or not s.cast_model) else short(s.dtype)),
+            "norm_layers=" + ("float32" if (s.keep_norm_fp32 or not s.cast_model) else short(self.dtype)),
             f"tf32={'on' if s.tf32 else 'off'}",
             f"loss_scale={scaler_description}",
         ]
-        if s.float8 is not None:
-            f8 = s.float8
-            parts.insert(0, f"fp8=torchao recipe={f8.recipe_name} auto_filter_small_kn={f8.auto_filter_small_kn}"
+        if s.fp8_torchao is not None:
+            f8 = s.fp8_torchao
+            parts.insert(0, f"fp8=torchao recipe={f8.recipe_name.value} auto_filter_small_kn={f8.auto_filter_small_kn}"
                          + (f" filter_fqns={list(f8.filter_fqns)}" if f8.filter_fqns else "")
                          + f" compile={f8.compile}"
                          + (f" ({len(self.float8_layers)} of {self._linears} Linear layers in FP8)"
                             if self.float8_layers else ""))
-        if s.fp8 is not None:
-            f = s.fp8
-            parts.insert(0, f"fp8=emulated scaling={f.scaling} format={f.format} margin={f.margin}" + (
-                f" amax_history_len={f.amax_history_len} amax_compute_algo={f.amax_compute_algo}"
+        if s.fp8_emulated is not None:
+            f = s.fp8_emulated
+            parts.insert(0, f"fp8=emulated scaling={f.scaling.value} format={f.format.value} margin={f.margin}" + (
+                f" amax_history_len={f.amax_history_len} amax_compute_algo={f.amax_compute_algo.value}"
                 if f.scaling == "delayed" else ""))
         return f"Selected precision={s.name}: " + ", ".join(parts)
 

@@ -1,0 +1,135 @@
+"""Each command's check of one job's config: what the job would refuse, refused before any job starts.
+
+Hydra composes and runs; ampctl only listens, through Hydra's public API. A Callback checks a single run
+before Hydra creates its directory; when a multirun starts, the same Callback composes each
+job's config with `hydra.compose` (the app's own search path, `-cd` and `-cn` included) and runs the
+command's check on it, so that a bad value in the tenth job of a sweep is one line before the first job
+trains. Under a sweeper plugin that chooses its jobs as it goes (Optuna), the base config is checked up
+front and each job again when it starts.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from hydra import compose
+from hydra.errors import HydraException
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
+
+from ampctl.conf.messages import one_line
+from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
+from ampctl.conf.schema import (
+    AmpctlConfig,
+    CompareAppConfig,
+    InspectAppConfig,
+    MemoryAppConfig,
+    typed_config,
+    validate,
+)
+from ampctl.errors import CommandLineRefused, UsageError
+
+
+def refuse_distributed(cfg: DictConfig, command: str) -> None:
+    if cfg.distributed.kind.value != "none":
+        raise UsageError(f"distributed={cfg.distributed.kind.value}: ampctl {command} runs on one device; "
+                         f"data parallelism is for ampctl train under torchrun")
+
+
+def check_train(cfg: DictConfig) -> None:
+    from ampctl.engine.build import check_config
+
+    check_config(cfg)
+
+
+def check_compare(cfg: DictConfig) -> None:
+    validate(cfg)  # each mode is composed and checked against the device when the comparison is planned
+    refuse_distributed(cfg, "compare")
+    if cfg.compare.warmup_steps < 0:
+        raise UsageError(f"compare.warmup_steps={cfg.compare.warmup_steps} is not allowed: expected an integer >= 0")
+
+
+def check_memory(cfg: DictConfig) -> None:
+    from ampctl.analysis.memory.model import parse_size
+
+    validate(cfg)
+    refuse_distributed(cfg, "memory")
+    m = cfg.memory
+    if m.steps < 1:
+        raise UsageError(f"memory.steps={m.steps} is not allowed: expected an integer >= 1")
+    if m.timed_steps < 0:
+        raise UsageError(f"memory.timed_steps={m.timed_steps} is not allowed: expected an integer >= 0")
+    if m.budget is not None:
+        parse_size(m.budget)
+
+
+def check_inspect(cfg: DictConfig) -> None:
+    from ampctl.analysis.ranges import power_of_two_log2
+
+    validate(cfg)
+    refuse_distributed(cfg, "inspect")
+    if cfg.inspect.steps < 1:
+        raise UsageError(f"inspect.steps={cfg.inspect.steps} is not allowed: expected an integer >= 1")
+    if cfg.inspect.loss_scale is not None:
+        power_of_two_log2(cfg.inspect.loss_scale, "inspect.loss_scale")
+
+
+# command -> (its primary config's schema, its check)
+CHECKS = {
+    "train": (AmpctlConfig, check_train),
+    "compare": (CompareAppConfig, check_compare),
+    "memory": (MemoryAppConfig, check_memory),
+    "inspect": (InspectAppConfig, check_inspect),
+}
+
+
+def typed(command: str, cfg: DictConfig) -> DictConfig:
+    """cfg typed by `command`'s schema (a key it lacks, a value of the wrong type: UsageError)."""
+    try:
+        return typed_config(cfg, CHECKS[command][0])
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise UsageError(one_line(exc)) from None
+
+
+def check_command(command: str, cfg: DictConfig) -> DictConfig:
+    """cfg typed by `command`'s schema and checked; raises UsageError. Returns the typed config."""
+    cfg = typed(command, cfg)
+    CHECKS[command][1](cfg)
+    return cfg
+
+
+def without_hydra_node(config: DictConfig) -> DictConfig:
+    """The job's config as its task function receives it (Hydra removes the hydra node the same way)."""
+    job = copy.deepcopy(config)
+    with read_write(job), open_dict(job):
+        del job["hydra"]
+    return job
+
+
+class CheckEveryJob(Callback):
+    """Runs `command`'s check on every job of a multirun before the first job starts (see the module doc).
+    A refusal leaves Hydra as CommandLineRefused; the router prints it as one line, exit code 2."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # before Hydra creates the run directory: a refused run leaves nothing behind
+        try:
+            check_command(self.command, without_hydra_node(config))
+        except UsageError as exc:
+            raise CommandLineRefused(exc) from None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        jobs = planned_jobs(config) or [base_overrides(sweep_overrides(config))]
+        try:
+            for job in jobs:
+                try:
+                    cfg = compose(config_name=config.hydra.job.config_name, overrides=job)
+                except (HydraException, OmegaConfBaseException) as exc:
+                    raise UsageError(one_line(exc)) from None
+                check_command(self.command, cfg)
+        except UsageError as exc:
+            raise CommandLineRefused(exc) from None

@@ -1,0 +1,110 @@
+"""Hydra's and OmegaConf's multi-line reports, reduced to the one line a user needs (exit code 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional
+
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from ampctl.conf.schema import MODE_OPTION_NODES, RENAMED_KEYS
+
+
+def one_line(exc: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line reports, reduced to the line a user needs."""
+    for err in _chain(exc):
+        if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+                if err.full_key in RENAMED_KEYS:
+                    new = RENAMED_KEYS[err.full_key]
+                    return f"{err.full_key}: renamed; set {new}.* (the options of {_owner(new)})"
+                return f"{err.full_key}: no such key{_allowed_keys(err)}"
+            msg = str(getattr(err, "msg", "") or err).splitlines()[0]
+            return _type_error(err.full_key, msg) or f"{err.full_key}: {msg}"
+    text = str(exc).strip()
+    missing = re.search(r"Could not find '(.+)/([^/']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
+        if group in ("hydra/sweeper", "hydra/launcher"):
+            return _missing_plugin(group, option, options)
+        allowed = f"; choose one of {', '.join(options)}" if options else ""
+        return f"{group}={option}: no such {group}{allowed}"
+    text = text.replace(", set env var HYDRA_FULL_ERROR=1 to see chained exception.", "")
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+# Hydra's sweeper and launcher plugins, by the option name each registers, and the package that provides it.
+HYDRA_PLUGINS = {
+    "optuna": "hydra-optuna-sweeper",
+    "ax": "hydra-ax-sweeper",
+    "nevergrad": "hydra-nevergrad-sweeper",
+    "joblib": "hydra-joblib-launcher",
+    "ray": "hydra-ray-launcher",
+    "rq": "hydra-rq-launcher",
+    "submitit_local": "hydra-submitit-launcher",
+    "submitit_slurm": "hydra-submitit-launcher",
+}
+
+
+def _missing_plugin(group: str, option: str, installed: list[str]) -> str:
+    kind = group.split("/")[1]
+    package = HYDRA_PLUGINS.get(option)
+    fix = (f"pip install {package}" if package
+           else f"install the Hydra {kind} plugin that provides it") + f" (installed: {', '.join(installed) or 'none'})"
+    return f"{group}={option}: the {kind} plugin is not installed; {fix}"
+
+
+def _owner(node: str) -> str:
+    return f"precision={MODE_OPTION_NODES[node.split('.')[1]]}"
+
+
+def key_under_null_node(overrides: list[str]) -> Optional[str]:
+    """OmegaConf asserts, without naming the key, when an override sets a key under a node that is null in
+    the composed config: precision.fp8_emulated.margin=2 under precision=fp32. Which override, and the fix."""
+    for override in overrides:
+        parts = override.split("=", 1)[0].lstrip("+~").split(".")
+        if len(parts) >= 3 and parts[0] == "precision" and parts[1] in MODE_OPTION_NODES:
+            owner = _owner(".".join(parts[:2]))
+            return (f"{override}: precision.{parts[1]}.* are the options of {owner} only; "
+                    f"choose it on the same command line ({owner} {override})")
+    return None
+
+
+_TYPE_NAMES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+
+
+def _type_error(key: str, msg: str) -> Optional[str]:
+    """OmegaConf's conversion messages as `key=value is not allowed: expected ...`."""
+    conversion = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", msg)
+    if conversion:
+        value, type_name = conversion.groups()
+        return f"{key}={value!r} is not allowed: expected {_TYPE_NAMES.get(type_name, type_name)}"
+    boolean = re.match(r"Value '(.*)' is not a valid bool", msg)
+    if boolean:
+        return f"{key}={boolean.group(1)!r} is not allowed: expected true or false"
+    choice = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", msg)
+    if choice:
+        return f"{key}={choice.group(1)!r} is not allowed: expected one of {choice.group(2)}"
+    return None
+
+
+def _allowed_keys(err: OmegaConfBaseException) -> str:
+    """The keys the node does have, from its schema dataclass (e.g. which keys scaler=none takes)."""
+    schema = getattr(err, "object_type", None)
+    if not dataclasses.is_dataclass(schema):
+        return ""
+    fields = {f.name: f.default for f in dataclasses.fields(schema)}
+    kind = fields.pop("kind", None)
+    if not fields:
+        return f": scaler={kind} takes no keys (choose scaler=dynamic or scaler=static before setting scaler.*)"
+    return f"; allowed: {', '.join(fields)}"
+
+
+def _chain(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
