@@ -34,8 +34,7 @@ from ampctl.analysis.numerics import (
     scale_label,
 )
 from ampctl.engine.build import build_state, check_config
-from ampctl.engine.loop import train_step
-from ampctl.engine.telemetry import Telemetry
+from ampctl.engine.loop import batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import tables
@@ -134,20 +133,18 @@ def inspect_run(cfg: DictConfig) -> Inspection:
         if study is None:
             study = float(state.scaler.current_scale()) if scaled_mode else GRADSCALER_DEFAULT_SCALE
         recorder = RangeRecorder(state.model, policy.device, study)
-        telemetry = Telemetry(policy.device, cfg.inspect.steps, recipe.samples_per_batch, None, [])
-        batches = recipe.batches(policy.device, cfg.train.seed)
-        run_scales = []
-        state.model.train()
+        run_scales: list[float] = []
+
+        def note_the_scale() -> None:
+            # the scale this step multiplies the loss by: its gradients are divided by it (a host read:
+            # inspect is not a training run)
+            recorder.run_scale = float(state.scaler.current_scale())
+            run_scales.append(recorder.run_scale)
+
         with recorder:
             recorder.record_weights()
-            for _ in range(cfg.inspect.steps):
-                # the scale this step multiplies the loss by: its gradients are divided by it (a host read:
-                # inspect is not a training run)
-                recorder.run_scale = float(state.scaler.current_scale())
-                run_scales.append(recorder.run_scale)
-                train_step(state, batches, recipe, policy, cfg.train.grad_accum_steps, cfg.train.clip_grad_norm,
-                           telemetry)
-                telemetry.end_step(last=False)
+            run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), cfg.inspect.steps, recipe, policy,
+                      cfg.train.grad_accum_steps, cfg.train.clip_grad_norm, before_step=note_the_scale)
     return Inspection(recorder, study, run_scales)
 
 

@@ -9,6 +9,7 @@ reads from the device: the only reads are the telemetry's, on log steps.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional
 
@@ -105,11 +106,8 @@ def fit(
 ) -> bool:
     """Train from state.step to steps. after_step(last) runs after every step (checkpoints); stop_requested()
     is a host-side flag checked between steps. Returns False when stopped early."""
-    device = policy.device
-    batches = recipe.batches(device, seed)
     # A resumed run continues the same batch stream: the data position is the number of batches consumed.
-    for _ in range(state.step * grad_accum_steps):
-        next(batches)
+    batches = batch_stream(recipe, policy.device, seed, state.step * grad_accum_steps)
     state.model.train()
     while state.step < steps:
         with around_step(state.step + 1):  # e.g. range hooks on the steps telemetry.ranges_every picks
@@ -121,3 +119,39 @@ def fit(
         if stopping:
             return False
     return True
+
+
+def batch_stream(recipe: Recipe, device: torch.device, seed: int, position: int = 0) -> Iterator[Any]:
+    """The recipe's batches for `seed`, past the first `position` (a resumed run continues the same stream)."""
+    batches = recipe.batches(device, seed)
+    for _ in range(position):
+        next(batches)
+    return batches
+
+
+def run_steps(
+    state: TrainState,
+    batches: Iterator[Any],
+    n: int,
+    recipe: Recipe,
+    policy: PrecisionPolicy,
+    grad_accum_steps: int = 1,
+    clip_grad_norm: Optional[float] = None,
+    before_step: Callable[[], None] = lambda: None,
+    timed: bool = False,
+) -> list[float]:
+    """n optimizer steps outside a training run (inspect, memory, the memory probe, diagnose): the step fit()
+    takes, its records kept on the device where nobody reads them. With timed, each step's wall time in ms
+    (synchronized with the device: these are measurements, not a training run)."""
+    telemetry = Telemetry(policy.device, max(n, 1), recipe.samples_per_batch, None, [])
+    state.model.train()
+    times = []
+    for _ in range(n):
+        before_step()
+        start = time.perf_counter()
+        train_step(state, batches, recipe, policy, grad_accum_steps, clip_grad_norm, telemetry)
+        if timed:
+            if policy.device.type == "cuda":
+                torch.cuda.synchronize(policy.device)
+            times.append((time.perf_counter() - start) * 1e3)
+    return times

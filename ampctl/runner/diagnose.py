@@ -20,9 +20,8 @@ from torch import nn
 
 from ampctl import io
 from ampctl.engine.build import build_state
-from ampctl.engine.loop import TrainState, train_step
+from ampctl.engine.loop import TrainState, batch_stream, run_steps
 from ampctl.engine.precision.policy import PrecisionPolicy
-from ampctl.engine.telemetry import Telemetry
 from ampctl.recipes.base import Recipe
 from ampctl.runner import checkpoint
 
@@ -111,14 +110,8 @@ def replay(
     if earlier:
         checkpoint.restore(checkpoint.load(earlier[-1]), state)
     accum = cfg.train.grad_accum_steps
-    batches = recipe.batches(policy.device, cfg.train.seed)
-    for _ in range(state.step * accum):
-        next(batches)
-    quiet = Telemetry(policy.device, 1, recipe.samples_per_batch, None, [])
-    state.model.train()
-    while state.step < bad_step - 1:
-        train_step(state, batches, recipe, policy, accum, cfg.train.clip_grad_norm, quiet)
-        quiet.end_step(last=False)
+    batches = batch_stream(recipe, policy.device, cfg.train.seed, state.step * accum)
+    run_steps(state, batches, bad_step - 1 - state.step, recipe, policy, accum, cfg.train.clip_grad_norm)
 
     half_max = float(torch.finfo(torch.float16).max) if policy.uses_half and policy.dtype == torch.float16 else None
     watch = LayerWatch(state.model, half_max)

@@ -1,38 +1,35 @@
-"""Compose one training run from a validated config: policy, recipe, model, optimizer, scaler, schedule,
-telemetry; run the loop; write the run directory (metrics.jsonl, summary.json)."""
+"""One training run around fit(), in named steps: find where it resumes, build, announce, train (with the
+checkpointer, the guards and the agreement to stop), summarize. Rank 0 records through a Recorder, the other
+ranks through a NoRecorder (runner/recorder.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import platform
 import signal
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig
 
-from ampctl import io
 from ampctl.analysis.memory.measure import TrainingPeak
 from ampctl.conf.schema import scaler_is_active
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state, check_config
-from ampctl.engine.loop import fit
+from ampctl.engine.loop import TrainState, fit
 from ampctl.engine.precision.policy import PrecisionPolicy
-from ampctl.engine.telemetry import JsonlSink, Telemetry, read_metrics, summarize
+from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped
-from ampctl.recipes.base import build_recipe
+from ampctl.recipes.base import Recipe, build_recipe
 from ampctl.runner import checkpoint
-from ampctl.runner.console import make_console_sink, say
-from ampctl.runner.diagnose import DIAGNOSIS_FILE, replay
+from ampctl.runner.console import say
+from ampctl.runner.diagnose import replay
 from ampctl.runner.guards import Guard, GuardStop
 from ampctl.runner.interrupt import Interrupted, StopOnSignal
-
-
-def _silent(_message: str) -> None:
-    pass
+from ampctl.runner.recorder import METRICS_FILE, NoRecorder, Recorder
 
 
 def run_training(
@@ -40,142 +37,171 @@ def run_training(
 ) -> dict:
     """Train as cfg says, recording into run_dir (the checkpoint's run dir when resuming from another).
     Returns the summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
-    choices = choices or {}
     policy = check_config(cfg)
     parallel = parallelism.start(cfg, policy.device, policy.dtype if policy.precision.autocast else None)
     try:
-        summary = _run(cfg, run_dir, choices, echo, policy, parallel)
+        summary = _train(cfg, parallel.main_value(run_dir), choices or {}, echo, policy, parallel)
         parallel.barrier()  # ranks leave together: none tears the group down while another still talks to it
         return summary
     finally:
         parallel.close()
 
 
-def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable[[str], None],
-         policy: PrecisionPolicy, parallel: parallelism.SingleProcess) -> dict:
-    device = policy.device
-    run_dir = parallel.main_value(run_dir)  # every rank records into (and resumes from) rank 0's run dir
-    if not parallel.is_main:
-        echo = _silent  # only rank 0 speaks; the others raise their errors
-    resume_from = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
-    payload = checkpoint.load(resume_from) if resume_from else None
-    changes = checkpoint.config_changes(payload["config"], cfg) if payload else []
-    if resume_from:
-        run_dir = checkpoint.run_dir_of(resume_from)
+@dataclass
+class Resume:
+    """Where a run starts: from nothing, or from a checkpoint (whose run directory it continues)."""
+
+    run_dir: Path
+    source: Optional[Path] = None
+    payload: Optional[dict[str, Any]] = None
+    changes: list[str] = field(default_factory=list)  # config keys that differ from the checkpoint's
+
+    @classmethod
+    def find(cls, cfg: DictConfig, run_dir: Path) -> "Resume":
+        source = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+        if source is None:
+            return cls(run_dir)
+        payload = checkpoint.load(source)
+        return cls(checkpoint.run_dir_of(source), source, payload, checkpoint.config_changes(payload["config"], cfg))
+
+    def restore(self, state: TrainState) -> None:
+        if self.payload:
+            checkpoint.restore(self.payload, state)
+
+    @property
+    def skipped_total(self) -> int:
+        return self.payload["skipped_total"] if self.payload else 0
+
+
+def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable[[str], None],
+           policy: PrecisionPolicy, parallel: parallelism.SingleProcess) -> dict:
+    resume = Resume.find(cfg, run_dir)
+    recorder = Recorder(resume.run_dir, echo) if parallel.is_main else NoRecorder(resume.run_dir)
     recipe = build_recipe(parallelism.global_recipe_config(cfg.recipe, parallel.world_size))
     if parallel.world_size > 1:
         recipe = parallelism.RankShard(recipe, parallel.rank, parallel.world_size)
-
-    peak = TrainingPeak(device)
-    measure = parallel.is_main and (device.type == "cuda" or cfg.telemetry.profile_cpu_memory)
+    peak = TrainingPeak(policy.device)
+    measure = parallel.is_main and (policy.device.type == "cuda" or cfg.telemetry.profile_cpu_memory)
     with policy, peak.measuring(enabled=measure):  # the peak counts the model's build
         state = build_state(cfg, policy, recipe, parallel)
-        if payload:
-            checkpoint.restore(payload, state)
-        model, scaler = state.model, state.scaler
-        n_params = sum(p.numel() for p in model.parameters())
-        echo(policy.describe(scaler.describe()))
-        echo(
-            f"recipe={choices.get('recipe', type(recipe).__name__)} params={n_params / 1e6:.2f}M "
-            f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={run_dir}"
-            + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
-               if parallel.world_size > 1 else "")
-        )
-        if payload:
-            echo(f"resumed from {resume_from} at step {state.step}" + (f"; changed: {'; '.join(changes)}" if changes else ""))
-        elif cfg.resume == "auto":
-            echo(f"resume=auto: no checkpoint in {run_dir} yet, starting from step 0")
-        for message in policy.combination_warnings(scaler_is_active(cfg.scaler)) + policy.speed_warnings():
-            echo(f"warning: {message}")
+        resume.restore(state)
+        announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)
+        recorder.open(state.step if resume.payload else None)
+        telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device)
+        telemetry.skipped_total = resume.skipped_total
+        _fit(cfg, state, recipe, policy, parallel, recorder, telemetry, peak)
+    return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
+                                                      recorder.run_dir))
 
-        # throughput is the whole job's: every rank's samples
-        per_step = cfg.train.grad_accum_steps * parallel.world_size
-        samples = recipe.samples_per_batch * per_step
-        tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * per_step
-        sinks: list = []
-        if parallel.is_main:  # one record of the run, rank 0's (the loss is the mean over ranks)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if payload:
-                keep_metrics_up_to(run_dir / "metrics.jsonl", state.step)
-                keep_ranges_up_to(run_dir / "ranges.jsonl", state.step)
-            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-            console = make_console_sink(cfg.train.console, cfg.train.steps, tokens is not None, peak.bytes)
-            if console is not None:
-                sinks.append(console)
-        telemetry = Telemetry(device, cfg.train.log_every, samples, tokens, sinks)
-        telemetry.skipped_total = payload["skipped_total"] if payload else 0
-        last_checkpoint: list[Path] = []
-        guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
 
-        def after_step(last: bool) -> None:
-            peak.after_step()
-            fresh = telemetry.take_fresh()  # non-empty on log steps, when values came back from the device
-            if fresh:
-                trip, warnings = guard.check(fresh)
-                for message in warnings:
-                    echo(f"warning: {message}")
-                if trip:
-                    raise GuardStop(trip)
-            every = cfg.train.checkpoint_every
-            if last or (every is not None and state.step % every == 0):
-                telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
-                payload_now = checkpoint.capture(state, cfg, state.step * cfg.train.grad_accum_steps,
-                                                 telemetry.skipped_total)
-                # Ranks hold the same weights and states (DDP): rank 0's full state dict is the checkpoint,
-                # and a resumed job, of any size, loads it on every rank.
-                path = checkpoint.checkpoint_path(run_dir, state.step)
-                if parallel.is_main:
-                    checkpoint.save(payload_now, run_dir, cfg.train.keep_checkpoints)
-                last_checkpoint[:] = [path]
+def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, state: TrainState,
+             parallel: parallelism.SingleProcess, choices: dict[str, str], resume: Resume) -> None:
+    """The start lines: the resolved precision options, the run, where it resumed, what to expect."""
+    echo, device = recorder.echo, policy.device
+    echo(policy.describe(state.scaler.describe()))
+    n_params = sum(p.numel() for p in state.model.parameters())
+    echo(f"recipe={choices.get('recipe', type(recipe).__name__)} params={n_params / 1e6:.2f}M "
+         f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={recorder.run_dir}"
+         + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
+            if parallel.world_size > 1 else ""))
+    if resume.payload:
+        echo(f"resumed from {resume.source} at step {state.step}"
+             + (f"; changed: {'; '.join(resume.changes)}" if resume.changes else ""))
+    elif cfg.resume == "auto":
+        echo(f"resume=auto: no checkpoint in {recorder.run_dir} yet, starting from step 0")
+    for message in policy.combination_warnings(scaler_is_active(cfg.scaler)) + policy.speed_warnings():
+        echo(f"warning: {message}")
 
-        ranges_log = None
-        if cfg.telemetry.ranges_every and parallel.is_main:
-            from ampctl.analysis.ranges import RangesLog
 
-            ranges_log = RangesLog(state.model, scaler, device, cfg.telemetry.ranges_every, run_dir / RangesLog.FILE)
+def _telemetry(cfg: DictConfig, recipe: Recipe, parallel: parallelism.SingleProcess, recorder: Recorder,
+               peak: TrainingPeak, device: torch.device) -> Telemetry:
+    # throughput is the whole job's: every rank's samples
+    per_step = cfg.train.grad_accum_steps * parallel.world_size
+    tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * per_step
+    sinks = recorder.sinks(cfg.train.console, cfg.train.steps, tokens is not None, peak.bytes)
+    return Telemetry(device, cfg.train.log_every, recipe.samples_per_batch * per_step, tokens, sinks)
 
-        def stop_requested() -> bool:
-            if parallel.world_size == 1:
-                return stop.requested
-            # Every rank must stop after the same step, or the others wait in a collective: they agree on
-            # log steps, where the host reads from the device anyway.
-            return state.step % cfg.train.log_every == 0 and parallel.agree(stop.requested)
 
-        try:
-            announce = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
-            with StopOnSignal(announce if parallel.is_main else "") as stop:
-                finished = fit(
-                    state,
-                    recipe,
-                    policy,
-                    steps=cfg.train.steps,
-                    grad_accum_steps=cfg.train.grad_accum_steps,
-                    clip_grad_norm=cfg.train.clip_grad_norm,
-                    seed=cfg.train.seed,
-                    telemetry=telemetry,
-                    after_step=after_step,
-                    stop_requested=stop_requested,
-                    around_step=ranges_log.around if ranges_log else (lambda _step: contextlib.nullcontext()),
-                )
-        except GuardStop as stop_exc:
-            telemetry.close()
-            if not parallel.is_main:
-                raise RunStopped(stop_exc.trip.reason) from None
-            echo(f"stopped: {stop_exc.trip.reason}; replaying step {stop_exc.trip.step} to find the layer...")
-            diagnosis = replay(cfg, policy, recipe, run_dir, stop_exc.trip.step, stop_exc.trip.reason)
-            raise RunStopped(f"{stop_exc.trip.reason}. {diagnosis['summary']}. Written to {run_dir / DIAGNOSIS_FILE}") from None
-        finally:
-            telemetry.close()
-        if not finished:
-            # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
-            raise Interrupted(stop.signum or signal.SIGTERM, state.step, str(last_checkpoint[0]) if last_checkpoint else None)
+class Checkpointer:
+    """After every step: the guards on log steps (when values came back from the device anyway), then a
+    checkpoint every train.checkpoint_every steps and at the last one."""
 
-    if not parallel.is_main:
-        return {"run_dir": str(run_dir)}
-    summary = {
+    def __init__(self, cfg: DictConfig, state: TrainState, telemetry: Telemetry, recorder: Recorder,
+                 peak: TrainingPeak) -> None:
+        self.cfg, self.state, self.telemetry, self.recorder, self.peak = cfg, state, telemetry, recorder, peak
+        scaler = state.scaler
+        self.guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
+        self.last: Optional[Path] = None
+
+    def __call__(self, last: bool) -> None:
+        self.peak.after_step()
+        fresh = self.telemetry.take_fresh()  # non-empty on log steps, when values came back from the device
+        if fresh:
+            trip, warnings = self.guard.check(fresh)
+            for message in warnings:
+                self.recorder.echo(f"warning: {message}")
+            if trip:
+                raise GuardStop(trip)
+        every, step = self.cfg.train.checkpoint_every, self.state.step
+        if last or (every is not None and step % every == 0):
+            self.telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
+            payload = checkpoint.capture(self.state, self.cfg, step * self.cfg.train.grad_accum_steps,
+                                         self.telemetry.skipped_total)
+            # Ranks hold the same weights and states (DDP), or FSDP gathered them: rank 0's full state dict is
+            # the checkpoint, and a resumed job, of any size, loads it on every rank.
+            self.recorder.save_checkpoint(payload, self.cfg.train.keep_checkpoints)
+            self.last = checkpoint.checkpoint_path(self.recorder.run_dir, step)
+
+
+def stop_agreement(parallel: parallelism.SingleProcess, stop: StopOnSignal, state: TrainState,
+                   log_every: int) -> Callable[[], bool]:
+    """Whether to stop after this step. Every rank must stop after the same step, or the others wait in a
+    collective: they agree on log steps, where the host reads from the device anyway."""
+    if parallel.world_size == 1:
+        return lambda: stop.requested
+    return lambda: state.step % log_every == 0 and parallel.agree(stop.requested)
+
+
+def _fit(cfg: DictConfig, state: TrainState, recipe: Recipe, policy: PrecisionPolicy,
+         parallel: parallelism.SingleProcess, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak) -> None:
+    """fit() with the checkpointer, the guards, the value-range log and a stop on SIGINT/SIGTERM."""
+    checkpointer = Checkpointer(cfg, state, telemetry, recorder, peak)
+    ranges_log = recorder.ranges_log(state, policy.device, cfg.telemetry.ranges_every)
+    announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
+    try:
+        with StopOnSignal(announce_stop if parallel.is_main else "") as stop:
+            finished = fit(
+                state, recipe, policy,
+                steps=cfg.train.steps,
+                grad_accum_steps=cfg.train.grad_accum_steps,
+                clip_grad_norm=cfg.train.clip_grad_norm,
+                seed=cfg.train.seed,
+                telemetry=telemetry,
+                after_step=checkpointer,
+                stop_requested=stop_agreement(parallel, stop, state, cfg.train.log_every),
+                around_step=ranges_log.around if ranges_log else (lambda _step: contextlib.nullcontext()),
+            )
+    except GuardStop as stop_exc:
+        telemetry.close()
+        trip = stop_exc.trip
+        raise RunStopped(recorder.explain_stop(
+            trip.reason, trip.step, lambda: replay(cfg, policy, recipe, recorder.run_dir, trip.step, trip.reason))
+        ) from None
+    finally:
+        telemetry.close()
+    if not finished:
+        # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
+        raise Interrupted(stop.signum or signal.SIGTERM, state.step, str(checkpointer.last) if checkpointer.last else None)
+
+
+def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolicy, recipe: Recipe,
+                state: TrainState, parallel: parallelism.SingleProcess, peak: TrainingPeak, run_dir: Path) -> dict:
+    """summary.json: what ran, where, and the figures of its metrics.jsonl."""
+    device = policy.device
+    return {
         "precision": cfg.precision.name,
         "precision_choice": choices.get("precision", cfg.precision.name),
-        "scaler": scaler.kind,
+        "scaler": state.scaler.kind,
         "recipe": choices.get("recipe", type(recipe).__name__),
         "optimizer": cfg.optimizer._target_,
         "device": device.type,
@@ -183,48 +209,11 @@ def _run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable
         "torch_version": torch.__version__,
         "cuda_version": torch.version.cuda,
         "python_version": platform.python_version(),
-        "parameters": n_params,
+        "parameters": sum(p.numel() for p in state.model.parameters()),
         "world_size": parallel.world_size,
         # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says
-        **summarize(read_metrics(run_dir / "metrics.jsonl"), max(cfg.train.timing_warmup_steps, peak.untimed_steps)),
+        **summarize(read_metrics(run_dir / METRICS_FILE), max(cfg.train.timing_warmup_steps, peak.untimed_steps)),
         "peak_memory_bytes": peak.bytes(),
         "peak_memory_source": peak.source,
         "run_dir": str(run_dir),
     }
-    io.write_json(run_dir / "summary.json", summary)
-    echo(final_line(summary, run_dir))
-    return summary
-
-
-def keep_metrics_up_to(path: Path, step: int) -> None:
-    """Resuming at `step`: drop the rows a killed run wrote after its checkpoint (and a line cut by the
-    kill), so that metrics.jsonl continues without gaps or duplicates."""
-    if not path.is_file():
-        return
-    kept = [line for line, record in zip(path.read_text(encoding="utf-8").splitlines(), read_metrics(path))
-            if record.step <= step]
-    io.atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
-def keep_ranges_up_to(path: Path, step: int) -> None:
-    """As keep_metrics_up_to, for telemetry.ranges_every's ranges.jsonl."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            break  # a line cut by a kill ends what was written
-    io.atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
-def final_line(summary: dict, run_dir: Path) -> str:
-    rate = (f"{summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary
-            else f"{summary['samples_per_s']:,.0f} samples/s")
-    return (
-        f"done: {summary['steps']} steps | final loss {summary['final_loss']:.4f} | skipped "
-        f"{summary['skipped_total']} | final scale {summary['final_loss_scale']:g} | median "
-        f"{summary['median_step_time_ms']:.1f} ms/step, {rate} | {run_dir / 'summary.json'}"
-    )

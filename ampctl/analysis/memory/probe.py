@@ -25,8 +25,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from ampctl.analysis.memory.measure import measure_peak
     from ampctl.conf.schema import register_configs
     from ampctl.engine.build import build_state, check_config
-    from ampctl.engine.loop import train_step
-    from ampctl.engine.telemetry import Telemetry
+    from ampctl.engine.loop import batch_stream, run_steps
     from ampctl.recipes.base import build_recipe
 
     parser = argparse.ArgumentParser(prog="python -m ampctl.analysis.memory.probe")
@@ -45,12 +44,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     try:
         with policy, measure_peak(policy.device) as peak:
             state = build_state(cfg, policy, recipe)
-            telemetry = Telemetry(policy.device, PROBE_STEPS, recipe.samples_per_batch, None, [])
-            batches = recipe.batches(policy.device, cfg.train.seed)
-            for _ in range(PROBE_STEPS):
-                train_step(state, batches, recipe, policy, cfg.train.grad_accum_steps, cfg.train.clip_grad_norm,
-                           telemetry)
-                telemetry.end_step(last=False)
+            run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), PROBE_STEPS, recipe, policy,
+                      cfg.train.grad_accum_steps, cfg.train.clip_grad_norm)
     except torch.cuda.OutOfMemoryError:
         print(json.dumps({"out_of_memory": True}), flush=True)
         return

@@ -14,7 +14,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -36,8 +35,7 @@ from ampctl.analysis.memory.model import (
 )
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import build_state, check_config
-from ampctl.engine.loop import train_step
-from ampctl.engine.telemetry import Telemetry
+from ampctl.engine.loop import batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.conf.messages import one_line
 from ampctl.recipes.base import build_recipe
@@ -94,16 +92,9 @@ def plan(cfg: DictConfig, task_overrides: list[str]) -> list[tuple[str, list[str
     return rows
 
 
-def _steps(state, recipe, batches: Iterator[Any], policy, cfg: DictConfig, n: int, telemetry: Telemetry) -> list[float]:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        train_step(state, batches, recipe, policy, cfg.train.grad_accum_steps, cfg.train.clip_grad_norm, telemetry)
-        telemetry.end_step(last=False)
-        if policy.device.type == "cuda":
-            torch.cuda.synchronize(policy.device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return times
+def _steps(state, recipe, batches: Iterator[Any], policy, cfg: DictConfig, n: int) -> list[float]:
+    return run_steps(state, batches, n, recipe, policy, cfg.train.grad_accum_steps, cfg.train.clip_grad_norm,
+                     timed=True)
 
 
 def _recipe_with_batch(cfg: DictConfig, batch_size: int):
@@ -134,11 +125,10 @@ def measure_mode(label: str, cfg: DictConfig, budget: Optional[int]) -> ModeMemo
     with policy:
         with measure_peak(policy.device) as peak:
             state = build_state(cfg, policy, recipe)
-            telemetry = Telemetry(policy.device, cfg.train.log_every, recipe.samples_per_batch, None, [])
-            batches = recipe.batches(policy.device, cfg.train.seed)
-            _steps(state, recipe, batches, policy, cfg, cfg.memory.steps, telemetry)
+            batches = batch_stream(recipe, policy.device, cfg.train.seed)
+            _steps(state, recipe, batches, policy, cfg, cfg.memory.steps)
         states = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
-        times = _steps(state, recipe, batches, policy, cfg, cfg.memory.timed_steps, telemetry)
+        times = _steps(state, recipe, batches, policy, cfg, cfg.memory.timed_steps)
         # Counted after the measurement, so that the counting (and its recomputation of a checkpointed
         # block) is never part of the measured peak.
         activations = _count_activations(state, recipe, policy, cfg)
@@ -149,7 +139,7 @@ def measure_mode(label: str, cfg: DictConfig, budget: Optional[int]) -> ModeMemo
             result.activation_line = ActivationLine.through(batch_size, activations, other, other_bytes)
             if states.total is not None:
                 result.batch_estimate = largest_batch(budget, states.total, result.activation_line)
-        del state, batches, telemetry
+        del state, batches
         release_memory(policy.device)
     return result
 
