@@ -60,8 +60,8 @@ def cpu_only_subprocesses(request, monkeypatch):
 
 def build(*overrides: str):
     """(cfg, policy, recipe) for driving train_step by hand; use `with policy:` around the steps."""
-    from ampctl.recipes.base import build_recipe
     from ampctl.engine.build import check_config
+    from ampctl.recipes.base import build_recipe
 
     cfg = compose_cfg(*FAST, *overrides)
     return cfg, check_config(cfg), build_recipe(cfg.recipe)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampctl.engine.precision import fp32_math
-from ampctl.engine.loop import train_step
 from ampctl.engine.build import build_state
+from ampctl.engine.loop import train_step
+from ampctl.engine.precision import fp32_math
 from ampctl.engine.telemetry import Telemetry
 from tests.conftest import QUIET, build, train
-from tests.unit.test_golden_amp import GOLDEN, canonical_loop
+from tests.integration.test_golden_amp import GOLDEN, canonical_loop
 
 pytestmark = pytest.mark.gpu
 

@@ -9,8 +9,8 @@ from importlib import resources
 import pytest
 import yaml
 
-from ampctl.errors import ConfigError
 from ampctl.conf.schema import validate
+from ampctl.errors import ConfigError
 from tests.conftest import compose_cfg
 
 CONF = resources.files("ampctl.conf")

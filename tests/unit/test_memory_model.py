@@ -6,9 +6,15 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.errors import UsageError
-from ampctl.analysis.memory.model import ActivationLine, SavedTensorCounter, estimate_model_states, largest_batch, parse_size
+from ampctl.analysis.memory.model import (
+    ActivationLine,
+    SavedTensorCounter,
+    estimate_model_states,
+    largest_batch,
+    parse_size,
+)
 from ampctl.engine.build import build_state
+from ampctl.errors import UsageError
 from tests.conftest import build
 
 # The default mlp recipe: Linear(64,256), LayerNorm, GELU, Linear(256,256), LayerNorm, GELU,

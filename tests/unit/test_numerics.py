@@ -7,8 +7,17 @@ import math
 import pytest
 import torch
 
-from ampctl.analysis.numerics import (FORMATS, LOG2_LOW, OUTCOMES, RangeStats, largest_safe_scale, log2_histogram,
-                             outcome_counts, scale_label, true_magnitudes)
+from ampctl.analysis.numerics import (
+    FORMATS,
+    LOG2_LOW,
+    OUTCOMES,
+    RangeStats,
+    largest_safe_scale,
+    log2_histogram,
+    outcome_counts,
+    scale_label,
+    true_magnitudes,
+)
 
 FMT = {f.name: f for f in FORMATS}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,

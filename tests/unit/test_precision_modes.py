@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.engine.precision import fp32_math
-from ampctl.errors import UnsupportedError
-from ampctl.engine.precision.policy import FP32MasterWeights
 from ampctl.engine.build import build_state
-from tests.conftest import build, train
+from ampctl.engine.precision import fp32_math
+from ampctl.engine.precision.policy import FP32MasterWeights
+from ampctl.errors import UnsupportedError
+from tests.conftest import build
 
 MODES = [
     ["precision=fp32"],
@@ -24,15 +24,6 @@ MODES = [
     ["precision=O2", "precision.dtype=bfloat16"],
     ["precision=O3", "precision.dtype=bfloat16"],
 ]
-
-
-@pytest.mark.parametrize("overrides", MODES, ids=lambda o: " ".join(x.split("=")[1] for x in o))
-def test_every_mode_trains_the_mlp(tmp_path, overrides):
-    summary, rows = train(tmp_path, *overrides, "train.steps=60", "optimizer.lr=0.005")
-    assert len(rows) == 60
-    first = sum(r["loss"] for r in rows[:5]) / 5
-    assert summary["tail_loss"] < 0.8 * first, (first, summary["tail_loss"])
-    assert summary["skipped_total"] <= 3  # a scaler may back off once or twice from 65536, not more
 
 
 def layout(*overrides: str):
@@ -88,21 +79,6 @@ def test_amp_modes_keep_fp32_weights():
         assert all(p.dtype == torch.float32 for p in state.model.parameters())
 
 
-def test_fp32_is_true_fp32_and_global_flags_are_restored(tmp_path):
-    saved = fp32_math.snapshot()
-    try:
-        fp32_math.set_tf32(True)  # what a user's environment may have set before the run
-        before = fp32_math.snapshot()
-        _, policy, _ = build("precision=fp32")
-        with policy:
-            inside = fp32_math.snapshot()
-        assert all(v in ("ieee", "highest", False) for v in inside.values()), inside
-        train(tmp_path, "precision=fp32", "train.steps=2")
-        assert fp32_math.snapshot() == before
-    finally:
-        fp32_math.restore(saved)
-
-
 def test_flags_are_restored_when_a_run_fails():
     before = fp32_math.snapshot()
     _, policy, _ = build("precision=fp32")
@@ -117,46 +93,11 @@ def test_tf32_is_refused_on_cpu_naming_the_alternative():
         build("precision=tf32", "device=cpu")
 
 
-@pytest.mark.parametrize(
-    "overrides,warning",
-    [(["precision=bf16", "scaler=dynamic"], "rarely needed"), (["precision=fp16", "scaler=none"], "underflow"),
-     # the same situation in other words: a disabled GradScaler is the identity
-     (["precision=fp16", "scaler.enabled=false"], "runs in float16 without loss scaling: small gradients will"),
-     (["precision=bf16", "scaler=static", "scaler.scale=1024"], "a loss scaler is rarely needed")],
-)
-def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
-    from ampctl.runner.run import run_training
-    from tests.conftest import FAST, compose_cfg
-
-    lines: list[str] = []
-    run_training(compose_cfg(*FAST, *overrides, "train.steps=2"), tmp_path, echo=lines.append)
-    warnings = [line for line in lines if line.startswith("warning:") and "slower than fp32" not in line]
-    assert len(warnings) == 1 and warning in warnings[0]
-
-
 def fake_slowdowns(monkeypatch, bf16: float, fp16: float) -> None:
     from ampctl.engine import devices
 
     table = {torch.bfloat16: bf16, torch.float16: fp16}
     monkeypatch.setattr(devices, "cpu_half_slowdown", lambda dtype: table[dtype])
-
-
-@pytest.mark.parametrize("precision,bf16,fp16,warning", [
-    ("fp16", 0.5, 30.0, "slower than fp32; precision=bf16 is fast here"),  # an AVX512-BF16 CPU
-    ("bf16", 16.0, 30.0, "bfloat16 matmuls run 16x slower than fp32 on this CPU (measured; no AVX512-BF16 or AMX)"),
-    ("O2", 16.0, 30.0, "slower than fp32; precision=fp32 is the fastest mode on this CPU"),
-    ("fp16", 0.5, 0.8, None),  # a CPU with AMX-FP16
-    ("bf16", 0.5, 30.0, None),
-])
-def test_a_half_mode_slower_than_fp32_on_this_cpu_warns_at_start(monkeypatch, tmp_path, precision, bf16, fp16, warning):
-    from ampctl.runner.run import run_training
-    from tests.conftest import FAST, compose_cfg
-
-    fake_slowdowns(monkeypatch, bf16, fp16)
-    lines: list[str] = []
-    run_training(compose_cfg(*FAST, f"precision={precision}", "device=cpu", "train.steps=1"), tmp_path, echo=lines.append)
-    slow = [line for line in lines if "slower than fp32" in line]
-    assert (slow and warning in slow[0]) if warning else not slow
 
 
 def test_bf16_is_recommended_only_where_it_is_fast(monkeypatch):
@@ -185,13 +126,3 @@ def test_the_cpu_half_speed_is_measured_once_and_cached(monkeypatch, tmp_path):
         assert (tmp_path / "ampctl" / "cpu_matmul_speed.json").is_file()
     finally:
         devices.cpu_half_slowdown.cache_clear()
-
-
-def test_the_resolved_options_are_printed_at_start(tmp_path):
-    from ampctl.runner.run import run_training
-    from tests.conftest import FAST, compose_cfg
-
-    lines: list[str] = []
-    run_training(compose_cfg(*FAST, "precision=O2", "train.steps=1"), tmp_path, echo=lines.append)
-    assert lines[0].startswith("Selected precision=O2: autocast=off, model_weights=float16, "
-                               "master_weights=float32, norm_layers=float32, tf32=off, loss_scale=dynamic")

@@ -1,4 +1,4 @@
-"""Adafactor (torch's own) and 8-bit Adam (bitsandbytes, optional) under a loss scaler."""
+"""Memory-lean optimizers train under every precision mode (whole runs)."""
 
 from __future__ import annotations
 
@@ -30,3 +30,4 @@ def test_adam8bit_trains_with_8bit_state(tmp_path):
 def test_adam8bit_without_bitsandbytes_says_how_to_install(tmp_path):
     with pytest.raises(UsageError, match=r"bitsandbytes is not installed: pip install 'ampctl\[adam8bit\]'"):
         train(tmp_path, "optimizer=adam8bit")
+

@@ -1,4 +1,4 @@
-"""Golden behaviour against the canonical torch.amp loop, as the PyTorch docs write it."""
+"""Golden behaviour: ampctl's recorded losses and loss scales equal the canonical torch.amp loop's, run for run (whole training runs: integration tier)."""
 
 from __future__ import annotations
 
@@ -73,3 +73,4 @@ def test_recorded_scale_follows_gradscaler_law(tmp_path):
             if clean == growth_interval:
                 expected, clean = expected * 4, 0
     assert rows[-1]["skipped_total"] == sum(skipped)
+

@@ -1,0 +1,112 @@
+"""What whole runs record about their steps: skipped steps, the lr schedule, scale bounds, fused vs unfused."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from ampctl.engine.loop import train_step
+from ampctl.engine.telemetry import ListSink, Telemetry
+from tests.conftest import train
+
+
+def run_steps(state, policy, recipe, batches, steps=1, accum=1, clip=None):
+    sink = ListSink()
+    telemetry = Telemetry(policy.device, max(steps, 1), recipe.samples_per_batch, None, [sink])
+    for step in range(steps):
+        train_step(state, batches, recipe, policy, accum, clip, telemetry)
+        telemetry.end_step(last=step == steps - 1)
+    return sink.records
+
+
+def snapshot(state):
+    params = [p.detach().clone() for p in state.weights.optimizer_params]
+    opt_state = [
+        {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in state.optimizer.state.values()
+    ]
+    return params, opt_state
+
+
+class HugeGradientRecipe:
+    """One weight whose true gradient, 1e5, fits fp16 only while the loss is scaled below 1."""
+
+    samples_per_batch, tokens_per_batch = 1, None
+
+    def build_model(self):
+        model = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.ones_(model.weight)
+        return model
+
+    def batches(self, device, seed):
+        return itertools.repeat(torch.ones(1, 1, device=device))
+
+    def loss(self, model, x):
+        return model(x).float().sum() * 1e5
+
+
+def test_skipped_steps_are_the_same_for_fused_and_unfused_optimizers(tmp_path):
+    common = ["precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
+              "scaler.growth_interval=2", "scaler.growth_factor=1000", "train.steps=30"]
+    _, fused = train(tmp_path / "fused", *common, "optimizer.fused=true")
+    _, unfused = train(tmp_path / "unfused", *common, "optimizer.fused=false")
+    assert [r["skipped"] for r in fused] == [r["skipped"] for r in unfused]
+    assert [r["loss_scale"] for r in fused] == [r["loss_scale"] for r in unfused]
+    assert 3 < sum(r["skipped"] for r in fused) < 30  # it overflows, backs off, regrows, overflows again
+    # a fused step that "ran" while skipped must not have moved anything: losses agree to fp noise
+    assert [r["loss"] for r in fused] == pytest.approx([r["loss"] for r in unfused], rel=1e-3)
+
+
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_the_lr_schedule_does_not_advance_on_skipped_steps(tmp_path, fused):
+    _, rows = train(
+        tmp_path, "precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
+        "train.lr_schedule=linear", "train.lr_warmup_steps=10", "train.steps=20", f"optimizer.fused={fused}",
+    )
+    skipped = [r["skipped"] for r in rows]
+    assert any(skipped) and not all(skipped)
+    applied = 0
+    for row in rows:
+        # linear warm-up over 10 applied steps, then linear decay to min_lr_ratio=0.1 at step 20
+        warmup = min(1.0, (applied + 1) / 10)
+        decay = 1 - 0.9 * min(1.0, max(0.0, (applied - 10) / 10))
+        assert row["lr"] == pytest.approx(1e-3 * warmup * decay, rel=1e-6), row["step"]
+        applied += not row["skipped"]
+
+
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_the_lr_recorded_is_the_lr_the_optimizer_used(tmp_path, fused):
+    """Not its float32 rounding: 5e-05 through a float32 tensor reads back as 4.999999873689376e-05."""
+    _, rows = train(tmp_path, "optimizer.lr=5e-05", "train.lr_schedule=constant", "train.steps=2",
+                    f"optimizer.fused={fused}")
+    assert [r["lr"] for r in rows] == [5e-05, 5e-05]
+
+
+def test_scale_bounds_hold(tmp_path):
+    _, rows = train(tmp_path / "min", "precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
+                    "scaler.min_scale=1e6", "guard.stop_at_min_scale=false", "train.steps=20")
+    assert [r["loss_scale"] for r in rows][:6] == pytest.approx([1e20, 1e17, 1e14, 1e11, 1e8, 1e6])
+    assert min(r["loss_scale"] for r in rows) == pytest.approx(1e6)
+    _, rows = train(tmp_path / "max", "precision=fp16", "scaler.init_scale=8", "scaler.growth_interval=1",
+                    "scaler.max_scale=64", "train.steps=10")
+    assert [r["loss_scale"] for r in rows][:5] == [8, 16, 32, 64, 64]
+
+
+def test_fused_sgd_whose_first_step_is_skipped_trains_as_unfused_sgd(tmp_path):
+    """torch's fused SGD marks its empty_like momentum buffers initialised even when the scaler skips its first
+    step (NaN weights afterwards); ampctl zeroes them first, which leaves every step bit-identical."""
+    common = ["precision=fp16", "optimizer=sgd", "scaler.init_scale=4294967296", "scaler.backoff_factor=0.125",
+              "train.steps=12"]
+    _, fused = train(tmp_path / "fused", *common, "optimizer.fused=true")
+    _, unfused = train(tmp_path / "unfused", *common, "optimizer.fused=false")
+    assert fused[0]["skipped"] and not all(r["skipped"] for r in fused)
+    assert [r["loss"] for r in fused] == [r["loss"] for r in unfused]
+    assert all(math.isfinite(r["loss"]) for r in fused)
+
+
+def test_a_disabled_dynamic_scaler_is_the_identity(tmp_path):
+    _, rows = train(tmp_path, "precision=bf16", "scaler=dynamic", "scaler.enabled=false", "train.steps=3")
+    assert [r["loss_scale"] for r in rows] == [1.0, 1.0, 1.0]
+
