@@ -3,12 +3,12 @@
 Every YAML in conf/ extends one of the schemas stored here (``defaults: [/schema_<group>[_<kind>]@_here_]``),
 so a typo'd key or a wrong type is rejected by OmegaConf at compose time. The dataclasses' defaults are the
 only ones: a YAML states what differs from them and nothing else (tests/unit/test_config.py checks every
-file). Ranges and cross-field rules are checked by :func:`validate`, before anything is built.
+file). Ranges and cross-field rules are each schema's __post_init__; :func:`validate` runs them all (through
+OmegaConf.to_object) before anything is built.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -17,7 +17,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from ampctl.errors import ConfigError, UsageError
+from ampctl.conf.checks import LOSS_SCALE_ALLOWED, loss_scale_ok, positive_finite, require, yaml_text
+from ampctl.errors import UsageError
 
 
 class DeviceChoice(Enum):
@@ -72,6 +73,14 @@ class Fp8EmulatedConfig:
     amax_compute_algo: AmaxAlgo = AmaxAlgo.max  # delayed scaling: max | most_recent
     margin: int = 0  # scales map amax to the format's max / 2^margin
 
+    def __post_init__(self) -> None:
+        require(self.amax_history_len >= 1, "precision.fp8_emulated.amax_history_len", self.amax_history_len,
+                "an integer >= 1")
+        require(self.margin >= 0, "precision.fp8_emulated.margin", self.margin, "an integer >= 0")
+        require(not (self.scaling == Fp8Scaling.blockwise and self.format == Fp8Format.hybrid),
+                "precision.fp8_emulated.format", self.format.name,
+                "e4m3 with scaling=blockwise (DeepSeek-V3's fine-grained scaling is E4M3 only)")
+
 
 class Float8RecipeName(str, Enum):  # a str too: the FP8 code compares it with its names
     tensorwise = "tensorwise"
@@ -104,6 +113,27 @@ class PrecisionConfig:
     fp8_emulated: Optional[Fp8EmulatedConfig] = None  # precision=fp8_emulated: FP8 inputs for every nn.Linear
     fp8_torchao: Optional[Fp8TorchaoConfig] = None  # precision=fp8: torchao's FP8 matmuls for large nn.Linear layers
 
+    def __post_init__(self) -> None:
+        half = self.dtype in (Dtype.float16, Dtype.bfloat16)
+        if self.autocast or self.cast_model:
+            require(half, "precision.dtype", self.dtype.name, "float16 or bfloat16 when autocast or cast_model is on")
+        else:
+            require(not half, "precision.dtype", self.dtype.name, "float32 when neither autocast nor cast_model is on")
+        require(not (self.autocast and self.cast_model), "precision.cast_model", self.cast_model,
+                "false with autocast=true (autocast over a half model is not a supported mode; use O2 or O3)")
+        require(not self.master_weights or self.cast_model, "precision.master_weights", self.master_weights,
+                "false unless cast_model=true (fp32 weights are already their own masters)")
+        require(not self.keep_norm_fp32 or self.cast_model, "precision.keep_norm_fp32", self.keep_norm_fp32,
+                "false unless cast_model=true")
+        require(not (self.tf32 and half), "precision.tf32", self.tf32,
+                "false for half-precision modes (tf32 is its own mode: precision=tf32)")
+        if self.fp8_torchao is not None:
+            require(self.fp8_emulated is None, "precision.fp8_emulated", "set",
+                    "unset with precision.fp8_torchao (emulated or real FP8, not both)")
+            require(self.autocast and self.dtype == Dtype.bfloat16, "precision.dtype", self.dtype.name,
+                    "bfloat16 with autocast=true under precision.fp8_torchao (torchao's FP8 layers run inside bf16 "
+                    "autocast)")
+
 
 # The precision nodes that only one mode has (null in the others), and that mode; and their old names.
 MODE_OPTION_NODES = {"fp8_emulated": "fp8_emulated", "fp8_torchao": "fp8"}
@@ -120,6 +150,9 @@ class StaticScalerConfig:
     kind: str = "static"
     scale: float = 1.0
 
+    def __post_init__(self) -> None:
+        require(loss_scale_ok(self.scale), "scaler.scale", self.scale, LOSS_SCALE_ALLOWED)
+
 
 @dataclass
 class DynamicScalerConfig:
@@ -134,6 +167,28 @@ class DynamicScalerConfig:
     min_scale: Optional[float] = None
     max_scale: Optional[float] = None
     hysteresis: int = 1  # overflows tolerated before backing off (1 = GradScaler's rule)
+
+    def __post_init__(self) -> None:
+        require(loss_scale_ok(self.init_scale), "scaler.init_scale", self.init_scale, LOSS_SCALE_ALLOWED)
+        require(self.growth_factor > 1.0 and math.isfinite(self.growth_factor), "scaler.growth_factor",
+                self.growth_factor, "a finite number > 1")
+        require(0.0 < self.backoff_factor < 1.0, "scaler.backoff_factor", self.backoff_factor, "a number in (0, 1)")
+        require(self.growth_interval >= 1, "scaler.growth_interval", self.growth_interval, "an integer >= 1")
+        for key in ("min_scale", "max_scale"):
+            value = getattr(self, key)
+            if value is not None:
+                require(loss_scale_ok(value), f"scaler.{key}", value, LOSS_SCALE_ALLOWED + ", or null")
+        require(self.hysteresis >= 1, "scaler.hysteresis", self.hysteresis, "an integer >= 1")
+        if self.min_scale is not None and self.max_scale is not None:
+            require(self.min_scale <= self.max_scale, "scaler.min_scale", self.min_scale,
+                    f"<= scaler.max_scale ({self.max_scale})")
+        # Apex starts at min(max_scale, init_scale) silently; a start outside the bounds is refused instead, so
+        # that the scale recorded at step 1 is the one the user asked for.
+        low = -math.inf if self.min_scale is None else self.min_scale
+        high = math.inf if self.max_scale is None else self.max_scale
+        require(low <= self.init_scale <= high, "scaler.init_scale", self.init_scale,
+                f"a value within [scaler.min_scale, scaler.max_scale] = [{yaml_text(self.min_scale)}, "
+                f"{yaml_text(self.max_scale)}]")
 
 
 @dataclass
@@ -152,6 +207,19 @@ class TrainConfig:
     checkpoint_every: Optional[int] = None  # steps between checkpoints; one is always written at the end
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
 
+    def __post_init__(self) -> None:
+        for key in ("steps", "grad_accum_steps", "log_every", "keep_checkpoints"):
+            require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "an integer >= 1")
+        for key in ("lr_warmup_steps", "timing_warmup_steps"):
+            require(getattr(self, key) >= 0, f"train.{key}", getattr(self, key), "an integer >= 0")
+        if self.checkpoint_every is not None:
+            require(self.checkpoint_every >= 1, "train.checkpoint_every", self.checkpoint_every,
+                    "an integer >= 1, or null for a checkpoint at the end only")
+        require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        if self.clip_grad_norm is not None:
+            require(positive_finite(self.clip_grad_norm), "train.clip_grad_norm", self.clip_grad_norm,
+                    "a finite number > 0, or null for no clipping")
+
 
 @dataclass
 class TelemetryConfig:
@@ -159,6 +227,10 @@ class TelemetryConfig:
     # on a CPU, measure peak memory with torch's memory profiler over the build and steps 1-2 (1-4 s once);
     # on CUDA the allocator's peak is always read, for free
     profile_cpu_memory: bool = True
+
+    def __post_init__(self) -> None:
+        every = self.ranges_every
+        require(every is None or every >= 1, "telemetry.ranges_every", every, "an integer >= 1, or null")
 
 
 class ParallelKind(Enum):
@@ -173,6 +245,9 @@ class DistributedConfig:
     timeout_s: int = 600  # a collective that waits longer (a rank died or hangs) ends the job with an error
     reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3), or keep (ZeRO-2)
 
+    def __post_init__(self) -> None:
+        require(self.timeout_s >= 1, "distributed.timeout_s", self.timeout_s, "an integer >= 1")
+
 
 class NonfiniteAction(Enum):
     stop = "stop"
@@ -186,6 +261,11 @@ class GuardConfig:
     max_consecutive_skips: Optional[int] = 100  # this many skipped steps in a row stop the run; null: never
     stop_at_min_scale: bool = True  # an overflow at scaler.min_scale stops the run: it cannot back off further
     on_nonfinite: NonfiniteAction = NonfiniteAction.stop  # stop | warn, for a non-finite loss no scaler can absorb
+
+    def __post_init__(self) -> None:
+        if self.max_consecutive_skips is not None:
+            require(self.max_consecutive_skips >= 1, "guard.max_consecutive_skips", self.max_consecutive_skips,
+                    "an integer >= 1, or null to never stop on skipped steps")
 
 
 @dataclass
@@ -212,6 +292,9 @@ class CompareConfig:
     # [false,true]: each mode without and with activation checkpointing (rows "bf16", "bf16+ac")
     activation_checkpointing: Optional[list[bool]] = None
 
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 0, "compare.warmup_steps", self.warmup_steps, "an integer >= 0")
+
 
 # The modes `ampctl compare` runs when compare.precisions is null (those the device can run).
 DEFAULT_COMPARE_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "O2")
@@ -233,6 +316,10 @@ class MemoryConfig:
     timed_steps: int = 3  # more steps after the measured ones, timed (activation checkpointing's cost)
     search: Optional[bool] = None  # verify the batch estimate with real steps; null: on CUDA
 
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "memory.steps", self.steps, "an integer >= 1")
+        require(self.timed_steps >= 0, "memory.timed_steps", self.timed_steps, "an integer >= 0")
+
 
 @dataclass
 class MemoryAppConfig(AmpctlConfig):
@@ -245,6 +332,9 @@ class MemoryAppConfig(AmpctlConfig):
 class InspectConfig:
     steps: int = 3  # training steps recorded
     loss_scale: Optional[float] = None  # the loss scale studied; null: the mode's scaler's, else 65536
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "inspect.steps", self.steps, "an integer >= 1")
 
 
 @dataclass
@@ -263,32 +353,26 @@ def scaler_is_active(scaler: DictConfig) -> bool:
     return scaler.kind == "static" or (scaler.kind == "dynamic" and scaler.enabled)
 
 
-def typed_config(cfg: DictConfig, schema: type = AmpctlConfig) -> DictConfig:
-    """cfg merged onto its schema: every node typed, a key the schema lacks refused. A config Hydra composed
-    from ampctl's YAMLs is typed already, except keys added with `+` (`+train.stepz=5`); a config loaded back
-    from `--cfg job` (no defaults list) is plain YAML until it passes through here."""
-    scaler = cfg.get("scaler")
-    kind = scaler.get("kind") if isinstance(scaler, DictConfig) else None
-    if kind not in SCALER_SCHEMAS:
-        raise ConfigError("scaler.kind", kind, " | ".join(SCALER_SCHEMAS))
-    typed = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-    typed.scaler = OmegaConf.merge(OmegaConf.structured(SCALER_SCHEMAS[kind]), scaler)
-    _refuse_unknown_keys(typed, "")
-    return typed
+def validate(cfg: DictConfig) -> None:
+    """Check every value a user can set; raise ConfigError naming the first bad key. Ranges live in each
+    schema's __post_init__, which OmegaConf runs when it builds the dataclasses; the open-ended groups
+    (recipe, optimizer) are checked here."""
+    from omegaconf.errors import OmegaConfBaseException
 
+    from ampctl.conf.messages import one_line  # imports this module
 
-def _refuse_unknown_keys(node: DictConfig, path: str) -> None:
-    """A key a typed node's dataclass lacks (OmegaConf keeps one added with force_add, as Hydra's `+` does)."""
-    schema = OmegaConf.get_type(node)
-    if not dataclasses.is_dataclass(schema):
-        return
-    names = [f.name for f in dataclasses.fields(schema)]
-    for key in node.keys():
-        if key not in names:
-            raise UsageError(f"{path}{key}: no such key; allowed: {', '.join(n for n in names if n != 'kind')}")
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_none():
-            _refuse_unknown_keys(child, f"{path}{key}.")
+    try:
+        OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:  # a mandatory value left unset (???), an interpolation that fails
+        raise UsageError(one_line(exc)) from None
+    for group in ("recipe", "optimizer"):
+        node = cfg[group]
+        require(isinstance(node, DictConfig) and "_target_" in node, group,
+                OmegaConf.to_container(node) if isinstance(node, DictConfig) else node,
+                "a config with a _target_ naming an importable callable")
+    lr = cfg.optimizer.get("lr")
+    if lr is not None:
+        require(isinstance(lr, (int, float)) and positive_finite(float(lr)), "optimizer.lr", lr, "a finite number > 0")
 
 
 def register_configs() -> None:
@@ -303,160 +387,3 @@ def register_configs() -> None:
     cs.store(name="schema_distributed", node=DistributedConfig)
     for name, node in SCALER_SCHEMAS.items():
         cs.store(name=f"schema_scaler_{name}", node=node)
-
-
-# --- range and cross-field validation ------------------------------------------------------------
-
-
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(key, value, allowed)
-
-
-def _positive_finite(x: float) -> bool:
-    return x > 0 and math.isfinite(x)
-
-
-# A loss scale lives in an fp32 tensor and the gradients are unscaled by its reciprocal, so both must be
-# finite in fp32: 2^-126 (fp32's smallest normal) up to fp32's max.
-LOSS_SCALE_RANGE = (2.0**-126, 3.4028234663852886e38)
-LOSS_SCALE_ALLOWED = ("a number in [2^-126, 3.4e38] (the scale is an fp32 tensor and the gradients are "
-                      "unscaled by its reciprocal: both must be finite)")
-
-
-def _yaml(value: Any) -> str:
-    return "null" if value is None else f"{value:g}"
-
-
-def _loss_scale_ok(x: float) -> bool:
-    return LOSS_SCALE_RANGE[0] <= x <= LOSS_SCALE_RANGE[1]
-
-
-def validate(cfg: DictConfig) -> None:
-    """Check every value a user can set; raise ConfigError naming the first bad key."""
-    train = cfg.train
-    _require(train.steps >= 1, "train.steps", train.steps, "an integer >= 1")
-    _require(train.grad_accum_steps >= 1, "train.grad_accum_steps", train.grad_accum_steps, "an integer >= 1")
-    _require(train.log_every >= 1, "train.log_every", train.log_every, "an integer >= 1")
-    every = cfg.telemetry.ranges_every
-    _require(every is None or every >= 1, "telemetry.ranges_every", every, "an integer >= 1, or null")
-    _require(cfg.distributed.timeout_s >= 1, "distributed.timeout_s", cfg.distributed.timeout_s, "an integer >= 1")
-    _require(train.lr_warmup_steps >= 0, "train.lr_warmup_steps", train.lr_warmup_steps, "an integer >= 0")
-    _require(
-        train.timing_warmup_steps >= 0, "train.timing_warmup_steps", train.timing_warmup_steps, "an integer >= 0"
-    )
-    if train.checkpoint_every is not None:
-        _require(train.checkpoint_every >= 1, "train.checkpoint_every", train.checkpoint_every,
-                 "an integer >= 1, or null for a checkpoint at the end only")
-    _require(
-        train.keep_checkpoints >= 1, "train.keep_checkpoints", train.keep_checkpoints, "an integer >= 1"
-    )
-    _require(0.0 <= train.min_lr_ratio <= 1.0, "train.min_lr_ratio", train.min_lr_ratio, "a number in [0, 1]")
-    if train.clip_grad_norm is not None:
-        _require(
-            _positive_finite(train.clip_grad_norm),
-            "train.clip_grad_norm",
-            train.clip_grad_norm,
-            "a finite number > 0, or null for no clipping",
-        )
-    if cfg.guard.max_consecutive_skips is not None:
-        _require(cfg.guard.max_consecutive_skips >= 1, "guard.max_consecutive_skips", cfg.guard.max_consecutive_skips,
-                 "an integer >= 1, or null to never stop on skipped steps")
-    _validate_precision(cfg.precision)
-    _validate_scaler(cfg.scaler)
-    _validate_targets(cfg)
-
-
-def _validate_precision(p: DictConfig) -> None:
-    half = p.dtype in (Dtype.float16, Dtype.bfloat16)
-    if p.autocast or p.cast_model:
-        _require(half, "precision.dtype", p.dtype.name, "float16 or bfloat16 when autocast or cast_model is on")
-    else:
-        _require(not half, "precision.dtype", p.dtype.name, "float32 when neither autocast nor cast_model is on")
-    _require(
-        not (p.autocast and p.cast_model),
-        "precision.cast_model",
-        p.cast_model,
-        "false with autocast=true (autocast over a half model is not a supported mode; use O2 or O3)",
-    )
-    _require(
-        not p.master_weights or p.cast_model,
-        "precision.master_weights",
-        p.master_weights,
-        "false unless cast_model=true (fp32 weights are already their own masters)",
-    )
-    _require(
-        not p.keep_norm_fp32 or p.cast_model,
-        "precision.keep_norm_fp32",
-        p.keep_norm_fp32,
-        "false unless cast_model=true",
-    )
-    _require(
-        not (p.tf32 and half),
-        "precision.tf32",
-        p.tf32,
-        "false for half-precision modes (tf32 is its own mode: precision=tf32)",
-    )
-    if p.fp8_emulated is not None:
-        f = p.fp8_emulated
-        _require(f.amax_history_len >= 1, "precision.fp8_emulated.amax_history_len", f.amax_history_len, "an integer >= 1")
-        _require(f.margin >= 0, "precision.fp8_emulated.margin", f.margin, "an integer >= 0")
-        _require(not (f.scaling == Fp8Scaling.blockwise and f.format == Fp8Format.hybrid), "precision.fp8_emulated.format",
-                 f.format.name, "e4m3 with scaling=blockwise (DeepSeek-V3's fine-grained scaling is E4M3 only)")
-
-
-    if p.fp8_torchao is not None:
-        _require(p.fp8_emulated is None, "precision.fp8_emulated", "set",
-                 "unset with precision.fp8_torchao (emulated or real FP8, not both)")
-        _require(p.autocast and p.dtype == Dtype.bfloat16, "precision.dtype", p.dtype.name,
-                 "bfloat16 with autocast=true under precision.fp8_torchao (torchao's FP8 layers run inside bf16 autocast)")
-
-
-def _validate_scaler(s: DictConfig) -> None:
-    kind = s.kind
-    _require(kind in SCALER_SCHEMAS, "scaler.kind", kind, " | ".join(SCALER_SCHEMAS))
-    if kind == "static":
-        _require(_loss_scale_ok(s.scale), "scaler.scale", s.scale, LOSS_SCALE_ALLOWED)
-    if kind != "dynamic":
-        return
-    _require(_loss_scale_ok(s.init_scale), "scaler.init_scale", s.init_scale, LOSS_SCALE_ALLOWED)
-    _require(
-        s.growth_factor > 1.0 and math.isfinite(s.growth_factor),
-        "scaler.growth_factor",
-        s.growth_factor,
-        "a finite number > 1",
-    )
-    _require(0.0 < s.backoff_factor < 1.0, "scaler.backoff_factor", s.backoff_factor, "a number in (0, 1)")
-    _require(s.growth_interval >= 1, "scaler.growth_interval", s.growth_interval, "an integer >= 1")
-    for key in ("min_scale", "max_scale"):
-        value = s[key]
-        if value is not None:
-            _require(_loss_scale_ok(value), f"scaler.{key}", value, LOSS_SCALE_ALLOWED + ", or null")
-    _require(s.hysteresis >= 1, "scaler.hysteresis", s.hysteresis, "an integer >= 1")
-    if s.min_scale is not None and s.max_scale is not None:
-        _require(s.min_scale <= s.max_scale, "scaler.min_scale", s.min_scale, f"<= scaler.max_scale ({s.max_scale})")
-    # Apex starts at min(max_scale, init_scale) silently; a start outside the bounds is refused instead, so
-    # that the scale recorded at step 1 is the one the user asked for.
-    low = -math.inf if s.min_scale is None else s.min_scale
-    high = math.inf if s.max_scale is None else s.max_scale
-    _require(low <= s.init_scale <= high, "scaler.init_scale", s.init_scale,
-             f"a value within [scaler.min_scale, scaler.max_scale] = [{_yaml(s.min_scale)}, {_yaml(s.max_scale)}]")
-
-
-def _validate_targets(cfg: DictConfig) -> None:
-    for group in ("recipe", "optimizer"):
-        node = cfg[group]
-        _require(
-            isinstance(node, DictConfig) and "_target_" in node,
-            group,
-            OmegaConf.to_container(node) if isinstance(node, DictConfig) else node,
-            "a config with a _target_ naming an importable callable",
-        )
-    lr = cfg.optimizer.get("lr")
-    if lr is not None:
-        _require(
-            isinstance(lr, (int, float)) and _positive_finite(float(lr)),
-            "optimizer.lr",
-            lr,
-            "a finite number > 0",
-        )

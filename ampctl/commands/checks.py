@@ -20,15 +20,15 @@ from omegaconf import DictConfig, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from ampctl.conf.messages import one_line
-from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
 from ampctl.conf.schema import (
     AmpctlConfig,
     CompareAppConfig,
     InspectAppConfig,
     MemoryAppConfig,
-    typed_config,
     validate,
 )
+from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
+from ampctl.conf.typed import typed_config
 from ampctl.errors import CommandLineRefused, UsageError
 
 
@@ -47,8 +47,6 @@ def check_train(cfg: DictConfig) -> None:
 def check_compare(cfg: DictConfig) -> None:
     validate(cfg)  # each mode is composed and checked against the device when the comparison is planned
     refuse_distributed(cfg, "compare")
-    if cfg.compare.warmup_steps < 0:
-        raise UsageError(f"compare.warmup_steps={cfg.compare.warmup_steps} is not allowed: expected an integer >= 0")
 
 
 def check_memory(cfg: DictConfig) -> None:
@@ -56,13 +54,8 @@ def check_memory(cfg: DictConfig) -> None:
 
     validate(cfg)
     refuse_distributed(cfg, "memory")
-    m = cfg.memory
-    if m.steps < 1:
-        raise UsageError(f"memory.steps={m.steps} is not allowed: expected an integer >= 1")
-    if m.timed_steps < 0:
-        raise UsageError(f"memory.timed_steps={m.timed_steps} is not allowed: expected an integer >= 0")
-    if m.budget is not None:
-        parse_size(m.budget)
+    if cfg.memory.budget is not None:
+        parse_size(cfg.memory.budget)
 
 
 def check_inspect(cfg: DictConfig) -> None:
@@ -70,8 +63,6 @@ def check_inspect(cfg: DictConfig) -> None:
 
     validate(cfg)
     refuse_distributed(cfg, "inspect")
-    if cfg.inspect.steps < 1:
-        raise UsageError(f"inspect.steps={cfg.inspect.steps} is not allowed: expected an integer >= 1")
     if cfg.inspect.loss_scale is not None:
         power_of_two_log2(cfg.inspect.loss_scale, "inspect.loss_scale")
 

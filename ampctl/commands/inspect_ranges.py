@@ -10,8 +10,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.analysis.ranges import run_inspect
-from ampctl.commands.train import remove_if_only_hydra_files
 from ampctl.commands.checks import check_command
+from ampctl.commands.train import remove_if_only_hydra_files
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 
 

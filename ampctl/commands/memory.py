@@ -10,9 +10,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.analysis.memory.study import run_memory
+from ampctl.commands.checks import check_command
 from ampctl.commands.compare import command_line_config_dir
 from ampctl.commands.train import remove_if_only_hydra_files
-from ampctl.commands.checks import check_command
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 
 

@@ -29,11 +29,11 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from ampctl.conf.messages import one_line
 from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import check_config
 from ampctl.errors import UnsupportedError, UsageError
-from ampctl.conf.messages import one_line
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import tables
 from ampctl.reports.runs import ERROR_FILE, load_run

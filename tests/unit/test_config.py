@@ -195,3 +195,27 @@ def test_the_composed_defaults_are_the_schemas():
     schema = TrainConfig()
     assert {k: getattr(v, "value", v) for k, v in cfg.train.items()} == {
         k: getattr(v, "value", v) for k, v in vars(schema).items()}
+
+
+def test_the_range_checks_live_in_the_schema_dataclasses():
+    """One place for a range: the dataclass refuses a bad value however it is built (Hydra, a test, a user's
+    script), with the same one line that `ampctl train` prints."""
+    from ampctl.conf.schema import DynamicScalerConfig, Fp8EmulatedConfig, Fp8Scaling, TrainConfig
+    from ampctl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^train.steps=0 is not allowed: expected an integer >= 1$"):
+        TrainConfig(steps=0)
+    with pytest.raises(ConfigError, match=r"^scaler.init_scale=8.0 is not allowed: expected a value within"):
+        DynamicScalerConfig(init_scale=8.0, min_scale=16.0)
+    with pytest.raises(ConfigError, match=r"^precision.fp8_emulated.format='hybrid'"):
+        Fp8EmulatedConfig(scaling=Fp8Scaling.blockwise)
+
+
+def test_a_key_the_schema_lacks_is_refused_even_when_added_with_plus():
+    from ampctl.conf.typed import typed_config
+    from ampctl.errors import UsageError
+
+    cfg = compose_cfg("+train.stepz=5")  # Hydra's `+` adds the key past the struct flag
+    assert cfg.train.stepz == 5
+    with pytest.raises(UsageError, match=r"^train.stepz: no such key; allowed: steps, grad_accum_steps, "):
+        typed_config(cfg)

@@ -33,11 +33,11 @@ from ampctl.analysis.memory.model import (
     largest_batch,
     parse_size,
 )
+from ampctl.conf.messages import one_line
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import build_state, check_config
 from ampctl.engine.loop import batch_stream, run_steps
 from ampctl.errors import UsageError
-from ampctl.conf.messages import one_line
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import tables
 

@@ -1,0 +1,39 @@
+"""A config typed by its schema: what Hydra composed, or a YAML loaded back from `--cfg job`, merged onto
+the schema dataclasses so that every node is typed and a key the schema lacks is refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from omegaconf import DictConfig, OmegaConf
+
+from ampctl.conf.schema import SCALER_SCHEMAS, AmpctlConfig
+from ampctl.errors import ConfigError, UsageError
+
+
+def typed_config(cfg: DictConfig, schema: type = AmpctlConfig) -> DictConfig:
+    """cfg merged onto its schema: every node typed, a key the schema lacks refused. A config Hydra composed
+    from ampctl's YAMLs is typed already, except keys added with `+` (`+train.stepz=5`); a config loaded back
+    from `--cfg job` (no defaults list) is plain YAML until it passes through here."""
+    scaler = cfg.get("scaler")
+    kind = scaler.get("kind") if isinstance(scaler, DictConfig) else None
+    if kind not in SCALER_SCHEMAS:
+        raise ConfigError("scaler.kind", kind, " | ".join(SCALER_SCHEMAS))
+    typed = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    typed.scaler = OmegaConf.merge(OmegaConf.structured(SCALER_SCHEMAS[kind]), scaler)
+    _refuse_unknown_keys(typed, "")
+    return typed
+
+
+def _refuse_unknown_keys(node: DictConfig, path: str) -> None:
+    """A key a typed node's dataclass lacks (OmegaConf keeps one added with force_add, as Hydra's `+` does)."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return
+    names = [f.name for f in dataclasses.fields(schema)]
+    for key in node.keys():
+        if key not in names:
+            raise UsageError(f"{path}{key}: no such key; allowed: {', '.join(n for n in names if n != 'kind')}")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none():
+            _refuse_unknown_keys(child, f"{path}{key}.")
