@@ -8,7 +8,10 @@ from typing import Optional
 
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from ampctl.conf.schema import MODE_OPTION_NODES, RENAMED_KEYS
+# The nodes of PrecisionConfig (conf/schema.py) that only one mode has (null in the others), and that mode;
+# and their names before the rename.
+MODE_OPTION_NODES = {"fp8_emulated": "fp8_emulated", "fp8_torchao": "fp8"}
+RENAMED_KEYS = {"precision.fp8": "precision.fp8_emulated", "precision.float8": "precision.fp8_torchao"}
 
 
 def one_line(exc: BaseException) -> str:

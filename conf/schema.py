@@ -135,11 +135,6 @@ class PrecisionConfig:
                     "autocast)")
 
 
-# The precision nodes that only one mode has (null in the others), and that mode; and their old names.
-MODE_OPTION_NODES = {"fp8_emulated": "fp8_emulated", "fp8_torchao": "fp8"}
-RENAMED_KEYS = {"precision.fp8": "precision.fp8_emulated", "precision.float8": "precision.fp8_torchao"}
-
-
 @dataclass
 class NoScalerConfig:
     kind: str = "none"

@@ -253,12 +253,12 @@ def write_inspect_report(out_dir: Path, layers: tables.ReportTable, summary: tab
                          console: Console) -> None:
     """ranges.csv / ranges.json / report.md and the two plots; everything `ampctl report` needs to redo them
     goes into ranges.json (the summary rows and the plotted histogram too)."""
-    from ampctl.reports import plots
+    from ampctl.analysis import range_plots
 
     label = histogram["kind"].replace("_grad", " gradients")
-    images = [plots.gradient_ranges(histogram["counts"], histogram["total"], label, study_scale,
+    images = [range_plots.gradient_ranges(histogram["counts"], histogram["total"], label, study_scale,
                                     out_dir / "gradient_ranges.png"),
-              plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png")]
+              range_plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png")]
     extra = {"kind": "inspect", "overrides": overrides, "study_scale": study_scale, "run_scales": run_scales,
              "summary": summary.as_dicts(), "summary_notes": summary.notes, "histogram": histogram}
     files = tables.write_files(layers, out_dir, "ranges", machine, images, extra)

@@ -25,7 +25,7 @@ def loss_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: str) -
     ax.set(xlabel="step", ylabel="loss", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def loss_scale_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: str) -> Optional[Path]:
@@ -46,7 +46,7 @@ def loss_scale_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: 
     ax.set(xlabel="step", ylabel="loss scale (log2)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def throughput_memory_bars(
@@ -72,65 +72,10 @@ def throughput_memory_bars(
     left.set_title(f"throughput (speedup vs {baseline})")
     right.set_title(f"peak memory (ratio to {baseline})")
     fig.tight_layout()
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
-
-
-def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: float, path: Path) -> Path:
-    """The loss-scaling picture for this model: the histogram of gradient magnitudes (counts per log2 bin,
-    numerics.LOG2_LOW upwards, as fractions of all `total` values, zeros included), each format's range
-    drawn under it, and the same histogram shifted by the loss scale."""
-    import math
-
-    from ampctl.analysis.numerics import FORMATS, LOG2_LOW, scale_label
-
-    fractions = [float(c) / max(total, 1) for c in counts]
-    exponents = list(range(LOG2_LOW, LOG2_LOW + len(fractions)))
-    used = [e for e, f in zip(exponents, fractions) if f > 0]
-    shift = math.log2(study_scale)
-    lo = min(min(used, default=-30), -26) - 2
-    hi = max(max(used, default=0) + shift, 17) + 2
-    fig, ax = plt.subplots(figsize=(9, 5))
-    ax.bar(exponents, fractions, width=1.0, align="edge", color="tab:blue", alpha=0.75, label=label)
-    ax.step([e + shift for e in exponents], fractions, where="post", color="tab:orange",
-            label=f"× loss scale {scale_label(study_scale)}")
-    top = max(fractions, default=1.0) or 1.0
-    for i, fmt in enumerate(FORMATS):
-        y = -(0.06 + 0.06 * i) * top
-        sub, normal, mx = (math.log2(fmt.min_subnormal), math.log2(fmt.min_normal), math.log2(fmt.max))
-        ax.plot([sub, normal], [y, y], color=f"C{i + 2}", linewidth=4, alpha=0.4)
-        ax.plot([normal, mx], [y, y], color=f"C{i + 2}", linewidth=4, label=f"{fmt.name} (pale: subnormal)")
-    ax.axvline(math.log2(FORMATS[0].min_subnormal), color="grey", linestyle=":", linewidth=1)
-    ax.set_xlim(lo, hi)
-    ax.set(xlabel="log2 |value|", ylabel="fraction of values",
-           title=f"{label}: magnitudes against each format's range")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    return _save(fig, path)
-
-
-def underflow_heatmap(layer_table, path: Path) -> Path:
-    """Fraction of values flushed to zero, per layer (rows) and tensor kind × format (columns)."""
-    from ampctl.analysis.numerics import FORMATS
-
-    rows = layer_table.as_dicts()
-    layers = list(dict.fromkeys(r["layer"] for r in rows))
-    kinds = [k for k in ("activation", "activation_grad", "weight_grad") if any(r["kind"] == k for r in rows)]
-    columns = [(k, f.name) for k in kinds for f in FORMATS]
-    by_key = {(r["layer"], r["kind"]): r for r in rows}
-    grid = [[(by_key.get((layer, k)) or {}).get(f"{fmt}_to_zero", float("nan")) for k, fmt in columns]
-            for layer in layers]
-    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(columns) + 3), max(3, 0.28 * len(layers) + 1.5)))
-    image = ax.imshow(grid, aspect="auto", cmap="magma_r", vmin=0, vmax=max(1e-6, max(
-        (v for row in grid for v in row if v == v), default=1e-6)))
-    ax.set_xticks(range(len(columns)), [f"{k.replace('activation', 'act').replace('weight', 'w')}\n{f}"
-                                        for k, f in columns], fontsize=7)
-    ax.set_yticks(range(len(layers)), layers, fontsize=7)
-    ax.set_title("fraction flushed to zero (no loss scale)")
-    fig.colorbar(image, ax=ax, fraction=0.03)
-    return _save(fig, path)

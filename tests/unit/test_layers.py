@@ -37,3 +37,66 @@ def test_no_module_shadows_the_standard_library():
     names = {path.stem for path in PACKAGE.rglob("*.py")} - {"__init__", "__main__", "io"}
     # io.py is ampctl.io, only ever imported by its full name; the design names it so
     assert not names & set(sys.stdlib_module_names)
+
+
+# Bottom to top; a package imports only from its own layer and those below (function-level imports included).
+LAYERS = (
+    ("ampctl.errors", "ampctl.io", "ampctl.conf", "ampctl.__init__", "ampctl.__version__"),
+    ("ampctl.recipes",),
+    ("ampctl.engine",),
+    ("ampctl.reports",),  # run dirs, tables, plots: rendering that the instruments and the runner use
+    ("ampctl.analysis",),
+    ("ampctl.runner",),
+    ("ampctl.commands",),
+    ("ampctl.cli", "ampctl.__main__"),
+)
+
+
+def layer_of(module: str) -> int:
+    for rank, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    raise AssertionError(f"{module} is in no layer")
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module by name; ampctl.conf ships from the repository's conf/ (pyproject's package-dir)."""
+    import ampctl.conf
+
+    roots = {"ampctl": PACKAGE, "ampctl.conf": Path(ampctl.conf.__file__).parent}
+    return {".".join([name, *path.relative_to(root).with_suffix("").parts]): path
+            for name, root in roots.items() for path in sorted(root.rglob("*.py"))}
+
+
+def test_every_package_imports_only_from_its_layer_and_below():
+    modules = package_modules()
+    assert "ampctl.conf.schema" in modules and "ampctl.engine.loop" in modules
+    upward = [f"{name} imports {module}" for name, path in modules.items() for module in imported_modules(path)
+              if module.startswith("ampctl.") and layer_of(module) > layer_of(name)]
+    assert not upward, upward
+
+
+def test_no_module_imports_itself_through_others():
+    modules = package_modules()
+    imports = {name: imported_modules(path) for name, path in modules.items()}
+    graph = {name: {m for m in modules if any(i == m or i.startswith(m + ".") for i in imports[name])} - {name}
+             for name in modules}
+    graph = {name: {m for m in deps if not name.startswith(m + ".") and m not in ("ampctl", "ampctl.conf")}
+             for name, deps in graph.items()}  # a package's __init__ is not a cycle of its own modules
+
+    done: set[str] = set()
+
+    def cycle_through(node: str, path: list[str]) -> list[str]:
+        """A cycle reachable from node (depth first; each module explored once)."""
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in done:
+                found = cycle_through(nxt, path + [nxt])
+                if found:
+                    return found
+        done.add(node)
+        return []
+
+    cycles = [c for name in sorted(modules) if name not in done for c in [cycle_through(name, [name])] if c]
+    assert not cycles, [" -> ".join(c) for c in cycles]
