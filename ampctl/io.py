@@ -1,4 +1,5 @@
-"""Writing run records: every file whole or not at all, and JSON that strict readers accept."""
+"""The small helpers every layer shares, one of each: writing run records (every file whole or not at all,
+JSON that strict readers accept), walking nested tensors, and byte counts for people."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
+
+import torch
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -36,3 +39,35 @@ def dumps(value: Any, **kwargs: Any) -> str:
 
 def write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, dumps(data, indent=2, default=str) + "\n")
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in (nested tuples, lists and dicts of) value: a module's output, a batch."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors_in(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in tensors_in(item)]
+    return []
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """value with fn applied to every tensor in it (nested tuples, lists and dicts keep their shape)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(item, fn) for item in value)
+    if isinstance(value, dict):
+        return {key: map_tensors(item, fn) for key, item in value.items()}
+    return value
+
+
+def format_bytes(n: Optional[float], decimals: int = 2) -> str:
+    """1,536 -> '1.50 KiB' (binary units); None -> '-'."""
+    if n is None:
+        return "-"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:,.{decimals}f} {unit}"
+    return f"{n:,.0f} B"

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from torch import nn
 
+from ampctl import io
 from ampctl.analysis.numerics import (
     FORMATS,
     FP16,
@@ -72,7 +73,7 @@ class RangeRecorder:
         return self.stats[key]
 
     def _on_output(self, layer: str, output: Any) -> None:
-        for tensor in _tensors(output):
+        for tensor in io.tensors_in(output):
             if not tensor.is_floating_point():
                 continue
             self._stats(layer, "activation").add(tensor)
@@ -106,14 +107,6 @@ class RangeRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    return []
 
 
 @dataclass

@@ -37,10 +37,10 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
 
 
 def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
-                parallel: Optional[parallelism.SingleProcess] = None) -> TrainState:
+                parallel: Optional[parallelism.Parallel] = None) -> TrainState:
     """Seed, build the model the policy's way (wrapped for data parallelism: DDP, or sharded by FSDP before
     the optimizer sees its parameters), then its optimizer, loss scaler and lr schedule."""
-    parallel = parallel or parallelism.SingleProcess()
+    parallel = parallel or parallelism.Parallel()
     torch.manual_seed(cfg.train.seed)
     model = policy.prepare_model(recipe.build_model())
     if cfg.train.activation_checkpointing:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ampctl.engine.optim import LRSchedule
-from ampctl.engine.parallel import SingleProcess
+from ampctl.engine.parallel import Parallel
 from ampctl.engine.precision.policy import PrecisionPolicy, WeightLayout
 from ampctl.engine.scaler import LossScaler
 from ampctl.engine.telemetry import Telemetry
@@ -49,7 +49,7 @@ class TrainState:
     scaler: LossScaler
     schedule: LRSchedule
     step: int = 0
-    parallel: SingleProcess = field(default_factory=SingleProcess)  # DDP's hooks; identities in one process
+    parallel: Parallel = field(default_factory=Parallel)  # DDP's hooks; identities in one process
 
 
 def train_step(

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from ampctl import io
 from ampctl.errors import UsageError
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -87,8 +88,9 @@ def check(cfg: DictConfig) -> None:
                              f"torchrun --nproc_per_node=N -m ampctl train distributed={kind} ...")
 
 
-class SingleProcess:
-    """No parallelism: every hook is the identity."""
+class Parallel:
+    """The parallelism interface, and its no-op implementation (one process): every hook is the identity.
+    DDPParallel and FSDP2Parallel implement it under torchrun; the loop calls the same hooks whatever runs."""
 
     rank = 0
     world_size = 1
@@ -133,7 +135,9 @@ class SingleProcess:
         pass
 
 
-class DataParallel(SingleProcess):
+class DDPParallel(Parallel):
+    """DistributedDataParallel: every rank holds the whole model; gradients are all-reduced in backward."""
+
     def __init__(self, device: torch.device, timeout_s: int) -> None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
@@ -190,7 +194,7 @@ class DataParallel(SingleProcess):
         gc.collect()
 
 
-class FullyShardedDataParallel(DataParallel):
+class FSDP2Parallel(DDPParallel):
     """FSDP2: fully_shard on each recipe block, then on the root. Parameters stay fp32 and sharded (the
     optimizer steps on them: they are the master weights); the MixedPrecisionPolicy gathers them in the
     compute dtype and reduces gradients in fp32."""
@@ -256,14 +260,14 @@ def _fsdp2():
     return fully_shard, MixedPrecisionPolicy
 
 
-def start(cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype | None = None) -> SingleProcess:
+def start(cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype | None = None) -> Parallel:
     """The parallelism of this process. compute_dtype: the precision mode's half dtype, if it has one."""
     kind = cfg.distributed.kind.value
     if kind == "none":
-        return SingleProcess()
+        return Parallel()
     if kind == "ddp":
-        return DataParallel(device, cfg.distributed.timeout_s)
-    return FullyShardedDataParallel(device, cfg.distributed.timeout_s, compute_dtype,
+        return DDPParallel(device, cfg.distributed.timeout_s)
+    return FSDP2Parallel(device, cfg.distributed.timeout_s, compute_dtype,
                                     cfg.distributed.reshard_after_forward)
 
 
@@ -299,11 +303,9 @@ class RankShard:
 
 
 def _slice(batch: Any, rank: int, world_size: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        per_rank = batch.shape[0] // world_size
-        return batch[rank * per_rank:(rank + 1) * per_rank]
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_slice(b, rank, world_size) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _slice(v, rank, world_size) for k, v in batch.items()}
-    return batch
+    """This rank's share of every tensor in the batch, along the first dimension."""
+    def share(t: torch.Tensor) -> torch.Tensor:
+        per_rank = t.shape[0] // world_size
+        return t[rank * per_rank:(rank + 1) * per_rank]
+
+    return io.map_tensors(batch, share)

@@ -22,18 +22,9 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from ampctl import io
 from ampctl.conf.schema import ConsoleMode
 from ampctl.engine.telemetry import StepRecord
-
-
-def human_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def human_rate(n: float) -> str:
@@ -90,7 +81,7 @@ class PlainConsole:
         say(
             f"step {r.step}/{self.total} | loss {r.loss:.4f} | scale {r.loss_scale:g} | "
             f"skipped {r.skipped_total} (last {last}) | grad_norm {r.grad_norm:.3g} | lr {r.lr:.3g} | "
-            f"{self.latest.throughput()} | {r.step_time_ms:.1f} ms/step | peak {human_bytes(self.peak_memory())}"
+            f"{self.latest.throughput()} | {r.step_time_ms:.1f} ms/step | peak {io.format_bytes(self.peak_memory(), decimals=1)}"
         )
 
     def close(self) -> None:
@@ -141,7 +132,7 @@ class LiveConsole:
                 f"{r.lr:.3g}",
                 self.latest.throughput(),
                 f"{r.step_time_ms:.1f} ms",
-                human_bytes(self.peak_memory()),
+                io.format_bytes(self.peak_memory(), decimals=1),
             )
         return Group(self.progress, table)
 

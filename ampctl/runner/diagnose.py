@@ -37,14 +37,8 @@ class Finding:
     problem: str
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
+def _float_tensors(value: Any) -> list[torch.Tensor]:
+    return [t for t in io.tensors_in(value) if t.is_floating_point()]
 
 
 def _problem(tensors: list[torch.Tensor], half_max: Optional[float]) -> Optional[tuple[str, float, str]]:
@@ -75,7 +69,7 @@ class LayerWatch:
 
     def _on_forward(self, name: str):
         def hook(module: nn.Module, _args: Any, output: Any) -> None:
-            if self.forward is None and (found := _problem(_tensors(output), self.half_max)):
+            if self.forward is None and (found := _problem(_float_tensors(output), self.half_max)):
                 self.forward = Finding(name, type(module).__name__, found[2], found[1], found[0])
         return hook
 
@@ -86,13 +80,13 @@ class LayerWatch:
                 return
             first_call = not self._backward_seen
             self._backward_seen = True
-            if arriving := _problem(_tensors(grad_output), None):
+            if arriving := _problem(_float_tensors(grad_output), None):
                 if first_call:  # bad before any layer touched it: the scaled loss's own gradient
                     self.backward = Finding(name, type(module).__name__, arriving[2], arriving[1],
                                             "the scaled loss's gradient is already beyond the dtype's range "
                                             "(loss scale too large)")
                 return
-            if found := _problem(_tensors(grad_input), None):
+            if found := _problem(_float_tensors(grad_input), None):
                 self.backward = Finding(name, type(module).__name__, found[2], found[1], f"gradient {found[0]}")
         return hook
 

@@ -74,7 +74,7 @@ class Resume:
 
 
 def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable[[str], None],
-           policy: PrecisionPolicy, parallel: parallelism.SingleProcess) -> dict:
+           policy: PrecisionPolicy, parallel: parallelism.Parallel) -> dict:
     resume = Resume.find(cfg, run_dir)
     recorder = Recorder(resume.run_dir, echo) if parallel.is_main else NoRecorder(resume.run_dir)
     recipe = build_recipe(parallelism.global_recipe_config(cfg.recipe, parallel.world_size))
@@ -95,7 +95,7 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
 
 
 def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, state: TrainState,
-             parallel: parallelism.SingleProcess, choices: dict[str, str], resume: Resume) -> None:
+             parallel: parallelism.Parallel, choices: dict[str, str], resume: Resume) -> None:
     """The start lines: the resolved precision options, the run, where it resumed, what to expect."""
     echo, device = recorder.echo, policy.device
     echo(policy.describe(state.scaler.describe()))
@@ -113,7 +113,7 @@ def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recip
         echo(f"warning: {message}")
 
 
-def _telemetry(cfg: DictConfig, recipe: Recipe, parallel: parallelism.SingleProcess, recorder: Recorder,
+def _telemetry(cfg: DictConfig, recipe: Recipe, parallel: parallelism.Parallel, recorder: Recorder,
                peak: TrainingPeak, device: torch.device) -> Telemetry:
     # throughput is the whole job's: every rank's samples
     per_step = cfg.train.grad_accum_steps * parallel.world_size
@@ -153,7 +153,7 @@ class Checkpointer:
             self.last = checkpoint.checkpoint_path(self.recorder.run_dir, step)
 
 
-def stop_agreement(parallel: parallelism.SingleProcess, stop: StopOnSignal, state: TrainState,
+def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: TrainState,
                    log_every: int) -> Callable[[], bool]:
     """Whether to stop after this step. Every rank must stop after the same step, or the others wait in a
     collective: they agree on log steps, where the host reads from the device anyway."""
@@ -163,7 +163,7 @@ def stop_agreement(parallel: parallelism.SingleProcess, stop: StopOnSignal, stat
 
 
 def _fit(cfg: DictConfig, state: TrainState, recipe: Recipe, policy: PrecisionPolicy,
-         parallel: parallelism.SingleProcess, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak) -> None:
+         parallel: parallelism.Parallel, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak) -> None:
     """fit() with the checkpointer, the guards, the value-range log and a stop on SIGINT/SIGTERM."""
     checkpointer = Checkpointer(cfg, state, telemetry, recorder, peak)
     ranges_log = recorder.ranges_log(state, policy.device, cfg.telemetry.ranges_every)
@@ -195,7 +195,7 @@ def _fit(cfg: DictConfig, state: TrainState, recipe: Recipe, policy: PrecisionPo
 
 
 def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolicy, recipe: Recipe,
-                state: TrainState, parallel: parallelism.SingleProcess, peak: TrainingPeak, run_dir: Path) -> dict:
+                state: TrainState, parallel: parallelism.Parallel, peak: TrainingPeak, run_dir: Path) -> dict:
     """summary.json: what ran, where, and the figures of its metrics.jsonl."""
     device = policy.device
     return {

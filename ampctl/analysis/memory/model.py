@@ -215,12 +215,3 @@ def parse_size(text: str, key: str = "memory.budget") -> int:
         raise UsageError(f"{key}={text!r} is not allowed: expected a size such as 80GB, 16GiB or 512MiB "
                          "(GB = 10^9 bytes, GiB = 2^30)")
     return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: Optional[float]) -> str:
-    if n is None:
-        return "?"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:,.2f} {unit}"
-    return f"{n:,.0f} B"

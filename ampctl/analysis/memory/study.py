@@ -23,13 +23,13 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from ampctl import io
 from ampctl.analysis.memory.measure import MeasuredPeak, measure_peak, release_memory
 from ampctl.analysis.memory.model import (
     ActivationLine,
     ModelStateBytes,
     SavedTensorCounter,
     estimate_model_states,
-    format_bytes,
     largest_batch,
     parse_size,
 )
@@ -177,7 +177,7 @@ def search_batch(overrides: list[str], config_dir: Optional[str], budget: int, s
     for _ in range(SEARCH_PROBES):
         fits, peak = _fits(overrides, config_dir, candidate, budget)
         log.append(f"batch {candidate}: " + ("fits" if fits else "does not fit") +
-                   (f" (peak {format_bytes(peak)})" if peak is not None else " (out of device memory)"))
+                   (f" (peak {io.format_bytes(peak)})" if peak is not None else " (out of device memory)"))
         if fits:
             fitting = candidate
         else:
@@ -208,12 +208,12 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
             "step_time_ms": r.step_time_ms, "batch_estimate": r.batch_estimate, "batch_found": r.batch_found,
         }
         table_rows.append([values[c] for c in columns])
-    size = {c: format_bytes for c in ("weights", "gradients", "master_weights", "optimizer_states", "activations",
+    size = {c: io.format_bytes for c in ("weights", "gradients", "master_weights", "optimizer_states", "activations",
                                        "estimate", "measured_peak")}
     headers = {"precision": "mode", "gradients": "grads", "master_weights": "masters", "optimizer_states": "optimizer",
                "measured_peak": "peak", "difference": "peak − est.", "step_time_ms": "step ms",
                "batch_estimate": "batch (est.)", "batch_found": "batch (found)"}
-    formats = {**size, "difference": lambda v: ("+" if v >= 0 else "−") + format_bytes(abs(v)),
+    formats = {**size, "difference": lambda v: ("+" if v >= 0 else "−") + io.format_bytes(abs(v)),
                "step_time_ms": lambda v: f"{v:,.1f}"}
     title = "memory per precision mode" + (f" (budget {budget_text})" if budget is not None else "")
     return tables.ReportTable(title, columns, table_rows, notes=memory_notes(rows, budget), headers=headers,
@@ -228,13 +228,13 @@ def memory_notes(rows: list[ModeMemory], budget: Optional[int]) -> list[str]:
     source = rows[0].peak.source if rows else ""
     if source.startswith("torch.cuda"):
         notes.append("measured peak = torch.cuda.max_memory_allocated (tensors only). The caching allocator "
-                     "reserved more: " + ", ".join(f"{r.label} {format_bytes(r.peak.reserved)}" for r in rows) +
+                     "reserved more: " + ", ".join(f"{r.label} {io.format_bytes(r.peak.reserved)}" for r in rows) +
                      "; the CUDA context and cuBLAS/cuDNN workspaces are outside both.")
     elif source:
         notes.append(f"measured peak = {source}: tensor memory of the process, the interpreter not included.")
     for r in rows:
         if r.peak.breakdown:
-            parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in r.peak.breakdown.items())
+            parts = ", ".join(f"{k.replace('_', ' ')} {io.format_bytes(v)}" for k, v in r.peak.breakdown.items())
             notes.append(f"{r.label} at its peak: {parts}.")
     notes.append("Why the peak differs from the estimate: gradients are freed after each step (set_to_none) and "
                  "activations are freed as backward consumes them, so not all of both are alive at once "

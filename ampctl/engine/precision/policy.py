@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ampctl import io
 from ampctl.conf.schema import Dtype, Fp8TorchaoConfig, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import fp8_torchao, fp32_math
@@ -51,14 +52,8 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Cast floating-point tensors in (nested tuples/lists/dicts of) value; leave everything else."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floats(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype) for k, v in value.items()}
-    return value
+    """Cast the floating-point tensors in (nested tuples/lists/dicts of) value; leave everything else."""
+    return io.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 class WeightLayout:
