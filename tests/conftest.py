@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import sys
 from pathlib import Path
@@ -22,6 +24,13 @@ FAST = ["recipe=mlp", "recipe.hidden=64", "recipe.batch_size=32", *QUIET]
 
 
 def compose_cfg(*overrides: str):
+    """The train config with these overrides (a fresh copy: tests may change it)."""
+    return copy.deepcopy(_composed(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]):
+    # Hydra takes ~0.2 s a composition here; many tests compose the same configs
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         return compose(config_name="train", overrides=list(overrides))
 

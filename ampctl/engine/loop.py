@@ -18,7 +18,8 @@ from torch import nn
 
 from ampctl.engine.optim import LRSchedule
 from ampctl.engine.parallel import Parallel
-from ampctl.engine.precision.policy import PrecisionPolicy, WeightLayout
+from ampctl.engine.precision.half import WeightLayout
+from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import LossScaler
 from ampctl.engine.telemetry import Telemetry
 from ampctl.recipes.base import Recipe

@@ -8,6 +8,7 @@ from importlib import resources
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 from ampctl.conf.schema import validate
 from ampctl.errors import ConfigError
@@ -35,7 +36,9 @@ def test_every_closed_group_yaml_extends_a_schema(group):
 @pytest.mark.parametrize("name", [n.removesuffix(".yaml") for n in yaml_files("precision")])
 def test_every_precision_mode_composes_and_validates(name):
     cfg = compose_cfg(f"precision={name}")
-    validate(cfg)
+    validate(cfg)  # raises ConfigError on any bad value
+    precision = OmegaConf.to_object(cfg.precision)  # the schema dataclass, its __post_init__ run
+    assert type(precision).__name__ == "PrecisionConfig" and precision.name == cfg.precision.name
 
 
 @pytest.mark.parametrize(
@@ -110,8 +113,11 @@ def test_loss_scales_outside_their_bounds_or_fp32_are_refused(overrides, message
 
 
 def test_loss_scales_at_the_edges_of_their_ranges_are_allowed():
-    validate(compose_cfg("precision=fp16", "scaler.init_scale=1024", "scaler.min_scale=1024", "scaler.max_scale=1024"))
-    validate(compose_cfg("precision=fp16", f"scaler.init_scale={2.0**-126!r}"))
+    pinned = compose_cfg("precision=fp16", "scaler.init_scale=1024", "scaler.min_scale=1024", "scaler.max_scale=1024")
+    smallest = compose_cfg("precision=fp16", f"scaler.init_scale={2.0**-126!r}")
+    for cfg in (pinned, smallest):
+        validate(cfg)  # raises ConfigError if refused
+    assert OmegaConf.to_object(smallest.scaler).init_scale == 2.0**-126
 
 
 def test_min_scale_above_max_scale_is_refused():

@@ -8,7 +8,7 @@ from torch import nn
 
 from ampctl.engine.build import build_state
 from ampctl.engine.precision import fp32_math
-from ampctl.engine.precision.policy import FP32MasterWeights
+from ampctl.engine.precision.half import FP32MasterWeights
 from ampctl.errors import UnsupportedError
 from tests.conftest import build
 

@@ -14,11 +14,11 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ampctl import io
 from ampctl.conf.schema import Dtype, Fp8TorchaoConfig, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import fp8_torchao, fp32_math
 from ampctl.engine.precision.fp8_emulated import convert_linears
+from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
 from ampctl.errors import UnsupportedError, UsageError
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
@@ -34,89 +34,6 @@ def _short(dtype: torch.dtype) -> str:
 def _bf16_if_fast(device: torch.device, advice: str) -> str:
     """advice, where bf16 is a faster mode on this device; "" where it is not (a CPU that emulates bf16)."""
     return advice if devices.has_native_bf16(device) and devices.half_runs_at_speed(device, torch.bfloat16) else ""
-
-
-# Normalization layers kept (and run) in fp32 under O2: their statistics are where half precision loses
-# the most (Apex kept BatchNorm; transformers need LayerNorm too).
-NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
-    t
-    for t in (
-        nn.modules.batchnorm._BatchNorm,
-        nn.LayerNorm,
-        nn.GroupNorm,
-        nn.modules.instancenorm._InstanceNorm,
-        getattr(nn, "RMSNorm", None),
-    )
-    if t is not None
-)
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    """Cast the floating-point tensors in (nested tuples/lists/dicts of) value; leave everything else."""
-    return io.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-class WeightLayout:
-    """The weights the optimizer steps on are the model's own (every mode but O2)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.optimizer_params = [p for p in model.parameters() if p.requires_grad]
-
-    def grads_to_masters(self) -> None:
-        """Called after the last backward of a step, before unscale_."""
-
-    def masters_to_model(self) -> None:
-        """Called after the optimizer step."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-class FP32MasterWeights(WeightLayout):
-    """O2: the optimizer steps on fp32 copies of the half weights.
-
-    Half gradients are copied into fp32 master gradients before unscale_ (torch's GradScaler refuses to
-    unscale fp16 gradients, and the update must be computed in fp32 to not lose small steps). After the
-    step the masters are copied back into the half model. Weights that are already fp32 (norm layers)
-    are their own masters. A skipped step leaves the masters, and so the model, untouched.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
-        self.optimizer_params = []
-        for p in model.parameters():
-            if not p.requires_grad:
-                continue
-            if p.dtype == torch.float32:
-                self.optimizer_params.append(p)
-                continue
-            master = nn.Parameter(p.detach().float())
-            self._pairs.append((p, master))
-            self.optimizer_params.append(master)
-
-    def grads_to_masters(self) -> None:
-        for model_param, master in self._pairs:
-            master.grad = None if model_param.grad is None else model_param.grad.float()
-            model_param.grad = None
-
-    @torch.no_grad()
-    def masters_to_model(self) -> None:
-        for model_param, master in self._pairs:
-            model_param.copy_(master)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"masters": [master.detach() for _, master in self._pairs]}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["masters"]
-        if len(saved) != len(self._pairs):
-            raise ValueError(f"{len(saved)} fp32 master weights saved, {len(self._pairs)} in this model")
-        for (_, master), value in zip(self._pairs, saved):
-            master.copy_(value)
 
 
 class PrecisionPolicy:
@@ -218,30 +135,15 @@ class PrecisionPolicy:
         return torch.autocast(self.device.type, dtype=dtype, enabled=self.precision.autocast)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Move the model to the device, and for O2/O3 cast it to half the way Apex did."""
+        """Move the model to the device and apply the mode's model converters: FP8 Linear layers (emulated or
+        torchao's), the half cast of O2/O3 (half.py)."""
         model.to(self.device)
         if self.precision.fp8_emulated is not None:
             convert_linears(model, self.precision.fp8_emulated)
         if self.precision.fp8_torchao is not None:
             self._convert_to_float8(model, self.precision.fp8_torchao)
-        if not self.precision.cast_model:
-            return model
-        half = self.dtype
-        model.to(half)
-        if self.precision.keep_norm_fp32:
-            for module in model.modules():
-                if isinstance(module, NORM_LAYERS):
-                    module.float()
-                    if self.device.type == "cuda" and isinstance(module, nn.modules.batchnorm._BatchNorm):
-                        # cuDNN's batch norm takes half input with fp32 parameters and statistics and
-                        # computes in fp32 (what Apex O2 relied on): casting around it would only add two
-                        # memory-bound passes per layer.
-                        continue
-                    module.register_forward_pre_hook(lambda _m, args: _cast_floats(args, torch.float32))
-                    module.register_forward_hook(lambda _m, _args, out: _cast_floats(out, half))
-        # Inputs are cast to the model's dtype and outputs back to fp32, so the loss is computed in fp32.
-        model.register_forward_pre_hook(lambda _m, args: _cast_floats(args, half))
-        model.register_forward_hook(lambda _m, _args, out: _cast_floats(out, torch.float32))
+        if self.precision.cast_model:
+            cast_model_to_half(model, self.dtype, self.precision.keep_norm_fp32, self.device)
         return model
 
     def _convert_to_float8(self, model: nn.Module, recipe: Fp8TorchaoConfig) -> None:
