@@ -29,6 +29,7 @@ from ampctl.conf.schema import (
 )
 from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
 from ampctl.conf.typed import typed_config
+from ampctl.engine.parallel import is_main_process
 from ampctl.errors import CommandLineRefused, UsageError
 
 
@@ -107,9 +108,13 @@ class CheckEveryJob(Callback):
         self.command = command
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # before Hydra creates the run directory: a refused run leaves nothing behind
+        # before Hydra creates the run directory: a refused run leaves nothing behind, and touches no other run
         try:
-            check_command(self.command, without_hydra_node(config))
+            cfg = check_command(self.command, without_hydra_node(config))
+            if self.command == "train" and is_main_process():  # the other ranks record nothing (run.dir=.)
+                from ampctl.runner.ownership import refuse_another_runs_directory
+
+                refuse_another_runs_directory(config.hydra.run.dir, cfg.resume)
         except UsageError as exc:
             raise CommandLineRefused(exc) from None
 

@@ -32,6 +32,11 @@ class Recorder:
             keep_metrics_up_to(self.run_dir / METRICS_FILE, resumed_at)
             keep_ranges_up_to(self.run_dir / "ranges.jsonl", resumed_at)
 
+    def set_aside_rows_without_checkpoint(self) -> list[Path]:
+        from ampctl.runner.ownership import set_aside_rows_without_checkpoint
+
+        return set_aside_rows_without_checkpoint(self.run_dir)
+
     def sinks(self, console_mode: Any, total_steps: int, tokens: bool,
               peak_memory: Callable[[], Optional[int]]) -> list[Sink]:
         console = make_console_sink(console_mode, total_steps, tokens, peak_memory)
@@ -70,6 +75,9 @@ class NoRecorder(Recorder):
 
     def open(self, resumed_at: Optional[int]) -> None:
         pass
+
+    def set_aside_rows_without_checkpoint(self) -> list[Path]:
+        return []
 
     def sinks(self, *_args: Any) -> list[Sink]:
         return []

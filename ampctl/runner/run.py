@@ -109,6 +109,8 @@ def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recip
              + (f"; changed: {'; '.join(resume.changes)}" if resume.changes else ""))
     elif cfg.resume == "auto":
         echo(f"resume=auto: no checkpoint in {recorder.run_dir} yet, starting from step 0")
+        for path in recorder.set_aside_rows_without_checkpoint():
+            echo(f"resume=auto: rows of a run that left no checkpoint set aside in {path.name}")
     for message in policy.combination_warnings(scaler_is_active(cfg.scaler)) + policy.speed_warnings():
         echo(f"warning: {message}")
 

@@ -1,0 +1,79 @@
+"""A run directory belongs to one run (issue 13): a new run into a directory that holds a run is refused and
+touches nothing; an empty hydra.run.dir is refused; resume=auto after a run killed before its first
+checkpoint starts clean, the killed run's rows set aside. Real processes, a real kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+QUICK = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "train.console=quiet", "telemetry.profile_cpu_memory=false",
+         "train.log_every=1"]
+
+
+def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ampctl", "train", *QUICK, *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def test_a_new_run_into_a_directory_that_holds_a_run_is_refused_and_touches_nothing(tmp_path):
+    first = ampctl("train.steps=3", "hydra.run.dir=run", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = snapshot(tmp_path / "run")
+    assert {"metrics.jsonl", "summary.json", ".hydra/config.yaml"} <= set(before)
+    second = ampctl("train.steps=4", "train.seed=5", "hydra.run.dir=run", cwd=tmp_path)
+    assert (second.returncode, second.stderr) == (2, "ampctl train: error: hydra.run.dir=run already holds a run "
+                                                     "(metrics.jsonl, summary.json, checkpoints/): continue it with "
+                                                     "resume=auto, or choose another hydra.run.dir\n")
+    assert snapshot(tmp_path / "run") == before  # its .hydra/config.yaml included
+    # continuing it is what resume= is for
+    resumed = ampctl("train.steps=4", "resume=auto", "hydra.run.dir=run", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert steps(tmp_path / "run" / "metrics.jsonl") == [1, 2, 3, 4]
+
+
+def test_an_empty_run_dir_is_refused(tmp_path):
+    result = ampctl("train.steps=1", "hydra.run.dir=", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("ampctl train: error: hydra.run.dir='' is not allowed")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs kill -9")
+def test_resume_auto_after_a_run_killed_before_its_first_checkpoint_starts_clean(tmp_path):
+    run_dir = tmp_path / "run"
+    killed = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
+                               f"hydra.run.dir={run_dir}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert killed.poll() is None and time.monotonic() < deadline, "the run ended before writing rows"
+        time.sleep(0.01)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    old_rows = metrics.read_text()
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+    resumed = ampctl("train.steps=5", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert steps(metrics) == [1, 2, 3, 4, 5]  # not 1..N of the killed run followed by 1..5
+    [set_aside] = run_dir.glob("metrics.jsonl.set-aside-*")
+    assert set_aside.read_text() == old_rows  # kept, never deleted
+    assert f"rows of a run that left no checkpoint set aside in {set_aside.name}" in resumed.stdout
