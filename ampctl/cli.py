@@ -37,7 +37,31 @@ def print_help() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    args = sys.argv[1:] if argv is None else list(argv)
+    devnull_from_the_start = stdout_is_devnull()
+    try:
+        dispatch(sys.argv[1:] if argv is None else list(argv))
+        sys.stdout.flush()  # inside the try: a reader that stopped early is seen here, not at exit
+    except BrokenPipeError:
+        # `ampctl list | head -1`: the reader has what it wanted; not an error. Python's own flush at exit
+        # would fail again on the closed pipe, so stdout goes to /dev/null (the recipe in Python's docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(0)
+    except SystemExit as exc:
+        # rich handles a closed pipe itself: stdout to /dev/null, then SystemExit(1). The same case as above
+        # (told apart from a failed run whose output the user sent to /dev/null).
+        if exc.code == 1 and not devnull_from_the_start and stdout_is_devnull():
+            sys.exit(0)
+        raise
+
+
+def stdout_is_devnull() -> bool:
+    try:
+        return os.path.samestat(os.fstat(sys.stdout.fileno()), os.stat(os.devnull))
+    except (OSError, ValueError):
+        return False
+
+
+def dispatch(args: list[str]) -> None:
     if not args or args[0] in ("-h", "--help", "help"):
         print_help()
         return

@@ -154,3 +154,22 @@ def test_a_real_run_in_a_pipe_prints_plain_lines(tmp_path):
     assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 3/6", "step 6/6"]
     [run_dir] = list((tmp_path / "outputs").glob("*/*_bf16"))
     assert len(rows(run_dir)) == 6 and (run_dir / "summary.json").is_file()
+
+
+@pytest.mark.parametrize("command", [["list"], ["--help"]])
+def test_a_reader_that_stops_early_is_not_an_error(command):
+    """`ampctl list | head -1`: the pipe closes under ampctl (rich's own handling included); exit 0, no traceback."""
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", *command], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, cwd=REPO)
+    assert process.stdout.readline()
+    process.stdout.close()
+    assert (process.wait(timeout=300), process.stderr.read()) == (0, b"")
+
+
+def test_a_failure_with_stdout_sent_to_dev_null_still_fails(tmp_path):
+    """Exit code 1 with stdout on /dev/null from the start is a real failure, not a closed pipe."""
+    (tmp_path / "error.txt").write_text("ValueError: the job failed\n")  # a failed multirun job's record
+    with open(os.devnull, "w") as devnull:
+        result = subprocess.run([sys.executable, "-m", "ampctl", "report", str(tmp_path)], stdout=devnull,
+                                stderr=subprocess.PIPE, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
