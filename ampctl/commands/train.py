@@ -18,12 +18,13 @@ from ampctl.engine.parallel import is_main_process
 from ampctl.errors import USAGE_EXIT_CODE, RunStopped, UsageError
 from ampctl.reports.runs import ERROR_FILE
 from ampctl.runner.interrupt import Interrupted
+from ampctl.runner.ownership import LOCK_FILE
 from ampctl.runner.run import run_training
 
 log = logging.getLogger(__name__)
 
 
-HYDRA_FILES = {".hydra", "train.log", "compare.log", "memory.log", "inspect.log"}
+HYDRA_FILES = {".hydra", "train.log", "compare.log", "memory.log", "inspect.log", LOCK_FILE}
 
 
 def remove_if_only_hydra_files(run_dir: Path) -> None:

@@ -3,9 +3,12 @@ rows without a checkpoint (a run killed before its first) starts clean, the old 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from ampctl.errors import UsageError
 from ampctl.runner.checkpoint import CHECKPOINT_DIR, list_checkpoints
@@ -27,10 +30,65 @@ def refuse_another_runs_directory(run_dir: str, resume: Optional[str]) -> None:
     if not str(run_dir).strip():
         raise UsageError("hydra.run.dir='' is not allowed: expected a directory for this run's records "
                          "(the current directory is not one)")
+    refuse_a_directory_in_use(Path(run_dir))
     found = run_records(Path(run_dir))
     if found and resume is None:
         raise UsageError(f"hydra.run.dir={run_dir} already holds a run ({', '.join(found)}): continue it with "
                          "resume=auto, or choose another hydra.run.dir")
+
+
+LOCK_FILE = ".ampctl.lock"  # held (flock) by the run recording into the directory; the kernel frees it on kill
+
+
+def _holder(lock: Path) -> str:
+    try:
+        return f" (pid {int(lock.read_text().strip())})"
+    except (OSError, ValueError):
+        return ""
+
+
+def _in_use(run_dir: Path) -> UsageError:
+    return UsageError(f"hydra.run.dir={run_dir} is in use by another ampctl run{_holder(run_dir / LOCK_FILE)}: "
+                      "wait for it to end, or choose another hydra.run.dir")
+
+
+def refuse_a_directory_in_use(run_dir: Path) -> None:
+    """Before Hydra writes into run_dir: refused if a running ampctl holds its lock."""
+    lock = run_dir / LOCK_FILE
+    if not lock.is_file():
+        return
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(run_dir) from None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def holding(run_dir: Path) -> Iterator[None]:
+    """Hold run_dir for this run: a second run into it, even with resume=, is refused while this one lives. An
+    advisory flock: released by the kernel when the process ends, however it ends, so a killed run leaves
+    no stale lock (only the file, which the next run takes over)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / LOCK_FILE, "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(run_dir) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+    except BaseException:
+        handle.close()
+        raise
+    try:
+        yield
+    finally:
+        (run_dir / LOCK_FILE).unlink(missing_ok=True)  # a run that ended, however, leaves no lock file
+        handle.close()  # closing releases the lock
 
 
 def set_aside_rows_without_checkpoint(run_dir: Path) -> list[Path]:

@@ -4,6 +4,7 @@ The run calls the same verbs on either, instead of asking which rank it is at ev
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -24,6 +25,12 @@ class Recorder:
     def __init__(self, run_dir: Path, echo: Callable[[str], None]) -> None:
         self.run_dir = run_dir
         self.echo = echo
+
+    def holding(self) -> contextlib.AbstractContextManager:
+        """The run directory held for this run while it lives (runner/ownership.py)."""
+        from ampctl.runner.ownership import holding
+
+        return holding(self.run_dir)
 
     def open(self, resumed_at: Optional[int]) -> None:
         """Create the run directory; resuming at a step, drop what a killed run wrote after its checkpoint."""
@@ -72,6 +79,9 @@ class NoRecorder(Recorder):
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(run_dir, lambda _message: None)
+
+    def holding(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
 
     def open(self, resumed_at: Optional[int]) -> None:
         pass

@@ -82,16 +82,17 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
         recipe = parallelism.RankShard(recipe, parallel.rank, parallel.world_size)
     peak = TrainingPeak(policy.device)
     measure = parallel.is_main and (policy.device.type == "cuda" or cfg.telemetry.profile_cpu_memory)
-    with policy, peak.measuring(enabled=measure):  # the peak counts the model's build
-        state = build_state(cfg, policy, recipe, parallel)
-        resume.restore(state)
-        announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)
-        recorder.open(state.step if resume.payload else None)
-        telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device)
-        telemetry.skipped_total = resume.skipped_total
-        _fit(cfg, state, recipe, policy, parallel, recorder, telemetry, peak)
-    return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
-                                                      recorder.run_dir))
+    with recorder.holding():  # no other run records into this directory while this one lives
+        with policy, peak.measuring(enabled=measure):  # the peak counts the model's build
+            state = build_state(cfg, policy, recipe, parallel)
+            resume.restore(state)
+            announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)
+            recorder.open(state.step if resume.payload else None)
+            telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device)
+            telemetry.skipped_total = resume.skipped_total
+            _fit(cfg, state, recipe, policy, parallel, recorder, telemetry, peak)
+        return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
+                                                          recorder.run_dir))
 
 
 def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, state: TrainState,

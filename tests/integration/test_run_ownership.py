@@ -77,3 +77,29 @@ def test_resume_auto_after_a_run_killed_before_its_first_checkpoint_starts_clean
     [set_aside] = run_dir.glob("metrics.jsonl.set-aside-*")
     assert set_aside.read_text() == old_rows  # kept, never deleted
     assert f"rows of a run that left no checkpoint set aside in {set_aside.name}" in resumed.stdout
+
+
+def test_a_second_run_into_a_directory_in_use_is_refused_and_a_killed_run_leaves_no_stale_lock(tmp_path):
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
+                              f"hydra.run.dir={run_dir}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert first.poll() is None and time.monotonic() < deadline, "the first run ended before writing rows"
+        time.sleep(0.01)
+    before = (run_dir / ".hydra" / "config.yaml").read_bytes()
+    # resume=auto would continue a finished run; into a running one it is refused, naming the holder
+    second = ampctl("train.steps=3", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert second.returncode == 2
+    assert second.stderr == (f"ampctl train: error: hydra.run.dir={run_dir} is in use by another ampctl run "
+                             f"(pid {first.pid}): wait for it to end, or choose another hydra.run.dir\n")
+    assert (run_dir / ".hydra" / "config.yaml").read_bytes() == before
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    # the kernel freed the lock with the process: the run continues at once (from its rows: no checkpoint yet)
+    after_kill = ampctl("train.steps=3", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert after_kill.returncode == 0, after_kill.stderr
+    assert steps(metrics) == [1, 2, 3]
+    assert not (run_dir / ".ampctl.lock").exists()  # a run that ended leaves no lock file
