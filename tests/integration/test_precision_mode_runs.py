@@ -3,37 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from ampctl.engine.build import build_state
 from ampctl.engine.precision import fp32_math
 from tests.conftest import build, train
-
-MODES = [
-    ["precision=fp32"],
-    ["precision=O0"],
-    ["precision=fp16"],
-    ["precision=O1"],
-    ["precision=bf16"],
-    ["precision=O2"],
-    ["precision=O3"],
-    ["precision=O1", "precision.dtype=bfloat16"],
-    ["precision=O2", "precision.dtype=bfloat16"],
-    ["precision=O3", "precision.dtype=bfloat16"],
-]
-
-
-def layout(*overrides: str):
-    cfg, policy, recipe = build(*overrides)
-    with policy:
-        return build_state(cfg, policy, recipe), policy
-
-
-def fake_slowdowns(monkeypatch, bf16: float, fp16: float) -> None:
-    from ampctl.engine import devices
-
-    table = {torch.bfloat16: bf16, torch.float16: fp16}
-    monkeypatch.setattr(devices, "cpu_half_slowdown", lambda dtype: table[dtype])
+from tests.unit.test_precision_modes import MODES, fake_slowdowns
 
 
 @pytest.mark.parametrize("overrides", MODES, ids=lambda o: " ".join(x.split("=")[1] for x in o))

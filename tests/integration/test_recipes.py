@@ -7,9 +7,7 @@ import torch
 
 from ampctl.errors import UsageError
 from tests.conftest import QUIET, train
-
-TINY_GPT = ["recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2", "recipe.block_size=32",
-            "recipe.batch_size=8", "recipe.max_corpus_bytes=200000"]
+from tests.unit.test_recipes import TINY_GPT
 
 
 @pytest.mark.parametrize("precision", ["bf16", "O2"])

@@ -24,6 +24,19 @@ def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           cwd=cwd, timeout=300)
 
 
+def start_a_long_run(run_dir: Path, rows: int) -> subprocess.Popen:
+    """`ampctl train` for 100000 steps into run_dir, returned once it has written `rows` metrics rows."""
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
+                                f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= rows):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before writing rows"
+        time.sleep(0.01)
+    return process
+
+
 def snapshot(run_dir: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
@@ -58,14 +71,8 @@ def test_an_empty_run_dir_is_refused(tmp_path):
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs kill -9")
 def test_resume_auto_after_a_run_killed_before_its_first_checkpoint_starts_clean(tmp_path):
     run_dir = tmp_path / "run"
-    killed = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
-                               f"hydra.run.dir={run_dir}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    killed = start_a_long_run(run_dir, rows=3)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
-        assert killed.poll() is None and time.monotonic() < deadline, "the run ended before writing rows"
-        time.sleep(0.01)
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait()
     old_rows = metrics.read_text()
@@ -81,14 +88,8 @@ def test_resume_auto_after_a_run_killed_before_its_first_checkpoint_starts_clean
 
 def test_a_second_run_into_a_directory_in_use_is_refused_and_a_killed_run_leaves_no_stale_lock(tmp_path):
     run_dir = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
-                              f"hydra.run.dir={run_dir}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    first = start_a_long_run(run_dir, rows=2)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
-        assert first.poll() is None and time.monotonic() < deadline, "the first run ended before writing rows"
-        time.sleep(0.01)
     before = (run_dir / ".hydra" / "config.yaml").read_bytes()
     # resume=auto would continue a finished run; into a running one it is refused, naming the holder
     second = ampctl("train.steps=3", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)

@@ -2,49 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
-import torch
 
-from ampctl.engine.loop import train_step
-from ampctl.engine.telemetry import ListSink, Telemetry
 from tests.conftest import train
-
-
-def run_steps(state, policy, recipe, batches, steps=1, accum=1, clip=None):
-    sink = ListSink()
-    telemetry = Telemetry(policy.device, max(steps, 1), recipe.samples_per_batch, None, [sink])
-    for step in range(steps):
-        train_step(state, batches, recipe, policy, accum, clip, telemetry)
-        telemetry.end_step(last=step == steps - 1)
-    return sink.records
-
-
-def snapshot(state):
-    params = [p.detach().clone() for p in state.weights.optimizer_params]
-    opt_state = [
-        {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for s in state.optimizer.state.values()
-    ]
-    return params, opt_state
-
-
-class HugeGradientRecipe:
-    """One weight whose true gradient, 1e5, fits fp16 only while the loss is scaled below 1."""
-
-    samples_per_batch, tokens_per_batch = 1, None
-
-    def build_model(self):
-        model = torch.nn.Linear(1, 1, bias=False)
-        torch.nn.init.ones_(model.weight)
-        return model
-
-    def batches(self, device, seed):
-        return itertools.repeat(torch.ones(1, 1, device=device))
-
-    def loss(self, model, x):
-        return model(x).float().sum() * 1e5
 
 
 def test_skipped_steps_are_the_same_for_fused_and_unfused_optimizers(tmp_path):
