@@ -1,0 +1,24 @@
+"""ampctl.io's shared helpers against their definitions."""
+
+from __future__ import annotations
+
+import torch
+
+from ampctl import io
+
+
+def test_format_bytes_uses_binary_units():
+    assert io.format_bytes(None) == "-"
+    assert io.format_bytes(512) == "512 B"
+    assert io.format_bytes(1536) == "1.50 KiB"  # 1536 / 2^10
+    assert io.format_bytes(3 * 2**30 + 2**29, decimals=1) == "3.5 GiB"
+    assert io.format_bytes(5 * 2**40) == "5.00 TiB"
+
+
+def test_tensors_in_and_map_tensors_walk_nested_batches():
+    a, b, c = torch.ones(2), torch.zeros(3, dtype=torch.int64), torch.full((1,), 2.0)
+    batch = {"x": (a, [b, "label"]), "y": c, "n": 4}
+    assert [t.data_ptr() for t in io.tensors_in(batch)] == [a.data_ptr(), b.data_ptr(), c.data_ptr()]
+    doubled = io.map_tensors(batch, lambda t: t * 2)
+    assert doubled["n"] == 4 and doubled["x"][1][1] == "label" and isinstance(doubled["x"], tuple)
+    assert torch.equal(doubled["x"][0], a * 2) and torch.equal(doubled["y"], c * 2)
