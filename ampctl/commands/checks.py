@@ -11,6 +11,7 @@ front and each job again when it starts.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 from hydra import compose
@@ -92,6 +93,25 @@ def check_command(command: str, cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def main_run_dir(hydra_cfg: DictConfig) -> Path:
+    """Rank 0's run directory, on any rank. The other ranks run with hydra.run.dir=. (they write nothing of
+    their own); they read the run dir the command line gave, which names the same directory on every rank
+    when resume=auto has one to continue (a timestamped default is a new directory on every rank)."""
+    if is_main_process():
+        return Path(hydra_cfg.run.dir)
+    given = [o.split("=", 1)[1] for o in hydra_cfg.overrides.hydra if o.startswith("hydra.run.dir=")]
+    return Path(given[-2] if len(given) > 1 else ".")
+
+
+def train_run(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[DictConfig, dict[str, str]]:
+    """`ampctl train`'s config and group choices as the job runs them: a resumed run's own config, with the
+    changes the command line names (runner/resume.py); UsageError for a change that is not safe."""
+    from ampctl.runner.resume import run_config
+
+    return run_config(cfg, dict(hydra_cfg.runtime.choices), [str(o) for o in hydra_cfg.overrides.task],
+                      main_run_dir(hydra_cfg))
+
+
 def without_hydra_node(config: DictConfig) -> DictConfig:
     """The job's config as its task function receives it (Hydra removes the hydra node the same way)."""
     job = copy.deepcopy(config)
@@ -110,11 +130,14 @@ class CheckEveryJob(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # before Hydra creates the run directory: a refused run leaves nothing behind, and touches no other run
         try:
-            cfg = check_command(self.command, without_hydra_node(config))
-            if self.command == "train" and is_main_process():  # the other ranks record nothing (run.dir=.)
-                from ampctl.runner.ownership import refuse_another_runs_directory
+            cfg = typed(self.command, without_hydra_node(config))
+            if self.command == "train":
+                if is_main_process():  # the other ranks record nothing (run.dir=.)
+                    from ampctl.runner.ownership import refuse_another_runs_directory
 
-                refuse_another_runs_directory(config.hydra.run.dir, cfg.resume)
+                    refuse_another_runs_directory(config.hydra.run.dir, cfg.resume)
+                cfg, _ = train_run(cfg, config.hydra)  # a refused resume, refused before Hydra writes
+            CHECKS[self.command][1](cfg)
         except UsageError as exc:
             raise CommandLineRefused(exc) from None
 

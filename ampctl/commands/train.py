@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -13,8 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ampctl.commands.checks import typed
-from ampctl.engine.parallel import is_main_process
+from ampctl.commands.checks import train_run, typed
+from ampctl.engine.parallel import is_main_process, torchrun_world_size
 from ampctl.errors import USAGE_EXIT_CODE, RunStopped, UsageError
 from ampctl.reports.runs import ERROR_FILE
 from ampctl.runner.interrupt import Interrupted
@@ -31,6 +33,12 @@ def remove_if_only_hydra_files(run_dir: Path) -> None:
     """A run refused before training leaves no directory behind (Hydra creates it before the job runs)."""
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
         shutil.rmtree(run_dir)
+        # and the dated folders Hydra made for it (outputs/<date>/), when nothing else is in them
+        here = Path.cwd().resolve()
+        for parent in run_dir.resolve().parents:
+            if parent == here or here not in parent.parents or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="train")
@@ -39,14 +47,15 @@ def train(cfg: DictConfig) -> Optional[float]:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        summary = run_training(typed("train", cfg), run_dir, choices=dict(hydra_cfg.runtime.choices))
+        cfg, choices = train_run(typed("train", cfg), hydra_cfg)
+        summary = run_training(cfg, run_dir, choices=choices)
     except Interrupted as exc:
         if not is_main_process():
             sys.exit(exc.exit_code)
         where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
-        resume_dir = Path(exc.checkpoint).parent.parent if exc.checkpoint else run_dir
-        print(f"ampctl train: interrupted at step {exc.step}; {where}; continue with: "
-              f"ampctl train <same overrides> resume={resume_dir}", file=sys.stderr)
+        print(f"ampctl train: interrupted at step {exc.step}; {where}", file=sys.stderr)
+        if exc.checkpoint:
+            print(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except RunStopped as exc:
         if multirun:
@@ -68,6 +77,16 @@ def train(cfg: DictConfig) -> Optional[float]:
     if Path(summary["run_dir"]) != run_dir and is_main_process():
         remove_if_only_hydra_files(run_dir)  # resumed into the checkpoint's own run dir
     return summary.get("final_loss")
+
+
+def continue_command(run_dir: Path) -> str:
+    """The command that continues this run: its config is in its checkpoints, so only the run is named."""
+    resume = f"resume={shlex.quote(str(run_dir))}"
+    world, local = torchrun_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world == 1:
+        return f"ampctl train {resume}"
+    nodes = f"--nnodes={world // local} <this job's rendezvous options> " if world != local else ""
+    return f"torchrun {nodes}--nproc-per-node={local} -m ampctl train {resume}"
 
 
 def record_failed_job(run_dir: Path, exc: BaseException) -> float:

@@ -60,7 +60,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --- save -----------------------------------------------------------------------------------------
 
 
-def capture(state: TrainState, cfg: DictConfig, batches_consumed: int, skipped_total: int) -> dict[str, Any]:
+def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches_consumed: int,
+            skipped_total: int) -> dict[str, Any]:
     """The checkpoint's payload. Reads the device (scaler scale, lr count): called between steps only, on
     every rank (gathering sharded states is a collective); rank 0's payload is the one saved."""
     model_state, optimizer_state = state.parallel.full_state(state.model, state.optimizer)
@@ -70,6 +71,7 @@ def capture(state: TrainState, cfg: DictConfig, batches_consumed: int, skipped_t
         "batches_consumed": batches_consumed,
         "skipped_total": skipped_total,
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        "choices": dict(choices),  # the config groups chosen (recipe=gpt): a resumed run reports the same names
         "model": model_state,
         "weights": state.weights.state_dict(),
         "optimizer": optimizer_state,
@@ -99,6 +101,10 @@ def save_atomic(payload: dict[str, Any], path: Path) -> None:
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINT_DIR / f"step_{step:08d}.pt"
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -143,9 +149,10 @@ def run_dir_of(checkpoint: Path) -> Path:
     return checkpoint.resolve().parent.parent
 
 
-def load(path: Path) -> dict[str, Any]:
+def load(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """The checkpoint's payload (UsageError when it cannot be read). mmap: tensors stay on disk until used."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - any failure to read is the same answer for the user
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"checkpoint {str(path)!r} cannot be read (truncated or corrupt?): {reason}") from None

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from ampctl import io
 from ampctl.errors import UsageError
-from ampctl.runner.checkpoint import CHECKPOINT_DIR, list_checkpoints
+from ampctl.runner.checkpoint import CHECKPOINT_DIR, checkpoint_step, list_checkpoints
 
 # What a training run writes; Hydra's own files (.hydra/, train.log) are rewritten by every run and say nothing.
 RUN_RECORDS = ("metrics.jsonl", "ranges.jsonl", "summary.json", "diagnosis.json")
@@ -97,9 +99,62 @@ def set_aside_rows_without_checkpoint(run_dir: Path) -> list[Path]:
     if list_checkpoints(run_dir):
         return []
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = []
-    for name in RUN_RECORDS:
-        path = run_dir / name
-        if path.is_file():
-            moved.append(path.rename(path.with_name(f"{name}.set-aside-{stamp}")))
-    return moved
+    return [path.rename(_aside(path, stamp)) for path in map(run_dir.joinpath, RUN_RECORDS) if path.is_file()]
+
+
+def _aside(path: Path, stamp: str) -> Path:
+    """A free name beside path for what is set aside: `<name>.set-aside-<time>` (-2, -3... within a second)."""
+    target, n = path.with_name(f"{path.name}.set-aside-{stamp}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.set-aside-{stamp}-{n}")
+    return target
+
+
+def start_timeline_at(run_dir: Path, step: int) -> list[str]:
+    """Resuming at `step`: what the directory holds past it is set aside, never deleted, so that the run goes
+    on from `step` without duplicated rows, and a later resume=auto cannot jump back to another timeline:
+    rows a killed run wrote after its checkpoint, or everything after an older checkpoint resumed on purpose
+    (later rows and checkpoints). The summary and diagnosis describe an end this run will write again.
+    Returns one line per thing set aside."""
+    stamp, said = time.strftime("%Y%m%d-%H%M%S"), []
+    later = [path for path in list_checkpoints(run_dir) if checkpoint_step(path) > step]
+    if later:
+        folder = _aside(run_dir / CHECKPOINT_DIR / "timeline", stamp)
+        folder.mkdir()
+        for path in later:
+            path.rename(folder / path.name)
+        said.append(f"{len(later)} later checkpoint(s) of the abandoned timeline set aside in "
+                    f"{folder.relative_to(run_dir)}")
+    for name in ("metrics.jsonl", "ranges.jsonl"):
+        aside = _split_rows_after(run_dir / name, step, stamp)
+        if aside is not None:
+            said.append(f"{name} rows after step {step} set aside in {aside.name}")
+    for name in ("summary.json", "diagnosis.json"):
+        if (run_dir / name).is_file():
+            said.append(f"{name} set aside in {(run_dir / name).rename(_aside(run_dir / name, stamp)).name}")
+    return said
+
+
+def _split_rows_after(path: Path, step: int, stamp: str) -> Optional[Path]:
+    """Keep the rows of steps <= step in path; the others (and lines no one can read, such as one cut by a
+    kill) go to a set-aside file beside it, which is returned (None when nothing was set aside)."""
+    if not path.is_file():
+        return None
+    kept, aside = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        (kept if _row_step(line) is not None and _row_step(line) <= step else aside).append(line)
+    if not aside:
+        return None
+    target = _aside(path, stamp)
+    io.atomic_write_text(target, "".join(line + "\n" for line in aside))
+    io.atomic_write_text(path, "".join(line + "\n" for line in kept))
+    return target
+
+
+def _row_step(line: str) -> Optional[int]:
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

@@ -5,9 +5,10 @@ The run calls the same verbs on either, instead of asking which rank it is at ev
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io
 from ampctl.engine.loop import TrainState
@@ -33,11 +34,20 @@ class Recorder:
         return holding(self.run_dir)
 
     def open(self, resumed_at: Optional[int]) -> None:
-        """Create the run directory; resuming at a step, drop what a killed run wrote after its checkpoint."""
+        """Create the run directory; resuming at a step, set aside what the directory holds past it."""
+        from ampctl.runner.ownership import start_timeline_at
+
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resumed_at is not None:
-            keep_metrics_up_to(self.run_dir / METRICS_FILE, resumed_at)
-            keep_ranges_up_to(self.run_dir / "ranges.jsonl", resumed_at)
+            for line in start_timeline_at(self.run_dir, resumed_at):
+                self.echo(f"resume: {line}")
+
+    def record_config(self, cfg: DictConfig) -> None:
+        """A resumed run's config (the checkpoint's, with the safe changes) as Hydra's .hydra/config.yaml of
+        its run directory, so that the file says what runs now (Hydra wrote the composed one, or none)."""
+        hydra_dir = self.run_dir / ".hydra"
+        if hydra_dir.is_dir():
+            io.atomic_write_text(hydra_dir / "config.yaml", OmegaConf.to_yaml(cfg))
 
     def set_aside_rows_without_checkpoint(self) -> list[Path]:
         from ampctl.runner.ownership import set_aside_rows_without_checkpoint
@@ -86,6 +96,9 @@ class NoRecorder(Recorder):
     def open(self, resumed_at: Optional[int]) -> None:
         pass
 
+    def record_config(self, cfg: DictConfig) -> None:
+        pass
+
     def set_aside_rows_without_checkpoint(self) -> list[Path]:
         return []
 
@@ -103,32 +116,6 @@ class NoRecorder(Recorder):
 
     def write_summary(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"run_dir": str(self.run_dir)}
-
-
-def keep_metrics_up_to(path: Path, step: int) -> None:
-    """Resuming at `step`: drop the rows a killed run wrote after its checkpoint (and a line cut by the
-    kill), so that metrics.jsonl continues without gaps or duplicates."""
-    from ampctl.engine.telemetry import read_metrics
-
-    if not path.is_file():
-        return
-    kept = [line for line, record in zip(path.read_text(encoding="utf-8").splitlines(), read_metrics(path))
-            if record.step <= step]
-    io.atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
-def keep_ranges_up_to(path: Path, step: int) -> None:
-    """As keep_metrics_up_to, for telemetry.ranges_every's ranges.jsonl."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            break  # a line cut by a kill ends what was written
-    io.atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def final_line(summary: dict, run_dir: Path) -> str:

@@ -7,12 +7,11 @@ from __future__ import annotations
 import contextlib
 import platform
 import signal
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from ampctl.analysis.memory.measure import TrainingPeak
 from ampctl.conf.schema import scaler_is_active
@@ -22,7 +21,7 @@ from ampctl.engine.build import build_state, check_config
 from ampctl.engine.loop import TrainState, fit
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
-from ampctl.errors import RunStopped
+from ampctl.errors import RunStopped, UsageError
 from ampctl.recipes.base import Recipe, build_recipe
 from ampctl.runner import checkpoint
 from ampctl.runner.console import say
@@ -30,6 +29,7 @@ from ampctl.runner.diagnose import replay
 from ampctl.runner.guards import Guard, GuardStop
 from ampctl.runner.interrupt import Interrupted, StopOnSignal
 from ampctl.runner.recorder import METRICS_FILE, NoRecorder, Recorder
+from ampctl.runner.resume import Resume
 
 
 def run_training(
@@ -40,37 +40,15 @@ def run_training(
     policy = check_config(cfg)
     parallel = parallelism.start(cfg, policy.device, policy.dtype if policy.precision.autocast else None)
     try:
+        mine = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        if parallel.main_value(mine) != mine:  # e.g. resume=auto found another checkpoint on this rank
+            raise UsageError(f"rank {parallel.rank} resolved a different config than rank 0 (resume={cfg.resume}): "
+                             "every rank must see the same run directory and checkpoints")
         summary = _train(cfg, parallel.main_value(run_dir), choices or {}, echo, policy, parallel)
         parallel.barrier()  # ranks leave together: none tears the group down while another still talks to it
         return summary
     finally:
         parallel.close()
-
-
-@dataclass
-class Resume:
-    """Where a run starts: from nothing, or from a checkpoint (whose run directory it continues)."""
-
-    run_dir: Path
-    source: Optional[Path] = None
-    payload: Optional[dict[str, Any]] = None
-    changes: list[str] = field(default_factory=list)  # config keys that differ from the checkpoint's
-
-    @classmethod
-    def find(cls, cfg: DictConfig, run_dir: Path) -> "Resume":
-        source = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
-        if source is None:
-            return cls(run_dir)
-        payload = checkpoint.load(source)
-        return cls(checkpoint.run_dir_of(source), source, payload, checkpoint.config_changes(payload["config"], cfg))
-
-    def restore(self, state: TrainState) -> None:
-        if self.payload:
-            checkpoint.restore(self.payload, state)
-
-    @property
-    def skipped_total(self) -> int:
-        return self.payload["skipped_total"] if self.payload else 0
 
 
 def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable[[str], None],
@@ -87,10 +65,12 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
             state = build_state(cfg, policy, recipe, parallel)
             resume.restore(state)
             announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)
-            recorder.open(state.step if resume.payload else None)
+            recorder.open(resume.step)
+            if resume.payload:
+                recorder.record_config(cfg)
             telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device)
             telemetry.skipped_total = resume.skipped_total
-            _fit(cfg, state, recipe, policy, parallel, recorder, telemetry, peak)
+            _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak)
         return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
                                                           recorder.run_dir))
 
@@ -129,9 +109,10 @@ class Checkpointer:
     """After every step: the guards on log steps (when values came back from the device anyway), then a
     checkpoint every train.checkpoint_every steps and at the last one."""
 
-    def __init__(self, cfg: DictConfig, state: TrainState, telemetry: Telemetry, recorder: Recorder,
-                 peak: TrainingPeak) -> None:
-        self.cfg, self.state, self.telemetry, self.recorder, self.peak = cfg, state, telemetry, recorder, peak
+    def __init__(self, cfg: DictConfig, choices: dict[str, str], state: TrainState, telemetry: Telemetry,
+                 recorder: Recorder, peak: TrainingPeak) -> None:
+        self.cfg, self.choices, self.state, self.telemetry = cfg, choices, state, telemetry
+        self.recorder, self.peak = recorder, peak
         scaler = state.scaler
         self.guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
         self.last: Optional[Path] = None
@@ -148,7 +129,7 @@ class Checkpointer:
         every, step = self.cfg.train.checkpoint_every, self.state.step
         if last or (every is not None and step % every == 0):
             self.telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
-            payload = checkpoint.capture(self.state, self.cfg, step * self.cfg.train.grad_accum_steps,
+            payload = checkpoint.capture(self.state, self.cfg, self.choices, step * self.cfg.train.grad_accum_steps,
                                          self.telemetry.skipped_total)
             # Ranks hold the same weights and states (DDP), or FSDP gathered them: rank 0's full state dict is
             # the checkpoint, and a resumed job, of any size, loads it on every rank.
@@ -165,10 +146,10 @@ def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: Tr
     return lambda: state.step % log_every == 0 and parallel.agree(stop.requested)
 
 
-def _fit(cfg: DictConfig, state: TrainState, recipe: Recipe, policy: PrecisionPolicy,
+def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Recipe, policy: PrecisionPolicy,
          parallel: parallelism.Parallel, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak) -> None:
     """fit() with the checkpointer, the guards, the value-range log and a stop on SIGINT/SIGTERM."""
-    checkpointer = Checkpointer(cfg, state, telemetry, recorder, peak)
+    checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak)
     ranges_log = recorder.ranges_log(state, policy.device, cfg.telemetry.ranges_every)
     announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
     try:

@@ -4,7 +4,9 @@ config changes on resume. A resumed run must equal the uninterrupted one bit for
 from __future__ import annotations
 
 import json
+import math
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -109,13 +111,35 @@ def test_sigint_writes_a_checkpoint_and_says_how_to_resume(tmp_path, reference, 
     child.send_signal(signal.SIGINT)
     _, stderr = child.communicate(timeout=120)
     assert child.returncode == 130
-    assert "Traceback" not in stderr and f"resume={run_dir}" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
     step = int(stderr.split("interrupted at step ")[1].split(";")[0])
     assert len(rows(run_dir)) == step  # every step up to the checkpoint is recorded, none after
     assert torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)["step"] == step
-    main(["train", *RUN, "train.console=quiet", f"hydra.run.dir={tmp_path / 'other'}", f"resume={run_dir}"])
+    # The printed command, as printed: the run's config comes from its checkpoint, no override retyped.
+    command = shlex.split(stderr.split("continue with: ")[1].splitlines()[0])
+    assert command == ["ampctl", "train", f"resume={run_dir}"], stderr
+    main([*command[1:], "train.console=quiet", f"hydra.run.dir={tmp_path / 'other'}"])
     assert not (tmp_path / "other").exists()  # it resumed into its own run dir
     assert_same_run(reference, run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["recipe"], summary["precision_choice"]) == ("mlp", "fp16")  # the run's own choices
+
+
+def test_resume_from_an_older_checkpoint_starts_a_new_timeline_and_loses_nothing(stopped_run, capsys, restore_argv):
+    old_rows, old_newest = rows(stopped_run), (stopped_run / "checkpoints" / "step_00000020.pt").read_bytes()
+    main(["train", f"resume={stopped_run / 'checkpoints' / 'step_00000010.pt'}", "train.console=quiet",
+          f"hydra.run.dir={stopped_run.parent / 'other'}"])
+    out = capsys.readouterr().out
+    assert "1 later checkpoint(s) of the abandoned timeline set aside" in out, out
+    [aside_dir] = (stopped_run / "checkpoints").glob("timeline.set-aside-*")
+    assert (aside_dir / "step_00000020.pt").read_bytes() == old_newest  # kept, byte for byte
+    [aside_rows] = stopped_run.glob("metrics.jsonl.set-aside-*")
+    assert [r["step"] for r in map(json.loads, aside_rows.read_text().splitlines())] == list(range(11, 21))
+    assert list(stopped_run.glob("summary.json.set-aside-*"))
+    assert rows(stopped_run) == old_rows  # the new timeline from step 10 is the same run again (CPU: bitwise)
+    # resume=auto now continues the new timeline, never jumps back to the set-aside one
+    main(["train", "train.steps=25", "train.console=quiet", f"hydra.run.dir={stopped_run}", "resume=auto"])
+    assert [r["step"] for r in rows(stopped_run)] == list(range(1, 26))
 
 
 @pytest.fixture
@@ -143,18 +167,50 @@ def test_a_corrupt_checkpoint_is_one_line_and_touches_nothing(stopped_run, capsy
     ("optimizer.lr=0.01", "optimizer.lr"),
 ])
 def test_resume_refuses_a_changed_model_precision_or_optimizer(stopped_run, capsys, restore_argv, change, key):
+    before = {p: p.read_bytes() for p in stopped_run.rglob("*") if p.is_file()}
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *RUN, change, f"hydra.run.dir={stopped_run}", "resume=auto"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"resume: {key} was" in err, err
+    assert {p: p.read_bytes() for p in stopped_run.rglob("*") if p.is_file()} == before  # .hydra/ included
 
 
-def test_resume_allows_more_steps_and_says_so(stopped_run, capsys, restore_argv):
-    main(["train", *RUN, "train.steps=30", f"hydra.run.dir={stopped_run}", "resume=auto"])
+def test_resume_takes_the_runs_own_config_for_what_the_command_line_does_not_name(stopped_run, capsys, restore_argv):
+    """Only the keys a command line names are compared; a named default (recipe=gpt) is a change, refused."""
+    main(["train", "train.steps=22", "train.console=quiet", f"hydra.run.dir={stopped_run}", "resume=auto"])
+    assert "changed: train.steps: 20 -> 22" in capsys.readouterr().out
+    assert "name: fp16" in (stopped_run / ".hydra" / "config.yaml").read_text()  # says what runs now
+    assert "steps: 22" in (stopped_run / ".hydra" / "config.yaml").read_text()
+    with pytest.raises(SystemExit):
+        main(["train", "recipe=gpt", f"hydra.run.dir={stopped_run}", "resume=auto"])
+    assert "resume: recipe._target_ was 'ampctl.recipes.mlp.MLPRecipe'" in capsys.readouterr().err
+
+
+def expected_lr(applied: int, total: int, cfg: dict) -> float:
+    """Warm-up then cosine decay to min_lr_ratio, written out by hand (engine/optim.py computes it on the device)."""
+    train, base = cfg["train"], cfg["optimizer"]["lr"]
+    warm = min(1.0, (applied + 1) / train["lr_warmup_steps"])
+    progress = min(1.0, max(0.0, (applied - train["lr_warmup_steps"]) / max(1, total - train["lr_warmup_steps"])))
+    return base * warm * (train["min_lr_ratio"] + (1 - train["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def test_resume_allows_more_steps_and_says_what_happens_to_the_lr_schedule(tmp_path, capsys, restore_argv):
+    """The schedule decays over train.steps: extending a run moves its end, and the lr of the next step jumps
+    (stated at resume). Every resumed step's lr is the schedule's over the new total."""
+    run_dir, short_warmup = tmp_path / "run", "train.lr_warmup_steps=5"
+    main(["train", *RUN, short_warmup, "train.steps=20", "train.console=quiet", f"hydra.run.dir={run_dir}"])
+    cfg = torch.load(run_dir / "checkpoints" / "step_00000020.pt", weights_only=True)["config"]
+    main(["train", *RUN, short_warmup, "train.steps=40", f"hydra.run.dir={run_dir}", "resume=auto"])
     out = capsys.readouterr().out
-    assert "resumed from" in out and "train.steps: 20 -> 30" in out
-    assert [r["step"] for r in rows(stopped_run)] == list(range(1, 31))
+    assert "resumed from" in out and "train.steps: 20 -> 40" in out
+    records = rows(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 41))
+    applied = [r["step"] - 1 - (prev["skipped_total"] if prev else 0) for prev, r in zip([None, *records], records)]
+    for r, n in zip(records, applied):
+        assert r["lr"] == pytest.approx(expected_lr(n, 20 if r["step"] <= 20 else 40, cfg), rel=1e-12), r
+    said = f"lr of the next step {expected_lr(applied[20], 20, cfg):.4g} -> {expected_lr(applied[20], 40, cfg):.4g}"
+    assert f"lr schedule: cosine decay now ends at step 40 (was 20); {said}" in out, out
 
 
 @pytest.mark.parametrize("target,message", [

@@ -1,0 +1,107 @@
+"""Where a run resumes, and with which config.
+
+A resumed run is the run it continues: its config is the one saved in the checkpoint, and the command line
+may change only what is safe to change (checkpoint.SAFE_TO_CHANGE). A key the command line names (a value
+`train.steps=400`, a group `precision=fp16`) is compared with the saved run's; a key it does not name is
+the saved run's, whatever the defaults say. So `ampctl train resume=runs/x` continues runs/x as it was,
+and `ampctl train precision=bf16 resume=runs/x` on an fp16 run is refused, naming precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf
+
+from ampctl.conf.typed import typed_config
+from ampctl.engine.loop import TrainState
+from ampctl.engine.optim import lr_factor
+from ampctl.runner import checkpoint
+
+
+def named_keys(overrides: list[str]) -> list[str]:
+    """The config keys a command line names: `train.steps=5` names train.steps, `precision=fp16` the whole
+    precision node. Hydra's own (hydra.*) are not the run's."""
+    keys = []
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.key_or_group.replace("/", ".")
+        if key != "hydra" and not key.startswith("hydra."):
+            keys.append(key)
+    return keys
+
+
+def _named(key: str, names: list[str]) -> bool:
+    return any(key == name or key.startswith(name + ".") for name in names)
+
+
+def run_config(cfg: DictConfig, choices: dict[str, str], overrides: list[str],
+               run_dir: Path) -> tuple[DictConfig, dict[str, str]]:
+    """The config and group choices of the run that cfg.resume continues: the checkpoint's, with the keys the
+    command line names taken from cfg. A named key that may not change and differs is refused (UsageError).
+    cfg as it is when there is nothing to resume (resume=auto before the first checkpoint)."""
+    source = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+    if source is None:
+        return cfg, choices
+    saved = checkpoint.load(source, mmap=True)  # the tensors stay on disk: only the config is read
+    names = named_keys(overrides)
+    resumed = OmegaConf.create(saved["config"])
+    for name in names:
+        value = OmegaConf.select(cfg, name, default=None)
+        OmegaConf.update(resumed, name, value, merge=False, force_add=True)
+    resumed = typed_config(resumed)
+    checkpoint.config_changes(saved["config"], resumed)  # raises on an unsafe change
+    saved_choices = saved.get("choices") or {}
+    return resumed, {**saved_choices, **{g: c for g, c in choices.items() if _named(g, names)}}
+
+
+@dataclass
+class Resume:
+    """Where a run starts: from nothing, or from a checkpoint (whose run directory it continues)."""
+
+    run_dir: Path
+    source: Optional[Path] = None
+    payload: Optional[dict[str, Any]] = None
+    changes: list[str] = field(default_factory=list)  # config keys that differ from the checkpoint's
+
+    @classmethod
+    def find(cls, cfg: DictConfig, run_dir: Path) -> "Resume":
+        source = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+        if source is None:
+            return cls(run_dir)
+        payload = checkpoint.load(source)
+        changes = checkpoint.config_changes(payload["config"], cfg)
+        return cls(checkpoint.run_dir_of(source), source, payload, changes + _schedule_change(payload, cfg))
+
+    def restore(self, state: TrainState) -> None:
+        if self.payload:
+            checkpoint.restore(self.payload, state)
+
+    @property
+    def step(self) -> Optional[int]:
+        return self.payload["step"] if self.payload else None
+
+    @property
+    def skipped_total(self) -> int:
+        return self.payload["skipped_total"] if self.payload else 0
+
+
+def _schedule_change(payload: dict[str, Any], cfg: DictConfig) -> list[str]:
+    """A changed train.steps moves the end of the lr schedule (it decays over train.steps): the lr of the
+    next step, before and after, so that a jump is seen and not discovered in a plot."""
+    old_steps, train = payload["config"]["train"]["steps"], cfg.train
+    if old_steps == train.steps or train.lr_schedule.value == "constant":
+        return []
+    applied = torch.tensor(float(payload["schedule"]["applied"]), dtype=torch.float64)
+
+    def lr(total: int) -> float:
+        factor = lr_factor(applied, train.lr_schedule, train.lr_warmup_steps, total, train.min_lr_ratio)
+        return float(factor) * payload["schedule"]["base_lrs"][0]
+
+    said = f"lr schedule: {train.lr_schedule.value} decay now ends at step {train.steps} (was {old_steps})"
+    before, after = lr(old_steps), lr(train.steps)
+    return [said + (f"; lr of the next step {before:.4g} -> {after:.4g}" if before != after else "")]
+
