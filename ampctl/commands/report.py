@@ -32,6 +32,9 @@ def render(path: Path) -> int:
                                  "run the command that wrote it again") from None
     if is_run_dir(path):
         run = load_run(path)
+        if run.unfinished:
+            _render_unfinished(run, console)
+            return 0
         table = tables.single_run_table(run)
         images = tables.run_images([(run.name, run)], path)
         machine = tables.machine_info([run.summary] if run.summary else [])
@@ -45,6 +48,17 @@ def render(path: Path) -> int:
         f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
         "no comparison.json, memory.json or ranges.json)"
     )
+
+
+def _render_unfinished(run, console) -> None:
+    """A running or interrupted run: where it is, from its rows; nothing written into its directory (a
+    report of a part would be taken for the run's, and the run itself may still be writing)."""
+    if run.metrics:
+        last = run.metrics[-1]
+        keys = ("step", "loss", "loss_scale", "skipped_total", "lr")
+        tables.print_table(tables.ReportTable(f"run {run.path} (last row)", ["key", "value"],
+                                              [[k, last[k]] for k in keys if k in last]), console)
+    console.print(f"{run.unfinished}; no report written (it is written from the finished run's summary)")
 
 
 def _render_record(path: Path, record: str, console) -> int:

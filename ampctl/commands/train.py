@@ -18,9 +18,8 @@ from omegaconf import DictConfig
 from ampctl.commands.checks import train_run, typed
 from ampctl.engine.parallel import is_main_process, torchrun_world_size
 from ampctl.errors import USAGE_EXIT_CODE, RunStopped, UsageError
-from ampctl.reports.runs import ERROR_FILE
+from ampctl.reports.runs import ERROR_FILE, LOCK_FILE
 from ampctl.runner.interrupt import Interrupted
-from ampctl.runner.ownership import LOCK_FILE
 from ampctl.runner.run import run_training
 
 log = logging.getLogger(__name__)

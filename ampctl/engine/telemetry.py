@@ -199,13 +199,14 @@ def parse_metrics_line(line: str) -> StepRecord:
 
 
 def read_metrics(path: Path) -> list[StepRecord]:
-    """metrics.jsonl back as records (stops at a line cut short by a kill)."""
+    """metrics.jsonl back as records; a line that is not a row (cut short by a kill, garbled on disk) is
+    passed over, and the rows after it are read (the runner sets such lines aside)."""
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             records.append(parse_metrics_line(line))
-        except (json.JSONDecodeError, TypeError):
-            break
+        except (json.JSONDecodeError, TypeError, AttributeError):
+            continue
     return records
 
 

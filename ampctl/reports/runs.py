@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,6 +10,9 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from ampctl.errors import UsageError
+
+LOCK_FILE = ".ampctl.lock"  # held (flock) by the run recording into the directory; the kernel frees it on kill
 ERROR_FILE = "error.txt"  # written by a multirun job that failed, so the sweep's table can show why
 # summary.json's measured figures: null there stands for a non-finite value (JSON has no NaN), read back as NaN
 SUMMARY_FIGURES = ("final_loss", "tail_loss", "final_loss_scale", "median_step_time_ms", "samples_per_s",
@@ -22,6 +26,17 @@ class RunRecord:
     metrics: list[dict] = field(default_factory=list)
     overrides: list[str] = field(default_factory=list)
     error: Optional[str] = None
+    running_pid: Optional[int] = None  # the process recording into it now
+
+    @property
+    def unfinished(self) -> Optional[str]:
+        """Why a run without a summary has none, when not an error: it is running, or it was interrupted."""
+        if self.summary is not None or (self.path / ERROR_FILE).is_file():
+            return None
+        at = f"at step {self.metrics[-1]['step']}" if self.metrics else "before its first step"
+        if self.running_pid is not None:
+            return f"running (pid {self.running_pid}), {at}"
+        return f"interrupted {at}; continue it with: ampctl train resume={self.path}"
 
     @property
     def name(self) -> str:
@@ -47,24 +62,68 @@ def is_run_dir(path: Path) -> bool:
 
 
 def load_run(path: Path) -> RunRecord:
-    summary_path, metrics_path = path / "summary.json", path / "metrics.jsonl"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
-    if summary is not None:
-        summary.update({k: float("nan") for k in SUMMARY_FIGURES if k in summary and summary[k] is None})
-    metrics = []
-    if metrics_path.is_file():
-        for line in metrics_path.read_text().splitlines():
-            try:
-                metrics.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a run killed mid-write: keep the complete lines
+    """A run directory's records. A summary or row that is not whole raises UsageError naming the file (and
+    line): a report from part of a record would be wrong without saying so."""
+    summary = _read_summary(path / "summary.json")
+    metrics = read_rows(path / "metrics.jsonl")
     overrides_path = path / ".hydra" / "overrides.yaml"
     overrides = [str(o) for o in OmegaConf.load(overrides_path)] if overrides_path.is_file() else []
     error_path = path / ERROR_FILE
-    error = error_path.read_text().strip() if error_path.is_file() else None
-    if summary is None and error is None:
-        error = "did not finish (no summary.json)"
-    return RunRecord(path, summary, metrics, overrides, error)
+    record = RunRecord(path, summary, metrics, overrides, error_path.read_text().strip() if error_path.is_file() else None,
+                       running_pid=holder_pid(path))
+    if summary is None and record.error is None:
+        record.error = f"did not finish ({record.unfinished})"
+    return record
+
+
+def _read_summary(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(summary, dict) or not isinstance(summary.get("steps"), int):
+            raise ValueError("not an object with an integer 'steps'")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path} is not a whole summary ({exc}); the run's rows are in metrics.jsonl") from None
+    summary.update({k: float("nan") for k in SUMMARY_FIGURES if k in summary and summary[k] is None})
+    return summary
+
+
+def read_rows(path: Path) -> list[dict]:
+    """metrics.jsonl's rows. A last line without its newline was cut by a kill and is passed over; any other
+    line that is not a row with an integer step raises UsageError naming it."""
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines[:-1], start=1):  # lines[-1]: "" after the last newline, or a cut line
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a row with an integer 'step'")
+        except ValueError as exc:
+            raise UsageError(f"{path}:{number} is not a metrics row ({exc}); a run resumed in that directory sets "
+                             "such lines aside") from None
+        rows.append(row)
+    return rows
+
+
+def holder_pid(run_dir: Path) -> Optional[int]:
+    """The pid of the ampctl run holding run_dir's lock now, or None (a killed run's lock is free)."""
+    lock = run_dir / LOCK_FILE
+    if not lock.is_file():
+        return None
+    with open(lock) as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return int(lock.read_text().strip())
+            except ValueError:
+                return -1  # held, by a run that has not written its pid yet
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
 
 
 def find_runs(root: Path) -> list[RunRecord]:

@@ -9,10 +9,11 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from ampctl import io
 from ampctl.errors import UsageError
+from ampctl.reports.runs import LOCK_FILE, holder_pid
 from ampctl.runner.checkpoint import CHECKPOINT_DIR, checkpoint_step, list_checkpoints
 
 # What a training run writes; Hydra's own files (.hydra/, train.log) are rewritten by every run and say nothing.
@@ -39,32 +40,17 @@ def refuse_another_runs_directory(run_dir: str, resume: Optional[str]) -> None:
                          "resume=auto, or choose another hydra.run.dir")
 
 
-LOCK_FILE = ".ampctl.lock"  # held (flock) by the run recording into the directory; the kernel frees it on kill
-
-
-def _holder(lock: Path) -> str:
-    try:
-        return f" (pid {int(lock.read_text().strip())})"
-    except (OSError, ValueError):
-        return ""
-
-
-def _in_use(run_dir: Path) -> UsageError:
-    return UsageError(f"hydra.run.dir={run_dir} is in use by another ampctl run{_holder(run_dir / LOCK_FILE)}: "
+def _in_use(run_dir: Path, pid: Optional[int]) -> UsageError:
+    holder = f" (pid {pid})" if pid is not None and pid > 0 else ""
+    return UsageError(f"hydra.run.dir={run_dir} is in use by another ampctl run{holder}: "
                       "wait for it to end, or choose another hydra.run.dir")
 
 
 def refuse_a_directory_in_use(run_dir: Path) -> None:
     """Before Hydra writes into run_dir: refused if a running ampctl holds its lock."""
-    lock = run_dir / LOCK_FILE
-    if not lock.is_file():
-        return
-    with open(lock, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _in_use(run_dir) from None
-        fcntl.flock(handle, fcntl.LOCK_UN)
+    pid = holder_pid(run_dir)
+    if pid is not None:
+        raise _in_use(run_dir, pid)
 
 
 @contextlib.contextmanager
@@ -78,7 +64,7 @@ def holding(run_dir: Path) -> Iterator[None]:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise _in_use(run_dir) from None
+            raise _in_use(run_dir, holder_pid(run_dir)) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"{os.getpid()}\n")
@@ -127,29 +113,39 @@ def start_timeline_at(run_dir: Path, step: int) -> list[str]:
         said.append(f"{len(later)} later checkpoint(s) of the abandoned timeline set aside in "
                     f"{folder.relative_to(run_dir)}")
     for name in ("metrics.jsonl", "ranges.jsonl"):
-        aside = _split_rows_after(run_dir / name, step, stamp)
-        if aside is not None:
-            said.append(f"{name} rows after step {step} set aside in {aside.name}")
+        said += split_rows(run_dir / name, lambda row_step: row_step <= step, f"rows after step {step}", stamp)
     for name in ("summary.json", "diagnosis.json"):
         if (run_dir / name).is_file():
             said.append(f"{name} set aside in {(run_dir / name).rename(_aside(run_dir / name, stamp)).name}")
     return said
 
 
-def _split_rows_after(path: Path, step: int, stamp: str) -> Optional[Path]:
-    """Keep the rows of steps <= step in path; the others (and lines no one can read, such as one cut by a
-    kill) go to a set-aside file beside it, which is returned (None when nothing was set aside)."""
+def split_rows(path: Path, keep: Callable[[int], bool], what: str, stamp: str) -> list[str]:
+    """Keep the rows of path whose step passes keep(); the others, and lines that are not rows (one cut by a
+    kill, one garbled on disk), go to a set-aside file beside it. Every valid row is kept or set aside, never
+    dropped. Returns one line saying what was set aside where (none when nothing was)."""
     if not path.is_file():
-        return None
-    kept, aside = [], []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        (kept if _row_step(line) is not None and _row_step(line) <= step else aside).append(line)
+        return []
+    kept, aside, unreadable = [], [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        row_step = _row_step(line)
+        unreadable += row_step is None
+        (kept if row_step is not None and keep(row_step) else aside).append(line)
     if not aside:
-        return None
+        return []
     target = _aside(path, stamp)
     io.atomic_write_text(target, "".join(line + "\n" for line in aside))
     io.atomic_write_text(path, "".join(line + "\n" for line in kept))
-    return target
+    parts = ([f"{len(aside) - unreadable} {what}"] if len(aside) > unreadable else []) + \
+        ([f"{unreadable} unreadable line(s)"] if unreadable else [])
+    return [f"{path.name}: {' and '.join(parts)} set aside in {target.name}"]
+
+
+def set_aside_unreadable_rows(run_dir: Path) -> list[str]:
+    """At the end of a run: a line of metrics.jsonl that is not a row (garbled on disk) is set aside, so that
+    every reader sees whole rows; the valid rows around it all stay."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return split_rows(run_dir / "metrics.jsonl", lambda _step: True, "", stamp)
 
 
 def _row_step(line: str) -> Optional[int]:

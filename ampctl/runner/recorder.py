@@ -78,6 +78,10 @@ class Recorder:
         return f"{reason}. {diagnose()['summary']}. Written to {self.run_dir / DIAGNOSIS_FILE}"
 
     def write_summary(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        from ampctl.runner.ownership import set_aside_unreadable_rows
+
+        for line in set_aside_unreadable_rows(self.run_dir):
+            self.echo(f"warning: {line} (the rows around them are whole and kept)")
         summary = build()
         io.write_json(self.run_dir / SUMMARY_FILE, summary)
         self.echo(final_line(summary, self.run_dir))

@@ -161,6 +161,17 @@ def test_a_corrupt_checkpoint_is_one_line_and_touches_nothing(stopped_run, capsy
     assert (stopped_run / "metrics.jsonl").read_bytes() == before
 
 
+def test_a_garbled_row_is_set_aside_on_resume_and_every_valid_row_kept(stopped_run, capsys, restore_argv):
+    lines = (stopped_run / "metrics.jsonl").read_text().splitlines()
+    lines[4] = lines[4][:17] + "\x00garbled" + lines[4][30:]
+    (stopped_run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+    main(["train", *RUN, "train.steps=25", f"hydra.run.dir={stopped_run}", "resume=auto"])
+    assert "metrics.jsonl: 1 unreadable line(s) set aside in metrics.jsonl.set-aside-" in capsys.readouterr().out
+    assert [r["step"] for r in rows(stopped_run)] == [*range(1, 5), *range(6, 26)]
+    [aside] = stopped_run.glob("metrics.jsonl.set-aside-*")
+    assert aside.read_text() == lines[4] + "\n"
+
+
 @pytest.mark.parametrize("change,key", [
     ("recipe.hidden=128", "recipe.hidden"),
     ("precision=O2", "precision.name"),

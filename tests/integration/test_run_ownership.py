@@ -24,6 +24,11 @@ def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           cwd=cwd, timeout=300)
 
 
+def report(run_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ampctl", "report", str(run_dir)], capture_output=True, text=True,
+                          timeout=300)
+
+
 def start_a_long_run(run_dir: Path, rows: int) -> subprocess.Popen:
     """`ampctl train` for 100000 steps into run_dir, returned once it has written `rows` metrics rows."""
     process = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
@@ -97,8 +102,15 @@ def test_a_second_run_into_a_directory_in_use_is_refused_and_a_killed_run_leaves
     assert second.stderr == (f"ampctl train: error: hydra.run.dir={run_dir} is in use by another ampctl run "
                              f"(pid {first.pid}): wait for it to end, or choose another hydra.run.dir\n")
     assert (run_dir / ".hydra" / "config.yaml").read_bytes() == before
+    # `ampctl report` on it says it is running, and writes nothing into a directory a run is writing
+    running = report(run_dir)
+    assert running.returncode == 0 and f"running (pid {first.pid}), at step" in running.stdout, running
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
+    interrupted = report(run_dir)
+    assert interrupted.returncode == 0 and f"interrupted at step {steps(metrics)[-1]}; continue it with: ampctl " \
+        f"train resume={run_dir}" in interrupted.stdout, interrupted
+    assert not {"run.csv", "run.json", "report.md"} & {p.name for p in run_dir.iterdir()}
     # the kernel freed the lock with the process: the run continues at once (from its rows: no checkpoint yet)
     after_kill = ampctl("train.steps=3", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert after_kill.returncode == 0, after_kill.stderr

@@ -1,0 +1,89 @@
+"""Reading a run's records back (reports/runs.py) and setting unreadable rows aside (runner/ownership.py):
+a row is kept, or set aside beside the file, never dropped; a record that is not whole is one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ampctl.cli import main
+from ampctl.engine.telemetry import read_metrics
+from ampctl.errors import UsageError
+from ampctl.reports.runs import load_run, read_rows
+from ampctl.runner.ownership import set_aside_unreadable_rows, split_rows
+
+ROW = {"step": 1, "loss": 2.5, "loss_scale": 1024.0, "skipped": False, "skipped_total": 0, "grad_norm": 1.0,
+       "lr": 1e-3, "step_time_ms": 10.0, "samples_per_s": 100.0}
+
+
+def row(step: int) -> str:
+    return json.dumps({**ROW, "step": step})
+
+
+def run_dir_with(tmp_path: Path, metrics: str, summary: str | None = None) -> Path:
+    (tmp_path / "metrics.jsonl").write_text(metrics)
+    if summary is not None:
+        (tmp_path / "summary.json").write_text(summary)
+    return tmp_path
+
+
+def test_a_line_cut_by_a_kill_is_passed_over(tmp_path):
+    path = run_dir_with(tmp_path, f"{row(1)}\n{row(2)}\n{row(3)[:20]}") / "metrics.jsonl"
+    assert [r["step"] for r in read_rows(path)] == [1, 2]
+
+
+@pytest.mark.parametrize("bad,reason", [
+    ('{"step": 2, "loss": 1.0', "Expecting"),           # garbled
+    ('{"loss": 1.0}', "integer 'step'"),               # no step
+    ('[1, 2]', "integer 'step'"),                      # not a row
+    ('{"step": "2"}', "integer 'step'"),
+])
+def test_a_line_in_the_middle_that_is_not_a_row_is_named(tmp_path, bad, reason):
+    path = run_dir_with(tmp_path, f"{row(1)}\n{bad}\n{row(3)}\n") / "metrics.jsonl"
+    with pytest.raises(UsageError, match=rf"metrics.jsonl:2 is not a metrics row \(.*{reason}"):
+        read_rows(path)
+
+
+def test_a_half_written_summary_is_named(tmp_path):
+    run_dir = run_dir_with(tmp_path, f"{row(1)}\n", summary='{"steps": 1, "final_lo')
+    with pytest.raises(UsageError, match="summary.json is not a whole summary"):
+        load_run(run_dir)
+
+
+@pytest.mark.parametrize("metrics,summary", [
+    (f"{row(1)}\n{{garbled\n{row(3)}\n", None),
+    (f"{row(1)}\n", '{"steps": 1, "final_lo'),
+    (f'{row(1)}\n{{"loss": 1.0}}\n', None),
+])
+def test_report_on_a_record_that_is_not_whole_is_one_line_exit_2(tmp_path, capsys, restore_argv, metrics, summary):
+    run_dir = run_dir_with(tmp_path, metrics, summary)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(run_dir)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ampctl report: error: {run_dir}"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["metrics.jsonl"] + (["summary.json"] if summary else []))
+
+
+def test_the_run_reads_past_a_garbled_row_and_sets_it_aside_keeping_every_valid_row(tmp_path):
+    garbled = '{"step": 3, "lo\x00ss": 1'
+    path = run_dir_with(tmp_path, f"{row(1)}\n{row(2)}\n{garbled}\n{row(4)}\n{row(5)}\n") / "metrics.jsonl"
+    assert [r.step for r in read_metrics(path)] == [1, 2, 4, 5]  # today's summary: every valid row
+    [said] = set_aside_unreadable_rows(tmp_path)
+    [aside] = tmp_path.glob("metrics.jsonl.set-aside-*")
+    assert said == f"metrics.jsonl: 1 unreadable line(s) set aside in {aside.name}"
+    assert aside.read_text() == garbled + "\n"
+    assert [r["step"] for r in read_rows(path)] == [1, 2, 4, 5]
+    assert set_aside_unreadable_rows(tmp_path) == []  # nothing more to set aside
+
+
+def test_split_rows_sets_aside_the_rows_after_a_step_in_a_free_name(tmp_path):
+    path = run_dir_with(tmp_path, "".join(row(s) + "\n" for s in range(1, 7))) / "metrics.jsonl"
+    (tmp_path / "metrics.jsonl.set-aside-x").write_text("an earlier one\n")
+    [said] = split_rows(path, lambda step: step <= 4, "rows after step 4", "x")
+    assert said == "metrics.jsonl: 2 rows after step 4 set aside in metrics.jsonl.set-aside-x-2"
+    assert [r["step"] for r in read_rows(path)] == [1, 2, 3, 4]
+    assert (tmp_path / "metrics.jsonl.set-aside-x").read_text() == "an earlier one\n"  # never overwritten
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl.set-aside-x-2").read_text().splitlines()] == [5, 6]
