@@ -69,8 +69,8 @@ def load_run(path: Path) -> RunRecord:
     overrides_path = path / ".hydra" / "overrides.yaml"
     overrides = [str(o) for o in OmegaConf.load(overrides_path)] if overrides_path.is_file() else []
     error_path = path / ERROR_FILE
-    record = RunRecord(path, summary, metrics, overrides, error_path.read_text().strip() if error_path.is_file() else None,
-                       running_pid=holder_pid(path))
+    error = error_path.read_text().strip() if error_path.is_file() else None
+    record = RunRecord(path, summary, metrics, overrides, error, running_pid=holder_pid(path))
     if summary is None and record.error is None:
         record.error = f"did not finish ({record.unfinished})"
     return record

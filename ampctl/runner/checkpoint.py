@@ -3,27 +3,34 @@
 A checkpoint holds everything the next step depends on: model, fp32 masters (O2), optimizer, loss scaler,
 lr schedule, RNG states, the step, the data position (batches consumed) and the config that made it.
 It is written to a temporary file in the same directory, fsynced, then renamed over its final name, so a
-crash at any moment leaves the previous checkpoints whole. Only plain containers and tensors are stored,
-so it loads with torch.load(weights_only=True).
+crash at any moment leaves the previous checkpoints whole. Beside it, `step_N.pt.sha256` (sha256sum's format)
+is checked before every load: a checkpoint that changed on disk is refused, and a resume of a run passes over
+to its newest good one. Only plain containers and tensors are stored, so it loads with
+torch.load(weights_only=True).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, BinaryIO, Optional
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl import io
 from ampctl.engine.loop import TrainState
 from ampctl.errors import UsageError
 
 FORMAT_VERSION = 1
 CHECKPOINT_DIR = "checkpoints"
+CHECKSUM_SUFFIX = ".sha256"  # beside each checkpoint, in sha256sum's format
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 # Keys a resumed run may change; any other difference from the checkpoint's config is refused.
@@ -89,13 +96,41 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class _Hashing:
+    """A file that hashes what is written through it: torch.save writes its zip archive sequentially, so the
+    digest is the file's own, computed without reading the checkpoint back."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file, self.digest = file, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def checksum_path(path: Path) -> Path:
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
 def save_atomic(payload: dict[str, Any], path: Path) -> None:
+    """Write, fsync, checksum, rename: a crash at any moment leaves the earlier checkpoints whole; a failed
+    write (a full disk) leaves no temporary file."""
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with tmp.open("wb") as f:
+            hashing = _Hashing(f)
+            torch.save(payload, hashing)
+            f.flush()
+            os.fsync(f.fileno())
+        # `sha256sum -c step_N.pt.sha256` checks it by hand; written first, so no checkpoint exists without it
+        io.atomic_write_text(checksum_path(path), f"{hashing.digest.hexdigest()}  {path.name}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)  # the rename itself survives a power cut
 
 
@@ -118,31 +153,79 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def save(payload: dict[str, Any], run_dir: Path, keep: int) -> Path:
     path = checkpoint_path(run_dir, payload["step"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob("*.tmp"):  # left by a write that was killed
-        stale.unlink()
     save_atomic(payload, path)
     for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink()
+        remove(old)
     return path
+
+
+def remove(path: Path) -> None:
+    path.unlink()
+    checksum_path(path).unlink(missing_ok=True)
+
+
+def move(path: Path, folder: Path) -> None:
+    """A checkpoint and its checksum into folder (a set-aside timeline)."""
+    if checksum_path(path).is_file():
+        checksum_path(path).rename(folder / checksum_path(path).name)
+    path.rename(folder / path.name)
+
+
+def remove_stale_files(run_dir: Path) -> list[Path]:
+    """What a killed write left: temporary files (`*.tmp`) beside the checkpoints and the run's records, and
+    a checksum whose checkpoint was never renamed into place. Removed at the start of a run; returned."""
+    folder = run_dir / CHECKPOINT_DIR
+    stale = [*run_dir.glob("*.tmp"), *folder.glob("*.tmp")]
+    sums = folder.glob(f"*.pt{CHECKSUM_SUFFIX}")
+    stale += [p for p in sums if not p.with_name(p.name.removesuffix(CHECKSUM_SUFFIX)).exists()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 # --- find and load --------------------------------------------------------------------------------
 
 
-def resolve_resume(target: str, run_dir: Path) -> Optional[Path]:
-    """The checkpoint file named by resume=...; None for resume=auto when this run dir has none yet."""
+@dataclass
+class Found:
+    """The checkpoint a resume loads, and the newer ones it passed over because they failed their check."""
+
+    path: Path
+    config: dict[str, Any]
+    choices: dict[str, str]
+    passed_over: list[str]
+
+
+def resolve_resume(target: str, run_dir: Path) -> Optional[Found]:
+    """The checkpoint named by resume=...: a file as given; for a run directory or auto (this run dir), the
+    newest that passes its check, newer ones that fail it passed over (said, and set aside by the run).
+    None for resume=auto when this run dir has no checkpoint yet. UsageError when none is good."""
     if target == "auto":
-        found = list_checkpoints(run_dir)
-        return found[-1] if found else None
+        return _newest_good(list_checkpoints(run_dir), f"resume=auto ({run_dir})")
     path = Path(target).expanduser()
     if path.is_file():
-        return path
+        payload = load(path, mmap=True)
+        return Found(path, payload["config"], payload.get("choices") or {}, [])
     if path.is_dir():
         found = list_checkpoints(path)
         if not found:
             raise UsageError(f"resume={target!r} holds no checkpoint ({CHECKPOINT_DIR}/step_*.pt)")
-        return found[-1]
+        return _newest_good(found, f"resume={target}")
     raise UsageError(f"resume={target!r} does not exist; give a run directory, a checkpoint file, or auto")
+
+
+def _newest_good(candidates: list[Path], what: str) -> Optional[Found]:
+    failures: list[str] = []
+    for path in reversed(candidates):
+        try:
+            payload = load(path, mmap=True)  # checked against its checksum; the tensors stay on disk
+        except UsageError as exc:
+            failures.append(str(exc))
+            continue
+        return Found(path, payload["config"], payload.get("choices") or {}, failures)
+    if failures:
+        raise UsageError(f"{what}: no checkpoint passes its check: {'; '.join(failures)}")
+    return None
 
 
 def run_dir_of(checkpoint: Path) -> Path:
@@ -150,7 +233,9 @@ def run_dir_of(checkpoint: Path) -> Path:
 
 
 def load(path: Path, mmap: bool = False) -> dict[str, Any]:
-    """The checkpoint's payload (UsageError when it cannot be read). mmap: tensors stay on disk until used."""
+    """The checkpoint's payload, checked against its checksum first (UsageError when it fails or cannot be
+    read). mmap: tensors stay on disk until used."""
+    verify(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - any failure to read is the same answer for the user
@@ -159,6 +244,28 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
     if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
         raise UsageError(f"checkpoint {str(path)!r} is not an ampctl checkpoint of format {FORMAT_VERSION}")
     return payload
+
+
+def verify(path: Path) -> None:
+    """The file against its `.sha256` (none: a checkpoint written by hand, checked only by torch.load)."""
+    sidecar = checksum_path(path)
+    if not sidecar.is_file():
+        return
+    stat = path.stat()
+    expected = sidecar.read_text(encoding="utf-8").split()[0] if sidecar.stat().st_size else ""
+    if _sha256(str(path), stat.st_mtime_ns, stat.st_size) != expected:
+        raise UsageError(f"checkpoint {str(path)!r} does not match its checksum ({sidecar.name}): it changed on "
+                         "disk (a bit flip, a truncation)")
+
+
+@functools.lru_cache(maxsize=8)
+def _sha256(path: str, _mtime_ns: int, _size: int) -> str:
+    """Cached per file version: the check before Hydra writes and the run's own load read it once."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:

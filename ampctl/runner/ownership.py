@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Optional
 from ampctl import io
 from ampctl.errors import UsageError
 from ampctl.reports.runs import LOCK_FILE, holder_pid
+from ampctl.runner import checkpoint
 from ampctl.runner.checkpoint import CHECKPOINT_DIR, checkpoint_step, list_checkpoints
 
 # What a training run writes; Hydra's own files (.hydra/, train.log) are rewritten by every run and say nothing.
@@ -109,7 +110,7 @@ def start_timeline_at(run_dir: Path, step: int) -> list[str]:
         folder = _aside(run_dir / CHECKPOINT_DIR / "timeline", stamp)
         folder.mkdir()
         for path in later:
-            path.rename(folder / path.name)
+            checkpoint.move(path, folder)
         said.append(f"{len(later)} later checkpoint(s) of the abandoned timeline set aside in "
                     f"{folder.relative_to(run_dir)}")
     for name in ("metrics.jsonl", "ranges.jsonl"):

@@ -38,6 +38,9 @@ class Recorder:
         from ampctl.runner.ownership import start_timeline_at
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        stale = checkpoint.remove_stale_files(self.run_dir)
+        if stale:
+            self.echo(f"removed {len(stale)} temporary file(s) a killed write left: {', '.join(p.name for p in stale)}")
         if resumed_at is not None:
             for line in start_timeline_at(self.run_dir, resumed_at):
                 self.echo(f"resume: {line}")

@@ -43,19 +43,17 @@ def run_config(cfg: DictConfig, choices: dict[str, str], overrides: list[str],
     """The config and group choices of the run that cfg.resume continues: the checkpoint's, with the keys the
     command line names taken from cfg. A named key that may not change and differs is refused (UsageError).
     cfg as it is when there is nothing to resume (resume=auto before the first checkpoint)."""
-    source = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
-    if source is None:
+    found = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+    if found is None:
         return cfg, choices
-    saved = checkpoint.load(source, mmap=True)  # the tensors stay on disk: only the config is read
     names = named_keys(overrides)
-    resumed = OmegaConf.create(saved["config"])
+    resumed = OmegaConf.create(found.config)
     for name in names:
         value = OmegaConf.select(cfg, name, default=None)
         OmegaConf.update(resumed, name, value, merge=False, force_add=True)
     resumed = typed_config(resumed)
-    checkpoint.config_changes(saved["config"], resumed)  # raises on an unsafe change
-    saved_choices = saved.get("choices") or {}
-    return resumed, {**saved_choices, **{g: c for g, c in choices.items() if _named(g, names)}}
+    checkpoint.config_changes(found.config, resumed)  # raises on an unsafe change
+    return resumed, {**found.choices, **{g: c for g, c in choices.items() if _named(g, names)}}
 
 
 @dataclass
@@ -66,15 +64,16 @@ class Resume:
     source: Optional[Path] = None
     payload: Optional[dict[str, Any]] = None
     changes: list[str] = field(default_factory=list)  # config keys that differ from the checkpoint's
+    passed_over: list[str] = field(default_factory=list)  # newer checkpoints that failed their check
 
     @classmethod
     def find(cls, cfg: DictConfig, run_dir: Path) -> "Resume":
-        source = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
-        if source is None:
+        found = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+        if found is None:
             return cls(run_dir)
-        payload = checkpoint.load(source)
-        changes = checkpoint.config_changes(payload["config"], cfg)
-        return cls(checkpoint.run_dir_of(source), source, payload, changes + _schedule_change(payload, cfg))
+        payload = checkpoint.load(found.path)
+        changes = checkpoint.config_changes(payload["config"], cfg) + _schedule_change(payload, cfg)
+        return cls(checkpoint.run_dir_of(found.path), found.path, payload, changes, found.passed_over)
 
     def restore(self, state: TrainState) -> None:
         if self.payload:

@@ -85,6 +85,8 @@ def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recip
          f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={recorder.run_dir}"
          + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
             if parallel.world_size > 1 else ""))
+    for failure in resume.passed_over:
+        echo(f"warning: {failure}; passed over (set aside, kept)")
     if resume.payload:
         echo(f"resumed from {resume.source} at step {state.step}"
              + (f"; changed: {'; '.join(resume.changes)}" if resume.changes else ""))

@@ -149,27 +149,66 @@ def stopped_run(tmp_path, restore_argv) -> Path:
     return run_dir
 
 
-def test_a_corrupt_checkpoint_is_one_line_and_touches_nothing(stopped_run, capsys, restore_argv):
+def flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # in the middle of the tensors' bytes: torch.load alone would not notice
+    path.write_bytes(bytes(data))
+
+
+def test_each_checkpoint_has_a_checksum_that_sha256sum_checks(stopped_run):
+    checked = subprocess.run(["sha256sum", "-c", "step_00000010.pt.sha256", "step_00000020.pt.sha256"],
+                             cwd=stopped_run / "checkpoints", capture_output=True, text=True)
+    assert checked.returncode == 0 and checked.stdout.count(": OK") == 2, checked
+
+
+def test_a_bit_flipped_newest_checkpoint_is_passed_over_for_the_newest_good_one(stopped_run, capsys, restore_argv):
+    old_rows, newest = rows(stopped_run), stopped_run / "checkpoints" / "step_00000020.pt"
+    flip_a_bit(newest)
+    flipped = newest.read_bytes()
+    main(["train", *RUN, f"hydra.run.dir={stopped_run}", "resume=auto"])
+    out = capsys.readouterr().out
+    assert f"warning: checkpoint '{newest}' does not match its checksum (step_00000020.pt.sha256)" in out, out
+    assert "resumed from" in out and "step_00000010.pt at step 10" in out
+    [aside] = (stopped_run / "checkpoints").glob("timeline.set-aside-*")
+    assert (aside / "step_00000020.pt").read_bytes() == flipped  # kept for a post-mortem
+    assert [r["step"] for r in rows(stopped_run)] == list(range(1, 61))
+    assert rows(stopped_run)[:20] == old_rows  # steps 11..20 again, the same as before the flip
+
+
+@pytest.mark.parametrize("resume", ["auto", "newest file"])
+def test_no_good_checkpoint_is_one_line_and_touches_nothing(stopped_run, capsys, restore_argv, resume):
+    """resume=auto with every checkpoint bad, or a bad checkpoint named by its file: refused, nothing touched."""
+    for path in (stopped_run / "checkpoints").glob("*.pt"):
+        flip_a_bit(path)
     newest = stopped_run / "checkpoints" / "step_00000020.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
-    before = (stopped_run / "metrics.jsonl").read_bytes()
+    before = {p: p.read_bytes() for p in stopped_run.rglob("*") if p.is_file()}
+    target = "auto" if resume == "auto" else str(newest)
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", *RUN, f"hydra.run.dir={stopped_run}", "resume=auto"])
+        main(["train", *RUN, f"hydra.run.dir={stopped_run}", f"resume={target}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"checkpoint '{newest}' cannot be read" in err
-    assert (stopped_run / "metrics.jsonl").read_bytes() == before
+    assert err.count("\n") == 1 and f"checkpoint '{newest}' does not match its checksum" in err, err
+    assert {p: p.read_bytes() for p in stopped_run.rglob("*") if p.is_file()} == before
 
 
-def test_a_garbled_row_is_set_aside_on_resume_and_every_valid_row_kept(stopped_run, capsys, restore_argv):
-    lines = (stopped_run / "metrics.jsonl").read_text().splitlines()
-    lines[4] = lines[4][:17] + "\x00garbled" + lines[4][30:]
-    (stopped_run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
-    main(["train", *RUN, "train.steps=25", f"hydra.run.dir={stopped_run}", "resume=auto"])
-    assert "metrics.jsonl: 1 unreadable line(s) set aside in metrics.jsonl.set-aside-" in capsys.readouterr().out
-    assert [r["step"] for r in rows(stopped_run)] == [*range(1, 5), *range(6, 26)]
-    [aside] = stopped_run.glob("metrics.jsonl.set-aside-*")
-    assert aside.read_text() == lines[4] + "\n"
+def test_a_checkpoint_without_its_checksum_is_checked_by_torch_load_alone(stopped_run, capsys, restore_argv):
+    newest = stopped_run / "checkpoints" / "step_00000020.pt"
+    (stopped_run / "checkpoints" / "step_00000020.pt.sha256").unlink()
+    newest.write_bytes(newest.read_bytes()[:1000])
+    with pytest.raises(SystemExit):
+        main(["train", *RUN, f"hydra.run.dir={stopped_run}", f"resume={newest}"])
+    assert f"checkpoint '{newest}' cannot be read (truncated or corrupt?)" in capsys.readouterr().err
+
+
+def test_files_a_killed_write_left_are_removed_at_start(stopped_run, capsys, restore_argv):
+    leftovers = [stopped_run / "checkpoints" / "step_00000030.pt.tmp", stopped_run / "checkpoints" /
+                 "step_00000030.pt.sha256", stopped_run / "metrics.jsonl.tmp"]
+    for path in leftovers:
+        path.write_bytes(b"half")
+    main(["train", *RUN, "train.steps=21", f"hydra.run.dir={stopped_run}", "resume=auto"])
+    assert "removed 3 temporary file(s) a killed write left" in capsys.readouterr().out
+    assert not any(path.exists() for path in leftovers)
 
 
 @pytest.mark.parametrize("change,key", [
