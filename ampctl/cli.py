@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Optional
 
-from ampctl.errors import USAGE_EXIT_CODE, CommandLineRefused, UsageError
+from ampctl.errors import USAGE_EXIT_CODE, CommandLineRefused, UsageError, write_refused
 
 # command -> (module, function, one-line description)
 COMMANDS = {
@@ -128,6 +128,13 @@ def run_hydra_app(command: str, entry) -> None:
         message = str(exc) if isinstance(exc, UsageError) else (
             isinstance(exc, AssertionError) and key_under_null_node(sys.argv[1:]) or one_line(exc))
         print(f"ampctl {command}: error: {message}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    except OSError as exc:  # after Hydra's: its MissingConfigException is an OSError
+        if not write_refused(exc) or raised_in(exc, entry.__wrapped__):
+            raise
+        # Hydra could not create the run directory or write its .hydra/ files: the directory the user chose
+        print(f"ampctl {command}: error: cannot write {exc.filename}: {exc.strerror}; choose a writable "
+              "hydra.run.dir (or hydra.sweep.dir)", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
 
 

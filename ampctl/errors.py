@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 USAGE_EXIT_CODE = 2
+WRITE_FAILED_EXIT_CODE = 74  # sysexits.h's EX_IOERR: a run's record could not be written (disk full, read-only)
+
+# errnos of a write the machine refused (not a bug): no space, over quota, read-only, not permitted, too large
+WRITE_REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                                  errno.EFBIG, errno.EIO})
+
+
+def write_refused(exc: BaseException) -> bool:
+    """An OSError of a write the machine refused, naming the file (one line for the user, not a traceback)."""
+    return isinstance(exc, OSError) and exc.errno in WRITE_REFUSED_ERRNOS and exc.filename is not None
 
 
 class UsageError(Exception):

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from ampctl.commands.checks import train_run, typed
 from ampctl.engine.parallel import is_main_process, torchrun_world_size
-from ampctl.errors import USAGE_EXIT_CODE, RunStopped, UsageError
+from ampctl.errors import USAGE_EXIT_CODE, WRITE_FAILED_EXIT_CODE, RunStopped, UsageError, write_refused
 from ampctl.reports.runs import ERROR_FILE, LOCK_FILE
 from ampctl.runner.interrupt import Interrupted
 from ampctl.runner.run import run_training
@@ -69,10 +69,14 @@ def train(cfg: DictConfig) -> Optional[float]:
         print(f"ampctl train: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
     except Exception as exc:  # noqa: BLE001 - in a sweep one job's crash must not end the others
-        if not multirun:
-            raise
-        log.exception("job failed")
-        return record_failed_job(run_dir, exc)
+        if multirun:
+            log.exception("job failed")
+            return record_failed_job(run_dir, exc)
+        if write_refused(exc):  # a full disk, a read-only directory: the machine's answer, not a bug
+            print(f"ampctl train: error: cannot write {exc.filename}: {exc.strerror}; the checkpoints written "  # type: ignore[attr-defined]
+                  "before it are whole (resume=auto continues from the newest once it can write)", file=sys.stderr)
+            sys.exit(WRITE_FAILED_EXIT_CODE)
+        raise
     if Path(summary["run_dir"]) != run_dir and is_main_process():
         remove_if_only_hydra_files(run_dir)  # resumed into the checkpoint's own run dir
     return summary.get("final_loss")

@@ -186,8 +186,11 @@ class JsonlSink:
         self._file: TextIO = path.open("a", encoding="utf-8")
 
     def write(self, records: list[StepRecord]) -> None:
-        self._file.write("".join(r.to_json() + "\n" for r in records))
-        self._file.flush()
+        try:
+            self._file.write("".join(r.to_json() + "\n" for r in records))
+            self._file.flush()
+        except OSError as exc:  # a full disk: name the file (a line cut short is set aside on resume)
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
     def close(self) -> None:
         self._file.close()

@@ -102,10 +102,15 @@ class _Hashing:
 
     def __init__(self, file: BinaryIO) -> None:
         self.file, self.digest = file, hashlib.sha256()
+        self.error: Optional[OSError] = None  # torch's writer turns an OSError into an unhelpful RuntimeError
 
     def write(self, data: bytes) -> int:
         self.digest.update(data)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.file.flush()
@@ -119,6 +124,7 @@ def save_atomic(payload: dict[str, Any], path: Path) -> None:
     """Write, fsync, checksum, rename: a crash at any moment leaves the earlier checkpoints whole; a failed
     write (a full disk) leaves no temporary file."""
     tmp = path.with_name(path.name + ".tmp")
+    hashing: Optional[_Hashing] = None
     try:
         with tmp.open("wb") as f:
             hashing = _Hashing(f)
@@ -128,8 +134,11 @@ def save_atomic(payload: dict[str, Any], path: Path) -> None:
         # `sha256sum -c step_N.pt.sha256` checks it by hand; written first, so no checkpoint exists without it
         io.atomic_write_text(checksum_path(path), f"{hashing.digest.hexdigest()}  {path.name}\n")
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
+        error = exc if isinstance(exc, OSError) else hashing.error if hashing is not None else None
+        if error is not None and (error is not exc or error.filename is None):  # a full disk, named
+            raise OSError(error.errno, error.strerror, str(tmp)) from None
         raise
     _fsync_dir(path.parent)  # the rename itself survives a power cut
 

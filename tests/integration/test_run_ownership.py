@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -116,3 +117,37 @@ def test_a_second_run_into_a_directory_in_use_is_refused_and_a_killed_run_leaves
     assert after_kill.returncode == 0, after_kill.stderr
     assert steps(metrics) == [1, 2, 3]
     assert not (run_dir / ".ampctl.lock").exists()  # a run that ended leaves no lock file
+
+
+def test_a_full_disk_is_one_line_exit_74_and_the_earlier_checkpoints_stay_whole(tmp_path):
+    """A file size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes the next checkpoint's write fail as a full disk
+    would (EFBIG instead of ENOSPC), without filling the machine's disk."""
+    run_dir = tmp_path / "run"
+    first = ampctl("train.steps=10", "train.checkpoint_every=5", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = snapshot(run_dir / "checkpoints")
+    limit = (run_dir / "checkpoints" / "step_00000010.pt").stat().st_size // 2
+    assert limit > 4 * (run_dir / "metrics.jsonl").stat().st_size  # the rows still fit: the checkpoint does not
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    full = subprocess.run([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=20", "resume=auto",
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                          preexec_fn=small_files)
+    assert full.returncode == 74, full.stderr
+    assert full.stderr == (f"ampctl train: error: cannot write {run_dir}/checkpoints/step_00000015.pt.tmp: File too "
+                           "large; the checkpoints written before it are whole (resume=auto continues from the "
+                           "newest once it can write)\n")
+    assert snapshot(run_dir / "checkpoints") == before  # no temporary file left, nothing earlier touched
+    resumed = ampctl("train.steps=20", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert steps(run_dir / "metrics.jsonl") == list(range(1, 21))
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_line_exit_2(tmp_path):
+    refused = ampctl("train.steps=1", "hydra.run.dir=/sys/ampctl-test-run", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("ampctl train: error: cannot write /sys/ampctl-test-run: ")
+    assert refused.stderr.endswith("; choose a writable hydra.run.dir (or hydra.sweep.dir)\n")
