@@ -39,6 +39,12 @@ class Schedule(Enum):
     linear = "linear"
 
 
+class PreemptSignal(Enum):  # a batch system's warning before it kills a job (SLURM: --signal=USR1@120)
+    SIGUSR1 = "SIGUSR1"
+    SIGUSR2 = "SIGUSR2"
+    SIGHUP = "SIGHUP"
+
+
 class ConsoleMode(Enum):
     auto = "auto"  # live view on a terminal, plain lines otherwise
     live = "live"
@@ -200,6 +206,11 @@ class TrainConfig:
     console: ConsoleMode = ConsoleMode.auto
     activation_checkpointing: bool = False  # recompute each block's activations in backward (gpt, resnet)
     checkpoint_every: Optional[int] = None  # steps between checkpoints; one is always written at the end
+    # seconds between checkpoints, checked on log steps (every rank decides together there): a crash loses at
+    # most this much of a long run whatever checkpoint_every says; null: by steps only
+    checkpoint_every_s: Optional[float] = 1800.0
+    # treated as SIGTERM is: finish the step, checkpoint, exit 128 + its number (138 for SIGUSR1); null: ignore it
+    preempt_signal: Optional[PreemptSignal] = PreemptSignal.SIGUSR1
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
 
     def __post_init__(self) -> None:
@@ -210,6 +221,9 @@ class TrainConfig:
         if self.checkpoint_every is not None:
             require(self.checkpoint_every >= 1, "train.checkpoint_every", self.checkpoint_every,
                     "an integer >= 1, or null for a checkpoint at the end only")
+        if self.checkpoint_every_s is not None:
+            require(positive_finite(self.checkpoint_every_s), "train.checkpoint_every_s", self.checkpoint_every_s,
+                    "a number of seconds > 0, or null for checkpoints by steps only")
         require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         if self.clip_grad_norm is not None:
             require(positive_finite(self.clip_grad_norm), "train.clip_grad_norm", self.clip_grad_norm,

@@ -6,6 +6,7 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Optional
@@ -52,7 +53,8 @@ def train(cfg: DictConfig) -> Optional[float]:
         if not is_main_process():
             sys.exit(exc.exit_code)
         where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
-        print(f"ampctl train: interrupted at step {exc.step}; {where}", file=sys.stderr)
+        print(f"ampctl train: interrupted at step {exc.step} by {signal.Signals(exc.signum).name}; {where}",
+              file=sys.stderr)
         if exc.checkpoint:
             print(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}", file=sys.stderr)
         sys.exit(exc.exit_code)

@@ -35,7 +35,8 @@ _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 # Keys a resumed run may change; any other difference from the checkpoint's config is refused.
 SAFE_TO_CHANGE = (
-    "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.keep_checkpoints",
+    "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.checkpoint_every_s",
+    "train.keep_checkpoints", "train.preempt_signal",
     "train.timing_warmup_steps", "telemetry.profile_cpu_memory", "resume",
 )
 

@@ -23,9 +23,11 @@ class Interrupted(Exception):
 
 
 class StopOnSignal:
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    """SIGINT, SIGTERM and a batch system's preemption warning (train.preempt_signal): stop at the next step
+    where the run can (after this step, or the next log step when ranks must agree), with a checkpoint."""
 
-    def __init__(self, announce: str = "after this step") -> None:
+    def __init__(self, announce: str = "after this step", preempt_signal: Optional[str] = None) -> None:
+        self.signals = [signal.SIGINT, signal.SIGTERM] + ([signal.Signals[preempt_signal]] if preempt_signal else [])
         self.signum: Optional[int] = None
         self._previous: dict[int, object] = {}
         self._announce = announce  # when the run will stop; "" for a process that should not print
@@ -44,7 +46,7 @@ class StopOnSignal:
 
     def __enter__(self) -> "StopOnSignal":
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
-            for signum in self.SIGNALS:
+            for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 

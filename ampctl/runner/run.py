@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import platform
 import signal
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -109,12 +110,14 @@ def _telemetry(cfg: DictConfig, recipe: Recipe, parallel: parallelism.Parallel, 
 
 class Checkpointer:
     """After every step: the guards on log steps (when values came back from the device anyway), then a
-    checkpoint every train.checkpoint_every steps and at the last one."""
+    checkpoint every train.checkpoint_every steps, on the first log step train.checkpoint_every_s seconds
+    after the last checkpoint (ranks agree there), and at the last step."""
 
     def __init__(self, cfg: DictConfig, choices: dict[str, str], state: TrainState, telemetry: Telemetry,
-                 recorder: Recorder, peak: TrainingPeak) -> None:
+                 recorder: Recorder, peak: TrainingPeak, parallel: parallelism.Parallel) -> None:
         self.cfg, self.choices, self.state, self.telemetry = cfg, choices, state, telemetry
-        self.recorder, self.peak = recorder, peak
+        self.recorder, self.peak, self.parallel = recorder, peak, parallel
+        self.saved_at = time.monotonic()
         scaler = state.scaler
         self.guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
         self.last: Optional[Path] = None
@@ -128,15 +131,23 @@ class Checkpointer:
                 self.recorder.echo(f"warning: {message}")
             if trip:
                 raise GuardStop(trip)
-        every, step = self.cfg.train.checkpoint_every, self.state.step
-        if last or (every is not None and step % every == 0):
+        if last or self._due(self.state.step):
             self.telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
-            payload = checkpoint.capture(self.state, self.cfg, self.choices, step * self.cfg.train.grad_accum_steps,
-                                         self.telemetry.skipped_total)
+            batches = self.state.step * self.cfg.train.grad_accum_steps
+            payload = checkpoint.capture(self.state, self.cfg, self.choices, batches, self.telemetry.skipped_total)
             # Ranks hold the same weights and states (DDP), or FSDP gathered them: rank 0's full state dict is
             # the checkpoint, and a resumed job, of any size, loads it on every rank.
             self.recorder.save_checkpoint(payload, self.cfg.train.keep_checkpoints)
-            self.last = checkpoint.checkpoint_path(self.recorder.run_dir, step)
+            self.last = checkpoint.checkpoint_path(self.recorder.run_dir, self.state.step)
+            self.saved_at = time.monotonic()
+
+    def _due(self, step: int) -> bool:
+        train = self.cfg.train
+        if train.checkpoint_every is not None and step % train.checkpoint_every == 0:
+            return True
+        if train.checkpoint_every_s is None or step % train.log_every:
+            return False
+        return self.parallel.agree(time.monotonic() - self.saved_at >= train.checkpoint_every_s)
 
 
 def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: TrainState,
@@ -151,11 +162,12 @@ def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: Tr
 def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Recipe, policy: PrecisionPolicy,
          parallel: parallelism.Parallel, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak) -> None:
     """fit() with the checkpointer, the guards, the value-range log and a stop on SIGINT/SIGTERM."""
-    checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak)
+    checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak, parallel)
     ranges_log = recorder.ranges_log(state, policy.device, cfg.telemetry.ranges_every)
     announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
     try:
-        with StopOnSignal(announce_stop if parallel.is_main else "") as stop:
+        preempt = cfg.train.preempt_signal.value if cfg.train.preempt_signal else None
+        with StopOnSignal(announce_stop if parallel.is_main else "", preempt) as stop:
             finished = fit(
                 state, recipe, policy,
                 steps=cfg.train.steps,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -104,15 +105,16 @@ def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_whole(tmp_path
     assert [r["step"] for r in rows(run_dir)] == list(range(1, 41))
 
 
-def test_sigint_writes_a_checkpoint_and_says_how_to_resume(tmp_path, reference, restore_argv):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR1])  # Ctrl-C; SLURM's warning before preemption
+def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, reference, restore_argv, signum):
     run_dir = tmp_path / "run"
     child = start(run_dir)
     wait_for(lambda: metrics_lines(run_dir) >= 12)
-    child.send_signal(signal.SIGINT)
+    child.send_signal(signum)
     _, stderr = child.communicate(timeout=120)
-    assert child.returncode == 130
+    assert child.returncode == 128 + signum  # 130, 138: what a requeue script tests
     assert "Traceback" not in stderr, stderr
-    step = int(stderr.split("interrupted at step ")[1].split(";")[0])
+    step = int(re.search(rf"interrupted at step (\d+) by {signum.name}; checkpoint ", stderr).group(1))
     assert len(rows(run_dir)) == step  # every step up to the checkpoint is recorded, none after
     assert torch.load(run_dir / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)["step"] == step
     # The printed command, as printed: the run's config comes from its checkpoint, no override retyped.
@@ -199,6 +201,16 @@ def test_a_checkpoint_without_its_checksum_is_checked_by_torch_load_alone(stoppe
     with pytest.raises(SystemExit):
         main(["train", *RUN, f"hydra.run.dir={stopped_run}", f"resume={newest}"])
     assert f"checkpoint '{newest}' cannot be read (truncated or corrupt?)" in capsys.readouterr().err
+
+
+def test_time_based_checkpoints_are_written_on_log_steps(tmp_path, restore_argv):
+    """train.checkpoint_every_s: on the first log step that long after the last checkpoint (a tiny interval:
+    every log step), beside the step-based ones (train.checkpoint_every=10 of RUN)."""
+    run_dir = tmp_path / "run"
+    main(["train", *RUN, "train.steps=23", "train.log_every=3", "train.checkpoint_every_s=1e-6",
+          "train.keep_checkpoints=100", "train.console=quiet", f"hydra.run.dir={run_dir}"])
+    written = sorted(int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.pt"))
+    assert written == [3, 6, 9, 10, 12, 15, 18, 20, 21, 23]
 
 
 def test_files_a_killed_write_left_are_removed_at_start(stopped_run, capsys, restore_argv):

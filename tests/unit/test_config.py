@@ -80,6 +80,8 @@ def test_O3_is_static_one_as_apex():
         ("precision.cast_model=true", "precision.cast_model"),
         ("scaler.hysteresis=0", "scaler.hysteresis"),
         ("train.checkpoint_every=0", "train.checkpoint_every"),
+        ("train.checkpoint_every_s=0", "train.checkpoint_every_s"),
+        ("train.checkpoint_every_s=inf", "train.checkpoint_every_s"),
         ("train.keep_checkpoints=0", "train.keep_checkpoints"),
         ("guard.max_consecutive_skips=0", "guard.max_consecutive_skips"),
     ],
