@@ -374,6 +374,7 @@ def validate(cfg: DictConfig) -> None:
         OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:  # a mandatory value left unset (???), an interpolation that fails
         raise UsageError(one_line(exc)) from None
+    _refuse_integers_beyond_int64(OmegaConf.to_container(cfg, resolve=True), "")
     for group in ("recipe", "optimizer"):
         node = cfg[group]
         require(isinstance(node, DictConfig) and "_target_" in node, group,
@@ -382,6 +383,22 @@ def validate(cfg: DictConfig) -> None:
     lr = cfg.optimizer.get("lr")
     if lr is not None:
         require(isinstance(lr, (int, float)) and positive_finite(float(lr)), "optimizer.lr", lr, "a finite number > 0")
+
+
+INT64_MAX = 2**63 - 1
+
+
+def _refuse_integers_beyond_int64(node: Any, path: str) -> None:
+    """Every integer a user sets ends in a torch or NumPy int64 (a step count, a seed, a shape): one that does
+    not fit is refused here, naming its key, instead of overflowing deep inside torch."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _refuse_integers_beyond_int64(value, f"{path}{key}.")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            _refuse_integers_beyond_int64(value, f"{path[:-1]}[{index}].")
+    elif isinstance(node, int) and not isinstance(node, bool):
+        require(-INT64_MAX - 1 <= node <= INT64_MAX, path[:-1], node, "an integer that fits in 64 bits (|x| < 2^63)")
 
 
 def register_configs() -> None:

@@ -30,8 +30,9 @@ HYDRA_FILES = {".hydra", "train.log", "compare.log", "memory.log", "inspect.log"
 
 
 def remove_if_only_hydra_files(run_dir: Path) -> None:
-    """A run refused before training leaves no directory behind (Hydra creates it before the job runs)."""
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= HYDRA_FILES:
+    """A run refused before it recorded a step leaves no directory behind (Hydra creates it before the job)."""
+    if run_dir.is_dir() and all(p.name in HYDRA_FILES or (p.name == "metrics.jsonl" and not p.stat().st_size)
+                                for p in run_dir.iterdir()):  # no row recorded: nothing of a run
         shutil.rmtree(run_dir)
         # and the dated folders Hydra made for it (outputs/<date>/), when nothing else is in them
         here = Path.cwd().resolve()

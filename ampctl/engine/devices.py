@@ -9,6 +9,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -170,3 +171,19 @@ def has_fast_fp16_cpu() -> bool:
     """AVX512-FP16 or AMX-FP16: the instruction sets that give fp16 dot products in hardware."""
     flags = cpu_flags()
     return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
+_CPU_ALLOCATION_FAILED = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
+
+
+def out_of_memory(exc: BaseException) -> Optional[str]:
+    """What ran out, in a few words, when exc is an allocation failure (CUDA's OutOfMemoryError, or the CPU
+    allocator's RuntimeError); None for any other error."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return str(exc).split(". ")[0].strip()  # "CUDA out of memory. Tried to allocate 20.00 GiB"...
+    match = _CPU_ALLOCATION_FAILED.search(str(exc)) if isinstance(exc, RuntimeError) else None
+    if match:
+        from ampctl.io import format_bytes
+
+        return f"CPU out of memory: tried to allocate {format_bytes(int(match.group(1)))}"
+    return None

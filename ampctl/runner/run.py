@@ -45,7 +45,14 @@ def run_training(
         if parallel.main_value(mine) != mine:  # e.g. resume=auto found another checkpoint on this rank
             raise UsageError(f"rank {parallel.rank} resolved a different config than rank 0 (resume={cfg.resume}): "
                              "every rank must see the same run directory and checkpoints")
-        summary = _train(cfg, parallel.main_value(run_dir), choices or {}, echo, policy, parallel)
+        try:
+            summary = _train(cfg, parallel.main_value(run_dir), choices or {}, echo, policy, parallel)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            what = devices.out_of_memory(exc)
+            if what is None:
+                raise
+            raise UsageError(f"{what} (recipe.batch_size={cfg.recipe.get('batch_size')}): lower "
+                             "recipe.batch_size; `ampctl memory` estimates what fits") from None
         parallel.barrier()  # ranks leave together: none tears the group down while another still talks to it
         return summary
     finally:
@@ -105,7 +112,9 @@ def _telemetry(cfg: DictConfig, recipe: Recipe, parallel: parallelism.Parallel, 
     per_step = cfg.train.grad_accum_steps * parallel.world_size
     tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * per_step
     sinks = recorder.sinks(cfg.train.console, cfg.train.steps, tokens is not None, peak.bytes)
-    return Telemetry(device, cfg.train.log_every, recipe.samples_per_batch * per_step, tokens, sinks)
+    # its device buffer holds one log interval: never more rows than the run has (log_every=10**9 is "at the end")
+    log_every = min(cfg.train.log_every, cfg.train.steps)
+    return Telemetry(device, log_every, recipe.samples_per_batch * per_step, tokens, sinks)
 
 
 class Checkpointer:

@@ -98,6 +98,14 @@ def test_cfg_job_prints_the_config_without_training(tmp_path, restore_argv, caps
         (["scaler.growth_interval=5"], "scaler.growth_interval: no such key"),
         (["recipe.corpus=/no/such/file"], "recipe.corpus='/no/such/file' does not exist"),
         (["precision=fp16", "scaler.growth_interval=100,500"], "add --multirun"),
+        # numbers no field can hold
+        (["train.steps=99999999999999999999"], "train.steps=99999999999999999999 is not allowed: expected an integer "
+                                               "that fits in 64 bits (|x| < 2^63)"),
+        (["train.seed=99999999999999999999"], "train.seed=99999999999999999999 is not allowed"),
+        (["precision=fp16", "scaler.init_scale=1e40"], "scaler.init_scale=1e+40 is not allowed"),
+        (["precision=fp16", "scaler.max_scale=1e39"], "scaler.max_scale=1e+39 is not allowed"),
+        (["recipe=mlp", "device=cpu", "recipe.batch_size=100000000000"],
+         "CPU out of memory: tried to allocate 23.28 TiB (recipe.batch_size=100000000000): lower recipe.batch_size"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, message):
@@ -108,6 +116,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not run_dir.exists()
+
+
+def test_inspect_steps_no_field_can_hold_is_one_line(tmp_path, restore_argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["inspect", "recipe=mlp", "inspect.steps=99999999999999999999", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("ampctl inspect: error: inspect.steps=99999999999999999999 is not allowed: "
+                                       "expected an integer that fits in 64 bits (|x| < 2^63)\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_unknown_command_is_refused(capsys):

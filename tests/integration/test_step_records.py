@@ -72,3 +72,10 @@ def test_a_disabled_dynamic_scaler_is_the_identity(tmp_path):
     _, rows = train(tmp_path, "precision=bf16", "scaler=dynamic", "scaler.enabled=false", "train.steps=3")
     assert [r["loss_scale"] for r in rows] == [1.0, 1.0, 1.0]
 
+
+
+def test_a_log_interval_longer_than_the_run_records_every_step_at_the_end(tmp_path):
+    """The device buffer holds one log interval, never more rows than the run has (log_every=10**9 allocated
+    40 GB before)."""
+    summary, rows = train(tmp_path, "train.log_every=1000000000", "train.steps=3")
+    assert [r["step"] for r in rows] == [1, 2, 3] and summary["steps"] == 3
