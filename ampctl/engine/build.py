@@ -21,7 +21,7 @@ from ampctl.engine.optim import (
 )
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import build_scaler
-from ampctl.recipes.base import Recipe
+from ampctl.recipes.base import Recipe, checked_model
 
 
 def check_config(cfg: DictConfig) -> PrecisionPolicy:
@@ -42,7 +42,7 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
     the optimizer sees its parameters), then its optimizer, loss scaler and lr schedule."""
     parallel = parallel or parallelism.Parallel()
     torch.manual_seed(cfg.train.seed)
-    model = policy.prepare_model(recipe.build_model())
+    model = policy.prepare_model(checked_model(recipe.build_model(), recipe))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, recipe, cfg.recipe._target_.rsplit(".", 1)[-1])
     blocks = getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(model)

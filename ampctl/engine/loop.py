@@ -22,7 +22,8 @@ from ampctl.engine.precision.half import WeightLayout
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import LossScaler
 from ampctl.engine.telemetry import Telemetry
-from ampctl.recipes.base import Recipe
+from ampctl.errors import UsageError
+from ampctl.recipes.base import Recipe, checked_loss, recipe_name
 
 
 def grad_norm_(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
@@ -53,6 +54,9 @@ class TrainState:
     parallel: Parallel = field(default_factory=Parallel)  # DDP's hooks; identities in one process
 
 
+_END = object()  # what next() returns when a recipe's batches run out
+
+
 def train_step(
     state: TrainState,
     batches: Iterator[Any],
@@ -66,10 +70,13 @@ def train_step(
     losses = []
     model = state.parallel.training_model(state.model)
     for micro in range(grad_accum_steps):
-        batch = next(batches)
+        batch = next(batches, _END)
+        if batch is _END:
+            raise UsageError(f"recipe {recipe_name(recipe)}: batches(device, seed) ended after step {state.step}; "
+                             "the protocol needs an endless iterator (loop over the data again: epochs)")
         with state.parallel.grad_sync(last_micro_batch=micro == grad_accum_steps - 1):
             with policy.autocast():
-                loss = recipe.loss(model, batch)
+                loss = checked_loss(recipe.loss(model, batch), recipe)
             # backward outside autocast, as torch.amp recommends; the loss is averaged over micro-batches.
             scaler.scale(loss / grad_accum_steps).backward()
         losses.append(loss.detach())
@@ -124,7 +131,7 @@ def fit(
 
 def batch_stream(recipe: Recipe, device: torch.device, seed: int, position: int = 0) -> Iterator[Any]:
     """The recipe's batches for `seed`, past the first `position` (a resumed run continues the same stream)."""
-    batches = recipe.batches(device, seed)
+    batches = iter(recipe.batches(device, seed))
     for _ in range(position):
         next(batches)
     return batches

@@ -3,6 +3,10 @@ importable callable named by `_target_` in a recipe YAML that returns an object 
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import traceback
+from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, runtime_checkable
 
 import torch
@@ -43,8 +47,13 @@ def build_recipe(cfg: DictConfig) -> Recipe:
         cause = exc.__cause__
         if isinstance(cause, UsageError):
             raise cause from None
-        first_line = str(exc).strip().splitlines()[0].split(", set env var HYDRA_FULL_ERROR")[0]
-        raise UsageError(f"recipe._target_={target!r} could not be instantiated: {first_line}") from None
+        # Hydra's first line ends at a colon ("Error in call to target 'x.Y':"): the innermost cause says why
+        while cause is not None and cause.__cause__ is not None:
+            cause = cause.__cause__
+        reason = f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else _first_line(exc)
+        if isinstance(cause, ImportError):
+            reason += " (is its module importable? run from the directory that holds it with PYTHONPATH=.)"
+        raise UsageError(f"recipe._target_={target!r} could not be instantiated: {reason}") from None
     missing = [name for name in ("samples_per_batch", "tokens_per_batch", "build_model", "batches", "loss")
                if not hasattr(recipe, name)]
     if missing:
@@ -54,3 +63,85 @@ def build_recipe(cfg: DictConfig) -> Recipe:
             "and loss(model, batch) (see README, 'Add your own recipe')"
         )
     return recipe
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0].split(", set env var HYDRA_FULL_ERROR")[0] if text else type(exc).__name__
+
+
+def recipe_name(recipe: Any) -> str:
+    cls = type(getattr(recipe, "_recipe", recipe))  # the recipe itself, not a rank's view of it
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def checked_model(model: Any, recipe: Recipe) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"recipe {recipe_name(recipe)}: build_model() returned {_what(model)}; the protocol needs a "
+                         "torch.nn.Module")
+    return model
+
+
+def checked_loss(loss: Any, recipe: Recipe) -> torch.Tensor:
+    """loss(model, batch)'s result as the step needs it: a 0-dim floating tensor attached to the graph. Only
+    host-side metadata is read (type, shape, dtype, requires_grad): no device sync."""
+    if isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point() and loss.requires_grad:
+        return loss
+    if not isinstance(loss, torch.Tensor) or loss.ndim != 0 or not loss.is_floating_point():
+        need = "a scalar (0-dim) floating-point tensor" + (": reduce it, e.g. .mean()"
+                                                           if isinstance(loss, torch.Tensor) and loss.ndim else "")
+    else:
+        need = "a loss computed from the model's output (this one has no grad: under torch.no_grad, or detached?)"
+    raise UsageError(f"recipe {recipe_name(recipe)}: loss(model, batch) returned {_what(loss)}; the protocol needs {need}")
+
+
+def _what(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}" + ("" if value.requires_grad else " without grad")
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    shown = f" ({value!r})" if isinstance(value, (int, float, str)) and len(repr(value)) <= 40 else ""
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}{shown}"
+
+
+# What each member of the protocol receives and returns, for the line that names a recipe's mistake.
+_MEMBERS = {
+    "build_model": "build_model() takes no arguments and returns a torch.nn.Module",
+    "batches": "batches(device, seed) returns an endless iterator of batches, on `device`",
+    "loss": "loss(model, batch) gets one batch exactly as batches() yielded it and returns a scalar tensor",
+}
+
+
+@contextlib.contextmanager
+def recipe_errors(recipe: Recipe) -> Iterator[None]:
+    """A user's recipe's type-level mistake, raised while training, as one line (recipe_error)."""
+    try:
+        yield
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
+        error = recipe_error(exc, recipe)
+        if error is None:
+            raise
+        raise error from None
+
+
+def recipe_error(exc: BaseException, recipe: Recipe) -> Optional[UsageError]:
+    """A user's recipe raised a type-level error (TypeError, ValueError, AttributeError, KeyError, IndexError):
+    one line naming the recipe's function, its file and line, the error and what the protocol passes it. None
+    for other errors, and for ampctl's own recipes, whose errors are bugs with a traceback."""
+    cls = type(getattr(recipe, "_recipe", recipe))
+    if not isinstance(exc, (TypeError, ValueError, AttributeError, KeyError, IndexError)) or \
+            cls.__module__.startswith("ampctl."):
+        return None
+    try:
+        source = inspect.getsourcefile(cls)
+    except TypeError:
+        return None
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == source]
+    if not frames:
+        return None
+    member = next((f.name for f in frames if f.name in _MEMBERS), frames[-1].name)
+    where = frames[-1]
+    return UsageError(f"recipe {recipe_name(recipe)}: {member}() raised {type(exc).__name__}: {_first_line(exc)} "
+                      f"({Path(where.filename).name}:{where.lineno}); " + _MEMBERS.get(member, "see README, "
+                                                                                        "'Add your own recipe'"))

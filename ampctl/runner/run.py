@@ -23,7 +23,7 @@ from ampctl.engine.loop import TrainState, fit
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped, UsageError
-from ampctl.recipes.base import Recipe, build_recipe
+from ampctl.recipes.base import Recipe, build_recipe, recipe_errors
 from ampctl.runner import checkpoint
 from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
@@ -69,7 +69,8 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
     peak = TrainingPeak(policy.device)
     measure = parallel.is_main and (policy.device.type == "cuda" or cfg.telemetry.profile_cpu_memory)
     with recorder.holding():  # no other run records into this directory while this one lives
-        with policy, peak.measuring(enabled=measure):  # the peak counts the model's build
+        # the peak counts the model's build; a user recipe's mistake is one line naming it
+        with policy, peak.measuring(enabled=measure), recipe_errors(recipe):
             state = build_state(cfg, policy, recipe, parallel)
             resume.restore(state)
             announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)

@@ -1,0 +1,44 @@
+"""User recipes that break the recipe protocol, one way each (`mistake=`): each must end in one line naming
+the recipe member and what the protocol needs."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BrokenRecipe:
+    def __init__(self, mistake: str, batch_size: int = 8, **_ignored: Any) -> None:
+        if mistake == "raises_in_init":
+            raise ValueError("vocab file 'data/vocab.txt' not found")
+        self.mistake = mistake
+        self.samples_per_batch, self.tokens_per_batch = batch_size, None
+
+    def build_model(self) -> Any:
+        if self.mistake == "not_a_module":
+            return [nn.Linear(4, 1)]
+        return nn.Linear(4, 1)
+
+    def batches(self, device: torch.device, seed: int) -> Iterator[Any]:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        count = 3 if self.mistake == "finite_batches" else None
+        while count is None or count > 0:
+            count = None if count is None else count - 1
+            x = torch.randn(self.samples_per_batch, 4, generator=gen, device=device)
+            yield [x.tolist(), x.sum(1, keepdim=True).tolist()] if self.mistake == "list_batches" else (x, x.sum(1, keepdim=True))
+
+    def loss(self, model: nn.Module, batch: Any) -> Any:
+        x, y = batch
+        out = model(x)
+        if self.mistake == "vector_loss":
+            return F.mse_loss(out, y, reduction="none")
+        if self.mistake == "integer_loss":
+            return 3
+        if self.mistake == "none_loss":
+            return None
+        if self.mistake == "detached_loss":
+            return F.mse_loss(out, y).detach()
+        return F.mse_loss(out, y)

@@ -1,0 +1,48 @@
+"""A user recipe that breaks the protocol ends in one line naming the recipe member and what the protocol
+needs, exit 2, no run directory left (each mistake as a new user would make it; tests/broken_recipes.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampctl.cli import main
+
+RECIPE = "tests.broken_recipes.BrokenRecipe"
+
+
+@pytest.mark.parametrize("mistake,message", [
+    ("vector_loss", "loss(model, batch) returned a torch.float32 tensor of shape (8, 1); the protocol needs a "
+                    "scalar (0-dim) floating-point tensor: reduce it, e.g. .mean()"),
+    ("integer_loss", "loss(model, batch) returned an int (3); the protocol needs a scalar (0-dim) floating-point tensor"),
+    ("none_loss", "loss(model, batch) returned None; the protocol needs a scalar (0-dim) floating-point tensor"),
+    ("detached_loss", "loss(model, batch) returned a torch.float32 tensor of shape () without grad; the protocol "
+                      "needs a loss computed from the model's output (this one has no grad"),
+    ("not_a_module", "build_model() returned a list; the protocol needs a torch.nn.Module"),
+    ("list_batches", "loss() raised TypeError: linear(): argument 'input' (position 1) must be Tensor, not list "
+                     "(broken_recipes.py:35); loss(model, batch) gets one batch exactly as batches() yielded it"),
+    ("finite_batches", "batches(device, seed) ended after step 3; the protocol needs an endless iterator"),
+    ("raises_in_init", f"recipe._target_='{RECIPE}' could not be instantiated: ValueError: vocab file "
+                       "'data/vocab.txt' not found"),
+])
+def test_a_recipe_that_breaks_the_protocol_is_one_line(tmp_path, restore_argv, capsys, mistake, message):
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "recipe=mlp", "recipe.batch_size=8", "device=cpu", "train.steps=5", "train.console=quiet",
+              f"recipe._target_={RECIPE}",
+              f"+recipe.mistake={mistake}", f"hydra.run.dir={run_dir}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    if mistake != "raises_in_init":
+        assert f"recipe {RECIPE}: " in err
+    assert not run_dir.exists()
+
+
+def test_a_recipe_module_that_cannot_be_imported_says_why(tmp_path, restore_argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "recipe._target_=my_recipes.LinReg", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "ampctl train: error: recipe._target_='my_recipes.LinReg' could not be instantiated: ModuleNotFoundError: "
+        "No module named 'my_recipes' (is its module importable? run from the directory that holds it with "
+        "PYTHONPATH=.)\n")
