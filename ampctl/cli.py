@@ -111,10 +111,11 @@ def run_hydra_app(command: str, entry) -> None:
     """Run a command's @hydra.main. What fails before its task function runs — composing the config, the
     check of every job of a sweep — is the user's command line: one line, exit 2. Hydra prints such errors
     itself (several lines, exit 1) unless HYDRA_FULL_ERROR=1 lets them reach us."""
+    import yaml
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from ampctl.conf.messages import key_under_null_node, one_line
+    from ampctl.conf.messages import key_under_null_node, one_line, yaml_error
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
@@ -128,6 +129,11 @@ def run_hydra_app(command: str, entry) -> None:
         message = str(exc) if isinstance(exc, UsageError) else (
             isinstance(exc, AssertionError) and key_under_null_node(sys.argv[1:]) or one_line(exc))
         print(f"ampctl {command}: error: {message}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    except yaml.YAMLError as exc:  # a config file under -cd that is not YAML
+        if raised_in(exc, entry.__wrapped__):
+            raise
+        print(f"ampctl {command}: error: {yaml_error(exc)}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
     except OSError as exc:  # after Hydra's: its MissingConfigException is an OSError
         if not write_refused(exc) or raised_in(exc, entry.__wrapped__):

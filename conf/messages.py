@@ -38,6 +38,17 @@ def one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def yaml_error(exc: Exception) -> str:
+    """A YAML file Hydra could not parse (a config under -cd): the file, line and column, and the problem."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is None:
+        return f"malformed YAML: {' '.join(str(exc).split())}"
+    context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    since = (f" ({context} from line {context_mark.line + 1}, column {context_mark.column + 1})"
+             if context and context_mark is not None else "")
+    return f"malformed YAML in {mark.name}, line {mark.line + 1}, column {mark.column + 1}: {problem}{since}"
+
+
 # Hydra's sweeper and launcher plugins, by the option name each registers, and the package that provides it.
 HYDRA_PLUGINS = {
     "optuna": "hydra-optuna-sweeper",

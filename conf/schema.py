@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from ampctl.conf.checks import LOSS_SCALE_ALLOWED, loss_scale_ok, positive_finite, require, yaml_text
 from ampctl.errors import UsageError
@@ -380,9 +380,30 @@ def validate(cfg: DictConfig) -> None:
         require(isinstance(node, DictConfig) and "_target_" in node, group,
                 OmegaConf.to_container(node) if isinstance(node, DictConfig) else node,
                 "a config with a _target_ naming an importable callable")
-    lr = cfg.optimizer.get("lr")
+    _check_optimizer_arguments(cfg.optimizer)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_optimizer_arguments(optimizer: DictConfig) -> None:
+    """The arguments torch.optim's optimizers share, by their torch names, checked before a run starts (torch
+    checks some only when it builds the optimizer, and reads betas[1] before checking there are two)."""
+    lr, betas = optimizer.get("lr"), optimizer.get("betas")
     if lr is not None:
-        require(isinstance(lr, (int, float)) and positive_finite(float(lr)), "optimizer.lr", lr, "a finite number > 0")
+        require(_number(lr) and lr > 0, "optimizer.lr", lr, "a finite number > 0")
+    if betas is not None:
+        values = list(betas) if isinstance(betas, ListConfig) else betas
+        require(isinstance(values, list) and len(values) == 2 and all(_number(b) and 0 <= b < 1 for b in values),
+                "optimizer.betas", values, "two numbers in [0, 1), e.g. [0.9, 0.999]")
+    for key, allowed, ok in (("eps", "a finite number > 0", lambda x: x > 0),
+                             ("weight_decay", "a finite number >= 0", lambda x: x >= 0),
+                             ("momentum", "a finite number >= 0", lambda x: x >= 0),
+                             ("dampening", "a finite number >= 0", lambda x: x >= 0)):
+        value = optimizer.get(key)
+        if value is not None and not isinstance(value, ListConfig):  # Adafactor's eps is a pair
+            require(_number(value) and ok(value), f"optimizer.{key}", value, allowed)
 
 
 INT64_MAX = 2**63 - 1

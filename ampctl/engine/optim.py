@@ -45,7 +45,9 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], devic
         kwargs["lr"] = torch.tensor(float(cfg.lr), device=device, dtype=lr_tensor_dtype(device))
     try:
         return factory(params, **kwargs)
-    except (RuntimeError, ValueError) as exc:
+    except ValueError as exc:  # torch's check of an argument ("Invalid momentum value: -1"): not about fused
+        raise UsageError(f"optimizer ({target}) refused its arguments: {str(exc).splitlines()[0]}") from None
+    except RuntimeError as exc:
         if cfg.get("fused"):
             raise UnsupportedError(
                 f"optimizer.fused=true: torch {torch.__version__} has no fused {target} for these "

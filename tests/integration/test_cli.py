@@ -98,6 +98,11 @@ def test_cfg_job_prints_the_config_without_training(tmp_path, restore_argv, caps
         (["scaler.growth_interval=5"], "scaler.growth_interval: no such key"),
         (["recipe.corpus=/no/such/file"], "recipe.corpus='/no/such/file' does not exist"),
         (["precision=fp16", "scaler.growth_interval=100,500"], "add --multirun"),
+        # optimizer arguments, named by key (before: a traceback, or blamed on fused)
+        (["optimizer.betas=[0.9]"], "optimizer.betas=[0.9] is not allowed: expected two numbers in [0, 1)"),
+        (["optimizer.weight_decay=-5"], "optimizer.weight_decay=-5 is not allowed: expected a finite number >= 0"),
+        (["optimizer=sgd", "optimizer.momentum=-1"], "optimizer.momentum=-1 is not allowed"),
+        (["optimizer.eps=0"], "optimizer.eps=0 is not allowed: expected a finite number > 0"),
         # numbers no field can hold
         (["train.steps=99999999999999999999"], "train.steps=99999999999999999999 is not allowed: expected an integer "
                                                "that fits in 64 bits (|x| < 2^63)"),
@@ -116,6 +121,37 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not run_dir.exists()
+
+
+def test_an_optimizer_argument_torch_refuses_is_one_line(tmp_path, restore_argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "recipe=mlp", "device=cpu", "optimizer=sgd", "optimizer.nesterov=true", "optimizer.momentum=0",
+              f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("ampctl train: error: optimizer (torch.optim.SGD) refused its arguments: "
+                                       "Nesterov momentum requires a momentum and zero dampening\n")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("file,text,message", [
+    ("recipe/bad.yaml", "_target_: ampctl.recipes.mlp.MLPRecipe\nhidden: [32\nbatch_size: 8\n",
+     "recipe/bad.yaml, line 3, column 11: expected ',' or ']', but got ':' (while parsing a flow sequence from "
+     "line 2, column 9)"),
+    ("mine.yaml", "defaults:\n  - train\n  - _self_\ntrain:\n\tsteps: 3\n",
+     "mine.yaml, line 5, column 1: found character '\\t' that cannot start any token"),
+])
+def test_malformed_yaml_under_cd_is_one_line_with_file_line_and_column(tmp_path, restore_argv, capsys, file, text,
+                                                                        message):
+    conf = tmp_path / "conf"
+    (conf / file).parent.mkdir(parents=True, exist_ok=True)
+    (conf / file).write_text(text)
+    args = ["recipe=bad"] if file.startswith("recipe/") else ["-cn", "mine"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "-cd", str(conf), *args, f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ampctl train: error: malformed YAML in {conf}/") and message in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_inspect_steps_no_field_can_hold_is_one_line(tmp_path, restore_argv, capsys):
