@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 from typing import Optional
 
@@ -46,12 +47,31 @@ def main(argv: Optional[list[str]] = None) -> None:
         # would fail again on the closed pipe, so stdout goes to /dev/null (the recipe in Python's docs).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
+    except KeyboardInterrupt:
+        # Ctrl-C before a command could stop gracefully (importing torch, composing, Hydra making the run
+        # directory): nothing was recorded, and the directory Hydra made goes too
+        remove_hydra_run_dir()
+        print("\nampctl: interrupted (SIGINT) before anything was recorded", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except SystemExit as exc:
         # rich handles a closed pipe itself: stdout to /dev/null, then SystemExit(1). The same case as above
         # (told apart from a failed run whose output the user sent to /dev/null).
         if exc.code == 1 and not devnull_from_the_start and stdout_is_devnull():
             sys.exit(0)
         raise
+
+
+def remove_hydra_run_dir() -> None:
+    """The directory Hydra made for a run interrupted before its task function took over, if only Hydra's
+    files are in it."""
+    checks = sys.modules.get("ampctl.commands.checks")
+    if checks is None or checks.planned_run_dir is None:
+        return
+    from ampctl.commands.train import remove_if_only_hydra_files
+    from ampctl.engine.parallel import is_main_process
+
+    if is_main_process():
+        remove_if_only_hydra_files(checks.planned_run_dir)
 
 
 def stdout_is_devnull() -> bool:

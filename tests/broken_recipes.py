@@ -3,6 +3,7 @@ the recipe member and what the protocol needs."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterator
 
 import torch
@@ -18,6 +19,8 @@ class BrokenRecipe:
         self.samples_per_batch, self.tokens_per_batch = batch_size, None
 
     def build_model(self) -> Any:
+        if self.mistake == "slow_build":  # not a mistake: a build long enough to press Ctrl-C during it
+            time.sleep(60)
         if self.mistake == "not_a_module":
             return [nn.Linear(4, 1)]
         return nn.Linear(4, 1)

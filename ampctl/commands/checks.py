@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from hydra import compose
 from hydra.errors import HydraException
@@ -120,6 +120,11 @@ def without_hydra_node(config: DictConfig) -> DictConfig:
     return job
 
 
+# The directory Hydra is about to create for a single run (set once the run passed its check): what a Ctrl-C
+# in the moment between Hydra making it and the task function starting leaves behind (cli.py removes it).
+planned_run_dir: Optional[Path] = None
+
+
 class CheckEveryJob(Callback):
     """Runs `command`'s check on every job of a multirun before the first job starts (see the module doc).
     A refusal leaves Hydra as CommandLineRefused; the router prints it as one line, exit code 2."""
@@ -140,6 +145,8 @@ class CheckEveryJob(Callback):
             CHECKS[self.command][1](cfg)
         except UsageError as exc:
             raise CommandLineRefused(exc) from None
+        global planned_run_dir
+        planned_run_dir = Path(config.hydra.run.dir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         jobs = planned_jobs(config) or [base_overrides(sweep_overrides(config))]

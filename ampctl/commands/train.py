@@ -59,6 +59,11 @@ def train(cfg: DictConfig) -> Optional[float]:
         if exc.checkpoint:
             print(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C while building, compiling or loading data: before the first step
+        if is_main_process():
+            remove_if_only_hydra_files(run_dir)
+            print("\nampctl train: interrupted (SIGINT) before the first step; nothing recorded", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     except RunStopped as exc:
         if multirun:
             return record_failed_job(run_dir, exc)

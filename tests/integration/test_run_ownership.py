@@ -151,3 +151,21 @@ def test_a_run_dir_that_cannot_be_created_is_one_line_exit_2(tmp_path):
     assert refused.returncode == 2
     assert refused.stderr.startswith("ampctl train: error: cannot write /sys/ampctl-test-run: ")
     assert refused.stderr.endswith("; choose a writable hydra.run.dir (or hydra.sweep.dir)\n")
+
+
+@pytest.mark.parametrize("after_hydra_s", [0.0, 1.0])  # as Hydra makes the run dir; while the model builds
+def test_ctrl_c_before_the_first_step_exits_130_and_leaves_no_run_dir(tmp_path, after_hydra_s):
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, f"hydra.run.dir={run_dir}",
+                                "recipe._target_=tests.broken_recipes.BrokenRecipe", "+recipe.mistake=slow_build"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run_dir / ".hydra" / "config.yaml").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.0005)
+    time.sleep(after_hydra_s)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert "Traceback" not in stderr and stderr.strip().startswith("ampctl") and "interrupted (SIGINT) before" in stderr
+    assert not run_dir.exists()
