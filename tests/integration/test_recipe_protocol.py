@@ -3,11 +3,15 @@ needs, exit 2, no run directory left (each mistake as a new user would make it; 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ampctl.cli import main
 
 RECIPE = "tests.broken_recipes.BrokenRecipe"
+SOURCE = Path(__file__).resolve().parents[1] / "broken_recipes.py"
+MODEL_CALL = SOURCE.read_text().splitlines().index("        out = model(x)") + 1  # where a list batch fails
 
 
 @pytest.mark.parametrize("mistake,message", [
@@ -19,7 +23,7 @@ RECIPE = "tests.broken_recipes.BrokenRecipe"
                       "needs a loss computed from the model's output (this one has no grad"),
     ("not_a_module", "build_model() returned a list; the protocol needs a torch.nn.Module"),
     ("list_batches", "loss() raised TypeError: linear(): argument 'input' (position 1) must be Tensor, not list "
-                     "(broken_recipes.py:35); loss(model, batch) gets one batch exactly as batches() yielded it"),
+                     f"(broken_recipes.py:{MODEL_CALL}); loss(model, batch) gets one batch exactly as batches() yielded it"),
     ("finite_batches", "batches(device, seed) ended after step 3; the protocol needs an endless iterator"),
     ("raises_in_init", f"recipe._target_='{RECIPE}' could not be instantiated: ValueError: vocab file "
                        "'data/vocab.txt' not found"),
