@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 from ampctl.commands.checks import check_command
 from ampctl.commands.train import remove_if_only_hydra_files
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.runner.compare import run_compare
+from ampctl.runner.compare import CompareInterrupted, run_compare
 
 
 def command_line_config_dir(hydra_cfg: DictConfig) -> str | None:
@@ -34,5 +34,9 @@ def compare(cfg: DictConfig) -> None:
         remove_if_only_hydra_files(out_dir)
         print(f"ampctl compare: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
+    except CompareInterrupted as exc:
+        print(f"ampctl compare: interrupted ({exc}); the modes run so far are compared in {out_dir}; the "
+              "interrupted mode continues with ampctl train resume=<its directory>", file=sys.stderr)
+        sys.exit(128 + exc.signum)
     if failed:
         sys.exit(1)

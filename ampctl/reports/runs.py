@@ -29,6 +29,19 @@ class RunRecord:
     running_pid: Optional[int] = None  # the process recording into it now
 
     @property
+    def status(self) -> str:
+        """ok (a summary), running or interrupted (no summary, no error), or failed."""
+        if self.summary is not None:
+            return "ok"
+        if self.unfinished:
+            return "running" if self.running_pid is not None else "interrupted"
+        return "failed"
+
+    @property
+    def why_not_ok(self) -> Optional[str]:
+        return self.unfinished or self.error
+
+    @property
     def unfinished(self) -> Optional[str]:
         """Why a run without a summary has none, when not an error: it is running, or it was interrupted."""
         if self.summary is not None or (self.path / ERROR_FILE).is_file():
@@ -70,10 +83,7 @@ def load_run(path: Path) -> RunRecord:
     overrides = [str(o) for o in OmegaConf.load(overrides_path)] if overrides_path.is_file() else []
     error_path = path / ERROR_FILE
     error = error_path.read_text().strip() if error_path.is_file() else None
-    record = RunRecord(path, summary, metrics, overrides, error, running_pid=holder_pid(path))
-    if summary is None and record.error is None:
-        record.error = f"did not finish ({record.unfinished})"
-    return record
+    return RunRecord(path, summary, metrics, overrides, error, running_pid=holder_pid(path))
 
 
 def _read_summary(path: Path) -> Optional[dict]:

@@ -103,7 +103,7 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
     rows = []
     for mode, run in runs:
         if run.failed:
-            rows.append([mode, "failed"] + [None] * (len(columns) - 2))
+            rows.append([mode, run.status] + [None] * (len(columns) - 2))
             continue
         s, b = run.summary, base.summary  # type: ignore[union-attr]
         memory, base_memory = s.get("peak_memory_bytes"), b.get("peak_memory_bytes")
@@ -116,7 +116,7 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
     for mode, reason in skipped.items():
         rows.append([mode, "skipped"] + [None] * (len(columns) - 2))
     notes = [f"{mode} skipped: {reason}" for mode, reason in skipped.items()]
-    notes += [f"{mode} failed: {run.error}" for mode, run in runs if run.failed]
+    notes += [f"{mode} {run.status}: {run.why_not_ok}" for mode, run in runs if run.failed]
     if baseline and baseline not in ("fp32", "O0"):
         notes.append(f"fp32 is not in the list: speedup, memory ratio and loss delta are against {baseline}.")
     elif baseline:
@@ -148,13 +148,13 @@ def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
     for run in runs:
         values = [run.override_values().get(k) for k in keys]
         if run.failed:
-            rows.append([run.job, *values, "failed", None, None, None, None])
+            rows.append([run.job, *values, run.status, None, None, None, None])
             continue
         rate, unit = _rate(run.summary)  # type: ignore[arg-type]
         s = run.summary
         rows.append([run.job, *values, "ok", s["final_loss"], s["skipped_total"],
                      s["final_loss_scale"], f"{rate:,.0f} {unit}"])
-    notes = [f"job {run.job} failed: {run.error}" for run in runs if run.failed]
+    notes = [f"job {run.job} {run.status}: {run.why_not_ok}" for run in runs if run.failed]
     formats = {"final_loss": lambda v: f"{v:.4f}", "final_loss_scale": lambda v: f"{v:g}"}
     headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale"}
     return ReportTable("sweep", columns, rows, notes, headers, formats)
@@ -162,7 +162,7 @@ def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
 
 def single_run_table(run: RunRecord) -> ReportTable:
     if run.failed:
-        return ReportTable(f"run {run.path}", ["status"], [[f"failed: {run.error}"]])
+        return ReportTable(f"run {run.path}", ["status"], [[f"{run.status}: {run.why_not_ok}"]])
     s = run.summary
     keys = ["precision", "scaler", "recipe", "device_name", "steps", "final_loss", "tail_loss", "skipped_total",
             "final_loss_scale", "median_step_time_ms", "samples_per_s", "tokens_per_s", "peak_memory_bytes"]

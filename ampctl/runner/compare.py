@@ -7,6 +7,7 @@ comparison's. Timings leave out the warm-up steps (compare.warmup_steps) and use
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -119,8 +120,18 @@ def _compose_train(overrides: list[str]) -> DictConfig:
         raise UsageError(one_line(exc)) from None
 
 
+class CompareInterrupted(Exception):
+    """Ctrl-C (or SIGTERM) during a comparison: the running mode stopped with a checkpoint; the modes started
+    until then. run_compare writes their comparison before it lets this go."""
+
+    def __init__(self, signum: int, started: list[str]) -> None:
+        self.signum, self.started = signum, started
+        super().__init__(signal.Signals(signum).name)
+
+
 def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> int:
-    """Run every mode, then write the table, CSV, JSON, report.md and plots. Returns the number of failed modes."""
+    """Run every mode, then write the table, CSV, JSON, report.md and plots. Returns the number of failed modes.
+    Interrupted, it writes the comparison of the modes run so far and raises CompareInterrupted."""
     plans, skipped = plan_modes(cfg, split_overrides(task_overrides))
     console = tables.make_console()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -128,8 +139,14 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
                   f"each in its own process -> {out_dir}")
     for mode, reason in skipped.items():
         console.print(f"  skipped {mode}: {reason}")
-    run_all(plans, cfg.compare.warmup_steps, out_dir, config_dir, console)
-    return write_comparison_report(out_dir, [p.mode for p in plans], skipped, task_overrides, console)
+    try:
+        return write_comparison_report(out_dir, run_all(plans, cfg.compare.warmup_steps, out_dir, config_dir,
+                                                        console), skipped, task_overrides, console)
+    except CompareInterrupted as stop:
+        for plan in plans[len(stop.started):]:
+            skipped[plan.mode] = f"not run: the comparison was interrupted ({stop})"
+        write_comparison_report(out_dir, stop.started, skipped, task_overrides, console)
+        raise
 
 
 def write_comparison_report(
@@ -149,13 +166,16 @@ def write_comparison_report(
 
 def run_all(
     plans: list[ModePlan], warmup_steps: int, out_dir: Path, config_dir: Optional[str], console: Console
-) -> None:
+) -> list[str]:
+    """Train each plan's mode in turn. Returns the modes started: all of them, unless a Ctrl-C stopped the
+    comparison (the mode it reached stopped with a checkpoint, the later ones not started)."""
     total = sum(p.steps for p in plans)
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
         disable=not console.is_terminal,
     )
+    started: list[str] = []
     with progress:
         overall = progress.add_task("compare", total=total)
         done_steps = 0
@@ -164,43 +184,67 @@ def run_all(
             progress.update(overall, description=label)
             if not console.is_terminal:
                 print(f"{label}: training {plan.steps} steps", flush=True)
-            started = time.perf_counter()
+            began = time.perf_counter()
             run_dir = out_dir / plan.mode
-            error = run_mode(plan, run_dir, warmup_steps, config_dir,
-                             lambda steps: progress.update(overall, completed=done_steps + steps))
+            started.append(plan.mode)
+            error, interrupted = run_mode(plan, run_dir, warmup_steps, config_dir,
+                                          lambda steps: progress.update(overall, completed=done_steps + steps))
             done_steps += plan.steps
             progress.update(overall, completed=done_steps)
-            if error:
+            if error and interrupted is None:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / ERROR_FILE).write_text(error + "\n")
             run = load_run(run_dir)
-            status = f"failed: {run.error}" if run.failed else f"done in {time.perf_counter() - started:.1f} s"
-            if console.is_terminal:
-                progress.console.print(f"{label}: {status}")
-            else:
-                print(f"{label}: {status}", flush=True)
+            status = f"{run.status}: {run.why_not_ok}" if run.failed else f"done in {time.perf_counter() - began:.1f} s"
+            (progress.console.print if console.is_terminal else lambda text: print(text, flush=True))(
+                f"{label}: {status}")
+            if interrupted is not None:
+                raise CompareInterrupted(interrupted, started)
+    return started
 
 
-def run_mode(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: Optional[str], on_steps) -> Optional[str]:
-    """Train one mode in a child process; report its progress from its metrics.jsonl. Returns an error or None."""
+def run_mode(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: Optional[str],
+             on_steps) -> tuple[Optional[str], Optional[int]]:
+    """Train one mode in a child process; report its progress from its metrics.jsonl. Returns its error (or
+    None) and the signal that stopped it (or None). The child has its own session, so a Ctrl-C at the terminal
+    reaches it once, forwarded from here: it finishes its step and writes a checkpoint (it is waited for, never
+    killed), and a second Ctrl-C ends it at once, as `ampctl train` alone would."""
     command = [sys.executable, "-m", "ampctl", "train", *(["-cd", config_dir] if config_dir else []),
                *plan.overrides, f"hydra.run.dir={run_dir}", "train.console=quiet",
                f"train.timing_warmup_steps={warmup_steps}"]
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir / CHILD_LOG
     metrics = run_dir / "metrics.jsonl"
+    received: list[int] = []
     with log_path.open("w") as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def forward(signum: int, _frame: object) -> None:
+            received.append(signum)
+            child.send_signal(signum)
+
+        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
         try:
             while child.poll() is None:
                 time.sleep(0.5)
-                if metrics.is_file():
+                if metrics.is_file() and not received:
                     on_steps(metrics.read_bytes().count(b"\n"))
         except BaseException:
             child.kill()
             child.wait()
             raise
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    stopped_by = received[0] if received else None
     if child.returncode == 0:
-        return None
-    lines = [line for line in log_path.read_text().splitlines() if line.strip()]
-    return (lines[-1] if lines else f"exit code {child.returncode}") + f" (see {log_path})"
+        return None, stopped_by
+    return _child_error(log_path, child.returncode), stopped_by
+
+
+def _child_error(log_path: Path, returncode: int) -> str:
+    """The child's own error line ("ampctl train: error: ..." or a traceback's last line), not Hydra's."""
+    lines = [line.strip() for line in log_path.read_text().splitlines() if line.strip()]
+    own = [line.removeprefix("ampctl train: ") for line in lines if line.startswith("ampctl train: ")]
+    line = own[-1] if own else lines[-1] if lines else f"exit code {returncode}"
+    return f"{line} (see {log_path})"

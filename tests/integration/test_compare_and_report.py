@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import matplotlib.image
@@ -11,6 +15,7 @@ import pytest
 
 from ampctl.cli import main
 
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=8", "train.log_every=4"]
 
 
@@ -27,8 +32,6 @@ def assert_png(path: Path) -> None:
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compare") / "cmp"
-    import sys
-
     saved = sys.argv[:]
     try:
         main(["compare", *TINY, "compare.precisions=[fp32,bf16,tf32]", "compare.warmup_steps=2",
@@ -190,3 +193,37 @@ def test_compare_runs_by_default_only_the_modes_that_are_fast_here(monkeypatch, 
                                               "AVX512-BF16 or AMX); name it in compare.precisions to run it")
         named = compose(config_name="compare", overrides=["device=cpu", "compare.precisions=[fp32,bf16]"])
         assert [p.mode for p in plan_modes(named, ["device=cpu"])[0]] == ["fp32", "bf16"]
+
+
+def test_ctrl_c_during_compare_stops_the_running_mode_with_a_checkpoint_and_writes_the_partial_comparison(tmp_path):
+    """SIGINT to compare reaches the running mode once (forwarded, never SIGKILL): it stops after its step with a
+    checkpoint; the modes run so far are compared, the others listed as not run; exit 130."""
+    out = tmp_path / "cmp"
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", "compare", *TINY, "train.steps=100000",
+                                "compare.precisions=[fp32,bf16]", f"hydra.run.dir={out}"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "fp32" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 8):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "ampctl compare: interrupted (SIGINT)" in stderr
+    step = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert (out / "fp32" / "checkpoints" / f"step_{step:08d}.pt").is_file()  # stopped gracefully at its step
+    rows = {row["precision"]: row for row in read_csv(out / "comparison.csv")}
+    assert rows["fp32"]["status"] == "interrupted" and rows["bf16"]["status"] == "skipped"
+    assert f"fp32 interrupted: interrupted at step {step}; continue it with: ampctl train resume={out / 'fp32'}" in stdout
+    assert "bf16 skipped: not run: the comparison was interrupted (SIGINT)" in stdout
+
+
+def test_a_failed_mode_shows_the_childs_own_error_line(tmp_path, restore_argv, capsys):
+    out = tmp_path / "cmp"
+    with pytest.raises(SystemExit):
+        main(["compare", *TINY, "compare.precisions=[fp32]", "recipe._target_=tests.broken_recipes.BrokenRecipe",
+              "+recipe.mistake=finite_batches", f"hydra.run.dir={out}"])
+    printed = capsys.readouterr().out
+    assert (f"fp32 failed: error: recipe tests.broken_recipes.BrokenRecipe: batches(device, seed) ended after step "
+            f"3; the protocol needs an endless iterator") in " ".join(printed.split()), printed
