@@ -225,5 +225,5 @@ def test_a_failed_mode_shows_the_childs_own_error_line(tmp_path, restore_argv, c
         main(["compare", *TINY, "compare.precisions=[fp32]", "recipe._target_=tests.broken_recipes.BrokenRecipe",
               "+recipe.mistake=finite_batches", f"hydra.run.dir={out}"])
     printed = capsys.readouterr().out
-    assert (f"fp32 failed: error: recipe tests.broken_recipes.BrokenRecipe: batches(device, seed) ended after step "
-            f"3; the protocol needs an endless iterator") in " ".join(printed.split()), printed
+    assert ("fp32 failed: error: recipe tests.broken_recipes.BrokenRecipe: batches(device, seed) ended after step "
+            "3; the protocol needs an endless iterator") in " ".join(printed.split()), printed
