@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import Optional
 
-from ampctl.errors import USAGE_EXIT_CODE, CommandLineRefused, UsageError, write_refused
+from ampctl.errors import USAGE_EXIT_CODE, CommandLineRefused, UsageError, print_error, write_refused
 
 # command -> (module, function, one-line description)
 COMMANDS = {
@@ -141,26 +141,26 @@ def run_hydra_app(command: str, entry) -> None:
     try:
         entry()  # raises SystemExit when the run fails
     except CommandLineRefused as exc:
-        print(f"ampctl {command}: error: {exc}", file=sys.stderr)
+        print_error(f"ampctl {command}: error: {exc}")
         sys.exit(USAGE_EXIT_CODE)
     except (UsageError, HydraException, OmegaConfBaseException, AssertionError, ValueError) as exc:
         if raised_in(exc, entry.__wrapped__):
             raise  # an error inside a job is not the command line's: the job reported it, or it is a bug
         message = str(exc) if isinstance(exc, UsageError) else (
             isinstance(exc, AssertionError) and key_under_null_node(sys.argv[1:]) or one_line(exc))
-        print(f"ampctl {command}: error: {message}", file=sys.stderr)
+        print_error(f"ampctl {command}: error: {message}")
         sys.exit(USAGE_EXIT_CODE)
     except yaml.YAMLError as exc:  # a config file under -cd that is not YAML
         if raised_in(exc, entry.__wrapped__):
             raise
-        print(f"ampctl {command}: error: {yaml_error(exc)}", file=sys.stderr)
+        print_error(f"ampctl {command}: error: {yaml_error(exc)}")
         sys.exit(USAGE_EXIT_CODE)
     except OSError as exc:  # after Hydra's: its MissingConfigException is an OSError
         if not write_refused(exc) or raised_in(exc, entry.__wrapped__):
             raise
         # Hydra could not create the run directory or write its .hydra/ files: the directory the user chose
-        print(f"ampctl {command}: error: cannot write {exc.filename}: {exc.strerror}; choose a writable "
-              "hydra.run.dir (or hydra.sweep.dir)", file=sys.stderr)
+        print_error(f"ampctl {command}: error: cannot write {exc.filename}: {exc.strerror}; choose a writable "
+                    "hydra.run.dir (or hydra.sweep.dir)")
         sys.exit(USAGE_EXIT_CODE)
 
 

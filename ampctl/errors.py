@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import os
+import sys
 from typing import Any
 
 USAGE_EXIT_CODE = 2
@@ -11,6 +13,13 @@ WRITE_FAILED_EXIT_CODE = 74  # sysexits.h's EX_IOERR: a run's record could not b
 # errnos of a write the machine refused (not a bug): no space, over quota, read-only, not permitted, too large
 WRITE_REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
                                   errno.EFBIG, errno.EIO})
+
+
+def print_error(line: str) -> None:
+    """One line on stderr; under torchrun from rank 0 only: every rank meets the same mistake, the user reads it
+    once."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr, flush=True)
 
 
 def write_refused(exc: BaseException) -> bool:

@@ -18,7 +18,14 @@ from omegaconf import DictConfig
 
 from ampctl.commands.checks import train_run, typed
 from ampctl.engine.parallel import is_main_process, torchrun_world_size
-from ampctl.errors import USAGE_EXIT_CODE, WRITE_FAILED_EXIT_CODE, RunStopped, UsageError, write_refused
+from ampctl.errors import (
+    USAGE_EXIT_CODE,
+    WRITE_FAILED_EXIT_CODE,
+    RunStopped,
+    UsageError,
+    print_error,
+    write_refused,
+)
 from ampctl.reports.runs import ERROR_FILE, LOCK_FILE
 from ampctl.runner.interrupt import Interrupted
 from ampctl.runner.run import run_training
@@ -67,22 +74,22 @@ def train(cfg: DictConfig) -> Optional[float]:
     except RunStopped as exc:
         if multirun:
             return record_failed_job(run_dir, exc)
-        print(f"ampctl train: stopped: {exc}", file=sys.stderr)
+        print_error(f"ampctl train: stopped: {exc}")
         sys.exit(1)
     except UsageError as exc:
         if multirun:
             return record_failed_job(run_dir, exc)
         if is_main_process():
             remove_if_only_hydra_files(run_dir)
-        print(f"ampctl train: error: {exc}", file=sys.stderr)
+        print_error(f"ampctl train: error: {exc}")
         sys.exit(USAGE_EXIT_CODE)
     except Exception as exc:  # noqa: BLE001 - in a sweep one job's crash must not end the others
         if multirun:
             log.exception("job failed")
             return record_failed_job(run_dir, exc)
         if write_refused(exc):  # a full disk, a read-only directory: the machine's answer, not a bug
-            print(f"ampctl train: error: cannot write {exc.filename}: {exc.strerror}; the checkpoints written "  # type: ignore[attr-defined]
-                  "before it are whole (resume=auto continues from the newest once it can write)", file=sys.stderr)
+            print_error(f"ampctl train: error: cannot write {exc.filename}: {exc.strerror}; the checkpoints "  # type: ignore[attr-defined]
+                        "written before it are whole (resume=auto continues from the newest once it can write)")
             sys.exit(WRITE_FAILED_EXIT_CODE)
         raise
     if Path(summary["run_dir"]) != run_dir and is_main_process():

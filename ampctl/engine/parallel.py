@@ -267,18 +267,17 @@ def start(cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype | No
         return Parallel()
     if kind == "ddp":
         return DDPParallel(device, cfg.distributed.timeout_s)
-    return FSDP2Parallel(device, cfg.distributed.timeout_s, compute_dtype,
-                                    cfg.distributed.reshard_after_forward)
+    return FSDP2Parallel(device, cfg.distributed.timeout_s, compute_dtype, cfg.distributed.reshard_after_forward)
 
 
-def global_recipe_config(recipe_cfg: DictConfig, world_size: int) -> DictConfig:
-    """The recipe config whose batch is the global batch of world_size ranks."""
+def global_recipe_config(recipe_cfg: DictConfig, world_size: int, kind: str) -> DictConfig:
+    """The recipe config whose batch is the global batch of world_size ranks (kind: ddp or fsdp, for messages)."""
     if world_size == 1:
         return recipe_cfg
     batch_size = recipe_cfg.get("batch_size")
     if not isinstance(batch_size, int):
-        raise UsageError("distributed=ddp splits the recipe's batches over the ranks: the recipe needs an integer "
-                         "recipe.batch_size")
+        raise UsageError(f"distributed={kind} splits the recipe's batches over the ranks: the recipe needs an "
+                         "integer recipe.batch_size")
     data = OmegaConf.to_container(recipe_cfg, resolve=True)
     data["batch_size"] = batch_size * world_size
     return OmegaConf.create(data)

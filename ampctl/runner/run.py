@@ -63,7 +63,7 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
            policy: PrecisionPolicy, parallel: parallelism.Parallel) -> dict:
     resume = Resume.find(cfg, run_dir)
     recorder = Recorder(resume.run_dir, echo) if parallel.is_main else NoRecorder(resume.run_dir)
-    recipe = build_recipe(parallelism.global_recipe_config(cfg.recipe, parallel.world_size))
+    recipe = build_recipe(parallelism.global_recipe_config(cfg.recipe, parallel.world_size, cfg.distributed.kind.value))
     if parallel.world_size > 1:
         recipe = parallelism.RankShard(recipe, parallel.rank, parallel.world_size)
     peak = TrainingPeak(policy.device)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +113,33 @@ def test_bad_distributed_input_is_refused_with_one_line(tmp_path, restore_argv, 
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_usage_error_under_torchrun_is_printed_once_and_names_fsdp(tmp_path):
+    result = torchrun(tmp_path / "run", *MLP, "distributed=fsdp", "recipe.batch_size=16.5")
+    assert result.returncode != 0
+    assert result.stderr.count("ampctl train: error:") == 1, result.stderr
+    assert ("ampctl train: error: distributed=fsdp splits the recipe's batches over the ranks: the recipe needs an "
+            "integer recipe.batch_size") in result.stderr
+
+
+def test_sigterm_to_torchrun_stops_every_rank_at_a_log_step_with_a_checkpoint(tmp_path):
+    """torchrun forwards SIGTERM to its workers; they agree to stop at the next log step, write one checkpoint
+    and exit 143; rank 0 says once how to continue (torchrun itself then reports the signal and exits 1)."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ampctl", "train",
+         *MLP, "distributed=ddp", "recipe.batch_size=16", "train.steps=100000", "train.log_every=5",
+         f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 10):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.02)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    step = int(re.search(r"interrupted at step (\d+) by SIGTERM", stderr).group(1))
+    assert step % 5 == 0 and stderr.count("interrupted at step") == 1, stderr
+    assert f"continue with: torchrun --nproc-per-node=2 -m ampctl train resume={run_dir}" in stderr
+    assert [p.name for p in (run_dir / "checkpoints").glob("*.pt")] == [f"step_{step:08d}.pt"]
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] == step
