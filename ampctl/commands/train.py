@@ -61,10 +61,12 @@ def train(cfg: DictConfig) -> Optional[float]:
         if not is_main_process():
             sys.exit(exc.exit_code)
         where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
-        print(f"ampctl train: interrupted at step {exc.step} by {signal.Signals(exc.signum).name}; {where}",
-              file=sys.stderr)
+        lines = [f"ampctl train: interrupted at step {exc.step} by {signal.Signals(exc.signum).name}; {where}"]
         if exc.checkpoint:
-            print(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}", file=sys.stderr)
+            lines.append(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}")
+        for line in lines:
+            print(line, file=sys.stderr)
+            log.warning(line)  # train.log (Hydra's job logging writes the file only)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:  # Ctrl-C while building, compiling or loading data: before the first step
         if is_main_process():
@@ -75,6 +77,7 @@ def train(cfg: DictConfig) -> Optional[float]:
         if multirun:
             return record_failed_job(run_dir, exc)
         print_error(f"ampctl train: stopped: {exc}")
+        log.error(f"stopped: {exc}")
         sys.exit(1)
     except UsageError as exc:
         if multirun:

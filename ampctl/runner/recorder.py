@@ -5,8 +5,9 @@ The run calls the same verbs on either, instead of asking which rank it is at ev
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,18 +21,31 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
 
+LOG_FILE = "train.log"
+log = logging.getLogger("ampctl.train")
+
+
 class Recorder:
-    """Rank 0's record of the run (the loss it records is the mean over ranks)."""
+    """Rank 0's record of the run (the loss it records is the mean over ranks). What it says is printed and
+    logged: into train.log, through Hydra's job logging (the file only), or, for a run resumed from another
+    directory, through a handler of its own on the run's train.log (appended: one log per run)."""
 
     def __init__(self, run_dir: Path, echo: Callable[[str], None]) -> None:
         self.run_dir = run_dir
-        self.echo = echo
+        self._print = echo
 
-    def holding(self) -> contextlib.AbstractContextManager:
-        """The run directory held for this run while it lives (runner/ownership.py)."""
+    def echo(self, line: str) -> None:
+        self._print(line)
+        log.info(line)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """The run directory held for this run while it lives (runner/ownership.py), its log lines in its
+        train.log."""
         from ampctl.runner.ownership import holding
 
-        return holding(self.run_dir)
+        with holding(self.run_dir), _logging_into(self.run_dir / LOG_FILE):
+            yield
 
     def open(self, resumed_at: Optional[int]) -> None:
         """Create the run directory; resuming at a step, set aside what the directory holds past it."""
@@ -97,6 +111,9 @@ class NoRecorder(Recorder):
     def __init__(self, run_dir: Path) -> None:
         super().__init__(run_dir, lambda _message: None)
 
+    def echo(self, line: str) -> None:
+        pass
+
     def holding(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -123,6 +140,27 @@ class NoRecorder(Recorder):
 
     def write_summary(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"run_dir": str(self.run_dir)}
+
+
+@contextlib.contextmanager
+def _logging_into(path: Path) -> Iterator[None]:
+    """Log lines into path, unless a handler (Hydra's job logging) writes there already."""
+    target = str(path.resolve())
+    handlers = logging.getLogger().handlers + log.handlers
+    if any(getattr(h, "baseFilename", None) == target for h in handlers):
+        yield
+        return
+    handler = logging.FileHandler(target, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    log.addHandler(handler)
+    previous = log.level
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(previous)
+        handler.close()
 
 
 def final_line(summary: dict, run_dir: Path) -> str:

@@ -122,6 +122,7 @@ def test_a_signal_writes_a_checkpoint_and_says_how_to_resume(tmp_path, reference
     assert command == ["ampctl", "train", f"resume={run_dir}"], stderr
     main([*command[1:], "train.console=quiet", f"hydra.run.dir={tmp_path / 'other'}"])
     assert not (tmp_path / "other").exists()  # it resumed into its own run dir
+    assert "resumed from" in (run_dir / "train.log").read_text()  # and logged there, not in Hydra's other dir
     assert_same_run(reference, run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["recipe"], summary["precision_choice"]) == ("mlp", "fp16")  # the run's own choices
@@ -242,6 +243,8 @@ def test_resume_takes_the_runs_own_config_for_what_the_command_line_does_not_nam
     """Only the keys a command line names are compared; a named default (recipe=gpt) is a change, refused."""
     main(["train", "train.steps=22", "train.console=quiet", f"hydra.run.dir={stopped_run}", "resume=auto"])
     assert "changed: train.steps: 20 -> 22" in capsys.readouterr().out
+    log = (stopped_run / "train.log").read_text()  # the run's lines, both runs, in order
+    assert log.index("done: 20 steps") < log.index("resumed from") < log.index("done: 22 steps"), log
     assert "name: fp16" in (stopped_run / ".hydra" / "config.yaml").read_text()  # says what runs now
     assert "steps: 22" in (stopped_run / ".hydra" / "config.yaml").read_text()
     with pytest.raises(SystemExit):
