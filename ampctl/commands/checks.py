@@ -156,6 +156,10 @@ class CheckEveryJob(Callback):
                     cfg = compose(config_name=config.hydra.job.config_name, overrides=job)
                 except (HydraException, OmegaConfBaseException) as exc:
                     raise UsageError(one_line(exc)) from None
-                check_command(self.command, cfg)
+                cfg = check_command(self.command, cfg)
+            if self.command == "train":
+                from ampctl.runner.ownership import refuse_another_sweeps_directory
+
+                refuse_another_sweeps_directory(config.hydra.sweep.dir, cfg.resume)
         except UsageError as exc:
             raise CommandLineRefused(exc) from None

@@ -33,11 +33,13 @@ CHECKPOINT_DIR = "checkpoints"
 CHECKSUM_SUFFIX = ".sha256"  # beside each checkpoint, in sha256sum's format
 _NAME = re.compile(r"^step_(\d{8})\.pt$")
 
-# Keys a resumed run may change; any other difference from the checkpoint's config is refused.
+# Keys a resumed run may change; any other difference from the checkpoint's config is refused. distributed.*:
+# a checkpoint holds the full state, which one process, DDP or FSDP on any number of ranks loads (the resume
+# line says how the global batch changes).
 SAFE_TO_CHANGE = (
     "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.checkpoint_every_s",
     "train.keep_checkpoints", "train.preempt_signal",
-    "train.timing_warmup_steps", "telemetry.profile_cpu_memory", "resume",
+    "train.timing_warmup_steps", "telemetry.profile_cpu_memory", "distributed.", "resume",
 )
 
 
@@ -78,6 +80,7 @@ def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches
         "step": state.step,
         "batches_consumed": batches_consumed,
         "skipped_total": skipped_total,
+        "world_size": state.parallel.world_size,  # a resume on another number of ranks changes the global batch
         "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
         "choices": dict(choices),  # the config groups chosen (recipe=gpt): a resumed run reports the same names
         "model": model_state,
@@ -300,7 +303,7 @@ def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
             raise UsageError(
                 f"resume: {key} was {old.get(key)!r} in the checkpoint and is {new.get(key)!r} now; a resumed run "
                 f"must keep its model, precision, scaler, optimizer, recipe and data (may change: "
-                f"{', '.join(k for k in SAFE_TO_CHANGE if k != 'resume')})"
+                f"{', '.join(k + '*' if k.endswith('.') else k for k in SAFE_TO_CHANGE if k != 'resume')})"
             )
         if key != "resume":
             changes.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")

@@ -41,6 +41,18 @@ def refuse_another_runs_directory(run_dir: str, resume: Optional[str]) -> None:
                          "resume=auto, or choose another hydra.run.dir")
 
 
+def refuse_another_sweeps_directory(sweep_dir: str, resume: Optional[str]) -> None:
+    """A multirun into a sweep directory that holds another sweep would write its jobs beside (or into) the
+    other's: refused before Hydra's sweeper creates or writes anything."""
+    path = Path(sweep_dir)
+    if resume is not None or not path.is_dir():
+        return
+    jobs = [p for p in path.iterdir() if p.is_dir() and run_records(p)]
+    if jobs or (path / "multirun.yaml").is_file():
+        raise UsageError(f"hydra.sweep.dir={sweep_dir} already holds a sweep ({len(jobs)} job directories with "
+                         "records): choose another hydra.sweep.dir")
+
+
 def _in_use(run_dir: Path, pid: Optional[int]) -> UsageError:
     holder = f" (pid {pid})" if pid is not None and pid > 0 else ""
     return UsageError(f"hydra.run.dir={run_dir} is in use by another ampctl run{holder}: "

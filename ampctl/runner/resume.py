@@ -67,12 +67,13 @@ class Resume:
     passed_over: list[str] = field(default_factory=list)  # newer checkpoints that failed their check
 
     @classmethod
-    def find(cls, cfg: DictConfig, run_dir: Path) -> "Resume":
+    def find(cls, cfg: DictConfig, run_dir: Path, world_size: int = 1) -> "Resume":
         found = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
         if found is None:
             return cls(run_dir)
         payload = checkpoint.load(found.path)
-        changes = checkpoint.config_changes(payload["config"], cfg) + _schedule_change(payload, cfg)
+        changes = (checkpoint.config_changes(payload["config"], cfg) + _schedule_change(payload, cfg)
+                   + _world_size_change(payload, cfg, world_size))
         return cls(checkpoint.run_dir_of(found.path), found.path, payload, changes, found.passed_over)
 
     def restore(self, state: TrainState) -> None:
@@ -86,6 +87,19 @@ class Resume:
     @property
     def skipped_total(self) -> int:
         return self.payload["skipped_total"] if self.payload else 0
+
+
+def _world_size_change(payload: dict[str, Any], cfg: DictConfig, world_size: int) -> list[str]:
+    """The checkpoint holds the full state, so any number of ranks can load it; what changes is the global
+    batch (recipe.batch_size per rank x grad_accum_steps x ranks), said rather than discovered."""
+    old = payload.get("world_size", 1)
+    if old == world_size:
+        return []
+    per_rank = cfg.recipe.get("batch_size")
+    batch = (f"; global batch {per_rank * cfg.train.grad_accum_steps * old} -> "
+             f"{per_rank * cfg.train.grad_accum_steps * world_size} samples per step"
+             if isinstance(per_rank, int) else "")
+    return [f"world size: {old} -> {world_size} ranks{batch}"]
 
 
 def _schedule_change(payload: dict[str, Any], cfg: DictConfig) -> list[str]:

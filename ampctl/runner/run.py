@@ -61,7 +61,7 @@ def run_training(
 
 def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable[[str], None],
            policy: PrecisionPolicy, parallel: parallelism.Parallel) -> dict:
-    resume = Resume.find(cfg, run_dir)
+    resume = Resume.find(cfg, run_dir, parallel.world_size)
     recorder = Recorder(resume.run_dir, echo) if parallel.is_main else NoRecorder(resume.run_dir)
     recipe = build_recipe(parallelism.global_recipe_config(cfg.recipe, parallel.world_size, cfg.distributed.kind.value))
     if parallel.world_size > 1:

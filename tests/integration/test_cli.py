@@ -63,7 +63,7 @@ def test_a_language_model_reports_tokens_per_second(tmp_path, restore_argv):
     assert json.loads((run_dir / "summary.json").read_text())["tokens_per_s"] > 0
 
 
-def test_multirun_sweeps_scaler_settings(tmp_path, restore_argv):
+def test_multirun_sweeps_scaler_settings(tmp_path, restore_argv, capsys):
     sweep_dir = tmp_path / "sweep"
     main(["train", "-m", "precision=fp16", "scaler.growth_interval=100,500,2000", *FAST,
           f"hydra.sweep.dir={sweep_dir}"])
@@ -75,6 +75,14 @@ def test_multirun_sweeps_scaler_settings(tmp_path, restore_argv):
         assert len(rows(job)) == 6
         config = (job / ".hydra" / "config.yaml").read_text()
         assert f"growth_interval: {interval}" in config
+    # the same sweep dir again: its jobs would land beside (or in) these; refused before anything is written
+    before = {p: p.read_bytes() for p in sweep_dir.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "-m", "precision=fp16", "scaler.growth_interval=100,500", *FAST, f"hydra.sweep.dir={sweep_dir}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (f"ampctl train: error: hydra.sweep.dir={sweep_dir} already holds a sweep (3 "
+                                       "job directories with records): choose another hydra.sweep.dir\n")
+    assert {p: p.read_bytes() for p in sweep_dir.rglob("*") if p.is_file()} == before
 
 
 def test_cfg_job_prints_the_config_without_training(tmp_path, restore_argv, capsys):

@@ -143,3 +143,12 @@ def test_sigterm_to_torchrun_stops_every_rank_at_a_log_step_with_a_checkpoint(tm
     assert f"continue with: torchrun --nproc-per-node=2 -m ampctl train resume={run_dir}" in stderr
     assert [p.name for p in (run_dir / "checkpoints").glob("*.pt")] == [f"step_{step:08d}.pt"]
     assert json.loads(metrics.read_text().splitlines()[-1])["step"] == step
+
+
+def test_a_resume_on_another_number_of_ranks_says_how_the_global_batch_changes(tmp_path, restore_argv):
+    run_dir = tmp_path / "run"
+    single(run_dir, *MLP, "recipe.batch_size=16", "train.steps=6")
+    resumed = torchrun(run_dir, *MLP, "distributed=ddp", "recipe.batch_size=16", "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "world size: 1 -> 2 ranks; global batch 16 -> 32 samples per step" in resumed.stdout, resumed.stdout
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, 13))
