@@ -38,6 +38,17 @@ def one_line(exc: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def instantiation_error(exc: BaseException) -> str:
+    """Why Hydra's instantiate() failed: its own first line ends at a colon ("Error in call to target
+    'x.Y':"), so the innermost cause is named instead, with its first line."""
+    cause: BaseException = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = str(cause).strip()
+    line = text.splitlines()[0].split(", set env var HYDRA_FULL_ERROR")[0] if text else ""
+    return f"{type(cause).__name__}: {line}" if cause is not exc else line or type(exc).__name__
+
+
 def yaml_error(exc: Exception) -> str:
     """A YAML file Hydra could not parse (a config under -cd): the file, line and column, and the problem."""
     mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)

@@ -19,6 +19,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from ampctl.conf.messages import instantiation_error
 from ampctl.conf.schema import Schedule
 from ampctl.errors import UnsupportedError, UsageError
 
@@ -32,11 +33,10 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], devic
     try:
         factory: Callable[..., torch.optim.Optimizer] = instantiate(cfg)
     except InstantiationException as exc:
-        first_line = str(exc).strip().splitlines()[0].split(", set env var HYDRA_FULL_ERROR")[0]
         hint = ""
         if str(target).startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
             hint = "; bitsandbytes is not installed: pip install 'ampctl[adam8bit]'"
-        raise UsageError(f"optimizer._target_={target!r} could not be instantiated: {first_line}{hint}") from None
+        raise UsageError(f"optimizer._target_={target!r} could not be instantiated: {instantiation_error(exc)}{hint}") from None
     if not callable(factory):
         raise UsageError(f"optimizer._target_={target!r} must be a callable taking params (set _partial_: true)")
     params = list(params)

@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 
+from ampctl.conf.messages import instantiation_error
 from ampctl.errors import UsageError
 
 
@@ -47,10 +48,9 @@ def build_recipe(cfg: DictConfig) -> Recipe:
         cause = exc.__cause__
         if isinstance(cause, UsageError):
             raise cause from None
-        # Hydra's first line ends at a colon ("Error in call to target 'x.Y':"): the innermost cause says why
+        reason = instantiation_error(exc)
         while cause is not None and cause.__cause__ is not None:
             cause = cause.__cause__
-        reason = f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else _first_line(exc)
         if isinstance(cause, ImportError):
             reason += " (is its module importable? run from the directory that holds it with PYTHONPATH=.)"
         raise UsageError(f"recipe._target_={target!r} could not be instantiated: {reason}") from None
