@@ -248,14 +248,26 @@ class ParallelKind(Enum):
     fsdp = "fsdp"
 
 
+class CheckpointFormat(Enum):
+    full = "full"  # one file (step_N.pt): rank 0 writes the whole state, gathered from the shards under fsdp
+    sharded = "sharded"  # torch.distributed.checkpoint (step_N.dcp/): each rank writes its own shard
+
+
 @dataclass
 class DistributedConfig:
     kind: ParallelKind = ParallelKind.none
     timeout_s: int = 600  # a collective that waits longer (a rank died or hangs) ends the job with an error
     reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3), or keep (ZeRO-2)
+    # either format resumes on any number of ranks (DCP reshards a sharded one); fsdp.yaml chooses sharded
+    checkpoint_format: CheckpointFormat = CheckpointFormat.full
+    # sharded: the state is copied to CPU memory and written by a background thread while training goes on
+    async_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         require(self.timeout_s >= 1, "distributed.timeout_s", self.timeout_s, "an integer >= 1")
+        require(not self.async_checkpoint or self.checkpoint_format == CheckpointFormat.sharded,
+                "distributed.async_checkpoint", self.async_checkpoint,
+                "false with distributed.checkpoint_format=full (async saves are sharded ones)")
 
 
 class NonfiniteAction(Enum):

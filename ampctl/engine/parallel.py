@@ -81,6 +81,11 @@ def check(cfg: DictConfig) -> None:
     if kind == "fsdp" and cfg.precision.fp8_torchao is not None:
         raise UsageError(f"distributed=fsdp with precision={cfg.precision.name} is not supported: ampctl does not "
                          "yet shard torchao's FP8 layers (or all-gather their weights in FP8); use distributed=ddp")
+    if cfg.distributed.checkpoint_format.value == "sharded" and cfg.precision.master_weights:
+        raise UsageError(f"distributed.checkpoint_format=sharded with precision={cfg.precision.name}: a sharded "
+                         "checkpoint holds the model's parameters and their optimizer state by name, and the fp32 "
+                         "master weights the optimizer steps on are not the model's; use "
+                         "distributed.checkpoint_format=full")
     if kind != "none":
         missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
         if missing:

@@ -1,41 +1,47 @@
-"""Checkpoints that let a run continue exactly: save (atomic), find, load (checked), restore.
+"""Checkpoints that let a run continue exactly: capture, save, find, load (checked), restore.
 
 A checkpoint holds everything the next step depends on: model, fp32 masters (O2), optimizer, loss scaler,
 lr schedule, RNG states, the step, the data position (batches consumed) and the config that made it.
-It is written to a temporary file in the same directory, fsynced, then renamed over its final name, so a
-crash at any moment leaves the previous checkpoints whole. Beside it, `step_N.pt.sha256` (sha256sum's format)
-is checked before every load: a checkpoint that changed on disk is refused, and a resume of a run passes over
-to its newest good one. Only plain containers and tensors are stored, so it loads with
-torch.load(weights_only=True).
+It is written whole or not at all and checksummed (checkpoint_files.py); the checksum is checked before
+every load: a checkpoint that changed on disk is refused, and a resume of a run passes over to its newest
+good one. Only plain containers and tensors are stored, so it loads with torch.load(weights_only=True).
+
+Two formats (distributed.checkpoint_format): `step_N.pt`, one file holding the whole state (gathered on rank
+0 under FSDP), and `step_N.dcp/`, a torch.distributed.checkpoint directory of per-rank shards
+(sharded_checkpoint.py). Either resumes under any parallelism on any number of ranks.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import io
 from ampctl.engine.loop import TrainState
 from ampctl.errors import UsageError
+from ampctl.runner import sharded_checkpoint
+from ampctl.runner.checkpoint_files import (
+    CHECKPOINT_DIR,
+    cached_sha256,
+    checkpoint_path,
+    checksum_path,
+    is_checkpoint,
+    is_sharded,
+    list_checkpoints,
+    prune,
+    save_atomic,
+)
 
 FORMAT_VERSION = 1
-CHECKPOINT_DIR = "checkpoints"
-CHECKSUM_SUFFIX = ".sha256"  # beside each checkpoint, in sha256sum's format
-_NAME = re.compile(r"^step_(\d{8})\.pt$")
 
 # Keys a resumed run may change; any other difference from the checkpoint's config is refused. distributed.*:
-# a checkpoint holds the full state, which one process, DDP or FSDP on any number of ranks loads (the resume
-# line says how the global batch changes).
+# either format loads on one process, DDP or FSDP on any number of ranks (the resume line says how the global
+# batch changes).
 SAFE_TO_CHANGE = (
     "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.checkpoint_every_s",
     "train.keep_checkpoints", "train.preempt_signal",
@@ -71,10 +77,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches_consumed: int,
-            skipped_total: int) -> dict[str, Any]:
+            skipped_total: int, sharded: bool) -> dict[str, Any]:
     """The checkpoint's payload. Reads the device (scaler scale, lr count): called between steps only, on
-    every rank (gathering sharded states is a collective); rank 0's payload is the one saved."""
-    model_state, optimizer_state = state.parallel.full_state(state.model, state.optimizer)
+    every rank (gathering sharded states is a collective). sharded: the model and optimizer states as each
+    rank holds them (every rank writes its own); else whole, and rank 0's payload is the one saved."""
+    if sharded:
+        model_state, optimizer_state = sharded_checkpoint.state_dicts(state)
+    else:
+        model_state, optimizer_state = state.parallel.full_state(state.model, state.optimizer)
     return {
         "format_version": FORMAT_VERSION,
         "step": state.step,
@@ -92,108 +102,30 @@ def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches
     }
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class FullWriter:
+    """Saves checkpoints as one file each, written by rank 0 (the others' payloads are the same state)."""
+
+    def __init__(self, run_dir: Path, keep: int, is_main: bool) -> None:
+        self.run_dir, self.keep, self.is_main = run_dir, keep, is_main
+
+    def save(self, payload: dict[str, Any]) -> Path:
+        path = checkpoint_path(self.run_dir, payload["step"])
+        if self.is_main:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_atomic(payload, path)
+            prune(self.run_dir, self.keep)
+        return path
+
+    def close(self) -> None:
+        pass
 
 
-class _Hashing:
-    """A file that hashes what is written through it: torch.save writes its zip archive sequentially, so the
-    digest is the file's own, computed without reading the checkpoint back."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self.file, self.digest = file, hashlib.sha256()
-        self.error: Optional[OSError] = None  # torch's writer turns an OSError into an unhelpful RuntimeError
-
-    def write(self, data: bytes) -> int:
-        self.digest.update(data)
-        try:
-            return self.file.write(data)
-        except OSError as exc:
-            self.error = exc
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def checksum_path(path: Path) -> Path:
-    return path.with_name(path.name + CHECKSUM_SUFFIX)
-
-
-def save_atomic(payload: dict[str, Any], path: Path) -> None:
-    """Write, fsync, checksum, rename: a crash at any moment leaves the earlier checkpoints whole; a failed
-    write (a full disk) leaves no temporary file."""
-    tmp = path.with_name(path.name + ".tmp")
-    hashing: Optional[_Hashing] = None
-    try:
-        with tmp.open("wb") as f:
-            hashing = _Hashing(f)
-            torch.save(payload, hashing)
-            f.flush()
-            os.fsync(f.fileno())
-        # `sha256sum -c step_N.pt.sha256` checks it by hand; written first, so no checkpoint exists without it
-        io.atomic_write_text(checksum_path(path), f"{hashing.digest.hexdigest()}  {path.name}\n")
-        os.replace(tmp, path)
-    except BaseException as exc:
-        tmp.unlink(missing_ok=True)
-        error = exc if isinstance(exc, OSError) else hashing.error if hashing is not None else None
-        if error is not None and (error is not exc or error.filename is None):  # a full disk, named
-            raise OSError(error.errno, error.strerror, str(tmp)) from None
-        raise
-    _fsync_dir(path.parent)  # the rename itself survives a power cut
-
-
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return run_dir / CHECKPOINT_DIR / f"step_{step:08d}.pt"
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """The complete checkpoints of a run, oldest first (temporary files of an interrupted write excluded)."""
-    folder = run_dir / CHECKPOINT_DIR
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if _NAME.match(p.name))
-
-
-def save(payload: dict[str, Any], run_dir: Path, keep: int) -> Path:
-    path = checkpoint_path(run_dir, payload["step"])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_atomic(payload, path)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        remove(old)
-    return path
-
-
-def remove(path: Path) -> None:
-    path.unlink()
-    checksum_path(path).unlink(missing_ok=True)
-
-
-def move(path: Path, folder: Path) -> None:
-    """A checkpoint and its checksum into folder (a set-aside timeline)."""
-    if checksum_path(path).is_file():
-        checksum_path(path).rename(folder / checksum_path(path).name)
-    path.rename(folder / path.name)
-
-
-def remove_stale_files(run_dir: Path) -> list[Path]:
-    """What a killed write left: temporary files (`*.tmp`) beside the checkpoints and the run's records, and
-    a checksum whose checkpoint was never renamed into place. Removed at the start of a run; returned."""
-    folder = run_dir / CHECKPOINT_DIR
-    stale = [*run_dir.glob("*.tmp"), *folder.glob("*.tmp")]
-    sums = folder.glob(f"*.pt{CHECKSUM_SUFFIX}")
-    stale += [p for p in sums if not p.with_name(p.name.removesuffix(CHECKSUM_SUFFIX)).exists()]
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return stale
+def writer(cfg: DictConfig, run_dir: Path, state: TrainState) -> "FullWriter | Any":
+    """The writer of distributed.checkpoint_format: save(payload) -> path, close() (waits for async saves)."""
+    keep = cfg.train.keep_checkpoints
+    if cfg.distributed.checkpoint_format.value == "sharded":
+        return sharded_checkpoint.ShardedWriter(run_dir, keep, state, cfg.distributed.async_checkpoint)
+    return FullWriter(run_dir, keep, state.parallel.is_main)
 
 
 # --- find and load --------------------------------------------------------------------------------
@@ -216,7 +148,7 @@ def resolve_resume(target: str, run_dir: Path) -> Optional[Found]:
     if target == "auto":
         return _newest_good(list_checkpoints(run_dir), f"resume=auto ({run_dir})")
     path = Path(target).expanduser()
-    if path.is_file():
+    if path.is_file() or is_checkpoint(path):
         payload = load(path, mmap=True)
         return Found(path, payload["config"], payload.get("choices") or {}, [])
     if path.is_dir():
@@ -247,10 +179,14 @@ def run_dir_of(checkpoint: Path) -> Path:
 
 def load(path: Path, mmap: bool = False) -> dict[str, Any]:
     """The checkpoint's payload, checked against its checksum first (UsageError when it fails or cannot be
-    read). mmap: tensors stay on disk until used."""
+    read). mmap: tensors stay on disk until used. A sharded checkpoint's payload holds all but the model and
+    optimizer states, which restore() loads from its shards."""
     verify(path)
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        if is_sharded(path):
+            payload = sharded_checkpoint.load_state(path)
+        else:
+            payload = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - any failure to read is the same answer for the user
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UsageError(f"checkpoint {str(path)!r} cannot be read (truncated or corrupt?): {reason}") from None
@@ -260,25 +196,22 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
 
 
 def verify(path: Path) -> None:
-    """The file against its `.sha256` (none: a checkpoint written by hand, checked only by torch.load)."""
+    """The file against its `.sha256`, a sharded checkpoint's files against its SHA256SUMS (none: a
+    checkpoint written by hand, checked only by loading it)."""
+    if is_sharded(path):
+        bad = sharded_checkpoint.verify(path)
+        if bad is not None:
+            raise UsageError(f"checkpoint {str(path)!r}: {bad} does not match its checksum "
+                             f"({sharded_checkpoint.MANIFEST}) or is "
+                             "missing: it changed on disk (a bit flip, a truncation)")
+        return
     sidecar = checksum_path(path)
     if not sidecar.is_file():
         return
-    stat = path.stat()
     expected = sidecar.read_text(encoding="utf-8").split()[0] if sidecar.stat().st_size else ""
-    if _sha256(str(path), stat.st_mtime_ns, stat.st_size) != expected:
+    if cached_sha256(path) != expected:
         raise UsageError(f"checkpoint {str(path)!r} does not match its checksum ({sidecar.name}): it changed on "
                          "disk (a bit flip, a truncation)")
-
-
-@functools.lru_cache(maxsize=8)
-def _sha256(path: str, _mtime_ns: int, _size: int) -> str:
-    """Cached per file version: the check before Hydra writes and the run's own load read it once."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -310,12 +243,16 @@ def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
     return changes
 
 
-def restore(payload: dict[str, Any], state: TrainState) -> None:
-    """Load a checkpoint into a freshly built state (same config), so the next step is the one that follows."""
+def restore(payload: dict[str, Any], state: TrainState, source: Path) -> None:
+    """Load a checkpoint (payload, read from source) into a freshly built state (same config), so the next
+    step is the one that follows."""
     state.weights.load_state_dict(payload["weights"])
     # The lr tensors of fused optimizers are the schedule's own device tensors: keep them, not the saved copies.
     lrs = [group["lr"] for group in state.optimizer.param_groups]
-    state.parallel.load_full_state(state.model, state.optimizer, payload["model"], payload["optimizer"])
+    if is_sharded(source):
+        sharded_checkpoint.load_into(source, state)
+    else:
+        state.parallel.load_full_state(state.model, state.optimizer, payload["model"], payload["optimizer"])
     for group, lr in zip(state.optimizer.param_groups, lrs):
         group["lr"] = lr
     state.scaler.load_state_dict(payload["scaler"])

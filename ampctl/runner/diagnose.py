@@ -23,7 +23,7 @@ from ampctl.engine.build import build_state
 from ampctl.engine.loop import TrainState, batch_stream, run_steps
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.recipes.base import Recipe
-from ampctl.runner import checkpoint
+from ampctl.runner import checkpoint, checkpoint_files
 
 DIAGNOSIS_FILE = "diagnosis.json"
 
@@ -100,9 +100,9 @@ def replay(
 ) -> dict[str, Any]:
     """Rebuild the state before bad_step, replay it under hooks; write and return the diagnosis."""
     state: TrainState = build_state(cfg, policy, recipe)
-    earlier = [p for p in checkpoint.list_checkpoints(run_dir) if int(p.stem.split("_")[1]) < bad_step]
+    earlier = [p for p in checkpoint_files.list_checkpoints(run_dir) if checkpoint_files.checkpoint_step(p) < bad_step]
     if earlier:
-        checkpoint.restore(checkpoint.load(earlier[-1]), state)
+        checkpoint.restore(checkpoint.load(earlier[-1]), state, earlier[-1])
     accum = cfg.train.grad_accum_steps
     batches = batch_stream(recipe, policy.device, cfg.train.seed, state.step * accum)
     run_steps(state, batches, bad_step - 1 - state.step, recipe, policy, accum, cfg.train.clip_grad_norm)

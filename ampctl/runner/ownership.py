@@ -14,8 +14,8 @@ from typing import Callable, Iterator, Optional
 from ampctl import io
 from ampctl.errors import UsageError
 from ampctl.reports.runs import LOCK_FILE, holder_pid
-from ampctl.runner import checkpoint
-from ampctl.runner.checkpoint import CHECKPOINT_DIR, checkpoint_step, list_checkpoints
+from ampctl.runner import checkpoint_files
+from ampctl.runner.checkpoint_files import CHECKPOINT_DIR, checkpoint_step, list_checkpoints
 
 # What a training run writes; Hydra's own files (.hydra/, train.log) are rewritten by every run and say nothing.
 RUN_RECORDS = ("metrics.jsonl", "ranges.jsonl", "summary.json", "diagnosis.json")
@@ -122,7 +122,7 @@ def start_timeline_at(run_dir: Path, step: int) -> list[str]:
         folder = _aside(run_dir / CHECKPOINT_DIR / "timeline", stamp)
         folder.mkdir()
         for path in later:
-            checkpoint.move(path, folder)
+            checkpoint_files.move(path, folder)
         said.append(f"{len(later)} later checkpoint(s) of the abandoned timeline set aside in "
                     f"{folder.relative_to(run_dir)}")
     for name in ("metrics.jsonl", "ranges.jsonl"):

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl import io
 from ampctl.engine.loop import TrainState
 from ampctl.engine.telemetry import JsonlSink, Sink
-from ampctl.runner import checkpoint
+from ampctl.runner import checkpoint_files
 from ampctl.runner.console import make_console_sink
 
 METRICS_FILE = "metrics.jsonl"
@@ -52,7 +52,7 @@ class Recorder:
         from ampctl.runner.ownership import start_timeline_at
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        stale = checkpoint.remove_stale_files(self.run_dir)
+        stale = checkpoint_files.remove_stale_files(self.run_dir)
         if stale:
             self.echo(f"removed {len(stale)} temporary file(s) a killed write left: {', '.join(p.name for p in stale)}")
         if resumed_at is not None:
@@ -75,9 +75,6 @@ class Recorder:
               peak_memory: Callable[[], Optional[int]]) -> list[Sink]:
         console = make_console_sink(console_mode, total_steps, tokens, peak_memory)
         return [JsonlSink(self.run_dir / METRICS_FILE), *([console] if console is not None else [])]
-
-    def save_checkpoint(self, payload: dict[str, Any], keep: int) -> None:
-        checkpoint.save(payload, self.run_dir, keep)
 
     def ranges_log(self, state: TrainState, device: Any, every: Optional[int]):
         """telemetry.ranges_every's per-layer value ranges (ranges.jsonl), or None."""
@@ -128,9 +125,6 @@ class NoRecorder(Recorder):
 
     def sinks(self, *_args: Any) -> list[Sink]:
         return []
-
-    def save_checkpoint(self, payload: dict[str, Any], keep: int) -> None:
-        pass
 
     def ranges_log(self, *_args: Any):
         return None

@@ -78,7 +78,7 @@ class Resume:
 
     def restore(self, state: TrainState) -> None:
         if self.payload:
-            checkpoint.restore(self.payload, state)
+            checkpoint.restore(self.payload, state, self.source)
 
     @property
     def step(self) -> Optional[int]:
@@ -90,7 +90,7 @@ class Resume:
 
 
 def _world_size_change(payload: dict[str, Any], cfg: DictConfig, world_size: int) -> list[str]:
-    """The checkpoint holds the full state, so any number of ranks can load it; what changes is the global
+    """Either checkpoint format loads on any number of ranks (a sharded one resharded); what changes is the global
     batch (recipe.batch_size per rank x grad_accum_steps x ranks), said rather than discovered."""
     old = payload.get("world_size", 1)
     if old == world_size:

@@ -130,6 +130,8 @@ class Checkpointer:
         self.saved_at = time.monotonic()
         scaler = state.scaler
         self.guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
+        self.writer = checkpoint.writer(cfg, recorder.run_dir, state)
+        self.sharded = cfg.distributed.checkpoint_format.value == "sharded"
         self.last: Optional[Path] = None
 
     def __call__(self, last: bool) -> None:
@@ -144,11 +146,9 @@ class Checkpointer:
         if last or self._due(self.state.step):
             self.telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
             batches = self.state.step * self.cfg.train.grad_accum_steps
-            payload = checkpoint.capture(self.state, self.cfg, self.choices, batches, self.telemetry.skipped_total)
-            # Ranks hold the same weights and states (DDP), or FSDP gathered them: rank 0's full state dict is
-            # the checkpoint, and a resumed job, of any size, loads it on every rank.
-            self.recorder.save_checkpoint(payload, self.cfg.train.keep_checkpoints)
-            self.last = checkpoint.checkpoint_path(self.recorder.run_dir, self.state.step)
+            payload = checkpoint.capture(self.state, self.cfg, self.choices, batches, self.telemetry.skipped_total,
+                                         self.sharded)
+            self.last = self.writer.save(payload)  # an async save is complete by close()
             self.saved_at = time.monotonic()
 
     def _due(self, step: int) -> bool:
@@ -197,6 +197,7 @@ def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Re
         ) from None
     finally:
         telemetry.close()
+        checkpointer.writer.close()  # a pending async save completes: the last checkpoint exists from here
     if not finished:
         # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
         raise Interrupted(stop.signum or signal.SIGTERM, state.step, str(checkpointer.last) if checkpointer.last else None)

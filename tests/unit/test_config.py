@@ -84,6 +84,7 @@ def test_O3_is_static_one_as_apex():
         ("train.checkpoint_every_s=inf", "train.checkpoint_every_s"),
         ("train.keep_checkpoints=0", "train.keep_checkpoints"),
         ("guard.max_consecutive_skips=0", "guard.max_consecutive_skips"),
+        ("distributed.async_checkpoint=true", "distributed.async_checkpoint"),  # async saves are sharded ones
     ],
 )
 def test_out_of_range_values_name_key_and_allowed(override, key):
@@ -112,6 +113,13 @@ def test_loss_scales_outside_their_bounds_or_fp32_are_refused(overrides, message
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     assert str(info.value).startswith(message)
+
+
+def test_fsdp_checkpoints_are_sharded_and_may_be_saved_asynchronously():
+    cfg = compose_cfg("distributed=fsdp", "distributed.async_checkpoint=true")
+    validate(cfg)
+    assert cfg.distributed.checkpoint_format.value == "sharded"
+    assert compose_cfg("distributed=ddp").distributed.checkpoint_format.value == "full"
 
 
 def test_loss_scales_at_the_edges_of_their_ranges_are_allowed():

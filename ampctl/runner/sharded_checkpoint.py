@@ -1,0 +1,195 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP): each rank writes its own shard of the model
+and optimizer states, so a model whose full state does not fit one host's memory is saved without gathering
+it; DCP reshards on load, so a job of another size, or one process, resumes from it.
+
+Layout: `checkpoints/step_N.dcp/` holds DCP's files (`.metadata`, `__<rank>_<i>.distcp`), `state.pt` (the
+rest of the payload: step, config, scaler, schedule, RNG, fp32 masters; small, written by rank 0) and
+`SHA256SUMS` (sha256sum's format, every other file; `sha256sum -c SHA256SUMS` inside checks it by hand).
+It is written as `step_N.dcp.tmp/` and renamed into place by rank 0 once every rank's shard is on disk, so
+a crash at any moment leaves the earlier checkpoints whole.
+
+Async (distributed.async_checkpoint): DCP copies the states to CPU memory, then writes them in a background
+thread, whose collectives run over a gloo process group of their own so that they never interleave with
+training's; training goes on meanwhile. The next save and the end of the run wait for it (as torchtitan's
+async mode does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from ampctl import io
+from ampctl.engine.loop import TrainState
+from ampctl.errors import WRITE_REFUSED_ERRNOS
+from ampctl.runner import checkpoint_files
+
+STATE_FILE = "state.pt"
+MANIFEST = "SHA256SUMS"
+SHARDED = ("model", "optimizer")  # the payload's entries DCP writes; the rest goes to state.pt
+
+# DCP warns that it "assumes the intent" to work in a single process even when told so (no_dist=True); the
+# async writer's thread warns too, so the filter is the process's, for this message only.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
+
+
+def state_dicts(state: TrainState) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts as they are held, sharded under FSDP (DTensors), keyed by
+    parameter name, so that they load into the same model however it is wrapped or sharded."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    return get_state_dict(state.model, state.optimizer)
+
+
+def _no_dist(state: TrainState) -> bool:
+    # one process (a replay on rank 0 included) reads and writes alone, process group or not
+    return state.parallel.world_size == 1
+
+
+class ShardedWriter:
+    """Saves checkpoints as DCP directories; every rank calls save() with its payload (a collective)."""
+
+    def __init__(self, run_dir: Path, keep: int, state: TrainState, async_save: bool) -> None:
+        self.run_dir, self.keep, self.state = run_dir, keep, state
+        self.is_main = state.parallel.is_main
+        self._pending: Optional[Future] = None  # an async save under way, writing into _pending_path
+        self._pending_path = run_dir
+        self._group = None
+        self._executor: Optional[ThreadPoolExecutor] = None
+        if async_save:
+            if not _no_dist(state):
+                self._group = dist.new_group(backend="gloo")  # a collective: every rank builds it here
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ampctl-checkpoint")
+
+    def save(self, payload: dict[str, Any]) -> Path:
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()  # one save at a time: the previous one is complete (and renamed) before the next starts
+        final = checkpoint_files.checkpoint_path(self.run_dir, payload["step"], sharded=True)
+        tmp = final.with_name(final.name + ".tmp")
+        shards = {key: payload[key] for key in SHARDED}
+        no_dist = _no_dist(self.state)
+        try:
+            if self.is_main:
+                tmp.mkdir(parents=True, exist_ok=True)
+                checkpoint_files.save_atomic({k: v for k, v in payload.items() if k not in SHARDED}, tmp / STATE_FILE,
+                                       checksum=False)
+            if self._executor is None:
+                with _naming_write_errors(tmp):
+                    dcp.save(shards, checkpoint_id=str(tmp), no_dist=no_dist)
+                if self.is_main:
+                    self._finish(tmp, final)
+                return final
+            written = dcp.async_save(shards, checkpoint_id=str(tmp), process_group=self._group, no_dist=no_dist)
+        except BaseException:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        # rank 0's save is done when its shard and DCP's metadata are written, which DCP's coordinator does
+        # after every rank reported its shard written: then it is checksummed and renamed into place
+        self._pending = self._executor.submit(self._finish_after, written, tmp, final) if self.is_main else written
+        self._pending_path = tmp
+        return final
+
+    def _finish_after(self, written: Future, tmp: Path, final: Path) -> None:
+        try:
+            with _naming_write_errors(tmp):
+                written.result()
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._finish(tmp, final)
+
+    def _finish(self, tmp: Path, final: Path) -> None:
+        """Rank 0, once every shard is on disk: the checksums, the rename, the pruning of old checkpoints."""
+        files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
+        lines = "".join(f"{checkpoint_files.file_sha256(p)}  {p.name}\n" for p in files)
+        io.atomic_write_text(tmp / MANIFEST, lines)
+        checkpoint_files.fsync_dir(tmp)
+        if final.exists():  # the same step saved again (a run resumed at its last step): the newer one wins
+            shutil.rmtree(final)
+        tmp.rename(final)
+        checkpoint_files.fsync_dir(final.parent)
+        checkpoint_files.prune(self.run_dir, self.keep)
+
+    def wait(self) -> None:
+        """Until the pending async save is complete; raises what it raised (a full disk, named)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with _naming_write_errors(self._pending_path):
+                pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            if self._group is not None:
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+
+@contextlib.contextmanager
+def _naming_write_errors(folder: Path) -> Iterator[None]:
+    """A write the machine refused (a full disk) as an OSError naming the checkpoint being written. DCP
+    reports each rank's failure inside a CheckpointException, and torch's zip writer turns the OSError into
+    a RuntimeError ("unexpected pos"), keeping it only as the context."""
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException is one; re-raised unless a refused write is inside
+        refused = _refused_write(exc)
+        if refused is None:
+            raise
+        raise OSError(refused.errno, refused.strerror, str(folder)) from None
+
+
+def _refused_write(exc: BaseException) -> Optional[OSError]:
+    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+    causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
+    for cause in [exc, *causes]:
+        seen = cause
+        while seen is not None:
+            if isinstance(seen, OSError) and seen.errno in WRITE_REFUSED_ERRNOS:
+                return seen
+            seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def verify(folder: Path) -> Optional[str]:
+    """The first file of a DCP checkpoint that does not match its SHA256SUMS line, or is missing; None when
+    all match (or there is no manifest: a directory made by hand, checked only by loading)."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return None
+    for line in manifest.read_text(encoding="utf-8").splitlines():
+        expected, _, name = line.partition("  ")
+        path = folder / name
+        if not path.is_file() or checkpoint_files.cached_sha256(path) != expected:
+            return name
+    return None
+
+
+def load_into(folder: Path, state: TrainState) -> None:
+    """The model and optimizer states of a DCP checkpoint into a built state, resharded to its ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model_state, optimizer_state = state_dicts(state)
+    states = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(states, checkpoint_id=str(folder), no_dist=_no_dist(state))
+    set_state_dict(state.model, state.optimizer, model_state_dict=states["model"],
+                   optim_state_dict=states["optimizer"])
+
+
+def load_state(folder: Path) -> Any:
+    return torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)

@@ -1,0 +1,134 @@
+"""Sharded checkpoints (distributed.checkpoint_format=sharded, torch.distributed.checkpoint): the layout, the
+checksums, a resume that equals the uninterrupted run, a sharded FSDP checkpoint equal to the gathered one and
+resumable on another number of ranks, async saves, and faults (a bit flip, a killed write, a full disk)."""
+
+from __future__ import annotations
+
+import json
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from ampctl.cli import main
+from tests.integration.test_checkpoint_resume import flip_a_bit, rows
+from tests.integration.test_distributed import torchrun
+
+REPO = Path(__file__).resolve().parents[2]
+# fp16 with overflows and regrowth: the model, optimizer and scaler states all matter for exactness
+RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=128", "recipe.batch_size=32", "precision=fp16",
+       "scaler.init_scale=1e9", "scaler.growth_interval=7", "train.steps=20", "train.checkpoint_every=10",
+       "train.log_every=5", "train.console=quiet", "distributed.checkpoint_format=sharded",
+       "telemetry.profile_cpu_memory=false"]  # the CPU memory timeline is not under test: 1-4 s a run saved
+
+
+@pytest.fixture
+def sharded_run(tmp_path, restore_argv) -> Path:
+    run_dir = tmp_path / "run"
+    main(["train", *RUN, f"hydra.run.dir={run_dir}"])
+    return run_dir
+
+
+def test_a_sharded_checkpoint_is_a_dcp_directory_that_sha256sum_checks(sharded_run):
+    newest = sharded_run / "checkpoints" / "step_00000020.dcp"
+    assert sorted(p.name for p in newest.iterdir()) == [".metadata", "SHA256SUMS", "__0_0.distcp", "state.pt"]
+    checked = subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=newest, capture_output=True, text=True)
+    assert checked.returncode == 0 and checked.stdout.count(": OK") == 3, checked
+    state = torch.load(newest / "state.pt", weights_only=True)  # everything but the sharded states
+    assert state["step"] == 20 and "model" not in state and "optimizer" not in state
+
+
+def test_a_run_resumed_from_a_sharded_checkpoint_repeats_the_same_steps(sharded_run, capsys, restore_argv):
+    old_rows = rows(sharded_run)
+    main(["train", f"resume={sharded_run / 'checkpoints' / 'step_00000010.dcp'}", "train.console=quiet",
+          f"hydra.run.dir={sharded_run.parent / 'other'}"])
+    assert "resumed from" in capsys.readouterr().out
+    assert rows(sharded_run) == old_rows  # steps 11..20 again, bit for bit (CPU)
+    [aside] = (sharded_run / "checkpoints").glob("timeline.set-aside-*")
+    assert [p.name for p in aside.iterdir()] == ["step_00000020.dcp"]  # the later one set aside, whole
+
+
+def test_a_bit_flipped_shard_is_passed_over_for_the_newest_good_checkpoint(sharded_run, capsys, restore_argv):
+    newest = sharded_run / "checkpoints" / "step_00000020.dcp"
+    flip_a_bit(newest / "__0_0.distcp")
+    main(["train", *RUN, "train.steps=25", f"hydra.run.dir={sharded_run}", "resume=auto"])
+    out = capsys.readouterr().out
+    assert f"warning: checkpoint '{newest}': __0_0.distcp does not match its checksum (SHA256SUMS)" in out, out
+    assert "step_00000010.dcp at step 10" in out
+    assert [r["step"] for r in rows(sharded_run)] == list(range(1, 26))
+
+
+def test_the_directory_of_a_killed_sharded_write_is_removed_at_start(sharded_run, capsys, restore_argv):
+    half_written = sharded_run / "checkpoints" / "step_00000030.dcp.tmp"
+    half_written.mkdir()
+    (half_written / "__0_0.distcp").write_bytes(b"half")
+    main(["train", *RUN, "train.steps=21", f"hydra.run.dir={sharded_run}", "resume=auto"])
+    assert "removed 1 temporary file(s) a killed write left: step_00000030.dcp.tmp" in capsys.readouterr().out
+    assert not half_written.exists()
+
+
+def test_a_full_disk_during_an_async_sharded_save_is_one_line_exit_74(sharded_run):
+    """RLIMIT_FSIZE (SIGXFSZ ignored) fails the write as a full disk would (EFBIG), in DCP's writer thread."""
+    before = {p: p.read_bytes() for p in (sharded_run / "checkpoints").rglob("*") if p.is_file()}
+    limit = (sharded_run / "checkpoints" / "step_00000020.dcp" / "__0_0.distcp").stat().st_size // 2
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    full = subprocess.run([sys.executable, "-m", "ampctl", "train", *RUN, "train.steps=30", "resume=auto",
+                           "distributed.async_checkpoint=true", f"hydra.run.dir={sharded_run}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300, preexec_fn=small_files)
+    assert full.returncode == 74, full.stderr
+    assert full.stderr == (f"ampctl train: error: cannot write {sharded_run}/checkpoints/step_00000030.dcp.tmp: "
+                           "File too large; the checkpoints written before it are whole (resume=auto continues "
+                           "from the newest once it can write)\n")
+    assert {p: p.read_bytes() for p in (sharded_run / "checkpoints").rglob("*") if p.is_file()} == before
+
+
+def test_sharded_checkpoints_are_refused_where_the_optimizer_steps_on_fp32_masters(tmp_path, capsys, restore_argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *RUN, "precision=O2", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2
+    assert "distributed.checkpoint_format=sharded with precision=O2" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+FSDP = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "recipe.batch_size=16", "precision=fp32",
+        "train.steps=8", "train.log_every=4", "train.checkpoint_every=4", "train.console=plain",
+        "distributed=fsdp", "telemetry.profile_cpu_memory=false"]
+
+
+def test_fsdp_writes_one_shard_per_rank_equal_to_the_gathered_state_and_resumes_on_one_process(
+        tmp_path, restore_argv):
+    """Two ranks save asynchronously, each its own shard; torch's own converter reads the checkpoint back and
+    it equals, tensor for tensor, the full checkpoint (gathered on rank 0) of the same run. Resumed on one
+    process (another world size: DCP reshards), it continues exactly as the full checkpoint does."""
+    sharded = torchrun(tmp_path / "sharded", *FSDP, "distributed.async_checkpoint=true")
+    assert sharded.returncode == 0, sharded.stderr
+    full = torchrun(tmp_path / "full", *FSDP, "distributed.checkpoint_format=full")
+    assert full.returncode == 0, full.stderr
+    newest = tmp_path / "sharded" / "checkpoints" / "step_00000008.dcp"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in newest.iterdir()}
+
+    dcp_to_torch_save(newest, tmp_path / "converted.pt")
+    converted = torch.load(tmp_path / "converted.pt", weights_only=True)
+    gathered = torch.load(tmp_path / "full" / "checkpoints" / "step_00000008.pt", weights_only=True)
+    assert converted["model"].keys() == gathered["model"].keys()
+    assert all(torch.equal(converted["model"][k], gathered["model"][k]) for k in gathered["model"])
+    optimizer_states = gathered["optimizer"]["state"]
+    assert all(torch.equal(torch.as_tensor(converted["optimizer"]["state"][name][key]), torch.as_tensor(value))
+               for name, state in optimizer_states.items() for key, value in state.items())
+
+    for run in ("sharded", "full"):
+        ext = "dcp" if run == "sharded" else "pt"
+        main(["train", f"resume={tmp_path / run / 'checkpoints' / f'step_00000004.{ext}'}", "distributed=none",
+              "train.console=quiet", "telemetry.profile_cpu_memory=false", f"hydra.run.dir={tmp_path / 'other'}"])
+    resumed = [json.loads(line) for line in (tmp_path / "sharded" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert rows(tmp_path / "sharded")[4:] == rows(tmp_path / "full")[4:]
