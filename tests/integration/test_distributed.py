@@ -17,7 +17,8 @@ from ampctl.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "train.steps=12", "train.log_every=4",
-       "train.console=plain", "train.lr_warmup_steps=0"]
+       "train.console=plain", "train.lr_warmup_steps=0",
+       "telemetry.profile_cpu_memory=false"]  # the memory timeline, not under test here, costs ~9 s a torchrun
 COMPARED = ("step", "loss", "loss_scale", "skipped")
 
 

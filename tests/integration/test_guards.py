@@ -9,7 +9,8 @@ import pytest
 
 from ampctl.cli import main
 
-QUIET = ["device=cpu", "train.console=quiet", "train.lr_warmup_steps=0"]
+QUIET = ["device=cpu", "train.console=quiet", "train.lr_warmup_steps=0",
+         "telemetry.profile_cpu_memory=false"]  # the memory timeline is not under test here
 
 
 @pytest.fixture
