@@ -23,8 +23,9 @@ for recipe in "resnet50 recipe.batch_size=128" "gpt2"; do
 done
 
 # Real FP8 (torchao, sm_89+) against bf16 where GEMMs dominate: GPT-2 small's width, a longer context.
+# Both compiled (torchao fuses its casts only under torch.compile): like for like.
 timeout 300 $py -m ampctl compare recipe=gpt2 recipe.d_model=2048 recipe.n_heads=16 recipe.n_layers=8 \
-  "compare.precisions=[bf16,fp8]" train.steps=60 compare.warmup_steps=20 \
+  "compare.precisions=[bf16,fp8]" "compare.compile=[true]" train.steps=60 compare.warmup_steps=20 \
   hydra.run.dir=$runs/compare_fp8 2>&1 | tail -12 | tee "$out/compare_fp8.log"
 
 timeout 150 $py benchmarks/loop_overhead.py --recipe gpt2 --precisions bf16,fp16 --device cuda --rounds 10 \

@@ -9,6 +9,7 @@ ampctl still computes the norm it records. Prints medians and the ratio.
 
     python benchmarks/loop_overhead.py                       # gpt recipe, bf16; clipping on in both loops
     python benchmarks/loop_overhead.py --recipe mlp --precisions bf16,fp16 --clip none
+    python benchmarks/loop_overhead.py --precisions fp32 --compile   # both loops compiled, block by block
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import torch
 from hydra import compose, initialize_config_module
 
 from ampctl.conf.schema import register_configs
-from ampctl.engine.loop import train_step
-from ampctl.recipes.base import build_recipe
 from ampctl.engine.build import build_state, check_config
+from ampctl.engine.loop import train_step
 from ampctl.engine.telemetry import Telemetry
+from ampctl.recipes.base import build_recipe
 
 RECIPES = {
     # step time dominated by matmuls, small enough for a 2-core CPU
@@ -64,10 +65,15 @@ class AmpctlLoop:
 class HandWrittenLoop:
     """The torch.amp docs' loop: autocast forward, scaled backward, scaler.step, scaler.update."""
 
-    def __init__(self, reference: AmpctlLoop, dtype: torch.dtype, scaled: bool, clip: float | None) -> None:
+    def __init__(self, reference: AmpctlLoop, dtype: torch.dtype | None, scaled: bool, clip: float | None,
+                 compiled: bool) -> None:
         device = reference.policy.device
         torch.manual_seed(0)
         self.model = reference.recipe.build_model().to(device)
+        if compiled:  # the regions ampctl compiles: each block the recipe names, else the whole model
+            for region in getattr(reference.recipe, "activation_checkpoint_blocks", lambda m: [])(self.model) or [
+                    self.model]:
+                region.compile()
         self.recipe, self.device, self.dtype = reference.recipe, device, dtype
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1,
                                            fused=True)
@@ -77,7 +83,7 @@ class HandWrittenLoop:
 
     def step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(self.device.type, dtype=self.dtype):
+        with torch.autocast(self.device.type, dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None):
             loss = self.recipe.loss(self.model, next(self.batches))
         self.scaler.scale(loss).backward()
         if self.clip is not None:
@@ -107,18 +113,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="both loops compiled (train.compile=true)")
     args = parser.parse_args()
     register_configs()
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     clip = None if args.clip == "none" else float(args.clip)
     print(f"{'precision':<10}{'ampctl ms':>12}{'hand ms':>12}{'overhead':>10}   ({args.recipe}, {args.rounds} rounds x "
-          f"{args.steps_per_round} steps each, alternating; clip {args.clip}; after {args.warmup_steps} warm-up steps)")
+          f"{args.steps_per_round} steps each, alternating; clip {args.clip}; {'compiled' if args.compile else 'eager'}; "
+          f"after {args.warmup_steps} warm-up steps)")
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         for precision in args.precisions.split(","):
             overrides = [*RECIPES[args.recipe], f"precision={precision}", f"device={args.device}",
-                         f"train.clip_grad_norm={'null' if clip is None else clip}", "train.lr_schedule=constant", "train.lr_warmup_steps=0"]
+                         f"train.clip_grad_norm={'null' if clip is None else clip}", "train.lr_schedule=constant",
+                         "train.lr_warmup_steps=0", f"train.compile={str(args.compile).lower()}"]
             ours = AmpctlLoop(overrides)
-            theirs = HandWrittenLoop(ours, dtypes[precision], ours.state.scaler.kind != "none", clip)
+            theirs = HandWrittenLoop(ours, dtypes[precision], ours.state.scaler.kind != "none", clip, args.compile)
             device = ours.policy.device
             timed_steps(ours, args.warmup_steps, device)
             timed_steps(theirs, args.warmup_steps, device)

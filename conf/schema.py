@@ -101,7 +101,6 @@ class Fp8TorchaoConfig:
     recipe_name: Float8RecipeName = Float8RecipeName.tensorwise
     auto_filter_small_kn: bool = True  # keep Linear layers too small to gain from FP8 in bf16 (torchao's heuristics)
     filter_fqns: list[str] = field(default_factory=list)  # keep Linear layers whose name contains one of these in bf16
-    compile: bool = True  # torch.compile the model (torchao fuses its amax and casts only when compiled)
 
 
 @dataclass
@@ -192,6 +191,9 @@ class DynamicScalerConfig:
                 f"{yaml_text(self.max_scale)}]")
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200
@@ -205,6 +207,9 @@ class TrainConfig:
     timing_warmup_steps: int = 5  # first steps left out of median step time and throughput
     console: ConsoleMode = ConsoleMode.auto
     activation_checkpointing: bool = False  # recompute each block's activations in backward (gpt, resnet)
+    # torch.compile: each block the recipe names (as torchtitan compiles each transformer block), else the model
+    compile: bool = False
+    compile_mode: str = "default"  # torch.compile's mode: one of COMPILE_MODES
     checkpoint_every: Optional[int] = None  # steps between checkpoints; one is always written at the end
     # seconds between checkpoints, checked on log steps (every rank decides together there): a crash loses at
     # most this much of a long run whatever checkpoint_every says; null: by steps only
@@ -225,6 +230,8 @@ class TrainConfig:
             require(positive_finite(self.checkpoint_every_s), "train.checkpoint_every_s", self.checkpoint_every_s,
                     "a number of seconds > 0, or null for checkpoints by steps only")
         require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
+        require(self.compile_mode in COMPILE_MODES, "train.compile_mode", self.compile_mode,
+                f"one of torch.compile's modes: {', '.join(COMPILE_MODES)}")
         if self.clip_grad_norm is not None:
             require(positive_finite(self.clip_grad_norm), "train.clip_grad_norm", self.clip_grad_norm,
                     "a finite number > 0, or null for no clipping")
@@ -312,6 +319,9 @@ class CompareConfig:
     warmup_steps: int = 10  # steps left out of each mode's timings
     # [false,true]: each mode without and with activation checkpointing (rows "bf16", "bf16+ac")
     activation_checkpointing: Optional[list[bool]] = None
+    # [false,true]: each mode eager and compiled (rows "bf16", "bf16+compile"); null: [train.compile], one
+    # setting for every mode, so that no mode is credited with compile's gain
+    compile: Optional[list[bool]] = None
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 0, "compare.warmup_steps", self.warmup_steps, "an integer >= 0")

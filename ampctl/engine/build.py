@@ -12,6 +12,7 @@ from ampctl.conf.schema import scaler_is_active, validate
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.activation_checkpointing import apply_activation_checkpointing
+from ampctl.engine.compilation import compile_model
 from ampctl.engine.loop import TrainState
 from ampctl.engine.optim import (
     LRSchedule,
@@ -45,8 +46,10 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
     model = policy.prepare_model(checked_model(recipe.build_model(), recipe))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, recipe, cfg.recipe._target_.rsplit(".", 1)[-1])
-    blocks = getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(model)
-    parallel.wrap(model, list(blocks))
+    blocks = list(getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(model))
+    if cfg.train.compile:  # after the mode's converters and checkpointing, before DDP/FSDP wrap the blocks
+        compile_model(model, blocks, cfg.train.compile_mode)
+    parallel.wrap(model, blocks)
     weights = policy.weight_layout(model)
     optimizer = build_optimizer(cfg.optimizer, weights.optimizer_params, policy.device)
     half_grads = any(p.dtype != torch.float32 for p in weights.optimizer_params)

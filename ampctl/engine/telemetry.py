@@ -12,7 +12,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Protocol, TextIO
+from typing import Collection, Optional, Protocol, TextIO
 
 import torch
 
@@ -213,11 +213,12 @@ def read_metrics(path: Path) -> list[StepRecord]:
     return records
 
 
-def summarize(records: list[StepRecord], timing_warmup_steps: int) -> dict:
-    """Run statistics from the step records. Timings leave out the warm-up steps (when enough remain)."""
+def summarize(records: list[StepRecord], timing_warmup_steps: int, untimed: Collection[int] = ()) -> dict:
+    """Run statistics from the step records. Timings leave out the warm-up steps and the `untimed` ones (steps
+    that compiled), when enough remain."""
     if not records:
         return {}
-    timed = records[timing_warmup_steps:] or records
+    timed = [r for r in records[timing_warmup_steps:] if r.step not in untimed] or records
     median_ms = statistics.median(r.step_time_ms for r in timed)
     last = records[-1]
     tail = records[-max(1, len(records) // 10):]

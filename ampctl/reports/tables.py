@@ -98,8 +98,8 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
     baseline = next((m for m, _ in done if m in ("fp32", "O0")), done[0][0] if done else None)
     base = dict(done).get(baseline) if baseline else None
     unit = _rate(base.summary)[1] if base else "samples/s"
-    columns = ["precision", "status", "step_time_ms", unit, "speedup", "peak_memory_mib", "memory_ratio",
-               "final_loss", "loss_delta", "skipped_steps", "final_loss_scale"]
+    columns = ["precision", "status", "compiled", "step_time_ms", unit, "speedup", "peak_memory_mib", "memory_ratio",
+               "final_loss", "loss_delta", "skipped_steps", "final_loss_scale", "compile_s"]
     rows = []
     for mode, run in runs:
         if run.failed:
@@ -108,10 +108,11 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
         s, b = run.summary, base.summary  # type: ignore[union-attr]
         memory, base_memory = s.get("peak_memory_bytes"), b.get("peak_memory_bytes")
         rows.append([
-            mode, "ok", s["median_step_time_ms"], _rate(s)[0], _rate(s)[0] / _rate(b)[0],
+            mode, "ok", s.get("compiled", False), s["median_step_time_ms"], _rate(s)[0], _rate(s)[0] / _rate(b)[0],
             None if memory is None else memory / 2**20,
             None if not (memory and base_memory) else memory / base_memory,
             s["final_loss"], s["final_loss"] - b["final_loss"], s["skipped_total"], s["final_loss_scale"],
+            s.get("compile_s"),
         ])
     for mode, reason in skipped.items():
         rows.append([mode, "skipped"] + [None] * (len(columns) - 2))
@@ -121,15 +122,18 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
         notes.append(f"fp32 is not in the list: speedup, memory ratio and loss delta are against {baseline}.")
     elif baseline:
         notes.append(f"speedup, memory ratio and loss delta are against {baseline} (true fp32: TF32 off).")
+    notes += [f"{mode} peak: {run.summary['peak_memory_source']}." for mode, run in done
+              if run.summary.get("peak_memory_bytes") is None and run.summary.get("peak_memory_source")]
     if base and base.summary.get("peak_memory_source"):
         notes.append(f"peak MiB: tensor memory held by torch's allocator, as ampctl memory measures it "
                      f"({base.summary['peak_memory_source']}).")
     headers = {"precision": "mode", "step_time_ms": "step ms", unit: unit, "peak_memory_mib": "peak MiB (allocator)",
                "memory_ratio": "memory", "final_loss": "final loss", "loss_delta": "Δ loss",
-               "skipped_steps": "skipped", "final_loss_scale": "scale"}
+               "skipped_steps": "skipped", "final_loss_scale": "scale", "compile_s": "compile s"}
     formats = {"step_time_ms": lambda v: f"{v:.1f}", unit: lambda v: f"{v:,.0f}", "speedup": ratio,
                "peak_memory_mib": lambda v: f"{v:,.0f}", "memory_ratio": ratio, "final_loss": lambda v: f"{v:.4f}",
-               "loss_delta": signed, "final_loss_scale": lambda v: f"{v:g}"}
+               "loss_delta": signed, "final_loss_scale": lambda v: f"{v:g}", "compiled": lambda v: "yes" if v else "no",
+               "compile_s": lambda v: f"{v:.1f}"}
     return ReportTable("precision comparison", columns, rows, notes, headers, formats)
 
 
@@ -229,7 +233,7 @@ def comparison_images(runs: Sequence[tuple[str, RunRecord]], table: ReportTable,
     ok = [r for r in table.as_dicts() if r["status"] == "ok" and r["peak_memory_mib"] is not None]
     if ok:
         baseline = next((m for m in ("fp32", "O0") if m in [r["precision"] for r in ok]), ok[0]["precision"])
-        unit = table.columns[3]
+        unit = next(c for c in table.columns if c in ("tokens/s", "samples/s"))
         images.append(plots.throughput_memory_bars(
             [r["precision"] for r in ok], [r[unit] for r in ok], [r["speedup"] for r in ok],
             [r["peak_memory_mib"] for r in ok], [r["memory_ratio"] for r in ok], unit, baseline,

@@ -81,6 +81,10 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan
                      else list(cfg.compare.activation_checkpointing))
     if not checkpointing or len(set(checkpointing)) != len(checkpointing):
         raise UsageError(f"compare.activation_checkpointing={checkpointing}: give [false], [true] or [false,true]")
+    # one setting for every mode (FP8 is not credited with compile's gain), or each mode both ways
+    compiling = [cfg.train.compile] if cfg.compare.compile is None else list(cfg.compare.compile)
+    if not compiling or len(set(compiling)) != len(compiling):
+        raise UsageError(f"compare.compile={compiling}: give [false], [true] or [false,true]")
     plans, skipped = [], {}
     for name in names:
         overrides = [f"precision={name}", *run_overrides]
@@ -100,10 +104,12 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan
         if not explicit and slow:
             skipped[name] = f"{slow}; name it in compare.precisions to run it"
             continue
-        for ac in checkpointing:
-            label = name + ("+ac" if ac and len(checkpointing) > 1 else "")
-            plans.append(ModePlan(label, [*overrides, f"train.activation_checkpointing={str(ac).lower()}"],
-                                  mode_cfg.train.steps))
+        for compiled in compiling:
+            for ac in checkpointing:
+                label = (name + ("+compile" if compiled and len(compiling) > 1 else "")
+                         + ("+ac" if ac and len(checkpointing) > 1 else ""))
+                plans.append(ModePlan(label, [*overrides, f"train.activation_checkpointing={str(ac).lower()}",
+                                              f"train.compile={str(compiled).lower()}"], mode_cfg.train.steps))
     if True in checkpointing and plans:  # refused here rather than in every mode's process
         recipe = build_recipe(mode_cfg.recipe)
         require_checkpoint_blocks(recipe, type(recipe).__name__)

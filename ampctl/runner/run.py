@@ -19,6 +19,7 @@ from ampctl.conf.schema import scaler_is_active
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state, check_config
+from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.loop import TrainState, fit
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
@@ -67,10 +68,14 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
     if parallel.world_size > 1:
         recipe = parallelism.RankShard(recipe, parallel.rank, parallel.world_size)
     peak = TrainingPeak(policy.device)
-    measure = parallel.is_main and (policy.device.type == "cuda" or cfg.telemetry.profile_cpu_memory)
+    # On a CPU the memory profiler would record torch.compile's own work too: minutes, for a peak it distorts
+    compiled_on_cpu = cfg.train.compile and policy.device.type == "cpu"
+    measure = parallel.is_main and (policy.device.type == "cuda" or (cfg.telemetry.profile_cpu_memory
+                                                                      and not compiled_on_cpu))
+    why_not = "train.compile on a CPU" if compiled_on_cpu and cfg.telemetry.profile_cpu_memory else ""
     with recorder.holding():  # no other run records into this directory while this one lives
         # the peak counts the model's build; a user recipe's mistake is one line naming it
-        with policy, peak.measuring(enabled=measure), recipe_errors(recipe):
+        with policy, peak.measuring(enabled=measure, why_not=why_not), recipe_errors(recipe):
             state = build_state(cfg, policy, recipe, parallel)
             resume.restore(state)
             announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)
@@ -79,9 +84,10 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
                 recorder.record_config(cfg)
             telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device)
             telemetry.skipped_total = resume.skipped_total
-            _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak)
+            with CompileWatch(lambda: state.step + 1) as compiling:  # torch.compile compiles in the first steps
+                _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak, compiling)
         return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
-                                                          recorder.run_dir))
+                                                          compiling, recorder.run_dir))
 
 
 def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, state: TrainState,
@@ -103,7 +109,7 @@ def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recip
         echo(f"resume=auto: no checkpoint in {recorder.run_dir} yet, starting from step 0")
         for path in recorder.set_aside_rows_without_checkpoint():
             echo(f"resume=auto: rows of a run that left no checkpoint set aside in {path.name}")
-    for message in policy.combination_warnings(scaler_is_active(cfg.scaler)) + policy.speed_warnings():
+    for message in policy.combination_warnings(scaler_is_active(cfg.scaler)) + policy.speed_warnings(cfg.train.compile):
         echo(f"warning: {message}")
 
 
@@ -124,9 +130,11 @@ class Checkpointer:
     after the last checkpoint (ranks agree there), and at the last step."""
 
     def __init__(self, cfg: DictConfig, choices: dict[str, str], state: TrainState, telemetry: Telemetry,
-                 recorder: Recorder, peak: TrainingPeak, parallel: parallelism.Parallel) -> None:
+                 recorder: Recorder, peak: TrainingPeak, parallel: parallelism.Parallel,
+                 compiling: CompileWatch) -> None:
         self.cfg, self.choices, self.state, self.telemetry = cfg, choices, state, telemetry
-        self.recorder, self.peak, self.parallel = recorder, peak, parallel
+        self.recorder, self.peak, self.parallel, self.compiling = recorder, peak, parallel, compiling
+        self.recompiles_said = 0
         self.saved_at = time.monotonic()
         scaler = state.scaler
         self.guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
@@ -139,7 +147,7 @@ class Checkpointer:
         fresh = self.telemetry.take_fresh()  # non-empty on log steps, when values came back from the device
         if fresh:
             trip, warnings = self.guard.check(fresh)
-            for message in warnings:
+            for message in warnings + self._recompile_warnings():
                 self.recorder.echo(f"warning: {message}")
             if trip:
                 raise GuardStop(trip)
@@ -150,6 +158,21 @@ class Checkpointer:
                                          self.sharded)
             self.last = self.writer.save(payload)  # an async save is complete by close()
             self.saved_at = time.monotonic()
+
+    def _recompile_warnings(self) -> list[str]:
+        """torch.compile compiling again after the warm-up steps (shapes or guards that change from step to
+        step): said on the first log step that sees it, and again only when it has doubled."""
+        compiles = self.compiling.compiles_at
+        settled = max(self.cfg.train.timing_warmup_steps, compiles[0] if compiles else 0)
+        late = self.compiling.recompiles_after(settled)
+        if not late or len(late) < 2 * self.recompiles_said:
+            return []
+        self.recompiles_said = len(late)
+        steps = sorted(set(late))
+        return [f"torch.compile compiled {len(late)} more time(s) after step {settled} (at step "
+                f"{', '.join(map(str, steps[:5]))}{', ...' if len(steps) > 5 else ''}): something the compiled code "
+                "depends on changes from step to step (a shape, a Python value); those steps are left out of the "
+                "timings; TORCH_LOGS=recompiles says what changed"]
 
     def _due(self, step: int) -> bool:
         train = self.cfg.train
@@ -170,9 +193,10 @@ def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: Tr
 
 
 def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Recipe, policy: PrecisionPolicy,
-         parallel: parallelism.Parallel, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak) -> None:
+         parallel: parallelism.Parallel, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak,
+         compiling: CompileWatch) -> None:
     """fit() with the checkpointer, the guards, the value-range log and a stop on SIGINT/SIGTERM."""
-    checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak, parallel)
+    checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak, parallel, compiling)
     ranges_log = recorder.ranges_log(state, policy.device, cfg.telemetry.ranges_every)
     announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
     try:
@@ -204,7 +228,8 @@ def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Re
 
 
 def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolicy, recipe: Recipe,
-                state: TrainState, parallel: parallelism.Parallel, peak: TrainingPeak, run_dir: Path) -> dict:
+                state: TrainState, parallel: parallelism.Parallel, peak: TrainingPeak, compiling: CompileWatch,
+                run_dir: Path) -> dict:
     """summary.json: what ran, where, and the figures of its metrics.jsonl."""
     device = policy.device
     return {
@@ -220,8 +245,14 @@ def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolic
         "python_version": platform.python_version(),
         "parameters": sum(p.numel() for p in state.model.parameters()),
         "world_size": parallel.world_size,
-        # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says
-        **summarize(read_metrics(run_dir / METRICS_FILE), max(cfg.train.timing_warmup_steps, peak.untimed_steps)),
+        "compiled": cfg.train.compile,
+        "compile_mode": cfg.train.compile_mode if cfg.train.compile else None,
+        "compile_s": round(compiling.seconds, 3) if cfg.train.compile else None,  # left out of the step times
+        "compilations": len(compiling.compiles_at) if cfg.train.compile else None,
+        # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says; nor are the
+        # steps that compiled
+        **summarize(read_metrics(run_dir / METRICS_FILE), max(cfg.train.timing_warmup_steps, peak.untimed_steps),
+                    untimed=set(compiling.compiles_at)),
         "peak_memory_bytes": peak.bytes(),
         "peak_memory_source": peak.source,
         "run_dir": str(run_dir),

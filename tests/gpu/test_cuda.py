@@ -105,7 +105,7 @@ def test_fp8_trains_its_large_linears_on_fp8_tensor_cores(tmp_path):
         pytest.skip(f"precision=fp8 {reason}")
     shape = ["recipe=gpt2", "recipe.n_layers=2", "recipe.block_size=256", "recipe.max_corpus_bytes=300000",
              "train.steps=30"]
-    _, bf16 = train(tmp_path / "bf16", "device=cuda", "precision=bf16", *shape, base=QUIET)
-    _, fp8 = train(tmp_path / "fp8", "device=cuda", "precision=fp8", *shape, base=QUIET)
+    _, bf16 = train(tmp_path / "bf16", "device=cuda", "precision=bf16", "train.compile=true", *shape, base=QUIET)
+    _, fp8 = train(tmp_path / "fp8", "device=cuda", "precision=fp8", "train.compile=true", *shape, base=QUIET)
     assert fp8[-1]["loss"] < fp8[0]["loss"] - 1.0
     assert abs(fp8[-1]["loss"] - bf16[-1]["loss"]) < 0.1, (fp8[-1]["loss"], bf16[-1]["loss"])

@@ -85,6 +85,7 @@ def test_O3_is_static_one_as_apex():
         ("train.keep_checkpoints=0", "train.keep_checkpoints"),
         ("guard.max_consecutive_skips=0", "guard.max_consecutive_skips"),
         ("distributed.async_checkpoint=true", "distributed.async_checkpoint"),  # async saves are sharded ones
+        ("train.compile_mode=fastest", "train.compile_mode"),
     ],
 )
 def test_out_of_range_values_name_key_and_allowed(override, key):

@@ -145,11 +145,14 @@ class TrainingPeak:
         self._result: Optional[MeasuredPeak] = None
         self._steps = 0
         self._enabled = True
+        self._not_measured = "telemetry.profile_cpu_memory=false"
 
     @contextmanager
-    def measuring(self, enabled: bool = True) -> Iterator["TrainingPeak"]:
-        """Measures from entry (before the model is built) to MEASURED_STEPS steps on a CPU, or to the exit."""
+    def measuring(self, enabled: bool = True, why_not: str = "") -> Iterator["TrainingPeak"]:
+        """Measures from entry (before the model is built) to MEASURED_STEPS steps on a CPU, or to the exit.
+        why_not: what the summary says when not enabled."""
         self._enabled = enabled
+        self._not_measured = why_not or self._not_measured
         if enabled and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         elif enabled and cpu_profiler_available():
@@ -173,7 +176,7 @@ class TrainingPeak:
         if self.device.type == "cuda":
             return "torch.cuda.max_memory_allocated"
         if not self._enabled:
-            return "not measured (telemetry.profile_cpu_memory=false)"
+            return f"not measured ({self._not_measured})"
         if not cpu_profiler_available():
             return "not measured: this torch has no CPU memory timeline"
         if self._result is not None and self._result.source.startswith("not measured"):

@@ -5,7 +5,7 @@ torchao's convert_to_float8_training swaps the chosen nn.Linear layers for Float
 forward, e5m2 gradients, scales computed from this step's amax per tensor ("tensorwise") or per row
 ("rowwise"). The weights stay fp32 and are the optimizer's masters; everything else runs under bfloat16
 autocast (Float8Linear casts its input to the autocast dtype). torchao fuses the amax and cast kernels only
-under torch.compile, so the model is compiled by default.
+under torch.compile: run it with train.compile=true (an eager FP8 run is warned about).
 
 Small layers are slower in FP8 (the casts cost more than the faster matmul saves), so by default only the
 Linear layers that torchao's size heuristics (from H100 benchmarks) expect to gain are converted, as

@@ -102,9 +102,12 @@ class PrecisionPolicy:
                     f"CPU (measured; no {HALF_HARDWARE[self.dtype]})")
         return None
 
-    def speed_warnings(self) -> list[str]:
+    def speed_warnings(self, compiled: bool) -> list[str]:
         """Legal runs that will be much slower than the user likely expects."""
         s, dev = self.precision, self.device
+        if s.fp8_torchao is not None and not compiled:
+            return [f"precision={s.name} without train.compile: torchao fuses FP8's scaling and casts only under "
+                    "torch.compile, so eager FP8 runs slower than bf16; add train.compile=true"]
         why = self.slow_here()
         if why is None:
             return []
@@ -152,8 +155,6 @@ class PrecisionPolicy:
         if not self.float8_layers:
             # A run labelled fp8 that computes nothing in FP8 would be bf16 under another name.
             raise UsageError(fp8_torchao.nothing_converted_message(recipe, self._linears))
-        if recipe.compile:
-            model.compile()  # in place: parameter names, hooks and checkpoints stay the model's own
 
     def weight_layout(self, model: nn.Module) -> WeightLayout:
         return FP32MasterWeights(model) if self.precision.master_weights else WeightLayout(model)
@@ -174,7 +175,6 @@ class PrecisionPolicy:
             f8 = s.fp8_torchao
             parts.insert(0, f"fp8=torchao recipe={f8.recipe_name.value} auto_filter_small_kn={f8.auto_filter_small_kn}"
                          + (f" filter_fqns={list(f8.filter_fqns)}" if f8.filter_fqns else "")
-                         + f" compile={f8.compile}"
                          + (f" ({len(self.float8_layers)} of {self._linears} Linear layers in FP8)"
                             if self.float8_layers else ""))
         if s.fp8_emulated is not None:

@@ -1,0 +1,77 @@
+"""torch.compile for every precision mode, and the account of what it cost.
+
+Regional compilation: each block the recipe names (activation_checkpoint_blocks: a transformer block, a
+ResNet bottleneck) is compiled on its own, as torchtitan compiles each TransformerBlock: identical blocks
+share one compiled graph, so compile time does not grow with depth. A recipe that names no blocks has its
+whole model compiled. `Module.compile()` works in place, so parameter names, hooks, state dicts and
+checkpoints stay the model's own (a compiled run resumes eagerly and the other way round). It is applied
+after the precision mode's converters and activation checkpointing, before DDP/FSDP wrap the model.
+
+CompileWatch times Dynamo's compilations (its start/end callbacks, outermost only, the lazily compiled
+backward included), so that compile time is reported on its own, and counts the compilations after the
+first steps: shapes or guards that change every step recompile every step, which is reported rather than
+left as a slow run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from torch import nn
+
+
+def compile_model(model: nn.Module, blocks: list[nn.Module], mode: str) -> int:
+    """Compile each block in place, or the whole model when there are none; the number of regions compiled."""
+    # A CUDA build of torch on a machine without CUDA says so, as a warning, when inductor first builds C++
+    # kernels for the CPU: true, and beside the point of a CPU run.
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    regions = blocks or [model]
+    for region in regions:
+        region.compile(mode=mode)
+    return len(regions)
+
+
+class CompileWatch:
+    """Wall time spent compiling and the number of compilations, each tagged with the step it happened in."""
+
+    def __init__(self, step_under_way: Callable[[], int]) -> None:
+        self.seconds = 0.0
+        self.compiles_at: list[int] = []  # the step during which each compilation ran (0: before the first)
+        self._step_under_way = step_under_way
+        self._started: float | None = None
+        self._callbacks: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> "CompileWatch":
+        from torch._dynamo.callback import callback_handler
+
+        # called with a CallbackArgs in recent torch, with nothing in older ones
+        start = lambda *_args: self._start()  # noqa: E731
+        end = lambda *_args: self._end()  # noqa: E731
+        callback_handler.register_start_callback(start)
+        callback_handler.register_end_callback(end)
+        self._callbacks = (start, end)
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        if self._callbacks is not None:
+            start, end = self._callbacks
+            callback_handler.remove_start_callback(start)
+            callback_handler.remove_end_callback(end)
+            self._callbacks = None
+
+    def _start(self) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+        self.compiles_at.append(self._step_under_way())
+
+    def recompiles_after(self, step: int) -> list[int]:
+        """The steps after `step` that compiled: graphs that should have been compiled by then were not reused."""
+        return [s for s in self.compiles_at if s > step]
