@@ -100,6 +100,11 @@ def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recip
          f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={recorder.run_dir}"
          + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
             if parallel.world_size > 1 else ""))
+    if cfg.train.compile:  # the first step pauses while it compiles: say so before it does
+        blocks = getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(state.model)
+        echo(f"torch.compile (mode={cfg.train.compile_mode}): "
+             + (f"each of the recipe's {len(blocks)} blocks" if blocks else "the whole model")
+             + ", compiled during the first step (its time is reported on its own)")
     for failure in resume.passed_over:
         echo(f"warning: {failure}; passed over (set aside, kept)")
     if resume.payload:

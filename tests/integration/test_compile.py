@@ -86,3 +86,18 @@ def test_fp8_without_compile_is_warned_about():
 
     policy = PrecisionPolicy(OmegaConf.to_object(compose_cfg("precision=fp8").precision), torch.device("cpu"))
     assert "add train.compile=true" in policy.speed_warnings(compiled=False)[0]
+
+
+def test_fsdp_shards_compiled_blocks_and_trains_as_eager_fsdp(tmp_path):
+    """Compiled blocks (activation checkpointing inside), then fully_shard on them: two ranks train as the
+    eager sharded job does."""
+    from tests.integration.test_distributed import torchrun
+
+    args = [*TINY_GPT, "distributed=fsdp", "train.activation_checkpointing=true"]
+    eager = torchrun(tmp_path / "eager", *args)
+    compiled = torchrun(tmp_path / "compiled", *args, "train.compile=true")
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-2000:]
+    assert "torch.compile (mode=default): each of the recipe's 2 blocks" in compiled.stdout
+    assert [r["loss"] for r in rows(tmp_path / "compiled")] == pytest.approx(
+        [r["loss"] for r in rows(tmp_path / "eager")], rel=1e-3)
+    assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["compile_s"] > 0
