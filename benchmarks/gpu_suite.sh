@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU verification run, in one command (device time is scarce): the whole test suite (gpu-marked tests
-# on CUDA, the rest on CPU under this machine's torch), compare on ResNet-50 and GPT-2 small, bf16 vs FP8, and the
-# loop-overhead benchmark on CUDA. Writes logs and a tarball of the run directories to $OUT (or
+# on CUDA, the rest on CPU under this machine's torch), compare on ResNet-50 and GPT-2 small, bf16 vs FP8, the
+# loop-overhead benchmark on CUDA, and each mode eager vs compiled with its MFU. Writes logs and a tarball of the run directories to $OUT (or
 # outputs/gpu_suite). Usage, from the project root on a machine with a GPU and ampctl importable:
 #
 #   bash benchmarks/gpu_suite.sh
@@ -30,5 +30,13 @@ timeout 300 $py -m ampctl compare recipe=gpt2 recipe.d_model=2048 recipe.n_heads
 
 timeout 150 $py benchmarks/loop_overhead.py --recipe gpt2 --precisions bf16,fp16 --device cuda --rounds 10 \
   2>&1 | tee "$out/loop_overhead.log"
+
+# Compile's gain and MFU (issue 14's GPU target: GPT-2 small bf16 + compile >= 45% MFU on one H100): each
+# mode eager and compiled side by side; the table's MFU column is against the H100's dense peak per dtype.
+timeout 420 $py -m ampctl compare recipe=gpt2 "compare.precisions=[bf16,fp16]" "compare.compile=[false,true]" \
+  train.steps=60 compare.warmup_steps=20 hydra.run.dir=$runs/compare_compile 2>&1 | tail -14 \
+  | tee "$out/compare_compile.log"
+timeout 240 $py benchmarks/compile_speedup.py --recipe gpt2 --precisions bf16 --device cuda --rounds 10 \
+  2>&1 | tee "$out/compile_speedup.log"
 
 tar czf "$out/runs.tgz" --exclude='*.pt' --exclude='checkpoints' "$runs"

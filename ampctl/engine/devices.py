@@ -101,12 +101,12 @@ SLOW_FACTOR = 1.5
 _BENCH_SIZE, _BENCH_REPEATS = 256, 5
 
 
-def _cache_path() -> Path:
+def cache_path() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "ampctl" / "cpu_matmul_speed.json"
 
 
-def _machine_key() -> str:
+def machine_key() -> str:
     """What decides the result: the CPU, its instruction sets, torch (oneDNN's kernels) and the threads."""
     isa = sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma", "sse4", "asimd", "sve", "bf16", "fp16")))
     return f"{cpu_model()}|{platform.machine()}|{','.join(isa)}|torch {torch.__version__}|{torch.get_num_threads()} threads"
@@ -133,7 +133,7 @@ def cpu_half_slowdown(dtype: torch.dtype) -> float:
     once (well under a second) and kept in ~/.cache/ampctl, keyed by CPU, instruction sets, torch version and
     threads: flags alone cannot tell a CPU that emulates bf16 in AVX512 from one that runs it natively."""
     name = str(dtype).removeprefix("torch.")
-    path, key = _cache_path(), _machine_key()
+    path, key = cache_path(), machine_key()
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -35,11 +35,12 @@ class StepRecord:
     step_time_ms: float
     samples_per_s: float
     tokens_per_s: Optional[float] = None
+    tflops: Optional[float] = None  # achieved model TFLOP/s of one device (when the run counted its FLOPs)
+    mfu: Optional[float] = None  # tflops / the device's dense peak for the mode's matmul dtype
 
     def to_json(self) -> str:
-        data = asdict(self)
-        if data["tokens_per_s"] is None:
-            del data["tokens_per_s"]
+        data = {k: v for k, v in asdict(self).items()
+                if v is not None or k not in ("tokens_per_s", "tflops", "mfu")}
         return io.dumps(data)  # JSON has no inf/nan: a skipped step's grad norm is written as null
 
 
@@ -89,10 +90,13 @@ class Telemetry:
         samples_per_step: int,
         tokens_per_step: Optional[int],
         sinks: list[Sink],
+        flops_per_step: Optional[int] = None,  # model FLOPs of one step of this process
+        peak_tflops: Optional[float] = None,  # the device's, for MFU
     ) -> None:
         self.log_every = log_every
         self.samples_per_step = samples_per_step
         self.tokens_per_step = tokens_per_step
+        self.flops_per_step, self.peak_tflops = flops_per_step, peak_tflops
         self.sinks = sinks
         # float64 so that a float64 lr (CPU fused optimizers) is recorded exactly; float32 values widen losslessly.
         self._buffer = torch.zeros(log_every, _COLUMNS, device=device, dtype=torch.float64)
@@ -136,6 +140,7 @@ class Telemetry:
             skipped = row[_FOUND_INF] > 0
             self.skipped_total += skipped
             per_s = 1e3 / ms if ms > 0 else float("inf")
+            tflops = None if self.flops_per_step is None else self.flops_per_step * per_s / 1e12
             records.append(
                 StepRecord(
                     step=step,
@@ -148,6 +153,8 @@ class Telemetry:
                     step_time_ms=ms,
                     samples_per_s=self.samples_per_step * per_s,
                     tokens_per_s=None if self.tokens_per_step is None else self.tokens_per_step * per_s,
+                    tflops=tflops,
+                    mfu=None if tflops is None or not self.peak_tflops else tflops / self.peak_tflops,
                 )
             )
         self._pending_steps = []

@@ -98,8 +98,8 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
     baseline = next((m for m, _ in done if m in ("fp32", "O0")), done[0][0] if done else None)
     base = dict(done).get(baseline) if baseline else None
     unit = _rate(base.summary)[1] if base else "samples/s"
-    columns = ["precision", "status", "compiled", "step_time_ms", unit, "speedup", "peak_memory_mib", "memory_ratio",
-               "final_loss", "loss_delta", "skipped_steps", "final_loss_scale", "compile_s"]
+    columns = ["precision", "status", "compiled", "step_time_ms", unit, "speedup", "tflops", "mfu", "peak_memory_mib",
+               "memory_ratio", "final_loss", "loss_delta", "skipped_steps", "final_loss_scale", "compile_s"]
     rows = []
     for mode, run in runs:
         if run.failed:
@@ -109,6 +109,7 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
         memory, base_memory = s.get("peak_memory_bytes"), b.get("peak_memory_bytes")
         rows.append([
             mode, "ok", s.get("compiled", False), s["median_step_time_ms"], _rate(s)[0], _rate(s)[0] / _rate(b)[0],
+            s.get("achieved_tflops"), s.get("mfu"),
             None if memory is None else memory / 2**20,
             None if not (memory and base_memory) else memory / base_memory,
             s["final_loss"], s["final_loss"] - b["final_loss"], s["skipped_total"], s["final_loss_scale"],
@@ -122,6 +123,9 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
         notes.append(f"fp32 is not in the list: speedup, memory ratio and loss delta are against {baseline}.")
     elif baseline:
         notes.append(f"speedup, memory ratio and loss delta are against {baseline} (true fp32: TF32 off).")
+    # each mode's MFU is against the peak of its own matmul dtype: name each peak once
+    peaks = dict.fromkeys(run.summary["peak_source"] for _, run in done if run.summary.get("peak_tflops"))
+    notes += [f"MFU against {peak}." for peak in peaks]
     notes += [f"{mode} peak: {run.summary['peak_memory_source']}." for mode, run in done
               if run.summary.get("peak_memory_bytes") is None and run.summary.get("peak_memory_source")]
     if base and base.summary.get("peak_memory_source"):
@@ -129,11 +133,12 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
                      f"({base.summary['peak_memory_source']}).")
     headers = {"precision": "mode", "step_time_ms": "step ms", unit: unit, "peak_memory_mib": "peak MiB (allocator)",
                "memory_ratio": "memory", "final_loss": "final loss", "loss_delta": "Δ loss",
-               "skipped_steps": "skipped", "final_loss_scale": "scale", "compile_s": "compile s"}
+               "skipped_steps": "skipped", "final_loss_scale": "scale", "compile_s": "compile s", "tflops": "TFLOP/s",
+               "mfu": "MFU"}
     formats = {"step_time_ms": lambda v: f"{v:.1f}", unit: lambda v: f"{v:,.0f}", "speedup": ratio,
                "peak_memory_mib": lambda v: f"{v:,.0f}", "memory_ratio": ratio, "final_loss": lambda v: f"{v:.4f}",
                "loss_delta": signed, "final_loss_scale": lambda v: f"{v:g}", "compiled": lambda v: "yes" if v else "no",
-               "compile_s": lambda v: f"{v:.1f}"}
+               "compile_s": lambda v: f"{v:.1f}", "tflops": lambda v: f"{v:.3g}", "mfu": lambda v: f"{v:.1%}"}
     return ReportTable("precision comparison", columns, rows, notes, headers, formats)
 
 
@@ -147,20 +152,20 @@ def swept_keys(runs: Sequence[RunRecord]) -> list[str]:
 
 def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
     keys = swept_keys(runs) or sorted({k for run in runs for k in run.override_values()})
-    columns = ["job", *keys, "status", "final_loss", "skipped_total", "final_loss_scale", "throughput"]
+    columns = ["job", *keys, "status", "final_loss", "skipped_total", "final_loss_scale", "throughput", "mfu"]
     rows = []
     for run in runs:
         values = [run.override_values().get(k) for k in keys]
         if run.failed:
-            rows.append([run.job, *values, run.status, None, None, None, None])
+            rows.append([run.job, *values, run.status, None, None, None, None, None])
             continue
         rate, unit = _rate(run.summary)  # type: ignore[arg-type]
         s = run.summary
         rows.append([run.job, *values, "ok", s["final_loss"], s["skipped_total"],
-                     s["final_loss_scale"], f"{rate:,.0f} {unit}"])
+                     s["final_loss_scale"], f"{rate:,.0f} {unit}", s.get("mfu")])
     notes = [f"job {run.job} {run.status}: {run.why_not_ok}" for run in runs if run.failed]
-    formats = {"final_loss": lambda v: f"{v:.4f}", "final_loss_scale": lambda v: f"{v:g}"}
-    headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale"}
+    formats = {"final_loss": lambda v: f"{v:.4f}", "final_loss_scale": lambda v: f"{v:g}", "mfu": lambda v: f"{v:.1%}"}
+    headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale", "mfu": "MFU"}
     return ReportTable("sweep", columns, rows, notes, headers, formats)
 
 
@@ -169,7 +174,8 @@ def single_run_table(run: RunRecord) -> ReportTable:
         return ReportTable(f"run {run.path}", ["status"], [[f"{run.status}: {run.why_not_ok}"]])
     s = run.summary
     keys = ["precision", "scaler", "recipe", "device_name", "steps", "final_loss", "tail_loss", "skipped_total",
-            "final_loss_scale", "median_step_time_ms", "samples_per_s", "tokens_per_s", "peak_memory_bytes"]
+            "final_loss_scale", "median_step_time_ms", "samples_per_s", "tokens_per_s", "achieved_tflops", "mfu",
+            "peak_source", "compile_s", "peak_memory_bytes"]
     return ReportTable(f"run {run.path}", ["key", "value"], [[k, s[k]] for k in keys if k in s])
 
 

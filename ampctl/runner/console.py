@@ -54,6 +54,11 @@ class _Latest:
             return f"{human_rate(r.tokens_per_s)} tok/s"
         return f"{human_rate(r.samples_per_s)} samples/s"
 
+    def mfu(self) -> str:
+        """Model FLOPs utilization of the latest step, against the peak summary.json names."""
+        r = self.record
+        return "-" if r is None or r.mfu is None else f"{r.mfu:.1%}"
+
 
 def say(line: str) -> None:
     """print() a line. If the reader has gone (`ampctl train ... | head`), training and recording go on and
@@ -81,7 +86,8 @@ class PlainConsole:
         say(
             f"step {r.step}/{self.total} | loss {r.loss:.4f} | scale {r.loss_scale:g} | "
             f"skipped {r.skipped_total} (last {last}) | grad_norm {r.grad_norm:.3g} | lr {r.lr:.3g} | "
-            f"{self.latest.throughput()} | {r.step_time_ms:.1f} ms/step | peak {io.format_bytes(self.peak_memory(), decimals=1)}"
+            f"{self.latest.throughput()}{'' if r.mfu is None else f' | MFU {self.latest.mfu()}'} | "
+            f"{r.step_time_ms:.1f} ms/step | peak {io.format_bytes(self.peak_memory(), decimals=1)}"
         )
 
     def close(self) -> None:
@@ -112,11 +118,13 @@ class LiveConsole:
 
     def _render(self) -> Group:
         table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
-        for column in ("step", "loss", "loss scale", "skipped", "grad norm", "lr", "throughput", "step time", "peak mem"):
+        columns = ("step", "loss", "loss scale", "skipped", "grad norm", "lr", "throughput", "MFU", "step time",
+                   "peak mem")
+        for column in columns:
             table.add_column(column, justify="right")
         r = self.latest.record
         if r is None:
-            table.add_row(*(["-"] * 9))
+            table.add_row(*(["-"] * len(columns)))
         else:
             skipped = Text(f"{r.skipped_total}")
             if self.latest.last_skipped is not None:
@@ -131,6 +139,7 @@ class LiveConsole:
                 f"{r.grad_norm:.3g}",
                 f"{r.lr:.3g}",
                 self.latest.throughput(),
+                self.latest.mfu(),
                 f"{r.step_time_ms:.1f} ms",
                 io.format_bytes(self.peak_memory(), decimals=1),
             )

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import TrainingPeak
 from ampctl.conf.schema import scaler_is_active
 from ampctl.engine import devices
@@ -64,15 +65,18 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
            policy: PrecisionPolicy, parallel: parallelism.Parallel) -> dict:
     resume = Resume.find(cfg, run_dir, parallel.world_size)
     recorder = Recorder(resume.run_dir, echo) if parallel.is_main else NoRecorder(resume.run_dir)
-    recipe = build_recipe(parallelism.global_recipe_config(cfg.recipe, parallel.world_size, cfg.distributed.kind.value))
-    if parallel.world_size > 1:
-        recipe = parallelism.RankShard(recipe, parallel.rank, parallel.world_size)
+    recipe = _rank_recipe(cfg, parallel)
     peak = TrainingPeak(policy.device)
     # On a CPU the memory profiler would record torch.compile's own work too: minutes, for a peak it distorts
     compiled_on_cpu = cfg.train.compile and policy.device.type == "cpu"
     measure = parallel.is_main and (policy.device.type == "cuda" or (cfg.telemetry.profile_cpu_memory
                                                                       and not compiled_on_cpu))
     why_not = "train.compile on a CPU" if compiled_on_cpu and cfg.telemetry.profile_cpu_memory else ""
+    # model FLOPs of a step (counted on the meta device) and the device's peak, for MFU in every record; before
+    # the peak memory is measured, which the batch drawn for the count must not raise. On a recipe of its own:
+    # counting calls its loss, and a user recipe's state (a call counter) must stay the run's.
+    step_flops = flops.count(_rank_recipe(cfg, parallel), policy.device, policy.precision, cfg.train.seed,
+                             cfg.train.grad_accum_steps)
     with recorder.holding():  # no other run records into this directory while this one lives
         # the peak counts the model's build; a user recipe's mistake is one line naming it
         with policy, peak.measuring(enabled=measure, why_not=why_not), recipe_errors(recipe):
@@ -82,12 +86,20 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
             recorder.open(resume.step)
             if resume.payload:
                 recorder.record_config(cfg)
-            telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device)
+            telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device, step_flops)
             telemetry.skipped_total = resume.skipped_total
             with CompileWatch(lambda: state.step + 1) as compiling:  # torch.compile compiles in the first steps
                 _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak, compiling)
         return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
-                                                          compiling, recorder.run_dir))
+                                                          compiling, step_flops, recorder.run_dir))
+
+
+def _rank_recipe(cfg: DictConfig, parallel: parallelism.Parallel) -> Recipe:
+    """The recipe as this process sees it: built for the global batch, this rank's slice of it."""
+    recipe = build_recipe(parallelism.global_recipe_config(cfg.recipe, parallel.world_size, cfg.distributed.kind.value))
+    if parallel.world_size > 1:
+        recipe = parallelism.RankShard(recipe, parallel.rank, parallel.world_size)
+    return recipe
 
 
 def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, state: TrainState,
@@ -119,14 +131,15 @@ def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recip
 
 
 def _telemetry(cfg: DictConfig, recipe: Recipe, parallel: parallelism.Parallel, recorder: Recorder,
-               peak: TrainingPeak, device: torch.device) -> Telemetry:
+               peak: TrainingPeak, device: torch.device, step_flops: flops.StepFlops) -> Telemetry:
     # throughput is the whole job's: every rank's samples
     per_step = cfg.train.grad_accum_steps * parallel.world_size
     tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * per_step
     sinks = recorder.sinks(cfg.train.console, cfg.train.steps, tokens is not None, peak.bytes)
     # its device buffer holds one log interval: never more rows than the run has (log_every=10**9 is "at the end")
     log_every = min(cfg.train.log_every, cfg.train.steps)
-    return Telemetry(device, log_every, recipe.samples_per_batch * per_step, tokens, sinks)
+    return Telemetry(device, log_every, recipe.samples_per_batch * per_step, tokens, sinks,
+                     step_flops.per_step, step_flops.peak.tflops)
 
 
 class Checkpointer:
@@ -234,9 +247,13 @@ def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Re
 
 def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolicy, recipe: Recipe,
                 state: TrainState, parallel: parallelism.Parallel, peak: TrainingPeak, compiling: CompileWatch,
-                run_dir: Path) -> dict:
+                step_flops: flops.StepFlops, run_dir: Path) -> dict:
     """summary.json: what ran, where, and the figures of its metrics.jsonl."""
     device = policy.device
+    # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says; nor are the
+    # steps that compiled
+    timing = summarize(read_metrics(run_dir / METRICS_FILE), max(cfg.train.timing_warmup_steps, peak.untimed_steps),
+                       untimed=set(compiling.compiles_at))
     return {
         "precision": cfg.precision.name,
         "precision_choice": choices.get("precision", cfg.precision.name),
@@ -254,10 +271,8 @@ def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolic
         "compile_mode": cfg.train.compile_mode if cfg.train.compile else None,
         "compile_s": round(compiling.seconds, 3) if cfg.train.compile else None,  # left out of the step times
         "compilations": len(compiling.compiles_at) if cfg.train.compile else None,
-        # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says; nor are the
-        # steps that compiled
-        **summarize(read_metrics(run_dir / METRICS_FILE), max(cfg.train.timing_warmup_steps, peak.untimed_steps),
-                    untimed=set(compiling.compiles_at)),
+        **timing,
+        **step_flops.summary(timing.get("median_step_time_ms")),
         "peak_memory_bytes": peak.bytes(),
         "peak_memory_source": peak.source,
         "run_dir": str(run_dir),

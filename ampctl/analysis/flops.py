@@ -1,0 +1,157 @@
+"""Model FLOPs per step and MFU: how close a run is to the hardware.
+
+FLOPs are counted once, at start, by torch.utils.flop_counter over one forward and backward of the recipe's
+model and loss on the meta device: shapes only, nothing computed, nothing of the run touched (its RNG, its
+model, its batch stream). They are model FLOPs, as MFU defines them (PaLM's appendix B): the recomputation
+of activation checkpointing and the casts of a precision mode are not counted, so MFU compares modes on
+the same work. One step = grad_accum_steps micro-batches of this process's batch.
+
+MFU = achieved FLOP/s of one device / that device's dense peak for the dtype its matmuls run in. Peaks of
+NVIDIA GPUs come from their datasheets (dense, no sparsity); on a CPU the peak is a large matmul measured
+once per machine, dtype and thread count, and cached beside the half-speed measurement (devices.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ampctl import io
+from ampctl.engine import devices
+
+# Dense TFLOP/s by datasheet, matched against torch.cuda.get_device_name() in this order (the first match).
+# fp32 is the CUDA cores' rate (true fp32, TF32 off); fp8 is e4m3/e5m2 on FP8 tensor cores.
+GPU_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H200", {"float32": 66.9, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4, "float8": 1978.9}),
+    ("H100 PCIe", {"float32": 51.2, "tf32": 378.0, "bfloat16": 756.0, "float16": 756.0, "float8": 1513.0}),
+    ("H100 NVL", {"float32": 60.0, "tf32": 417.5, "bfloat16": 835.0, "float16": 835.0, "float8": 1670.5}),
+    ("H100", {"float32": 66.9, "tf32": 494.7, "bfloat16": 989.4, "float16": 989.4, "float8": 1978.9}),  # SXM
+    ("A100", {"float32": 19.5, "tf32": 156.0, "bfloat16": 312.0, "float16": 312.0}),
+    ("L40S", {"float32": 91.6, "tf32": 183.0, "bfloat16": 362.05, "float16": 362.05, "float8": 733.0}),
+    ("L4", {"float32": 30.3, "tf32": 60.0, "bfloat16": 121.0, "float16": 121.0, "float8": 242.5}),
+    ("A10", {"float32": 31.2, "tf32": 62.5, "bfloat16": 125.0, "float16": 125.0}),
+)
+
+# the best of at least 3 matmuls and of as many as fit in _CPU_PEAK_BUDGET_S: a busy machine's slow ones do not count
+_CPU_PEAK_SIZE, _CPU_PEAK_REPEATS, _CPU_PEAK_BUDGET_S = 1024, 3, 0.5
+
+
+@dataclass
+class Peak:
+    tflops: Optional[float]
+    source: str  # what the figure is: the datasheet row, or the measured matmul; why there is none
+
+
+def model_flops_per_step(recipe: Any, batch: Any, grad_accum_steps: int) -> int:
+    """Forward + backward FLOPs of the recipe's model and loss on one optimizer step of this process."""
+    with torch.device("meta"):
+        model = recipe.build_model()
+    meta_batch = io.map_tensors(batch, lambda t: torch.empty_like(t, device="meta"))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        recipe.loss(model, meta_batch).backward()
+    return int(counter.get_total_flops()) * grad_accum_steps
+
+
+def matmul_dtype(precision: Any) -> str:
+    """The dtype the precision mode's matmuls run in, as the peak tables name it."""
+    if precision.fp8_torchao is not None:
+        return "float8"
+    if precision.autocast or precision.cast_model:
+        return precision.dtype.name
+    return "tf32" if precision.tf32 else "float32"  # fp8_emulated's matmuls are fp32 too
+
+
+def device_peak(device: torch.device, dtype: str) -> Peak:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAK_TFLOPS:
+            if key in name:
+                if dtype not in peaks:
+                    return Peak(None, f"{name} has no {dtype} peak in ampctl's table")
+                return Peak(peaks[dtype], f"{name} datasheet, dense {dtype}: {peaks[dtype]:g} TFLOP/s")
+        return Peak(None, f"{name} is not in ampctl's peak table (analysis/flops.py)")
+    if device.type == "cpu" and dtype in ("float32", "bfloat16", "float16"):
+        tflops = cpu_matmul_tflops(dtype)
+        return Peak(tflops, f"{devices.cpu_model()}, a {_CPU_PEAK_SIZE}x{_CPU_PEAK_SIZE} {dtype} matmul measured "
+                            f"on {torch.get_num_threads()} threads: {tflops:.3g} TFLOP/s")
+    return Peak(None, f"no {dtype} peak known for {device.type}")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_matmul_tflops(dtype: str) -> float:
+    """A large matmul's rate on this CPU in dtype (fp32, or under CPU autocast), measured once and cached."""
+    path, key = devices.cache_path(), devices.machine_key()
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    name = f"peak_tflops_{dtype}"
+    if isinstance(cached.get(key), dict) and isinstance(cached[key].get(name), (int, float)):
+        return float(cached[key][name])
+    n = _CPU_PEAK_SIZE
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen) for _ in range(2))
+    half = dtype != "float32"
+    with (torch.autocast("cpu", dtype=getattr(torch, dtype)) if half else contextlib.nullcontext()):
+        torch.mm(a, b)  # warm-up: oneDNN picks its kernel
+        times: list[float] = []
+        while len(times) < _CPU_PEAK_REPEATS or sum(times) < _CPU_PEAK_BUDGET_S:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            times.append(time.perf_counter() - start)
+    tflops = 2 * n**3 / min(times) / 1e12
+    cached.setdefault(key, {})[name] = tflops
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        io.atomic_write_text(path, json.dumps(cached, indent=2) + "\n")
+    except OSError:
+        pass  # a read-only home: measured again next time
+    return tflops
+
+
+
+@dataclass
+class StepFlops:
+    """The model FLOPs of one optimizer step of this process, and the peak of its device they are measured
+    against: counted once at start, used by every record (live view, metrics.jsonl) and the summary."""
+
+    per_step: Optional[int]
+    source: str  # how they were counted, or why they were not
+    peak: Peak
+
+    def summary(self, median_step_time_ms: Optional[float]) -> dict[str, Any]:
+        achieved = (self.per_step / (median_step_time_ms / 1e3) / 1e12
+                    if self.per_step and median_step_time_ms else None)
+        mfu = achieved / self.peak.tflops if achieved is not None and self.peak.tflops else None
+        source = self.peak.source
+        if mfu is not None and mfu > 1 and "measured" in source:  # the peak was measured on a busy machine
+            source += (f"; below this run's own rate, so measured while the machine was busy: delete "
+                       f"{devices.cache_path()} to measure it again")
+        return {
+            "model_flops_per_step": self.per_step,
+            "model_flops_source": self.source,
+            "achieved_tflops": achieved,  # one device's, at the median step time
+            "peak_tflops": self.peak.tflops,
+            "peak_source": source,
+            "mfu": mfu,
+        }
+
+
+def count(recipe: Any, device: torch.device, precision: Any, seed: int, grad_accum_steps: int) -> StepFlops:
+    """StepFlops for this run; a recipe the counter cannot trace gets none (said in source), the run goes on."""
+    try:
+        batch = next(iter(recipe.batches(device, seed)))  # a stream of its own: the run's is not touched
+        per_step: Optional[int] = model_flops_per_step(recipe, batch, grad_accum_steps)
+        source = "torch.utils.flop_counter, forward + backward on the meta device"
+    except Exception as exc:  # noqa: BLE001 - no figure is the answer for any failure to trace
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        per_step, source = None, f"not counted: {type(exc).__name__}: {reason}"
+    return StepFlops(per_step, source, device_peak(device, matmul_dtype(precision)))

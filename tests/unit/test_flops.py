@@ -1,0 +1,66 @@
+"""Model FLOPs against the formulas they must equal, and the peak a run is measured against."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ampctl.analysis import flops
+from ampctl.recipes.gpt import VOCAB_SIZE, GPTRecipe
+from ampctl.recipes.mlp import MLPRecipe
+
+
+def test_an_mlps_flops_are_its_matmuls_forward_and_backward():
+    """Each Linear: 2*B*in*out forward, as much again for its weight gradient, and as much again for its input
+    gradient except the first layer's (the batch needs no gradient)."""
+    recipe = MLPRecipe(in_features=64, hidden=32, depth=3, num_classes=10, batch_size=16, norm="none")
+    shapes = [(64, 32), (32, 32), (32, 32), (32, 10)]
+    b = recipe.batch_size
+    expected = sum(2 * b * i * o for i, o in shapes) * 2 + sum(2 * b * i * o for i, o in shapes[1:])
+    batch = next(iter(recipe.batches(torch.device("cpu"), 0)))
+    assert flops.model_flops_per_step(recipe, batch, grad_accum_steps=1) == expected
+    assert flops.model_flops_per_step(recipe, batch, grad_accum_steps=3) == 3 * expected
+
+
+def test_a_gpts_flops_are_6n_per_token_plus_attention():
+    """The MFU formula of the PaLM paper (and nanoGPT's): 6 * N (matmul weights, the tied head counted as the
+    matmul it is) + 12 * layers * d_model * context per token."""
+    recipe = GPTRecipe(block_size=64, batch_size=4, d_model=64, n_layers=2, n_heads=2, max_corpus_bytes=100000)
+    batch = next(iter(recipe.batches(torch.device("cpu"), 0)))
+    model = recipe.build_model()
+    embeddings = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    head = VOCAB_SIZE * recipe.d_model  # tied to the token embedding, a matmul all the same
+    n = sum(p.numel() for p in model.parameters() if p.dim() >= 2) - embeddings + head
+    tokens = recipe.batch_size * recipe.block_size
+    formula = (6 * n + 12 * recipe.n_layers * recipe.d_model * recipe.block_size) * tokens
+    assert flops.model_flops_per_step(recipe, batch, 1) == pytest.approx(formula, rel=0.01)
+
+
+@pytest.mark.parametrize("name,dtype,tflops", [
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989.4),
+    ("NVIDIA H100 PCIe", "float16", 756.0),
+    ("NVIDIA H200", "float8", 1978.9),
+    ("NVIDIA A100-SXM4-80GB", "tf32", 156.0),
+])
+def test_gpu_peaks_are_the_datasheets_dense_figures(monkeypatch, name, dtype, tflops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: name)
+    peak = flops.device_peak(torch.device("cuda"), dtype)
+    assert peak.tflops == tflops and name in peak.source
+
+
+def test_an_unknown_gpu_has_no_peak_and_says_why(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _device=None: "NVIDIA Future 9000")
+    peak = flops.device_peak(torch.device("cuda"), "bfloat16")
+    assert peak.tflops is None and "not in ampctl's peak table" in peak.source
+
+
+def test_the_matmul_dtype_of_each_mode():
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_cfg
+
+    def dtype(mode: str) -> str:
+        return flops.matmul_dtype(OmegaConf.to_object(compose_cfg(f"precision={mode}").precision))
+
+    assert [dtype(m) for m in ("fp32", "tf32", "bf16", "fp16", "O2", "O3", "fp8", "fp8_emulated")] == [
+        "float32", "tf32", "bfloat16", "float16", "float16", "float16", "float8", "float32"]
