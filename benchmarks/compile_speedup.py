@@ -18,7 +18,7 @@ from pathlib import Path
 from hydra import initialize_config_module
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is not a package: share loop_overhead's loops
-from loop_overhead import RECIPES, AmpctlLoop, timed_steps  # noqa: E402
+from loop_overhead import RECIPES, AmpctlLoop, alternating_rounds, timed_steps  # noqa: E402
 
 from ampctl.conf.schema import register_configs  # noqa: E402
 
@@ -46,13 +46,8 @@ def main() -> None:
             start = time.perf_counter()
             first = timed_steps(compiled, args.warmup_steps, device)
             compile_s = time.perf_counter() - start - statistics.median(first) * (len(first) - 1) / 1e3
-            eager_ms, compiled_ms, ratios = [], [], []
-            for round_index in range(args.rounds):
-                loops = (eager, compiled) if round_index % 2 == 0 else (compiled, eager)
-                times = {id(loop): timed_steps(loop, args.steps_per_round, device) for loop in loops}
-                eager_ms += times[id(eager)]
-                compiled_ms += times[id(compiled)]
-                ratios.append(statistics.median(times[id(eager)]) / statistics.median(times[id(compiled)]))
+            eager_ms, compiled_ms, ratios = alternating_rounds(eager, compiled, args.rounds, args.steps_per_round,
+                                                               device)
             for loop in (eager, compiled):
                 loop.policy.__exit__(None, None, None)
             q1, median, q3 = statistics.quantiles(ratios, n=4)

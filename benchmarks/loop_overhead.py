@@ -104,6 +104,23 @@ def timed_steps(loop, steps: int, device: torch.device) -> list[float]:
     return times
 
 
+def alternating_rounds(a, b, rounds: int, steps: int, device: torch.device) -> tuple[list, list, list]:
+    """Step times of a and of b, `steps` each per round, and each round's ratio of their medians (a / b).
+    Which loop goes first alternates too, so neither always runs right after the other."""
+    a_ms, b_ms, ratios = [], [], []
+    for round_index in range(rounds):
+        if round_index % 2 == 0:
+            x = timed_steps(a, steps, device)
+            y = timed_steps(b, steps, device)
+        else:
+            y = timed_steps(b, steps, device)
+            x = timed_steps(a, steps, device)
+        a_ms += x
+        b_ms += y
+        ratios.append(statistics.median(x) / statistics.median(y))
+    return a_ms, b_ms, ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="gpt")
@@ -131,18 +148,7 @@ def main() -> None:
             device = ours.policy.device
             timed_steps(ours, args.warmup_steps, device)
             timed_steps(theirs, args.warmup_steps, device)
-            ours_ms, theirs_ms, ratios = [], [], []
-            for round_index in range(args.rounds):
-                # which loop goes first alternates too, so neither always runs right after the other
-                if round_index % 2 == 0:
-                    a = timed_steps(ours, args.steps_per_round, device)
-                    b = timed_steps(theirs, args.steps_per_round, device)
-                else:
-                    b = timed_steps(theirs, args.steps_per_round, device)
-                    a = timed_steps(ours, args.steps_per_round, device)
-                ours_ms += a
-                theirs_ms += b
-                ratios.append(statistics.median(a) / statistics.median(b))
+            ours_ms, theirs_ms, ratios = alternating_rounds(ours, theirs, args.rounds, args.steps_per_round, device)
             ours.policy.__exit__(None, None, None)
             # The overhead is the median of the per-round ratios: each ratio compares neighbours in time,
             # so slow phases of a noisy machine cancel out. The quartiles show how noisy it was.

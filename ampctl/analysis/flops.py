@@ -13,10 +13,7 @@ once per machine, dtype and thread count, and cached beside the half-speed measu
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import json
-import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -88,34 +85,12 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
 @functools.lru_cache(maxsize=None)
 def cpu_matmul_tflops(dtype: str) -> float:
     """A large matmul's rate on this CPU in dtype (fp32, or under CPU autocast), measured once and cached."""
-    path, key = devices.cache_path(), devices.machine_key()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    name = f"peak_tflops_{dtype}"
-    if isinstance(cached.get(key), dict) and isinstance(cached[key].get(name), (int, float)):
-        return float(cached[key][name])
-    n = _CPU_PEAK_SIZE
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(n, n, generator=gen) for _ in range(2))
-    half = dtype != "float32"
-    with (torch.autocast("cpu", dtype=getattr(torch, dtype)) if half else contextlib.nullcontext()):
-        torch.mm(a, b)  # warm-up: oneDNN picks its kernel
-        times: list[float] = []
-        while len(times) < _CPU_PEAK_REPEATS or sum(times) < _CPU_PEAK_BUDGET_S:
-            start = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - start)
-    tflops = 2 * n**3 / min(times) / 1e12
-    cached.setdefault(key, {})[name] = tflops
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        io.atomic_write_text(path, json.dumps(cached, indent=2) + "\n")
-    except OSError:
-        pass  # a read-only home: measured again next time
-    return tflops
+    def measure() -> float:
+        half = None if dtype == "float32" else getattr(torch, dtype)
+        times = devices.matmul_times(half, _CPU_PEAK_SIZE, _CPU_PEAK_REPEATS, _CPU_PEAK_BUDGET_S)
+        return 2 * _CPU_PEAK_SIZE**3 / min(times) / 1e12
 
+    return devices.cached_measurement(f"peak_tflops_{dtype}", measure)
 
 
 @dataclass

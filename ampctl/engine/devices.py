@@ -13,7 +13,7 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -112,27 +112,31 @@ def machine_key() -> str:
     return f"{cpu_model()}|{platform.machine()}|{','.join(isa)}|torch {torch.__version__}|{torch.get_num_threads()} threads"
 
 
-def _time_matmul(dtype: Optional[torch.dtype]) -> float:
-    """Median seconds of a 256x256 matmul on the CPU, in fp32 (dtype None) or under autocast(dtype)."""
+def matmul_times(dtype: Optional[torch.dtype], size: int = _BENCH_SIZE, repeats: int = _BENCH_REPEATS,
+                 budget_s: float = 0.0) -> list[float]:
+    """Seconds of each of at least `repeats` size x size matmuls on the CPU (as many more as fit in budget_s),
+    in fp32 (dtype None) or under autocast(dtype), after a warm-up."""
     gen = torch.Generator().manual_seed(0)
-    a, b = (torch.randn(_BENCH_SIZE, _BENCH_SIZE, generator=gen) for _ in range(2))
+    a, b = (torch.randn(size, size, generator=gen) for _ in range(2))
     autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    times = []
+    times: list[float] = []
     with autocast:
         torch.mm(a, b)  # warm-up: oneDNN picks and prepares its kernel
-        for _ in range(_BENCH_REPEATS):
+        while len(times) < repeats or sum(times) < budget_s:
             start = time.perf_counter()
             torch.mm(a, b)
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_half_slowdown(dtype: torch.dtype) -> float:
-    """How many times longer a matmul takes under CPU autocast(dtype) than in fp32 on this machine. Measured
-    once (well under a second) and kept in ~/.cache/ampctl, keyed by CPU, instruction sets, torch version and
-    threads: flags alone cannot tell a CPU that emulates bf16 in AVX512 from one that runs it natively."""
-    name = str(dtype).removeprefix("torch.")
+def _time_matmul(dtype: Optional[torch.dtype]) -> float:
+    """Median seconds of a 256x256 matmul on the CPU, in fp32 (dtype None) or under autocast(dtype)."""
+    return statistics.median(matmul_times(dtype))
+
+
+def cached_measurement(name: str, measure: Callable[[], float]) -> float:
+    """measure(), once per machine (machine_key) and name, kept in ~/.cache/ampctl: a read-only home measures
+    again next time."""
     path, key = cache_path(), machine_key()
     try:
         cached = json.loads(path.read_text())
@@ -140,18 +144,27 @@ def cpu_half_slowdown(dtype: torch.dtype) -> float:
         cached = {}
     if isinstance(cached.get(key), dict) and isinstance(cached[key].get(name), (int, float)):
         return float(cached[key][name])
-    if not autocast_works("cpu", dtype):
-        return math.inf
-    slowdown = _time_matmul(dtype) / _time_matmul(None)
-    cached.setdefault(key, {})[name] = slowdown
+    value = measure()
+    cached.setdefault(key, {})[name] = value
     try:
         from ampctl import io
 
         path.parent.mkdir(parents=True, exist_ok=True)
         io.atomic_write_text(path, json.dumps(cached, indent=2) + "\n")
     except OSError:
-        pass  # a read-only home: measured again next time
-    return slowdown
+        pass
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_half_slowdown(dtype: torch.dtype) -> float:
+    """How many times longer a matmul takes under CPU autocast(dtype) than in fp32 on this machine. Measured
+    once (well under a second) and kept in ~/.cache/ampctl, keyed by CPU, instruction sets, torch version and
+    threads: flags alone cannot tell a CPU that emulates bf16 in AVX512 from one that runs it natively."""
+    if not autocast_works("cpu", dtype):
+        return math.inf
+    return cached_measurement(str(dtype).removeprefix("torch."),
+                              lambda: _time_matmul(dtype) / _time_matmul(None))
 
 
 def half_runs_at_speed(device: torch.device, dtype: torch.dtype) -> bool:

@@ -53,8 +53,8 @@ def throughput_memory_bars(
     labels: Sequence[str],
     throughput: Sequence[float],
     speedup: Sequence[float],
-    memory_mib: Sequence[float],
-    memory_ratio: Sequence[float],
+    memory_mib: Sequence[Optional[float]],  # None: not measured (a compiled run on a CPU)
+    memory_ratio: Sequence[Optional[float]],
     throughput_unit: str,
     baseline: str,
     path: Path,
@@ -64,10 +64,10 @@ def throughput_memory_bars(
         (left, throughput, speedup, throughput_unit),
         (right, memory_mib, memory_ratio, "peak memory (MiB)"),
     ):
-        bars = ax.bar(labels, values, color="tab:blue")
-        ax.bar_label(bars, labels=[f"{r:.2f}×" for r in ratios], padding=2)
+        bars = ax.bar(labels, [v or 0.0 for v in values], color="tab:blue")
+        ax.bar_label(bars, labels=["not measured" if r is None else f"{r:.2f}×" for r in ratios], padding=2)
         ax.set_ylabel(ylabel)
-        ax.set_ylim(0, max(values) * 1.15)
+        ax.set_ylim(0, max([v or 0.0 for v in values] + [1e-9]) * 1.15)
         ax.grid(axis="y", alpha=0.3)
     left.set_title(f"throughput (speedup vs {baseline})")
     right.set_title(f"peak memory (ratio to {baseline})")

@@ -236,7 +236,7 @@ def comparison_images(runs: Sequence[tuple[str, RunRecord]], table: ReportTable,
     scale = plots.loss_scale_curves(done, out_dir / "loss_scale.png", "loss scale (x = skipped step)")
     if scale:
         images.append(scale)
-    ok = [r for r in table.as_dicts() if r["status"] == "ok" and r["peak_memory_mib"] is not None]
+    ok = [r for r in table.as_dicts() if r["status"] == "ok"]
     if ok:
         baseline = next((m for m in ("fp32", "O0") if m in [r["precision"] for r in ok]), ok[0]["precision"])
         unit = next(c for c in table.columns if c in ("tokens/s", "samples/s"))
