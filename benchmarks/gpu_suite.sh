@@ -39,4 +39,11 @@ timeout 420 $py -m ampctl compare recipe=gpt2 "compare.precisions=[bf16,fp16]" "
 timeout 240 $py benchmarks/compile_speedup.py --recipe gpt2 --precisions bf16 --device cuda --rounds 10 \
   2>&1 | tee "$out/compile_speedup.log"
 
+# Where GPT-2 small's bf16 compiled step goes (train.profile): GEMMs vs the rest vs device idle, top kernels.
+timeout 240 $py -m ampctl train recipe=gpt2 precision=bf16 train.compile=true train.steps=20 train.profile=3 \
+  device=cuda hydra.run.dir=$runs/profile_gpt2_bf16 2>&1 | grep -A 30 "^profile of" | tee "$out/profile_gpt2_bf16.log"
+
+timeout 120 $py benchmarks/framework_overhead.py --recipe gpt2 --precisions bf16 --device cuda --rounds 10 \
+  2>&1 | tee "$out/framework_overhead.log"
+
 tar czf "$out/runs.tgz" --exclude='*.pt' --exclude='checkpoints' "$runs"

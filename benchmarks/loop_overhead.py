@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_module
 
 from ampctl.conf.schema import register_configs
 from ampctl.engine.build import build_state, check_config
-from ampctl.engine.loop import train_step
+from ampctl.engine.loop import batch_stream, train_step
 from ampctl.engine.telemetry import Telemetry
 from ampctl.recipes.base import build_recipe
 
@@ -53,13 +53,13 @@ class AmpctlLoop:
         self.recipe = build_recipe(cfg.recipe)
         self.policy.__enter__()
         self.state = build_state(cfg, self.policy, self.recipe)
-        self.batches = self.recipe.batches(self.policy.device, cfg.train.seed)
+        self.batches = batch_stream(self.recipe, self.policy.device, cfg.train.seed)  # as fit() draws them
         self.clip = cfg.train.clip_grad_norm
         self.telemetry = Telemetry(self.policy.device, cfg.train.log_every, self.recipe.samples_per_batch, None, [])
 
     def step(self) -> None:
         train_step(self.state, self.batches, self.recipe, self.policy, 1, self.clip, self.telemetry)
-        self.telemetry.end_step(last=False)
+        self.telemetry.end_step(last=False, data_s=self.batches.take_wait_s())
 
 
 class HandWrittenLoop:
@@ -104,21 +104,23 @@ def timed_steps(loop, steps: int, device: torch.device) -> list[float]:
     return times
 
 
-def alternating_rounds(a, b, rounds: int, steps: int, device: torch.device) -> tuple[list, list, list]:
-    """Step times of a and of b, `steps` each per round, and each round's ratio of their medians (a / b).
-    Which loop goes first alternates too, so neither always runs right after the other."""
-    a_ms, b_ms, ratios = [], [], []
+def rotating_rounds(loops: list, rounds: int, steps: int, device: torch.device) -> list[list[float]]:
+    """Per loop, its median step time (ms) in each round. Every round times `steps` steps of each loop, the order
+    rotating from round to round, so that machine noise falls on all alike and no loop always runs right after
+    the same other."""
+    medians: list[list[float]] = [[] for _ in loops]
     for round_index in range(rounds):
-        if round_index % 2 == 0:
-            x = timed_steps(a, steps, device)
-            y = timed_steps(b, steps, device)
-        else:
-            y = timed_steps(b, steps, device)
-            x = timed_steps(a, steps, device)
-        a_ms += x
-        b_ms += y
-        ratios.append(statistics.median(x) / statistics.median(y))
-    return a_ms, b_ms, ratios
+        for k in range(len(loops)):
+            i = (round_index + k) % len(loops)
+            medians[i].append(statistics.median(timed_steps(loops[i], steps, device)))
+    return medians
+
+
+def alternating_rounds(a, b, rounds: int, steps: int, device: torch.device) -> tuple[list, list, list]:
+    """a's and b's median step time in each round, and each round's ratio of them (a / b): the ratio compares
+    neighbours in time, so slow phases of a noisy machine cancel out."""
+    a_ms, b_ms = rotating_rounds([a, b], rounds, steps, device)
+    return a_ms, b_ms, [x / y for x, y in zip(a_ms, b_ms)]
 
 
 def main() -> None:

@@ -210,6 +210,9 @@ class TrainConfig:
     # torch.compile: each block the recipe names (as torchtitan compiles each transformer block), else the model
     compile: bool = False
     compile_mode: str = "default"  # torch.compile's mode: one of COMPILE_MODES
+    # N: a torch.profiler trace of N steady steps (after the timing warm-up) in the run's profile/, and a summary
+    # of where their time went (matmuls, other ops, optimizer, data, ...); null: no profiler
+    profile: Optional[int] = None
     checkpoint_every: Optional[int] = None  # steps between checkpoints; one is always written at the end
     # seconds between checkpoints, checked on log steps (every rank decides together there): a crash loses at
     # most this much of a long run whatever checkpoint_every says; null: by steps only
@@ -229,6 +232,8 @@ class TrainConfig:
         if self.checkpoint_every_s is not None:
             require(positive_finite(self.checkpoint_every_s), "train.checkpoint_every_s", self.checkpoint_every_s,
                     "a number of seconds > 0, or null for checkpoints by steps only")
+        require(self.profile is None or self.profile >= 1, "train.profile", self.profile,
+                "a number of steps >= 1, or null for no profile")
         require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
         require(self.compile_mode in COMPILE_MODES, "train.compile_mode", self.compile_mode,
                 f"one of torch.compile's modes: {', '.join(COMPILE_MODES)}")

@@ -22,11 +22,17 @@ from typing import Any, Callable
 from torch import nn
 
 
-def compile_model(model: nn.Module, blocks: list[nn.Module], mode: str) -> int:
-    """Compile each block in place, or the whole model when there are none; the number of regions compiled."""
+def compile_model(model: nn.Module, blocks: list[nn.Module], mode: str, profiled: bool = False) -> int:
+    """Compile each block in place, or the whole model when there are none; the number of regions compiled.
+    profiled: the run is profiled (train.profile), so Inductor's C++ kernels for the CPU each open a profiler
+    range named after the kernel; without it a CPU trace shows their time as nobody's."""
     # A CUDA build of torch on a machine without CUDA says so, as a warning, when inductor first builds C++
     # kernels for the CPU: true, and beside the point of a CPU run.
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    if profiled:
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True
     regions = blocks or [model]
     for region in regions:
         region.compile(mode=mode)

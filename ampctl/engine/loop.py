@@ -55,6 +55,36 @@ class TrainState:
 
 
 _END = object()  # what next() returns when a recipe's batches run out
+DATA_RANGE = "ampctl.data"  # the profiler range around each fetch of a batch (analysis/step_time.py reads it)
+
+
+class BatchStream:
+    """The recipe's batches, and how long the loop waited for them: host time in next(), which is the whole
+    making of a batch when the recipe makes it in the loop's thread, and the wait for a DataLoader's workers
+    when they are behind. Reading a clock costs nothing on the device; inside a torch.profiler window each
+    fetch is also a range named DATA_RANGE (a range costs ~20 us, too much for every step of a run)."""
+
+    def __init__(self, batches: Iterator[Any]) -> None:
+        self._batches = batches
+        self._wait_s = 0.0
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> Any:
+        start = time.perf_counter()
+        if torch._C._autograd._profiler_enabled():
+            with torch.profiler.record_function(DATA_RANGE):
+                batch = next(self._batches)
+        else:
+            batch = next(self._batches)
+        self._wait_s += time.perf_counter() - start
+        return batch
+
+    def take_wait_s(self) -> float:
+        """Seconds spent waiting for batches since the last call."""
+        wait, self._wait_s = self._wait_s, 0.0
+        return wait
 
 
 def train_step(
@@ -122,19 +152,19 @@ def fit(
             train_step(state, batches, recipe, policy, grad_accum_steps, clip_grad_norm, telemetry)
         stopping = stop_requested()
         last = state.step == steps or stopping
-        telemetry.end_step(last=last)
+        telemetry.end_step(last=last, data_s=batches.take_wait_s())
         after_step(last)
         if stopping:
             return False
     return True
 
 
-def batch_stream(recipe: Recipe, device: torch.device, seed: int, position: int = 0) -> Iterator[Any]:
+def batch_stream(recipe: Recipe, device: torch.device, seed: int, position: int = 0) -> BatchStream:
     """The recipe's batches for `seed`, past the first `position` (a resumed run continues the same stream)."""
     batches = iter(recipe.batches(device, seed))
     for _ in range(position):
         next(batches)
-    return batches
+    return BatchStream(batches)
 
 
 def run_steps(

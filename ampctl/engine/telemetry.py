@@ -37,10 +37,11 @@ class StepRecord:
     tokens_per_s: Optional[float] = None
     tflops: Optional[float] = None  # achieved model TFLOP/s of one device (when the run counted its FLOPs)
     mfu: Optional[float] = None  # tflops / the device's dense peak for the mode's matmul dtype
+    data_ms: Optional[float] = None  # host time the step waited for its batches (loop.BatchStream)
 
     def to_json(self) -> str:
         data = {k: v for k, v in asdict(self).items()
-                if v is not None or k not in ("tokens_per_s", "tflops", "mfu")}
+                if v is not None or k not in ("tokens_per_s", "tflops", "mfu", "data_ms")}
         return io.dumps(data)  # JSON has no inf/nan: a skipped step's grad norm is written as null
 
 
@@ -101,6 +102,7 @@ class Telemetry:
         # float64 so that a float64 lr (CPU fused optimizers) is recorded exactly; float32 values widen losslessly.
         self._buffer = torch.zeros(log_every, _COLUMNS, device=device, dtype=torch.float64)
         self._pending_steps: list[int] = []
+        self._pending_data_ms: list[Optional[float]] = []
         self.timer = StepTimer(device)
         self.skipped_total = 0
         # Records of the latest log intervals, until the guards take them; the run's full record is
@@ -123,9 +125,11 @@ class Telemetry:
         torch._foreach_copy_(row, [t.detach().reshape(()) for t in (loss, loss_scale, found_inf, grad_norm, lr)])
         self._pending_steps.append(step)
 
-    def end_step(self, last: bool) -> None:
-        """Called after every optimizer step; reads back and emits on log steps and on the last step."""
+    def end_step(self, last: bool, data_s: Optional[float] = None) -> None:
+        """Called after every optimizer step (data_s: the host time it waited for batches); reads back and
+        emits on log steps and on the last step."""
         self.timer.mark()
+        self._pending_data_ms.append(None if data_s is None else data_s * 1e3)
         if len(self._pending_steps) == self.log_every or (last and self._pending_steps):
             self.flush()
 
@@ -136,7 +140,7 @@ class Telemetry:
         rows = self._buffer[:n].tolist()  # the one device->host copy of this interval
         times = self.timer.drain_ms()
         records = []
-        for step, row, ms in zip(self._pending_steps, rows, times):
+        for step, row, ms, data in zip(self._pending_steps, rows, times, self._pending_data_ms):
             skipped = row[_FOUND_INF] > 0
             self.skipped_total += skipped
             per_s = 1e3 / ms if ms > 0 else float("inf")
@@ -155,9 +159,10 @@ class Telemetry:
                     tokens_per_s=None if self.tokens_per_step is None else self.tokens_per_step * per_s,
                     tflops=tflops,
                     mfu=None if tflops is None or not self.peak_tflops else tflops / self.peak_tflops,
+                    data_ms=data,
                 )
             )
-        self._pending_steps = []
+        self._pending_steps, self._pending_data_ms = [], []
         self._fresh.extend(records)
         for sink in self.sinks:
             sink.write(records)
@@ -241,4 +246,7 @@ def summarize(records: list[StepRecord], timing_warmup_steps: int, untimed: Coll
     }
     if last.tokens_per_s is not None:
         summary["tokens_per_s"] = statistics.median(r.tokens_per_s for r in timed)  # type: ignore[misc]
+    waited = [r for r in timed if r.data_ms is not None]
+    if waited:  # the share of the step time spent waiting for batches (a starved device shows it here)
+        summary["data_wait_fraction"] = sum(r.data_ms for r in waited) / sum(r.step_time_ms for r in waited)
     return summary

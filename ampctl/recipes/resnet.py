@@ -4,6 +4,7 @@ ImageNet-shaped batches, the classic mixed-precision speed benchmark."""
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -18,6 +19,29 @@ ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 DATASETS = ("cifar10", "synthetic")
 SYNTHETIC_BATCHES = 4  # distinct fixed batches cycled on the device: data costs nothing in speed runs
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+MAX_DEFAULT_WORKERS = 8  # the default DataLoader workers: one per core this process may use, up to this
+
+
+class EpochShuffle(torch.utils.data.Sampler):
+    """A permutation per epoch drawn from seed + epoch alone (as DistributedSampler's set_epoch): the order of
+    the batches does not depend on recipe.num_workers, whose loader draws from its own generator a different
+    number of times (persistent workers once, an in-process loader every epoch)."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        self.epoch += 1
+        return iter(order.tolist())
+
+
+def default_num_workers() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(MAX_DEFAULT_WORKERS, cores)
 
 
 @dataclass
@@ -30,6 +54,7 @@ class ResNetRecipe:
     image_size: int = 224
     num_classes: Optional[int] = None
     channels_last: bool = True
+    num_workers: Optional[int] = None  # cifar10's DataLoader worker processes; null: default_num_workers()
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -43,6 +68,11 @@ class ResNetRecipe:
             self.num_classes = 10 if self.data == "cifar10" else 1000
         elif self.num_classes < 2:
             raise ConfigError("recipe.num_classes", self.num_classes, "an integer >= 2, or null")
+        if self.num_workers is None:
+            self.num_workers = default_num_workers()
+        elif self.num_workers < 0:
+            raise ConfigError("recipe.num_workers", self.num_workers, "an integer >= 0 (0: load in the training "
+                              "process), or null for one per core up to 8")
         self.samples_per_batch = self.batch_size
         self.tokens_per_batch = None
         self._dataset = self._open_cifar10() if self.data == "cifar10" else None
@@ -90,12 +120,12 @@ class ResNetRecipe:
         loader = torch.utils.data.DataLoader(
             self._dataset,
             batch_size=self.batch_size,
-            shuffle=True,
+            sampler=EpochShuffle(len(self._dataset), seed),
             drop_last=True,
-            num_workers=2,
-            pin_memory=device.type == "cuda",
-            generator=torch.Generator().manual_seed(seed),
-            persistent_workers=True,
+            num_workers=self.num_workers,
+            pin_memory=device.type == "cuda",  # page-locked batches: the copies below overlap the step
+            generator=torch.Generator().manual_seed(seed),  # its workers' seeds, never from the global RNG
+            persistent_workers=self.num_workers > 0,
         )
         while True:
             for x, y in loader:

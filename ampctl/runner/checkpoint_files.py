@@ -141,7 +141,7 @@ def remove_stale_files(run_dir: Path) -> list[Path]:
     checkpoints and the run's records, and a checksum whose checkpoint was never renamed into place. Removed
     at the start of a run; returned."""
     folder = run_dir / CHECKPOINT_DIR
-    stale = [*run_dir.glob("*.tmp"), *folder.glob("*.tmp")]
+    stale = [*run_dir.glob("*.tmp"), *run_dir.glob("*/*.tmp")]  # checkpoints/ and profile/ among them
     sums = folder.glob(f"*.pt{CHECKSUM_SUFFIX}")
     stale += [p for p in sums if not p.with_name(p.name.removesuffix(CHECKSUM_SUFFIX)).exists()]
     for path in stale:

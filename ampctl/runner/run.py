@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl.analysis import flops
-from ampctl.analysis.memory.measure import TrainingPeak
+from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.schema import scaler_is_active
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
@@ -31,8 +31,10 @@ from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
 from ampctl.runner.guards import Guard, GuardStop
 from ampctl.runner.interrupt import Interrupted, StopOnSignal
+from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import METRICS_FILE, NoRecorder, Recorder
 from ampctl.runner.resume import Resume
+from ampctl.runner.speed_warnings import SpeedWarnings
 
 
 def run_training(
@@ -69,9 +71,12 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
     peak = TrainingPeak(policy.device)
     # On a CPU the memory profiler would record torch.compile's own work too: minutes, for a peak it distorts
     compiled_on_cpu = cfg.train.compile and policy.device.type == "cpu"
-    measure = parallel.is_main and (policy.device.type == "cuda" or (cfg.telemetry.profile_cpu_memory
-                                                                      and not compiled_on_cpu))
+    measure_cpu = cfg.telemetry.profile_cpu_memory and not compiled_on_cpu
+    measure = parallel.is_main and (policy.device.type == "cuda" or measure_cpu)
     why_not = "train.compile on a CPU" if compiled_on_cpu and cfg.telemetry.profile_cpu_memory else ""
+    # the same window on every rank (rank 0 alone measures memory, over the first steps on a CPU)
+    memory_steps = MEASURED_STEPS if policy.device.type == "cpu" and measure_cpu else 0
+    first_profiled = _first_profiled_step(cfg, resume.step or 0, memory_steps)
     # model FLOPs of a step (counted on the meta device) and the device's peak, for MFU in every record; before
     # the peak memory is measured, which the batch drawn for the count must not raise. On a recipe of its own:
     # counting calls its loss, and a user recipe's state (a call counter) must stay the run's.
@@ -88,10 +93,28 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
                 recorder.record_config(cfg)
             telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device, step_flops)
             telemetry.skipped_total = resume.skipped_total
+            profiler = StepProfiler(cfg.train.profile, first_profiled, state.step, recorder.run_dir, parallel.rank,
+                                    policy.device, recorder.echo)
             with CompileWatch(lambda: state.step + 1) as compiling:  # torch.compile compiles in the first steps
-                _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak, compiling)
+                _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak, compiling, profiler)
         return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
-                                                          compiling, step_flops, recorder.run_dir))
+                                                          compiling, profiler, step_flops, recorder.run_dir))
+
+
+def _first_profiled_step(cfg: DictConfig, start_step: int, memory_steps: int) -> int:
+    """The first step train.profile profiles: past the steps the run does not time (the timing warm-up, the
+    CPU memory measurement, the compiling first step) and the profiler's own warm-up step. Refused (before
+    anything is written) when the run ends before the window does."""
+    n = cfg.train.profile
+    settled = max(cfg.train.timing_warmup_steps, memory_steps, 1 if cfg.train.compile else 0)
+    first = start_step + settled + PROFILER_WARMUP_STEPS + 1
+    if n is not None and first + n - 1 > cfg.train.steps:
+        raise UsageError(
+            f"train.profile={n}: the profiled steps would be {first}-{first + n - 1}, past train.steps="
+            f"{cfg.train.steps} (the run {'resumes at step ' + str(start_step) + ' and ' if start_step else ''}"
+            f"leaves out {settled} warm-up step(s), then the profiler warms up for {PROFILER_WARMUP_STEPS}); "
+            f"raise train.steps to {first + n - 1} or more, or lower train.profile")
+    return first
 
 
 def _rank_recipe(cfg: DictConfig, parallel: parallelism.Parallel) -> Recipe:
@@ -151,8 +174,8 @@ class Checkpointer:
                  recorder: Recorder, peak: TrainingPeak, parallel: parallelism.Parallel,
                  compiling: CompileWatch) -> None:
         self.cfg, self.choices, self.state, self.telemetry = cfg, choices, state, telemetry
-        self.recorder, self.peak, self.parallel, self.compiling = recorder, peak, parallel, compiling
-        self.recompiles_said = 0
+        self.recorder, self.peak, self.parallel = recorder, peak, parallel
+        self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, compiling, peak.device.type)
         self.saved_at = time.monotonic()
         scaler = state.scaler
         self.guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
@@ -165,7 +188,7 @@ class Checkpointer:
         fresh = self.telemetry.take_fresh()  # non-empty on log steps, when values came back from the device
         if fresh:
             trip, warnings = self.guard.check(fresh)
-            for message in warnings + self._recompile_warnings():
+            for message in warnings + self.speed.check(fresh):
                 self.recorder.echo(f"warning: {message}")
             if trip:
                 raise GuardStop(trip)
@@ -176,21 +199,6 @@ class Checkpointer:
                                          self.sharded)
             self.last = self.writer.save(payload)  # an async save is complete by close()
             self.saved_at = time.monotonic()
-
-    def _recompile_warnings(self) -> list[str]:
-        """torch.compile compiling again after the warm-up steps (shapes or guards that change from step to
-        step): said on the first log step that sees it, and again only when it has doubled."""
-        compiles = self.compiling.compiles_at
-        settled = max(self.cfg.train.timing_warmup_steps, compiles[0] if compiles else 0)
-        late = self.compiling.recompiles_after(settled)
-        if not late or len(late) < 2 * self.recompiles_said:
-            return []
-        self.recompiles_said = len(late)
-        steps = sorted(set(late))
-        return [f"torch.compile compiled {len(late)} more time(s) after step {settled} (at step "
-                f"{', '.join(map(str, steps[:5]))}{', ...' if len(steps) > 5 else ''}): something the compiled code "
-                "depends on changes from step to step (a shape, a Python value); those steps are left out of the "
-                "timings; TORCH_LOGS=recompiles says what changed"]
 
     def _due(self, step: int) -> bool:
         train = self.cfg.train
@@ -212,14 +220,19 @@ def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: Tr
 
 def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Recipe, policy: PrecisionPolicy,
          parallel: parallelism.Parallel, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak,
-         compiling: CompileWatch) -> None:
-    """fit() with the checkpointer, the guards, the value-range log and a stop on SIGINT/SIGTERM."""
+         compiling: CompileWatch, profiler: StepProfiler) -> None:
+    """fit() with the checkpointer, the guards, the value-range log, the profiler and a stop on SIGINT/SIGTERM."""
     checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak, parallel, compiling)
+
+    def after_step(last: bool) -> None:
+        profiler.step()  # first: a profiled step ends where its timer mark is, before a checkpoint
+        checkpointer(last)
+
     ranges_log = recorder.ranges_log(state, policy.device, cfg.telemetry.ranges_every)
     announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
     try:
         preempt = cfg.train.preempt_signal.value if cfg.train.preempt_signal else None
-        with StopOnSignal(announce_stop if parallel.is_main else "", preempt) as stop:
+        with StopOnSignal(announce_stop if parallel.is_main else "", preempt) as stop, profiler:
             finished = fit(
                 state, recipe, policy,
                 steps=cfg.train.steps,
@@ -227,7 +240,7 @@ def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Re
                 clip_grad_norm=cfg.train.clip_grad_norm,
                 seed=cfg.train.seed,
                 telemetry=telemetry,
-                after_step=checkpointer,
+                after_step=after_step,
                 stop_requested=stop_agreement(parallel, stop, state, cfg.train.log_every),
                 around_step=ranges_log.around if ranges_log else (lambda _step: contextlib.nullcontext()),
             )
@@ -247,13 +260,13 @@ def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Re
 
 def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolicy, recipe: Recipe,
                 state: TrainState, parallel: parallelism.Parallel, peak: TrainingPeak, compiling: CompileWatch,
-                step_flops: flops.StepFlops, run_dir: Path) -> dict:
+                profiler: StepProfiler, step_flops: flops.StepFlops, run_dir: Path) -> dict:
     """summary.json: what ran, where, and the figures of its metrics.jsonl."""
     device = policy.device
     # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says; nor are the
-    # steps that compiled
+    # steps that compiled, nor those train.profile profiled
     timing = summarize(read_metrics(run_dir / METRICS_FILE), max(cfg.train.timing_warmup_steps, peak.untimed_steps),
-                       untimed=set(compiling.compiles_at))
+                       untimed=set(compiling.compiles_at) | profiler.untimed_steps)
     return {
         "precision": cfg.precision.name,
         "precision_choice": choices.get("precision", cfg.precision.name),
@@ -275,5 +288,6 @@ def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolic
         **step_flops.summary(timing.get("median_step_time_ms")),
         "peak_memory_bytes": peak.bytes(),
         "peak_memory_source": peak.source,
+        "profile": profiler.summary(),
         "run_dir": str(run_dir),
     }

@@ -16,8 +16,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 def readme_section(title: str) -> str:
     text = README.read_text(encoding="utf-8")
     start = text.index(f"### {title}")
-    end = text.find("\n## ", start)
-    return text[start:end]
+    ends = [i for i in (text.find("\n## ", start), text.find("\n### ", start + 1)) if i != -1]
+    return text[start:min(ends, default=len(text))]
 
 
 def code_blocks(section: str, language: str) -> list[str]:

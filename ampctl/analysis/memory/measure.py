@@ -78,7 +78,7 @@ def measure_peak(device: torch.device) -> Iterator[MeasuredPeak]:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_kineto(), _without_stderr_lines(_UNKNOWN_BLOCK), profile(
+    with quiet_kineto(), _without_stderr_lines(_UNKNOWN_BLOCK), profile(
             activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         yield result
     try:
@@ -90,7 +90,7 @@ def measure_peak(device: torch.device) -> Iterator[MeasuredPeak]:
 
 
 @contextmanager
-def _quiet_kineto() -> Iterator[None]:
+def quiet_kineto() -> Iterator[None]:
     """Kineto, the profiler's native side, logs its start and stop (and, on a CUDA build without a GPU, a
     device-count error) to stderr; level 6 silences it. Kineto reads the variable when it logs."""
     saved = os.environ.get("KINETO_LOG_LEVEL")

@@ -1,0 +1,70 @@
+"""train.profile=N and the data-wait figures, end to end: the trace is a whole Chrome trace of exactly the steps
+named, the one-screen breakdown adds up to the step time, the profiled steps are left out of the timings, and a
+step that waits on its data says so, with the wait checked against the sleep the recipe's data makes."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from ampctl.cli import main
+
+MLP = ["device=cpu", "recipe.in_features=64", "recipe.hidden=32", "recipe.depth=2", "recipe.num_classes=10",
+       "recipe.batch_size=16", "train.log_every=4", "train.console=plain", "telemetry.profile_cpu_memory=false",
+       "train.timing_warmup_steps=2"]
+SLOW = ["recipe=mlp", "recipe._target_=tests.slow_data_recipe.SlowDataRecipe", "+recipe.data_delay_s=0.03"]
+
+
+def test_a_profiled_run_writes_the_trace_of_its_window_and_a_breakdown_that_adds_up(tmp_path, restore_argv, capsys):
+    run = tmp_path / "run"
+    main(["train", *MLP, *SLOW, "train.steps=12", "train.profile=3", f"hydra.run.dir={run}"])
+    out = capsys.readouterr().out
+    # the window: 2 timing warm-up steps, 1 profiler warm-up step, then steps 4-6
+    trace = run / "profile" / "rank0.steps4-6.pt.trace.json.gz"
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    assert sorted(e["name"] for e in events if e["name"].startswith("ProfilerStep")) == [
+        "ProfilerStep#4", "ProfilerStep#5", "ProfilerStep#6"]
+    assert any(e["name"] == "aten::addmm" for e in events)
+    assert not list((run / "profile").glob("*.tmp"))
+    summary = json.loads((run / "summary.json").read_text())
+    profile = summary["profile"]
+    assert profile["first_step"] == 4 and profile["steps"] == 3 and profile["trace"] == str(trace.relative_to(run))
+    parts = profile["ms_per_step"]
+    assert sum(parts.values()) == pytest.approx(profile["step_ms"], rel=1e-3)
+    # the recipe sleeps 30 ms a batch: all of it is data, and nothing else is counted as data
+    assert 30.0 <= parts["data"] <= 30.0 + 15.0
+    assert parts["matmul & conv"] > 0 and parts["optimizer"] > 0
+    assert {t["name"] for t in profile["top"]} >= {"aten::addmm", "ampctl.data"}
+    assert (run / "profile" / "rank0.steps4-6.txt").read_text().splitlines()[0] in out
+    # the profiler's warm-up step, the window and the step that wrote the trace are not timed
+    assert summary["timed_steps"] == 12 - 2 - 5
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["data_ms"] >= 30.0 for row in rows)
+    timed = [r for r in rows if r["step"] > 2 and not 3 <= r["step"] <= 7]
+    assert summary["data_wait_fraction"] == pytest.approx(
+        sum(r["data_ms"] for r in timed) / sum(r["step_time_ms"] for r in timed))
+    assert summary["data_wait_fraction"] > 0.5
+    warnings = [line for line in out.splitlines() if "waited for their batches" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: steps 3-12 ") and "recipe.num_workers" in warnings[0]
+
+
+def test_a_run_whose_data_keeps_up_is_not_warned(tmp_path, restore_argv, capsys):
+    run = tmp_path / "run"
+    main(["train", *MLP, "recipe=mlp", "recipe.hidden=512", "train.steps=14", f"hydra.run.dir={run}"])
+    assert "waited for their batches" not in capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["profile"] is None and 0.0 < summary["data_wait_fraction"] < 0.5
+
+
+def test_a_window_past_the_end_of_the_run_is_refused_before_anything_is_written(tmp_path, restore_argv, capsys):
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *MLP, "recipe=mlp", "train.steps=5", "train.profile=3", f"hydra.run.dir={run}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ampctl train: error: train.profile=3: the profiled steps would be 4-6, past train.steps=5 (the run "
+                   "leaves out 2 warm-up step(s), then the profiler warms up for 1); raise train.steps to 6 or more, "
+                   "or lower train.profile"]
+    assert not run.exists()

@@ -1,0 +1,21 @@
+"""The mlp recipe with an input pipeline that cannot keep up: each batch takes `data_delay_s` of host time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ampctl.recipes.mlp import MLPRecipe
+
+
+@dataclass
+class SlowDataRecipe(MLPRecipe):
+    data_delay_s: float = 0.03
+
+    def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in super().batches(device, seed):
+            time.sleep(self.data_delay_s)  # a DataLoader whose workers are behind
+            yield batch
