@@ -38,6 +38,10 @@ RECIPES = {
     "gpt2": ["recipe=gpt2", "recipe.max_corpus_bytes=2000000"],
     # small enough that fp16 (emulated on CPUs without fp16 hardware) still takes ~20 ms a step
     "mlp": ["recipe=mlp", "recipe.hidden=256", "recipe.batch_size=128"],
+    # almost no compute: the step is the loop's own host work, so the difference of two loops is their
+    # overhead in microseconds, which divided by a real recipe's step time is its overhead there
+    "tiny": ["recipe=mlp", "recipe.in_features=16", "recipe.hidden=16", "recipe.depth=1", "recipe.num_classes=4",
+             "recipe.batch_size=8", "recipe.norm=none"],
 }
 
 
@@ -129,15 +133,16 @@ def main() -> None:
     parser.add_argument("--precisions", default="bf16")
     parser.add_argument("--clip", default="1.0", help="max grad norm in both loops, or 'none'")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--steps-per-round", type=int, default=3)
+    # many short rounds: the two loops' steps interleave closely, so that drifts of a noisy machine fall on both
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--steps-per-round", type=int, default=2)
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="both loops compiled (train.compile=true)")
     args = parser.parse_args()
     register_configs()
     dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     clip = None if args.clip == "none" else float(args.clip)
-    print(f"{'precision':<10}{'ampctl ms':>12}{'hand ms':>12}{'overhead':>10}   ({args.recipe}, {args.rounds} rounds x "
+    print(f"{'precision':<10}{'ampctl ms':>12}{'hand ms':>12}{'overhead':>10}{'per step':>11}   ({args.recipe}, {args.rounds} rounds x "
           f"{args.steps_per_round} steps each, alternating; clip {args.clip}; {'compiled' if args.compile else 'eager'}; "
           f"after {args.warmup_steps} warm-up steps)")
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
@@ -155,8 +160,10 @@ def main() -> None:
             # The overhead is the median of the per-round ratios: each ratio compares neighbours in time,
             # so slow phases of a noisy machine cancel out. The quartiles show how noisy it was.
             q1, median, q3 = statistics.quantiles(ratios, n=4)
-            print(f"{precision:<10}{statistics.median(ours_ms):>12.2f}{statistics.median(theirs_ms):>12.2f}"
-                  f"{(median - 1) * 100:>+9.1f}%   quartiles {(q1 - 1) * 100:+.1f}% .. {(q3 - 1) * 100:+.1f}%")
+            extra_us = (statistics.median(ours_ms) - statistics.median(theirs_ms)) * 1e3
+            print(f"{precision:<10}{statistics.median(ours_ms):>12.3f}{statistics.median(theirs_ms):>12.3f}"
+                  f"{(median - 1) * 100:>+9.1f}%{extra_us:>+9.0f} us   quartiles {(q1 - 1) * 100:+.1f}% .. "
+                  f"{(q3 - 1) * 100:+.1f}%")
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ def train_step(
         with state.parallel.grad_sync(last_micro_batch=micro == grad_accum_steps - 1):
             with policy.autocast():
                 loss = checked_loss(recipe.loss(model, batch), recipe)
-            # backward outside autocast, as torch.amp recommends; the loss is averaged over micro-batches.
-            scaler.scale(loss / grad_accum_steps).backward()
+            # backward outside autocast, as torch.amp recommends; the loss is averaged over micro-batches (a
+            # division by 1 would cost two kernels a step for nothing)
+            scaler.scale(loss / grad_accum_steps if grad_accum_steps > 1 else loss).backward()
         losses.append(loss.detach())
     state.weights.grads_to_masters()
     # One unscale_ after the last micro-batch: clipping and the grad norm must see true gradients.

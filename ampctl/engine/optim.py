@@ -114,13 +114,22 @@ class LRSchedule:
         # In the lr's own dtype, so factor * base loses nothing against the lr the user wrote.
         count_dtype = first_lr.dtype if self.on_device else torch.float64
         self.applied = torch.zeros((), device=count_device, dtype=count_dtype)
+        # applied steps known on the host and not yet added to self.applied: every step, when no step can be
+        # skipped (no kernel a step for a count nobody reads until the lr changes or a checkpoint is written)
+        self._counted_on_host = 0
         # The lr of the coming step as a device tensor, for telemetry; in host mode a float64 mirror of the
         # Python float the optimizer uses (a float32 mirror would record 5e-05 as 4.999999873689376e-05).
         self._lr_now = first_lr if self.on_device else torch.zeros((), device=device, dtype=torch.float64)
         self._apply()
 
+    def _applied(self) -> torch.Tensor:
+        if self._counted_on_host:
+            self.applied += self._counted_on_host
+            self._counted_on_host = 0
+        return self.applied
+
     def _apply(self) -> None:
-        factor = lr_factor(self.applied, self.kind, self.warmup, self.total, self.min_ratio)
+        factor = lr_factor(self._applied(), self.kind, self.warmup, self.total, self.min_ratio)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             if self.on_device:
                 group["lr"].copy_(factor * base)
@@ -133,17 +142,18 @@ class LRSchedule:
         return self._lr_now
 
     def step(self, found_inf: torch.Tensor, can_skip: bool) -> None:
-        if self.on_device:
-            self.applied += 1 - found_inf
+        if can_skip and self.on_device:
+            self.applied += 1 - found_inf  # on the device: no sync
         elif not can_skip or not bool(found_inf):  # bool() reads the device: see module docstring
-            self.applied += 1
+            self._counted_on_host += 1
         if self.kind is not Schedule.constant or self.warmup > 0:
             self._apply()  # a constant lr without warm-up never changes: nothing to recompute
 
     def state_dict(self) -> dict[str, Any]:
-        return {"applied": self.applied.item(), "base_lrs": self.base_lrs}
+        return {"applied": self._applied().item(), "base_lrs": self.base_lrs}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.applied.fill_(state["applied"])
+        self._counted_on_host = 0
         self.base_lrs = list(state["base_lrs"])
         self._apply()

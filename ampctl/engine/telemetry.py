@@ -7,6 +7,7 @@ timer, and the finished :class:`StepRecord` s go to the sinks (console, metrics.
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
@@ -18,9 +19,9 @@ import torch
 
 from ampctl import io
 
-# Columns of the device buffer, in order.
-_LOSS, _SCALE, _FOUND_INF, _GRAD_NORM, _LR = range(5)
-_COLUMNS = 5
+# Columns of the device buffer of values, in order; the lr has a float64 buffer of its own.
+_LOSS, _SCALE, _FOUND_INF, _GRAD_NORM = range(4)
+_COLUMNS = 4
 
 
 @dataclass
@@ -99,8 +100,14 @@ class Telemetry:
         self.tokens_per_step = tokens_per_step
         self.flops_per_step, self.peak_tflops = flops_per_step, peak_tflops
         self.sinks = sinks
-        # float64 so that a float64 lr (CPU fused optimizers) is recorded exactly; float32 values widen losslessly.
-        self._buffer = torch.zeros(log_every, _COLUMNS, device=device, dtype=torch.float64)
+        self.device = device
+        # the values' buffer is allocated at the first record, in their widest dtype (float32 in every mode, unless
+        # a recipe computes its loss in float64); the lr's is float64, so a float64 lr (CPU fused optimizers) is
+        # recorded exactly
+        self._values: Optional[torch.Tensor] = None
+        self._lrs = torch.zeros(log_every, device=device, dtype=torch.float64)
+        self._lr_rows = self._lrs.unbind()  # views made once: indexing a tensor every step costs a dispatch
+        self._rows: tuple[torch.Tensor, ...] = ()
         self._pending_steps: list[int] = []
         self._pending_data_ms: list[Optional[float]] = []
         self.timer = StepTimer(device)
@@ -119,10 +126,17 @@ class Telemetry:
         lr: torch.Tensor,
     ) -> None:
         """Queue this step's values on the device. Must be called before the scaler's update()."""
-        # One foreach kernel copies (and casts) the five scalars into the buffer row: the cheapest way on
-        # every device, which matters on small steps where this runs every ~2 ms.
-        row = self._buffer[len(self._pending_steps)].unbind()
-        torch._foreach_copy_(row, [t.detach().reshape(()) for t in (loss, loss_scale, found_inf, grad_norm, lr)])
+        values = (loss.detach(), loss_scale, found_inf, grad_norm)
+        if self._values is None:
+            dtype = functools.reduce(torch.promote_types, (v.dtype for v in values), torch.float32)
+            self._values = torch.zeros(self.log_every, _COLUMNS, device=self.device, dtype=dtype)
+            self._rows = self._values.unbind()
+        # One cat writes the four values into their row, one copy the lr: the cheapest way on every device (a
+        # foreach copy that casts falls back to a kernel per value), which matters on small steps where this
+        # runs every millisecond or two.
+        i = len(self._pending_steps)
+        torch.cat([v.reshape(1) for v in values], out=self._rows[i])
+        self._lr_rows[i].copy_(lr)  # a 0-dim tensor, as every torch optimizer's lr
         self._pending_steps.append(step)
 
     def end_step(self, last: bool, data_s: Optional[float] = None) -> None:
@@ -137,10 +151,11 @@ class Telemetry:
         n = len(self._pending_steps)
         if n == 0:
             return
-        rows = self._buffer[:n].tolist()  # the one device->host copy of this interval
+        rows = self._values[:n].tolist()  # the device->host copies of this interval
+        lrs = self._lrs[:n].tolist()
         times = self.timer.drain_ms()
         records = []
-        for step, row, ms, data in zip(self._pending_steps, rows, times, self._pending_data_ms):
+        for step, row, lr, ms, data in zip(self._pending_steps, rows, lrs, times, self._pending_data_ms):
             skipped = row[_FOUND_INF] > 0
             self.skipped_total += skipped
             per_s = 1e3 / ms if ms > 0 else float("inf")
@@ -153,7 +168,7 @@ class Telemetry:
                     skipped=skipped,
                     skipped_total=self.skipped_total,
                     grad_norm=row[_GRAD_NORM],
-                    lr=row[_LR],
+                    lr=lr,
                     step_time_ms=ms,
                     samples_per_s=self.samples_per_step * per_s,
                     tokens_per_s=None if self.tokens_per_step is None else self.tokens_per_step * per_s,
