@@ -31,16 +31,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--warmup-steps", type=int, default=5)
+    parser.add_argument("--mode", default="default", help="train.compile_mode of the compiled loop")
     args = parser.parse_args()
     register_configs()
     print(f"{'precision':<10}{'eager ms':>10}{'compiled ms':>13}{'speedup':>9}{'compile s':>11}   ({args.recipe}, "
-          f"{args.rounds} rounds x {args.steps_per_round} steps, alternating; after {args.warmup_steps} warm-up steps)")
+          f"{args.rounds} rounds x {args.steps_per_round} steps, alternating; mode {args.mode}; after {args.warmup_steps} warm-up steps)")
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         for precision in args.precisions.split(","):
             base = [*RECIPES[args.recipe], f"precision={precision}", f"device={args.device}",
                     "train.lr_schedule=constant", "train.lr_warmup_steps=0"]
             eager = AmpctlLoop([*base, "train.compile=false"])
-            compiled = AmpctlLoop([*base, "train.compile=true"])
+            compiled = AmpctlLoop([*base, "train.compile=true", f"train.compile_mode={args.mode}"])
             device = eager.policy.device
             timed_steps(eager, args.warmup_steps, device)
             start = time.perf_counter()

@@ -31,6 +31,10 @@ RECIPES = {
     # step time dominated by matmuls, small enough for a 2-core CPU
     "gpt": ["recipe=gpt", "recipe.d_model=256", "recipe.n_layers=2", "recipe.block_size=128", "recipe.batch_size=8",
             "recipe.max_corpus_bytes=2000000"],
+    # a narrow GPT (d_model 64): elementwise work and per-op overhead are a large share of its step, which is
+    # what compilation removes
+    "gpt64": ["recipe=gpt", "recipe.d_model=64", "recipe.n_layers=4", "recipe.block_size=128", "recipe.batch_size=16",
+              "recipe.max_corpus_bytes=2000000"],
     # the d_model 768 GPT of the README's bf16-vs-fp32 comparison (about a second a step on 2 CPU cores)
     "gpt768": ["recipe=gpt", "recipe.d_model=768", "recipe.n_heads=12", "recipe.n_layers=4", "recipe.block_size=256",
                "recipe.batch_size=8", "recipe.max_corpus_bytes=2000000"],

@@ -161,7 +161,7 @@ def test_compare_shows_activation_checkpointing_side_by_side(tmp_path, restore_a
     out = tmp_path / "cmp"
     gpt = ["device=cpu", "recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2",
            "recipe.block_size=64", "recipe.batch_size=4", "recipe.max_corpus_bytes=100000", "train.steps=4",
-           "train.log_every=2", "compare.warmup_steps=1"]
+           "train.log_every=2", "compare.warmup_steps=1", "telemetry.profile_cpu_memory=false"]
     main(["compare", *gpt, "compare.precisions=[fp32,bf16]", "compare.activation_checkpointing=[false,true]",
           f"hydra.run.dir={out}"])
     rows = {r["precision"]: r for r in read_csv(out / "comparison.csv")}
