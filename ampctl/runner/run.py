@@ -95,7 +95,8 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
             telemetry.skipped_total = resume.skipped_total
             profiler = StepProfiler(cfg.train.profile, first_profiled, state.step, recorder.run_dir, parallel.rank,
                                     policy.device, recorder.echo)
-            with CompileWatch(lambda: state.step + 1) as compiling:  # torch.compile compiles in the first steps
+            # torch.compile compiles in the first steps
+            with CompileWatch(lambda: state.step + 1, enabled=cfg.train.compile) as compiling:
                 _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak, compiling, profiler)
         return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
                                                           compiling, profiler, step_flops, recorder.run_dir))

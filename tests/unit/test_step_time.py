@@ -51,7 +51,9 @@ def test_a_cpu_window_is_accounted_for_to_the_microsecond_and_data_is_the_time_t
     result = p.breakdown(list(prof.events()), "cpu")
     assert result.steps == 3
     assert sum(result.ms_per_step.values()) == pytest.approx(result.step_ms, rel=1e-6)
-    assert 20.0 <= result.ms_per_step[p.DATA] <= 30.0 and result.data_host_ms >= 20.0
+    # data is the fetch's whole time (the sleep and its randn), no more: nothing from outside the range
+    assert result.ms_per_step[p.DATA] >= 20.0
+    assert result.ms_per_step[p.DATA] == pytest.approx(result.data_host_ms, rel=0.01)
     assert result.ms_per_step[p.MATMUL] > 0 and result.ms_per_step[p.OPTIMIZER] > 0
     assert next(t for t in result.top if t.name == "aten::mm").calls_per_step == 5  # 2 forward, 3 backward (x needs no grad)
 
