@@ -18,19 +18,14 @@ from pathlib import Path
 from hydra import initialize_config_module
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is not a package: share loop_overhead's loops
-from loop_overhead import RECIPES, AmpctlLoop, alternating_rounds, timed_steps  # noqa: E402
+from loop_overhead import RECIPES, AmpctlLoop, add_workload_arguments, alternating_rounds, timed_steps  # noqa: E402
 
 from ampctl.conf.schema import register_configs  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", choices=sorted(RECIPES), default="gpt")
-    parser.add_argument("--precisions", default="fp32")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--warmup-steps", type=int, default=5)
+    add_workload_arguments(parser, recipe="gpt", precisions="fp32", rounds=10, steps_per_round=3)
     parser.add_argument("--mode", default="default", help="train.compile_mode of the compiled loop")
     args = parser.parse_args()
     register_configs()

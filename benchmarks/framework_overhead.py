@@ -25,7 +25,7 @@ import torch
 from hydra import initialize_config_module
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is not a package: share loop_overhead's loops
-from loop_overhead import RECIPES, AmpctlLoop, HandWrittenLoop, rotating_rounds, timed_steps  # noqa: E402
+from loop_overhead import RECIPES, AmpctlLoop, HandWrittenLoop, add_workload_arguments, rotating_rounds, timed_steps  # noqa: E402
 
 from ampctl.conf.schema import register_configs  # noqa: E402
 
@@ -99,13 +99,8 @@ def _frameworks(reference: AmpctlLoop, precision: str, clip: Optional[float]) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", choices=sorted(RECIPES), default="mlp")
-    parser.add_argument("--precisions", default="fp32")
+    add_workload_arguments(parser, recipe="mlp", precisions="fp32", rounds=100, steps_per_round=2)
     parser.add_argument("--clip", default="1.0", help="max grad norm in every loop, or 'none'")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--warmup-steps", type=int, default=5)
     args = parser.parse_args()
     register_configs()
     clip = None if args.clip == "none" else float(args.clip)

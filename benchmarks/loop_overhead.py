@@ -131,16 +131,22 @@ def alternating_rounds(a, b, rounds: int, steps: int, device: torch.device) -> t
     return a_ms, b_ms, [x / y for x, y in zip(a_ms, b_ms)]
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser, recipe: str, precisions: str, rounds: int,
+                           steps_per_round: int) -> None:
+    """The options every benchmark here shares: what to run, where, and how many rounds of how many steps."""
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default=recipe)
+    parser.add_argument("--precisions", default=precisions)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps-per-round", type=int, default=steps_per_round)
+    parser.add_argument("--warmup-steps", type=int, default=5)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", choices=sorted(RECIPES), default="gpt")
-    parser.add_argument("--precisions", default="bf16")
-    parser.add_argument("--clip", default="1.0", help="max grad norm in both loops, or 'none'")
-    parser.add_argument("--device", default="auto")
     # many short rounds: the two loops' steps interleave closely, so that drifts of a noisy machine fall on both
-    parser.add_argument("--rounds", type=int, default=100)
-    parser.add_argument("--steps-per-round", type=int, default=2)
-    parser.add_argument("--warmup-steps", type=int, default=5)
+    add_workload_arguments(parser, recipe="gpt", precisions="bf16", rounds=100, steps_per_round=2)
+    parser.add_argument("--clip", default="1.0", help="max grad norm in both loops, or 'none'")
     parser.add_argument("--compile", action="store_true", help="both loops compiled (train.compile=true)")
     args = parser.parse_args()
     register_configs()

@@ -80,3 +80,13 @@ def test_an_unknown_resnet_arch(tmp_path, capsys, restore_argv):
 def test_a_mode_option_under_a_mode_without_it(tmp_path, capsys, restore_argv, args, message):
     """OmegaConf asserts on a key under a null node; the user sees which mode owns the option."""
     assert message in refused(tmp_path, capsys, "recipe=mlp", *args)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["recipe=mlp", "train.profile=0"],
+     "train.profile=0 is not allowed: expected a number of steps >= 1, or null for no profile"),
+    (["recipe=resnet", "recipe.data=synthetic", "recipe.num_workers=-1"],
+     "recipe.num_workers=-1 is not allowed: expected an integer >= 0"),
+])
+def test_bad_speed_settings(tmp_path, capsys, restore_argv, args, message):
+    assert message in refused(tmp_path, capsys, *args)

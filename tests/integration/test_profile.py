@@ -70,3 +70,19 @@ def test_a_window_past_the_end_of_the_run_is_refused_before_anything_is_written(
                    "leaves out 2 warm-up step(s), then the profiler warms up for 1); raise train.steps to 6 or more, "
                    "or lower train.profile"]
     assert not run.exists()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_data_wait_and_the_breakdown_hold_in_half_precision_modes(tmp_path, restore_argv, precision):
+    """The fetch's time does not depend on the mode, and the breakdown adds up under autocast and a loss scaler."""
+    run = tmp_path / "run"
+    main(["train", *MLP, *SLOW, f"precision={precision}", "train.steps=6", "train.timing_warmup_steps=0",
+          "train.profile=2", "train.log_every=3", f"hydra.run.dir={run}"])
+    summary = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(50.0 <= row["data_ms"] < row["step_time_ms"] for row in rows)
+    profile = summary["profile"]
+    assert (profile["first_step"], profile["steps"]) == (2, 2)
+    parts = profile["ms_per_step"]
+    assert sum(parts.values()) == pytest.approx(profile["step_ms"], rel=1e-3)
+    assert parts["data"] >= 50.0 and parts["matmul & conv"] > 0 and parts["optimizer"] > 0
