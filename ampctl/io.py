@@ -63,6 +63,15 @@ def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
+def scale_label(scale: float) -> str:
+    """A loss scale as people read it: 2^16 for a power of two (what dynamic scalers hold), 1 for no scaling,
+    the number otherwise ('%g': never cut short)."""
+    exponent = math.log2(scale) if scale > 0 else float("nan")
+    if scale == 1 or not math.isfinite(exponent) or exponent != int(exponent):
+        return f"{scale:g}"
+    return f"2^{int(exponent)}"
+
+
 def format_bytes(n: Optional[float], decimals: int = 2) -> str:
     """1,536 -> '1.50 KiB' (binary units); None -> '-'."""
     if n is None:

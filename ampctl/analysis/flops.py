@@ -75,7 +75,12 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
                     return Peak(None, f"{name} has no {dtype} peak in ampctl's table")
                 return Peak(peaks[dtype], f"{name} datasheet, dense {dtype}: {peaks[dtype]:g} TFLOP/s")
         return Peak(None, f"{name} is not in ampctl's peak table (analysis/flops.py)")
-    if device.type == "cpu" and dtype in ("float32", "bfloat16", "float16"):
+    native = {"float32": True, "bfloat16": devices.has_fast_bf16_cpu(), "float16": devices.has_fast_fp16_cpu()}
+    if device.type == "cpu" and dtype in native and not native[dtype]:
+        # without the instructions, half matmuls are converted and computed in software: their rate depends on
+        # the shape (a small one ran 2.5x "faster" than the large matmul measured), so there is no peak
+        return Peak(None, f"{devices.cpu_model()} has no {dtype} matmul instructions: no peak to measure MFU against")
+    if device.type == "cpu" and dtype in native:
         tflops = cpu_matmul_tflops(dtype)
         return Peak(tflops, f"{devices.cpu_model()}, a {_CPU_PEAK_SIZE}x{_CPU_PEAK_SIZE} {dtype} matmul measured "
                             f"on {torch.get_num_threads()} threads: {tflops:.3g} TFLOP/s")

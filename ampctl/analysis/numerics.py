@@ -109,12 +109,6 @@ def log2_histogram(magnitudes: torch.Tensor) -> torch.Tensor:
     return torch.bincount(bins, minlength=LOG2_HIGH - LOG2_LOW + 1)
 
 
-def scale_label(scale: float) -> str:
-    """2^16 for a power of two, the number otherwise."""
-    exponent = math.log2(scale) if scale > 0 else float("nan")
-    return f"2^{int(exponent)}" if math.isfinite(exponent) and exponent == int(exponent) else f"{scale:g}"
-
-
 def largest_safe_scale(max_abs: float, fmt: FormatRange = FP16, margin_bits: int = 1) -> float:
     """The largest power-of-two loss scale that keeps max_abs * scale below fmt.max with 2**margin_bits to
     spare: the scale a dynamic scaler would settle near for these gradients."""

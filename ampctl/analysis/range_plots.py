@@ -6,7 +6,8 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-from ampctl.analysis.numerics import FORMATS, LOG2_LOW, scale_label
+from ampctl import io
+from ampctl.analysis.numerics import FORMATS, LOG2_LOW
 from ampctl.reports.plots import plt, save_figure
 
 
@@ -23,7 +24,7 @@ def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: 
     fig, ax = plt.subplots(figsize=(9, 5))
     ax.bar(exponents, fractions, width=1.0, align="edge", color="tab:blue", alpha=0.75, label=label)
     ax.step([e + shift for e in exponents], fractions, where="post", color="tab:orange",
-            label=f"× loss scale {scale_label(study_scale)}")
+            label=f"× loss scale {io.scale_label(study_scale)}")
     top = max(fractions, default=1.0) or 1.0
     for i, fmt in enumerate(FORMATS):
         y = -(0.06 + 0.06 * i) * top

@@ -32,7 +32,6 @@ from ampctl.analysis.numerics import (
     LOG2_LOW,
     RangeStats,
     largest_safe_scale,
-    scale_label,
 )
 from ampctl.engine.build import build_state, check_config
 from ampctl.engine.loop import batch_stream, run_steps
@@ -169,7 +168,7 @@ def layer_table(inspection: Inspection) -> tables.ReportTable:
 
 def summary_table(inspection: Inspection) -> tables.ReportTable:
     """One row per tensor kind, all layers together: what the terminal shows."""
-    scale_text = scale_label(inspection.study_scale)
+    scale_text = io.scale_label(inspection.study_scale)
     columns = ["kind", "max_abs"]
     for f in FORMATS:
         columns += [f"{f.name}_to_zero", f"{f.name}_overflow"]
@@ -203,7 +202,7 @@ def summary_table(inspection: Inspection) -> tables.ReportTable:
 def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str], study_scale: float
                     ) -> tables.ReportTable:
     """The summary table with its short headers and percentages (from a run, or from ranges.json again)."""
-    scale_text = scale_label(study_scale)
+    scale_text = io.scale_label(study_scale)
     percent = lambda v: "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")  # noqa: E731
     headers = {c: c.replace("_to_zero", " →0").replace("_overflow", " >max").replace("_subnormal", " subn.")
                .replace("fp8_", "") for c in columns}

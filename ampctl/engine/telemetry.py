@@ -52,6 +52,13 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
+class StepCounter(Protocol):
+    """A sink that also counts every step as it ends (a progress bar): told on the host, from the loop's own
+    count, never from the device; with the step's time where the host knows it without a sync (the CPU)."""
+
+    def step_done(self, step: int, step_ms: Optional[float]) -> None: ...
+
+
 class StepTimer:
     """Per-step wall time without syncing: CUDA events on the GPU, perf_counter on the CPU."""
 
@@ -69,6 +76,12 @@ class StepTimer:
 
     def mark(self) -> None:
         self._marks.append(self._now())
+
+    def latest_ms(self) -> Optional[float]:
+        """The step just marked, where reading it costs no sync (perf_counter on the CPU); None on CUDA."""
+        if self.cuda or not self._marks:
+            return None
+        return (self._marks[-1] - (self._marks[-2] if len(self._marks) > 1 else self._last)) * 1e3
 
     def drain_ms(self) -> list[float]:
         """Durations of the steps marked since the last drain. Syncs on CUDA (called on log steps only)."""
@@ -100,6 +113,8 @@ class Telemetry:
         self.tokens_per_step = tokens_per_step
         self.flops_per_step, self.peak_tflops = flops_per_step, peak_tflops
         self.sinks = sinks
+        self._counters: list[StepCounter] = [s for s in sinks if hasattr(s, "step_done")]  # type: ignore[misc]
+        self._logged_once = False
         self.device = device
         # the values' buffer is allocated at the first record, in their widest dtype (float32 in every mode, unless
         # a recipe computes its loss in float64); the lr's is float64, so a float64 lr (CPU fused optimizers) is
@@ -141,10 +156,17 @@ class Telemetry:
 
     def end_step(self, last: bool, data_s: Optional[float] = None) -> None:
         """Called after every optimizer step (data_s: the host time it waited for batches); reads back and
-        emits on log steps and on the last step."""
+        emits on log steps (every log_every-th step), on the last step, and on the first step this process
+        runs, so that the first figures show at once rather than log_every steps later."""
         self.timer.mark()
         self._pending_data_ms.append(None if data_s is None else data_s * 1e3)
-        if len(self._pending_steps) == self.log_every or (last and self._pending_steps):
+        step = self._pending_steps[-1]
+        if self._counters:
+            step_ms = self.timer.latest_ms()
+            for counter in self._counters:
+                counter.step_done(step, step_ms)
+        if step % self.log_every == 0 or last or not self._logged_once:
+            self._logged_once = True
             self.flush()
 
     def flush(self) -> None:

@@ -86,10 +86,16 @@ def machine_info(summaries: Sequence[dict]) -> dict[str, Any]:
 # --- the three tables -------------------------------------------------------------------------------
 
 
-def _rate(summary: dict) -> tuple[float, str]:
-    if "tokens_per_s" in summary:
-        return summary["tokens_per_s"], "tokens/s"
-    return summary["samples_per_s"], "samples/s"
+# throughput columns: the summary's own key (a number, its unit in the name, in the CSV) -> the display header
+RATES = {"tokens_per_s": "tokens/s", "samples_per_s": "samples/s"}
+
+
+def _rate_key(summary: dict) -> str:
+    return "tokens_per_s" if "tokens_per_s" in summary else "samples_per_s"
+
+
+def _rate(summary: dict) -> float:
+    return summary[_rate_key(summary)]
 
 
 def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, str]) -> ReportTable:
@@ -97,7 +103,7 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
     done = [(mode, run) for mode, run in runs if not run.failed]
     baseline = next((m for m, _ in done if m in ("fp32", "O0")), done[0][0] if done else None)
     base = dict(done).get(baseline) if baseline else None
-    unit = _rate(base.summary)[1] if base else "samples/s"
+    unit = _rate_key(base.summary) if base else "samples_per_s"
     columns = ["precision", "status", "compiled", "step_time_ms", unit, "speedup", "tflops", "mfu", "peak_memory_mib",
                "memory_ratio", "final_loss", "loss_delta", "skipped_steps", "final_loss_scale", "compile_s"]
     rows = []
@@ -108,7 +114,7 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
         s, b = run.summary, base.summary  # type: ignore[union-attr]
         memory, base_memory = s.get("peak_memory_bytes"), b.get("peak_memory_bytes")
         rows.append([
-            mode, "ok", s.get("compiled", False), s["median_step_time_ms"], _rate(s)[0], _rate(s)[0] / _rate(b)[0],
+            mode, "ok", s.get("compiled", False), s["median_step_time_ms"], _rate(s), _rate(s) / _rate(b),
             s.get("achieved_tflops"), s.get("mfu"),
             None if memory is None else memory / 2**20,
             None if not (memory and base_memory) else memory / base_memory,
@@ -131,13 +137,13 @@ def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, s
     if base and base.summary.get("peak_memory_source"):
         notes.append(f"peak MiB: tensor memory held by torch's allocator, as ampctl memory measures it "
                      f"({base.summary['peak_memory_source']}).")
-    headers = {"precision": "mode", "step_time_ms": "step ms", unit: unit, "peak_memory_mib": "peak MiB (allocator)",
+    headers = {"precision": "mode", "step_time_ms": "step ms", unit: RATES[unit], "peak_memory_mib": "peak MiB (allocator)",
                "memory_ratio": "memory", "final_loss": "final loss", "loss_delta": "Δ loss",
                "skipped_steps": "skipped", "final_loss_scale": "scale", "compile_s": "compile s", "tflops": "TFLOP/s",
                "mfu": "MFU"}
     formats = {"step_time_ms": lambda v: f"{v:.1f}", unit: lambda v: f"{v:,.0f}", "speedup": ratio,
                "peak_memory_mib": lambda v: f"{v:,.0f}", "memory_ratio": ratio, "final_loss": lambda v: f"{v:.4f}",
-               "loss_delta": signed, "final_loss_scale": lambda v: f"{v:g}", "compiled": lambda v: "yes" if v else "no",
+               "loss_delta": signed, "final_loss_scale": io.scale_label, "compiled": lambda v: "yes" if v else "no",
                "compile_s": lambda v: f"{v:.1f}", "tflops": lambda v: f"{v:.3g}", "mfu": lambda v: f"{v:.1%}"}
     return ReportTable("precision comparison", columns, rows, notes, headers, formats)
 
@@ -152,20 +158,23 @@ def swept_keys(runs: Sequence[RunRecord]) -> list[str]:
 
 def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
     keys = swept_keys(runs) or sorted({k for run in runs for k in run.override_values()})
-    columns = ["job", *keys, "status", "final_loss", "skipped_total", "final_loss_scale", "throughput", "mfu"]
+    # one throughput column per unit the jobs report (a sweep over recipes can hold both)
+    rates = [key for key in RATES if any(not run.failed and key in run.summary for run in runs)]
+    columns = ["job", *keys, "status", "final_loss", "skipped_total", "final_loss_scale", *rates, "mfu"]
     rows = []
     for run in runs:
         values = [run.override_values().get(k) for k in keys]
         if run.failed:
-            rows.append([run.job, *values, run.status, None, None, None, None, None])
+            rows.append([run.job, *values, run.status] + [None] * (len(columns) - len(keys) - 2))
             continue
-        rate, unit = _rate(run.summary)  # type: ignore[arg-type]
         s = run.summary
-        rows.append([run.job, *values, "ok", s["final_loss"], s["skipped_total"],
-                     s["final_loss_scale"], f"{rate:,.0f} {unit}", s.get("mfu")])
+        rows.append([run.job, *values, "ok", s["final_loss"], s["skipped_total"], s["final_loss_scale"],
+                     *(s.get(key) for key in rates), s.get("mfu")])
     notes = [f"job {run.job} {run.status}: {run.why_not_ok}" for run in runs if run.failed]
-    formats = {"final_loss": lambda v: f"{v:.4f}", "final_loss_scale": lambda v: f"{v:g}", "mfu": lambda v: f"{v:.1%}"}
-    headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale", "mfu": "MFU"}
+    formats = {"final_loss": lambda v: f"{v:.4f}", "final_loss_scale": io.scale_label, "mfu": lambda v: f"{v:.1%}",
+               **{key: (lambda v: f"{v:,.0f}") for key in rates}}
+    headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale", "mfu": "MFU",
+               **RATES}
     return ReportTable("sweep", columns, rows, notes, headers, formats)
 
 
@@ -239,10 +248,10 @@ def comparison_images(runs: Sequence[tuple[str, RunRecord]], table: ReportTable,
     ok = [r for r in table.as_dicts() if r["status"] == "ok"]
     if ok:
         baseline = next((m for m in ("fp32", "O0") if m in [r["precision"] for r in ok]), ok[0]["precision"])
-        unit = next(c for c in table.columns if c in ("tokens/s", "samples/s"))
+        unit = next(c for c in table.columns if c in RATES)
         images.append(plots.throughput_memory_bars(
             [r["precision"] for r in ok], [r[unit] for r in ok], [r["speedup"] for r in ok],
-            [r["peak_memory_mib"] for r in ok], [r["memory_ratio"] for r in ok], unit, baseline,
+            [r["peak_memory_mib"] for r in ok], [r["memory_ratio"] for r in ok], RATES[unit], baseline,
             out_dir / "throughput_memory.png",
         ))
     return images

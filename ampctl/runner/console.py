@@ -5,19 +5,26 @@ Rendering only: the sinks here receive finished StepRecords and never reach into
 
 from __future__ import annotations
 
+import collections
+import datetime
+import math
 import os
+import statistics
 import sys
-from typing import Callable, Optional
+import time
+from typing import Any, Callable, Optional
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
+    Task,
     TextColumn,
     TimeElapsedColumn,
-    TimeRemainingColumn,
 )
 from rich.table import Table
 from rich.text import Text
@@ -29,6 +36,43 @@ from ampctl.engine.telemetry import StepRecord
 
 def human_rate(n: float) -> str:
     return f"{n / 1e3:.1f}k" if n >= 1e4 else f"{n:.1f}"
+
+
+def format_duration(seconds: Optional[float]) -> str:
+    """0:01:05, 12:00:00, 2 days, 3:04:05; '?' before there is anything to estimate from."""
+    if seconds is None or not math.isfinite(seconds):
+        return "?"
+    return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))
+
+
+class Pace:
+    """The time the rest of the run will take: the steps left times the median step time so far (of the
+    latest 1,000 steps, so that a run whose pace changed is estimated at its new pace). A step's time is known
+    when it ends where the host clock is the step's (the CPU), else when its record comes back on a log step
+    (CUDA events). The first step this process runs (warm-up, compilation) counts only until there is another."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total = total_steps
+        self._first: Optional[float] = None
+        self._step_ms: collections.deque[float] = collections.deque(maxlen=1000)
+        self._counted_to = -1  # the last step whose time is counted
+
+    def add(self, step: int, step_ms: Optional[float]) -> None:
+        if step_ms is None or step <= self._counted_to:
+            return
+        self._counted_to = step
+        if self._first is None:
+            self._first = step_ms
+        else:
+            self._step_ms.append(step_ms)
+
+    def add_records(self, records: list[StepRecord]) -> None:
+        for r in records:
+            self.add(r.step, r.step_time_ms)
+
+    def remaining_s(self, step: int) -> Optional[float]:
+        typical = statistics.median(self._step_ms) if self._step_ms else self._first
+        return None if typical is None else (self.total - step) * typical / 1e3
 
 
 class _Latest:
@@ -71,83 +115,126 @@ def say(line: str) -> None:
 
 
 class PlainConsole:
-    """One line per log interval, for CI logs and pipes."""
+    """One line per log interval (and one after the first step), for CI logs and pipes."""
 
     def __init__(self, total_steps: int, tokens: bool, peak_memory: Callable[[], Optional[int]]) -> None:
         self.total = total_steps
         self.latest = _Latest(tokens)
+        self.pace = Pace(total_steps)
         self.peak_memory = peak_memory
 
     def write(self, records: list[StepRecord]) -> None:
         self.latest.update(records)
+        self.pace.add_records(records)
         r = self.latest.record
         assert r is not None
         last = "-" if self.latest.last_skipped is None else str(self.latest.last_skipped)
         say(
-            f"step {r.step}/{self.total} | loss {r.loss:.4f} | scale {r.loss_scale:g} | "
+            f"step {r.step}/{self.total} | loss {r.loss:.4f} | scale {io.scale_label(r.loss_scale)} | "
             f"skipped {r.skipped_total} (last {last}) | grad_norm {r.grad_norm:.3g} | lr {r.lr:.3g} | "
             f"{self.latest.throughput()}{'' if r.mfu is None else f' | MFU {self.latest.mfu()}'} | "
-            f"{r.step_time_ms:.1f} ms/step | peak {io.format_bytes(self.peak_memory(), decimals=1)}"
+            f"{r.step_time_ms:.1f} ms/step | peak {io.format_bytes(self.peak_memory(), decimals=1)} | "
+            f"eta {format_duration(self.pace.remaining_s(r.step))}"
         )
 
     def close(self) -> None:
         pass
 
 
+class EtaColumn(ProgressColumn):
+    """The time left, counting down between steps from the estimate made when the latest step ended (a run
+    of minute-long steps still shows time passing)."""
+
+    def render(self, task: Task) -> Text:
+        finish_at = task.fields.get("finish_at")
+        left = None if finish_at is None else finish_at - time.monotonic()
+        return Text(f"eta {format_duration(left)}", style="progress.remaining")
+
+
+# The live table's columns, most important first: on a narrow terminal the last ones go, whole (a number cut
+# to "1953…" is worse than no number).
+LIVE_COLUMNS = ("step", "loss", "loss scale", "skipped", "throughput", "step time", "grad norm", "peak mem", "lr",
+                "MFU")
+
+
+def fit_columns(cells: dict[str, Any], width: int, console: Console) -> Table:
+    """A table of the cells (column -> value, in LIVE_COLUMNS' order of importance) that fits `width`
+    characters: the least important columns are dropped until it does."""
+    names = [name for name in LIVE_COLUMNS if name in cells]
+    unbounded = console.options.update_width(10_000)  # the width the table wants, not what it would be cut to
+    while True:
+        table = Table(show_header=True, header_style="bold", box=None, padding=(0, 1), pad_edge=False)
+        kept = [name for name in LIVE_COLUMNS if name in names]  # shown in their reading order
+        for name in kept:
+            table.add_column(name, justify="right", no_wrap=True)
+        table.add_row(*(cells[name] for name in kept))
+        if len(names) == 1 or Measurement.get(console, unbounded, table).maximum <= width:
+            return table
+        names.pop()
+
+
 class LiveConsole:
-    """A progress bar with ETA over a table of the latest step's numbers; skipped steps in red."""
+    """A progress bar that advances every step, with the time left from the median step time, over a table of
+    the latest step's numbers (the first after step 1); skipped steps in red. Fits the terminal's width."""
 
     def __init__(
         self, total_steps: int, tokens: bool, peak_memory: Callable[[], Optional[int]], console: Console
     ) -> None:
+        self.console = console
         self.latest = _Latest(tokens)
+        self.pace = Pace(total_steps)
         self.peak_memory = peak_memory
         self.progress = Progress(
             TextColumn("[bold]train"),
-            BarColumn(),
+            BarColumn(bar_width=None if console.width >= 100 else 20),
             MofNCompleteColumn(),
             TextColumn("steps"),
             TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
+            EtaColumn(),
             console=console,
         )
-        self.task = self.progress.add_task("train", total=total_steps)
+        self.task = self.progress.add_task("train", total=total_steps, finish_at=None)
         self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
         self.live.start()
 
-    def _render(self) -> Group:
-        table = Table(show_header=True, header_style="bold", box=None, padding=(0, 2))
-        columns = ("step", "loss", "loss scale", "skipped", "grad norm", "lr", "throughput", "MFU", "step time",
-                   "peak mem")
-        for column in columns:
-            table.add_column(column, justify="right")
+    def _cells(self) -> dict[str, Any]:
         r = self.latest.record
         if r is None:
-            table.add_row(*(["-"] * len(columns)))
-        else:
-            skipped = Text(f"{r.skipped_total}")
-            if self.latest.last_skipped is not None:
-                skipped.append(f" (last {self.latest.last_skipped})")
-            if self.latest.skipped_in_interval:
-                skipped.stylize("bold red")
-            table.add_row(
-                str(r.step),
-                f"{r.loss:.4f}",
-                f"{r.loss_scale:g}",
-                skipped,
-                f"{r.grad_norm:.3g}",
-                f"{r.lr:.3g}",
-                self.latest.throughput(),
-                self.latest.mfu(),
-                f"{r.step_time_ms:.1f} ms",
-                io.format_bytes(self.peak_memory(), decimals=1),
-            )
-        return Group(self.progress, table)
+            return {name: "-" for name in LIVE_COLUMNS if name != "MFU"}
+        skipped = Text(f"{r.skipped_total}")
+        if self.latest.last_skipped is not None:
+            skipped.append(f" (last {self.latest.last_skipped})")
+        if self.latest.skipped_in_interval:
+            skipped.stylize("bold red")
+        cells = {
+            "step": str(r.step),
+            "loss": f"{r.loss:.4f}",
+            "loss scale": io.scale_label(r.loss_scale),
+            "skipped": skipped,
+            "throughput": self.latest.throughput(),
+            "step time": f"{r.step_time_ms:.1f} ms",
+            "grad norm": f"{r.grad_norm:.3g}",
+            "peak mem": io.format_bytes(self.peak_memory(), decimals=1),
+            "lr": f"{r.lr:.3g}",
+        }
+        if r.mfu is not None:
+            cells["MFU"] = self.latest.mfu()
+        return cells
+
+    def _render(self) -> Group:
+        return Group(self.progress, fit_columns(self._cells(), self.console.width, self.console))
+
+    def step_done(self, step: int, step_ms: Optional[float] = None) -> None:
+        """Every step, on the host: the bar's count and the time left (no device value is read)."""
+        self.pace.add(step, step_ms)
+        left = self.pace.remaining_s(step)
+        self.progress.update(self.task, completed=step,
+                             finish_at=None if left is None else time.monotonic() + left)
 
     def write(self, records: list[StepRecord]) -> None:
         self.latest.update(records)
-        self.progress.update(self.task, completed=records[-1].step)
+        self.pace.add_records(records)
+        self.step_done(records[-1].step)
         self.live.update(self._render(), refresh=True)
 
     def close(self) -> None:

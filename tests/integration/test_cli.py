@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -212,7 +213,10 @@ def test_a_real_run_in_a_pipe_prints_plain_lines(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("Selected precision=bf16")
-    assert [line.split(" |")[0] for line in lines if line.startswith("step ")] == ["step 3/6", "step 6/6"]
+    # the first step prints at once, then every log step; each line with the time left
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" |")[0] for line in steps] == ["step 1/6", "step 3/6", "step 6/6"]
+    assert all(re.search(r" \| eta \d+:\d\d:\d\d$", line) for line in steps) and steps[-1].endswith("eta 0:00:00")
     [run_dir] = list((tmp_path / "outputs").glob("*/*_bf16"))
     assert len(rows(run_dir)) == 6 and (run_dir / "summary.json").is_file()
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from ampctl import io
 from ampctl.analysis.numerics import (
     FORMATS,
     LOG2_LOW,
@@ -15,7 +16,6 @@ from ampctl.analysis.numerics import (
     largest_safe_scale,
     log2_histogram,
     outcome_counts,
-    scale_label,
     true_magnitudes,
 )
 
@@ -129,7 +129,8 @@ def test_largest_safe_scale_and_its_label():
     assert largest_safe_scale(1.0) == 2.0**14  # 65504 / 1 -> 2^15, one bit of margin
     assert largest_safe_scale(1e-3, margin_bits=0) == 2.0**25
     assert math.isnan(largest_safe_scale(0.0))
-    assert scale_label(65536.0) == "2^16" and scale_label(1000.0) == "1000"
+    assert io.scale_label(65536.0) == "2^16" and io.scale_label(1000.0) == "1000"
+    assert io.scale_label(1.0) == "1" and io.scale_label(2.0**-14) == "2^-14" and io.scale_label(float("nan")) == "nan"
 
 
 def test_stats_accumulated_in_chunks_equal_the_cast_of_everything():

@@ -1,0 +1,79 @@
+"""The live view and the plain lines: the time left, the table on a narrow terminal, loss scales as powers
+of two, and the progress count every step without a read from the device."""
+
+from __future__ import annotations
+
+import io as stdio
+import re
+
+import torch
+from rich.console import Console
+
+from ampctl.engine.telemetry import StepRecord, Telemetry
+from ampctl.runner.console import LIVE_COLUMNS, LiveConsole, Pace, PlainConsole, fit_columns, format_duration
+
+
+def record(step: int, ms: float = 100.0, scale: float = 65536.0, skipped: bool = False) -> StepRecord:
+    return StepRecord(step=step, loss=2.345678, loss_scale=scale, skipped=skipped, skipped_total=int(skipped),
+                      grad_norm=1.5, lr=3e-4, step_time_ms=ms, samples_per_s=1953125.0, tokens_per_s=None,
+                      tflops=1.0, mfu=0.4567)
+
+
+def test_the_time_left_is_the_steps_left_times_the_median_step_so_far_without_the_first():
+    pace = Pace(total_steps=100)
+    assert pace.remaining_s(0) is None  # nothing to estimate from yet: the view says '?'
+    pace.add(1, 5000.0)  # the first step compiles: alone, it is the estimate
+    assert pace.remaining_s(1) == 99 * 5.0
+    for step, ms in zip(range(2, 7), (100.0, 300.0, 200.0, 100.0, 900.0)):
+        pace.add(step, ms)
+    assert pace.remaining_s(6) == 94 * 0.2  # median of 100, 300, 200, 100, 900; the 5 s first step left out
+    pace.add_records([record(5, ms=1e6), record(6, ms=1e6)])  # already counted on the host: not twice
+    assert pace.remaining_s(6) == 94 * 0.2
+    pace.add_records([record(7, ms=200.0)])
+    assert pace.remaining_s(7) == 93 * 0.2
+    assert format_duration(3725.4) == "1:02:05" and format_duration(None) == "?"
+
+
+def test_the_live_table_fits_80_columns_by_dropping_whole_columns_never_cutting_numbers():
+    console = Console(file=stdio.StringIO(), width=80, force_terminal=True, color_system=None)
+    cells = {"step": "123456", "loss": "2.3457", "loss scale": "2^16", "skipped": "12 (last 123400)",
+             "throughput": "1953.1k samples/s", "step time": "123.4 ms", "grad norm": "1.5", "peak mem": "12.3 GiB",
+             "lr": "0.0003", "MFU": "45.7%"}
+    console.print(fit_columns(cells, 80, console))
+    lines = console.file.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in "".join(lines)
+    header = lines[0].split()
+    assert header[:3] == ["step", "loss", "loss"] and "MFU" not in header  # the least important went first
+    for value in ("123456", "2.3457", "2^16", "12 (last 123400)", "1953.1k samples/s"):
+        assert value in lines[1]
+    wide = Console(file=stdio.StringIO(), width=200, force_terminal=True, color_system=None)
+    wide.print(fit_columns(cells, 200, wide))
+    assert all(name.split()[0] in wide.file.getvalue() for name in LIVE_COLUMNS)
+
+
+def test_the_live_view_counts_every_step_and_shows_the_first_row_after_step_one():
+    """Driven by a real Telemetry: step_done every step (the bar), a row after step 1 and on log steps."""
+    out = stdio.StringIO()
+    console = Console(file=out, width=80, force_terminal=True, color_system=None)
+    live = LiveConsole(total_steps=10, tokens=False, peak_memory=lambda: 2**20, console=console)
+    telemetry = Telemetry(torch.device("cpu"), log_every=4, samples_per_step=8, tokens_per_step=None, sinks=[live])
+    one = torch.tensor(1.0)
+    seen = []
+    for step in range(1, 6):
+        telemetry.record(step, one * 2, torch.tensor(32768.0), torch.tensor(0.0), one, torch.tensor(1e-3))
+        telemetry.end_step(last=step == 10)
+        seen.append((live.progress.tasks[0].completed, live.latest.record and live.latest.record.step))
+    live.close()
+    assert seen == [(1, 1), (2, 1), (3, 1), (4, 4), (5, 4)]  # the bar each step; rows after step 1 and step 4
+    assert live.progress.tasks[0].fields["finish_at"] is not None  # CPU steps are timed on the host: an ETA
+    text = out.getvalue()
+    assert "2^15" in text and "eta" in text and "…" not in text
+
+
+def test_plain_lines_carry_the_time_left_and_the_scale_as_a_power_of_two(capsys):
+    plain = PlainConsole(total_steps=100, tokens=False, peak_memory=lambda: None)
+    plain.write([record(1, ms=1000.0)])
+    plain.write([record(step, ms=100.0) for step in range(2, 11)])
+    lines = capsys.readouterr().out.splitlines()
+    assert "scale 2^16" in lines[0] and lines[0].endswith("eta 0:01:39")  # 99 steps at the first step's 1 s
+    assert re.search(r"step 10/100 .* eta 0:00:09$", lines[1])  # 90 steps at the median 100 ms
