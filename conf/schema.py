@@ -301,6 +301,49 @@ class GuardConfig:
                     "an integer >= 1, or null to never stop on skipped steps")
 
 
+class WandbMode(Enum):
+    online = "online"
+    offline = "offline"  # written under the run directory; `wandb sync` uploads it later
+    disabled = "disabled"
+
+
+@dataclass
+class CsvLoggerConfig:
+    file: str = "metrics.csv"  # in the run directory: every step's record, numbers only, units in the column names
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    log_dir: str = "tensorboard"  # relative to the run directory, or absolute
+
+
+@dataclass
+class WandbLoggerConfig:
+    project: str = "ampctl"
+    entity: Optional[str] = None  # null: the logged-in user's default
+    mode: Optional[WandbMode] = None  # null: wandb's own choice (WANDB_MODE, else online)
+    name: Optional[str] = None  # null: the run directory's name
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MlflowLoggerConfig:
+    tracking_uri: Optional[str] = None  # null: MLflow's own (MLFLOW_TRACKING_URI, else its local default)
+    experiment: str = "ampctl"
+    run_name: Optional[str] = None  # null: the run directory's name
+
+
+@dataclass
+class LoggerConfig:
+    """Experiment trackers, any number at once (`logger=[tensorboard,csv]`): each conf/logger/<name>.yaml
+    turns its node on; a null node is off."""
+
+    csv: Optional[CsvLoggerConfig] = None
+    tensorboard: Optional[TensorBoardLoggerConfig] = None
+    wandb: Optional[WandbLoggerConfig] = None
+    mlflow: Optional[MlflowLoggerConfig] = None
+
+
 @dataclass
 class AmpctlConfig:
     """The primary config of `ampctl train`. Open-ended groups (recipe, optimizer) are `_target_` nodes."""
@@ -314,6 +357,7 @@ class AmpctlConfig:
     recipe: Any = MISSING
     optimizer: Any = MISSING
     distributed: DistributedConfig = MISSING
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     resume: Optional[str] = None  # a run dir or checkpoint file to continue from; "auto": this run dir's newest
 
 

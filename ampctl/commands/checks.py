@@ -42,13 +42,18 @@ def refuse_distributed(cfg: DictConfig, command: str) -> None:
 
 def check_train(cfg: DictConfig) -> None:
     from ampctl.engine.build import check_config
+    from ampctl.runner.trackers import check_loggers
 
     check_config(cfg)
+    check_loggers(cfg.logger)
 
 
 def check_compare(cfg: DictConfig) -> None:
+    from ampctl.runner.trackers import check_loggers
+
     validate(cfg)  # each mode is composed and checked against the device when the comparison is planned
     refuse_distributed(cfg, "compare")
+    check_loggers(cfg.logger)
 
 
 def check_memory(cfg: DictConfig) -> None:

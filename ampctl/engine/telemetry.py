@@ -83,6 +83,11 @@ class StepTimer:
             return None
         return (self._marks[-1] - (self._marks[-2] if len(self._marks) > 1 else self._last)) * 1e3
 
+    def restart(self) -> None:
+        """The next step is timed from now: what the host did since the last mark (a log step's read-back and
+        sinks, a tracker starting) is no step's time."""
+        self._last = self._now()
+
     def drain_ms(self) -> list[float]:
         """Durations of the steps marked since the last drain. Syncs on CUDA (called on log steps only)."""
         if not self._marks:
@@ -203,6 +208,7 @@ class Telemetry:
         self._fresh.extend(records)
         for sink in self.sinks:
             sink.write(records)
+        self.timer.restart()
 
     def take_fresh(self) -> list[StepRecord]:
         """The records read back since the last call."""

@@ -33,6 +33,7 @@ class Recorder:
     def __init__(self, run_dir: Path, echo: Callable[[str], None]) -> None:
         self.run_dir = run_dir
         self._print = echo
+        self.trackers: Any = None  # runner/trackers.py's Trackers, once start_trackers made them
 
     def echo(self, line: str) -> None:
         self._print(line)
@@ -45,7 +46,11 @@ class Recorder:
         from ampctl.runner.ownership import holding
 
         with holding(self.run_dir), _logging_into(self.run_dir / LOG_FILE):
-            yield
+            try:
+                yield
+            finally:
+                if self.trackers is not None:
+                    self.trackers.fail()  # a run that ended without its summary (finished ones are left as they are)
 
     def open(self, resumed_at: Optional[int]) -> None:
         """Create the run directory; resuming at a step, set aside what the directory holds past it."""
@@ -71,10 +76,20 @@ class Recorder:
 
         return set_aside_rows_without_checkpoint(self.run_dir)
 
+    def start_trackers(self, cfg: DictConfig, resumed_at: Optional[int], after_steps: int) -> None:
+        """The experiment trackers cfg.logger names, started with the resolved config after this process's
+        first `after_steps` steps (the CPU memory profiler's window: runner/trackers.py says why)."""
+        if not any(cfg.logger.get(name) is not None for name in cfg.logger):
+            return
+        from ampctl.runner.trackers import Trackers
+
+        self.trackers = Trackers(cfg.logger, cfg, self.run_dir, resumed_at, after_steps)
+
     def sinks(self, console_mode: Any, total_steps: int, tokens: bool,
               peak_memory: Callable[[], Optional[int]]) -> list[Sink]:
         console = make_console_sink(console_mode, total_steps, tokens, peak_memory)
-        return [JsonlSink(self.run_dir / METRICS_FILE), *([console] if console is not None else [])]
+        return [JsonlSink(self.run_dir / METRICS_FILE), *([self.trackers] if self.trackers is not None else []),
+                *([console] if console is not None else [])]
 
     def ranges_log(self, state: TrainState, device: Any, every: Optional[int]):
         """telemetry.ranges_every's per-layer value ranges (ranges.jsonl), or None."""
@@ -98,6 +113,8 @@ class Recorder:
             self.echo(f"warning: {line} (the rows around them are whole and kept)")
         summary = build()
         io.write_json(self.run_dir / SUMMARY_FILE, summary)
+        if self.trackers is not None:
+            self.trackers.finish(summary)
         self.echo(final_line(summary, self.run_dir))
         return summary
 
@@ -122,6 +139,9 @@ class NoRecorder(Recorder):
 
     def set_aside_rows_without_checkpoint(self) -> list[Path]:
         return []
+
+    def start_trackers(self, cfg: DictConfig, resumed_at: Optional[int], after_steps: int) -> None:
+        pass
 
     def sinks(self, *_args: Any) -> list[Sink]:
         return []

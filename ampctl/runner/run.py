@@ -91,6 +91,7 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
             recorder.open(resume.step)
             if resume.payload:
                 recorder.record_config(cfg)
+            recorder.start_trackers(cfg, resume.step, after_steps=peak.untimed_steps)
             telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device, step_flops)
             telemetry.skipped_total = resume.skipped_total
             profiler = StepProfiler(cfg.train.profile, first_profiled, state.step, recorder.run_dir, parallel.rank,
@@ -98,6 +99,7 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
             # torch.compile compiles in the first steps
             with CompileWatch(lambda: state.step + 1, enabled=cfg.train.compile) as compiling:
                 _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak, compiling, profiler)
+        # inside: the summary is written while the run directory is held, and ends the trackers' runs
         return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
                                                           compiling, profiler, step_flops, recorder.run_dir))
 

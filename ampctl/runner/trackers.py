@@ -1,0 +1,332 @@
+"""Experiment trackers (`logger=[csv,tensorboard,wandb,mlflow]`): sinks that receive the step records the run
+already has, on log steps, when they have come back from the device anyway (a tracker never reads the
+device), plus the resolved config at start and the summary at the end.
+
+Each tracker speaks its library's own API: torch.utils.tensorboard's SummaryWriter, wandb.init/log/summary,
+MLflow's client (params, metrics, tags, run status). The optional packages are imported only when chosen; a
+missing one is refused before the run starts, naming the extra that installs it.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from ampctl import io
+from ampctl.engine.telemetry import StepRecord
+from ampctl.errors import UsageError
+
+# logger option -> (the module it imports, the ampctl extra that installs it)
+PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+# the ids a resumed run continues its tracker runs under (wandb's run id, MLflow's run id)
+IDS_FILE = "trackers.json"
+# every StepRecord field but the step is a metric, under its own name (units in the names: step_time_ms, ...)
+METRICS = tuple(f.name for f in fields(StepRecord) if f.name != "step")
+
+
+def chosen(logger: DictConfig) -> list[str]:
+    return [name for name in ("csv", "tensorboard", "wandb", "mlflow") if logger.get(name) is not None]
+
+
+def check_loggers(logger: DictConfig) -> None:
+    """Refuse a tracker whose package is not installed: one line, before anything is written."""
+    for name in chosen(logger):
+        if name in PACKAGES and importlib.util.find_spec(PACKAGES[name][0]) is None:
+            module, extra = PACKAGES[name]
+            raise UsageError(f"logger={name}: the {module} package is not installed; pip install 'ampctl[{extra}]'")
+
+
+def metric_values(record: StepRecord) -> dict[str, float]:
+    """A record's metrics under train/<field>, the ones this run has (no tokens_per_s without tokens)."""
+    values = {name: getattr(record, name) for name in METRICS}
+    return {f"train/{name}": float(v) for name, v in values.items() if v is not None}
+
+
+def flat_config(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as dotted keys -> scalars (lists as their text): what HParams and MLflow params
+    take."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        elif isinstance(node, (str, int, float, bool)) or node is None:
+            out[prefix[:-1]] = "null" if node is None else node
+        else:
+            out[prefix[:-1]] = json.dumps(node)
+
+    walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+    return out
+
+
+def summary_numbers(summary: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class Tracker:
+    """start(config) once, write(records) on log steps, flush() when the loop ends, then finish(summary) when
+    the run succeeds or fail() when it does not: either ends the tracker's run."""
+
+    def start(self, cfg: DictConfig) -> None:
+        pass
+
+    def write(self, records: list[StepRecord]) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.fail()
+
+    def fail(self) -> None:
+        pass
+
+
+class CsvTracker(Tracker):
+    """Every step's record as a CSV row. A resumed run keeps the rows up to the step it resumes at (the rows
+    of steps it runs again are replaced)."""
+
+    COLUMNS = ("step", *METRICS)
+
+    def __init__(self, path: Path, resumed_at: Optional[int]) -> None:
+        self.path, self.resumed_at = path, resumed_at
+
+    def start(self, cfg: DictConfig) -> None:
+        path, resumed_at = self.path, self.resumed_at
+        kept: list[list[str]] = []
+        if resumed_at is not None and path.is_file():
+            with path.open(newline="", encoding="utf-8") as f:
+                kept = [row for row in csv.reader(f)][1:]
+            kept = [row for row in kept if row and row[0].isdigit() and int(row[0]) <= resumed_at]
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows([list(self.COLUMNS), *kept])
+        os.replace(tmp, path)
+        self._file = path.open("a", newline="", encoding="utf-8")
+        self._writer = csv.writer(self._file)
+
+    def write(self, records: list[StepRecord]) -> None:
+        for r in records:
+            self._writer.writerow(["" if (v := getattr(r, c)) is None else (int(v) if isinstance(v, bool) else v)
+                                   for c in self.COLUMNS])
+        self._file.flush()
+
+    def fail(self) -> None:
+        self._file.close()
+
+
+class TensorBoardTracker(Tracker):
+    """Scalars per step (train/loss, train/loss_scale, ...), the config as text, the summary as HParams (so
+    that the runs of a sweep line up in TensorBoard's HParams dashboard)."""
+
+    def __init__(self, log_dir: Path, resumed_at: Optional[int]) -> None:
+        self.log_dir, self.resumed_at = log_dir, resumed_at
+        self._hparams: dict[str, Any] = {}
+
+    def start(self, cfg: DictConfig) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: a resumed run drops the events a stopped run had written past its checkpoint
+        self.writer = SummaryWriter(log_dir=str(self.log_dir),
+                                    purge_step=None if self.resumed_at is None else self.resumed_at + 1)
+        self._hparams = flat_config(cfg)
+        self.writer.add_text("config", "```yaml\n" + OmegaConf.to_yaml(cfg, resolve=True) + "```")
+
+    def write(self, records: list[StepRecord]) -> None:
+        for r in records:
+            for name, value in metric_values(r).items():
+                self.writer.add_scalar(name, value, r.step)
+        self.writer.flush()
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams
+
+        metrics = {f"summary/{k}": v for k, v in summary_numbers(summary).items()}
+        for summary_proto in hparams(self._hparams, metrics):
+            self.writer.file_writer.add_summary(summary_proto)
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, value)
+        self.writer.close()
+
+    def fail(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker(Tracker):
+    """A wandb run in the run directory (its files under wandb/), resumed under the same id."""
+
+    def __init__(self, options: DictConfig, run_dir: Path, run_id: Optional[str]) -> None:
+        self.options, self.run_dir, self.run_id = options, run_dir, run_id
+        self.run: Any = None
+
+    def start(self, cfg: DictConfig) -> None:
+        import wandb
+
+        o = self.options
+        self.run = wandb.init(
+            project=o.project, entity=o.entity, name=o.name or self.run_dir.name, tags=list(o.tags),
+            mode=None if o.mode is None else o.mode.value, dir=str(self.run_dir),
+            config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+            id=self.run_id, resume="allow" if self.run_id else None,
+            # the console stays ampctl's: wandb does not wrap stdout (it would tear the live view)
+            settings=wandb.Settings(console="off", quiet=True),
+        )
+        self.run_id = self.run.id
+
+    def write(self, records: list[StepRecord]) -> None:
+        for r in records:
+            self.run.log(metric_values(r), step=r.step)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.run.summary.update(io.strict_json(summary))
+        self.run.finish(exit_code=0)
+
+    def fail(self) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=1)
+
+
+class MlflowTracker(Tracker):
+    """An MLflow run: the config as params, every step's record as metrics, the summary as metrics and tags,
+    the run's status at the end. Resumed under the same run id."""
+
+    def __init__(self, options: DictConfig, run_dir: Path, run_id: Optional[str]) -> None:
+        self.options, self.run_dir, self.run_id = options, run_dir, run_id
+
+    def start(self, cfg: DictConfig) -> None:
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.options.tracking_uri)
+        if self.run_id is not None:  # resumed: the run goes on
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
+        name = self.options.experiment
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        run = self.client.create_run(experiment_id, run_name=self.options.run_name or self.run_dir.name,
+                                     tags={"ampctl.run_dir": str(self.run_dir)})
+        self.run_id = run.info.run_id
+        params = [Param(k, str(v)) for k, v in flat_config(cfg).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def write(self, records: list[StepRecord]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, r.step) for r in records for k, v in metric_values(r).items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a batch
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        now, step = int(time.time() * 1000), int(summary.get("steps", 0))
+        numbers = summary_numbers(summary)
+        tags = [RunTag(f"ampctl.{k}", str(v)) for k, v in summary.items() if k not in numbers and v is not None]
+        self.client.log_batch(self.run_id, metrics=[Metric(f"summary/{k}", v, now, step) for k, v in numbers.items()],
+                              tags=tags)
+        self.client.set_terminated(self.run_id, "FINISHED")
+
+    def fail(self) -> None:
+        if self.run_id is not None:
+            self.client.set_terminated(self.run_id, "FAILED")
+
+
+class Trackers:
+    """The run's trackers together, as one sink: started with the config, finished with the summary, failed
+    when the run does. The ids a resumed run needs are kept in the run directory's trackers.json.
+
+    They start after the first `start_after_steps` steps of this process: torch's CPU memory profiler
+    (telemetry.profile_cpu_memory) records Python stacks over the build and steps 1-2, and a tracker's
+    background threads inside that window made a 12-step run take minutes. Records of those steps wait here
+    and are written when the trackers start."""
+
+    def __init__(self, logger: DictConfig, cfg: DictConfig, run_dir: Path, resumed_at: Optional[int],
+                 start_after_steps: int = 0) -> None:
+        check_loggers(logger)
+        self.run_dir, self.cfg = run_dir, cfg
+        # nothing is imported or created here: each tracker does both in start()
+        ids = self._ids() if resumed_at is not None else {}
+        self.trackers: list[Tracker] = []
+        if logger.csv is not None:
+            self.trackers.append(CsvTracker(run_dir / logger.csv.file, resumed_at))
+        if logger.tensorboard is not None:
+            self.trackers.append(TensorBoardTracker(run_dir / logger.tensorboard.log_dir, resumed_at))
+        if logger.wandb is not None:
+            self.trackers.append(WandbTracker(logger.wandb, run_dir, ids.get("wandb")))
+        if logger.mlflow is not None:
+            self.trackers.append(MlflowTracker(logger.mlflow, run_dir, ids.get("mlflow")))
+        self._start_after = start_after_steps
+        self._waiting: list[StepRecord] = []
+        self._started = self._ended = False
+        if start_after_steps == 0:
+            self._start()
+
+    def _ids(self) -> dict[str, str]:
+        try:
+            return json.loads((self.run_dir / IDS_FILE).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _start(self) -> None:
+        self._started = True
+        for tracker in self.trackers:
+            tracker.start(self.cfg)
+        ids = {name: t.run_id for name, t in (("wandb", self._of(WandbTracker)), ("mlflow", self._of(MlflowTracker)))
+               if t is not None and t.run_id}
+        if ids:
+            io.write_json(self.run_dir / IDS_FILE, ids)
+
+    def _of(self, kind: type) -> Any:
+        return next((t for t in self.trackers if isinstance(t, kind)), None)
+
+    def write(self, records: list[StepRecord]) -> None:
+        if not self._started:
+            self._waiting += records
+            if len(self._waiting) <= self._start_after:  # the window closes after its last step's records
+                return
+            self._start()
+            records, self._waiting = self._waiting, []
+        for tracker in self.trackers:
+            tracker.write(records)
+
+    def close(self) -> None:
+        """The loop ended (a Sink's close): what was written is flushed; the runs end with the summary."""
+        for tracker in self.trackers:
+            tracker.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self._ended:
+            return
+        if not self._started:  # a run shorter than the window
+            self._start()
+            if self._waiting:
+                for tracker in self.trackers:
+                    tracker.write(self._waiting)
+        self._ended = True
+        for tracker in self.trackers:
+            tracker.finish(summary)
+
+    def fail(self) -> None:
+        """The run failed or was stopped before its summary: each tracker's run ends as failed (those that
+        never started have nothing to end)."""
+        if not self._ended:
+            self._ended = True
+            for tracker in self.trackers:
+                if self._started:
+                    tracker.fail()

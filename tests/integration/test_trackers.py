@@ -1,0 +1,102 @@
+"""Experiment trackers end to end: a real fp16 run with skipped steps and a growing loss scale, logged to csv,
+TensorBoard, W&B (offline) and MLflow (a local SQLite store) at once, then resumed. What each tracker holds
+is read back with its own reader (tests/tracker_readers.py) and compared with the run's metrics.jsonl, step
+by step: every step once, every metric, the config and the summary."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from ampctl.cli import main
+from ampctl.runner import trackers
+from tests import tracker_readers
+
+pytest.importorskip("tensorboard")
+pytest.importorskip("wandb")
+pytest.importorskip("mlflow")
+
+# fp16 from a scale of 2^40: the first steps overflow and are skipped while the scale backs off, then it grows
+RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "precision=fp16",
+       "scaler.init_scale=1099511627776", "scaler.growth_interval=2", "train.log_every=4", "train.checkpoint_every=6",
+       "train.console=quiet", "logger=[csv,tensorboard,wandb,mlflow]", "logger.wandb.mode=offline"]
+
+
+def same(a: float, b: float, rel: float = 0.0) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b or (math.isinf(a) and a == b) or a == pytest.approx(b, rel=rel)
+
+
+def test_every_tracker_holds_every_steps_record_the_config_and_the_summary_across_a_resume(
+        tmp_path, restore_argv, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    main(["train", *RUN, "train.steps=6", f"logger.mlflow.tracking_uri={uri}", f"hydra.run.dir={run}"])
+    ids = json.loads((run / trackers.IDS_FILE).read_text())
+    main(["train", *RUN, "train.steps=10", f"logger.mlflow.tracking_uri={uri}", f"hydra.run.dir={run}",
+          "resume=auto"])
+    assert json.loads((run / trackers.IDS_FILE).read_text()) == ids  # the same tracker runs, continued
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert any(r["skipped"] for r in rows) and len({r["loss_scale"] for r in rows}) > 2  # the figures move
+    metrics = [name for name in trackers.METRICS if name in rows[0]]
+
+    def value(row, name):  # metrics.jsonl writes a non-finite grad norm (a skipped step) as null
+        return float("nan") if row[name] is None else float(row[name])
+
+    # csv: every step once, numbers only, the columns named with their units
+    with (run / "metrics.csv").open(newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in table] == list(range(1, 11))
+    for row, line in zip(rows, table):
+        for name in metrics:
+            assert same(value(row, name), float(line[name])), (name, row, line)
+
+    # TensorBoard: a scalar per metric and step (float32 in the event file), the config as HParams
+    scalars = tracker_readers.tensorboard_scalars(run / "tensorboard")
+    for name in metrics:
+        assert sorted(scalars[f"train/{name}"]) == list(range(1, 11))
+        for row in rows:
+            assert same(value(row, name), scalars[f"train/{name}"][row["step"]], rel=1e-6), name
+    assert scalars["summary/final_loss"][0] == pytest.approx(summary["final_loss"], rel=1e-6)
+    hparams = tracker_readers.tensorboard_hparams(run / "tensorboard")
+    assert hparams["precision.name"] == "fp16" and hparams["scaler.growth_interval"] == 2
+
+    # W&B: the offline run's history across both processes, its config and summary
+    wandb = tracker_readers.wandb_records(run)
+    assert sorted(wandb["history"]) == list(range(7, 11))  # the resumed process's file: steps 7-10
+    first = tracker_readers.wandb_records_of(sorted((run / "wandb").glob("offline-run-*"))[0])
+    assert sorted(first["history"]) == list(range(1, 7))
+    history = {**first["history"], **wandb["history"]}
+    for row in rows:
+        for name in metrics:
+            assert same(value(row, name), history[row["step"]][f"train/{name}"]), name
+    assert wandb["config"]["precision"]["name"] == "fp16" and wandb["config"]["train"]["steps"] == 10
+    assert wandb["summary"]["final_loss"] == summary["final_loss"] and wandb["summary"]["steps"] == 10
+
+    # MLflow: one run, finished; every step's metrics once; the config as params, the summary as metrics
+    mlflow = tracker_readers.mlflow_run(uri, ids["mlflow"])
+    assert mlflow["status"] == "FINISHED"
+    for name in metrics:
+        history = mlflow["histories"][f"train/{name}"]
+        assert sorted(m.step for m in history) == list(range(1, 11)), name
+        for row, m in zip(rows, sorted(history, key=lambda m: m.step)):
+            assert same(value(row, name), m.value), name
+    assert mlflow["params"]["precision.name"] == "fp16" and mlflow["params"]["train.steps"] == "6"  # as started
+    assert mlflow["metrics"]["summary/final_loss"] == {6: pytest.approx(rows[5]["loss"]), 10: summary["final_loss"]}
+    assert mlflow["tags"]["ampctl.precision"] == "fp16"
+
+
+def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path, capsys, restore_argv,
+                                                                         monkeypatch):
+    monkeypatch.setitem(trackers.PACKAGES, "wandb", ("wandb_is_not_installed_here", "wandb"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "device=cpu", "recipe=mlp", "train.steps=2", "logger=[csv,wandb]",
+              f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and not (tmp_path / "run").exists()
+    assert "logger=wandb: the wandb_is_not_installed_here package is not installed; pip install 'ampctl[wandb]'" in err
