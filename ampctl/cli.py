@@ -4,6 +4,7 @@ and calls that command's own entry point, so each command keeps every Hydra feat
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import signal
@@ -96,7 +97,9 @@ def dispatch(args: list[str]) -> None:
         if command is None:
             return
     if command not in COMMANDS:
-        print(f"ampctl: unknown command {command!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        close = difflib.get_close_matches(command, COMMANDS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        print(f"ampctl: unknown command {command!r}; {hint}choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
 
     from ampctl.conf.schema import register_configs

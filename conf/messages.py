@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from typing import Optional
 
@@ -22,7 +23,9 @@ def one_line(exc: BaseException) -> str:
                 if err.full_key in RENAMED_KEYS:
                     new = RENAMED_KEYS[err.full_key]
                     return f"{err.full_key}: renamed; set {new}.* (the options of {_owner(new)})"
-                return f"{err.full_key}: no such key{_allowed_keys(err)}"
+                parent, _, key = err.full_key.rpartition(".")
+                close = did_you_mean(key, _keys(err), prefix=f"{parent}." if parent else "")
+                return f"{err.full_key}: no such key{close}{_allowed_keys(err)}"
             msg = str(getattr(err, "msg", "") or err).splitlines()[0]
             return _type_error(err.full_key, msg) or f"{err.full_key}: {msg}"
     text = str(exc).strip()
@@ -33,9 +36,20 @@ def one_line(exc: BaseException) -> str:
         if group in ("hydra/sweeper", "hydra/launcher"):
             return _missing_plugin(group, option, options)
         allowed = f"; choose one of {', '.join(options)}" if options else ""
-        return f"{group}={option}: no such {group}{allowed}"
+        return f"{group}={option}: no such {group}{did_you_mean(option, options)}{allowed}"
     text = text.replace(", set env var HYDRA_FULL_ERROR=1 to see chained exception.", "")
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
+    """' (did you mean X?)' for the closest of choices (difflib's ratio >= 0.6), or nothing."""
+    close = difflib.get_close_matches(word, choices, n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def _keys(err: OmegaConfBaseException) -> list[str]:
+    schema = getattr(err, "object_type", None)
+    return [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
 
 
 def instantiation_error(exc: BaseException) -> str:

@@ -1,23 +1,26 @@
-"""`ampctl list [device=auto|cpu|cuda]`: every precision mode, scaler, recipe and optimizer, one line each,
-and whether each precision mode can run on this machine."""
+"""`ampctl list [-cd DIR] [device=auto|cpu|cuda]`: every precision mode, scaler, recipe, optimizer and logger
+(the user's own in DIR too), one line each, and whether each precision mode can run on this machine."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from importlib import resources
+from pathlib import Path
+from typing import NoReturn, Optional
 
 import torch
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ampctl.engine import devices
 from ampctl.engine.precision.policy import PrecisionPolicy
-from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.errors import USAGE_EXIT_CODE, UsageError, print_error
 
-GROUPS = ("scaler", "recipe", "optimizer")
+GROUPS = ("scaler", "recipe", "optimizer", "logger")
 # The README's table order: baselines first, then autocast modes, then Apex's cast-model levels.
 PRECISION_ORDER = ("fp32", "O0", "tf32", "fp16", "O1", "bf16", "O2", "O3", "fp8", "fp8_emulated")
 
@@ -27,56 +30,113 @@ def precision_sort_key(option: str) -> tuple[int, str]:
 
 
 def yaml_description(group: str, option: str) -> str:
-    """The first comment line of conf/<group>/<option>.yaml: every shipped YAML starts with one."""
-    text = resources.files("ampctl.conf").joinpath(group, f"{option}.yaml").read_text(encoding="utf-8")
-    for line in text.splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-    return ""
+    """The first sentence of conf/<group>/<option>.yaml's opening comment: every shipped YAML starts with one."""
+    return first_sentence(resources.files("ampctl.conf").joinpath(group, f"{option}.yaml").read_text(encoding="utf-8"))
 
 
-def parse_device(argv: list[str]) -> str:
-    device = "auto"
-    for arg in argv:
-        key, _, value = arg.partition("=")
-        if key != "device" or value not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"unexpected argument {arg!r}: ampctl list takes only device=auto|cpu|cuda")
-        device = value
-    return device
+def first_sentence(yaml_text: str) -> str:
+    """The first sentence of a YAML file's opening comment block (rich markup in it shown as written)."""
+    lines = []
+    for line in yaml_text.splitlines():
+        if not line.startswith("#"):
+            if lines:
+                break
+            continue
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines)
+    end = text.find(". ")
+    return escape(text if end < 0 else text[:end + 1])
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (`ampctl list: error: ...`, exit 2), as in every command."""
+
+    def error(self, message: str) -> NoReturn:
+        print_error(f"{self.prog}: error: {message}")
+        sys.exit(USAGE_EXIT_CODE)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = OneLineErrors(
+        prog="ampctl list", description="Every precision mode, scaler, recipe, optimizer and logger, one line "
+        "each, and whether each precision mode runs (fast) on this machine.",
+        epilog="example: ampctl list -cd my_conf device=cpu")
+    parser.add_argument("device", nargs="?", default="device=auto", metavar="device=auto|cpu|cuda",
+                        help="the device to check the precision modes against (default: auto)")
+    parser.add_argument("-cd", "--config-dir", type=Path, metavar="DIR",
+                        help="also list the options and experiment configs in DIR, as `ampctl train -cd DIR` sees them")
+    args = parser.parse_args(argv)
+    key, _, value = args.device.partition("=")
+    if key != "device" or value not in ("auto", "cpu", "cuda"):
+        parser.error(f"unexpected argument {args.device!r}: ampctl list takes device=auto|cpu|cuda")
+    args.device = value
+    if args.config_dir is not None and not args.config_dir.is_dir():
+        parser.error(f"-cd {str(args.config_dir)!r} is not a directory")
+    return args
+
+
+def config_loader(config_dir: Optional[Path]):
+    """Hydra's config loader over ampctl's configs, with the user's DIR first, as `-cd DIR` gives a command
+    (Hydra prepends a command line's config dir to the app's search path)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+
+    search_path = create_config_search_path("pkg://ampctl.conf")
+    if config_dir is not None:
+        search_path.prepend("command-line", f"file://{config_dir.resolve()}")
+    return ConfigLoaderImpl(config_search_path=search_path)
+
+
+def option_description(loader, group: str, option: str) -> str:
+    """The first comment line of the option's YAML (every shipped one starts with one), wherever it lives."""
+    found = loader.repository.load_config(f"{group}/{option}")
+    if found is None or not found.path.startswith("file://"):
+        return yaml_description(group, option)
+    return first_comment(Path(found.path[len("file://"):]) / group / f"{option}.yaml")
+
+
+def first_comment(path: Path) -> str:
+    return first_sentence(path.read_text(encoding="utf-8"))
 
 
 def main() -> None:
-    try:
-        device = devices.resolve_device(parse_device(sys.argv[1:]))
-    except UsageError as exc:
-        print(f"ampctl list: error: {exc}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
+    args = parse_args(sys.argv[1:])  # argparse: --help, and a bad argument is one line, exit 2
+    device = devices.resolve_device(args.device)
     console = Console()
-    with initialize_config_module(config_module="ampctl.conf", version_base=None):
-        loader = GlobalHydra.instance().config_loader()
-        table = Table(title=f"precision modes on {device.type} ({devices.device_name(device)})")
-        for column in ("precision", "description", "default scaler", "runs here"):
-            table.add_column(column)
-        for option in sorted(loader.get_group_options("precision"), key=precision_sort_key):
-            cfg = compose(config_name="train", overrides=[f"precision={option}"])
-            precision = cfg.precision
-            try:
-                policy = PrecisionPolicy(OmegaConf.to_object(precision), device)
-                policy.check()
-                slow = policy.slow_here()
-                runs = f"[yellow]yes, slowly[/]: {slow}" if slow else "[green]yes[/]"
-            except UsageError as exc:
-                runs = f"[red]no[/]: {str(exc).split(';')[0].split(': ', 1)[-1]}"
-            label = option if option == precision.name else f"{option} (= {precision.name})"
-            table.add_row(label, precision.description, cfg.scaler.kind, runs)
+    loader = config_loader(args.config_dir)
+    table = Table(title=f"precision modes on {device.type} ({devices.device_name(device)})")
+    for column in ("precision", "description", "default scaler", "runs here"):
+        table.add_column(column)
+    for option in sorted(loader.get_group_options("precision"), key=precision_sort_key):
+        cfg = loader.load_configuration(config_name="train", overrides=[f"precision={option}"], run_mode=RunMode.RUN)
+        precision = cfg.precision
+        try:
+            policy = PrecisionPolicy(OmegaConf.to_object(precision), device)
+            policy.check()
+            slow = policy.slow_here()
+            runs = f"[yellow]yes, slowly[/]: {slow}" if slow else "[green]yes[/]"
+        except UsageError as exc:
+            runs = f"[red]no[/]: {str(exc).split(';')[0].split(': ', 1)[-1]}"
+        label = option if option == precision.name else f"{option} (= {precision.name})"
+        table.add_row(label, precision.description, cfg.scaler.kind, runs)
+    console.print(table)
+    for group in GROUPS:
+        table = Table(title=f"{group} options")
+        table.add_column(group)
+        table.add_column("description")
+        for option in loader.get_group_options(group):
+            table.add_row(option, option_description(loader, group, option))
         console.print(table)
-        for group in GROUPS:
-            table = Table(title=f"{group} options")
-            table.add_column(group)
-            table.add_column("description")
-            for option in loader.get_group_options(group):
-                table.add_row(option, yaml_description(group, option))
-            console.print(table)
+    if args.config_dir is not None:
+        experiments = sorted(args.config_dir.glob("*.yaml"))
+        table = Table(title=f"experiment configs in {args.config_dir}")
+        table.add_column("NAME")
+        table.add_column("description")
+        for path in experiments:
+            table.add_row(path.stem, first_comment(path))
+        console.print(table if experiments else f"no experiment configs (*.yaml) at the top of {args.config_dir}")
+        if experiments:
+            console.print(f"run one with: ampctl train -cd {args.config_dir} -cn NAME", soft_wrap=True)
     if device.type == "cpu":
         fast = "yes" if devices.has_fast_bf16_cpu() else "no"
         slowdown = devices.cpu_half_slowdown(torch.bfloat16)

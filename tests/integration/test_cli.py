@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ampctl.cli import main
+from ampctl.cli import COMMANDS, main
 
 FAST = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=6", "train.log_every=3",
         "train.console=plain"]
@@ -96,7 +96,7 @@ def test_cfg_job_prints_the_config_without_training(tmp_path, restore_argv, caps
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["precision=fp61"], "precision=fp61: no such precision; choose one of O0, O1, O2, O3, bf16, fp16, fp32, fp8, fp8_emulated, tf32"),
+        (["precision=fp61"], "precision=fp61: no such precision (did you mean fp16?); choose one of O0, O1, O2, O3, bf16, fp16, fp32, fp8, fp8_emulated, tf32"),
         (["precision=fp16", "scaler.growth_factor=1"], "scaler.growth_factor=1.0 is not allowed"),
         (["precision=fp16", "scaler.backoff_factor=1.5"], "scaler.backoff_factor=1.5 is not allowed"),
         (["precision=fp16", "scaler.growth_interval=0"], "scaler.growth_interval=0 is not allowed"),
@@ -176,7 +176,7 @@ def test_unknown_command_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["trian"])
     assert exit_info.value.code == 2
-    assert "unknown command 'trian'; choose one of: train, compare, memory, inspect, report, list" in capsys.readouterr().err
+    assert "unknown command 'trian'; did you mean 'train'? choose one of: train, compare, memory, inspect, report, list" in capsys.readouterr().err
 
 
 # --- real processes ---------------------------------------------------------------------------------
@@ -238,3 +238,34 @@ def test_a_failure_with_stdout_sent_to_dev_null_still_fails(tmp_path):
         result = subprocess.run([sys.executable, "-m", "ampctl", "report", str(tmp_path)], stdout=devnull,
                                 stderr=subprocess.PIPE, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_has_help(command, capsys, restore_argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+        raise SystemExit(0)  # Hydra's --help returns; argparse's exits
+    out = capsys.readouterr().out
+    assert exit_info.value.code in (0, None) and f"ampctl {command}" in out and "error" not in out.lower()
+
+
+def test_list_shows_the_users_own_options_and_experiment_configs(tmp_path, capsys, restore_argv):
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "recipe" / "tinymlp.yaml").write_text("# My tiny MLP. Half the width.\ndefaults:\n  - mlp\n"
+                                                     "  - _self_\nhidden: 16\n")
+    (tmp_path / "fp16_sweep.yaml").write_text("# The base of my [fp16] sweeps.\ndefaults:\n  - train\n  - _self_\n")
+    main(["list", "-cd", str(tmp_path), "device=cpu"])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long cells
+    assert "tinymlp │ My tiny MLP." in out and "gpt │" in out  # the user's recipe among the built-in ones
+    assert f"ampctl train -cd {tmp_path} -cn NAME" in out and "fp16_sweep │ The base of my [fp16] sweeps." in out
+    assert "logger options" in out and "tensorboard" in out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["devcie=cpu"], "ampctl list: error: unexpected argument 'devcie=cpu': ampctl list takes device=auto|cpu|cuda"),
+    (["-cd", "/no/such/dir"], "ampctl list: error: -cd '/no/such/dir' is not a directory"),
+])
+def test_list_refuses_a_bad_argument_in_one_line(args, message, capsys, restore_argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["list", *args])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == message + "\n"

@@ -100,7 +100,7 @@ def test_a_key_added_with_plus_is_refused_like_any_unknown_key(tmp_path, multiru
     result = ampctl("train", *sweep, *QUICK, "+train.stepz=5", "hydra.run.dir=run", "hydra.sweep.dir=sweep",
                     cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.startswith("ampctl train: error: train.stepz: no such key; allowed: steps, ")
+    assert result.stderr.startswith("ampctl train: error: train.stepz: no such key (did you mean train.steps?); allowed: steps, ")
     assert len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
 
