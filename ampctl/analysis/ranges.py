@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -38,6 +38,7 @@ from ampctl.engine.loop import batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import tables
+from ampctl.reports.progress import Phases
 
 KINDS = ("activation", "activation_grad", "weight_grad", "weight")
 GRADIENT_KINDS = ("activation_grad", "weight_grad")
@@ -115,7 +116,8 @@ class Inspection:
     run_scales: list[float]
 
 
-def inspect_run(cfg: DictConfig) -> Inspection:
+def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None) -> Inspection:
+    """cfg.inspect.steps training steps with range hooks on every leaf module; phase(what) after each part."""
     policy = check_config(cfg)
     recipe = build_recipe(cfg.recipe)
     with policy:
@@ -133,10 +135,13 @@ def inspect_run(cfg: DictConfig) -> Inspection:
             recorder.run_scale = float(state.scaler.current_scale())
             run_scales.append(recorder.run_scale)
 
+        phase(f"built the model, hooks on {len(recorder.layers)} leaf modules")
+        n = cfg.inspect.steps
         with recorder:
             recorder.record_weights()
-            run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), cfg.inspect.steps, recipe, policy,
-                      cfg.train.grad_accum_steps, cfg.train.clip_grad_norm, before_step=note_the_scale)
+            run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), n, recipe, policy,
+                      cfg.train.grad_accum_steps, cfg.train.clip_grad_norm, before_step=note_the_scale,
+                      after_step=lambda done: phase(f"recorded step {done}/{n}"))
     return Inspection(recorder, study, run_scales)
 
 
@@ -228,7 +233,7 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     console = tables.make_console()
     console.print(f"ampctl inspect: {cfg.inspect.steps} steps of precision={cfg.precision.name} with range hooks "
                   f"on every leaf module -> {out_dir}")
-    inspection = inspect_run(cfg)
+    inspection = inspect_run(cfg, Phases(console))
     out_dir.mkdir(parents=True, exist_ok=True)
     device = next(iter(inspection.recorder.stats.values())).histogram.device
     kind = "activation_grad" if _merged(inspection, "activation_grad") is not None else "weight_grad"

@@ -178,14 +178,16 @@ def run_steps(
     clip_grad_norm: Optional[float] = None,
     before_step: Callable[[], None] = lambda: None,
     timed: bool = False,
+    after_step: Callable[[int], None] = lambda done: None,
 ) -> list[float]:
     """n optimizer steps outside a training run (inspect, memory, the memory probe, diagnose): the step fit()
     takes, its records kept on the device where nobody reads them. With timed, each step's wall time in ms
-    (synchronized with the device: these are measurements, not a training run)."""
+    (synchronized with the device: these are measurements, not a training run). after_step(k) after the k-th
+    (progress for the commands that wait on these steps)."""
     telemetry = Telemetry(policy.device, max(n, 1), recipe.samples_per_batch, None, [])
     state.model.train()
     times = []
-    for _ in range(n):
+    for done in range(1, n + 1):
         before_step()
         start = time.perf_counter()
         train_step(state, batches, recipe, policy, grad_accum_steps, clip_grad_norm, telemetry)
@@ -193,4 +195,5 @@ def run_steps(
             if policy.device.type == "cuda":
                 torch.cuda.synchronize(policy.device)
             times.append((time.perf_counter() - start) * 1e3)
+        after_step(done)
     return times

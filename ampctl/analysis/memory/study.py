@@ -16,7 +16,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from hydra.core.global_hydra import GlobalHydra
@@ -40,6 +40,7 @@ from ampctl.engine.loop import batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import tables
+from ampctl.reports.progress import Phases
 
 SEARCH_PROBES = 10  # real-step probes of the batch search, at most
 
@@ -92,9 +93,10 @@ def plan(cfg: DictConfig, task_overrides: list[str]) -> list[tuple[str, list[str
     return rows
 
 
-def _steps(state, recipe, batches: Iterator[Any], policy, cfg: DictConfig, n: int) -> list[float]:
+def _steps(state, recipe, batches: Iterator[Any], policy, cfg: DictConfig, n: int,
+           after_step: Callable[[int], None]) -> list[float]:
     return run_steps(state, batches, n, recipe, policy, cfg.train.grad_accum_steps, cfg.train.clip_grad_norm,
-                     timed=True)
+                     timed=True, after_step=after_step)
 
 
 def _recipe_with_batch(cfg: DictConfig, batch_size: int):
@@ -116,7 +118,10 @@ def _count_activations(state, recipe, policy, cfg: DictConfig) -> int:
     return counter.bytes
 
 
-def measure_mode(label: str, cfg: DictConfig, budget: Optional[int]) -> ModeMemory:
+def measure_mode(label: str, cfg: DictConfig, budget: Optional[int],
+                 phase: Callable[[str], None] = lambda what: None) -> ModeMemory:
+    """One mode's memory: the peak measured over its build and memory.steps steps, the estimate per part, the
+    timed steps. phase(what) after each part (progress)."""
     policy = check_config(cfg)
     recipe = build_recipe(cfg.recipe)
     batch_size = cfg.recipe.get("batch_size") if isinstance(cfg.recipe.get("batch_size"), int) else None
@@ -126,9 +131,14 @@ def measure_mode(label: str, cfg: DictConfig, budget: Optional[int]) -> ModeMemo
         with measure_peak(policy.device) as peak:
             state = build_state(cfg, policy, recipe)
             batches = batch_stream(recipe, policy.device, cfg.train.seed)
-            _steps(state, recipe, batches, policy, cfg, cfg.memory.steps)
+            phase("built the model")
+            n = cfg.memory.steps
+            _steps(state, recipe, batches, policy, cfg, n, lambda done: phase(f"measured step {done}/{n}"))
+        if policy.device.type == "cpu":  # the profiler's timeline is read when the measurement ends
+            phase("read the CPU memory timeline of the build and the measured steps")
         states = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
-        times = _steps(state, recipe, batches, policy, cfg, cfg.memory.timed_steps)
+        n = cfg.memory.timed_steps
+        times = _steps(state, recipe, batches, policy, cfg, n, lambda done: phase(f"timed step {done}/{n}"))
         # Counted after the measurement, so that the counting (and its recomputation of a checkpointed
         # block) is never part of the measured peak.
         activations = _count_activations(state, recipe, policy, cfg)
@@ -266,7 +276,7 @@ def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     results = []
     for i, (label, mode_cfg) in enumerate(configs, 1):
         console.print(f"[{i}/{len(configs)}] {label}: measuring")
-        results.append(measure_mode(label, mode_cfg, budget))
+        results.append(measure_mode(label, mode_cfg, budget, Phases(console)))
     if budget is not None and search:
         for i, (result, (label, overrides)) in enumerate(zip(results, rows), 1):
             console.print(f"[{i}/{len(rows)}] {label}: searching the largest batch within {cfg.memory.budget}")
