@@ -11,7 +11,8 @@ from ampctl.analysis.numerics import FORMATS, LOG2_LOW
 from ampctl.reports.plots import plt, save_figure
 
 
-def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: float, path: Path) -> Path:
+def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: float, path: Path,
+                    context: str = "") -> Path:
     """The loss-scaling picture for this model: the histogram of gradient magnitudes (counts per log2 bin,
     numerics.LOG2_LOW upwards, as fractions of all `total` values, zeros included), each format's range
     drawn under it, and the same histogram shifted by the loss scale."""
@@ -31,16 +32,22 @@ def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: 
         sub, normal, mx = (math.log2(fmt.min_subnormal), math.log2(fmt.min_normal), math.log2(fmt.max))
         ax.plot([sub, normal], [y, y], color=f"C{i + 2}", linewidth=4, alpha=0.4)
         ax.plot([normal, mx], [y, y], color=f"C{i + 2}", linewidth=4, label=f"{fmt.name} (pale: subnormal)")
+        # each format's limits, written on its bar: smallest subnormal, smallest normal, largest
+        for x, text, align in ((sub, f"2^{sub:.0f}", "right"), (normal, f"2^{normal:.0f}", "center"),
+                               (mx, f"max 2^{mx:.1f}".replace(".0", ""), "left")):
+            ax.annotate(text, (x, y), xytext=(-3 if align == "right" else 3 if align == "left" else 0, -1),
+                        textcoords="offset points", ha=align, va="top", fontsize=6, color=f"C{i + 2}")
     ax.axvline(math.log2(FORMATS[0].min_subnormal), color="grey", linestyle=":", linewidth=1)
     ax.set_xlim(lo, hi)
     ax.set(xlabel="log2 |value|", ylabel="fraction of values",
-           title=f"{label}: magnitudes against each format's range")
+           title=f"{label}: magnitudes against each format's range" + (f"\n{context}" if context else ""))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+    fig.tight_layout()
     return save_figure(fig, path)
 
 
-def underflow_heatmap(layer_table, path: Path) -> Path:
+def underflow_heatmap(layer_table, path: Path, context: str = "") -> Path:
     """Fraction of values flushed to zero, per layer (rows) and tensor kind × format (columns)."""
     rows = layer_table.as_dicts()
     layers = list(dict.fromkeys(r["layer"] for r in rows))
@@ -55,6 +62,13 @@ def underflow_heatmap(layer_table, path: Path) -> Path:
     ax.set_xticks(range(len(columns)), [f"{k.replace('activation', 'act').replace('weight', 'w')}\n{f}"
                                         for k, f in columns], fontsize=7)
     ax.set_yticks(range(len(layers)), layers, fontsize=7)
-    ax.set_title("fraction flushed to zero (no loss scale)")
-    fig.colorbar(image, ax=ax, fraction=0.03)
+    image.cmap.set_bad("lightgrey")  # NaN cells: a layer without that kind of tensor
+    empty = any(v != v for row in grid for v in row)
+    ax.set_title("fraction of values flushed to zero in each format (no loss scale)"
+                 + (f"\n{context}" if context else ""), fontsize=9)
+    if empty:
+        ax.set_xlabel("grey: the layer has no tensor of that kind (a layer without parameters has no weight "
+                      "gradients)", fontsize=7)
+    colorbar = fig.colorbar(image, ax=ax, fraction=0.03)
+    colorbar.set_label("fraction of the tensor's values that become 0", fontsize=8)
     return save_figure(fig, path)

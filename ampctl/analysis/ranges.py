@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from torch import nn
 
@@ -240,23 +240,26 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     plotted = _merged(inspection, kind)
     histogram = {"kind": kind, "log2_low": LOG2_LOW, "total": int(plotted.total),
                  "counts": plotted.histogram.cpu().tolist()}
+    recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), None)
+    recipe = recipe or OmegaConf.select(cfg, "recipe._target_", default="").rsplit(".", 1)[-1]
+    context = f"recipe={recipe} · {cfg.precision.name} · {cfg.inspect.steps} steps"
     write_inspect_report(out_dir, layer_table(inspection), summary_table(inspection), histogram,
                          inspection.study_scale, inspection.run_scales, overrides,
-                         tables.machine_info([{"device": device.type}]), console)
+                         tables.machine_info([{"device": device.type}]), console, context)
 
 
 def write_inspect_report(out_dir: Path, layers: tables.ReportTable, summary: tables.ReportTable, histogram: dict,
                          study_scale: float, run_scales: list[float], overrides: list[str], machine: dict,
-                         console: Console) -> None:
+                         console: Console, context: str = "") -> None:
     """ranges.csv / ranges.json / report.md and the two plots; everything `ampctl report` needs to redo them
     goes into ranges.json (the summary rows and the plotted histogram too)."""
     from ampctl.analysis import range_plots
 
     label = histogram["kind"].replace("_grad", " gradients")
     images = [range_plots.gradient_ranges(histogram["counts"], histogram["total"], label, study_scale,
-                                    out_dir / "gradient_ranges.png"),
-              range_plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png")]
-    extra = {"kind": "inspect", "overrides": overrides, "study_scale": study_scale, "run_scales": run_scales,
+                                    out_dir / "gradient_ranges.png", context),
+              range_plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png", context)]
+    extra = {"kind": "inspect", "context": context, "overrides": overrides, "study_scale": study_scale, "run_scales": run_scales,
              "summary": summary.as_dicts(), "summary_notes": summary.notes, "histogram": histogram}
     files = tables.write_files(layers, out_dir, "ranges", machine, images, extra)
     tables.print_table(summary, console)
@@ -276,7 +279,7 @@ def rerender(out_dir: Path, console: Console) -> None:
     summary = _styled_summary(list(summary_rows[0]) if summary_rows else [], [list(r.values()) for r in summary_rows],
                               data.get("summary_notes", []), data["study_scale"])
     write_inspect_report(out_dir, layers, summary, data["histogram"], data["study_scale"], data["run_scales"],
-                         data.get("overrides", []), data["machine"], console)
+                         data.get("overrides", []), data["machine"], console, data.get("context", ""))
 
 
 class RangesLog:

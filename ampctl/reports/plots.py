@@ -16,15 +16,52 @@ from ampctl.reports.runs import RunRecord  # noqa: E402
 LINESTYLES = ("-", "--", "-.", ":")
 
 
-def loss_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: str) -> Path:
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+def run_context(runs: Sequence[tuple[str, RunRecord]]) -> str:
+    """What the runs are, for a title: `recipe=gpt · fp32, bf16 · 200 steps`."""
+    summaries = [run.summary or {} for _, run in runs]
+    recipes = list(dict.fromkeys(str(s["recipe"]) for s in summaries if s.get("recipe")))
+    modes = list(dict.fromkeys(str(s.get("precision_choice") or s["precision"]) for s in summaries
+                               if s.get("precision")))
+    steps = max((r["step"] for _, run in runs for r in run.metrics[-1:]), default=0)
+    parts = [f"recipe={'/'.join(recipes)}" if recipes else "", ", ".join(modes), f"{steps} steps" if steps else ""]
+    return " · ".join(p for p in parts if p)
+
+
+def legend_outside(ax) -> None:
+    """The legend right of the axes: it never covers a curve."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize=8)
+
+
+def loss_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: str,
+                baseline: Optional[str] = None) -> Path:
+    """Loss per step; with a baseline among several runs, a second panel of each run's loss minus the
+    baseline's at the same step (curves that agree hide each other in the first)."""
+    against = dict(runs).get(baseline) if baseline is not None and len(runs) > 1 else None
+    if against is None:
+        fig, ax = plt.subplots(figsize=(9, 4.5))
+        axes = [ax]
+    else:
+        fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for i, (label, run) in enumerate(runs):
         steps = [r["step"] for r in run.metrics]
-        ax.plot(steps, [r["loss"] for r in run.metrics], label=label, linewidth=1.2,
-                linestyle=LINESTYLES[i % len(LINESTYLES)])
-    ax.set(xlabel="step", ylabel="loss", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        axes[0].plot(steps, [r["loss"] for r in run.metrics], label=label, linewidth=1.2,
+                     linestyle=LINESTYLES[i % len(LINESTYLES)], color=f"C{i}")
+    axes[0].set(ylabel="loss", title=f"{title}\n{run_context(runs)}")
+    if against is not None:
+        base = {r["step"]: r["loss"] for r in against.metrics}
+        for i, (label, run) in enumerate(runs):
+            if label == baseline:
+                continue
+            common = [r for r in run.metrics if r["step"] in base]
+            axes[1].plot([r["step"] for r in common], [r["loss"] - base[r["step"]] for r in common], label=label,
+                         linewidth=1.0, linestyle=LINESTYLES[i % len(LINESTYLES)], color=f"C{i}")
+        axes[1].axhline(0.0, color="grey", linewidth=0.8)
+        axes[1].set(ylabel=f"loss − {baseline} loss")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        legend_outside(ax)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
     return save_figure(fig, path)
 
 
@@ -33,7 +70,7 @@ def loss_scale_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: 
     scaled = [(label, run) for label, run in runs if any(r["loss_scale"] != 1.0 for r in run.metrics)]
     if not scaled:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, (label, run) in enumerate(scaled):
         steps = [r["step"] for r in run.metrics]
         (line,) = ax.plot(steps, [r["loss_scale"] for r in run.metrics], label=label, linewidth=1.2,
@@ -43,9 +80,10 @@ def loss_scale_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: 
             ax.scatter([r["step"] for r in skipped], [r["loss_scale"] for r in skipped], marker="x", color=line.get_color(),
                        label=f"{label}: {len(skipped)} skipped", zorder=3)
     ax.set_yscale("log", base=2)
-    ax.set(xlabel="step", ylabel="loss scale (log2)", title=title)
+    ax.set(xlabel="step", ylabel="loss scale (log2)", title=f"{title}\n{run_context(scaled)}")
     ax.grid(alpha=0.3)
-    ax.legend()
+    legend_outside(ax)
+    fig.tight_layout()
     return save_figure(fig, path)
 
 
@@ -58,8 +96,9 @@ def throughput_memory_bars(
     throughput_unit: str,
     baseline: str,
     path: Path,
+    context: str = "",
 ) -> Path:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.4))
     for ax, values, ratios, ylabel in (
         (left, throughput, speedup, throughput_unit),
         (right, memory_mib, memory_ratio, "peak memory (MiB)"),
@@ -71,6 +110,32 @@ def throughput_memory_bars(
         ax.grid(axis="y", alpha=0.3)
     left.set_title(f"throughput (speedup vs {baseline})")
     right.set_title(f"peak memory (ratio to {baseline})")
+    if context:
+        fig.suptitle(context, fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def memory_bars(labels: Sequence[str], parts: dict[str, Sequence[Optional[int]]], peaks: Sequence[Optional[int]],
+                path: Path, context: str = "") -> Path:
+    """`ampctl memory`: each mode's estimate as stacked parts (weights, gradients, masters, optimizer states,
+    activations), the measured peak beside it as a black bar; MiB."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(labels) + 4), 4.8))
+    positions = range(len(labels))
+    bottom = [0.0] * len(labels)
+    for i, (part, values) in enumerate(parts.items()):
+        mib = [(v or 0) / 2**20 for v in values]
+        ax.bar([p - 0.18 for p in positions], mib, width=0.36, bottom=bottom, label=part, color=f"C{i}")
+        bottom = [b + m for b, m in zip(bottom, mib)]
+    measured = [None if p is None else p / 2**20 for p in peaks]
+    bars = ax.bar([p + 0.18 for p in positions], [m or 0.0 for m in measured], width=0.36, color="black",
+                  label="measured peak")
+    ax.bar_label(bars, labels=["not measured" if m is None else f"{m:,.1f}" for m in measured], padding=2, fontsize=8)
+    ax.set_xticks(list(positions), labels)
+    ax.set(ylabel="MiB", title="estimated parts (left) and the measured peak (right), per mode"
+           + (f"\n{context}" if context else ""))
+    ax.grid(axis="y", alpha=0.3)
+    legend_outside(ax)
     fig.tight_layout()
     return save_figure(fig, path)
 

@@ -241,18 +241,18 @@ def comparison_images(runs: Sequence[tuple[str, RunRecord]], table: ReportTable,
     done = [(mode, run) for mode, run in runs if not run.failed and run.metrics]
     if not done:
         return []
-    images = [plots.loss_curves(done, out_dir / "loss.png", "loss per step")]
+    ok = [r for r in table.as_dicts() if r["status"] == "ok"]
+    baseline = next((m for m in ("fp32", "O0") if m in [r["precision"] for r in ok]), ok[0]["precision"]) if ok else None
+    images = [plots.loss_curves(done, out_dir / "loss.png", "loss per step", baseline)]
     scale = plots.loss_scale_curves(done, out_dir / "loss_scale.png", "loss scale (x = skipped step)")
     if scale:
         images.append(scale)
-    ok = [r for r in table.as_dicts() if r["status"] == "ok"]
     if ok:
-        baseline = next((m for m in ("fp32", "O0") if m in [r["precision"] for r in ok]), ok[0]["precision"])
         unit = next(c for c in table.columns if c in RATES)
         images.append(plots.throughput_memory_bars(
             [r["precision"] for r in ok], [r[unit] for r in ok], [r["speedup"] for r in ok],
             [r["peak_memory_mib"] for r in ok], [r["memory_ratio"] for r in ok], RATES[unit], baseline,
-            out_dir / "throughput_memory.png",
+            out_dir / "throughput_memory.png", plots.run_context(done),
         ))
     return images
 

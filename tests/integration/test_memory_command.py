@@ -35,7 +35,8 @@ def test_memory_shows_the_activation_saving_of_bf16_and_of_checkpointing(tmp_pat
         assert m["batch_estimate"] > m["batch_size"] and m["batch_found"] is None  # no search on a CPU
     assert modes["fp32"]["batch_estimate"] < modes["bf16"]["batch_estimate"] < modes["bf16+ac"]["batch_estimate"]
     rows = (out / "memory.csv").read_text().splitlines()
-    assert rows[0].startswith("precision,weights,gradients") and len(rows) == 5
+    assert rows[0].startswith("precision,weights_bytes,gradients_bytes,master_weights_bytes") and len(rows) == 5
+    assert (out / "memory.png").is_file() and "![memory](memory.png)" in (out / "report.md").read_text()
     assert (out / "report.md").read_text().startswith("# memory per precision mode")
     # `ampctl report` renders the same table again from memory.json, without measuring
     before = (out / "memory.csv").read_text()

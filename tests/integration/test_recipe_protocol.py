@@ -39,7 +39,10 @@ def test_a_recipe_that_breaks_the_protocol_is_one_line(tmp_path, restore_argv, c
     assert err.count("\n") == 1 and message in err, err
     if mistake != "raises_in_init":
         assert f"recipe {RECIPE}: " in err
-    assert not run_dir.exists()
+    if mistake == "finite_batches":  # found at step 4: the steps that ran are recorded (step 1's row shows at once)
+        assert not (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") == 1
+    else:  # found before anything ran: nothing is left
+        assert not run_dir.exists()
 
 
 def test_a_recipe_module_that_cannot_be_imported_says_why(tmp_path, restore_argv, capsys):

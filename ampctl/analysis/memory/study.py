@@ -39,7 +39,7 @@ from ampctl.engine.build import build_state, check_config
 from ampctl.engine.loop import batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
-from ampctl.reports import tables
+from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
 
 SEARCH_PROBES = 10  # real-step probes of the batch search, at most
@@ -203,27 +203,28 @@ def search_batch(overrides: list[str], config_dir: Optional[str], budget: int, s
 
 
 def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Optional[str]) -> tables.ReportTable:
-    columns = ["precision", "weights", "gradients", "master_weights", "optimizer_states", "activations",
-               "estimate", "measured_peak", "difference", "step_time_ms"]
+    # byte counts, their unit in the column name (memory.csv holds numbers only); shorter headers on screen
+    sizes = {"weights_bytes": "weights", "gradients_bytes": "grads", "master_weights_bytes": "masters",
+             "optimizer_states_bytes": "optimizer", "activations_bytes": "activations", "estimate_bytes": "estimate",
+             "measured_peak_bytes": "peak", "difference_bytes": "peak − est."}
+    columns = ["precision", *sizes, "step_time_ms"]
     if budget is not None:
         columns += ["batch_estimate", "batch_found"]
     table_rows = []
     for r in rows:
         s = r.states
         values = {
-            "precision": r.label, "weights": s.weights, "gradients": s.gradients,
-            "master_weights": s.master_weights, "optimizer_states": s.optimizer_states,
-            "activations": r.activations, "estimate": r.estimate, "measured_peak": r.peak.bytes,
-            "difference": None if r.estimate is None or r.peak.bytes is None else r.peak.bytes - r.estimate,
+            "precision": r.label, "weights_bytes": s.weights, "gradients_bytes": s.gradients,
+            "master_weights_bytes": s.master_weights, "optimizer_states_bytes": s.optimizer_states,
+            "activations_bytes": r.activations, "estimate_bytes": r.estimate, "measured_peak_bytes": r.peak.bytes,
+            "difference_bytes": None if r.estimate is None or r.peak.bytes is None else r.peak.bytes - r.estimate,
             "step_time_ms": r.step_time_ms, "batch_estimate": r.batch_estimate, "batch_found": r.batch_found,
         }
         table_rows.append([values[c] for c in columns])
-    size = {c: io.format_bytes for c in ("weights", "gradients", "master_weights", "optimizer_states", "activations",
-                                       "estimate", "measured_peak")}
-    headers = {"precision": "mode", "gradients": "grads", "master_weights": "masters", "optimizer_states": "optimizer",
-               "measured_peak": "peak", "difference": "peak − est.", "step_time_ms": "step ms",
-               "batch_estimate": "batch (est.)", "batch_found": "batch (found)"}
-    formats = {**size, "difference": lambda v: ("+" if v >= 0 else "−") + io.format_bytes(abs(v)),
+    headers = {"precision": "mode", **sizes, "step_time_ms": "step ms", "batch_estimate": "batch (est.)",
+               "batch_found": "batch (found)"}
+    formats = {**{c: io.format_bytes for c in sizes if c != "difference_bytes"},
+               "difference_bytes": lambda v: ("+" if v >= 0 else "−") + io.format_bytes(abs(v)),
                "step_time_ms": lambda v: f"{v:,.1f}"}
     title = "memory per precision mode" + (f" (budget {budget_text})" if budget is not None else "")
     return tables.ReportTable(title, columns, table_rows, notes=memory_notes(rows, budget), headers=headers,
@@ -284,20 +285,33 @@ def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
             for line in result.search_log:
                 console.print(f"    {line}")
     machine = tables.machine_info([{"device": device.type, "device_name": _device_name(device)}])
-    write_memory_report(out_dir, results, cfg.memory.budget, machine, task_overrides, console)
+    recipe_choice = next((o.split("=", 1)[1] for o in task_overrides if o.startswith("recipe=")), None)
+    recipe_name = recipe_choice or str(cfg.recipe._target_).rsplit(".", 1)[-1]
+    context = (f"recipe={recipe_name} · batch {cfg.recipe.get('batch_size', '?')} · {device.type} "
+               f"({_device_name(device)})")
+    write_memory_report(out_dir, results, cfg.memory.budget, machine, task_overrides, console, context)
+
+
+# the stacked bars of memory.png: each part of the estimate, from ModelStateBytes (None: the activations)
+MEMORY_PARTS = (("weights", "weights"), ("gradients", "gradients"), ("fp32 masters", "master_weights"),
+                ("optimizer states", "optimizer_states"), ("activations", None))
 
 
 def write_memory_report(out_dir: Path, results: list[ModeMemory], budget_text: Optional[str], machine: dict,
-                        overrides: list[str], console: Console) -> None:
+                        overrides: list[str], console: Console, context: str = "") -> None:
     """memory.csv, memory.json (everything needed to render it again) and report.md; the table printed."""
     budget = None if budget_text is None else parse_size(budget_text)
     table = memory_table(results, budget, budget_text)
     out_dir.mkdir(parents=True, exist_ok=True)
     extra = {"kind": "memory", "overrides": overrides, "budget": budget_text, "budget_bytes": budget,
              "modes": [_mode_record(r) for r in results]}
-    files = tables.write_files(table, out_dir, "memory", machine, [], extra)
+    image = plots.memory_bars([r.label for r in results],
+                              {part: [getattr(r.states, attr) if attr else r.activations for r in results]
+                               for part, attr in MEMORY_PARTS},
+                              [r.peak.bytes for r in results], out_dir / "memory.png", context)
+    files = tables.write_files(table, out_dir, "memory", machine, [image], {**extra, "context": context})
     tables.print_table(table, console)
-    console.print(f"wrote {', '.join(p.name for p in files)} in {out_dir}")
+    console.print(f"wrote {', '.join(p.name for p in [*files, image])} in {out_dir}")
 
 
 def rerender(out_dir: Path, console: Console) -> None:
@@ -307,7 +321,7 @@ def rerender(out_dir: Path, console: Console) -> None:
         raise UsageError(f"{out_dir / 'memory.json'} was written by an older ampctl memory (it counted O2's half and "
                          "fp32 gradients both); run ampctl memory again")
     write_memory_report(out_dir, [_from_record(m) for m in data["modes"]], data.get("budget"), data["machine"],
-                        data.get("overrides", []), console)
+                        data.get("overrides", []), console, data.get("context", ""))
 
 
 def _compose_memory(overrides: list[str]) -> DictConfig:
