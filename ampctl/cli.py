@@ -21,6 +21,7 @@ COMMANDS = {
     "inspect": ("ampctl.commands.inspect_ranges", "inspect", "where values fall against fp16, bf16 and FP8 ranges, per layer"),
     "report": ("ampctl.commands.report", "main", "the table, files and plots of a run, multirun or compare directory, again"),
     "list": ("ampctl.commands.list", "main", "list precision modes, scalers, recipes and optimizers, and what runs here"),
+    "init": ("ampctl.commands.init", "main", "write an editable experiment config and recipe of your own"),
 }
 
 
@@ -36,6 +37,7 @@ def print_help() -> None:
     print("  ampctl train -m precision=fp16 scaler.growth_interval=100,500,2000")
     print("  ampctl train --help          config groups and their options")
     print("  ampctl train --cfg job       the composed config, without training")
+    print("  ampctl init my_exp && ampctl train -cd . -cn my_exp   an experiment of your own")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -121,6 +123,7 @@ def dispatch(args: list[str]) -> None:
     # argv[0] is the program's name for Hydra: the shell-completion script it writes registers `ampctl`
     sys.argv = ["ampctl", *rest]
     if hasattr(entry, "__wrapped__"):  # a @hydra.main app
+        put_config_dir_on_path(rest)
         run_hydra_app(command, entry)
     else:
         entry()
@@ -128,6 +131,21 @@ def dispatch(args: list[str]) -> None:
         from ampctl.engine.parallel import exit_worker
 
         exit_worker()
+
+
+def put_config_dir_on_path(args: list[str]) -> None:
+    """Modules beside the configs of `-cd DIR` are importable (a recipe's `_target_: my_recipe.Recipe`), as
+    the directory of a script Python runs is: a user's experiment directory works without PYTHONPATH."""
+    for i, arg in enumerate(args):
+        value = None
+        if arg in ("-cd", "--config-dir") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--config-dir="):
+            value = arg.split("=", 1)[1]
+        if value and os.path.isdir(value):
+            sys.path.insert(0, os.path.abspath(value))
+            os.environ["PYTHONPATH"] = os.pathsep.join(  # the processes compare and memory start see it too
+                [os.path.abspath(value), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def run_hydra_app(command: str, entry) -> None:

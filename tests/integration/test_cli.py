@@ -269,3 +269,24 @@ def test_list_refuses_a_bad_argument_in_one_line(args, message, capsys, restore_
     with pytest.raises(SystemExit) as exit_info:
         main(["list", *args])
     assert exit_info.value.code == 2 and capsys.readouterr().err == message + "\n"
+
+
+def test_init_writes_an_experiment_that_trains_as_written_from_anywhere(tmp_path, capsys, restore_argv):
+    """`ampctl init NAME --dir DIR`, then `ampctl train -cd DIR -cn NAME` from another directory: the recipe
+    module beside the configs is importable without PYTHONPATH. A second init refuses to overwrite."""
+    exp = tmp_path / "exp"
+    main(["init", "my_exp", "--dir", str(exp)])
+    assert capsys.readouterr().out.splitlines()[-1] == f"run it: ampctl train -cd {exp} -cn my_exp"
+    assert sorted(p.relative_to(exp).as_posix() for p in exp.rglob("*") if p.is_file()) == [
+        "my_exp.yaml", "my_exp_recipe.py", "recipe/my_exp.yaml"]
+    before = {p: p.read_text() for p in exp.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit) as exit_info:
+        main(["init", "my_exp", "--dir", str(exp)])
+    assert exit_info.value.code == 2 and "exists already" in capsys.readouterr().err
+    assert {p: p.read_text() for p in exp.rglob("*") if p.is_file()} == before
+    result = ampctl("train", "-cd", str(exp), "-cn", "my_exp", "device=cpu", "train.steps=12",
+                    f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["final_loss"] < rows(tmp_path / "run")[0]["loss"]  # it learns
+

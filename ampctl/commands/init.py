@@ -1,0 +1,114 @@
+"""`ampctl init NAME [--dir DIR]`: an editable experiment of your own, in the spirit of torchtune's `tune cp`:
+NAME.yaml (an experiment config over ampctl's train config), recipe/NAME.yaml (its recipe's config) and
+NAME_recipe.py (the recipe: model, batches, loss), which `ampctl train -cd DIR -cn NAME` runs as written.
+Nothing is overwritten: a file that exists already is refused before anything is written."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from ampctl.commands.list import OneLineErrors
+
+EXPERIMENT = """\
+# {name}: an ampctl experiment. Run it: ampctl train -cd {dir} -cn {name}
+# (any override still applies: ampctl train -cd {dir} -cn {name} precision=fp16 train.steps=500;
+#  a sweep: ampctl train -cd {dir} -cn {name} -m precision=fp32,bf16). `ampctl list -cd {dir}` lists it.
+defaults:
+  - train                   # ampctl's own train config: every default, the checks, the live view
+  - override recipe: {name}  # recipe/{name}.yaml, beside this file
+  - override precision: fp32  # fp16, bf16, O2, fp8, ...: `ampctl list` says what runs (fast) here
+  - _self_
+
+train:
+  steps: 200
+  log_every: 10
+optimizer:
+  lr: 1.0e-3
+"""
+
+RECIPE_CONFIG = """\
+# {name}: my recipe ({name}_recipe.py beside the experiment config; the -cd directory is importable).
+_target_: {name}_recipe.Recipe
+features: 64
+hidden: 256
+batch_size: 128
+"""
+
+RECIPE_SOURCE = '''\
+"""The {name} recipe: what ampctl trains. Edit freely; the protocol is five members (README: "Add your own
+recipe"): samples_per_batch, tokens_per_batch, build_model(), batches(device, seed), loss(model, batch)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Recipe:
+    """Regression onto a fixed random teacher network: a task that learns in seconds on a CPU."""
+
+    def __init__(self, features: int = 64, hidden: int = 256, batch_size: int = 128) -> None:
+        self.features, self.hidden = features, hidden
+        self.samples_per_batch = batch_size  # for samples/s
+        self.tokens_per_batch = None  # a language model returns its tokens per batch (for tokens/s)
+
+    def build_model(self) -> nn.Module:
+        """Called once, after torch.manual_seed(train.seed); ampctl moves and casts it for the precision mode."""
+        return nn.Sequential(nn.Linear(self.features, self.hidden), nn.GELU(), nn.LayerNorm(self.hidden),
+                             nn.Linear(self.hidden, 1))
+
+    def batches(self, device: torch.device, seed: int) -> Iterator[Any]:
+        """An endless stream of batches already on `device`, the same for the same seed (resume depends on it)."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        teacher = torch.randn(self.features, 1, generator=gen, device=device) / self.features**0.5
+        while True:
+            x = torch.randn(self.samples_per_batch, self.features, generator=gen, device=device)
+            yield x, torch.tanh(x @ teacher)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """A scalar, computed under the precision mode's autocast (the loss itself in fp32)."""
+        x, y = batch
+        return F.mse_loss(model(x).float(), y)
+'''
+
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def files(name: str, directory: Path) -> dict[Path, str]:
+    shown = str(directory)
+    return {
+        directory / f"{name}.yaml": EXPERIMENT.format(name=name, dir=shown),
+        directory / "recipe" / f"{name}.yaml": RECIPE_CONFIG.format(name=name),
+        directory / f"{name}_recipe.py": RECIPE_SOURCE.format(name=name),
+    }
+
+
+def main() -> None:
+    parser = OneLineErrors(prog="ampctl init", description="Write an editable experiment config and recipe "
+                           "skeleton that `ampctl train -cd DIR -cn NAME` runs as written.",
+                           epilog="example: ampctl init my_exp && ampctl train -cd . -cn my_exp")
+    parser.add_argument("name", metavar="NAME", help="the experiment's name (a Python identifier: it names a module)")
+    parser.add_argument("--dir", type=Path, default=Path("."), metavar="DIR",
+                        help="where to write the files (default: the current directory)")
+    args = parser.parse_args(sys.argv[1:])
+    if not NAME.fullmatch(args.name):
+        parser.error(f"NAME={args.name!r} is not allowed: a Python identifier (letters, digits, _; not starting "
+                     "with a digit), since it names the recipe's module")
+    written = files(args.name, args.dir)
+    existing = [str(path) for path in written if path.exists()]
+    if existing:
+        parser.error(f"{', '.join(existing)} exists already; choose another NAME or --dir (nothing was written)")
+    try:
+        for path, text in written.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        parser.error(f"cannot write {exc.filename}: {exc.strerror}")
+    for path in written:
+        print(f"wrote {path}")
+    print(f"run it: ampctl train -cd {args.dir} -cn {args.name}")
