@@ -1,3 +1,18 @@
-"""ampctl: a command-line runner for mixed-precision training experiments in PyTorch."""
+"""ampctl: a command-line runner for mixed-precision training experiments in PyTorch.
+
+From Python: ampctl.train(overrides), ampctl.compare(...), ampctl.inspect(...), ampctl.memory(...), each
+returning an ampctl.Result (run_dir, summary); see ampctl/api.py."""
 
 __version__ = "0.1.0"
+
+API = ("train", "compare", "inspect", "memory", "Result")
+__all__ = [*API, "__version__"]
+
+
+def __getattr__(name: str):
+    # imported on first use: the command line's start does not pay for the API's imports
+    if name in API:
+        from ampctl import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'ampctl' has no attribute {name!r}")

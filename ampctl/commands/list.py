@@ -7,7 +7,7 @@ import argparse
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import NoReturn
 
 import torch
 from hydra.types import RunMode
@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ampctl.commands.compose import config_loader
 from ampctl.engine import devices
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import USAGE_EXIT_CODE, UsageError, print_error
@@ -73,18 +74,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.config_dir is not None and not args.config_dir.is_dir():
         parser.error(f"-cd {str(args.config_dir)!r} is not a directory")
     return args
-
-
-def config_loader(config_dir: Optional[Path]):
-    """Hydra's config loader over ampctl's configs, with the user's DIR first, as `-cd DIR` gives a command
-    (Hydra prepends a command line's config dir to the app's search path)."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra._internal.utils import create_config_search_path
-
-    search_path = create_config_search_path("pkg://ampctl.conf")
-    if config_dir is not None:
-        search_path.prepend("command-line", f"file://{config_dir.resolve()}")
-    return ConfigLoaderImpl(config_search_path=search_path)
 
 
 def option_description(loader, group: str, option: str) -> str:

@@ -1,0 +1,122 @@
+"""ampctl from Python (a notebook, a script): the same configs, overrides and checks as the command line, and
+the result back as a value.
+
+    import ampctl
+
+    run = ampctl.train(["recipe=mlp", "precision=bf16", "train.steps=100"])
+    run.summary["final_loss"], run.run_dir
+    table = ampctl.compare(["recipe=mlp", "train.steps=50", "compare.precisions=[fp32,bf16]"])
+    ranges = ampctl.inspect(["recipe=mlp", "precision=fp16"])
+    memory = ampctl.memory(["recipe=gpt", "memory.precisions=[fp32,bf16]"])
+
+Overrides are Hydra's, as typed after the command (`key=value`, `group=option`); `config_dir` is the command
+line's `-cd` (your own configs and recipes), `config_name` its `-cn`. A bad value raises
+ampctl.errors.UsageError with the one line the command line would print; a run that a guard stopped raises
+ampctl.errors.RunStopped. Each call writes the directory the command would (`run_dir`/`out_dir` to choose it).
+A sweep (`-m`) stays the command line's: call train() once per setting instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence, Union
+
+from omegaconf import DictConfig, OmegaConf
+
+from ampctl import io
+
+PathLike = Union[str, Path]
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a call leaves: its directory and its record (train: summary.json; compare: comparison.json;
+    inspect: ranges.json; memory: memory.json), the same files `ampctl report` reads."""
+
+    run_dir: Path
+    summary: dict[str, Any]
+
+
+def train(overrides: Sequence[str] = (), *, run_dir: Optional[PathLike] = None,
+          config_dir: Optional[PathLike] = None, config_name: str = "train") -> Result:
+    """`ampctl train [overrides]`: one training run; returns its summary and run directory."""
+    from ampctl.commands.checks import train_run, typed
+    from ampctl.runner.run import run_training
+
+    with _command(config_name, overrides, run_dir, config_dir) as (cfg, hydra_cfg, out):
+        job, choices = train_run(typed("train", cfg), hydra_cfg)
+        summary = run_training(job, out, choices=choices)
+    return Result(Path(summary["run_dir"]), summary)
+
+
+def compare(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
+            config_dir: Optional[PathLike] = None, config_name: str = "compare") -> Result:
+    """`ampctl compare [overrides]`: the same run under several precision modes; returns comparison.json."""
+    from ampctl.commands.checks import check_command
+    from ampctl.runner.compare import run_compare
+
+    with _command(config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
+        run_compare(check_command("compare", cfg), out, list(hydra_cfg.overrides.task), _dir(config_dir))
+    return Result(out, json.loads((out / "comparison.json").read_text()))
+
+
+def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
+            config_dir: Optional[PathLike] = None, config_name: str = "inspect") -> Result:
+    """`ampctl inspect [overrides]`: where values fall against each format's range; returns ranges.json."""
+    from ampctl.analysis.ranges import run_inspect
+    from ampctl.commands.checks import check_command
+
+    with _command(config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
+        run_inspect(check_command("inspect", cfg), out, list(hydra_cfg.overrides.task))
+    return Result(out, json.loads((out / "ranges.json").read_text()))
+
+
+def memory(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
+           config_dir: Optional[PathLike] = None, config_name: str = "memory") -> Result:
+    """`ampctl memory [overrides]`: estimated memory per part next to the measured peak; returns memory.json."""
+    from ampctl.analysis.memory.study import run_memory
+    from ampctl.commands.checks import check_command
+
+    with _command(config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
+        run_memory(check_command("memory", cfg), out, list(hydra_cfg.overrides.task), _dir(config_dir))
+    return Result(out, json.loads((out / "memory.json").read_text()))
+
+
+def _dir(config_dir: Optional[PathLike]) -> Optional[str]:
+    return None if config_dir is None else str(Path(config_dir).resolve())
+
+
+@contextlib.contextmanager
+def _command(config_name: str, overrides: Sequence[str], out: Optional[PathLike],
+             config_dir: Optional[PathLike]) -> Iterator[tuple[DictConfig, DictConfig, Path]]:
+    """The job's config, the hydra node and the output directory, as the command's Hydra app has them; the
+    directory gets Hydra's .hydra/ files (config, overrides), which reports read. A refused call leaves no
+    directory, as on the command line (a run that recorded steps keeps them)."""
+    from ampctl.cli import put_config_dir_on_path
+    from ampctl.commands.checks import without_hydra_node
+    from ampctl.commands.compose import composed
+    from ampctl.commands.train import remove_if_only_hydra_files
+    from ampctl.conf.messages import one_line
+    from ampctl.errors import UsageError
+
+    overrides = [*overrides, *([f"hydra.run.dir={out}"] if out is not None else [])]
+    if config_dir is not None:
+        put_config_dir_on_path(["-cd", str(config_dir)])
+    with contextlib.ExitStack() as hydra:
+        try:
+            cfg = hydra.enter_context(composed(config_name, overrides, None if config_dir is None else Path(config_dir)))
+        except Exception as exc:  # Hydra's and OmegaConf's multi-line errors, as the command line's one line
+            raise UsageError(one_line(exc)) from None
+        out_dir = Path(cfg.hydra.run.dir)
+        job = without_hydra_node(cfg)
+        (out_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        io.atomic_write_text(out_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(job))
+        io.atomic_write_text(out_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(list(cfg.hydra.overrides.task)))
+        try:
+            yield job, cfg.hydra, out_dir
+        except UsageError:
+            remove_if_only_hydra_files(out_dir)
+            raise
