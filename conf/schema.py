@@ -105,7 +105,7 @@ class Fp8TorchaoConfig:
 
 @dataclass
 class PrecisionConfig:
-    """One precision mode. The YAMLs in conf/precision/ are rows of the README's precision table."""
+    """One precision mode. The YAMLs in conf/precision/ are rows of docs/precision.md's table."""
 
     name: str = MISSING
     description: str = ""

@@ -37,8 +37,8 @@ batch_size: 128
 """
 
 RECIPE_SOURCE = '''\
-"""The {name} recipe: what ampctl trains. Edit freely; the protocol is five members (README: "Add your own
-recipe"): samples_per_batch, tokens_per_batch, build_model(), batches(device, seed), loss(model, batch)."""
+"""The {name} recipe: what ampctl trains. Edit freely; the protocol is five members (docs/models.md: "Add your
+own recipe"): samples_per_batch, tokens_per_batch, build_model(), batches(device, seed), loss(model, batch)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import USAGE_EXIT_CODE, UsageError, print_error
 
 GROUPS = ("scaler", "recipe", "optimizer", "logger")
-# The README's table order: baselines first, then autocast modes, then Apex's cast-model levels.
+# docs/precision.md's table order: baselines first, then autocast modes, then Apex's cast-model levels.
 PRECISION_ORDER = ("fp32", "O0", "tf32", "fp16", "O1", "bf16", "O2", "O3", "fp8", "fp8_emulated")
 
 

@@ -60,7 +60,7 @@ def build_recipe(cfg: DictConfig) -> Recipe:
         raise UsageError(
             f"recipe._target_={target!r} returned a {type(recipe).__name__} without {', '.join(missing)}; "
             "a recipe needs samples_per_batch, tokens_per_batch, build_model(), batches(device, seed) "
-            "and loss(model, batch) (see README, 'Add your own recipe')"
+            "and loss(model, batch) (see docs/models.md, 'Add your own recipe')"
         )
     return recipe
 
@@ -143,5 +143,5 @@ def recipe_error(exc: BaseException, recipe: Recipe) -> Optional[UsageError]:
     member = next((f.name for f in frames if f.name in _MEMBERS), frames[-1].name)
     where = frames[-1]
     return UsageError(f"recipe {recipe_name(recipe)}: {member}() raised {type(exc).__name__}: {_first_line(exc)} "
-                      f"({Path(where.filename).name}:{where.lineno}); " + _MEMBERS.get(member, "see README, "
+                      f"({Path(where.filename).name}:{where.lineno}); " + _MEMBERS.get(member, "see docs/models.md, "
                                                                                         "'Add your own recipe'"))

@@ -1,4 +1,4 @@
-"""The README's "Add your own recipe" example, run exactly as the README tells a user to run it."""
+"""docs/models.md's "Add your own recipe" example, run exactly as the page tells a user to run it."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 
 
 def readme_section(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
+    text = PAGE.read_text(encoding="utf-8")
     start = text.index(f"### {title}")
     ends = [i for i in (text.find("\n## ", start), text.find("\n### ", start + 1)) if i != -1]
     return text[start:min(ends, default=len(text))]
