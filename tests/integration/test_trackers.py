@@ -100,3 +100,25 @@ def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra(tmp_pat
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1 and not (tmp_path / "run").exists()
     assert "logger=wandb: the wandb_is_not_installed_here package is not installed; pip install 'ampctl[wandb]'" in err
+
+
+def test_a_run_a_guard_stops_ends_its_tracker_runs_as_failed_with_every_recorded_step(tmp_path, restore_argv):
+    """From step 5 the recipe's loss is not finite: the guard stops the run (exit 1). The trackers hold the
+    steps the run recorded, and MLflow's run is FAILED, not left RUNNING."""
+    conf = tmp_path / "conf" / "recipe"
+    conf.mkdir(parents=True)
+    (conf / "exploding.yaml").write_text("# blows up from step 5\n_target_: tests.exploding_recipe.ExplodingRecipe\n"
+                                         "factor: 1.0e36\ninput_gain: 1.0e4\n")
+    run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "-cd", str(tmp_path / "conf"), "recipe=exploding", "precision=bf16", "device=cpu",
+              "train.steps=40", "train.log_every=1", "train.console=quiet", "telemetry.profile_cpu_memory=false",
+              "logger=[csv,mlflow]", f"logger.mlflow.tracking_uri={uri}", f"hydra.run.dir={run}"])
+    assert exit_info.value.code == 1 and not (run / "summary.json").exists()
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    with (run / "metrics.csv").open(newline="") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == steps
+    mlflow = tracker_readers.mlflow_run(uri, json.loads((run / trackers.IDS_FILE).read_text())["mlflow"])
+    assert mlflow["status"] == "FAILED" and sorted(mlflow["metrics"]["train/loss"]) == steps
+    assert math.isnan(mlflow["metrics"]["train/loss"][5])
