@@ -7,6 +7,7 @@ import dataclasses
 
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl.conf.messages import did_you_mean
 from ampctl.conf.schema import SCALER_SCHEMAS, AmpctlConfig
 from ampctl.errors import ConfigError, UsageError
 
@@ -33,7 +34,9 @@ def _refuse_unknown_keys(node: DictConfig, path: str) -> None:
     names = [f.name for f in dataclasses.fields(schema)]
     for key in node.keys():
         if key not in names:
-            raise UsageError(f"{path}{key}: no such key; allowed: {', '.join(n for n in names if n != 'kind')}")
+            allowed = [n for n in names if n != "kind"]
+            raise UsageError(f"{path}{key}: no such key{did_you_mean(str(key), allowed, path)}; allowed: "
+                             f"{', '.join(allowed)}")
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none():
             _refuse_unknown_keys(child, f"{path}{key}.")

@@ -48,8 +48,10 @@ LAYERS = (
     ("ampctl.analysis",),
     ("ampctl.runner",),
     ("ampctl.commands",),
-    ("ampctl.cli", "ampctl.__main__"),
+    ("ampctl.cli", "ampctl.__main__", "ampctl.api"),
 )
+# The package's front door: `ampctl.train(...)` re-exports the Python API, imported on first use only.
+FRONT_DOOR = {("ampctl.__init__", "ampctl.api")}
 
 
 def layer_of(module: str) -> int:
@@ -72,7 +74,7 @@ def test_every_package_imports_only_from_its_layer_and_below():
     modules = package_modules()
     assert "ampctl.conf.schema" in modules and "ampctl.engine.loop" in modules
     upward = [f"{name} imports {module}" for name, path in modules.items() for module in imported_modules(path)
-              if module.startswith("ampctl.") and layer_of(module) > layer_of(name)]
+              if module.startswith("ampctl.") and layer_of(module) > layer_of(name) and (name, module) not in FRONT_DOOR]
     assert not upward, upward
 
 
