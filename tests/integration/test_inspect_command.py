@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 
 import pytest
 from PIL import Image
@@ -21,6 +22,9 @@ def test_inspect_writes_its_table_and_plots(tmp_path, restore_argv, capsys, args
     main(["inspect", *args, f"hydra.run.dir={out}"])
     printed = capsys.readouterr().out
     assert "value ranges by tensor kind" in printed and "largest loss scale keeping every gradient" in printed
+    # progress while it measures: a line per finished phase, with its seconds
+    assert re.search(r"^    built the model, hooks on \d+ leaf modules \(\d+\.\d s\)$", printed, flags=re.MULTILINE)
+    assert re.findall(r"^    recorded step (\d)/2 \(", printed, flags=re.MULTILINE) == ["1", "2"]
     rows = list(csv.DictReader((out / "ranges.csv").open()))
     kinds = {r["kind"] for r in rows}
     assert kinds == {"activation", "activation_grad", "weight_grad", "weight"}

@@ -4,6 +4,7 @@ activation checkpointing in the measured peak, and bad input."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -20,6 +21,11 @@ def test_memory_shows_the_activation_saving_of_bf16_and_of_checkpointing(tmp_pat
           "memory.budget=1GiB", f"hydra.run.dir={out}"])
     printed = capsys.readouterr().out
     assert "memory per precision mode (budget 1GiB)" in printed
+    # progress while it measures: per mode, a line per finished phase with its seconds
+    phases = re.findall(r"^    (built the model|measured step \d/2|read the CPU memory timeline|timed step 1/1)\b",
+                        printed, flags=re.MULTILINE)
+    assert phases == ["built the model", "measured step 1/2", "measured step 2/2", "read the CPU memory timeline",
+                      "timed step 1/1"] * 4, phases
     data = json.loads((out / "memory.json").read_text())
     modes = {m["precision"]: m for m in data["modes"]}
     assert list(modes) == ["fp32", "fp32+ac", "bf16", "bf16+ac"]

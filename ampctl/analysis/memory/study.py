@@ -118,10 +118,11 @@ def _count_activations(state, recipe, policy, cfg: DictConfig) -> int:
     return counter.bytes
 
 
-def measure_mode(label: str, cfg: DictConfig, budget: Optional[int],
+def measure_mode(label: str, cfg: DictConfig, budget: Optional[int], settings: DictConfig,
                  phase: Callable[[str], None] = lambda what: None) -> ModeMemory:
-    """One mode's memory: the peak measured over its build and memory.steps steps, the estimate per part, the
-    timed steps. phase(what) after each part (progress)."""
+    """One mode's memory: the peak measured over its build and settings.steps steps, the estimate per part,
+    settings.timed_steps timed steps (settings: the command's memory node; a mode's own config has the
+    defaults there). phase(what) after each part (progress)."""
     policy = check_config(cfg)
     recipe = build_recipe(cfg.recipe)
     batch_size = cfg.recipe.get("batch_size") if isinstance(cfg.recipe.get("batch_size"), int) else None
@@ -132,12 +133,12 @@ def measure_mode(label: str, cfg: DictConfig, budget: Optional[int],
             state = build_state(cfg, policy, recipe)
             batches = batch_stream(recipe, policy.device, cfg.train.seed)
             phase("built the model")
-            n = cfg.memory.steps
+            n = settings.steps
             _steps(state, recipe, batches, policy, cfg, n, lambda done: phase(f"measured step {done}/{n}"))
         if policy.device.type == "cpu":  # the profiler's timeline is read when the measurement ends
             phase("read the CPU memory timeline of the build and the measured steps")
         states = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
-        n = cfg.memory.timed_steps
+        n = settings.timed_steps
         times = _steps(state, recipe, batches, policy, cfg, n, lambda done: phase(f"timed step {done}/{n}"))
         # Counted after the measurement, so that the counting (and its recomputation of a checkpointed
         # block) is never part of the measured peak.
@@ -277,7 +278,7 @@ def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     results = []
     for i, (label, mode_cfg) in enumerate(configs, 1):
         console.print(f"[{i}/{len(configs)}] {label}: measuring")
-        results.append(measure_mode(label, mode_cfg, budget, Phases(console)))
+        results.append(measure_mode(label, mode_cfg, budget, cfg.memory, Phases(console)))
     if budget is not None and search:
         for i, (result, (label, overrides)) in enumerate(zip(results, rows), 1):
             console.print(f"[{i}/{len(rows)}] {label}: searching the largest batch within {cfg.memory.budget}")
