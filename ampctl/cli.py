@@ -168,7 +168,7 @@ def run_hydra_app(command: str, entry) -> None:
         if raised_in(exc, entry.__wrapped__):
             raise  # an error inside a job is not the command line's: the job reported it, or it is a bug
         message = str(exc) if isinstance(exc, UsageError) else (
-            isinstance(exc, AssertionError) and key_under_null_node(sys.argv[1:]) or one_line(exc))
+            key_under_null_node(sys.argv[1:]) or one_line(exc))
         print_error(f"ampctl {command}: error: {message}")
         sys.exit(USAGE_EXIT_CODE)
     except yaml.YAMLError as exc:  # a config file under -cd that is not YAML

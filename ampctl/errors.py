@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 USAGE_EXIT_CODE = 2
 WRITE_FAILED_EXIT_CODE = 74  # sysexits.h's EX_IOERR: a run's record could not be written (disk full, read-only)
@@ -53,3 +54,12 @@ class CommandLineRefused(BaseException):
 
     def __init__(self, error: UsageError) -> None:
         super().__init__(str(error))
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse for the commands that are not Hydra apps (list, init): a bad argument is one line
+    (`ampctl list: error: ...`, exit 2), as in every command, instead of argparse's usage and error."""
+
+    def error(self, message: str) -> NoReturn:
+        print_error(f"{self.prog}: error: {message}")
+        sys.exit(USAGE_EXIT_CODE)

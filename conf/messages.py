@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+from importlib import resources
 from typing import Optional
 
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -29,16 +30,22 @@ def one_line(exc: BaseException) -> str:
             msg = str(getattr(err, "msg", "") or err).splitlines()[0]
             return _type_error(err.full_key, msg) or f"{err.full_key}: {msg}"
     text = str(exc).strip()
-    missing = re.search(r"Could not find '(.+)/([^/']+)'", text)
+    missing = re.search(r"Could not (?:find|load) '(.+)/([^/']+)'", text)
     if missing:
         group, option = missing.groups()
-        options = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE)
+        # Hydra lists the options when one was chosen, not for a list (logger=[csv,nope]): ampctl's own then
+        options = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE) or _shipped_options(group)
         if group in ("hydra/sweeper", "hydra/launcher"):
             return _missing_plugin(group, option, options)
         allowed = f"; choose one of {', '.join(options)}" if options else ""
         return f"{group}={option}: no such {group}{did_you_mean(option, options)}{allowed}"
     text = text.replace(", set env var HYDRA_FULL_ERROR=1 to see chained exception.", "")
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _shipped_options(group: str) -> list[str]:
+    folder = resources.files("ampctl.conf").joinpath(group)
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".yaml")) if folder.is_dir() else []
 
 
 def did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
@@ -108,7 +115,19 @@ def key_under_null_node(overrides: list[str]) -> Optional[str]:
             owner = _owner(".".join(parts[:2]))
             return (f"{override}: precision.{parts[1]}.* are the options of {owner} only; "
                     f"choose it on the same command line ({owner} {override})")
+        if len(parts) >= 3 and parts[0] == "logger" and parts[1] not in _chosen_loggers(overrides):
+            return (f"{override}: logger.{parts[1]}.* are the options of logger={parts[1]}, which is not chosen; "
+                    f"choose it on the same command line (logger={parts[1]} {override}, or logger=[...,{parts[1]}])")
     return None
+
+
+def _chosen_loggers(overrides: list[str]) -> set[str]:
+    chosen: set[str] = set()
+    for override in overrides:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key == "logger":
+            chosen.update(v.strip() for v in value.strip("[]").split(","))
+    return chosen
 
 
 _TYPE_NAMES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}

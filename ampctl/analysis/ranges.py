@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from torch import nn
 
@@ -37,7 +37,7 @@ from ampctl.engine.build import build_state, check_config
 from ampctl.engine.loop import batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
-from ampctl.reports import tables
+from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
 
 KINDS = ("activation", "activation_grad", "weight_grad", "weight")
@@ -240,9 +240,7 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     plotted = _merged(inspection, kind)
     histogram = {"kind": kind, "log2_low": LOG2_LOW, "total": int(plotted.total),
                  "counts": plotted.histogram.cpu().tolist()}
-    recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), None)
-    recipe = recipe or OmegaConf.select(cfg, "recipe._target_", default="").rsplit(".", 1)[-1]
-    context = f"recipe={recipe} · {cfg.precision.name} · {cfg.inspect.steps} steps"
+    context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {cfg.inspect.steps} steps"
     write_inspect_report(out_dir, layer_table(inspection), summary_table(inspection), histogram,
                          inspection.study_scale, inspection.run_scales, overrides,
                          tables.machine_info([{"device": device.type}]), console, context)

@@ -9,7 +9,7 @@ import re
 import sys
 from pathlib import Path
 
-from ampctl.commands.list import OneLineErrors
+from ampctl.errors import OneLineArgumentParser
 
 EXPERIMENT = """\
 # {name}: an ampctl experiment. Run it: ampctl train -cd {dir} -cn {name}
@@ -89,7 +89,7 @@ def files(name: str, directory: Path) -> dict[Path, str]:
 
 
 def main() -> None:
-    parser = OneLineErrors(prog="ampctl init", description="Write an editable experiment config and recipe "
+    parser = OneLineArgumentParser(prog="ampctl init", description="Write an editable experiment config and recipe "
                            "skeleton that `ampctl train -cd DIR -cn NAME` runs as written.",
                            epilog="example: ampctl init my_exp && ampctl train -cd . -cn my_exp")
     parser.add_argument("name", metavar="NAME", help="the experiment's name (a Python identifier: it names a module)")

@@ -7,7 +7,6 @@ import argparse
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 from hydra.types import RunMode
@@ -19,7 +18,7 @@ from rich.table import Table
 from ampctl.commands.compose import config_loader
 from ampctl.engine import devices
 from ampctl.engine.precision.policy import PrecisionPolicy
-from ampctl.errors import USAGE_EXIT_CODE, UsageError, print_error
+from ampctl.errors import OneLineArgumentParser, UsageError
 
 GROUPS = ("scaler", "recipe", "optimizer", "logger")
 # docs/precision.md's table order: baselines first, then autocast modes, then Apex's cast-model levels.
@@ -49,16 +48,8 @@ def first_sentence(yaml_text: str) -> str:
     return escape(text if end < 0 else text[:end + 1])
 
 
-class OneLineErrors(argparse.ArgumentParser):
-    """argparse, but a bad argument is one line (`ampctl list: error: ...`, exit 2), as in every command."""
-
-    def error(self, message: str) -> NoReturn:
-        print_error(f"{self.prog}: error: {message}")
-        sys.exit(USAGE_EXIT_CODE)
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = OneLineErrors(
+    parser = OneLineArgumentParser(
         prog="ampctl list", description="Every precision mode, scaler, recipe, optimizer and logger, one line "
         "each, and whether each precision mode runs (fast) on this machine.",
         epilog="example: ampctl list -cd my_conf device=cpu")

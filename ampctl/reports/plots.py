@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import matplotlib
 
@@ -25,6 +25,17 @@ def run_context(runs: Sequence[tuple[str, RunRecord]]) -> str:
     steps = max((r["step"] for _, run in runs for r in run.metrics[-1:]), default=0)
     parts = [f"recipe={'/'.join(recipes)}" if recipes else "", ", ".join(modes), f"{steps} steps" if steps else ""]
     return " · ".join(p for p in parts if p)
+
+
+def recipe_label(cfg: Any) -> str:
+    """The recipe as the user chose it (`gpt`, a -cd option), from Hydra's group choices; else its class."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        choice = HydraConfig.get().runtime.choices.get("recipe")
+        if choice:
+            return str(choice)
+    return str(cfg.recipe._target_).rsplit(".", 1)[-1]
 
 
 def legend_outside(ax) -> None:

@@ -71,7 +71,9 @@ class Pace:
             self.add(r.step, r.step_time_ms)
 
     def remaining_s(self, step: int) -> Optional[float]:
-        typical = statistics.median(self._step_ms) if self._step_ms else self._first
+        # a copy first (one C call): the live view's refresh thread reads while the loop appends
+        times = list(self._step_ms)
+        typical = statistics.median(times) if times else self._first
         return None if typical is None else (self.total - step) * typical / 1e3
 
 
@@ -142,12 +144,19 @@ class PlainConsole:
 
 
 class EtaColumn(ProgressColumn):
-    """The time left, counting down between steps from the estimate made when the latest step ended (a run
-    of minute-long steps still shows time passing)."""
+    """The time left at the latest step, less the time since it ended: it counts down between steps (a run of
+    minute-long steps still shows time passing). Estimated when the view redraws (4 times a second), not at
+    every step: the median is no work for the training step."""
+
+    def __init__(self, pace: Pace) -> None:
+        super().__init__()
+        self.pace = pace
 
     def render(self, task: Task) -> Text:
-        finish_at = task.fields.get("finish_at")
-        left = None if finish_at is None else finish_at - time.monotonic()
+        left = self.pace.remaining_s(int(task.completed))
+        ended_at = task.fields.get("step_ended_at")
+        if left is not None and ended_at is not None:
+            left -= time.monotonic() - ended_at
         return Text(f"eta {format_duration(left)}", style="progress.remaining")
 
 
@@ -190,10 +199,10 @@ class LiveConsole:
             MofNCompleteColumn(),
             TextColumn("steps"),
             TimeElapsedColumn(),
-            EtaColumn(),
+            EtaColumn(self.pace),
             console=console,
         )
-        self.task = self.progress.add_task("train", total=total_steps, finish_at=None)
+        self.task = self.progress.add_task("train", total=total_steps, step_ended_at=None)
         self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
         self.live.start()
 
@@ -227,9 +236,7 @@ class LiveConsole:
     def step_done(self, step: int, step_ms: Optional[float] = None) -> None:
         """Every step, on the host: the bar's count and the time left (no device value is read)."""
         self.pace.add(step, step_ms)
-        left = self.pace.remaining_s(step)
-        self.progress.update(self.task, completed=step,
-                             finish_at=None if left is None else time.monotonic() + left)
+        self.progress.update(self.task, completed=step, step_ended_at=time.monotonic())
 
     def write(self, records: list[StepRecord]) -> None:
         self.latest.update(records)

@@ -90,3 +90,15 @@ def test_a_mode_option_under_a_mode_without_it(tmp_path, capsys, restore_argv, a
 ])
 def test_bad_speed_settings(tmp_path, capsys, restore_argv, args, message):
     assert message in refused(tmp_path, capsys, *args)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["logger=[csv,tensorbord]"], "logger=tensorbord: no such logger (did you mean tensorboard?); choose one of csv, "
+                                  "mlflow, tensorboard, wandb"),
+    (["logger=tensorboard", "logger.csv.file=x"], "logger.csv.file=x: logger.csv.* are the options of logger=csv, "
+                                                  "which is not chosen; choose it on the same command line"),
+    (["logger=wandb", "logger.wandb.mode=sometimes"], "logger.wandb.mode='sometimes' is not allowed: expected one of "
+                                                      "online, offline, disabled"),
+])
+def test_bad_logger_settings(tmp_path, capsys, restore_argv, args, message):
+    assert message in refused(tmp_path, capsys, "device=cpu", "recipe=mlp", *args)

@@ -286,9 +286,7 @@ def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
             for line in result.search_log:
                 console.print(f"    {line}")
     machine = tables.machine_info([{"device": device.type, "device_name": _device_name(device)}])
-    recipe_choice = next((o.split("=", 1)[1] for o in task_overrides if o.startswith("recipe=")), None)
-    recipe_name = recipe_choice or str(cfg.recipe._target_).rsplit(".", 1)[-1]
-    context = (f"recipe={recipe_name} · batch {cfg.recipe.get('batch_size', '?')} · {device.type} "
+    context = (f"recipe={plots.recipe_label(cfg)} · batch {cfg.recipe.get('batch_size', '?')} · {device.type} "
                f"({_device_name(device)})")
     write_memory_report(out_dir, results, cfg.memory.budget, machine, task_overrides, console, context)
 
