@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -42,6 +43,7 @@ def print_help() -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     devnull_from_the_start = stdout_is_devnull()
+    quiet_library_deprecations()
     try:
         dispatch(sys.argv[1:] if argv is None else list(argv))
         sys.stdout.flush()  # inside the try: a reader that stopped early is seen here, not at exit
@@ -62,6 +64,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         if exc.code == 1 and not devnull_from_the_start and stdout_is_devnull():
             sys.exit(0)
         raise
+
+
+def quiet_library_deprecations() -> None:
+    """torchao (imported by precision=fp8 and by transformers) registers enums with torch's pytree, which newer
+    torch logs as deprecated at every import: two lines about libraries' internals before every such run."""
+    logging.getLogger("torch.utils._pytree").addFilter(
+        lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
 
 
 def remove_hydra_run_dir() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
+from torch.utils._pytree import tree_map_only  # public torch.utils.pytree is newer than torch 2.11
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -53,14 +54,9 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """value with fn applied to every tensor in it (nested tuples, lists and dicts keep their shape)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(item, fn) for item in value)
-    if isinstance(value, dict):
-        return {key: map_tensors(item, fn) for key, item in value.items()}
-    return value
+    """value with fn applied to every tensor in it, through torch's pytree: nested tuples, named tuples, lists,
+    dicts and the containers libraries register (transformers' ModelOutput) keep their type and shape."""
+    return tree_map_only(torch.Tensor, fn, value)
 
 
 def scale_label(scale: float) -> str:

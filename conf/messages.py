@@ -8,6 +8,7 @@ import re
 from importlib import resources
 from typing import Optional
 
+from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 # The nodes of PrecisionConfig (conf/schema.py) that only one mode has (null in the others), and that mode;
@@ -26,7 +27,7 @@ def one_line(exc: BaseException) -> str:
                     return f"{err.full_key}: renamed; set {new}.* (the options of {_owner(new)})"
                 parent, _, key = err.full_key.rpartition(".")
                 close = did_you_mean(key, _keys(err), prefix=f"{parent}." if parent else "")
-                return f"{err.full_key}: no such key{close}{_allowed_keys(err)}"
+                return f"{err.full_key}: no such key{close}{_allowed_keys(err) or _open_node_keys(err)}"
             msg = str(getattr(err, "msg", "") or err).splitlines()[0]
             return _type_error(err.full_key, msg) or f"{err.full_key}: {msg}"
     text = str(exc).strip()
@@ -158,6 +159,21 @@ def _allowed_keys(err: OmegaConfBaseException) -> str:
     if not fields:
         return f": scaler={kind} takes no keys (choose scaler=dynamic or scaler=static before setting scaler.*)"
     return f"; allowed: {', '.join(fields)}"
+
+
+def _open_node_keys(err: OmegaConfBaseException) -> str:
+    """A node without a schema (a recipe's or optimizer's arguments, a dict of library options like
+    recipe.config): its keys, and Hydra's way to add one it does not have yet."""
+    node = getattr(err, "parent_node", None)
+    if not isinstance(node, DictConfig) or dataclasses.is_dataclass(getattr(err, "object_type", None)):
+        return ""
+    keys = [str(k) for k in node.keys() if not str(k).startswith("_")]
+    parent, _, key = err.full_key.rpartition(".")
+    close = did_you_mean(key, keys, prefix=f"{parent}." if parent else "")
+    if close:
+        return f"{close}; it has {', '.join(keys)}"
+    have = f"; it has {', '.join(keys)}" if keys else ""
+    return f"{have}; to add a key {parent or 'the config'} does not have, write +{err.full_key}=..."
 
 
 def _chain(exc: BaseException):

@@ -145,3 +145,23 @@ def recipe_error(exc: BaseException, recipe: Recipe) -> Optional[UsageError]:
     return UsageError(f"recipe {recipe_name(recipe)}: {member}() raised {type(exc).__name__}: {_first_line(exc)} "
                       f"({Path(where.filename).name}:{where.lineno}); " + _MEMBERS.get(member, "see docs/models.md, "
                                                                                         "'Add your own recipe'"))
+
+
+def plain_dict(node: Any) -> dict:
+    """A mapping argument as Hydra's instantiate passes it (a DictConfig, lists inside as ListConfig) as the
+    plain dict a library's constructor expects."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+# The keys by which a recipe config names the model it trains (timm's model, transformers' model_type)
+MODEL_KEYS = ("model", "model_type")
+
+
+def recipe_title(choice: str, recipe_cfg: Any) -> str:
+    """The recipe as the start line and plot titles show it: the user's choice, and the model it names
+    (`timm (vit_tiny_patch16_224)`, `hf_causal_lm (llama)`)."""
+    model = next((recipe_cfg.get(key) for key in MODEL_KEYS
+                  if isinstance(recipe_cfg, (dict, DictConfig)) and isinstance(recipe_cfg.get(key), str)), None)
+    return f"{choice} ({model})" if model else choice

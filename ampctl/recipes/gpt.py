@@ -1,24 +1,19 @@
-"""gpt: a decoder-only transformer in the style of nanoGPT, byte-level, on a real text corpus.
-
-The default corpus is the Python standard library's own source, which every machine with Python has,
-so the recipe needs no download. Any text file or directory of text files can replace it.
-"""
+"""gpt: a decoder-only transformer in the style of nanoGPT, byte-level, on a real text corpus (recipes/text.py:
+the standard library's source by default, no download)."""
 
 from __future__ import annotations
 
 import math
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampctl.errors import ConfigError, UsageError
-
-VOCAB_SIZE = 256  # bytes
+from ampctl.errors import ConfigError
+from ampctl.recipes.text import BYTE_VOCAB_SIZE as VOCAB_SIZE
+from ampctl.recipes.text import check_corpus_length, read_corpus, token_windows
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,33 +80,6 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def default_corpus_files() -> list[Path]:
-    """The standard library's .py files, sorted so the corpus is the same on every run."""
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-
-
-def read_corpus(corpus: Optional[str], max_bytes: int) -> bytes:
-    if corpus is None:
-        files = default_corpus_files()
-    else:
-        path = Path(corpus).expanduser()
-        if not path.exists():
-            raise UsageError(f"recipe.corpus={corpus!r} does not exist: give a text file or a directory of them")
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    chunks, size = [], 0
-    for f in files:
-        try:
-            data = f.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        size += len(data)
-        if size >= max_bytes:
-            break
-    text = b"".join(chunks)[:max_bytes]
-    return text
-
-
 @dataclass
 class GPTRecipe:
     corpus: Optional[str] = None
@@ -134,12 +102,7 @@ class GPTRecipe:
         self.samples_per_batch = self.batch_size
         self.tokens_per_batch = self.batch_size * self.block_size
         self._data = read_corpus(self.corpus, self.max_corpus_bytes)
-        if len(self._data) < self.block_size + 2:
-            where = self.corpus if self.corpus is not None else "the standard library"
-            raise UsageError(
-                f"recipe.corpus={where!r} holds {len(self._data)} bytes; at least block_size+2 "
-                f"({self.block_size + 2}) are needed"
-            )
+        check_corpus_length(self.corpus, len(self._data), self.block_size)
 
     def activation_checkpoint_blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)  # type: ignore[arg-type]
@@ -148,16 +111,8 @@ class GPTRecipe:
         return GPT(self.block_size, self.d_model, self.n_layers, self.n_heads, self.dropout)
 
     def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        # The corpus sits on the device as bytes and windows are drawn there, as nanoGPT's get_batch
-        # does but without the host->device copy per step.
-        data = torch.frombuffer(bytearray(self._data), dtype=torch.uint8).to(device)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        offsets = torch.arange(self.block_size + 1, device=device)
-        high = len(self._data) - self.block_size - 1
-        while True:
-            starts = torch.randint(high, (self.batch_size, 1), generator=gen, device=device)
-            window = data[starts + offsets].long()
-            yield window[:, :-1], window[:, 1:]
+        tokens = torch.frombuffer(bytearray(self._data), dtype=torch.uint8)
+        return token_windows(tokens, self.block_size, self.batch_size, device, seed)
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         idx, targets = batch

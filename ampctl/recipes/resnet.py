@@ -3,8 +3,6 @@ ImageNet-shaped batches, the classic mixed-precision speed benchmark."""
 
 from __future__ import annotations
 
-import itertools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -14,34 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampctl.errors import ConfigError, UsageError
+from ampctl.recipes.images import dataset_batches, default_num_workers, synthetic_batches
 
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 DATASETS = ("cifar10", "synthetic")
-SYNTHETIC_BATCHES = 4  # distinct fixed batches cycled on the device: data costs nothing in speed runs
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
-MAX_DEFAULT_WORKERS = 8  # the default DataLoader workers: one per core this process may use, up to this
-
-
-class EpochShuffle(torch.utils.data.Sampler):
-    """A permutation per epoch drawn from seed + epoch alone (as DistributedSampler's set_epoch): the order of
-    the batches does not depend on recipe.num_workers, whose loader draws from its own generator a different
-    number of times (persistent workers once, an in-process loader every epoch)."""
-
-    def __init__(self, size: int, seed: int) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self) -> Iterator[int]:
-        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
-        self.epoch += 1
-        return iter(order.tolist())
-
-
-def default_num_workers() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(MAX_DEFAULT_WORKERS, cores)
 
 
 @dataclass
@@ -104,35 +79,10 @@ class ResNetRecipe:
         return model.to(memory_format=torch.channels_last) if self.channels_last else model
 
     def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         if self._dataset is None:
-            gen = torch.Generator(device=device).manual_seed(seed)
-            fixed = [
-                (
-                    torch.randn(self.batch_size, 3, self.image_size, self.image_size, generator=gen,
-                                device=device).contiguous(memory_format=memory_format),
-                    torch.randint(self.num_classes, (self.batch_size,), generator=gen, device=device),
-                )
-                for _ in range(SYNTHETIC_BATCHES)
-            ]
-            yield from itertools.cycle(fixed)
-            return
-        loader = torch.utils.data.DataLoader(
-            self._dataset,
-            batch_size=self.batch_size,
-            sampler=EpochShuffle(len(self._dataset), seed),
-            drop_last=True,
-            num_workers=self.num_workers,
-            pin_memory=device.type == "cuda",  # page-locked batches: the copies below overlap the step
-            generator=torch.Generator().manual_seed(seed),  # its workers' seeds, never from the global RNG
-            persistent_workers=self.num_workers > 0,
-        )
-        while True:
-            for x, y in loader:
-                yield (
-                    x.to(device, non_blocking=True).contiguous(memory_format=memory_format),
-                    y.to(device, non_blocking=True),
-                )
+            return synthetic_batches(self.batch_size, self.image_size, self.num_classes, self.channels_last,
+                                     device, seed)
+        return dataset_batches(self._dataset, self.batch_size, self.num_workers, self.channels_last, device, seed)
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

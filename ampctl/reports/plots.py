@@ -28,14 +28,14 @@ def run_context(runs: Sequence[tuple[str, RunRecord]]) -> str:
 
 
 def recipe_label(cfg: Any) -> str:
-    """The recipe as the user chose it (`gpt`, a -cd option), from Hydra's group choices; else its class."""
+    """The recipe as the user chose it (`gpt`, a -cd option, `timm (vit_base_patch16_224)`), from Hydra's group
+    choices; else its class."""
     from hydra.core.hydra_config import HydraConfig
 
-    if HydraConfig.initialized():
-        choice = HydraConfig.get().runtime.choices.get("recipe")
-        if choice:
-            return str(choice)
-    return str(cfg.recipe._target_).rsplit(".", 1)[-1]
+    from ampctl.recipes.base import recipe_title
+
+    choice = HydraConfig.get().runtime.choices.get("recipe") if HydraConfig.initialized() else None
+    return recipe_title(str(choice or cfg.recipe._target_.rsplit(".", 1)[-1]), cfg.recipe)
 
 
 def legend_outside(ax) -> None:

@@ -25,7 +25,7 @@ from ampctl.engine.loop import TrainState, fit
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped, UsageError
-from ampctl.recipes.base import Recipe, build_recipe, recipe_errors
+from ampctl.recipes.base import Recipe, build_recipe, recipe_errors, recipe_title
 from ampctl.runner import checkpoint
 from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
@@ -134,7 +134,7 @@ def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recip
     echo, device = recorder.echo, policy.device
     echo(policy.describe(state.scaler.describe()))
     n_params = sum(p.numel() for p in state.model.parameters())
-    echo(f"recipe={choices.get('recipe', type(recipe).__name__)} params={n_params / 1e6:.2f}M "
+    echo(f"recipe={recipe_title(choices.get('recipe', type(recipe).__name__), cfg.recipe)} params={n_params / 1e6:.2f}M "
          f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={recorder.run_dir}"
          + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
             if parallel.world_size > 1 else ""))

@@ -3,6 +3,7 @@ in fp32 under O2), and the weight layout the optimizer steps on (fp32 masters un
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -23,6 +24,14 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
     )
     if t is not None
 )
+# The norms libraries write themselves (transformers' LlamaRMSNorm, T5LayerNorm; many models' own RMSNorm), by
+# the names they share: leaf modules only, so that a block named ...LayerNorm... is not taken whole.
+NORM_CLASS_NAME = re.compile(r"(rms|layer|group|batch|instance)norm(\dd)?$", re.IGNORECASE)
+
+
+def is_norm_layer(module: nn.Module) -> bool:
+    return isinstance(module, NORM_LAYERS) or (NORM_CLASS_NAME.search(type(module).__name__) is not None
+                                               and next(module.children(), None) is None)
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
@@ -99,7 +108,7 @@ def cast_model_to_half(model: nn.Module, half: torch.dtype, keep_norm_fp32: bool
     model.to(half)
     if keep_norm_fp32:
         for module in model.modules():
-            if isinstance(module, NORM_LAYERS):
+            if is_norm_layer(module):
                 module.float()
                 if device.type == "cuda" and isinstance(module, nn.modules.batchnorm._BatchNorm):
                     # cuDNN's batch norm takes half input with fp32 parameters and statistics and computes in

@@ -1,0 +1,74 @@
+"""Images for the vision recipes (resnet, timm): fixed synthetic batches cycled on the device, or a Dataset read
+by a DataLoader whose order depends on the seed alone."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Iterator
+
+import torch
+
+SYNTHETIC_BATCHES = 4  # distinct fixed batches cycled on the device: data costs nothing in speed runs
+MAX_DEFAULT_WORKERS = 8  # the default DataLoader workers: one per core this process may use, up to this
+
+
+class EpochShuffle(torch.utils.data.Sampler):
+    """A permutation per epoch drawn from seed + epoch alone (as DistributedSampler's set_epoch): the order of
+    the batches does not depend on recipe.num_workers, whose loader draws from its own generator a different
+    number of times (persistent workers once, an in-process loader every epoch)."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        self.epoch += 1
+        return iter(order.tolist())
+
+
+def default_num_workers() -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(MAX_DEFAULT_WORKERS, cores)
+
+
+def memory_format(channels_last: bool) -> torch.memory_format:
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+def synthetic_batches(batch_size: int, image_size: int, num_classes: int, channels_last: bool,
+                      device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """SYNTHETIC_BATCHES fixed (images, labels) batches, normal pixels and uniform labels, cycled on the device."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    fixed = [
+        (
+            torch.randn(batch_size, 3, image_size, image_size, generator=gen,
+                        device=device).contiguous(memory_format=memory_format(channels_last)),
+            torch.randint(num_classes, (batch_size,), generator=gen, device=device),
+        )
+        for _ in range(SYNTHETIC_BATCHES)
+    ]
+    return itertools.cycle(fixed)
+
+
+def dataset_batches(dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int, channels_last: bool,
+                    device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless epochs of a map-style dataset of (image, label): shuffled by seed and epoch, full batches only,
+    loaded by num_workers processes into page-locked memory on CUDA so that the copies overlap the step."""
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=EpochShuffle(len(dataset), seed),
+        drop_last=True,
+        num_workers=num_workers,
+        pin_memory=device.type == "cuda",
+        generator=torch.Generator().manual_seed(seed),  # its workers' seeds, never from the global RNG
+        persistent_workers=num_workers > 0,
+    )
+    while True:
+        for x, y in loader:
+            yield (x.to(device, non_blocking=True).contiguous(memory_format=memory_format(channels_last)),
+                   y.to(device, non_blocking=True))

@@ -1,0 +1,67 @@
+"""Text for the language-model recipes (gpt, hf_causal_lm): a local corpus read as bytes, and endless batches of
+random windows of its tokens drawn on the device.
+
+The default corpus is the Python standard library's own source, which every machine with Python has, so no
+recipe needs a download. Any text file or directory of text files can replace it.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from ampctl.errors import UsageError
+
+BYTE_VOCAB_SIZE = 256  # a byte-level vocabulary: every byte is a token
+
+
+def default_corpus_files() -> list[Path]:
+    """The standard library's .py files, sorted so the corpus is the same on every run."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+
+
+def read_corpus(corpus: Optional[str], max_bytes: int) -> bytes:
+    """Up to max_bytes of the corpus: a text file, a directory of them (sorted), or the standard library."""
+    if corpus is None:
+        files = default_corpus_files()
+    else:
+        path = Path(corpus).expanduser()
+        if not path.exists():
+            raise UsageError(f"recipe.corpus={corpus!r} does not exist: give a text file or a directory of them")
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    chunks, size = [], 0
+    for f in files:
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+    return b"".join(chunks)[:max_bytes]
+
+
+def check_corpus_length(corpus: Optional[str], tokens: int, block_size: int, unit: str = "bytes") -> None:
+    """A window is block_size + 1 tokens (inputs and their next-token targets), drawn from at least two places."""
+    if tokens < block_size + 2:
+        where = corpus if corpus is not None else "the standard library"
+        raise UsageError(f"recipe.corpus={where!r} holds {tokens} {unit}; at least block_size+2 ({block_size + 2}) "
+                         "are needed")
+
+
+def token_windows(tokens: torch.Tensor, block_size: int, batch_size: int, device: torch.device,
+                  seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless (inputs, next-token targets) batches of random windows, as nanoGPT's get_batch draws them, but
+    with the tokens on the device once and the windows drawn there: no host->device copy per step."""
+    data = tokens.to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    offsets = torch.arange(block_size + 1, device=device)
+    high = data.numel() - block_size - 1
+    while True:
+        starts = torch.randint(high, (batch_size, 1), generator=gen, device=device)
+        window = data[starts + offsets].long()
+        yield window[:, :-1], window[:, 1:]
