@@ -1,7 +1,7 @@
 """Model FLOPs per step and MFU: how close a run is to the hardware.
 
 FLOPs are counted once, at start, by torch.utils.flop_counter over one forward and backward of the recipe's
-model and loss on the meta device: shapes only, nothing computed, nothing of the run touched (its RNG, its
+model and loss on fake tensors: shapes only, nothing computed, nothing of the run touched (its RNG, its
 model, its batch stream). They are model FLOPs, as MFU defines them (PaLM's appendix B): the recomputation
 of activation checkpointing and the casts of a precision mode are not counted, so MFU compares modes on
 the same work. One step = grad_accum_steps micro-batches of this process's batch.
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from ampctl import io
@@ -47,13 +49,18 @@ class Peak:
 
 
 def model_flops_per_step(recipe: Any, batch: Any, grad_accum_steps: int) -> int:
-    """Forward + backward FLOPs of the recipe's model and loss on one optimizer step of this process."""
+    """Forward + backward FLOPs of the recipe's model and loss on one optimizer step of this process.
+
+    The model is built on the meta device, the batch is fake: libraries that check a tensor's values on the host
+    (transformers' masks) know fake tensors and skip the check, where a meta tensor's .item() raises. Attention in its math form: the
+    counter knows the fused CUDA kernels but not the CPU's, which would count as nothing."""
     with torch.device("meta"):
         model = recipe.build_model()
-    meta_batch = io.map_tensors(batch, lambda t: torch.empty_like(t, device="meta"))
-    counter = FlopCounterMode(display=False)
-    with counter:
-        recipe.loss(model, meta_batch).backward()
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, sdpa_kernel(SDPBackend.MATH):
+        fake_batch = io.map_tensors(batch, lambda t: fake.from_tensor(torch.empty_like(t, device="meta")))
+        counter = FlopCounterMode(display=False)
+        with counter:
+            recipe.loss(model, fake_batch).backward()
     return int(counter.get_total_flops()) * grad_accum_steps
 
 
@@ -130,7 +137,7 @@ def count(recipe: Any, device: torch.device, precision: Any, seed: int, grad_acc
     try:
         batch = next(iter(recipe.batches(device, seed)))  # a stream of its own: the run's is not touched
         per_step: Optional[int] = model_flops_per_step(recipe, batch, grad_accum_steps)
-        source = "torch.utils.flop_counter, forward + backward on the meta device"
+        source = "torch.utils.flop_counter, forward + backward on fake tensors"
     except Exception as exc:  # noqa: BLE001 - no figure is the answer for any failure to trace
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         per_step, source = None, f"not counted: {type(exc).__name__}: {reason}"

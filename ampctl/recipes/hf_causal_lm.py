@@ -158,8 +158,8 @@ class HFCausalLMRecipe:
         tokens = tokenize(self.tokenizer, self.corpus, self.max_corpus_bytes)
         check_corpus_length(self.corpus, tokens.numel(), self.block_size,
                             unit="bytes" if self.tokenizer is None else "tokens")
-        self._model_config = self._build_config()
-        positions = getattr(self._model_config, "max_position_embeddings", None)
+        self.model_config = self._build_config()
+        positions = getattr(self.model_config, "max_position_embeddings", None)
         if isinstance(positions, int) and positions < self.block_size:
             raise UsageError(f"recipe.block_size={self.block_size} is longer than the model's "
                              f"max_position_embeddings ({positions}); lower it or raise "
@@ -194,7 +194,7 @@ class HFCausalLMRecipe:
     def build_model(self) -> nn.Module:
         transformers = import_transformers()
         try:
-            return transformers.AutoModelForCausalLM.from_config(self._model_config,
+            return transformers.AutoModelForCausalLM.from_config(self.model_config,
                                                                  attn_implementation=self.attn_implementation)
         except ValueError as exc:  # a size the architecture cannot take
             raise UsageError(f"recipe.model_type={self.model_type}: {_root_cause(exc)}") from None

@@ -77,7 +77,7 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
     # the same window on every rank (rank 0 alone measures memory, over the first steps on a CPU)
     memory_steps = MEASURED_STEPS if policy.device.type == "cpu" and measure_cpu else 0
     first_profiled = _first_profiled_step(cfg, resume.step or 0, memory_steps)
-    # model FLOPs of a step (counted on the meta device) and the device's peak, for MFU in every record; before
+    # model FLOPs of a step (counted on fake tensors) and the device's peak, for MFU in every record; before
     # the peak memory is measured, which the batch drawn for the count must not raise. On a recipe of its own:
     # counting calls its loss, and a user recipe's state (a call counter) must stay the run's.
     step_flops = flops.count(_rank_recipe(cfg, parallel), policy.device, policy.precision, cfg.train.seed,

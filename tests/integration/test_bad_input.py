@@ -3,6 +3,8 @@ recipe targets, corpus and data paths. One line naming the input, exit code 2, n
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from ampctl.cli import main
@@ -102,3 +104,31 @@ def test_bad_speed_settings(tmp_path, capsys, restore_argv, args, message):
 ])
 def test_bad_logger_settings(tmp_path, capsys, restore_argv, args, message):
     assert message in refused(tmp_path, capsys, "device=cpu", "recipe=mlp", *args)
+
+
+@pytest.mark.parametrize("package,recipe,extra", [("timm", "timm", "timm"),
+                                                  ("transformers", "hf_causal_lm", "transformers")])
+def test_a_model_library_not_installed(tmp_path, capsys, restore_argv, monkeypatch, package, recipe, extra):
+    monkeypatch.setitem(sys.modules, package, None)  # `import timm` raises ImportError, as where it is absent
+    err = refused(tmp_path, capsys, f"recipe={recipe}")
+    assert f"recipe={recipe}: the {package} package is not installed; pip install 'ampctl[{extra}]'" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["recipe=timm", "recipe.model=resnet_18"], "recipe.model='resnet_18': no such timm model (did you mean "),
+    (["recipe=hf_causal_lm", "recipe.model_type=gpt3"], "recipe.model_type='gpt3': no causal language model"),
+    (["recipe=hf_causal_lm", "+recipe.config.n_embd=64"], "recipe.config.n_embd: LlamaConfig has no such field"),
+    (["recipe=hf_causal_lm", "recipe.config.hidden_size=64"],
+     "recipe.config.hidden_size: no such key; to add a key recipe.config does not have, write "
+     "+recipe.config.hidden_size=..."),
+])
+def test_model_library_names_and_fields(tmp_path, capsys, restore_argv, args, message):
+    pytest.importorskip("timm" if "recipe=timm" in args else "transformers")
+    assert message in refused(tmp_path, capsys, *args)
+
+
+def test_an_image_folder_without_images(tmp_path, capsys, restore_argv):
+    pytest.importorskip("timm")
+    (tmp_path / "images" / "cat").mkdir(parents=True)
+    err = refused(tmp_path, capsys, "recipe=timm", "recipe.data=imagefolder", f"recipe.data_root={tmp_path / 'images'}")
+    assert f"recipe.data_root='{tmp_path / 'images'}' holds no images: Found no valid file for the classes cat" in err

@@ -1,0 +1,97 @@
+"""The models people train, one override away: a timm CNN and ViT, transformers' GPT-2 and Llama, in tiny
+configurations, through whole runs: each precision mode, an exact resume, `ampctl inspect` naming their layers,
+a local image folder. Skipped when the optional package is absent ([dev] installs both)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from ampctl.cli import main
+from tests.conftest import QUIET, train
+
+TIMM = ["recipe=timm", "recipe.image_size=32", "recipe.batch_size=4", "recipe.num_classes=10"]
+HF = ["recipe=hf_causal_lm", "recipe.block_size=32", "recipe.batch_size=4", "recipe.max_corpus_bytes=200000",
+      "+recipe.config.num_hidden_layers=2"]
+MODELS = {
+    "timm_cnn": ("timm", [*TIMM, "recipe.model=test_resnet"], "layer1.0.conv1"),
+    "timm_vit": ("timm", [*TIMM, "recipe.model=test_vit"], "blocks.0.attn.qkv"),
+    "gpt2": ("transformers", [*HF, "recipe.model_type=gpt2"], "transformer.h.0.attn.c_attn"),
+    "llama": ("transformers", [*HF, "recipe.model_type=llama"], "model.layers.0.self_attn.q_proj"),
+}
+
+
+def overrides(model: str) -> list[str]:
+    package, args, _layer = MODELS[model]
+    pytest.importorskip(package)
+    return args
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_each_model_trains_in_fp32_bf16_and_fp16_from_the_same_start(tmp_path, model):
+    """Three steps per mode. Same seed, same first batch: the first loss of bf16 and fp16 lies within their
+    rounding of fp32's (the forward is all that differs at step 1), and every loss is finite."""
+    first = {}
+    for mode in ("fp32", "bf16", "fp16"):
+        summary, rows = train(tmp_path / mode, *overrides(model), f"precision={mode}", "train.steps=3",
+                              "train.log_every=3", base=QUIET)
+        assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
+        assert summary["steps"] == 3 and summary["parameters"] > 0
+        first[mode] = rows[0]["loss"]
+    assert first["bf16"] == pytest.approx(first["fp32"], rel=2e-2)  # bf16 keeps 8 bits of mantissa
+    assert first["fp16"] == pytest.approx(first["fp32"], rel=5e-3)  # fp16 keeps 11
+
+
+def rows_of(run_dir) -> list[dict]:
+    keys = ("step", "loss", "loss_scale", "skipped", "grad_norm", "lr")
+    return [{k: r[k] for k in keys} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, model, restore_argv):
+    """fp16 with a dynamic scale that grows every step, so the scaler's state is part of what must come back. The
+    first half stops at step 2 by its train.steps, so the lr is constant: a schedule over train.steps would
+    differ between the halves by design."""
+    run = [*overrides(model), *QUIET, "precision=fp16", "scaler.growth_interval=1", "train.log_every=1",
+           "train.checkpoint_every=2", "train.lr_schedule=constant"]
+    main(["train", *run, "train.steps=4", f"hydra.run.dir={tmp_path / 'straight'}"])
+    main(["train", *run, "train.steps=2", f"hydra.run.dir={tmp_path / 'resumed'}"])
+    main(["train", *run, "train.steps=4", f"hydra.run.dir={tmp_path / 'resumed'}", "resume=auto"])
+    assert rows_of(tmp_path / "resumed") == rows_of(tmp_path / "straight")
+    assert len({r["loss_scale"] for r in rows_of(tmp_path / "straight")}) > 1
+    weights = [torch.load(tmp_path / run / "checkpoints" / "step_00000004.pt", weights_only=True)["model"]
+               for run in ("straight", "resumed")]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k])
+                                                          for k in weights[0])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_inspect_names_the_models_own_layers(tmp_path, model, restore_argv):
+    layer = MODELS[model][2]
+    main(["inspect", *overrides(model), "device=cpu", "precision=fp16", "inspect.steps=1",
+          f"hydra.run.dir={tmp_path}"])
+    ranges = json.loads((tmp_path / "ranges.json").read_text())
+    text = json.dumps(ranges)
+    assert f'"{layer}"' in text, f"{layer} not among the layers inspect recorded"
+
+
+def test_timm_trains_on_a_local_image_folder_with_the_models_transforms(tmp_path):
+    """recipe.data=imagefolder: torchvision's ImageFolder (one folder per class) through timm's training
+    transforms at recipe.image_size, in DataLoader worker processes; the classes are the folder's."""
+    pytest.importorskip("timm")
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for label in ("cat", "dog", "fox"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for i in range(4):
+            pixels = torch.randint(0, 256, (40, 48, 3), dtype=torch.uint8, generator=generator).numpy()
+            Image.fromarray(pixels).save(tmp_path / "images" / label / f"{i}.png")
+    summary, rows = train(tmp_path / "run", *TIMM, "recipe.model=test_resnet", "recipe.num_classes=null",
+                          "recipe.data=imagefolder", f"recipe.data_root={tmp_path / 'images'}", "recipe.num_workers=2",
+                          "train.steps=4", "train.log_every=2", base=QUIET)
+    assert len(rows) == 4 and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["loss"] == pytest.approx(math.log(3), rel=0.5)  # a 3-way head from the folder's classes
