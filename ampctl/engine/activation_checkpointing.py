@@ -22,7 +22,7 @@ def require_checkpoint_blocks(recipe: Any, recipe_name: str) -> None:
     if getattr(recipe, "activation_checkpoint_blocks", None) is None:
         raise UsageError(
             f"train.activation_checkpointing=true: recipe {recipe_name} names no blocks to checkpoint "
-            "(a recipe offers activation_checkpoint_blocks(model); gpt and resnet do)"
+            "(a recipe offers activation_checkpoint_blocks(model); gpt, resnet, timm and hf_causal_lm do)"
         )
 
 
@@ -30,6 +30,9 @@ def apply_activation_checkpointing(model: nn.Module, recipe: Any, recipe_name: s
     """Checkpoint every block the recipe's activation_checkpoint_blocks(model) returns; the number wrapped."""
     require_checkpoint_blocks(recipe, recipe_name)
     blocks = list(recipe.activation_checkpoint_blocks(model))
+    if not blocks:  # a model whose structure the recipe could not read (a timm model without block groups)
+        raise UsageError(f"train.activation_checkpointing=true: recipe {recipe_name} found no blocks to checkpoint "
+                         "in this model; run without it")
     for block in blocks:
         # An instance attribute shadows the class's forward; parameters and state_dict stay as they were.
         block.forward = functools.partial(_checkpointed, block.forward)

@@ -19,7 +19,7 @@ LINESTYLES = ("-", "--", "-.", ":")
 def run_context(runs: Sequence[tuple[str, RunRecord]]) -> str:
     """What the runs are, for a title: `recipe=gpt · fp32, bf16 · 200 steps`."""
     summaries = [run.summary or {} for _, run in runs]
-    recipes = list(dict.fromkeys(str(s["recipe"]) for s in summaries if s.get("recipe")))
+    recipes = list(dict.fromkeys(str(s.get("recipe_title") or s["recipe"]) for s in summaries if s.get("recipe")))
     modes = list(dict.fromkeys(str(s.get("precision_choice") or s["precision"]) for s in summaries
                                if s.get("precision")))
     steps = max((r["step"] for _, run in runs for r in run.metrics[-1:]), default=0)

@@ -275,6 +275,7 @@ def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolic
         "precision_choice": choices.get("precision", cfg.precision.name),
         "scaler": state.scaler.kind,
         "recipe": choices.get("recipe", type(recipe).__name__),
+        "recipe_title": recipe_title(choices.get("recipe", type(recipe).__name__), cfg.recipe),  # with its model
         "optimizer": cfg.optimizer._target_,
         "device": device.type,
         "device_name": devices.device_name(device),
