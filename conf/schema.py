@@ -245,7 +245,7 @@ class TrainConfig:
 @dataclass
 class TelemetryConfig:
     ranges_every: Optional[int] = None  # every N steps, record per-layer value ranges into ranges.jsonl (ampctl inspect's)
-    # on a CPU, measure peak memory with torch's memory profiler over the build and steps 1-2 (1-4 s once);
+    # on a CPU, measure peak memory with torch's memory profiler over the build and steps 1-2 (well under 1 s);
     # on CUDA the allocator's peak is always read, for free
     profile_cpu_memory: bool = True
 

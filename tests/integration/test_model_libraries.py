@@ -15,7 +15,7 @@ from tests.conftest import QUIET, train
 
 TIMM = ["recipe=timm", "recipe.image_size=32", "recipe.batch_size=4", "recipe.num_classes=10"]
 HF = ["recipe=hf_causal_lm", "recipe.block_size=32", "recipe.batch_size=4", "recipe.max_corpus_bytes=200000",
-      "+recipe.config.num_hidden_layers=2"]
+      "+recipe.config.num_hidden_layers=2", "+recipe.config.hidden_size=64"]
 MODELS = {
     "timm_cnn": ("timm", [*TIMM, "recipe.model=test_resnet"], "layer1.0.conv1"),
     "timm_vit": ("timm", [*TIMM, "recipe.model=test_vit"], "blocks.0.attn.qkv"),

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=128", "recipe.batch_size=32", "precision=fp16",
        "scaler.init_scale=1e9", "scaler.growth_interval=7", "train.steps=20", "train.checkpoint_every=10",
        "train.log_every=5", "train.console=quiet", "distributed.checkpoint_format=sharded",
-       "telemetry.profile_cpu_memory=false"]  # the CPU memory timeline is not under test: 1-4 s a run saved
+       "telemetry.profile_cpu_memory=false"]  # the CPU memory peak is not under test here
 
 
 @pytest.fixture

@@ -2,10 +2,12 @@
 
 CUDA: torch.cuda.max_memory_allocated, the caching allocator's high-water mark of tensor memory (its
 reserve, the CUDA context and library workspaces are outside it; the reserve is reported beside it).
-CPU: torch's memory profiler (torch.profiler with profile_memory=True), which sees every allocation of
-torch's CPU allocator with the tensor it belongs to, so the peak comes with a breakdown by category
-(parameters, optimizer state, gradients, activations, temporaries...). The process's max RSS would include
-the interpreter and torch's own code, hundreds of MiB.
+CPU: torch's memory profiler (torch.profiler with profile_memory=True), which sees every allocation and free
+of torch's CPU allocator: the peak is the highest running sum of them. `ampctl memory` asks for a breakdown by
+category too (parameters, optimizer state, gradients, activations, temporaries...), for which torch's memory
+timeline needs every op's shapes and Python stack and a data-flow analysis of the whole window: a minute on a
+small transformers model, where the sum alone costs nothing measurable. The
+process's max RSS would include the interpreter and torch's own code, hundreds of MiB.
 
 `ampctl memory`, `ampctl train` and `ampctl compare` report this one definition: tensor memory held by
 torch's allocator. A training run (TrainingPeak) measures it over its whole length on CUDA, where reading the
@@ -58,8 +60,9 @@ def release_memory(device: torch.device) -> None:
 
 
 @contextmanager
-def measure_peak(device: torch.device) -> Iterator[MeasuredPeak]:
-    """Measures the peak of what runs inside; the result is filled in on exit."""
+def measure_peak(device: torch.device, by_category: bool = False) -> Iterator[MeasuredPeak]:
+    """Measures the peak of what runs inside; the result is filled in on exit. by_category: on a CPU, the
+    breakdown at the peak too (torch's memory timeline: slow, see the module docstring)."""
     result = MeasuredPeak()
     release_memory(device)
     if device.type == "cuda":
@@ -79,10 +82,13 @@ def measure_peak(device: torch.device) -> Iterator[MeasuredPeak]:
     from torch.profiler import ProfilerActivity, profile
 
     with quiet_kineto(), _without_stderr_lines(_UNKNOWN_BLOCK), profile(
-            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=by_category,
+            with_stack=by_category) as prof:
         yield result
     try:
-        result.bytes, result.breakdown = _timeline_peak(prof)
+        result.bytes = _allocation_peak(prof)
+        if by_category:
+            result.breakdown = _timeline_peak(prof)
         result.source = "torch memory profiler (CPU allocator)"
     except Exception as exc:  # noqa: BLE001  torch's timeline analysis is private and has failed on FSDP graphs:
         # an instrument that cannot read a run must not end it
@@ -189,7 +195,36 @@ class TrainingPeak:
         return None if self._result is None else self._result.bytes
 
 
-def _timeline_peak(prof) -> tuple[int, dict[str, int]]:
+def _allocation_peak(prof) -> int:
+    """The most tensor memory allocated inside the window and alive at once: the allocator's allocations and
+    frees in time order, by address. A block allocated before the window (the recipe's data, a model an earlier
+    measurement in this process left) is not counted when it is freed inside: this window did not allocate it."""
+    from torch._C._profiler import _EventType
+
+    nodes, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            allocations.append(node)
+    allocations.sort(key=lambda node: node.start_time_ns)
+    sizes: dict[int, int] = {}  # address -> size of the blocks allocated inside the window and still alive
+    live = peak = 0
+    for node in allocations:
+        block = node.extra_fields
+        if block.alloc_size > 0:
+            sizes[block.ptr] = block.alloc_size
+            live += block.alloc_size
+            peak = max(peak, live)
+        else:
+            live -= sizes.pop(block.ptr, 0)
+    return peak
+
+
+def _timeline_peak(prof) -> dict[str, int]:
+    """The categories of torch's memory timeline at its peak. The timeline also counts, by their shapes, tensors
+    over memory the allocator did not allocate (torch.frombuffer over a Python buffer: the text recipes' corpus),
+    so its total can exceed the allocator's peak by those."""
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         # Deprecated in favour of a CUDA-only snapshot API; there is no CPU replacement yet.
         warnings.simplefilter("ignore", FutureWarning)
@@ -197,8 +232,7 @@ def _timeline_peak(prof) -> tuple[int, dict[str, int]]:
         prof.export_memory_timeline(str(path), device="cpu")
         _times, sizes = json.loads(path.read_text())
     if not sizes:
-        return 0, {}
+        return {}
     at_peak = max(sizes, key=sum)
     categories = at_peak[1:] if len(at_peak) == len(PROFILER_CATEGORIES) + 1 else at_peak
-    breakdown = {name: int(b) for name, b in zip(PROFILER_CATEGORIES, categories) if b}
-    return int(sum(at_peak)), breakdown
+    return {name: int(b) for name, b in zip(PROFILER_CATEGORIES, categories) if b}

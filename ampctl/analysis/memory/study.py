@@ -129,7 +129,7 @@ def measure_mode(label: str, cfg: DictConfig, budget: Optional[int], settings: D
     if budget is not None and batch_size is None:
         raise UsageError("memory.budget needs a recipe with an integer recipe.batch_size to vary")
     with policy:
-        with measure_peak(policy.device) as peak:
+        with measure_peak(policy.device, by_category=True) as peak:
             state = build_state(cfg, policy, recipe)
             batches = batch_stream(recipe, policy.device, cfg.train.seed)
             phase("built the model")
