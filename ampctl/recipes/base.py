@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ampctl.conf.messages import instantiation_error
-from ampctl.errors import UsageError
+from ampctl.errors import ConfigError, UsageError
 
 
 @runtime_checkable
@@ -145,6 +145,13 @@ def recipe_error(exc: BaseException, recipe: Recipe) -> Optional[UsageError]:
     return UsageError(f"recipe {recipe_name(recipe)}: {member}() raised {type(exc).__name__}: {_first_line(exc)} "
                       f"({Path(where.filename).name}:{where.lineno}); " + _MEMBERS.get(member, "see docs/models.md, "
                                                                                         "'Add your own recipe'"))
+
+
+def require_positive(recipe: Any, *keys: str) -> None:
+    """Each of the recipe's keys an integer >= 1 (sizes, counts), or a ConfigError naming the first that is not."""
+    for key in keys:
+        if getattr(recipe, key) < 1:
+            raise ConfigError(f"recipe.{key}", getattr(recipe, key), "an integer >= 1")
 
 
 def plain_dict(node: Any) -> dict:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampctl.errors import ConfigError
+from ampctl.recipes.base import require_positive
 from ampctl.recipes.text import BYTE_VOCAB_SIZE as VOCAB_SIZE
 from ampctl.recipes.text import check_corpus_length, read_corpus, token_windows
 
@@ -92,9 +93,7 @@ class GPTRecipe:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("block_size", "batch_size", "d_model", "n_layers", "n_heads", "max_corpus_bytes"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"recipe.{key}", getattr(self, key), "an integer >= 1")
+        require_positive(self, "block_size", "batch_size", "d_model", "n_layers", "n_heads", "max_corpus_bytes")
         if self.d_model % self.n_heads:
             raise ConfigError("recipe.n_heads", self.n_heads, f"a divisor of recipe.d_model ({self.d_model})")
         if not 0.0 <= self.dropout < 1.0:

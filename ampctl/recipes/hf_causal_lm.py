@@ -24,7 +24,7 @@ from torch import nn
 
 from ampctl.conf.messages import did_you_mean
 from ampctl.errors import ConfigError, UsageError
-from ampctl.recipes.base import plain_dict
+from ampctl.recipes.base import plain_dict, require_positive
 from ampctl.recipes.text import BYTE_VOCAB_SIZE, check_corpus_length, read_corpus, token_windows
 
 SIZES = ("small", "library")
@@ -144,9 +144,7 @@ class HFCausalLMRecipe:
             raise ConfigError("recipe.size", self.size, " | ".join(SIZES))
         if self.attn_implementation not in ATTENTION:
             raise ConfigError("recipe.attn_implementation", self.attn_implementation, " | ".join(ATTENTION))
-        for key in ("block_size", "batch_size", "max_corpus_bytes"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"recipe.{key}", getattr(self, key), "an integer >= 1")
+        require_positive(self, "block_size", "batch_size", "max_corpus_bytes")
         config_class = transformers.CONFIG_MAPPING[self.model_type]
         fields = config_fields(config_class)
         for key in self.config:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
+
+from ampctl.errors import ConfigError
 
 SYNTHETIC_BATCHES = 4  # distinct fixed batches cycled on the device: data costs nothing in speed runs
 MAX_DEFAULT_WORKERS = 8  # the default DataLoader workers: one per core this process may use, up to this
@@ -33,6 +35,16 @@ class EpochShuffle(torch.utils.data.Sampler):
 def default_num_workers() -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return min(MAX_DEFAULT_WORKERS, cores)
+
+
+def resolve_num_workers(num_workers: Optional[int]) -> int:
+    """recipe.num_workers: null for one per core (up to MAX_DEFAULT_WORKERS), else an integer >= 0."""
+    if num_workers is None:
+        return default_num_workers()
+    if num_workers < 0:
+        raise ConfigError("recipe.num_workers", num_workers, "an integer >= 0 (0: load in the training process), "
+                          f"or null for one per core up to {MAX_DEFAULT_WORKERS}")
+    return num_workers
 
 
 def memory_format(channels_last: bool) -> torch.memory_format:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampctl.errors import ConfigError
+from ampctl.recipes.base import require_positive
 
 NORMS = {"layernorm": nn.LayerNorm, "batchnorm": nn.BatchNorm1d, "none": None}
 
@@ -27,9 +28,7 @@ class MLPRecipe:
     norm: str = "layernorm"
 
     def __post_init__(self) -> None:
-        for key in ("in_features", "hidden", "depth", "batch_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"recipe.{key}", getattr(self, key), "an integer >= 1")
+        require_positive(self, "in_features", "hidden", "depth", "batch_size")
         if self.num_classes < 2:
             raise ConfigError("recipe.num_classes", self.num_classes, "an integer >= 2")
         if self.norm not in NORMS:

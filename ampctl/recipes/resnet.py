@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampctl.errors import ConfigError, UsageError
-from ampctl.recipes.images import dataset_batches, default_num_workers, synthetic_batches
+from ampctl.recipes.base import require_positive
+from ampctl.recipes.images import dataset_batches, resolve_num_workers, synthetic_batches
 
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 DATASETS = ("cifar10", "synthetic")
@@ -36,18 +37,12 @@ class ResNetRecipe:
             raise ConfigError("recipe.arch", self.arch, " | ".join(ARCHS))
         if self.data not in DATASETS:
             raise ConfigError("recipe.data", self.data, " | ".join(DATASETS))
-        for key in ("batch_size", "image_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"recipe.{key}", getattr(self, key), "an integer >= 1")
+        require_positive(self, "batch_size", "image_size")
         if self.num_classes is None:
             self.num_classes = 10 if self.data == "cifar10" else 1000
         elif self.num_classes < 2:
             raise ConfigError("recipe.num_classes", self.num_classes, "an integer >= 2, or null")
-        if self.num_workers is None:
-            self.num_workers = default_num_workers()
-        elif self.num_workers < 0:
-            raise ConfigError("recipe.num_workers", self.num_workers, "an integer >= 0 (0: load in the training "
-                              "process), or null for one per core up to 8")
+        self.num_workers = resolve_num_workers(self.num_workers)
         self.samples_per_batch = self.batch_size
         self.tokens_per_batch = None
         self._dataset = self._open_cifar10() if self.data == "cifar10" else None

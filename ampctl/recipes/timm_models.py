@@ -20,8 +20,8 @@ from torch import nn
 
 from ampctl.conf.messages import did_you_mean
 from ampctl.errors import ConfigError, UsageError
-from ampctl.recipes.base import plain_dict
-from ampctl.recipes.images import dataset_batches, default_num_workers, synthetic_batches
+from ampctl.recipes.base import plain_dict, require_positive
+from ampctl.recipes.images import dataset_batches, resolve_num_workers, synthetic_batches
 
 DATASETS = ("synthetic", "imagefolder")
 SYNTHETIC_CLASSES = 1000  # ImageNet's
@@ -57,14 +57,8 @@ class TimmRecipe:
                              "timm.list_models('*pattern*') lists them")
         if self.data not in DATASETS:
             raise ConfigError("recipe.data", self.data, " | ".join(DATASETS))
-        for key in ("batch_size", "image_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"recipe.{key}", getattr(self, key), "an integer >= 1")
-        if self.num_workers is None:
-            self.num_workers = default_num_workers()
-        elif self.num_workers < 0:
-            raise ConfigError("recipe.num_workers", self.num_workers, "an integer >= 0 (0: load in the training "
-                              "process), or null for one per core up to 8")
+        require_positive(self, "batch_size", "image_size")
+        self.num_workers = resolve_num_workers(self.num_workers)
         if self.checkpoint is not None and not Path(self.checkpoint).expanduser().is_file():
             raise UsageError(f"recipe.checkpoint={self.checkpoint!r} is not a file: give a local weights file "
                              "(.pth, .safetensors) for timm to load, or null for random weights")
