@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from ampctl.analysis.flops import model_flops_per_step
 from ampctl.cli import main
 from tests.conftest import QUIET, train
 
@@ -95,3 +96,40 @@ def test_timm_trains_on_a_local_image_folder_with_the_models_transforms(tmp_path
                           "train.steps=4", "train.log_every=2", base=QUIET)
     assert len(rows) == 4 and all(math.isfinite(r["loss"]) for r in rows)
     assert rows[0]["loss"] == pytest.approx(math.log(3), rel=0.5)  # a 3-way head from the folder's classes
+
+
+# FLOP counts of the libraries' models (here, not in tests/unit: importing timm and transformers takes seconds)
+
+def test_transformers_llama_and_gpt2_flops_are_6n_per_token_plus_attention():
+    """The same formula for transformers' own models, counted through fake tensors (their causal masks check
+    values on the host, which a meta tensor cannot): N counts every matmul weight, the head included (GPT-2's
+    is tied to the token embedding, Llama's is its own)."""
+    pytest.importorskip("transformers")
+    from ampctl.recipes.hf_causal_lm import HFCausalLMRecipe
+
+    for model_type in ("llama", "gpt2"):
+        recipe = HFCausalLMRecipe(model_type=model_type, block_size=32, batch_size=2, max_corpus_bytes=100_000)
+        model = recipe.build_model()
+        config = model.config
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        n = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
+        if config.tie_word_embeddings:  # the head is the token embedding: a matmul all the same
+            n += config.vocab_size * config.hidden_size
+        tokens = recipe.batch_size * recipe.block_size
+        formula = (6 * n + 12 * config.num_hidden_layers * config.hidden_size * recipe.block_size) * tokens
+        batch = next(iter(recipe.batches(torch.device("cpu"), 0)))
+        assert model_flops_per_step(recipe, batch, 1) == formula, model_type
+
+
+def test_timm_resnet18_counts_as_torchvisions():
+    """timm's resnet18 is torchvision's architecture: the same FLOPs, channels_last and all."""
+    pytest.importorskip("timm")
+    from ampctl.recipes.resnet import ResNetRecipe
+    from ampctl.recipes.timm_models import TimmRecipe
+
+    counts = []
+    for recipe in (TimmRecipe(model="resnet18", image_size=32, batch_size=4),
+                   ResNetRecipe(data="synthetic", image_size=32, batch_size=4)):
+        batch = next(iter(recipe.batches(torch.device("cpu"), 0)))
+        counts.append(model_flops_per_step(recipe, batch, 1))
+    assert counts[0] == counts[1] > 0
