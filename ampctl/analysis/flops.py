@@ -7,13 +7,13 @@ of activation checkpointing and the casts of a precision mode are not counted, s
 the same work. One step = grad_accum_steps micro-batches of this process's batch.
 
 MFU = achieved FLOP/s of one device / that device's dense peak for the dtype its matmuls run in. Peaks of
-NVIDIA GPUs come from their datasheets (dense, no sparsity); on a CPU the peak is a large matmul measured
-once per machine, dtype and thread count, and cached beside the half-speed measurement (devices.py).
+NVIDIA GPUs come from their datasheets (dense, no sparsity); on a CPU the peak is the best rate of the CPU probe
+(engine/cpu_speed.py, the figures every other use reads too). A run faster than its peak contradicts the probe:
+the CPU is measured again, and an MFU above 100% is never reported.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from ampctl import io
-from ampctl.engine import devices
+from ampctl.engine import cpu_speed, devices
 
 # Dense TFLOP/s by datasheet, matched against torch.cuda.get_device_name() in this order (the first match).
 # fp32 is the CUDA cores' rate (true fp32, TF32 off); fp8 is e4m3/e5m2 on FP8 tensor cores.
@@ -37,10 +37,6 @@ GPU_PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("L4", {"float32": 30.3, "tf32": 60.0, "bfloat16": 121.0, "float16": 121.0, "float8": 242.5}),
     ("A10", {"float32": 31.2, "tf32": 62.5, "bfloat16": 125.0, "float16": 125.0}),
 )
-
-# the best of at least 3 matmuls and of as many as fit in _CPU_PEAK_BUDGET_S: a busy machine's slow ones do not count
-_CPU_PEAK_SIZE, _CPU_PEAK_REPEATS, _CPU_PEAK_BUDGET_S = 1024, 3, 0.5
-
 
 @dataclass
 class Peak:
@@ -82,27 +78,20 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
                     return Peak(None, f"{name} has no {dtype} peak in ampctl's table")
                 return Peak(peaks[dtype], f"{name} datasheet, dense {dtype}: {peaks[dtype]:g} TFLOP/s")
         return Peak(None, f"{name} is not in ampctl's peak table (analysis/flops.py)")
-    native = {"float32": True, "bfloat16": devices.has_fast_bf16_cpu(), "float16": devices.has_fast_fp16_cpu()}
-    if device.type == "cpu" and dtype in native and not native[dtype]:
-        # without the instructions, half matmuls are converted and computed in software: their rate depends on
-        # the shape (a small one ran 2.5x "faster" than the large matmul measured), so there is no peak
-        return Peak(None, f"{devices.cpu_model()} has no {dtype} matmul instructions: no peak to measure MFU against")
-    if device.type == "cpu" and dtype in native:
-        tflops = cpu_matmul_tflops(dtype)
-        return Peak(tflops, f"{devices.cpu_model()}, a {_CPU_PEAK_SIZE}x{_CPU_PEAK_SIZE} {dtype} matmul measured "
-                            f"on {torch.get_num_threads()} threads: {tflops:.3g} TFLOP/s")
+    if device.type == "cpu" and dtype in ("float32", *cpu_speed.HALF_TYPES):
+        return cpu_peak(dtype, cpu_speed.measured())
     return Peak(None, f"no {dtype} peak known for {device.type}")
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_matmul_tflops(dtype: str) -> float:
-    """A large matmul's rate on this CPU in dtype (fp32, or under CPU autocast), measured once and cached."""
-    def measure() -> float:
-        half = None if dtype == "float32" else getattr(torch, dtype)
-        times = devices.matmul_times(half, _CPU_PEAK_SIZE, _CPU_PEAK_REPEATS, _CPU_PEAK_BUDGET_S)
-        return 2 * _CPU_PEAK_SIZE**3 / min(times) / 1e12
-
-    return devices.cached_measurement(f"peak_tflops_{dtype}", measure)
+def cpu_peak(dtype: str, speed: cpu_speed.CpuSpeed) -> Peak:
+    """The probe's best rate for dtype. Software-converted half matmuls have none: their rate depends on the
+    shape (a small one ran 2.5x "faster" than a large one); nor has a probe taken on a busy machine."""
+    tflops = speed.peak_tflops(dtype)
+    if tflops is None:
+        return Peak(None, f"{devices.cpu_model()}: {speed.why_no_peak(dtype)}")
+    shape = "x".join(map(str, speed.speeds[dtype].shape))
+    return Peak(tflops, f"{devices.cpu_model()}, {shape} {dtype} matmuls measured on {speed.threads} threads "
+                        f"({speed.measured_at}): {tflops:.3g} TFLOP/s")
 
 
 @dataclass
@@ -113,15 +102,23 @@ class StepFlops:
     per_step: Optional[int]
     source: str  # how they were counted, or why they were not
     peak: Peak
+    device: torch.device
+    dtype: str  # the one the mode's matmuls run in (matmul_dtype)
 
     def summary(self, median_step_time_ms: Optional[float]) -> dict[str, Any]:
         achieved = (self.per_step / (median_step_time_ms / 1e3) / 1e12
                     if self.per_step and median_step_time_ms else None)
-        mfu = achieved / self.peak.tflops if achieved is not None and self.peak.tflops else None
         source = self.peak.source
-        if mfu is not None and mfu > 1 and "measured" in source:  # the peak was measured on a busy machine
-            source += (f"; below this run's own rate, so measured while the machine was busy: delete "
-                       f"{devices.cache_path()} to measure it again")
+        if achieved is not None and self.peak.tflops and achieved > self.peak.tflops and self.device.type == "cpu":
+            # the run contradicts the probe: measured on a busy machine, or before something changed
+            remeasured = cpu_speed.remeasure_if_contradicted(self.dtype, achieved)
+            if remeasured is not None:
+                self.peak = cpu_peak(self.dtype, remeasured)
+                source = self.peak.source + f" (measured again: this run's {achieved:.3g} TFLOP/s beat the cached peak)"
+        mfu = achieved / self.peak.tflops if achieved is not None and self.peak.tflops else None
+        if mfu is not None and mfu > 1:  # never a figure above 100%: the peak is the one that is wrong
+            source += f"; this run's {achieved:.3g} TFLOP/s is above it, so no MFU is given"
+            mfu = None
         return {
             "model_flops_per_step": self.per_step,
             "model_flops_source": self.source,
@@ -141,4 +138,5 @@ def count(recipe: Any, device: torch.device, precision: Any, seed: int, grad_acc
     except Exception as exc:  # noqa: BLE001 - no figure is the answer for any failure to trace
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         per_step, source = None, f"not counted: {type(exc).__name__}: {reason}"
-    return StepFlops(per_step, source, device_peak(device, matmul_dtype(precision)))
+    dtype = matmul_dtype(precision)
+    return StepFlops(per_step, source, device_peak(device, dtype), device, dtype)

@@ -8,7 +8,6 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-import torch
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 from rich.console import Console
@@ -16,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ampctl.commands.compose import config_loader
-from ampctl.engine import devices
+from ampctl.engine import cpu_speed, devices
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import OneLineArgumentParser, UsageError
 
@@ -55,6 +54,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog="example: ampctl list -cd my_conf device=cpu")
     parser.add_argument("device", nargs="?", default="device=auto", metavar="device=auto|cpu|cuda",
                         help="the device to check the precision modes against (default: auto)")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="measure this CPU's fp32 and half-precision matmul speed again (kept in ~/.cache/ampctl; "
+                             "every command uses these figures)")
     parser.add_argument("-cd", "--config-dir", type=Path, metavar="DIR",
                         help="also list the options and experiment configs in DIR, as `ampctl train -cd DIR` sees them")
     args = parser.parse_args(argv)
@@ -83,6 +85,9 @@ def main() -> None:
     args = parse_args(sys.argv[1:])  # argparse: --help, and a bad argument is one line, exit 2
     device = devices.resolve_device(args.device)
     console = Console()
+    if device.type == "cpu" and args.remeasure:
+        with console.status("measuring this CPU's matmuls: fp32, bfloat16 and float16 in alternating rounds"):
+            cpu_speed.measured(remeasure=True)
     loader = config_loader(args.config_dir)
     table = Table(title=f"precision modes on {device.type} ({devices.device_name(device)})")
     for column in ("precision", "description", "default scaler", "runs here"):
@@ -118,7 +123,9 @@ def main() -> None:
         if experiments:
             console.print(f"run one with: ampctl train -cd {args.config_dir} -cn NAME", soft_wrap=True)
     if device.type == "cpu":
-        fast = "yes" if devices.has_fast_bf16_cpu() else "no"
-        slowdown = devices.cpu_half_slowdown(torch.bfloat16)
-        console.print(f"CPU bf16 dot-product instructions (AMX / AVX512-BF16): {fast}; a bf16 autocast matmul takes "
-                      f"{slowdown:.2g}x fp32's time here (measured once, cached in ~/.cache/ampctl)")
+        speed = cpu_speed.measured()
+        console.print(f"This CPU ({devices.cpu_model()}), as measured (the figures behind the table above, the start "
+                      f"warnings, compare's default modes and MFU; {cpu_speed.cache_path()}; again with --remeasure):",
+                      soft_wrap=True)
+        for line in speed.describe():
+            console.print(f"  {escape(line)}", soft_wrap=True)

@@ -200,7 +200,7 @@ class Telemetry:
                     samples_per_s=self.samples_per_step * per_s,
                     tokens_per_s=None if self.tokens_per_step is None else self.tokens_per_step * per_s,
                     tflops=tflops,
-                    mfu=None if tflops is None or not self.peak_tflops else tflops / self.peak_tflops,
+                    mfu=self._mfu(tflops),
                     data_ms=data,
                 )
             )
@@ -209,6 +209,13 @@ class Telemetry:
         for sink in self.sinks:
             sink.write(records)
         self.timer.restart()
+
+    def _mfu(self, tflops: Optional[float]) -> Optional[float]:
+        """tflops over the peak; none above 100%: a step faster than the peak says the peak is wrong (the summary
+        has the CPU measured again), not that the step beat the hardware."""
+        if tflops is None or not self.peak_tflops or tflops > self.peak_tflops:
+            return None
+        return tflops / self.peak_tflops
 
     def take_fresh(self) -> list[StepRecord]:
         """The records read back since the last call."""

@@ -191,6 +191,34 @@ def test_console_script_help_and_list():
         assert name in result.stdout
 
 
+def test_list_remeasure_measures_the_cpu_into_a_fresh_cache_and_every_line_agrees_with_it(tmp_path):
+    """The bottom lines are the probe's figures; the table's "runs here" column and a run's start warning say the
+    same of each half type (one set of figures), and a CPU with the instructions is never said to lack them."""
+    from ampctl.engine import cpu_speed
+
+    env = {"XDG_CACHE_HOME": str(tmp_path), "COLUMNS": "400"}  # one table row a line
+    result = ampctl("list", "--remeasure", "device=cpu", env=env)
+    assert result.returncode == 0, result.stderr
+    cached = json.loads((tmp_path / "ampctl" / "cpu_speed.json").read_text())
+    (figures,) = cached.values()
+    speed = cpu_speed.CpuSpeed.from_json(figures)
+    out = " ".join(result.stdout.split())
+    for line in speed.describe():
+        assert " ".join(line.split()) in out
+    for dtype, mode in (("bfloat16", "bf16"), ("float16", "fp16")):
+        why = speed.why_slow(dtype)
+        run = ampctl("train", "recipe=mlp", f"precision={mode}", "train.steps=1", "device=cpu", "train.console=plain",
+                     f"hydra.run.dir={tmp_path / mode}", env=env)
+        assert run.returncode == 0, run.stderr
+        warned = [line for line in run.stdout.splitlines() if "slower than fp32 on this CPU" in line]
+        assert (warned and why in warned[0]) if why else not warned
+        (row,) = [line for line in result.stdout.splitlines() if line.startswith(f"│ {mode} ")]
+        assert ("yes, slowly" in row) == (why is not None) and (why is None or why in row)
+        for flag, label in cpu_speed.HALF_INSTRUCTIONS[dtype].items():
+            assert (f"{label}: yes" in out or f"{label} and" in out) if flag in speed.flags else True
+            assert not (flag in speed.flags and f"no {label}" in out)
+
+
 def test_train_help_lists_the_config_groups():
     result = ampctl("train", "--help")
     assert result.returncode == 0

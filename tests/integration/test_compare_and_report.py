@@ -176,21 +176,19 @@ def test_compare_shows_activation_checkpointing_side_by_side(tmp_path, restore_a
 def test_compare_runs_by_default_only_the_modes_that_are_fast_here(monkeypatch, bf16, expected):
     """On a CPU that emulates bf16 (16x slower than fp32 there), the default comparison leaves it out and says why;
     named in compare.precisions it runs."""
-    import torch
     from hydra import compose, initialize_config_module
 
-    from ampctl.engine import devices
     from ampctl.runner.compare import plan_modes
+    from tests.simulated_cpu import AVX2_ONLY, AVX512_BF16, use_simulated
 
-    table = {torch.bfloat16: bf16, torch.float16: 30.0}
-    monkeypatch.setattr(devices, "cpu_half_slowdown", lambda dtype: table[dtype])
+    use_simulated(monkeypatch, bf16, 30.0, AVX512_BF16 if bf16 < 1 else AVX2_ONLY)
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         plans, skipped = plan_modes(compose(config_name="compare", overrides=["device=cpu"]), ["device=cpu"])
         assert [p.mode for p in plans] == expected
         assert skipped["fp16"].startswith("float16 matmuls run 30x slower than fp32 on this CPU")
         if bf16 > 1:
             assert skipped["bf16"].startswith("bfloat16 matmuls run 16x slower than fp32 on this CPU (measured; no "
-                                              "AVX512-BF16 or AMX); name it in compare.precisions to run it")
+                                              "AVX512-BF16 or AMX-BF16); name it in compare.precisions to run it")
         named = compose(config_name="compare", overrides=["device=cpu", "compare.precisions=[fp32,bf16]"])
         assert [p.mode for p in plan_modes(named, ["device=cpu"])[0]] == ["fp32", "bf16"]
 

@@ -6,7 +6,8 @@ import pytest
 
 from ampctl.engine.precision import fp32_math
 from tests.conftest import build, train
-from tests.unit.test_precision_modes import MODES, fake_slowdowns
+from tests.simulated_cpu import AVX512_BF16, use_simulated
+from tests.unit.test_precision_modes import MODES
 
 
 @pytest.mark.parametrize("overrides", MODES, ids=lambda o: " ".join(x.split("=")[1] for x in o))
@@ -52,7 +53,8 @@ def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
 
 @pytest.mark.parametrize("precision,bf16,fp16,warning", [
     ("fp16", 0.5, 30.0, "slower than fp32; precision=bf16 is fast here"),  # an AVX512-BF16 CPU
-    ("bf16", 16.0, 30.0, "bfloat16 matmuls run 16x slower than fp32 on this CPU (measured; no AVX512-BF16 or AMX)"),
+    ("bf16", 16.0, 30.0, "bfloat16 matmuls run 16x slower than fp32 on this CPU (measured; no AVX512-BF16 or "
+                         "AMX-BF16)"),
     ("O2", 16.0, 30.0, "slower than fp32; precision=fp32 is the fastest mode on this CPU"),
     ("fp16", 0.5, 0.8, None),  # a CPU with AMX-FP16
     ("bf16", 0.5, 30.0, None),
@@ -61,7 +63,7 @@ def test_a_half_mode_slower_than_fp32_on_this_cpu_warns_at_start(monkeypatch, tm
     from ampctl.runner.run import run_training
     from tests.conftest import FAST, compose_cfg
 
-    fake_slowdowns(monkeypatch, bf16, fp16)
+    use_simulated(monkeypatch, bf16, fp16, AVX512_BF16 if bf16 < 1 else frozenset())
     lines: list[str] = []
     run_training(compose_cfg(*FAST, f"precision={precision}", "device=cpu", "train.steps=1"), tmp_path, echo=lines.append)
     slow = [line for line in lines if "slower than fp32" in line]

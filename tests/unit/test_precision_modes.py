@@ -11,6 +11,7 @@ from ampctl.engine.precision import fp32_math
 from ampctl.engine.precision.half import FP32MasterWeights
 from ampctl.errors import UnsupportedError
 from tests.conftest import build
+from tests.simulated_cpu import AVX512_BF16, use_simulated
 
 MODES = [
     ["precision=fp32"],
@@ -95,36 +96,11 @@ def test_tf32_is_refused_on_cpu_naming_the_alternative():
         build("precision=tf32", "device=cpu")
 
 
-def fake_slowdowns(monkeypatch, bf16: float, fp16: float) -> None:
-    from ampctl.engine import devices
-
-    table = {torch.bfloat16: bf16, torch.float16: fp16}
-    monkeypatch.setattr(devices, "cpu_half_slowdown", lambda dtype: table[dtype])
-
-
 def test_bf16_is_recommended_only_where_it_is_fast(monkeypatch):
-    fake_slowdowns(monkeypatch, bf16=16.0, fp16=30.0)
+    use_simulated(monkeypatch, bf16=16.0, fp16=30.0)
     with pytest.raises(UnsupportedError) as info:
         build("precision=tf32", "device=cpu")
     assert str(info.value).endswith("this run is on a CPU: use precision=fp32")
-    fake_slowdowns(monkeypatch, bf16=0.5, fp16=30.0)
+    use_simulated(monkeypatch, bf16=0.5, fp16=30.0, flags=AVX512_BF16)
     with pytest.raises(UnsupportedError, match="use precision=fp32, or precision=bf16 for a faster mode"):
         build("precision=tf32", "device=cpu")
-
-
-def test_the_cpu_half_speed_is_measured_once_and_cached(monkeypatch, tmp_path):
-    from ampctl.engine import devices
-
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    calls = []
-    monkeypatch.setattr(devices, "_time_matmul", lambda dtype: calls.append(dtype) or (0.03 if dtype else 0.002))
-    devices.cpu_half_slowdown.cache_clear()
-    try:
-        assert devices.cpu_half_slowdown(torch.bfloat16) == pytest.approx(15.0)
-        devices.cpu_half_slowdown.cache_clear()  # a new process: read from the file, not measured again
-        assert devices.cpu_half_slowdown(torch.bfloat16) == pytest.approx(15.0)
-        assert calls == [torch.bfloat16, None]
-        assert not devices.half_runs_at_speed(torch.device("cpu"), torch.bfloat16)
-        assert (tmp_path / "ampctl" / "cpu_matmul_speed.json").is_file()
-    finally:
-        devices.cpu_half_slowdown.cache_clear()

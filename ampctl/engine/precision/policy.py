@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ampctl.conf.schema import Dtype, Fp8TorchaoConfig, PrecisionConfig
-from ampctl.engine import devices
+from ampctl.engine import cpu_speed, devices
 from ampctl.engine.precision import fp8_torchao, fp32_math
 from ampctl.engine.precision.fp8_emulated import convert_linears
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
@@ -23,17 +23,13 @@ from ampctl.errors import UnsupportedError, UsageError
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
 
-# The CPU instruction sets that compute in each half type in hardware (named when it is slow).
-HALF_HARDWARE = {torch.bfloat16: "AVX512-BF16 or AMX", torch.float16: "AVX512-FP16 or AMX-FP16"}
-
-
 def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def _bf16_if_fast(device: torch.device, advice: str) -> str:
     """advice, where bf16 is a faster mode on this device; "" where it is not (a CPU that emulates bf16)."""
-    return advice if devices.has_native_bf16(device) and devices.half_runs_at_speed(device, torch.bfloat16) else ""
+    return advice if devices.has_native_bf16(device) and cpu_speed.half_runs_at_speed(device, torch.bfloat16) else ""
 
 
 class PrecisionPolicy:
@@ -97,9 +93,8 @@ class PrecisionPolicy:
         s, dev = self.precision, self.device
         if s.fp8_emulated is not None:
             return "emulated, by design"
-        if dev.type == "cpu" and self.uses_half and not devices.half_runs_at_speed(dev, self.dtype):
-            return (f"{_short(self.dtype)} matmuls run {devices.cpu_half_slowdown(self.dtype):.0f}x slower than fp32 on this "
-                    f"CPU (measured; no {HALF_HARDWARE[self.dtype]})")
+        if dev.type == "cpu" and self.uses_half:
+            return cpu_speed.measured().why_slow(_short(self.dtype))
         return None
 
     def speed_warnings(self, compiled: bool) -> list[str]:
@@ -115,7 +110,7 @@ class PrecisionPolicy:
             return [f"precision={s.name} emulates FP8 (quantize and dequantize around fp32 matmuls): slower than "
                     "fp32 by design; it is for studying FP8's convergence and error, not for speed"]
         other = torch.float16 if self.dtype == torch.bfloat16 else torch.bfloat16
-        instead = ("precision=bf16 is fast here" if other == torch.bfloat16 and devices.half_runs_at_speed(dev, other)
+        instead = ("precision=bf16 is fast here" if other == torch.bfloat16 and cpu_speed.half_runs_at_speed(dev, other)
                    else "precision=fp32 is the fastest mode on this CPU")
         return [f"precision={s.name} on {devices.cpu_model()}: {why}: expect it to run many times slower than fp32; "
                 f"{instead}"]

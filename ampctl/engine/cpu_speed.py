@@ -1,0 +1,365 @@
+"""How fast this CPU multiplies matrices in fp32 and under autocast(bfloat16 / float16): the one set of figures
+behind `ampctl list`, the start warnings, compare's default modes and the MFU peak on a CPU.
+
+A CPU's flags cannot tell it alone (oneDNN may run bf16 on AVX512-BF16 or AMX, or convert it in software, as
+torch's build decides), so it is measured, in a way a busy machine cannot fool:
+- matmuls of real work's size (PROBE_SHAPE, a transformer's linear layer at a thousand tokens), under autocast
+  as a run computes them, casts included;
+- fp32 and each half type in alternating rounds whose order rotates, so that load falls on all of them alike;
+- each type's best trial over a time floor: load makes a trial slower, never faster;
+- each trial's share of the cores (its CPU time over its wall time and threads): a probe whose best fp32 trial
+  had less than BUSY_SHARE of them was measured on a busy machine; its ratios stand (load fell on every type
+  alike) but its rates are no peak, and it is measured again later (BUSY_RETRY_S);
+- a half type the CPU has instructions for that measures slow is measured again, longer, and never described
+  as lacking them;
+- a half type many times slower than fp32 on a small screening matmul (DECISIVE) is decided there: seconds of
+  software-converted matmuls would tell nothing more.
+Measured once per machine (CPU, instruction sets, torch, threads), kept in ~/.cache/ampctl/cpu_speed.json (one
+process measures at a time, under a lock; the others wait and read), and measured again on demand (`ampctl list
+--remeasure`) or when a run contradicts it (a run faster than the peak).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ampctl.engine import devices
+
+FP32, HALF_TYPES = "float32", ("bfloat16", "float16")
+# a half type "runs at speed" when its autocast matmul takes at most this many times fp32's time; measured figures
+# sit far from it: AVX512-BF16 EPYC bf16 ~0.45x, AVX2-only EPYC bf16 ~16-46x, fp16 without AVX512-FP16 ~30-150x
+SLOW_FACTOR = 1.5
+DECISIVE = 8.0  # this many times slower on the screening matmul, with no instructions for it: decided as slow
+
+PROBE_SHAPE = (1024, 1024, 1024)  # (m, k, n): ~2.1 GFLOP, 7-15 ms in fp32 on two cores of these machines
+SCREEN_SHAPE = (512, 512, 512)  # large enough that a trial outlasts a time slice of a busy scheduler
+SCREEN_ROUNDS = 5
+MIN_ROUNDS, FLOOR_S, CAP_S = 7, 1.0, 10.0  # per attempt: rounds, seconds of trials at least, at most
+ATTEMPTS = 3  # a half type with instructions that measures slow: measured up to this many times in all
+PROBE_VERSION = 2  # figures of an older probe (one 256x256 matmul, medians, not interleaved) are not read
+
+# the cpuinfo flags that give each half type's dot products in hardware, as people name them
+HALF_INSTRUCTIONS = {
+    "bfloat16": {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"},
+    "float16": {"avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"},
+}
+
+BUSY_SHARE, BUSY_RETRY_S = 0.8, 600.0
+
+Shape = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Trial:
+    seconds: float  # wall time of one matmul
+    core_share: float  # its CPU time / (wall time x threads): ~1 on an idle machine, 0.5 when another job has half
+
+
+Timer = Callable[[Shape, str], Trial]  # one warm matmul of this shape in this dtype
+
+
+def instructions_for(dtype: str, flags: frozenset[str]) -> list[str]:
+    """The instruction sets this CPU reports for dtype's dot products (names, e.g. ["AVX512-BF16"])."""
+    return [label for flag, label in HALF_INSTRUCTIONS[dtype].items() if flag in flags]
+
+
+def instructions_wanted(dtype: str) -> str:
+    return " or ".join(HALF_INSTRUCTIONS[dtype].values())
+
+
+@dataclass(frozen=True)
+class DtypeSpeed:
+    """One dtype's measured matmul speed."""
+
+    dtype: str
+    tflops: float  # its best trial's rate
+    relative_time: float  # the median round's time over fp32's in the same round (1.0 for fp32)
+    spread: tuple[float, float]  # the quartiles of those rounds' ratios
+    rounds: int
+    shape: Shape
+    core_share: float  # of its best trial
+
+    @property
+    def runs_at_speed(self) -> bool:
+        return self.relative_time <= SLOW_FACTOR
+
+    def ratio_words(self) -> str:
+        """'0.45x fp32's time (0.44-0.47 over 40 rounds of 1024x1024x1024 matmuls)'"""
+        low, high = self.spread
+        return (f"{self.relative_time:.2g}x fp32's time ({low:.2g}-{high:.2g} over {self.rounds} rounds of "
+                f"{'x'.join(map(str, self.shape))} matmuls)")
+
+
+@dataclass(frozen=True)
+class CpuSpeed:
+    speeds: dict[str, DtypeSpeed]  # fp32 and each half type CPU autocast computes in
+    flags: frozenset[str]
+    threads: int
+    measured_at: str  # ISO time
+    attempts: int
+    seconds: float  # of trials
+
+    @property
+    def busy(self) -> bool:
+        """Measured while other work held the cores: the rates are too low to be a peak."""
+        return self.speeds[FP32].core_share < BUSY_SHARE
+
+    def relative_time(self, dtype: str) -> float:
+        """dtype's matmul time over fp32's; inf where CPU autocast cannot compute in it."""
+        return self.speeds[dtype].relative_time if dtype in self.speeds else math.inf
+
+    def runs_at_speed(self, dtype: str) -> bool:
+        return dtype == FP32 or (dtype in self.speeds and self.speeds[dtype].runs_at_speed)
+
+    def peak_tflops(self, dtype: str) -> Optional[float]:
+        """The measured peak for MFU: fp32's, and a half type's where it runs at speed; software-converted half
+        matmuls have no peak (their rate depends on the shape)."""
+        if self.busy or not self.runs_at_speed(dtype) or dtype not in self.speeds:
+            return None
+        return self.speeds[dtype].tflops
+
+    def why_no_peak(self, dtype: str) -> str:
+        if self.busy:
+            return (f"the machine was busy when this CPU was measured (the probe got {self.speeds[FP32].core_share:.0%}"
+                    " of its cores): no peak to measure MFU against; `ampctl list --remeasure` when it is quiet")
+        return f"{dtype} matmuls are converted in software on this CPU: no peak to measure MFU against"
+
+    def why_slow(self, dtype: str) -> Optional[str]:
+        """Why dtype's matmuls are slow here, in a few words; None where they run at speed."""
+        if self.runs_at_speed(dtype):
+            return None
+        if dtype not in self.speeds:
+            return f"torch {torch.__version__} has no CPU autocast for {dtype}"
+        speed, has = self.speeds[dtype], instructions_for(dtype, self.flags)
+        if has:  # measured again and still slow: the build does not use them here
+            hardware = (f"measured {self.attempts} times; the CPU has {' and '.join(has)}, which torch "
+                        f"{torch.__version__} did not use here")
+        else:
+            hardware = f"measured; no {instructions_wanted(dtype)}"
+        return f"{dtype} matmuls run {speed.relative_time:.0f}x slower than fp32 on this CPU ({hardware})"
+
+    def describe(self) -> list[str]:
+        """One line per half type, for `ampctl list`."""
+        lines = [f"fp32 matmuls: {self.speeds[FP32].tflops:.3g} TFLOP/s on {self.threads} threads (the MFU peak)"]
+        for dtype in HALF_TYPES:
+            has = instructions_for(dtype, self.flags)
+            instructions = f"{' and '.join(has)}: yes" if has else f"{instructions_wanted(dtype)}: no"
+            if dtype not in self.speeds:
+                lines.append(f"{dtype}: {instructions}; no CPU autocast for it in torch {torch.__version__}")
+                continue
+            verdict = "runs at speed" if self.speeds[dtype].runs_at_speed else "slow"
+            lines.append(f"{dtype} autocast matmuls: {self.speeds[dtype].ratio_words()}: {verdict} ({instructions})")
+        lines.append(f"measured {self.measured_at} in {self.seconds:.1f} s of trials"
+                     + (f", {self.attempts} attempts" if self.attempts > 1 else "")
+                     + (f"; the machine was busy (the probe got {self.speeds[FP32].core_share:.0%} of its cores): "
+                        "the ratios stand, the rates are no peak" if self.busy else ""))
+        return lines
+
+    def to_json(self) -> dict:
+        return {"probe_version": PROBE_VERSION, "speeds": {k: asdict(v) for k, v in self.speeds.items()},
+                "flags": sorted(self.flags), "threads": self.threads, "measured_at": self.measured_at,
+                "attempts": self.attempts, "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Optional["CpuSpeed"]:
+        if not isinstance(data, dict) or data.get("probe_version") != PROBE_VERSION:
+            return None
+        try:
+            speeds = {k: DtypeSpeed(**{**v, "spread": tuple(v["spread"]), "shape": tuple(v["shape"])})
+                      for k, v in data["speeds"].items()}
+            if FP32 not in speeds:
+                return None
+            return cls(speeds, frozenset(data["flags"]), int(data["threads"]), str(data["measured_at"]),
+                       int(data["attempts"]), float(data["seconds"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+# --- measuring ------------------------------------------------------------------------------------------------
+
+
+class MatmulTimer:
+    """Times one CPU matmul of a shape in fp32 or under autocast(dtype); the first call of each (shape, dtype) is
+    a warm-up (oneDNN picks and packs its kernel) and is not returned."""
+
+    def __init__(self) -> None:
+        self._inputs: dict[Shape, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._warm: set[tuple[Shape, str]] = set()
+
+    def __call__(self, shape: Shape, dtype: str) -> Trial:
+        if shape not in self._inputs:
+            m, k, n = shape
+            gen = torch.Generator().manual_seed(0)
+            self._inputs[shape] = (torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen))
+        a, b = self._inputs[shape]
+        autocast = (contextlib.nullcontext() if dtype == FP32
+                    else torch.autocast("cpu", dtype=getattr(torch, dtype)))
+        with autocast:
+            if (shape, dtype) not in self._warm:
+                torch.mm(a, b)
+                self._warm.add((shape, dtype))
+            wall, cpu = time.perf_counter(), time.process_time()
+            torch.mm(a, b)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        return Trial(wall, cpu / (wall * torch.get_num_threads()) if wall > 0 else 1.0)
+
+
+def alternating_rounds(timer: Timer, shape: Shape, dtypes: list[str], min_rounds: int, floor_s: float,
+                       cap_s: float = CAP_S) -> dict[str, list[Trial]]:
+    """Each dtype's trial times, round by round: every round times each dtype once, in an order that rotates from
+    round to round, until min_rounds rounds and floor_s seconds of trials (or cap_s, after two rounds)."""
+    times: dict[str, list[Trial]] = {d: [] for d in dtypes}
+    spent, rounds = 0.0, 0
+    while rounds < min_rounds or spent < floor_s:
+        if rounds >= 2 and spent >= cap_s:
+            break
+        order = dtypes[rounds % len(dtypes):] + dtypes[:rounds % len(dtypes)]
+        for dtype in order:
+            trial = timer(shape, dtype)
+            times[dtype].append(trial)
+            spent += trial.seconds
+        rounds += 1
+    return times
+
+
+def summarize(times: dict[str, list[Trial]], shape: Shape) -> dict[str, DtypeSpeed]:
+    """Each dtype's best rate, and its time relative to fp32's round by round: ratios of trials taken side by side,
+    which load slows alike."""
+    flops = 2 * math.prod(shape)
+    speeds = {}
+    for dtype, trials in times.items():
+        per_round = [t.seconds / f.seconds for t, f in zip(trials, times[FP32])]
+        quartiles = statistics.quantiles(per_round, n=4, method="inclusive") if len(per_round) > 1 else per_round * 3
+        best = min(trials, key=lambda t: t.seconds)
+        speeds[dtype] = DtypeSpeed(dtype, flops / best.seconds / 1e12, quartiles[1], (quartiles[0], quartiles[2]),
+                                   len(trials), shape, round(best.core_share, 3))
+    return speeds
+
+
+def probe(timer: Timer, half_types: list[str], flags: frozenset[str]) -> CpuSpeed:
+    """Measure fp32 and half_types (those CPU autocast computes in) on this CPU, as the module says."""
+    screen = alternating_rounds(timer, SCREEN_SHAPE, [FP32, *half_types], SCREEN_ROUNDS, 0.0)
+    screened = summarize(screen, SCREEN_SHAPE)
+    # decided by the rounds (each half trial beside an fp32 one), three in four of them that slow: one trial that
+    # load slowed, or one lucky fp32 trial, does not decide
+    decided = {d: screened[d] for d in half_types
+               if screened[d].spread[0] >= DECISIVE and not instructions_for(d, flags)}
+    measured = [FP32, *(d for d in half_types if d not in decided)]
+    times = alternating_rounds(timer, PROBE_SHAPE, measured, MIN_ROUNDS, FLOOR_S)
+    attempts = 1
+    while attempts < ATTEMPTS and any(instructions_for(d, flags) and not speed.runs_at_speed
+                                      for d, speed in summarize(times, PROBE_SHAPE).items() if d != FP32):
+        attempts += 1  # a busy spell, or a build that does not use the instructions: longer, then decide
+        more = alternating_rounds(timer, PROBE_SHAPE, measured, MIN_ROUNDS, FLOOR_S * attempts)
+        times = {d: times[d] + more[d] for d in measured}
+    spent = sum(t.seconds for trials in [*screen.values(), *times.values()] for t in trials)
+    return CpuSpeed({**summarize(times, PROBE_SHAPE), **decided}, flags, torch.get_num_threads(),
+                    datetime.datetime.now().isoformat(timespec="seconds"), attempts, round(spent, 2))
+
+
+# --- the cache --------------------------------------------------------------------------------------------------
+
+
+def cache_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "ampctl" / "cpu_speed.json"
+
+
+def machine_key() -> str:
+    """What decides the result: the CPU, its instruction sets, torch (oneDNN's kernels) and the threads."""
+    isa = sorted(f for f in devices.cpu_flags()
+                 if f.startswith(("avx", "amx", "fma", "sse4", "asimd", "sve", "bf16", "fp16")))
+    return (f"{devices.cpu_model()}|{platform.machine()}|{','.join(isa)}|torch {torch.__version__}|"
+            f"{torch.get_num_threads()} threads")
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One process measures at a time (two probes at once would load the machine for each other); where the
+    cache directory cannot be written, each process measures on its own."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return cached if isinstance(cached, dict) else {}
+
+
+def _measure_and_keep(path: Path, key: str) -> CpuSpeed:
+    half_types = [d for d in HALF_TYPES if devices.autocast_works("cpu", getattr(torch, d))]
+    speed = probe(MatmulTimer(), half_types, devices.cpu_flags())
+    cached = _read_cache(path)
+    cached[key] = speed.to_json()
+    try:
+        from ampctl import io
+
+        io.atomic_write_text(path, json.dumps(cached, indent=2) + "\n")
+    except OSError:
+        pass  # a read-only home measures again next time
+    return speed
+
+
+_measured: dict[str, CpuSpeed] = {}  # this process's figures, by machine key
+
+
+def measured(remeasure: bool = False) -> CpuSpeed:
+    """This CPU's figures: this process's, the cache's, or measured now (and kept) when there are none or when
+    remeasure is asked."""
+    key = machine_key()
+    if key in _measured and not remeasure:
+        return _measured[key]
+    path = cache_path()
+    with _locked(path):
+        cached = None if remeasure else CpuSpeed.from_json(_read_cache(path).get(key, {}))
+        if cached is not None and cached.busy and _age_s(cached) > BUSY_RETRY_S:
+            cached = None  # a busy machine's figures are kept a while, then measured again
+        _measured[key] = cached or _measure_and_keep(path, key)
+    return _measured[key]
+
+
+def half_runs_at_speed(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether compute in this half type is not much slower than fp32 on device: always on CUDA (refusals cover
+    what a GPU lacks), on a CPU as measured."""
+    return device.type != "cpu" or measured().runs_at_speed(str(dtype).removeprefix("torch."))
+
+
+def _age_s(speed: CpuSpeed) -> float:
+    try:
+        return (datetime.datetime.now() - datetime.datetime.fromisoformat(speed.measured_at)).total_seconds()
+    except ValueError:
+        return math.inf
+
+
+def remeasure_if_contradicted(dtype: str, achieved_tflops: float) -> Optional[CpuSpeed]:
+    """A run that computed faster than dtype's measured peak contradicts the figures (measured on a busy machine,
+    or before something changed): measure again. Returns the new figures, or None where there was no
+    contradiction."""
+    peak = measured().peak_tflops(dtype)
+    if peak is None or achieved_tflops <= peak:
+        return None
+    return measured(remeasure=True)
