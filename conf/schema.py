@@ -366,6 +366,9 @@ class CompareConfig:
     # null: every mode this device runs at speed among DEFAULT_COMPARE_PRECISIONS
     precisions: Optional[list[str]] = None
     warmup_steps: int = 10  # steps left out of each mode's timings
+    # the modes take turns in this many rounds after the warm-up (each a window of steps of every mode, one mode at
+    # a time): each mode's step time is the median of its rounds, its speedup has an interval; 1: one after another
+    rounds: int = 5
     # [false,true]: each mode without and with activation checkpointing (rows "bf16", "bf16+ac")
     activation_checkpointing: Optional[list[bool]] = None
     # [false,true]: each mode eager and compiled (rows "bf16", "bf16+compile"); null: [train.compile], one
@@ -374,6 +377,7 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 0, "compare.warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(self.rounds >= 1, "compare.rounds", self.rounds, "an integer >= 1")
 
 
 # The modes `ampctl compare` runs when compare.precisions is null (those the device can run).

@@ -65,7 +65,9 @@ def _render_record(path: Path, record: str, console) -> int:
     """A compare, memory or inspect directory, from the JSON record its command wrote."""
     if record == "comparison.json":
         meta = json.loads((path / record).read_text())
-        return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console)
+        spans = [tuple(span) for span in meta["rounds"]] if meta.get("rounds") else None
+        return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console,
+                                       spans)
     if record == "memory.json":
         from ampctl.analysis.memory.study import rerender
     else:

@@ -17,13 +17,16 @@ LINESTYLES = ("-", "--", "-.", ":")
 
 
 def run_context(runs: Sequence[tuple[str, RunRecord]]) -> str:
-    """What the runs are, for a title: `recipe=gpt · fp32, bf16 · 200 steps`."""
+    """What the runs are and where they ran, for a title: `recipe=gpt · fp32, bf16 · 200 steps · NVIDIA H100`."""
     summaries = [run.summary or {} for _, run in runs]
     recipes = list(dict.fromkeys(str(s.get("recipe_title") or s["recipe"]) for s in summaries if s.get("recipe")))
     modes = list(dict.fromkeys(str(s.get("precision_choice") or s["precision"]) for s in summaries
                                if s.get("precision")))
     steps = max((r["step"] for _, run in runs for r in run.metrics[-1:]), default=0)
-    parts = [f"recipe={'/'.join(recipes)}" if recipes else "", ", ".join(modes), f"{steps} steps" if steps else ""]
+    devices = list(dict.fromkeys(f"{s['device_name']} ({s['device']})" if s.get("device") == "cpu" else
+                                 str(s["device_name"]) for s in summaries if s.get("device_name")))
+    parts = [f"recipe={'/'.join(recipes)}" if recipes else "", ", ".join(modes), f"{steps} steps" if steps else "",
+             ", ".join(devices)]
     return " · ".join(p for p in parts if p)
 
 
@@ -100,8 +103,8 @@ def loss_scale_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: 
 
 def throughput_memory_bars(
     labels: Sequence[str],
-    throughput: Sequence[float],
-    speedup: Sequence[float],
+    throughput: Sequence[Any],  # Interval: the median of the rounds and their range
+    speedup: Sequence[Any],  # Interval: the median ratio and its interval
     memory_mib: Sequence[Optional[float]],  # None: not measured (a compiled run on a CPU)
     memory_ratio: Sequence[Optional[float]],
     throughput_unit: str,
@@ -110,16 +113,19 @@ def throughput_memory_bars(
     context: str = "",
 ) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.4))
-    for ax, values, ratios, ylabel in (
-        (left, throughput, speedup, throughput_unit),
-        (right, memory_mib, memory_ratio, "peak memory (MiB)"),
-    ):
-        bars = ax.bar(labels, [v or 0.0 for v in values], color="tab:blue")
-        ax.bar_label(bars, labels=["not measured" if r is None else f"{r:.2f}×" for r in ratios], padding=2)
+    rates = [t.value for t in throughput]
+    error = [[t.value - t.low for t in throughput], [t.high - t.value for t in throughput]]
+    bars = left.bar(labels, rates, yerr=error, capsize=4, color="tab:blue", ecolor="black")
+    left.bar_label(bars, labels=[f"{r.value:.2f}×" + ("" if r.low == r.high else f"\n({r.low:.2f}-{r.high:.2f})")
+                                 for r in speedup], padding=2, fontsize=8)
+    bars = right.bar(labels, [v or 0.0 for v in memory_mib], color="tab:blue")
+    right.bar_label(bars, labels=["not measured" if r is None else f"{r:.2f}×" for r in memory_ratio], padding=2)
+    for ax, values, ylabel in ((left, [t.high for t in throughput], throughput_unit),
+                               (right, memory_mib, "peak memory (MiB)")):
         ax.set_ylabel(ylabel)
-        ax.set_ylim(0, max([v or 0.0 for v in values] + [1e-9]) * 1.15)
+        ax.set_ylim(0, max([v or 0.0 for v in values] + [1e-9]) * 1.25)
         ax.grid(axis="y", alpha=0.3)
-    left.set_title(f"throughput (speedup vs {baseline})")
+    left.set_title(f"throughput: rounds' median and range\n(speedup vs {baseline}, its interval)")
     right.set_title(f"peak memory (ratio to {baseline})")
     if context:
         fig.suptitle(context, fontsize=10)

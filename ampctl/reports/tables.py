@@ -30,16 +30,30 @@ class ReportTable:
     notes: list[str] = field(default_factory=list)
     headers: dict[str, str] = field(default_factory=dict)  # column -> short display header
     formats: dict[str, Callable[[Any], str]] = field(default_factory=dict)  # column -> display format
+    # columns of the files only (an interval's bounds): the displayed cell of another column shows them
+    file_only: frozenset[str] = frozenset()
+    cells: dict[str, Callable[[dict[str, Any]], str]] = field(default_factory=dict)  # column -> cell from its row
 
     def as_dicts(self) -> list[dict[str, Any]]:
         return [dict(zip(self.columns, row)) for row in self.rows]
 
+    @property
+    def shown(self) -> list[str]:
+        return [c for c in self.columns if c not in self.file_only]
+
     def display_headers(self) -> list[str]:
-        return [self.headers.get(c, c) for c in self.columns]
+        return [self.headers.get(c, c) for c in self.shown]
 
     def display_rows(self) -> list[list[str]]:
-        return [[fmt(v) if v is None else self.formats.get(c, fmt)(v) for c, v in zip(self.columns, row)]
-                for row in self.rows]
+        return [[self._cell(c, row) for c in self.shown] for row in self.as_dicts()]
+
+    def _cell(self, column: str, row: dict[str, Any]) -> str:
+        value = row[column]
+        if value is None:
+            return fmt(None)
+        if column in self.cells:
+            return self.cells[column](row)
+        return self.formats.get(column, fmt)(value)
 
 
 def ratio(value: float) -> str:
@@ -90,62 +104,8 @@ def machine_info(summaries: Sequence[dict]) -> dict[str, Any]:
 RATES = {"tokens_per_s": "tokens/s", "samples_per_s": "samples/s"}
 
 
-def _rate_key(summary: dict) -> str:
+def rate_key(summary: dict) -> str:
     return "tokens_per_s" if "tokens_per_s" in summary else "samples_per_s"
-
-
-def _rate(summary: dict) -> float:
-    return summary[_rate_key(summary)]
-
-
-def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, str]) -> ReportTable:
-    """One row per precision mode; ratios against fp32, or the first finished mode if fp32 is absent."""
-    done = [(mode, run) for mode, run in runs if not run.failed]
-    baseline = next((m for m, _ in done if m in ("fp32", "O0")), done[0][0] if done else None)
-    base = dict(done).get(baseline) if baseline else None
-    unit = _rate_key(base.summary) if base else "samples_per_s"
-    columns = ["precision", "status", "compiled", "step_time_ms", unit, "speedup", "tflops", "mfu", "peak_memory_mib",
-               "memory_ratio", "final_loss", "loss_delta", "skipped_steps", "final_loss_scale", "compile_s"]
-    rows = []
-    for mode, run in runs:
-        if run.failed:
-            rows.append([mode, run.status] + [None] * (len(columns) - 2))
-            continue
-        s, b = run.summary, base.summary  # type: ignore[union-attr]
-        memory, base_memory = s.get("peak_memory_bytes"), b.get("peak_memory_bytes")
-        rows.append([
-            mode, "ok", s.get("compiled", False), s["median_step_time_ms"], _rate(s), _rate(s) / _rate(b),
-            s.get("achieved_tflops"), s.get("mfu"),
-            None if memory is None else memory / 2**20,
-            None if not (memory and base_memory) else memory / base_memory,
-            s["final_loss"], s["final_loss"] - b["final_loss"], s["skipped_total"], s["final_loss_scale"],
-            s.get("compile_s"),
-        ])
-    for mode, reason in skipped.items():
-        rows.append([mode, "skipped"] + [None] * (len(columns) - 2))
-    notes = [f"{mode} skipped: {reason}" for mode, reason in skipped.items()]
-    notes += [f"{mode} {run.status}: {run.why_not_ok}" for mode, run in runs if run.failed]
-    if baseline and baseline not in ("fp32", "O0"):
-        notes.append(f"fp32 is not in the list: speedup, memory ratio and loss delta are against {baseline}.")
-    elif baseline:
-        notes.append(f"speedup, memory ratio and loss delta are against {baseline} (true fp32: TF32 off).")
-    # each mode's MFU is against the peak of its own matmul dtype: name each peak once
-    peaks = dict.fromkeys(run.summary["peak_source"] for _, run in done if run.summary.get("peak_tflops"))
-    notes += [f"MFU against {peak}." for peak in peaks]
-    notes += [f"{mode} peak: {run.summary['peak_memory_source']}." for mode, run in done
-              if run.summary.get("peak_memory_bytes") is None and run.summary.get("peak_memory_source")]
-    if base and base.summary.get("peak_memory_source"):
-        notes.append(f"peak MiB: tensor memory held by torch's allocator, as ampctl memory measures it "
-                     f"({base.summary['peak_memory_source']}).")
-    headers = {"precision": "mode", "step_time_ms": "step ms", unit: RATES[unit], "peak_memory_mib": "peak MiB (allocator)",
-               "memory_ratio": "memory", "final_loss": "final loss", "loss_delta": "Δ loss",
-               "skipped_steps": "skipped", "final_loss_scale": "scale", "compile_s": "compile s", "tflops": "TFLOP/s",
-               "mfu": "MFU"}
-    formats = {"step_time_ms": lambda v: f"{v:.1f}", unit: lambda v: f"{v:,.0f}", "speedup": ratio,
-               "peak_memory_mib": lambda v: f"{v:,.0f}", "memory_ratio": ratio, "final_loss": lambda v: f"{v:.4f}",
-               "loss_delta": signed, "final_loss_scale": io.scale_label, "compiled": lambda v: "yes" if v else "no",
-               "compile_s": lambda v: f"{v:.1f}", "tflops": lambda v: f"{v:.3g}", "mfu": lambda v: f"{v:.1%}"}
-    return ReportTable("precision comparison", columns, rows, notes, headers, formats)
 
 
 def swept_keys(runs: Sequence[RunRecord]) -> list[str]:
@@ -200,7 +160,7 @@ def make_console() -> Console:
 def print_table(table: ReportTable, console: Optional[Console] = None) -> None:
     console = console or make_console()
     rich_table = Table(title=table.title)
-    for column, header in zip(table.columns, table.display_headers()):
+    for column, header in zip(table.shown, table.display_headers()):
         rich_table.add_column(header, justify="left" if column in ("precision", "status", "job", "key", "kind", "layer") else "right")
     for row, cells in zip(table.rows, table.display_rows()):
         status = dict(zip(table.columns, row)).get("status", "ok")
@@ -212,7 +172,7 @@ def print_table(table: ReportTable, console: Optional[Console] = None) -> None:
 
 
 def markdown(table: ReportTable) -> str:
-    lines = ["| " + " | ".join(table.display_headers()) + " |", "|" + "---|" * len(table.columns)]
+    lines = ["| " + " | ".join(table.display_headers()) + " |", "|" + "---|" * len(table.shown)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table.display_rows()]
     return "\n".join(lines + [""] + [f"- {n}" for n in table.notes]) + "\n"
 
@@ -235,26 +195,6 @@ def write_files(
     report += [f"![{image.stem}]({image.name})\n" for image in images]
     io.atomic_write_text(md_path, "\n".join(report))
     return [csv_path, json_path, md_path]
-
-
-def comparison_images(runs: Sequence[tuple[str, RunRecord]], table: ReportTable, out_dir: Path) -> list[Path]:
-    done = [(mode, run) for mode, run in runs if not run.failed and run.metrics]
-    if not done:
-        return []
-    ok = [r for r in table.as_dicts() if r["status"] == "ok"]
-    baseline = next((m for m in ("fp32", "O0") if m in [r["precision"] for r in ok]), ok[0]["precision"]) if ok else None
-    images = [plots.loss_curves(done, out_dir / "loss.png", "loss per step", baseline)]
-    scale = plots.loss_scale_curves(done, out_dir / "loss_scale.png", "loss scale (x = skipped step)")
-    if scale:
-        images.append(scale)
-    if ok:
-        unit = next(c for c in table.columns if c in RATES)
-        images.append(plots.throughput_memory_bars(
-            [r["precision"] for r in ok], [r[unit] for r in ok], [r["speedup"] for r in ok],
-            [r["peak_memory_mib"] for r in ok], [r["memory_ratio"] for r in ok], RATES[unit], baseline,
-            out_dir / "throughput_memory.png", plots.run_context(done),
-        ))
-    return images
 
 
 def run_images(runs: Sequence[tuple[str, RunRecord]], out_dir: Path) -> list[Path]:

@@ -1,14 +1,15 @@
 """`ampctl compare`: the same recipe, seed and batches under several precision modes, one table.
 
-Each mode trains in its own `ampctl train` process, one after the other, so that no mode inherits another's
-allocator caches, compiled kernels or peak-memory high-water mark; its run directory is a subfolder of the
-comparison's. Timings leave out the warm-up steps (compare.warmup_steps) and use medians.
+Each mode trains in its own `ampctl train` process, so that no mode inherits another's allocator caches,
+compiled kernels or peak-memory high-water mark; its run directory is a subfolder of the comparison's. After
+the warm-up (compare.warmup_steps) the modes take turns in compare.rounds rounds (runner/turns.py), so that
+their timings are taken side by side and a speedup has an interval (analysis/rounds.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -30,16 +31,17 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from ampctl.analysis import rounds as rounds_stats
 from ampctl.conf.messages import one_line
 from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import check_config
 from ampctl.errors import UnsupportedError, UsageError
 from ampctl.recipes.base import build_recipe
-from ampctl.reports import tables
+from ampctl.engine.telemetry import read_metrics
+from ampctl.reports import comparison, tables
 from ampctl.reports.runs import ERROR_FILE, load_run
-
-CHILD_LOG = "compare_child.log"
+from ampctl.runner.turns import TurnRun, run_in_turns
 
 
 @dataclass
@@ -127,7 +129,7 @@ def _compose_train(overrides: list[str]) -> DictConfig:
 
 
 class CompareInterrupted(Exception):
-    """Ctrl-C (or SIGTERM) during a comparison: the running mode stopped with a checkpoint; the modes started
+    """Ctrl-C (or SIGTERM) during a comparison: the running modes stopped with a checkpoint; the modes started
     until then. run_compare writes their comparison before it lets this go."""
 
     def __init__(self, signum: int, started: list[str]) -> None:
@@ -135,122 +137,104 @@ class CompareInterrupted(Exception):
         super().__init__(signal.Signals(signum).name)
 
 
+def round_spans(cfg: DictConfig, steps: int) -> list[tuple[int, int]]:
+    """The steps of each round, refused in one line when a round would have no timed step (its first is left out)."""
+    warmup, n = cfg.compare.warmup_steps, cfg.compare.rounds
+    if steps - warmup < 2 * n:
+        raise UsageError(
+            f"compare.rounds={n}: each round needs 2 steps or more after compare.warmup_steps={warmup} (its first is "
+            f"left out), and train.steps={steps} leaves {max(steps - warmup, 0)}: raise train.steps to "
+            f"{warmup + 2 * n} or more, or lower compare.rounds")
+    return rounds_stats.windows(warmup, steps, n)
+
+
 def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> int:
-    """Run every mode, then write the table, CSV, JSON, report.md and plots. Returns the number of failed modes.
-    Interrupted, it writes the comparison of the modes run so far and raises CompareInterrupted."""
+    """Run every mode in turns, then write the table, CSV, JSON, report.md and plots. Returns the number of failed
+    modes. Interrupted, it writes the comparison of the modes run so far and raises CompareInterrupted."""
     plans, skipped = plan_modes(cfg, split_overrides(task_overrides))
+    spans = round_spans(cfg, plans[0].steps)
     console = tables.make_console()
     out_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe, seed and batches; "
-                  f"each in its own process -> {out_dir}")
+    turns = (f"in {len(spans)} rounds of turns (steps {spans[0][0]}-{spans[-1][1]})" if len(spans) > 1
+             else "one after another")
+    console.print(f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe, seed and batches; each in "
+                  f"its own process, {turns} -> {out_dir}", soft_wrap=True)
     for mode, reason in skipped.items():
-        console.print(f"  skipped {mode}: {reason}")
-    try:
-        return write_comparison_report(out_dir, run_all(plans, cfg.compare.warmup_steps, out_dir, config_dir,
-                                                        console), skipped, task_overrides, console)
-    except CompareInterrupted as stop:
-        for plan in plans[len(stop.started):]:
-            skipped[plan.mode] = f"not run: the comparison was interrupted ({stop})"
-        write_comparison_report(out_dir, stop.started, skipped, task_overrides, console)
-        raise
+        console.print(f"  skipped {mode}: {reason}", soft_wrap=True)
+    runs = [TurnRun(plan.mode, child_command(plan, out_dir / plan.mode, cfg.compare.warmup_steps, config_dir),
+                    out_dir / plan.mode, plan.steps) for plan in plans]
+    started = run_with_progress(runs, spans, console)
+    interrupted = next((run.stopped_by for run in started if run.stopped_by is not None), None)
+    if interrupted is not None:
+        for run in runs[len(started):]:
+            skipped[run.label] = f"not run: the comparison was interrupted ({signal.Signals(interrupted).name})"
+    failed = write_comparison_report(out_dir, [run.label for run in started], skipped, task_overrides, console, spans)
+    if interrupted is not None:
+        raise CompareInterrupted(interrupted, [run.label for run in started])
+    return failed
 
 
-def write_comparison_report(
-    out_dir: Path, modes: list[str], skipped: dict[str, str], overrides: list[str], console: Console
-) -> int:
+def child_command(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: Optional[str]) -> list[str]:
+    return [sys.executable, "-m", "ampctl", "train", *(["-cd", config_dir] if config_dir else []), *plan.overrides,
+            f"hydra.run.dir={run_dir}", "train.console=quiet", f"train.timing_warmup_steps={warmup_steps}"]
+
+
+def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, str], overrides: list[str],
+                            console: Console, spans: Optional[list[tuple[int, int]]]) -> int:
     """Table, comparison.csv/.json, report.md and plots from the modes' run directories. Returns failed count."""
     runs = [(mode, load_run(out_dir / mode)) for mode in modes]
-    table = tables.comparison_table(runs, skipped)
-    images = tables.comparison_images(runs, table, out_dir)
+    table = comparison.comparison_table(runs, skipped, spans)
+    images = comparison.comparison_images(runs, table, out_dir)
     machine = tables.machine_info([run.summary for _, run in runs if run.summary])
-    extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides}
+    extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides,
+             "rounds": [list(span) for span in spans] if spans else None}
     files = tables.write_files(table, out_dir, "comparison", machine, images, extra)
     tables.print_table(table, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
     return sum(run.failed for _, run in runs)
 
 
-def run_all(
-    plans: list[ModePlan], warmup_steps: int, out_dir: Path, config_dir: Optional[str], console: Console
-) -> list[str]:
-    """Train each plan's mode in turn. Returns the modes started: all of them, unless a Ctrl-C stopped the
-    comparison (the mode it reached stopped with a checkpoint, the later ones not started)."""
-    total = sum(p.steps for p in plans)
+def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console: Console) -> list[TurnRun]:
+    """run_in_turns with a progress bar over every mode's steps (or plain lines off a terminal): a line as each
+    round ends, with each mode's median step time in it, and as each mode ends."""
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
         TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console,
         disable=not console.is_terminal,
     )
-    started: list[str] = []
+    say = progress.console.print if console.is_terminal else (lambda text: print(text, flush=True))
+    overall = progress.add_task("compare", total=sum(run.steps for run in runs))
+    pause_after = [first - 1 for first, _ in spans] if len(spans) > 1 else []
+
+    def on_round(r: int) -> None:
+        figures = []
+        for run in runs:
+            (ms,) = rounds_stats.round_medians(load_rows(run.run_dir), [spans[r - 1]])
+            figures.append(f"{run.label} {'-' if ms is None else f'{ms:.3g}'} ms")
+        say(f"round {r}/{len(spans)}: median step {', '.join(figures)}")
+        progress.update(overall, description=f"round {min(r + 1, len(spans))}/{len(spans)}")
+
+    def on_finished(run: TurnRun) -> None:
+        record = load_run(run.run_dir) if run.error is None else None
+        status = (f"failed: {run.error}" if run.error else f"{record.status}: {record.why_not_ok}"
+                  if record is not None and record.failed else f"done in {time.perf_counter() - run.started_at:.1f} s")
+        say(f"{run.label}: {status}")
+
+    if not console.is_terminal:
+        print(f"training {len(runs)} modes x {runs[0].steps} steps" + (f" in {len(spans)} rounds" if pause_after
+                                                                         else ""), flush=True)
     with progress:
-        overall = progress.add_task("compare", total=total)
-        done_steps = 0
-        for index, plan in enumerate(plans, 1):
-            label = f"[{index}/{len(plans)}] {plan.mode}"
-            progress.update(overall, description=label)
-            if not console.is_terminal:
-                print(f"{label}: training {plan.steps} steps", flush=True)
-            began = time.perf_counter()
-            run_dir = out_dir / plan.mode
-            started.append(plan.mode)
-            error, interrupted = run_mode(plan, run_dir, warmup_steps, config_dir,
-                                          lambda steps: progress.update(overall, completed=done_steps + steps))
-            done_steps += plan.steps
-            progress.update(overall, completed=done_steps)
-            if error and interrupted is None:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / ERROR_FILE).write_text(error + "\n")
-            run = load_run(run_dir)
-            status = f"{run.status}: {run.why_not_ok}" if run.failed else f"done in {time.perf_counter() - began:.1f} s"
-            (progress.console.print if console.is_terminal else lambda text: print(text, flush=True))(
-                f"{label}: {status}")
-            if interrupted is not None:
-                raise CompareInterrupted(interrupted, started)
+        started = run_in_turns(runs, pause_after, lambda done: progress.update(overall, completed=done),
+                               on_round, on_finished)
+    for run in started:
+        if run.error and run.stopped_by is None:
+            (run.run_dir / ERROR_FILE).write_text(run.error + "\n")
     return started
 
 
-def run_mode(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: Optional[str],
-             on_steps) -> tuple[Optional[str], Optional[int]]:
-    """Train one mode in a child process; report its progress from its metrics.jsonl. Returns its error (or
-    None) and the signal that stopped it (or None). The child has its own session, so a Ctrl-C at the terminal
-    reaches it once, forwarded from here: it finishes its step and writes a checkpoint (it is waited for, never
-    killed), and a second Ctrl-C ends it at once, as `ampctl train` alone would."""
-    command = [sys.executable, "-m", "ampctl", "train", *(["-cd", config_dir] if config_dir else []),
-               *plan.overrides, f"hydra.run.dir={run_dir}", "train.console=quiet",
-               f"train.timing_warmup_steps={warmup_steps}"]
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / CHILD_LOG
+def load_rows(run_dir: Path) -> list[dict]:
+    """A running mode's rows so far (its window is written before it pauses)."""
     metrics = run_dir / "metrics.jsonl"
-    received: list[int] = []
-    with log_path.open("w") as log:
-        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-        def forward(signum: int, _frame: object) -> None:
-            received.append(signum)
-            child.send_signal(signum)
-
-        previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            while child.poll() is None:
-                time.sleep(0.5)
-                if metrics.is_file() and not received:
-                    on_steps(metrics.read_bytes().count(b"\n"))
-        except BaseException:
-            child.kill()
-            child.wait()
-            raise
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-    stopped_by = received[0] if received else None
-    if child.returncode == 0:
-        return None, stopped_by
-    return _child_error(log_path, child.returncode), stopped_by
-
-
-def _child_error(log_path: Path, returncode: int) -> str:
-    """The child's own error line ("ampctl train: error: ..." or a traceback's last line), not Hydra's."""
-    lines = [line.strip() for line in log_path.read_text().splitlines() if line.strip()]
-    own = [line.removeprefix("ampctl train: ") for line in lines if line.startswith("ampctl train: ")]
-    line = own[-1] if own else lines[-1] if lines else f"exit code {returncode}"
-    return f"{line} (see {log_path})"
+    if not metrics.is_file():
+        return []
+    return [dataclasses.asdict(r) for r in read_metrics(metrics)]

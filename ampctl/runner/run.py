@@ -31,6 +31,7 @@ from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
 from ampctl.runner.guards import Guard, GuardStop
 from ampctl.runner.interrupt import Interrupted, StopOnSignal
+from ampctl.runner.pauses import Pauses
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import METRICS_FILE, NoRecorder, Recorder
 from ampctl.runner.resume import Resume
@@ -226,10 +227,13 @@ def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Re
          compiling: CompileWatch, profiler: StepProfiler) -> None:
     """fit() with the checkpointer, the guards, the value-range log, the profiler and a stop on SIGINT/SIGTERM."""
     checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak, parallel, compiling)
+    pauses = Pauses.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
 
     def after_step(last: bool) -> None:
         profiler.step()  # first: a profiled step ends where its timer mark is, before a checkpoint
         checkpointer(last)
+        if pauses is not None and not last:
+            pauses.after_step(state.step, telemetry)
 
     ranges_log = recorder.ranges_log(state, policy.device, cfg.telemetry.ranges_every)
     announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"

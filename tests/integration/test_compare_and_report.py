@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import signal
 import subprocess
@@ -34,7 +35,7 @@ def comparison(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("compare") / "cmp"
     saved = sys.argv[:]
     try:
-        main(["compare", *TINY, "compare.precisions=[fp32,bf16,tf32]", "compare.warmup_steps=2",
+        main(["compare", *TINY, "train.steps=12", "compare.precisions=[fp32,bf16,tf32]", "compare.warmup_steps=2",
               f"hydra.run.dir={out}"])
     finally:
         sys.argv = saved
@@ -57,7 +58,7 @@ def test_compare_writes_table_csv_json_report_and_plots(comparison):
         assert_png(comparison / image)
     for mode in ("fp32", "bf16"):  # each mode keeps its own run directory
         summary = json.loads((comparison / mode / "summary.json").read_text())
-        assert summary["precision"] == mode and summary["timed_steps"] == 6
+        assert summary["precision"] == mode and summary["timed_steps"] == 10
 
 
 def test_compare_runs_every_mode_on_the_same_batches(comparison):
@@ -80,6 +81,10 @@ def test_report_renders_a_compare_directory_again(comparison, capsys):
         (["precision=bf16"], "ampctl compare chooses the precision of each run"),
         (["compare.precisions=[fp32,fp99]"], "'fp99' is not a precision mode"),
         (["compare.warmup_steps=-1"], "compare.warmup_steps=-1 is not allowed"),
+        (["compare.rounds=0"], "compare.rounds=0 is not allowed: expected an integer >= 1"),
+        (["compare.warmup_steps=2"], "compare.rounds=5: each round needs 2 steps or more after "
+                                     "compare.warmup_steps=2 (its first is left out), and train.steps=8 leaves 6: "
+                                     "raise train.steps to 12 or more, or lower compare.rounds"),
         (["resume=auto"], "ampctl compare starts fresh runs"),
         (["distributed=ddp"], "distributed=ddp: ampctl compare runs on one device"),
         (["compare.activation_checkpointing=[false,true]"], "recipe MLPRecipe names no blocks to checkpoint"),
@@ -161,7 +166,7 @@ def test_compare_shows_activation_checkpointing_side_by_side(tmp_path, restore_a
     out = tmp_path / "cmp"
     gpt = ["device=cpu", "recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2",
            "recipe.block_size=64", "recipe.batch_size=4", "recipe.max_corpus_bytes=100000", "train.steps=4",
-           "train.log_every=2", "compare.warmup_steps=1", "telemetry.profile_cpu_memory=false"]
+           "train.log_every=2", "compare.warmup_steps=1", "compare.rounds=1", "telemetry.profile_cpu_memory=false"]
     main(["compare", *gpt, "compare.precisions=[fp32,bf16]", "compare.activation_checkpointing=[false,true]",
           f"hydra.run.dir={out}"])
     rows = {r["precision"]: r for r in read_csv(out / "comparison.csv")}
@@ -220,8 +225,78 @@ def test_ctrl_c_during_compare_stops_the_running_mode_with_a_checkpoint_and_writ
 def test_a_failed_mode_shows_the_childs_own_error_line(tmp_path, restore_argv, capsys):
     out = tmp_path / "cmp"
     with pytest.raises(SystemExit):
-        main(["compare", *TINY, "compare.precisions=[fp32]", "recipe._target_=tests.broken_recipes.BrokenRecipe",
+        main(["compare", *TINY, "compare.precisions=[fp32]", "compare.warmup_steps=0", "compare.rounds=1",
+              "recipe._target_=tests.broken_recipes.BrokenRecipe",
               "+recipe.mistake=finite_batches", f"hydra.run.dir={out}"])
     printed = capsys.readouterr().out
     assert ("fp32 failed: error: recipe tests.broken_recipes.BrokenRecipe: batches(device, seed) ended after step "
             "3; the protocol needs an endless iterator") in " ".join(printed.split()), printed
+
+
+def steps_by_process(log: Path) -> list[tuple[int, int, float, float]]:
+    """(pid, step, start, end) of every step the TurnsRecipe ran, in the order they started."""
+    rows = [line.split() for line in log.read_text().splitlines()]
+    return sorted(((int(p), int(s), float(a), float(b)) for p, s, a, b in rows), key=lambda row: row[2])
+
+
+def test_the_modes_take_turns_one_at_a_time_in_rounds_whose_order_rotates(tmp_path, restore_argv):
+    """Three modes, 4 rounds of 3 steps after a warm-up of 2: each warms up in turn, then every round runs each
+    mode's window while the others wait, in the order fp32 bf16 O0, then bf16 O0 fp32, and so on; no two steps of
+    different modes ever overlap in time."""
+    log, out = tmp_path / "steps.log", tmp_path / "cmp"
+    main(["compare", *TINY, "recipe._target_=tests.turns_recipe.TurnsRecipe", f"+recipe.step_log={log}",
+          "train.steps=14", "compare.warmup_steps=2", "compare.rounds=4", "compare.precisions=[fp32,bf16,O0]",
+          f"hydra.run.dir={out}"])
+    steps = steps_by_process(log)
+    pids = list(dict.fromkeys(pid for pid, *_ in steps))  # in the order they started: fp32, bf16, O0
+    assert len(pids) == 3 and len(steps) == 3 * 14
+    blocks = [(pids.index(pid), [s for _, s, *_ in group]) for pid, group in
+              itertools.groupby(steps, key=lambda row: row[0])]
+    windows = [(1, 2), (3, 5), (6, 8), (9, 11), (12, 14)]
+    expected = [(m, [1, 2]) for m in range(3)]  # the warm-ups
+    for r, (first, last) in enumerate(windows[1:]):
+        expected += [(m, list(range(first, last + 1))) for m in [(r + i) % 3 for i in range(3)]]
+    assert blocks == expected
+    for earlier, later in zip(steps, steps[1:]):
+        if earlier[0] != later[0]:
+            assert later[2] >= earlier[3]  # one process computing at a time
+    meta = json.loads((out / "comparison.json").read_text())
+    assert meta["rounds"] == [[3, 5], [6, 8], [9, 11], [12, 14]]
+    rows = {r["precision"]: r for r in read_csv(out / "comparison.csv")}
+    assert rows["O0"]["speed_verdict"] and float(rows["O0"]["speedup_low"]) <= float(rows["O0"]["speedup_high"])
+
+
+def test_a_mode_that_fails_mid_rounds_leaves_the_others_taking_their_turns(tmp_path, restore_argv, capsys):
+    out, log = tmp_path / "cmp", tmp_path / "steps.log"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", *TINY, "recipe._target_=tests.turns_recipe.TurnsRecipe", f"+recipe.step_log={log}",
+              "+recipe.fail_half_at=7", "train.steps=14", "compare.warmup_steps=2", "compare.rounds=4",
+              "compare.precisions=[fp32,bf16]", f"hydra.run.dir={out}"])
+    assert exit_info.value.code == 1
+    rows = {r["precision"]: r for r in read_csv(out / "comparison.csv")}
+    assert rows["fp32"]["status"] == "ok" and rows["bf16"]["status"] == "failed"
+    assert json.loads((out / "fp32" / "summary.json").read_text())["steps"] == 14
+    assert "bf16 failed: RuntimeError: half precision failed at step 7" in " ".join(capsys.readouterr().out.split())
+
+
+def test_ctrl_c_between_turns_stops_every_mode_with_a_checkpoint(tmp_path):
+    """A SIGINT while one mode computes and the other waits for its turn: both stop after their step with a
+    checkpoint, both are interrupted in the comparison, exit 130, no traceback."""
+    out = tmp_path / "cmp"
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", "compare", *TINY, "train.steps=100000",
+                                "compare.warmup_steps=2", "compare.precisions=[fp32,bf16]", f"hydra.run.dir={out}"],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "fp32" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 10):  # in round 1: bf16 waits
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr and "ampctl compare: interrupted (SIGINT)" in stderr
+    rows = {row["precision"]: row for row in read_csv(out / "comparison.csv")}
+    for mode in ("fp32", "bf16"):
+        step = json.loads((out / mode / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+        assert (out / mode / "checkpoints" / f"step_{step:08d}.pt").is_file()
+        assert rows[mode]["status"] == "interrupted"

@@ -71,7 +71,7 @@ def test_compare_runs_each_mode_eager_and_compiled_and_the_table_says_which(tmp_
     out = tmp_path / "cmp"
     main(["compare", "device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=6",
           "train.log_every=3", "telemetry.profile_cpu_memory=false", "compare.precisions=[fp32]",
-          "compare.warmup_steps=2", "compare.compile=[false,true]", f"hydra.run.dir={out}"])
+          "compare.warmup_steps=2", "compare.rounds=2", "compare.compile=[false,true]", f"hydra.run.dir={out}"])
     table = list(csv.DictReader((out / "comparison.csv").open()))
     assert [(r["precision"], r["compiled"]) for r in table] == [("fp32", "False"), ("fp32+compile", "True")]
     assert float(table[1]["compile_s"]) > 0 and table[0]["compile_s"] == ""

@@ -1,0 +1,193 @@
+"""The runs of a comparison as processes that take turns (compare.rounds).
+
+Every run is its own `ampctl train` process (no run inherits another's allocator caches, compiled kernels or
+peak-memory high-water mark). They start one after another, each runs its warm-up and waits; then, round after
+round, each runs its window of steps while the others wait (runner/pauses.py is the other side), in an order that
+rotates from round to round. Exactly one computes at any time, so load from elsewhere falls on all of them alike.
+With one round nobody waits: each run trains whole, one after the other.
+
+Ctrl-C (or SIGTERM) reaches every run once, forwarded from here, and the waiting ones are let go: each finishes
+its step and writes a checkpoint (waited for, never killed); a second Ctrl-C ends them at once, as `ampctl train`
+alone would.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from ampctl.runner.pauses import PAUSE_AFTER_ENV, PAUSE_FD_ENV
+
+CHILD_LOG = "compare_child.log"
+POLL_S = 0.5  # how often progress is read from the runs' metrics.jsonl while waiting
+
+
+@dataclass
+class TurnRun:
+    label: str  # the comparison's row: "bf16", "bf16+compile"
+    command: list[str]
+    run_dir: Path
+    steps: int
+    error: Optional[str] = None
+    stopped_by: Optional[int] = None  # the signal it was stopped by
+    started_at: float = 0.0
+    finished: bool = False
+
+    def steps_done(self) -> int:
+        metrics = self.run_dir / "metrics.jsonl"
+        return metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
+
+
+class TurnProcess:
+    """One run's process: started with its pause steps, told to go, waited for until it pauses or ends."""
+
+    def __init__(self, run: TurnRun, pause_after: list[int]) -> None:
+        self.run = run
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        self._read_fd, write_fd = os.pipe()
+        env = dict(os.environ)
+        if pause_after:
+            env.update({PAUSE_AFTER_ENV: ",".join(map(str, pause_after)), PAUSE_FD_ENV: str(write_fd)})
+        self._log = (run.run_dir / CHILD_LOG).open("w")
+        run.started_at = time.perf_counter()
+        # its own session: a Ctrl-C at the terminal reaches it once, forwarded from here
+        self.process = subprocess.Popen(run.command, stdin=subprocess.PIPE, stdout=self._log,
+                                        stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                        pass_fds=(write_fd,))
+        os.close(write_fd)
+        self._buffer = b""
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait(self, tick: Callable[[], None]) -> Optional[int]:
+        """Until the run pauses (the step it paused after) or ends (None)."""
+        while True:
+            ready, _, _ = select.select([self._read_fd], [], [], POLL_S)
+            tick()
+            if ready:
+                data = os.read(self._read_fd, 256)
+                self._buffer += data
+                if b"\n" in self._buffer:
+                    line, self._buffer = self._buffer.split(b"\n", 1)
+                    return int(line.split()[1])
+                if data:
+                    continue
+            elif self.alive:
+                continue
+            # the pipe closed or the process ended (a process it forked may hold the pipe open after it)
+            self.process.wait()
+            return None
+
+    def go(self) -> None:
+        try:
+            self.process.stdin.write(b"go\n")  # type: ignore[union-attr]
+            self.process.stdin.flush()  # type: ignore[union-attr]
+        except (BrokenPipeError, ValueError):  # it ended, or was let go already
+            pass
+
+    def let_go(self) -> None:
+        """No more waiting: it runs on to its end (or to the stop it was asked for)."""
+        try:
+            self.process.stdin.close()  # type: ignore[union-attr]
+        except BrokenPipeError:
+            pass
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        if self.alive:
+            self.process.kill()
+        self.process.wait()
+
+    def close(self) -> None:
+        os.close(self._read_fd)
+        self._log.close()
+
+
+def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Callable[[int], None],
+                 on_round: Callable[[int], None], on_finished: Callable[[TurnRun], None]) -> list[TurnRun]:
+    """Start every run, let them take turns through len(pause_after) rounds, wait for their ends. Returns the runs
+    started: all of them, unless a signal stopped the comparison (each run's stopped_by says so).
+    on_progress(steps done by all runs), on_round(r) after round r (1-based), on_finished(run) as each ends."""
+    processes: list[TurnProcess] = []
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        for process in processes:
+            process.signal(signum)
+            process.let_go()
+
+    def tick() -> None:
+        on_progress(sum(p.run.steps_done() for p in processes))
+
+    def turn(process: TurnProcess) -> bool:
+        """Until it pauses (False) or ends (True)."""
+        return process.wait(tick) is None
+
+    def to_the_end(process: TurnProcess) -> None:
+        while process.wait(tick) is not None:  # a run let go may still say it pauses, then goes on
+            pass
+        _finish(process, received, on_finished)
+
+    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for run in runs:  # each runs its warm-up (or, with one round, everything), then waits
+            if received:
+                break
+            processes.append(TurnProcess(run, pause_after))
+            if turn(processes[-1]):
+                _finish(processes[-1], received, on_finished)
+        for r in range(len(pause_after)):
+            order = processes[r % len(processes):] + processes[:r % len(processes)] if processes else []
+            ended = []
+            for process in order:
+                if process.alive and not received:
+                    process.go()
+                    if turn(process):
+                        ended.append(process)
+            if not received:
+                on_round(r + 1)
+            for process in ended:  # said after the round they ended in
+                _finish(process, received, on_finished)
+        for process in processes:  # ended already, or let go after a signal
+            to_the_end(process)
+    except BaseException:
+        for process in processes:
+            process.kill()
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for process in processes:
+            process.close()
+    return [p.run for p in processes]
+
+
+def _finish(process: TurnProcess, received: list[int], on_finished: Callable[[TurnRun], None]) -> None:
+    run = process.run
+    if run.finished:
+        return
+    run.finished = True
+    run.stopped_by = received[0] if received else None
+    if process.process.returncode != 0:
+        run.error = child_error(run.run_dir / CHILD_LOG, process.process.returncode)
+    on_finished(run)
+
+
+def child_error(log_path: Path, returncode: int) -> str:
+    """The child's own error line ("ampctl train: error: ..." or a traceback's last line), not Hydra's."""
+    lines = [line.strip() for line in log_path.read_text().splitlines() if line.strip()]
+    own = [line.removeprefix("ampctl train: ") for line in lines if line.startswith("ampctl train: ")]
+    line = own[-1] if own else lines[-1] if lines else f"exit code {returncode}"
+    return f"{line} (see {log_path})"
