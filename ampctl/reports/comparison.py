@@ -2,7 +2,7 @@
 
 Each mode's step time is the median of its rounds with their range; its speedup is the median of its
 round-by-round ratios to the baseline with an interval, and a verdict in words only where the interval allows
-(analysis/rounds.py). Memory, loss and the rest come from each run's summary. Everything is read from what the
+(reports/rounds.py). Memory, loss and the rest come from each run's summary. Everything is read from what the
 runs recorded, so `ampctl report` renders it again.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ampctl import io
-from ampctl.analysis import rounds as rounds_stats
-from ampctl.analysis.rounds import Interval
 from ampctl.reports import plots
+from ampctl.reports import rounds as rounds_stats
+from ampctl.reports.rounds import Interval
 from ampctl.reports.runs import RunRecord
 from ampctl.reports.tables import RATES, ReportTable, rate_key, ratio, signed
 

@@ -3,7 +3,7 @@
 Each mode trains in its own `ampctl train` process, so that no mode inherits another's allocator caches,
 compiled kernels or peak-memory high-water mark; its run directory is a subfolder of the comparison's. After
 the warm-up (compare.warmup_steps) the modes take turns in compare.rounds rounds (runner/turns.py), so that
-their timings are taken side by side and a speedup has an interval (analysis/rounds.py).
+their timings are taken side by side and a speedup has an interval (reports/rounds.py).
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from ampctl.analysis import rounds as rounds_stats
 from ampctl.conf.messages import one_line
 from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import check_config
+from ampctl.engine.telemetry import read_metrics
 from ampctl.errors import UnsupportedError, UsageError
 from ampctl.recipes.base import build_recipe
-from ampctl.engine.telemetry import read_metrics
 from ampctl.reports import comparison, tables
+from ampctl.reports import rounds as rounds_stats
 from ampctl.reports.runs import ERROR_FILE, load_run
 from ampctl.runner.turns import TurnRun, run_in_turns
 
