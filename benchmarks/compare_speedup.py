@@ -4,8 +4,8 @@ First `ampctl compare` runs the recipe in fp32 and the half mode (its own proces
 its comparison.csv gives the speedup it reports. Then the same model trains on the same batches with the loop
 the torch.amp docs write (fused AdamW, clipping at 1.0, GradScaler where the mode scales), in fp32 and under
 autocast, each timing in a fresh process of its own (as compare's modes run), alternating in rounds, timed with
-perf_counter around each step: nothing of ampctl's loop, telemetry, turns or statistics. Prints both speedups and ampctl's over the independent one; on these CPUs they
-agree within 10%.
+perf_counter around each step: nothing of ampctl's loop, telemetry, turns or statistics. Prints both speedups and
+ampctl's over the independent one; on these CPUs they agree within 10%.
 
     python benchmarks/compare_speedup.py                           # gpt (d256 x 2), bf16
     python benchmarks/compare_speedup.py --recipe gpt768 --rounds 5 --steps-per-round 4

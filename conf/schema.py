@@ -191,6 +191,8 @@ class DynamicScalerConfig:
                 f"{yaml_text(self.max_scale)}]")
 
 
+# the eval metrics whose better direction goes without saying (train.monitor_mode: null)
+MONITOR_MODES = {"loss": "min", "perplexity": "min", "accuracy": "max"}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
@@ -220,9 +222,18 @@ class TrainConfig:
     # treated as SIGTERM is: finish the step, checkpoint, exit 128 + its number (138 for SIGUSR1); null: ignore it
     preempt_signal: Optional[PreemptSignal] = PreemptSignal.SIGUSR1
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
+    # evaluation on the recipe's held-out batches after every N steps and after the last, under the run's
+    # autocast (engine/evaluation.py): evals.jsonl, the summary, the trackers, a line each; null: none
+    eval_every: Optional[int] = None
+    eval_batches: int = 8  # held-out batches per evaluation
+    eval_fp32: bool = False  # each evaluation in fp32 compute too (autocast off; an fp32 copy of an O2/O3 model)
+    # the K best checkpoints by the eval metric `monitor`, in checkpoints/best/, beside the newest ones
+    save_top_k: int = 0
+    monitor: str = "loss"  # an eval metric of the recipe's: loss, accuracy, perplexity, or its own
+    monitor_mode: Optional[str] = None  # min | max; null: max for accuracy, min for loss and perplexity
 
     def __post_init__(self) -> None:
-        for key in ("steps", "grad_accum_steps", "log_every", "keep_checkpoints"):
+        for key in ("steps", "grad_accum_steps", "log_every", "keep_checkpoints", "eval_batches"):
             require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "an integer >= 1")
         for key in ("lr_warmup_steps", "timing_warmup_steps"):
             require(getattr(self, key) >= 0, f"train.{key}", getattr(self, key), "an integer >= 0")
@@ -240,6 +251,15 @@ class TrainConfig:
         if self.clip_grad_norm is not None:
             require(positive_finite(self.clip_grad_norm), "train.clip_grad_norm", self.clip_grad_norm,
                     "a finite number > 0, or null for no clipping")
+        require(self.eval_every is None or self.eval_every >= 1, "train.eval_every", self.eval_every,
+                "an integer >= 1, or null for no evaluation")
+        require(self.save_top_k >= 0, "train.save_top_k", self.save_top_k, "an integer >= 0")
+        require(self.save_top_k == 0 or self.eval_every is not None, "train.save_top_k", self.save_top_k,
+                "0 without train.eval_every (the best checkpoints are ranked by an evaluation)")
+        require(self.monitor_mode in (None, "min", "max"), "train.monitor_mode", self.monitor_mode, "min | max | null")
+        require(self.monitor_mode is not None or self.monitor in MONITOR_MODES, "train.monitor", self.monitor,
+                f"{', '.join(MONITOR_MODES)}, or any metric of the recipe's with train.monitor_mode=min|max (which way "
+                "is better)")
 
 
 @dataclass
@@ -369,6 +389,9 @@ class CompareConfig:
     # the modes take turns in this many rounds after the warm-up (each a window of steps of every mode, one mode at
     # a time): each mode's step time is the median of its rounds, its speedup has an interval; 1: one after another
     rounds: int = 5
+    # each mode trains with this many seeds (train.seed, +1, ...): accuracy parity with fp32 is judged against the
+    # seed-to-seed noise (reports/parity.py); the seeds' rounds all count in the timings
+    seeds: int = 1
     # [false,true]: each mode without and with activation checkpointing (rows "bf16", "bf16+ac")
     activation_checkpointing: Optional[list[bool]] = None
     # [false,true]: each mode eager and compiled (rows "bf16", "bf16+compile"); null: [train.compile], one
@@ -378,6 +401,7 @@ class CompareConfig:
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 0, "compare.warmup_steps", self.warmup_steps, "an integer >= 0")
         require(self.rounds >= 1, "compare.rounds", self.rounds, "an integer >= 1")
+        require(self.seeds >= 1, "compare.seeds", self.seeds, "an integer >= 1")
 
 
 # The modes `ampctl compare` runs when compare.precisions is null (those the device can run).
@@ -456,6 +480,10 @@ def validate(cfg: DictConfig) -> None:
                 OmegaConf.to_container(node) if isinstance(node, DictConfig) else node,
                 "a config with a _target_ naming an importable callable")
     _check_optimizer_arguments(cfg.optimizer)
+    require(not (cfg.train.save_top_k and cfg.distributed.checkpoint_format == CheckpointFormat.sharded),
+            "train.save_top_k", cfg.train.save_top_k,
+            "0 with distributed.checkpoint_format=sharded (the best checkpoints are whole files: use "
+            "distributed.checkpoint_format=full)")
 
 
 def _number(x: Any) -> bool:

@@ -38,7 +38,8 @@ batch_size: 128
 
 RECIPE_SOURCE = '''\
 """The {name} recipe: what ampctl trains. Edit freely; the protocol is five members (docs/models.md: "Add your
-own recipe"): samples_per_batch, tokens_per_batch, build_model(), batches(device, seed), loss(model, batch)."""
+own recipe"): samples_per_batch, tokens_per_batch, build_model(), batches(device, seed), loss(model, batch); and,
+for train.eval_every, eval_batches(device) and (optional) eval_metrics(model, batch)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+TEACHER_SEED = 1234  # every run learns the same function; train.seed chooses the inputs
+HELD_OUT_SEED = 987654321  # the held-out inputs: the same for every run, never a training seed
 
 
 class Recipe:
@@ -64,16 +68,32 @@ class Recipe:
 
     def batches(self, device: torch.device, seed: int) -> Iterator[Any]:
         """An endless stream of batches already on `device`, the same for the same seed (resume depends on it)."""
-        gen = torch.Generator(device=device).manual_seed(seed)
-        teacher = torch.randn(self.features, 1, generator=gen, device=device) / self.features**0.5
-        while True:
-            x = torch.randn(self.samples_per_batch, self.features, generator=gen, device=device)
-            yield x, torch.tanh(x @ teacher)
+        return self._labelled(device, seed)
+
+    def eval_batches(self, device: torch.device) -> Iterator[Any]:
+        """Held-out batches (train.eval_every), the same on every call and for every seed: every run is measured
+        on the same data. ampctl takes the first train.eval_batches of them."""
+        return self._labelled(device, HELD_OUT_SEED)
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """A scalar, computed under the precision mode's autocast (the loss itself in fp32)."""
         x, y = batch
         return F.mse_loss(model(x).float(), y)
+
+    def eval_metrics(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """Optional: each metric summed over the batch's examples, and `count`, how many (ampctl divides the sums
+        over all held-out batches by the counts). Without it the held-out metric is loss(), a batch counting one."""
+        x, y = batch
+        squared_error = (model(x).float() - y) ** 2
+        return {{"loss": squared_error.sum(), "count": torch.tensor(float(y.numel()), device=y.device)}}
+
+    def _labelled(self, device: torch.device, seed: int) -> Iterator[Any]:
+        teacher = torch.randn(self.features, 1, device=device,
+                              generator=torch.Generator(device=device).manual_seed(TEACHER_SEED)) / self.features**0.5
+        gen = torch.Generator(device=device).manual_seed(seed)
+        while True:
+            x = torch.randn(self.samples_per_batch, self.features, generator=gen, device=device)
+            yield x, torch.tanh(x @ teacher)
 '''
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -67,7 +67,7 @@ def _render_record(path: Path, record: str, console) -> int:
         meta = json.loads((path / record).read_text())
         spans = [tuple(span) for span in meta["rounds"]] if meta.get("rounds") else None
         return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console,
-                                       spans)
+                                       spans, meta.get("seeds"))
     if record == "memory.json":
         from ampctl.analysis.memory.study import rerender
     else:

@@ -15,9 +15,10 @@ left as a slow run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch import nn
 
@@ -81,6 +82,16 @@ class CompileWatch:
             self.seconds += time.perf_counter() - self._started
             self._started = None
         self.compiles_at.append(self._step_under_way())
+
+    @contextlib.contextmanager
+    def outside_steps(self) -> Iterator[None]:
+        """Work between steps (an evaluation: no grad, eval mode) compiles graphs of its own: their time counts as
+        compile time, but they are no step's compilation."""
+        compiles = len(self.compiles_at)
+        try:
+            yield
+        finally:
+            del self.compiles_at[compiles:]
 
     def recompiles_after(self, step: int) -> list[int]:
         """The steps after `step` that compiled: graphs that should have been compiled by then were not reused."""

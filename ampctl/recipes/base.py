@@ -27,6 +27,10 @@ class Recipe(Protocol):
     ``loss(model, batch)`` per micro-batch under the precision policy's autocast context. Throughput is
     ``samples_per_batch`` (and ``tokens_per_batch`` for language models) per micro-batch; they are plain
     numbers so that counting them never reads from the device.
+
+    Optional, for train.eval_every (engine/evaluation.py): ``eval_batches(device)``, held-out batches, the same
+    on every call and for every seed; ``eval_metrics(model, batch)``, each metric summed over the batch and
+    ``count``, how many it summed over (without it the held-out metric is ``loss``, a batch counting one).
     """
 
     samples_per_batch: int

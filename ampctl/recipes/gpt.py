@@ -13,8 +13,9 @@ from torch import nn
 
 from ampctl.errors import ConfigError
 from ampctl.recipes.base import require_positive
+from ampctl.recipes.metrics import classification_sums
 from ampctl.recipes.text import BYTE_VOCAB_SIZE as VOCAB_SIZE
-from ampctl.recipes.text import check_corpus_length, read_corpus, token_windows
+from ampctl.recipes.text import check_corpus_length, held_out_windows, read_corpus, split, token_windows
 
 
 class CausalSelfAttention(nn.Module):
@@ -109,9 +110,18 @@ class GPTRecipe:
     def build_model(self) -> nn.Module:
         return GPT(self.block_size, self.d_model, self.n_layers, self.n_heads, self.dropout)
 
+    def _tokens(self) -> torch.Tensor:
+        return torch.frombuffer(bytearray(self._data), dtype=torch.uint8)
+
     def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        tokens = torch.frombuffer(bytearray(self._data), dtype=torch.uint8)
-        return token_windows(tokens, self.block_size, self.batch_size, device, seed)
+        return token_windows(split(self._tokens())[0], self.block_size, self.batch_size, device, seed)
+
+    def eval_batches(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return held_out_windows(split(self._tokens())[1], self.block_size, self.batch_size, device)
+
+    def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        idx, targets = batch
+        return classification_sums(model(idx), targets)  # per token: loss, next-token accuracy
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         idx, targets = batch

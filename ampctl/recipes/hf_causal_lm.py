@@ -25,7 +25,15 @@ from torch import nn
 from ampctl.conf.messages import did_you_mean
 from ampctl.errors import ConfigError, UsageError
 from ampctl.recipes.base import plain_dict, require_positive
-from ampctl.recipes.text import BYTE_VOCAB_SIZE, check_corpus_length, read_corpus, token_windows
+from ampctl.recipes.metrics import classification_sums
+from ampctl.recipes.text import (
+    BYTE_VOCAB_SIZE,
+    check_corpus_length,
+    held_out_windows,
+    read_corpus,
+    split,
+    token_windows,
+)
 
 SIZES = ("small", "library")
 ATTENTION = ("sdpa", "eager")
@@ -202,11 +210,20 @@ class HFCausalLMRecipe:
         names = set(getattr(model, "_no_split_modules", None) or ())
         return [m for m in model.modules() if type(m).__name__ in names]
 
+    def _tokens(self) -> torch.Tensor:
+        return tokenize(self.tokenizer, self.corpus, self.max_corpus_bytes)
+
     def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        tokens = tokenize(self.tokenizer, self.corpus, self.max_corpus_bytes)
-        return token_windows(tokens, self.block_size, self.batch_size, device, seed)
+        return token_windows(split(self._tokens())[0], self.block_size, self.batch_size, device, seed)
+
+    def eval_batches(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return held_out_windows(split(self._tokens())[1], self.block_size, self.batch_size, device)
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         idx, targets = batch
         logits = model(input_ids=idx, use_cache=False).logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+
+    def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        idx, targets = batch
+        return classification_sums(model(input_ids=idx, use_cache=False).logits, targets)  # per token

@@ -10,6 +10,7 @@ from typing import Iterator, Optional
 import torch
 
 from ampctl.errors import ConfigError
+from ampctl.recipes.metrics import EVAL_SEED
 
 SYNTHETIC_BATCHES = 4  # distinct fixed batches cycled on the device: data costs nothing in speed runs
 MAX_DEFAULT_WORKERS = 8  # the default DataLoader workers: one per core this process may use, up to this
@@ -64,6 +65,26 @@ def synthetic_batches(batch_size: int, image_size: int, num_classes: int, channe
         for _ in range(SYNTHETIC_BATCHES)
     ]
     return itertools.cycle(fixed)
+
+
+def synthetic_eval_batches(batch_size: int, image_size: int, num_classes: int, channels_last: bool,
+                           device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Held-out synthetic batches, distinct from each other and from training's: the same on every call."""
+    gen = torch.Generator(device=device).manual_seed(EVAL_SEED)
+    while True:
+        yield (torch.randn(batch_size, 3, image_size, image_size, generator=gen,
+                           device=device).contiguous(memory_format=memory_format(channels_last)),
+               torch.randint(num_classes, (batch_size,), generator=gen, device=device))
+
+
+def dataset_eval_batches(dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int, channels_last: bool,
+                         device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A held-out dataset once, in its order (the last batch may be short): the same batches on every call."""
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
+                                         pin_memory=device.type == "cuda")
+    for x, y in loader:
+        yield (x.to(device, non_blocking=True).contiguous(memory_format=memory_format(channels_last)),
+               y.to(device, non_blocking=True))
 
 
 def dataset_batches(dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int, channels_last: bool,

@@ -14,6 +14,7 @@ from torch import nn
 
 from ampctl.errors import ConfigError
 from ampctl.recipes.base import require_positive
+from ampctl.recipes.metrics import EVAL_SEED, classification_sums
 
 NORMS = {"layernorm": nn.LayerNorm, "batchnorm": nn.BatchNorm1d, "none": None}
 
@@ -51,6 +52,17 @@ class MLPRecipe:
     def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         # The teacher is fixed (its own seed), so every run learns the same function; `seed` only
         # changes which inputs are drawn. Everything is generated on the device: no host round trips.
+        return self._labelled(device, seed)
+
+    def eval_batches(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Inputs of the held-out seed, labelled by the same teacher: the same batches for every run."""
+        return self._labelled(device, EVAL_SEED)
+
+    def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return classification_sums(model(x), y)
+
+    def _labelled(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         teacher_gen = torch.Generator(device=device).manual_seed(1234)
         teacher = torch.randn(self.in_features, self.num_classes, generator=teacher_gen, device=device)
         gen = torch.Generator(device=device).manual_seed(seed)

@@ -13,7 +13,14 @@ from torch import nn
 
 from ampctl.errors import ConfigError, UsageError
 from ampctl.recipes.base import require_positive
-from ampctl.recipes.images import dataset_batches, resolve_num_workers, synthetic_batches
+from ampctl.recipes.images import (
+    dataset_batches,
+    dataset_eval_batches,
+    resolve_num_workers,
+    synthetic_batches,
+    synthetic_eval_batches,
+)
+from ampctl.recipes.metrics import classification_sums
 
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 DATASETS = ("cifar10", "synthetic")
@@ -45,9 +52,9 @@ class ResNetRecipe:
         self.num_workers = resolve_num_workers(self.num_workers)
         self.samples_per_batch = self.batch_size
         self.tokens_per_batch = None
-        self._dataset = self._open_cifar10() if self.data == "cifar10" else None
+        self._dataset = self._open_cifar10(train=True) if self.data == "cifar10" else None
 
-    def _open_cifar10(self):
+    def _open_cifar10(self, train: bool):
         from torchvision import datasets, transforms
 
         root = Path(self.data_root).expanduser()
@@ -58,7 +65,7 @@ class ResNetRecipe:
             )
         transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
         try:
-            return datasets.CIFAR10(str(root), train=True, download=self.download, transform=transform)
+            return datasets.CIFAR10(str(root), train=train, download=self.download, transform=transform)
         except (RuntimeError, OSError) as exc:
             raise UsageError(f"recipe.data_root={self.data_root!r}: CIFAR-10 could not be read: {exc}") from None
 
@@ -79,6 +86,18 @@ class ResNetRecipe:
                                      device, seed)
         return dataset_batches(self._dataset, self.batch_size, self.num_workers, self.channels_last, device, seed)
 
+    def eval_batches(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """CIFAR-10's test set (or held-out synthetic batches)."""
+        if self._dataset is None:
+            return synthetic_eval_batches(self.batch_size, self.image_size, self.num_classes,  # type: ignore[arg-type]
+                                          self.channels_last, device)
+        return dataset_eval_batches(self._open_cifar10(train=False), self.batch_size, self.num_workers,
+                                    self.channels_last, device)
+
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(model(x), y)
+
+    def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return classification_sums(model(x), y)

@@ -7,6 +7,7 @@ recipe needs a download. Any text file or directory of text files can replace it
 
 from __future__ import annotations
 
+import math
 import sysconfig
 from pathlib import Path
 from typing import Iterator, Optional
@@ -45,12 +46,37 @@ def read_corpus(corpus: Optional[str], max_bytes: int) -> bytes:
     return b"".join(chunks)[:max_bytes]
 
 
+# The corpus's last tenth is held out for evaluation: training windows never reach into it (nanoGPT's 90/10)
+HELD_OUT_FRACTION = 0.1
+
+
 def check_corpus_length(corpus: Optional[str], tokens: int, block_size: int, unit: str = "bytes") -> None:
-    """A window is block_size + 1 tokens (inputs and their next-token targets), drawn from at least two places."""
-    if tokens < block_size + 2:
+    """Training draws windows of block_size + 1 tokens (inputs and their next-token targets) from at least two
+    places of the first nine tenths; the last tenth holds at least one window."""
+    needed = math.ceil((block_size + 1) / HELD_OUT_FRACTION)
+    if tokens < needed:
         where = corpus if corpus is not None else "the standard library"
-        raise UsageError(f"recipe.corpus={where!r} holds {tokens} {unit}; at least block_size+2 ({block_size + 2}) "
-                         "are needed")
+        raise UsageError(f"recipe.corpus={where!r} holds {tokens} {unit}; at least {needed} are needed for "
+                         f"block_size={block_size} (training windows in the first nine tenths, a held-out window of "
+                         "block_size + 1 in the last tenth)")
+
+
+def split(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training tokens, held-out tokens): the corpus's first nine tenths and its last tenth."""
+    held_out = int(tokens.numel() * HELD_OUT_FRACTION)
+    return tokens[:tokens.numel() - held_out], tokens[tokens.numel() - held_out:]
+
+
+def held_out_windows(tokens: torch.Tensor, block_size: int, batch_size: int,
+                     device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The held-out tokens as consecutive windows that do not overlap, batch by batch, in order: the same batches on
+    every call; the last batch may be short."""
+    data = tokens.to(device)
+    windows = (data.numel() - 1) // block_size
+    for first in range(0, windows, batch_size):
+        starts = torch.arange(first, min(first + batch_size, windows), device=device) * block_size
+        window = data[starts[:, None] + torch.arange(block_size + 1, device=device)].long()
+        yield window[:, :-1], window[:, 1:]
 
 
 def token_windows(tokens: torch.Tensor, block_size: int, batch_size: int, device: torch.device,

@@ -21,7 +21,14 @@ from torch import nn
 from ampctl.conf.messages import did_you_mean
 from ampctl.errors import ConfigError, UsageError
 from ampctl.recipes.base import plain_dict, require_positive
-from ampctl.recipes.images import dataset_batches, resolve_num_workers, synthetic_batches
+from ampctl.recipes.images import (
+    dataset_batches,
+    dataset_eval_batches,
+    resolve_num_workers,
+    synthetic_batches,
+    synthetic_eval_batches,
+)
+from ampctl.recipes.metrics import classification_sums
 
 DATASETS = ("synthetic", "imagefolder")
 SYNTHETIC_CLASSES = 1000  # ImageNet's
@@ -42,6 +49,7 @@ class TimmRecipe:
     checkpoint: Optional[str] = None
     data: str = "synthetic"
     data_root: Optional[str] = None
+    eval_root: Optional[str] = None  # imagefolder's held-out images, a folder laid out as data_root
     image_size: int = 224
     batch_size: int = 32
     num_classes: Optional[int] = None  # null: 1000 for synthetic, the folder's classes for imagefolder
@@ -63,7 +71,11 @@ class TimmRecipe:
             raise UsageError(f"recipe.checkpoint={self.checkpoint!r} is not a file: give a local weights file "
                              "(.pth, .safetensors) for timm to load, or null for random weights")
         self._pretrained_cfg = timm.models.get_pretrained_cfg(self.model)
-        self._dataset = self._open_imagefolder() if self.data == "imagefolder" else None
+        self._dataset = self._eval_dataset = None
+        if self.data == "imagefolder":
+            self._dataset = self._open_imagefolder(self.data_root, "data_root", training=True)
+            if self.eval_root is not None:
+                self._eval_dataset = self._open_imagefolder(self.eval_root, "eval_root", training=False)
         if self.num_classes is None:
             self.num_classes = len(self._dataset.classes) if self._dataset is not None else SYNTHETIC_CLASSES
         elif self.num_classes < 2:
@@ -71,28 +83,32 @@ class TimmRecipe:
         self.samples_per_batch = self.batch_size
         self.tokens_per_batch = None
 
-    def _open_imagefolder(self) -> Any:
+    def _open_imagefolder(self, folder: Optional[str], key: str, training: bool) -> Any:
+        """recipe.data_root (training: the model's own training transforms, its mean, std, interpolation and
+        crop, at recipe.image_size) or recipe.eval_root (its evaluation transforms)."""
         from timm.data import create_transform, resolve_data_config
         from torchvision import datasets
 
-        if self.data_root is None:
+        if folder is None:
             raise UsageError("recipe.data=imagefolder needs recipe.data_root: a folder with one folder of images "
                              "per class (root/cat/1.jpg, root/dog/2.png)")
-        root = Path(self.data_root).expanduser()
+        root = Path(folder).expanduser()
         if not root.is_dir():
-            raise UsageError(f"recipe.data_root={self.data_root!r} is not a directory: give a folder with one "
+            raise UsageError(f"recipe.{key}={folder!r} is not a directory: give a folder with one "
                              "folder of images per class (root/cat/1.jpg, root/dog/2.png)")
-        # the model's own training transforms (its mean, std, interpolation and crop), at recipe.image_size
         data_cfg = resolve_data_config(args={"input_size": (3, self.image_size, self.image_size)},
                                        pretrained_cfg=self._pretrained_config())
         try:
-            dataset = datasets.ImageFolder(str(root), transform=create_transform(**data_cfg, is_training=True))
+            dataset = datasets.ImageFolder(str(root), transform=create_transform(**data_cfg, is_training=training))
         except (FileNotFoundError, OSError) as exc:
-            raise UsageError(f"recipe.data_root={self.data_root!r} holds no images: {str(exc).splitlines()[0]} "
+            raise UsageError(f"recipe.{key}={folder!r} holds no images: {str(exc).splitlines()[0]} "
                              "(one folder of images per class: root/cat/1.jpg, root/dog/2.png)") from None
-        if len(dataset) < self.batch_size:
-            raise UsageError(f"recipe.data_root={self.data_root!r} holds {len(dataset)} images, fewer than one batch "
+        if training and len(dataset) < self.batch_size:
+            raise UsageError(f"recipe.data_root={folder!r} holds {len(dataset)} images, fewer than one batch "
                              f"(recipe.batch_size={self.batch_size}); lower the batch size or add images")
+        if self._dataset is not None and dataset.classes != self._dataset.classes:
+            raise UsageError(f"recipe.eval_root={folder!r} has the classes {dataset.classes[:5]}..., "
+                             f"recipe.data_root {self._dataset.classes[:5]}...: give both the same class folders")
         return dataset
 
     def _pretrained_config(self) -> dict:
@@ -160,6 +176,21 @@ class TimmRecipe:
             return synthetic_batches(self.batch_size, self.image_size, self.num_classes, self._nhwc(), device, seed)
         return dataset_batches(self._dataset, self.batch_size, self.num_workers, self._nhwc(), device, seed)
 
+    def eval_batches(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """recipe.eval_root's images with the model's evaluation transforms (imagefolder), or held-out synthetic
+        batches."""
+        if self._dataset is None:
+            return synthetic_eval_batches(self.batch_size, self.image_size, self.num_classes,  # type: ignore[arg-type]
+                                          self._nhwc(), device)
+        if self._eval_dataset is None:
+            raise UsageError("train.eval_every with recipe.data=imagefolder needs recipe.eval_root: a folder of "
+                             "held-out images laid out as recipe.data_root (root/cat/1.jpg, root/dog/2.png)")
+        return dataset_eval_batches(self._eval_dataset, self.batch_size, self.num_workers, self._nhwc(), device)
+
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(model(x), y)
+
+    def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return classification_sums(model(x), y)

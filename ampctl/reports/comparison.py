@@ -1,18 +1,23 @@
-"""`ampctl compare`'s table and plots, from the modes' run directories and the rounds they took turns in.
+"""`ampctl compare`'s table and plots, from the modes' run directories, the rounds they took turns in and the
+seeds they ran with.
 
-Each mode's step time is the median of its rounds with their range; its speedup is the median of its
-round-by-round ratios to the baseline with an interval, and a verdict in words only where the interval allows
-(reports/rounds.py). Memory, loss and the rest come from each run's summary. Everything is read from what the
-runs recorded, so `ampctl report` renders it again.
+Each mode's step time is the median of its rounds (every seed's) with their range; its speedup is the median of
+its round-by-round ratios to the baseline with an interval, and a verdict in words only where the interval
+allows (rounds.py). Its held-out metrics are the means over its seeds, and its difference from the baseline's is
+judged against the seed-to-seed noise (parity.py): the paper's table for the user's own model. Memory and the
+rest come from each run's summary. Everything is read from what the runs recorded, so `ampctl report` renders
+it again.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from ampctl import io
+from ampctl.reports import parity as parity_stats
 from ampctl.reports import plots
 from ampctl.reports import rounds as rounds_stats
 from ampctl.reports.rounds import Interval
@@ -21,11 +26,17 @@ from ampctl.reports.tables import RATES, ReportTable, rate_key, ratio, signed
 
 BASELINES = ("fp32", "O0")
 Span = tuple[int, int]
+ModeRuns = tuple[str, Sequence[RunRecord]]  # a mode and its runs, one per seed, in the seeds' order
+
+
+def run_dir(out_dir: Path, mode: str, seed: Optional[int], seeds: Sequence[Optional[int]]) -> Path:
+    """A run's directory: <out>/<mode>, or <out>/<mode>/seed_<seed> when the comparison has several seeds."""
+    return out_dir / mode if len(seeds) == 1 else out_dir / mode / f"seed_{seed}"
 
 
 @dataclass
 class ModeTiming:
-    """One mode's timing: each round's median step time and rate, and what they give."""
+    """One mode's timing: each round's median step time and rate (every seed's rounds, in order)."""
 
     round_ms: list[Optional[float]]
     round_rate: list[Optional[float]]
@@ -41,68 +52,142 @@ class ModeTiming:
         return rounds_stats.spread(measured).value if measured else None
 
 
-def mode_timing(run: RunRecord, spans: Optional[Sequence[Span]]) -> ModeTiming:
-    """From the rows of each round; a comparison recorded before rounds existed has its summary's medians."""
-    s = run.summary or {}
-    key = rate_key(s)
-    if not spans:
-        return ModeTiming([s.get("median_step_time_ms")], [s.get(key)])
-    return ModeTiming(rounds_stats.round_medians(run.metrics, spans),
-                      rounds_stats.round_medians(run.metrics, spans, key))
+def mode_timing(runs: Sequence[RunRecord], spans: Optional[Sequence[Span]]) -> ModeTiming:
+    """From the rows of each round of each run; a comparison recorded before rounds existed has its summaries'
+    medians."""
+    timing = ModeTiming([], [])
+    for run in runs:
+        s = run.summary or {}
+        if not spans:
+            timing.round_ms.append(s.get("median_step_time_ms"))
+            timing.round_rate.append(s.get(rate_key(s)))
+            continue
+        timing.round_ms += rounds_stats.round_medians(run.metrics, spans)
+        timing.round_rate += rounds_stats.round_medians(run.metrics, spans, rate_key(s))
+    return timing
 
 
 def baseline_of(modes: Sequence[str]) -> Optional[str]:
     return next((m for m in modes if m in BASELINES), modes[0] if modes else None)
 
 
-def comparison_table(runs: Sequence[tuple[str, RunRecord]], skipped: dict[str, str],
+def held_out(run: RunRecord, metric: str) -> float:
+    """The run's last held-out evaluation of metric (NaN where it has none)."""
+    value = (run.summary or {}).get("eval", {}).get(f"eval/{metric}")
+    return float("nan") if value is None else float(value)
+
+
+def _status(runs: Sequence[RunRecord]) -> tuple[str, Optional[RunRecord]]:
+    """ok when every seed's run is; else the first that is not, which the row reports."""
+    bad = next((run for run in runs if run.failed), None)
+    return ("ok", None) if bad is None and runs else ((bad.status if bad else "failed"), bad)
+
+
+def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
                      spans: Optional[Sequence[Span]] = None) -> ReportTable:
     """One row per precision mode; ratios against fp32, or the first finished mode if fp32 is absent."""
-    done = [(mode, run) for mode, run in runs if not run.failed]
+    done = [(mode, records) for mode, records in runs if _status(records)[0] == "ok"]
     baseline = baseline_of([m for m, _ in done])
     base = dict(done).get(baseline) if baseline else None
-    unit = rate_key(base.summary) if base else "samples_per_s"  # type: ignore[arg-type]
-    timings = {mode: mode_timing(run, spans) for mode, run in done}
-    n_rounds = len(spans) if spans else 1
-    columns = ["precision", "status", "compiled", "step_time_ms", "step_time_ms_low", "step_time_ms_high", unit,
-               "speedup", "speedup_low", "speedup_high", "speed_verdict", "tflops", "mfu", "peak_memory_mib",
-               "memory_ratio", "final_loss", "loss_delta", "skipped_steps", "final_loss_scale", "compile_s"]
-    rows, verdicts = [], []
-    for mode, run in runs:
-        if run.failed:
-            rows.append([mode, run.status] + [None] * (len(columns) - 2))
+    unit = rate_key(base[0].summary) if base else "samples_per_s"  # type: ignore[arg-type]
+    seeds = max((len(records) for _, records in runs), default=1)
+    metrics = eval_metrics(base) if base else []
+    timings = {mode: mode_timing(records, spans) for mode, records in done}
+    n_rounds = len(spans) * seeds if spans else seeds
+    columns = ["precision", "status", "seeds", "compiled", "step_time_ms", "step_time_ms_low", "step_time_ms_high",
+               unit, "speedup", "speedup_low", "speedup_high", "speed_verdict",
+               *[f"eval_{m}" for m in metrics], *(["eval_loss_sd", "eval_loss_delta", "eval_loss_delta_interval",
+                                                   "parity"] if "loss" in metrics else []),
+               "tflops", "mfu", "peak_memory_mib", "memory_ratio", "final_loss", "loss_delta", "skipped_steps",
+               "final_loss_scale", "compile_s"]
+    rows, notes = [], []
+    for mode, records in runs:
+        status, bad = _status(records)
+        if status != "ok":
+            rows.append([mode, status, len(records)] + [None] * (len(columns) - 3))
+            if bad is not None:
+                notes.append(f"{mode} {bad.status}: {bad.why_not_ok}")
             continue
-        s, b = run.summary, base.summary  # type: ignore[union-attr]
-        timing, step = timings[mode], timings[mode].step_ms
-        speed = (Interval(1.0, 1.0, 1.0) if mode == baseline
-                 else rounds_stats.speedup(timings[baseline].round_ms, timing.round_ms))  # type: ignore[index]
-        verdict = None if mode == baseline else rounds_stats.verdict(mode, baseline, speed, n_rounds)  # type: ignore[arg-type]
-        if verdict:
-            verdicts.append(verdict)
-        memory, base_memory = s.get("peak_memory_bytes"), b.get("peak_memory_bytes")
-        rows.append([
-            mode, "ok", s.get("compiled", False), *_triple(step), timing.rate, *_triple(speed), verdict,
-            s.get("achieved_tflops"), s.get("mfu"),
-            None if memory is None else memory / 2**20,
-            None if not (memory and base_memory) else memory / base_memory,
-            s["final_loss"], s["final_loss"] - b["final_loss"], s["skipped_total"], s["final_loss_scale"],
-            s.get("compile_s"),
-        ])
+        row, words = _mode_row(mode, records, baseline, base, timings, n_rounds, metrics)  # type: ignore[arg-type]
+        rows.append([row.get(c) for c in columns])
+        notes += words
     for mode in skipped:
         rows.append([mode, "skipped"] + [None] * (len(columns) - 2))
-    notes = verdicts + _timing_notes(spans, baseline, timings) + _other_notes(runs, done, skipped, baseline, base)
+    notes += _timing_notes(spans, seeds, baseline, timings) + _other_notes(done, skipped, baseline, base)
     headers = {"precision": "mode", "step_time_ms": "step ms (rounds' range)", unit: RATES[unit],
                "speedup": "speedup (interval)", "peak_memory_mib": "peak MiB (allocator)", "memory_ratio": "memory",
                "final_loss": "final loss", "loss_delta": "Δ loss", "skipped_steps": "skipped",
-               "final_loss_scale": "scale", "compile_s": "compile s", "tflops": "TFLOP/s", "mfu": "MFU"}
+               "final_loss_scale": "scale", "compile_s": "compile s", "tflops": "TFLOP/s", "mfu": "MFU",
+               **{f"eval_{m}": f"held-out {m}" for m in metrics}, "eval_loss_delta": "Δ held-out loss"}
     formats = {unit: lambda v: f"{v:,.0f}", "peak_memory_mib": lambda v: f"{v:,.0f}", "memory_ratio": ratio,
                "final_loss": lambda v: f"{v:.4f}", "loss_delta": signed, "final_loss_scale": io.scale_label,
                "compiled": lambda v: "yes" if v else "no", "compile_s": lambda v: f"{v:.1f}",
-               "tflops": lambda v: f"{v:.3g}", "mfu": lambda v: f"{v:.1%}"}
+               "tflops": lambda v: f"{v:.3g}", "mfu": lambda v: f"{v:.1%}",
+               **{f"eval_{m}": (lambda v: f"{v:.2%}") if m == "accuracy" else (lambda v: f"{v:.4f}") for m in metrics}}
     cells = {"step_time_ms": lambda r: _with_range(r, "step_time_ms", "{:.3g}"),
-             "speedup": lambda r: _with_range(r, "speedup", "{:.2f}×")}
-    file_only = frozenset({"step_time_ms_low", "step_time_ms_high", "speedup_low", "speedup_high", "speed_verdict"})
+             "speedup": lambda r: _with_range(r, "speedup", "{:.2f}×"),
+             "eval_loss": lambda r: f"{r['eval_loss']:.4f}" + (f" (sd {r['eval_loss_sd']:.4f})"
+                                                                if r.get("eval_loss_sd") is not None else ""),
+             "eval_loss_delta": lambda r: f"{r['eval_loss_delta']:+.4f}" + (
+                 f" ± {r['eval_loss_delta_interval']:.4f}" if r.get("eval_loss_delta_interval") is not None else "")}
+    # shown in the table only where they say something: columns empty (or "no") in every row stay in the files
+    empty = {c for i, c in enumerate(columns) if all(row[i] is None or row[i] is False for row in rows)}
+    file_only = frozenset({"step_time_ms_low", "step_time_ms_high", "speedup_low", "speedup_high", "speed_verdict",
+                           "eval_loss_sd", "eval_loss_delta_interval", "parity", *([] if seeds > 1 else ["seeds"]),
+                           *empty})
     return ReportTable("precision comparison", columns, rows, notes, headers, formats, file_only, cells)
+
+
+def eval_metrics(runs: Sequence[RunRecord]) -> list[str]:
+    """The held-out metrics the baseline's runs recorded, loss first."""
+    names = [k.split("/", 1)[1] for k in (runs[0].summary or {}).get("eval", {}) if k.startswith("eval/")]
+    return sorted(names, key=lambda m: (m != "loss", names.index(m)))
+
+
+def _mode_row(mode: str, records: Sequence[RunRecord], baseline: str, base: Sequence[RunRecord],
+              timings: dict[str, ModeTiming], n_rounds: int, metrics: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """A finished mode's figures (by column) and its verdicts in words."""
+    summaries, base_summaries = [r.summary for r in records], [r.summary for r in base]
+    timing = timings[mode]
+    speed = (Interval(1.0, 1.0, 1.0) if mode == baseline
+             else rounds_stats.speedup(timings[baseline].round_ms, timing.round_ms))
+    memory, base_memory = summaries[0].get("peak_memory_bytes"), base_summaries[0].get("peak_memory_bytes")
+    row: dict[str, Any] = {
+        "precision": mode, "status": "ok", "seeds": len(records), "compiled": summaries[0].get("compiled", False),
+        **dict(zip(("step_time_ms", "step_time_ms_low", "step_time_ms_high"), _triple(timing.step_ms))),
+        rate_key(summaries[0]): timing.rate,
+        **dict(zip(("speedup", "speedup_low", "speedup_high"), _triple(speed))),
+        "tflops": _mean([s.get("achieved_tflops") for s in summaries]), "mfu": _mean([s.get("mfu") for s in summaries]),
+        "peak_memory_mib": None if memory is None else memory / 2**20,
+        "memory_ratio": None if not (memory and base_memory) else memory / base_memory,
+        "final_loss": _mean([s["final_loss"] for s in summaries]),
+        "loss_delta": statistics.fmean(s["final_loss"] - b["final_loss"] for s, b in zip(summaries, base_summaries)),
+        "skipped_steps": _mean([s["skipped_total"] for s in summaries]),
+        "final_loss_scale": summaries[0]["final_loss_scale"],
+        "compile_s": _mean([s.get("compile_s") for s in summaries]),
+    }
+    words = []
+    if mode != baseline:
+        row["speed_verdict"] = rounds_stats.verdict(mode, baseline, speed, n_rounds)
+        words.append(row["speed_verdict"])
+    for metric in metrics:
+        values = [held_out(r, metric) for r in records]
+        row[f"eval_{metric}"] = statistics.fmean(values)
+    if "loss" in metrics:
+        losses = [held_out(r, "loss") for r in records]
+        row["eval_loss_sd"] = statistics.stdev(losses) if len(losses) > 1 else None
+        if mode != baseline:
+            result = parity_stats.parity([held_out(r, "loss") for r in base], losses)
+            if result is not None:
+                row.update(eval_loss_delta=result.difference, eval_loss_delta_interval=result.half_width,
+                           parity=result.verdict)
+            words.append(parity_stats.words(mode, baseline, "loss", result))
+    return row, words
 
 
 def _triple(interval: Optional[Interval]) -> list[Optional[float]]:
@@ -117,47 +202,65 @@ def _with_range(row: dict, key: str, number: str) -> str:
     return f"{text} ({number.format(low).rstrip('×')}-{number.format(high)})"
 
 
-def _timing_notes(spans: Optional[Sequence[Span]], baseline: Optional[str], timings: dict[str, ModeTiming]) -> list[str]:
+def _timing_notes(spans: Optional[Sequence[Span]], seeds: int, baseline: Optional[str],
+                  timings: dict[str, ModeTiming]) -> list[str]:
     if not spans:
-        return ["timings: each mode's summary median (recorded before compare took rounds): no spread."]
+        return ["timings: each run's summary median (recorded before compare took rounds): no spread."]
     first, last = spans[0][0], spans[-1][1]
-    notes = [f"timings: {len(spans)} rounds of steps {first}-{last} (each mode's window of about "
+    n = len(spans) * seeds
+    each_seed = f" in each of {seeds} seeds" if seeds > 1 else ""
+    notes = [f"timings: {len(spans)} rounds of steps {first}-{last}{each_seed} (each mode's window of about "
              f"{spans[0][1] - spans[0][0] + 1} steps a round, in turns, its first step left out); step ms is the "
-             f"median of a mode's rounds (their range in brackets); speedup is the median of its round-by-round "
-             f"ratios to {baseline}, with a {rounds_stats.coverage(len(spans)):.0%} interval."]
+             f"median of a mode's {n} rounds (their range in brackets); speedup is the median of its round-by-round "
+             f"ratios to {baseline}, with a {rounds_stats.coverage(n):.0%} interval."]
     busy = rounds_stats.busy_rounds({mode: t.round_ms for mode, t in timings.items()})
     return notes + ([f"warning: {busy}."] if busy else [])
 
 
-def _other_notes(runs: Sequence[tuple[str, RunRecord]], done: Sequence[tuple[str, RunRecord]],
-                 skipped: dict[str, str], baseline: Optional[str], base: Optional[RunRecord]) -> list[str]:
+def _other_notes(done: Sequence[ModeRuns], skipped: dict[str, str], baseline: Optional[str],
+                 base: Optional[Sequence[RunRecord]]) -> list[str]:
     notes = [f"{mode} skipped: {reason}" for mode, reason in skipped.items()]
-    notes += [f"{mode} {run.status}: {run.why_not_ok}" for mode, run in runs if run.failed]
     if baseline and baseline not in BASELINES:
         notes.append(f"fp32 is not in the list: speedup, memory ratio and loss delta are against {baseline}.")
     elif baseline:
         notes.append(f"speedup, memory ratio and loss delta are against {baseline} (true fp32: TF32 off).")
+    if base and "eval" in (base[0].summary or {}):
+        notes.append(f"held-out metrics: each run's last evaluation (step {base[0].summary['eval']['step']}), "
+                     "the mean over the seeds; Δ held-out loss is the mean over seeds of the mode's minus "
+                     f"{baseline}'s, ± its 95% interval.")
     # each mode's MFU is against the peak of its own matmul dtype: name each peak once
-    peaks = dict.fromkeys(run.summary["peak_source"] for _, run in done if run.summary.get("peak_tflops"))
+    peaks = dict.fromkeys(runs[0].summary["peak_source"] for _, runs in done if runs[0].summary.get("peak_tflops"))
     notes += [f"MFU against {peak}." for peak in peaks]
-    notes += [f"{mode} peak: {run.summary['peak_memory_source']}." for mode, run in done
-              if run.summary.get("peak_memory_bytes") is None and run.summary.get("peak_memory_source")]
-    if base and base.summary.get("peak_memory_source"):
+    notes += [f"{mode} peak: {runs[0].summary['peak_memory_source']}." for mode, runs in done
+              if runs[0].summary.get("peak_memory_bytes") is None and runs[0].summary.get("peak_memory_source")]
+    if base and base[0].summary.get("peak_memory_source"):
         notes.append(f"peak MiB: tensor memory held by torch's allocator, as ampctl memory measures it "
-                     f"({base.summary['peak_memory_source']}).")
+                     f"({base[0].summary['peak_memory_source']}).")
     return notes
 
 
-def comparison_images(runs: Sequence[tuple[str, RunRecord]], table: ReportTable, out_dir: Path) -> list[Path]:
-    done = [(mode, run) for mode, run in runs if not run.failed and run.metrics]
+def comparison_images(runs: Sequence[ModeRuns], table: ReportTable, out_dir: Path) -> list[Path]:
+    done = [(mode, [r for r in records if not r.failed and r.metrics]) for mode, records in runs]
+    done = [(mode, records) for mode, records in done if records]
     if not done:
         return []
     ok = [r for r in table.as_dicts() if r["status"] == "ok"]
     baseline = baseline_of([r["precision"] for r in ok])
-    images = [plots.loss_curves(done, out_dir / "loss.png", "loss per step", baseline)]
-    scale = plots.loss_scale_curves(done, out_dir / "loss_scale.png", "loss scale (x = skipped step)")
+    if max(len(records) for _, records in done) > 1:
+        images = [plots.seed_band_curves(done, out_dir / "loss.png", "loss per step (mean over seeds, their range)",
+                                         baseline)]
+    else:
+        images = [plots.loss_curves([(mode, records[0]) for mode, records in done], out_dir / "loss.png",
+                                    "loss per step", baseline)]
+    first_runs = [(mode, records[0]) for mode, records in done]
+    scale = plots.loss_scale_curves(first_runs, out_dir / "loss_scale.png", "loss scale (x = skipped step)")
     if scale:
         images.append(scale)
+    context = plots.run_context(first_runs)
+    if ok and "eval_loss" in table.columns:
+        images.append(plots.held_out_points(
+            {mode: [held_out(r, "loss") for r in records] for mode, records in done},
+            out_dir / "held_out.png", "held-out loss of each run's last evaluation (dots: seeds)", context))
     if ok:
         unit = next(c for c in table.columns if c in RATES)
         images.append(plots.throughput_memory_bars(
@@ -167,7 +270,6 @@ def comparison_images(runs: Sequence[tuple[str, RunRecord]], table: ReportTable,
              Interval(r[unit], r[unit], r[unit]) for r in ok],
             [Interval(r["speedup"], r["speedup_low"], r["speedup_high"]) for r in ok],
             [r["peak_memory_mib"] for r in ok], [r["memory_ratio"] for r in ok], RATES[unit], baseline,
-            out_dir / "throughput_memory.png", plots.run_context(done),
+            out_dir / "throughput_memory.png", context,
         ))
     return images
-

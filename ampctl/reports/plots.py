@@ -79,6 +79,71 @@ def loss_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: str,
     return save_figure(fig, path)
 
 
+def seed_band_curves(runs: Sequence[tuple[str, Sequence[RunRecord]]], path: Path, title: str,
+                     baseline: Optional[str] = None) -> Path:
+    """Each mode's loss per step as the mean over its seeds' runs with their range as a band; a second panel of
+    each mode's mean minus the baseline's."""
+    def by_step(records: Sequence[RunRecord]) -> tuple[list[int], list[float], list[float], list[float]]:
+        losses: dict[int, list[float]] = {}
+        for run in records:
+            for r in run.metrics:
+                losses.setdefault(r["step"], []).append(r["loss"])
+        steps = sorted(s for s, v in losses.items() if len(v) == len(records))  # steps every seed reached
+        return (steps, [sum(losses[s]) / len(losses[s]) for s in steps], [min(losses[s]) for s in steps],
+                [max(losses[s]) for s in steps])
+
+    curves = {mode: by_step(records) for mode, records in runs}
+    against = curves.get(baseline) if baseline is not None and len(runs) > 1 else None
+    fig, axes = plt.subplots(2 if against else 1, 1, figsize=(9, 7 if against else 4.5), sharex=True, squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 2]} if against else None)
+    top = axes[0][0]
+    for i, (mode, (steps, mean, low, high)) in enumerate(curves.items()):
+        seeds = len(dict(runs)[mode])
+        top.plot(steps, mean, label=f"{mode} ({seeds} seeds)", color=f"C{i}", linewidth=1.2,
+                 linestyle=LINESTYLES[i % len(LINESTYLES)])
+        top.fill_between(steps, low, high, color=f"C{i}", alpha=0.2, linewidth=0)
+    top.set(ylabel="loss", title=f"{title}\n{run_context([(m, rs[0]) for m, rs in runs])}")
+    if against is not None:
+        bottom = axes[1][0]
+        base = dict(zip(against[0], against[1]))
+        for i, (mode, (steps, mean, _, _)) in enumerate(curves.items()):
+            if mode != baseline:
+                common = [(s, m) for s, m in zip(steps, mean) if s in base]
+                bottom.plot([s for s, _ in common], [m - base[s] for s, m in common], label=mode, color=f"C{i}",
+                            linewidth=1.0, linestyle=LINESTYLES[i % len(LINESTYLES)])
+        bottom.axhline(0.0, color="grey", linewidth=0.8)
+        bottom.set(ylabel=f"mean loss − {baseline}'s")
+    for row in axes:
+        row[0].grid(alpha=0.3)
+        legend_outside(row[0])
+    axes[-1][0].set_xlabel("step")
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def held_out_points(values: dict[str, Sequence[float]], path: Path, title: str, context: str = "") -> Path:
+    """Each mode's held-out metric: every seed's value as a dot, the seeds joined across modes (the runs they pair),
+    the mean over seeds as a bar marker with its value. The axis is zoomed to the values: differences are the
+    point, and no bar pretends to start at zero."""
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(values) + 3), 4.4))
+    labels = list(values)
+    seeds = max(len(v) for v in values.values())
+    for j in range(seeds):
+        ax.plot(range(len(labels)), [v[j] if j < len(v) else float("nan") for v in values.values()], color="grey",
+                alpha=0.5, linewidth=0.8, marker="o", markersize=4, zorder=2)
+    means = [sum(v) / len(v) for v in values.values()]
+    ax.scatter(range(len(labels)), means, marker="_", s=900, color="black", zorder=3, label="mean over seeds")
+    for i, mean in enumerate(means):
+        ax.annotate(f"{mean:.4f}", (i, mean), textcoords="offset points", xytext=(24, -3), fontsize=8)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+    ax.set(ylabel="held-out loss", title=title + (f"\n{context}" if context else ""))
+    ax.grid(axis="y", alpha=0.3)
+    legend_outside(ax)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 def loss_scale_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: str) -> Optional[Path]:
     """Loss scale over steps with skipped steps marked; only for runs that scale (None if there are none)."""
     scaled = [(label, run) for label, run in runs if any(r["loss_scale"] != 1.0 for r in run.metrics)]

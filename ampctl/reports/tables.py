@@ -120,7 +120,10 @@ def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
     keys = swept_keys(runs) or sorted({k for run in runs for k in run.override_values()})
     # one throughput column per unit the jobs report (a sweep over recipes can hold both)
     rates = [key for key in RATES if any(not run.failed and key in run.summary for run in runs)]
-    columns = ["job", *keys, "status", "final_loss", "skipped_total", "final_loss_scale", *rates, "mfu"]
+    # the held-out metrics of the jobs' last evaluations (train.eval_every), as the jobs recorded them
+    held_out = list(dict.fromkeys(k for run in runs if not run.failed for k in run.summary.get("eval", {})
+                                  if k.startswith("eval/")))
+    columns = ["job", *keys, "status", "final_loss", *held_out, "skipped_total", "final_loss_scale", *rates, "mfu"]
     rows = []
     for run in runs:
         values = [run.override_values().get(k) for k in keys]
@@ -128,13 +131,14 @@ def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
             rows.append([run.job, *values, run.status] + [None] * (len(columns) - len(keys) - 2))
             continue
         s = run.summary
-        rows.append([run.job, *values, "ok", s["final_loss"], s["skipped_total"], s["final_loss_scale"],
-                     *(s.get(key) for key in rates), s.get("mfu")])
+        rows.append([run.job, *values, "ok", s["final_loss"], *(s.get("eval", {}).get(k) for k in held_out),
+                     s["skipped_total"], s["final_loss_scale"], *(s.get(key) for key in rates), s.get("mfu")])
     notes = [f"job {run.job} {run.status}: {run.why_not_ok}" for run in runs if run.failed]
     formats = {"final_loss": lambda v: f"{v:.4f}", "final_loss_scale": io.scale_label, "mfu": lambda v: f"{v:.1%}",
-               **{key: (lambda v: f"{v:,.0f}") for key in rates}}
+               **{key: (lambda v: f"{v:,.0f}") for key in rates},
+               **{k: (lambda v: f"{v:.2%}") if k.endswith("accuracy") else (lambda v: f"{v:.4f}") for k in held_out}}
     headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale", "mfu": "MFU",
-               **RATES}
+               **RATES, **{k: f"held-out {k.split('/', 1)[1]}" for k in held_out}}
     return ReportTable("sweep", columns, rows, notes, headers, formats)
 
 
@@ -145,7 +149,10 @@ def single_run_table(run: RunRecord) -> ReportTable:
     keys = ["precision", "scaler", "recipe", "device_name", "steps", "final_loss", "tail_loss", "skipped_total",
             "final_loss_scale", "median_step_time_ms", "samples_per_s", "tokens_per_s", "achieved_tflops", "mfu",
             "peak_source", "compile_s", "peak_memory_bytes"]
-    return ReportTable(f"run {run.path}", ["key", "value"], [[k, s[k]] for k in keys if k in s])
+    rows = [[k, s[k]] for k in keys if k in s]
+    rows += [[k, v] for k, v in s.get("eval", {}).items() if k.startswith("eval")]  # the last evaluation's metrics
+    rows += [[f"eval_best/{k}", v] for k, v in (s.get("eval_best") or {}).items()]
+    return ReportTable(f"run {run.path}", ["key", "value"], rows)
 
 
 # --- output -----------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from ampctl.conf.messages import one_line
 from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import check_config
+from ampctl.engine.evaluation import held_out_unavailable
 from ampctl.engine.telemetry import read_metrics
 from ampctl.errors import UnsupportedError, UsageError
 from ampctl.recipes.base import build_recipe
@@ -64,7 +65,7 @@ def split_overrides(task_overrides: list[str]) -> list[str]:
         if key == "resume":
             raise UsageError(f"{override!r}: ampctl compare starts fresh runs; resume a single mode's run with "
                              "ampctl train resume=<its run dir>")
-        if not key.startswith("compare."):
+        if not key.startswith("compare.") and key != "train.seed":  # each run's seed is compare's (compare.seeds)
             run_overrides.append(override)
     return run_overrides
 
@@ -148,53 +149,84 @@ def round_spans(cfg: DictConfig, steps: int) -> list[tuple[int, int]]:
     return rounds_stats.windows(warmup, steps, n)
 
 
+def evaluation_overrides(cfg: DictConfig, steps: int) -> tuple[list[str], Optional[str]]:
+    """train.eval_every for every mode's run: the user's own, or (none set) one evaluation at the end where the
+    recipe has held-out batches; and why there is none, where there is none."""
+    if cfg.train.eval_every is not None:
+        return [], None
+    reason = held_out_unavailable(build_recipe(cfg.recipe))
+    return ([], reason) if reason else ([f"train.eval_every={steps}"], None)
+
+
 def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> int:
-    """Run every mode in turns, then write the table, CSV, JSON, report.md and plots. Returns the number of failed
-    modes. Interrupted, it writes the comparison of the modes run so far and raises CompareInterrupted."""
+    """Run every mode in turns, seed after seed, then write the table, CSV, JSON, report.md and plots. Returns the
+    number of failed runs. Interrupted, it writes the comparison of the runs so far and raises CompareInterrupted."""
     plans, skipped = plan_modes(cfg, split_overrides(task_overrides))
     spans = round_spans(cfg, plans[0].steps)
+    seeds = [cfg.train.seed + i for i in range(cfg.compare.seeds)]
+    evaluation, no_evaluation = evaluation_overrides(cfg, plans[0].steps)
     console = tables.make_console()
     out_dir.mkdir(parents=True, exist_ok=True)
     turns = (f"in {len(spans)} rounds of turns (steps {spans[0][0]}-{spans[-1][1]})" if len(spans) > 1
              else "one after another")
-    console.print(f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe, seed and batches; each in "
-                  f"its own process, {turns} -> {out_dir}", soft_wrap=True)
+    each_seed = f"seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
+    console.print(f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe and batches, {each_seed}; "
+                  f"each run in its own process, {turns} -> {out_dir}", soft_wrap=True)
     for mode, reason in skipped.items():
         console.print(f"  skipped {mode}: {reason}", soft_wrap=True)
-    runs = [TurnRun(plan.mode, child_command(plan, out_dir / plan.mode, cfg.compare.warmup_steps, config_dir),
-                    out_dir / plan.mode, plan.steps) for plan in plans]
-    started = run_with_progress(runs, spans, console)
-    interrupted = next((run.stopped_by for run in started if run.stopped_by is not None), None)
+    if no_evaluation:
+        console.print(f"  no held-out evaluation: {no_evaluation}", soft_wrap=True)
+    started: list[TurnRun] = []
+    interrupted, ran_seeds = None, []
+    for seed in seeds:
+        ran_seeds.append(seed)
+        runs = []
+        for plan in plans:
+            run_dir = comparison.run_dir(out_dir, plan.mode, seed, seeds)
+            command = child_command(plan, run_dir, cfg.compare.warmup_steps, config_dir,
+                                    [*evaluation, f"train.seed={seed}"])
+            runs.append(TurnRun(plan.mode, command, run_dir, plan.steps))
+        started += run_with_progress(runs, spans, console, f"seed {seed}: " if len(seeds) > 1 else "")
+        interrupted = next((run.stopped_by for run in started if run.stopped_by is not None), None)
+        if interrupted is not None:
+            break
+    modes = list(dict.fromkeys(run.label for run in started))
     if interrupted is not None:
-        for run in runs[len(started):]:
-            skipped[run.label] = f"not run: the comparison was interrupted ({signal.Signals(interrupted).name})"
-    failed = write_comparison_report(out_dir, [run.label for run in started], skipped, task_overrides, console, spans)
+        for plan in plans:
+            if plan.mode not in modes:
+                skipped[plan.mode] = f"not run: the comparison was interrupted ({signal.Signals(interrupted).name})"
+    failed = write_comparison_report(out_dir, modes, skipped, task_overrides, console, spans, ran_seeds)
     if interrupted is not None:
-        raise CompareInterrupted(interrupted, [run.label for run in started])
+        raise CompareInterrupted(interrupted, modes)
     return failed
 
 
-def child_command(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: Optional[str]) -> list[str]:
+def child_command(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: Optional[str],
+                  extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "ampctl", "train", *(["-cd", config_dir] if config_dir else []), *plan.overrides,
-            f"hydra.run.dir={run_dir}", "train.console=quiet", f"train.timing_warmup_steps={warmup_steps}"]
+            *extra, f"hydra.run.dir={run_dir}", "train.console=quiet", f"train.timing_warmup_steps={warmup_steps}"]
 
 
 def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, str], overrides: list[str],
-                            console: Console, spans: Optional[list[tuple[int, int]]]) -> int:
-    """Table, comparison.csv/.json, report.md and plots from the modes' run directories. Returns failed count."""
-    runs = [(mode, load_run(out_dir / mode)) for mode in modes]
+                            console: Console, spans: Optional[list[tuple[int, int]]],
+                            seeds: Optional[list[int]] = None) -> int:
+    """Table, comparison.csv/.json, report.md and plots from the runs' directories. Returns the failed runs."""
+    seeds = seeds or [None]  # type: ignore[list-item]  # a comparison recorded before seeds: one run a mode
+    directories = {mode: [comparison.run_dir(out_dir, mode, seed, seeds) for seed in seeds] for mode in modes}
+    runs = [(mode, [load_run(d) for d in dirs if d.is_dir()]) for mode, dirs in directories.items()]
     table = comparison.comparison_table(runs, skipped, spans)
     images = comparison.comparison_images(runs, table, out_dir)
-    machine = tables.machine_info([run.summary for _, run in runs if run.summary])
+    machine = tables.machine_info([run.summary for _, records in runs for run in records if run.summary])
     extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides,
-             "rounds": [list(span) for span in spans] if spans else None}
+             "rounds": [list(span) for span in spans] if spans else None, "seeds": seeds}
     files = tables.write_files(table, out_dir, "comparison", machine, images, extra)
     tables.print_table(table, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
-    return sum(run.failed for _, run in runs)
+    return sum(run.failed for _, records in runs for run in records)
 
 
-def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console: Console) -> list[TurnRun]:
+def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console: Console,
+                      prefix: str = "") -> list[TurnRun]:
     """run_in_turns with a progress bar over every mode's steps (or plain lines off a terminal): a line as each
     round ends, with each mode's median step time in it, and as each mode ends."""
     progress = Progress(
@@ -211,18 +243,18 @@ def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console
         for run in runs:
             (ms,) = rounds_stats.round_medians(load_rows(run.run_dir), [spans[r - 1]])
             figures.append(f"{run.label} {'-' if ms is None else f'{ms:.3g}'} ms")
-        say(f"round {r}/{len(spans)}: median step {', '.join(figures)}")
+        say(f"{prefix}round {r}/{len(spans)}: median step {', '.join(figures)}")
         progress.update(overall, description=f"round {min(r + 1, len(spans))}/{len(spans)}")
 
     def on_finished(run: TurnRun) -> None:
         record = load_run(run.run_dir) if run.error is None else None
         status = (f"failed: {run.error}" if run.error else f"{record.status}: {record.why_not_ok}"
                   if record is not None and record.failed else f"done in {time.perf_counter() - run.started_at:.1f} s")
-        say(f"{run.label}: {status}")
+        say(f"{prefix}{run.label}: {status}")
 
     if not console.is_terminal:
-        print(f"training {len(runs)} modes x {runs[0].steps} steps" + (f" in {len(spans)} rounds" if pause_after
-                                                                         else ""), flush=True)
+        print(f"{prefix}training {len(runs)} modes x {runs[0].steps} steps"
+              + (f" in {len(spans)} rounds" if pause_after else ""), flush=True)
     with progress:
         started = run_in_turns(runs, pause_after, lambda done: progress.update(overall, completed=done),
                                on_round, on_finished)

@@ -15,10 +15,11 @@ from ampctl import io
 from ampctl.errors import UsageError
 from ampctl.reports.runs import LOCK_FILE, holder_pid
 from ampctl.runner import checkpoint_files
+from ampctl.runner.best_checkpoints import read_index, set_aside_after
 from ampctl.runner.checkpoint_files import CHECKPOINT_DIR, checkpoint_step, list_checkpoints
 
 # What a training run writes; Hydra's own files (.hydra/, train.log) are rewritten by every run and say nothing.
-RUN_RECORDS = ("metrics.jsonl", "ranges.jsonl", "summary.json", "diagnosis.json")
+RUN_RECORDS = ("metrics.jsonl", "evals.jsonl", "ranges.jsonl", "summary.json", "diagnosis.json")
 
 
 def run_records(run_dir: Path) -> list[str]:
@@ -118,14 +119,17 @@ def start_timeline_at(run_dir: Path, step: int) -> list[str]:
     Returns one line per thing set aside."""
     stamp, said = time.strftime("%Y%m%d-%H%M%S"), []
     later = [path for path in list_checkpoints(run_dir) if checkpoint_step(path) > step]
-    if later:
+    later_best = [e for e in read_index(run_dir) if e["step"] > step]
+    if later or later_best:
         folder = _aside(run_dir / CHECKPOINT_DIR / "timeline", stamp)
         folder.mkdir()
         for path in later:
             checkpoint_files.move(path, folder)
-        said.append(f"{len(later)} later checkpoint(s) of the abandoned timeline set aside in "
+        best = set_aside_after(run_dir, step, folder)
+        among_best = f" ({best} of them among the best)" if best else ""
+        said.append(f"{len(later) + best} later checkpoint(s) of the abandoned timeline{among_best} set aside in "
                     f"{folder.relative_to(run_dir)}")
-    for name in ("metrics.jsonl", "ranges.jsonl"):
+    for name in ("metrics.jsonl", "evals.jsonl", "ranges.jsonl"):
         said += split_rows(run_dir / name, lambda row_step: row_step <= step, f"rows after step {step}", stamp)
     for name in ("summary.json", "diagnosis.json"):
         if (run_dir / name).is_file():

@@ -91,6 +91,16 @@ class Recorder:
         return [JsonlSink(self.run_dir / METRICS_FILE), *([self.trackers] if self.trackers is not None else []),
                 *([console] if console is not None else [])]
 
+    def record_eval(self, row: dict[str, Any], line: str) -> None:
+        """An evaluation: a row of evals.jsonl, the trackers' eval/<metric>, a line said."""
+        from ampctl.runner.evaluating import EVALS_FILE
+
+        with (self.run_dir / EVALS_FILE).open("a", encoding="utf-8") as f:
+            f.write(io.dumps(row) + "\n")
+        if self.trackers is not None:
+            self.trackers.write_eval(row)
+        self.echo(line)
+
     def ranges_log(self, state: TrainState, device: Any, every: Optional[int]):
         """telemetry.ranges_every's per-layer value ranges (ranges.jsonl), or None."""
         if not every:
@@ -145,6 +155,9 @@ class NoRecorder(Recorder):
 
     def sinks(self, *_args: Any) -> list[Sink]:
         return []
+
+    def record_eval(self, row: dict[str, Any], line: str) -> None:
+        pass
 
     def ranges_log(self, *_args: Any):
         return None

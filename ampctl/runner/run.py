@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
-from ampctl.conf.schema import scaler_is_active
+from ampctl.conf.schema import MONITOR_MODES, scaler_is_active
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state, check_config
@@ -26,9 +26,11 @@ from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped, UsageError
 from ampctl.recipes.base import Recipe, build_recipe, recipe_errors, recipe_title
-from ampctl.runner import checkpoint
+from ampctl.runner import checkpoint, evaluating
+from ampctl.runner.best_checkpoints import BestCheckpoints
 from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
+from ampctl.runner.evaluating import RunEvaluation
 from ampctl.runner.guards import Guard, GuardStop
 from ampctl.runner.interrupt import Interrupted, StopOnSignal
 from ampctl.runner.pauses import Pauses
@@ -83,11 +85,15 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
     # counting calls its loss, and a user recipe's state (a call counter) must stay the run's.
     step_flops = flops.count(_rank_recipe(cfg, parallel), policy.device, policy.precision, cfg.train.seed,
                              cfg.train.grad_accum_steps)
+    # refuses a recipe without held-out batches, before anything is written
+    evaluation = RunEvaluation(cfg, recipe, policy) if cfg.train.eval_every else None
     with recorder.holding():  # no other run records into this directory while this one lives
         # the peak counts the model's build; a user recipe's mistake is one line naming it
         with policy, peak.measuring(enabled=measure, why_not=why_not), recipe_errors(recipe):
             state = build_state(cfg, policy, recipe, parallel)
             resume.restore(state)
+            if evaluation is not None and cfg.train.save_top_k:
+                evaluation.check_monitor(state.model, cfg.train.monitor)  # one held-out batch, before any record
             announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)
             recorder.open(resume.step)
             if resume.payload:
@@ -99,10 +105,14 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
                                     policy.device, recorder.echo)
             # torch.compile compiles in the first steps
             with CompileWatch(lambda: state.step + 1, enabled=cfg.train.compile) as compiling:
-                _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak, compiling, profiler)
+                best = _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak, compiling,
+                            profiler, evaluation)
         # inside: the summary is written while the run directory is held, and ends the trackers' runs
-        return recorder.write_summary(lambda: run_summary(cfg, choices, policy, recipe, state, parallel, peak,
-                                                          compiling, profiler, step_flops, recorder.run_dir))
+        return recorder.write_summary(lambda: {
+            **run_summary(cfg, choices, policy, recipe, state, parallel, peak, compiling, profiler, step_flops,
+                          recorder.run_dir),
+            **evaluating.summary_of(recorder.run_dir),
+            **({"eval_best": best.best()} if best is not None and best.best() else {})})
 
 
 def _first_profiled_step(cfg: DictConfig, start_step: int, memory_steps: int) -> int:
@@ -178,6 +188,10 @@ class Checkpointer:
                  recorder: Recorder, peak: TrainingPeak, parallel: parallelism.Parallel,
                  compiling: CompileWatch) -> None:
         self.cfg, self.choices, self.state, self.telemetry = cfg, choices, state, telemetry
+        train = cfg.train
+        self.best = (BestCheckpoints(recorder.run_dir, train.save_top_k, train.monitor,
+                                     train.monitor_mode or MONITOR_MODES[train.monitor])
+                     if train.save_top_k else None)
         self.recorder, self.peak, self.parallel = recorder, peak, parallel
         self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, compiling, peak.device.type)
         self.saved_at = time.monotonic()
@@ -187,7 +201,8 @@ class Checkpointer:
         self.sharded = cfg.distributed.checkpoint_format.value == "sharded"
         self.last: Optional[Path] = None
 
-    def __call__(self, last: bool) -> None:
+    def __call__(self, last: bool, evaluated: Optional[dict] = None) -> None:
+        """evaluated: the evaluation after this step, if there was one (it may earn a place among the best)."""
         self.peak.after_step()
         fresh = self.telemetry.take_fresh()  # non-empty on log steps, when values came back from the device
         if fresh:
@@ -198,11 +213,17 @@ class Checkpointer:
                 raise GuardStop(trip)
         if last or self._due(self.state.step):
             self.telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
-            batches = self.state.step * self.cfg.train.grad_accum_steps
-            payload = checkpoint.capture(self.state, self.cfg, self.choices, batches, self.telemetry.skipped_total,
-                                         self.sharded)
-            self.last = self.writer.save(payload)  # an async save is complete by close()
+            self.last = self.writer.save(self._payload())  # an async save is complete by close()
             self.saved_at = time.monotonic()
+        if evaluated is not None and self.best is not None and self.parallel.main_value(self.best.qualifies(evaluated)):
+            payload = self._payload()  # on every rank: gathering a sharded model is a collective
+            if self.parallel.is_main:
+                self.best.save(evaluated, lambda: payload)
+
+    def _payload(self) -> dict:
+        batches = self.state.step * self.cfg.train.grad_accum_steps
+        return checkpoint.capture(self.state, self.cfg, self.choices, batches, self.telemetry.skipped_total,
+                                  self.sharded)
 
     def _due(self, step: int) -> bool:
         train = self.cfg.train
@@ -224,14 +245,18 @@ def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: Tr
 
 def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Recipe, policy: PrecisionPolicy,
          parallel: parallelism.Parallel, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak,
-         compiling: CompileWatch, profiler: StepProfiler) -> None:
-    """fit() with the checkpointer, the guards, the value-range log, the profiler and a stop on SIGINT/SIGTERM."""
+         compiling: CompileWatch, profiler: StepProfiler,
+         evaluation: Optional[RunEvaluation]) -> Optional[BestCheckpoints]:
+    """fit() with the checkpointer, the evaluations, the guards, the value-range log, the profiler and a stop on
+    SIGINT/SIGTERM. Returns the run's best checkpoints (train.save_top_k), if it keeps them."""
     checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak, parallel, compiling)
     pauses = Pauses.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
 
     def after_step(last: bool) -> None:
         profiler.step()  # first: a profiled step ends where its timer mark is, before a checkpoint
-        checkpointer(last)
+        evaluated = (evaluation(state.step, state.model, telemetry, compiling, recorder)
+                     if evaluation is not None and evaluation.due(state.step, last) else None)
+        checkpointer(last, evaluated)
         if pauses is not None and not last:
             pauses.after_step(state.step, telemetry)
 
@@ -263,6 +288,7 @@ def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Re
     if not finished:
         # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
         raise Interrupted(stop.signum or signal.SIGTERM, state.step, str(checkpointer.last) if checkpointer.last else None)
+    return checkpointer.best
 
 
 def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolicy, recipe: Recipe,

@@ -69,7 +69,19 @@ def flat_config(cfg: DictConfig) -> dict[str, Any]:
 
 
 def summary_numbers(summary: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The summary's numbers, and those of its sections one level down (eval: eval/loss, ...)."""
+    numbers = {}
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            numbers.update({f"{key}/{k.split('/')[-1]}": v for k, v in summary_numbers(value).items()})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            numbers[key] = float(value)
+    return numbers
+
+
+def eval_values(row: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's metrics under their names (eval/loss, eval_fp32/accuracy); non-finite ones are null there."""
+    return {k: float(v) for k, v in row.items() if "/" in k and v is not None}
 
 
 class Tracker:
@@ -80,6 +92,10 @@ class Tracker:
         pass
 
     def write(self, records: list[StepRecord]) -> None:
+        raise NotImplementedError
+
+    def write_eval(self, row: dict[str, Any]) -> None:
+        """An evaluation (evaluating.py's row: step, eval/<metric>...), after the records of its step."""
         raise NotImplementedError
 
     def flush(self) -> None:
@@ -102,17 +118,11 @@ class CsvTracker(Tracker):
         self.path, self.resumed_at = path, resumed_at
 
     def start(self, cfg: DictConfig) -> None:
-        path, resumed_at = self.path, self.resumed_at
-        kept: list[list[str]] = []
-        if resumed_at is not None and path.is_file():
-            with path.open(newline="", encoding="utf-8") as f:
-                kept = [row for row in csv.reader(f)][1:]
-            kept = [row for row in kept if row and row[0].isdigit() and int(row[0]) <= resumed_at]
-        tmp = path.with_name(path.name + ".tmp")
-        with tmp.open("w", newline="", encoding="utf-8") as f:
-            csv.writer(f).writerows([list(self.COLUMNS), *kept])
-        os.replace(tmp, path)
-        self._file = path.open("a", newline="", encoding="utf-8")
+        self._keep_rows_up_to_resume(self.path, list(self.COLUMNS))
+        eval_path = self._eval_path()
+        if eval_path.is_file():
+            self._keep_rows_up_to_resume(eval_path, None)
+        self._file = self.path.open("a", newline="", encoding="utf-8")
         self._writer = csv.writer(self._file)
 
     def write(self, records: list[StepRecord]) -> None:
@@ -120,6 +130,34 @@ class CsvTracker(Tracker):
             self._writer.writerow(["" if (v := getattr(r, c)) is None else (int(v) if isinstance(v, bool) else v)
                                    for c in self.COLUMNS])
         self._file.flush()
+
+    def _keep_rows_up_to_resume(self, path: Path, header: Optional[list[str]]) -> None:
+        """A fresh file with header, or the rows up to the step a resumed run starts from (its own header kept)."""
+        rows: list[list[str]] = []
+        if self.resumed_at is not None and path.is_file():
+            with path.open(newline="", encoding="utf-8") as f:
+                rows = list(csv.reader(f))
+            header = header or (rows[0] if rows else [])
+            rows = [row for row in rows[1:] if row and row[0].isdigit() and int(row[0]) <= self.resumed_at]
+        tmp = path.with_name(path.name + ".tmp")
+        with tmp.open("w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows([header or [], *rows] if header else rows)
+        os.replace(tmp, path)
+
+    def _eval_path(self) -> Path:
+        return self.path.with_name(f"{self.path.stem}_eval.csv")
+
+    def write_eval(self, row: dict[str, Any]) -> None:
+        """Into <file>_eval.csv beside the step rows (its columns are the evaluation's: the recipe decides)."""
+        values = eval_values(row)
+        columns = ["step", *values]
+        path = self._eval_path()
+        fresh = not path.is_file() or path.read_text(encoding="utf-8").splitlines()[:1] != [",".join(columns)]
+        with path.open("w" if fresh else "a", newline="", encoding="utf-8") as f:
+            writer = csv.writer(f)
+            if fresh:
+                writer.writerow(columns)
+            writer.writerow([row["step"], *values.values()])
 
     def fail(self) -> None:
         self._file.close()
@@ -146,6 +184,11 @@ class TensorBoardTracker(Tracker):
         for r in records:
             for name, value in metric_values(r).items():
                 self.writer.add_scalar(name, value, r.step)
+        self.writer.flush()
+
+    def write_eval(self, row: dict[str, Any]) -> None:
+        for name, value in eval_values(row).items():
+            self.writer.add_scalar(name, value, row["step"])
         self.writer.flush()
 
     def flush(self) -> None:
@@ -190,6 +233,9 @@ class WandbTracker(Tracker):
         for r in records:
             self.run.log(metric_values(r), step=r.step)
 
+    def write_eval(self, row: dict[str, Any]) -> None:
+        self.run.log(eval_values(row), step=row["step"])
+
     def finish(self, summary: dict[str, Any]) -> None:
         self.run.summary.update(io.strict_json(summary))
         self.run.finish(exit_code=0)
@@ -232,6 +278,13 @@ class MlflowTracker(Tracker):
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a batch
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
+    def write_eval(self, row: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, row["step"])
+                                                    for k, v in eval_values(row).items()])
+
     def finish(self, summary: dict[str, Any]) -> None:
         from mlflow.entities import Metric, RunTag
 
@@ -273,6 +326,7 @@ class Trackers:
             self.trackers.append(MlflowTracker(logger.mlflow, run_dir, ids.get("mlflow")))
         self._start_after = start_after_steps
         self._waiting: list[StepRecord] = []
+        self._waiting_evals: list[dict[str, Any]] = []
         self._started = self._ended = False
         if start_after_steps == 0:
             self._start()
@@ -304,6 +358,19 @@ class Trackers:
             records, self._waiting = self._waiting, []
         for tracker in self.trackers:
             tracker.write(records)
+        self._write_waiting_evals()
+
+    def write_eval(self, row: dict[str, Any]) -> None:
+        """An evaluation; one inside the trackers' waiting window waits with its step's records."""
+        self._waiting_evals.append(row)
+        if self._started:
+            self._write_waiting_evals()
+
+    def _write_waiting_evals(self) -> None:
+        rows, self._waiting_evals = self._waiting_evals, []
+        for row in rows:
+            for tracker in self.trackers:
+                tracker.write_eval(row)
 
     def close(self) -> None:
         """The loop ended (a Sink's close): what was written is flushed; the runs end with the summary."""
@@ -318,6 +385,7 @@ class Trackers:
             if self._waiting:
                 for tracker in self.trackers:
                     tracker.write(self._waiting)
+            self._write_waiting_evals()
         self._ended = True
         for tracker in self.trackers:
             tracker.finish(summary)

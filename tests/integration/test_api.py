@@ -31,8 +31,8 @@ def test_a_bad_value_raises_the_command_lines_one_line_and_leaves_nothing(tmp_pa
 
 
 def test_compare_and_inspect_return_their_records(tmp_path):
-    table = ampctl.compare([*MLP, "train.steps=4", "compare.precisions=[fp32]", "compare.warmup_steps=1", "compare.rounds=1"],
-                           out_dir=tmp_path / "compare")
+    table = ampctl.compare([*MLP, "train.steps=4", "compare.precisions=[fp32]", "compare.warmup_steps=1",
+                            "compare.rounds=1"], out_dir=tmp_path / "compare")
     assert [(r["precision"], r["status"]) for r in table.summary["rows"]] == [("fp32", "ok")]
     ranges = ampctl.inspect([*MLP, "precision=fp16", "inspect.steps=2"], out_dir=tmp_path / "inspect")
     assert ranges.summary["kind"] == "inspect" and ranges.summary["rows"]

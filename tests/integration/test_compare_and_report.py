@@ -202,9 +202,11 @@ def test_ctrl_c_during_compare_stops_the_running_mode_with_a_checkpoint_and_writ
     """SIGINT to compare reaches the running mode once (forwarded, never SIGKILL): it stops after its step with a
     checkpoint; the modes run so far are compared, the others listed as not run; exit 130."""
     out = tmp_path / "cmp"
+    # a long warm-up: the first mode is still in it, the second not started, when the signal comes
     process = subprocess.Popen([sys.executable, "-m", "ampctl", "compare", *TINY, "train.steps=100000",
-                                "compare.precisions=[fp32,bf16]", f"hydra.run.dir={out}"], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                "compare.warmup_steps=50000", "compare.precisions=[fp32,bf16]",
+                                f"hydra.run.dir={out}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
     metrics = out / "fp32" / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while not (metrics.is_file() and metrics.read_text().count("\n") >= 8):
@@ -300,3 +302,42 @@ def test_ctrl_c_between_turns_stops_every_mode_with_a_checkpoint(tmp_path):
         step = json.loads((out / mode / "metrics.jsonl").read_text().splitlines()[-1])["step"]
         assert (out / mode / "checkpoints" / f"step_{step:08d}.pt").is_file()
         assert rows[mode]["status"] == "interrupted"
+
+
+def test_compare_with_seeds_pairs_the_runs_and_judges_parity_against_seed_noise(tmp_path, restore_argv):
+    """Three seeds per mode: each mode's held-out loss is the mean of its runs' own last evaluations, the
+    difference the mean of the paired differences (the same seed's runs), the parity verdict follows from them;
+    the timings pool every seed's rounds. `ampctl report` renders the same table again."""
+    import statistics
+
+    from omegaconf import OmegaConf
+
+    out = tmp_path / "cmp"
+    main(["compare", *TINY, "train.steps=12", "train.seed=5", "compare.warmup_steps=2", "compare.rounds=2",
+          "compare.seeds=3", "compare.precisions=[fp32,bf16]", f"hydra.run.dir={out}"])
+    summaries = {mode: [json.loads((out / mode / f"seed_{seed}" / "summary.json").read_text()) for seed in (5, 6, 7)]
+                 for mode in ("fp32", "bf16")}
+    for mode in summaries:
+        seeds = [OmegaConf.load(out / mode / f"seed_{s}" / ".hydra" / "config.yaml").train.seed for s in (5, 6, 7)]
+        assert seeds == [5, 6, 7]
+    loss = {mode: [s["eval"]["eval/loss"] for s in runs] for mode, runs in summaries.items()}
+    assert all(s["eval"]["step"] == 12 for runs in summaries.values() for s in runs)  # evaluated at the end
+    rows = {r["precision"]: r for r in read_csv(out / "comparison.csv")}
+    assert float(rows["fp32"]["eval_loss"]) == pytest.approx(statistics.fmean(loss["fp32"]))
+    assert float(rows["bf16"]["eval_loss"]) == pytest.approx(statistics.fmean(loss["bf16"]))
+    differences = [b - f for f, b in zip(loss["fp32"], loss["bf16"])]
+    assert float(rows["bf16"]["eval_loss_delta"]) == pytest.approx(statistics.fmean(differences))
+    half = 4.303 * statistics.stdev(differences) / 3 ** 0.5
+    assert float(rows["bf16"]["eval_loss_delta_interval"]) == pytest.approx(half)
+    sd = statistics.stdev(loss["fp32"])
+    gap = abs(statistics.fmean(differences))
+    expected = "matches" if gap + half <= sd else "differs" if gap - half > sd else "undecided"
+    assert rows["bf16"]["parity"] == expected and rows["bf16"]["seeds"] == "3"
+    meta = json.loads((out / "comparison.json").read_text())
+    assert meta["seeds"] == [5, 6, 7] and "over 6 rounds" in rows["bf16"]["speed_verdict"]
+    assert_png(out / "held_out.png")
+    assert_png(out / "loss.png")
+    before = (out / "comparison.csv").read_text()
+    (out / "comparison.csv").unlink()
+    main(["report", str(out)])
+    assert (out / "comparison.csv").read_text() == before

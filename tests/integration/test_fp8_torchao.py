@@ -84,7 +84,8 @@ def test_an_fp8_run_resumes_exactly(tmp_path, fp8_tensor_cores):
 
 
 def test_compare_lists_fp8_as_skipped_with_the_reason_on_this_cpu(tmp_path, restore_argv, capsys):
-    main(["compare", *GPT, "device=cpu", "train.steps=3", "compare.warmup_steps=1", "compare.rounds=1", "compare.precisions=[bf16,fp8]",
+    main(["compare", *GPT, "device=cpu", "train.steps=3", "compare.warmup_steps=1", "compare.rounds=1",
+          "compare.precisions=[bf16,fp8]",
           f"hydra.run.dir={tmp_path / 'cmp'}"])
     out = capsys.readouterr().out
     assert "fp8" in out and "needs FP8 tensor cores" in out, out

@@ -43,7 +43,7 @@ def test_a_dataset_reads_the_same_batches_through_worker_processes_as_in_the_loo
 
     images = torch.arange(10 * 3 * 4 * 4, dtype=torch.float32).reshape(10, 3, 4, 4)
     dataset = torch.utils.data.TensorDataset(images, torch.arange(10))
-    monkeypatch.setattr(ResNetRecipe, "_open_cifar10", lambda self: dataset)
+    monkeypatch.setattr(ResNetRecipe, "_open_cifar10", lambda self, train: dataset)
     streams = {}
     for workers in (0, 2):
         recipe = ResNetRecipe(batch_size=4, num_workers=workers)

@@ -23,5 +23,6 @@ def test_gpt_corpus_defaults_to_the_stdlib_and_is_deterministic():
 def test_gpt_refuses_a_corpus_shorter_than_a_block(tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("tiny")
-    with pytest.raises(UsageError, match="holds 4 bytes; at least block_size\\+2"):
+    with pytest.raises(UsageError, match=r"holds 4 bytes; at least 1290 are needed for block_size=128 \(training "
+                                         r"windows in the first nine tenths, a held-out window of block_size \+ 1"):
         GPTRecipe(corpus=str(short))

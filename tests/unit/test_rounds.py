@@ -64,7 +64,8 @@ def test_a_verdict_is_claimed_only_where_the_interval_excludes_one(ratios, words
 
 def test_one_round_gives_no_verdict():
     speed = rounds.speedup([10.0], [5.0])
-    assert rounds.verdict("bf16", "fp32", speed, 1).startswith("bf16: 2.00x the speed of fp32 in one round, no interval")
+    words = rounds.verdict("bf16", "fp32", speed, 1)
+    assert words.startswith("bf16: 2.00x the speed of fp32 in one round, no interval")
 
 
 def test_rounds_that_disagree_beyond_the_usual_spread_say_the_machine_was_busy():
@@ -86,7 +87,7 @@ def test_the_table_gives_each_modes_rounds_and_the_speedup_of_paired_rounds(tmp_
     spans = rounds.windows(2, 12, 5)  # rounds of steps 3-4, 5-6, ...: one timed step each (4, 6, 8, 10, 12)
     fp32_ms = [99.0, 99.0] + [10.0, 10.0, 10.0, 11.0, 10.0, 30.0, 10.0, 12.0, 10.0, 10.0]  # round 3 hit by load
     bf16_ms = [99.0, 99.0] + [6.0, 5.0, 6.0, 5.0, 6.0, 14.0, 6.0, 6.0, 6.0, 5.0]
-    runs = [("fp32", run_with(tmp_path, "fp32", fp32_ms, 1.0)), ("bf16", run_with(tmp_path, "bf16", bf16_ms, 1.01))]
+    runs = [("fp32", [run_with(tmp_path, "fp32", fp32_ms, 1.0)]), ("bf16", [run_with(tmp_path, "bf16", bf16_ms, 1.01)])]
     table = {r["precision"]: r for r in comparison_table(runs, {}, spans).as_dicts()}
     by_hand_fp32 = [10.0, 11.0, 30.0, 12.0, 10.0]  # the second step of each window
     by_hand_bf16 = [5.0, 5.0, 14.0, 6.0, 5.0]

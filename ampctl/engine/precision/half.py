@@ -3,6 +3,7 @@ in fp32 under O2), and the weight layout the optimizer steps on (fp32 masters un
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -114,7 +115,25 @@ def cast_model_to_half(model: nn.Module, half: torch.dtype, keep_norm_fp32: bool
                     # cuDNN's batch norm takes half input with fp32 parameters and statistics and computes in
                     # fp32 (what Apex O2 relied on): casting around it would only add two memory-bound passes.
                     continue
-                module.register_forward_pre_hook(lambda _m, args: _cast_floats(args, torch.float32))
-                module.register_forward_hook(lambda _m, _args, out: _cast_floats(out, half))
-    model.register_forward_pre_hook(lambda _m, args: _cast_floats(args, half))
-    model.register_forward_hook(lambda _m, _args, out: _cast_floats(out, torch.float32))
+                _cast_hook(module, "pre_hook", lambda _m, args: _cast_floats(args, torch.float32))
+                _cast_hook(module, "hook", lambda _m, _args, out: _cast_floats(out, half))
+    _cast_hook(model, "pre_hook", lambda _m, args: _cast_floats(args, half))
+    _cast_hook(model, "hook", lambda _m, _args, out: _cast_floats(out, torch.float32))
+
+
+_CAST_HOOKS = "_ampctl_cast_hooks"  # (kind, handle id) of the hooks above, on the module they cast around
+
+
+def _cast_hook(module: nn.Module, kind: str, hook: Any) -> None:
+    handle = getattr(module, f"register_forward_{kind}")(hook)
+    module.__dict__.setdefault(_CAST_HOOKS, []).append((kind, handle.id))
+
+
+def fp32_copy(model: nn.Module) -> nn.Module:
+    """A copy of a model cast by cast_model_to_half, in fp32 and without the casts around it and its norms: the
+    model as fp32 would compute it, from its half weights upcast. The model itself is untouched."""
+    clone = copy.deepcopy(model)
+    for module in clone.modules():
+        for kind, handle_id in module.__dict__.pop(_CAST_HOOKS, []):
+            (module._forward_pre_hooks if kind == "pre_hook" else module._forward_hooks).pop(handle_id, None)
+    return clone.float()

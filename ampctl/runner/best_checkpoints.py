@@ -1,0 +1,101 @@
+"""train.save_top_k: the K best checkpoints by an evaluation metric (train.monitor, train.monitor_mode), kept in
+checkpoints/best/ beside the newest ones, as Lightning's ModelCheckpoint(save_top_k=, monitor=, mode=) keeps
+them. Each is written whole, fsynced and checksummed as every checkpoint is (checkpoint_files.save_atomic) and
+resumes as any: `ampctl train resume=<run>/checkpoints/best/step_N.pt`. checkpoints/best/best.json lists them,
+best first, with the metric that ranked them: the index a resumed run goes on from. A value that is not finite
+never ranks; of equal values the earlier step stays.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ampctl import io
+from ampctl.errors import UsageError
+from ampctl.runner import checkpoint_files
+from ampctl.runner.checkpoint_files import CHECKPOINT_DIR, checkpoint_path
+
+BEST_DIR = "best"
+INDEX = "best.json"
+
+
+def best_folder(run_dir: Path) -> Path:
+    return run_dir / CHECKPOINT_DIR / BEST_DIR
+
+
+def read_index(run_dir: Path) -> list[dict[str, Any]]:
+    """The entries of best.json whose checkpoint exists, best first; [] without one (or unreadable: the files
+    are the truth, an index that cannot be read ranks nothing)."""
+    folder = best_folder(run_dir)
+    try:
+        entries = json.loads((folder / INDEX).read_text(encoding="utf-8"))["checkpoints"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [e for e in entries if isinstance(e, dict) and (folder / str(e.get("file"))).is_file()]
+
+
+def write_index(run_dir: Path, monitor: str, direction: str, entries: list[dict[str, Any]]) -> None:
+    io.write_json(best_folder(run_dir) / INDEX, {"monitor": monitor, "mode": direction, "checkpoints": entries})
+
+
+def set_aside_after(run_dir: Path, step: int, folder: Path) -> int:
+    """Resuming at `step`: the best checkpoints of later steps belong to the abandoned timeline; moved into folder
+    (kept, never deleted) and out of the index. Returns how many."""
+    try:
+        index = json.loads((best_folder(run_dir) / INDEX).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 0
+    later = [e for e in read_index(run_dir) if e["step"] > step]
+    for entry in later:
+        checkpoint_files.move(best_folder(run_dir) / entry["file"], folder)
+    if later:
+        write_index(run_dir, index.get("monitor", ""), index.get("mode", ""),
+                    [e for e in read_index(run_dir) if e["step"] <= step])
+    return len(later)
+
+
+class BestCheckpoints:
+    def __init__(self, run_dir: Path, k: int, monitor: str, direction: str) -> None:
+        self.run_dir, self.k, self.monitor, self.direction = run_dir, k, monitor, direction
+        self.entries = read_index(run_dir)  # a resumed run goes on ranking its timeline's evaluations
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.direction == "min" else a > b
+
+    def qualifies(self, row: dict[str, Any]) -> bool:
+        """Whether the evaluation's monitored value earns a place among the K best."""
+        key = f"eval/{self.monitor}"
+        if key not in row:
+            names = ", ".join(k.split("/", 1)[1] for k in row if k.startswith("eval/"))
+            raise UsageError(f"train.monitor={self.monitor}: the recipe's evaluation gives no such metric; it gives "
+                             f"{names}")
+        value = row[key]
+        if value is None or not math.isfinite(value):
+            return False
+        return len(self.entries) < self.k or self._better(value, self.entries[-1]["value"])
+
+    def save(self, row: dict[str, Any], capture: Callable[[], dict[str, Any]]) -> Path:
+        """Write the checkpoint of this evaluation's step among the best; the one it displaces is removed."""
+        step, value = row["step"], row[f"eval/{self.monitor}"]
+        path = best_folder(self.run_dir) / checkpoint_path(self.run_dir, step).name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint_files.save_atomic(capture(), path)
+        entries = [e for e in self.entries if e["step"] != step] + [{"step": step, "value": value, "file": path.name}]
+        entries.sort(key=lambda e: (e["value"] if self.direction == "min" else -e["value"], e["step"]))
+        kept, dropped = entries[:self.k], entries[self.k:]
+        write_index(self.run_dir, self.monitor, self.direction, kept)  # the index never names a removed file
+        for entry in dropped:
+            checkpoint_files.remove(best_folder(self.run_dir) / entry["file"])
+        self.entries = kept
+        return path
+
+    def best(self) -> Optional[dict[str, Any]]:
+        """The summary's eval_best: the best checkpoint's step, metric and file."""
+        if not self.entries:
+            return None
+        top = self.entries[0]
+        return {"step": top["step"], self.monitor: top["value"],
+                "checkpoint": str(best_folder(self.run_dir) / top["file"])}
