@@ -166,7 +166,7 @@ class DynamicScalerConfig:
     enabled: bool = True
     min_scale: Optional[float] = None
     max_scale: Optional[float] = None
-    hysteresis: int = 1  # overflows tolerated before backing off (1 = GradScaler's rule)
+    hysteresis: int = 1  # backs off at the N-th overflow since the scale last grew, N-1 tolerated (1 = GradScaler's)
 
     def __post_init__(self) -> None:
         require(loss_scale_ok(self.init_scale), "scaler.init_scale", self.init_scale, LOSS_SCALE_ALLOWED)

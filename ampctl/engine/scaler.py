@@ -150,8 +150,11 @@ class AmpGradScaler(torch.amp.GradScaler):
 
 
     def _update_with_hysteresis(self) -> None:
-        """GradScaler's update, except that the scale backs off only after `hysteresis` overflows since it
-        last grew (Megatron-LM's and DeepSpeed's rule). The skipped steps are still skipped. On the device."""
+        """GradScaler's update, except that an overflow backs the scale off only once `hysteresis` overflows have
+        come since it last grew (it tolerates hysteresis - 1 of them), DeepSpeed's and Megatron-LM's rule. The
+        skipped steps are still skipped. The scale's arithmetic is torch's own kernel's (_amp_update_scale_), fed
+        only the overflows that back off: a tolerated one leaves the scale and restarts the growth count. On the
+        device."""
         assert self._scale is not None and self._growth_tracker is not None
         found = torch.stack([
             t.to(self._scale.device) for state in self._per_optimizer_states.values()
@@ -162,13 +165,15 @@ class AmpGradScaler(torch.amp.GradScaler):
         overflow = found > 0
         self._hysteresis_left.sub_(found)
         back_off = overflow & (self._hysteresis_left <= 0)
-        tracker = torch.where(overflow, torch.zeros_like(self._growth_tracker), self._growth_tracker + 1)
-        grow = tracker >= self._growth_interval
-        grown = self._scale * self._growth_factor
-        grow = grow & torch.isfinite(grown)
-        self._scale.copy_(torch.where(back_off, self._scale * self._backoff_factor, torch.where(grow, grown, self._scale)))
-        self._growth_tracker.copy_(torch.where(grow, torch.zeros_like(tracker), tracker))
-        self._hysteresis_left.copy_(torch.where(grow, torch.full_like(self._hysteresis_left, self.hysteresis),
+        grows = ~overflow & (self._growth_tracker + 1 >= self._growth_interval) & torch.isfinite(
+            self._scale * self._growth_factor)
+        tolerated = overflow & ~back_off
+        # -1: the kernel counts this clean-looking step to 0, where an overflow restarts the count
+        self._growth_tracker.copy_(torch.where(tolerated, torch.full_like(self._growth_tracker, -1),
+                                               self._growth_tracker))
+        torch._amp_update_scale_(self._scale, self._growth_tracker, back_off.to(self._scale.dtype),
+                                 self._growth_factor, self._backoff_factor, self._growth_interval)
+        self._hysteresis_left.copy_(torch.where(grows, torch.full_like(self._hysteresis_left, self.hysteresis),
                                                 self._hysteresis_left))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 

@@ -9,6 +9,7 @@ their timings are taken side by side and a speedup has an interval (reports/roun
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import sys
 import time
@@ -33,6 +34,7 @@ from rich.progress import (
 
 from ampctl.conf.messages import one_line
 from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
+from ampctl.engine import cpu_speed
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import check_config
 from ampctl.engine.evaluation import held_out_unavailable
@@ -50,6 +52,8 @@ class ModePlan:
     mode: str
     overrides: list[str]  # for its `ampctl train` process
     steps: int
+    device: str = "cpu"
+    half: Optional[str] = None  # the half type its matmuls run in (bfloat16, float16), if any
 
 
 def split_overrides(task_overrides: list[str]) -> list[str]:
@@ -112,7 +116,9 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan
                 label = (name + ("+compile" if compiled and len(compiling) > 1 else "")
                          + ("+ac" if ac and len(checkpointing) > 1 else ""))
                 plans.append(ModePlan(label, [*overrides, f"train.activation_checkpointing={str(ac).lower()}",
-                                              f"train.compile={str(compiled).lower()}"], mode_cfg.train.steps))
+                                              f"train.compile={str(compiled).lower()}"], mode_cfg.train.steps,
+                                      policy.device.type,
+                                      str(policy.dtype).removeprefix("torch.") if policy.uses_half else None))
     if True in checkpointing and plans:  # refused here rather than in every mode's process
         recipe = build_recipe(mode_cfg.recipe)
         require_checkpoint_blocks(recipe, type(recipe).__name__)
@@ -196,9 +202,35 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
             if plan.mode not in modes:
                 skipped[plan.mode] = f"not run: the comparison was interrupted ({signal.Signals(interrupted).name})"
     failed = write_comparison_report(out_dir, modes, skipped, task_overrides, console, spans, ran_seeds)
+    for line in recheck_cpu_probe(plans, out_dir):
+        console.print(line, soft_wrap=True)
     if interrupted is not None:
         raise CompareInterrupted(interrupted, modes)
     return failed
+
+
+def recheck_cpu_probe(plans: list[ModePlan], out_dir: Path) -> list[str]:
+    """A comparison on a CPU that contradicts the CPU probe (a half mode measured faster than fp32 where the probe
+    said it is slow, or more than SLOW_FACTOR slower where it said it runs at speed: intervals that exclude the
+    probe's verdict) has the CPU measured again, so that list, the warnings and the next comparison's default
+    modes follow what was measured. Returns the lines that say so."""
+    rows = {r["precision"]: r for r in json.loads((out_dir / "comparison.json").read_text())["rows"]}
+    probe = cpu_speed.measured()
+    contradicted = []
+    for plan in plans:
+        row = rows.get(plan.mode, {})
+        if plan.device != "cpu" or plan.half is None or row.get("speedup_low") is None:
+            continue
+        at_speed = probe.runs_at_speed(plan.half)
+        if (not at_speed and row["speedup_low"] > 1) or (at_speed and row["speedup_high"] < 1 / cpu_speed.SLOW_FACTOR):
+            contradicted.append(f"{plan.mode} measured {row['speedup']:.2f}x fp32's speed here "
+                                f"({row['speedup_low']:.2f}-{row['speedup_high']:.2f}) where the CPU probe said "
+                                f"{plan.half} {'runs at speed' if at_speed else 'is slow'}")
+    if not contradicted:
+        return []
+    again = cpu_speed.measured(remeasure=True)
+    return [f"{'; '.join(contradicted)}: the CPU was measured again ({cpu_speed.cache_path()}):",
+            *(f"  {line}" for line in again.describe())]
 
 
 def child_command(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: Optional[str],

@@ -122,3 +122,43 @@ def test_a_run_a_guard_stops_ends_its_tracker_runs_as_failed_with_every_recorded
     mlflow = tracker_readers.mlflow_run(uri, json.loads((run / trackers.IDS_FILE).read_text())["mlflow"])
     assert mlflow["status"] == "FAILED" and sorted(mlflow["metrics"]["train/loss"]) == steps
     assert math.isnan(mlflow["metrics"]["train/loss"][5])
+
+
+def test_every_tracker_holds_every_evaluation_across_a_resume(tmp_path, restore_argv, monkeypatch):
+    """Evaluations after steps 3, 6, 9 and the last (10), half of them before the resume: each tracker holds
+    each one once, under eval/<metric>, equal to evals.jsonl's rows."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [*RUN, "train.eval_every=3", "train.eval_batches=2", f"logger.mlflow.tracking_uri={uri}",
+              f"hydra.run.dir={run}"]
+    main(["train", *common, "train.steps=6"])
+    main(["train", *common, "train.steps=10", "resume=auto"])
+    evals = [json.loads(line) for line in (run / "evals.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [3, 6, 9, 10]
+    names = [k for k in evals[0] if k.startswith("eval/")]
+    assert names == ["eval/loss", "eval/accuracy"]
+
+    with (run / "metrics_eval.csv").open(newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in table] == [3, 6, 9, 10]
+    for row, line in zip(evals, table):
+        assert all(same(row[name], float(line[name])) for name in names)
+
+    scalars = tracker_readers.tensorboard_scalars(run / "tensorboard")
+    for name in names:
+        assert scalars[name] == {e["step"]: pytest.approx(e[name], rel=1e-6) for e in evals}
+
+    folders = sorted((run / "wandb").glob("offline-run-*"))
+    history = {}
+    for folder in folders:
+        history.update(tracker_readers.wandb_records_of(folder)["history"])
+    for row in evals:
+        assert all(history[row["step"]][name] == row[name] for name in names)
+        assert "train/loss" in history[row["step"]]  # the step's own record beside it
+
+    mlflow = tracker_readers.mlflow_run(uri, json.loads((run / trackers.IDS_FILE).read_text())["mlflow"])
+    for name in names:
+        assert mlflow["metrics"][name] == {e["step"]: pytest.approx(e[name]) for e in evals}
+    # each process's summary: the last evaluation as of its end
+    assert mlflow["metrics"]["summary/eval/loss"] == {6: pytest.approx(evals[1]["eval/loss"]),
+                                                       10: pytest.approx(evals[-1]["eval/loss"])}
