@@ -126,6 +126,7 @@ class RangeStats:
     def __init__(self, device: torch.device, study_scale: float = 1.0) -> None:
         self.study_scale = study_scale
         self.total = torch.zeros((), dtype=torch.long, device=device)
+        self.zeros = torch.zeros((), dtype=torch.long, device=device)  # exact zeros: nothing to lose, or lost already
         self.histogram = torch.zeros(LOG2_HIGH - LOG2_LOW + 1, dtype=torch.long, device=device)
         self.max_abs = torch.zeros((), dtype=torch.float64, device=device)
         # (format, scaled) -> counts [to_zero, subnormal, overflow]
@@ -136,6 +137,7 @@ class RangeStats:
         """Add values / divided_by (the true values of a tensor stored multiplied by a loss scale)."""
         a = true_magnitudes(values, divided_by)
         self.total += a.numel()
+        self.zeros += (a == 0).sum()
         self.histogram += log2_histogram(a)
         if a.numel():
             self.max_abs = torch.maximum(self.max_abs, a.max())
@@ -145,6 +147,7 @@ class RangeStats:
 
     def merge(self, other: "RangeStats") -> None:
         self.total += other.total
+        self.zeros += other.zeros
         self.histogram += other.histogram
         self.max_abs = torch.maximum(self.max_abs, other.max_abs)
         for key in self.counts:
@@ -156,16 +159,21 @@ class RangeStats:
         travel as float64, exact below 2^53."""
         if not stats:
             return []
-        packed = torch.cat([torch.cat([s.histogram.double(), s.total.double()[None], s.max_abs.double()[None],
-                                       torch.cat(list(s.counts.values())).double()]) for s in stats]).cpu()
+        packed = torch.cat([torch.cat([s.histogram.double(), s.total.double()[None], s.zeros.double()[None],
+                                       s.max_abs.double()[None], torch.cat(list(s.counts.values())).double()])
+                            for s in stats]).cpu()
         bins, copies = len(stats[0].histogram), []
-        row_length = bins + 2 + len(OUTCOMES) * len(stats[0].counts)
+        row_length = bins + 3 + len(OUTCOMES) * len(stats[0].counts)
         for s, row in zip(stats, packed.split(row_length)):
             copy = RangeStats(torch.device("cpu"), s.study_scale)
-            copy.histogram, copy.total, copy.max_abs = row[:bins].long(), row[bins].long(), row[bins + 1]
-            copy.counts = dict(zip(s.counts, row[bins + 2:].long().split(len(OUTCOMES))))
+            copy.histogram, copy.total, copy.zeros = row[:bins].long(), row[bins].long(), row[bins + 1].long()
+            copy.max_abs = row[bins + 2]
+            copy.counts = dict(zip(s.counts, row[bins + 3:].long().split(len(OUTCOMES))))
             copies.append(copy)
         return copies
+
+    def zero_fraction(self) -> float:
+        return int(self.zeros) / max(int(self.total), 1)
 
     def fractions(self, fmt: FormatRange, scaled: bool) -> dict[str, float]:
         """Host-side fractions of all values, exact zeros included (reads the device: for reports)."""

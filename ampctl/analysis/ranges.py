@@ -114,6 +114,7 @@ class Inspection:
     recorder: RangeRecorder
     study_scale: float
     run_scales: list[float]
+    gradient_dtype: str = "float32"  # what the run's backward computed its gradients in
 
 
 def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None) -> Inspection:
@@ -142,7 +143,8 @@ def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: Non
             run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), n, recipe, policy,
                       cfg.train.grad_accum_steps, cfg.train.clip_grad_norm, before_step=note_the_scale,
                       after_step=lambda done: phase(f"recorded step {done}/{n}"))
-    return Inspection(recorder, study, run_scales)
+    half = str(policy.dtype).removeprefix("torch.") if policy.uses_half else "float32"
+    return Inspection(recorder, study, run_scales, half)
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -174,7 +176,7 @@ def layer_table(inspection: Inspection) -> tables.ReportTable:
 def summary_table(inspection: Inspection) -> tables.ReportTable:
     """One row per tensor kind, all layers together: what the terminal shows."""
     scale_text = io.scale_label(inspection.study_scale)
-    columns = ["kind", "max_abs"]
+    columns = ["kind", "max_abs", "zero"]
     for f in FORMATS:
         columns += [f"{f.name}_to_zero", f"{f.name}_overflow"]
     columns += ["fp16_to_zero_scaled", "fp16_subnormal_scaled", "fp16_overflow_scaled"]
@@ -183,7 +185,7 @@ def summary_table(inspection: Inspection) -> tables.ReportTable:
         merged = _merged(inspection, kind)
         if merged is None:
             continue
-        values: dict[str, Any] = {"kind": kind, "max_abs": float(merged.max_abs)}
+        values: dict[str, Any] = {"kind": kind, "max_abs": float(merged.max_abs), "zero": merged.zero_fraction()}
         for f in FORMATS:
             fr = merged.fractions(f, scaled=False)
             values[f"{f.name}_to_zero"], values[f"{f.name}_overflow"] = fr["to_zero"], fr["overflow"]
@@ -193,9 +195,10 @@ def summary_table(inspection: Inspection) -> tables.ReportTable:
         rows.append([values[c] for c in columns])
     grads = [m for m in (_merged(inspection, k) for k in GRADIENT_KINDS) if m is not None]
     max_grad = max((float(m.max_abs) for m in grads), default=0.0)
-    notes = [f"fractions of all values; →0: flushed to zero, subn.: kept only as a subnormal, >max: overflow. "
-             f"Gradients are true values (each step's loss scale {sorted(set(inspection.run_scales))} divided "
-             f"out); ×{scale_text}: multiplied by the loss scale studied."]
+    notes = [f"fractions of all values; exact 0: values that are zero as recorded, →0: flushed to zero, subn.: "
+             f"kept only as a subnormal, >max: overflow. Gradients are true values (each step's loss scale "
+             f"{sorted(set(inspection.run_scales))} divided out); ×{scale_text}: multiplied by the loss scale studied."]
+    notes += _lost_in_the_run(inspection, rows, columns)
     if max_grad > 0:
         safe = largest_safe_scale(max_grad)
         notes.append(f"largest loss scale keeping every gradient finite in fp16 with a factor 2 to spare: "
@@ -204,17 +207,36 @@ def summary_table(inspection: Inspection) -> tables.ReportTable:
     return _styled_summary(columns, rows, notes, inspection.study_scale)
 
 
+def _percent(v: float) -> str:
+    return "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")
+
+
+def _lost_in_the_run(inspection: Inspection, rows: list[list[Any]], columns: list[str]) -> list[str]:
+    """What cannot be measured here: a run that computed its gradients in a half type recorded them after they
+    went through it, so values below its range were zero already, among the exact zeros and not told apart
+    from them; the →0 columns count only the values that survived. Said, with the zeros, and how to measure it."""
+    if inspection.gradient_dtype == "float32":
+        return []
+    zeros = {row[0]: row[columns.index("zero")] for row in rows if row[0] in GRADIENT_KINDS}
+    scales = sorted(set(inspection.run_scales))
+    said = ", ".join(f"{_percent(z)} of the {kind.replace('_', ' ')}s" for kind, z in zeros.items())
+    return [f"this run computed its gradients in {inspection.gradient_dtype} (loss scale {scales}): a gradient "
+            f"below {inspection.gradient_dtype}'s range at that scale was zero already when recorded, among the exact "
+            f"zeros ({said}) and not told apart from them, so the →0 columns count only the values that survived. "
+            f"What {inspection.gradient_dtype} would flush is measured on true values: ampctl inspect precision=fp32 "
+            f"inspect.loss_scale={scales[0]:g}."]
+
+
 def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str], study_scale: float
                     ) -> tables.ReportTable:
     """The summary table with its short headers and percentages (from a run, or from ranges.json again)."""
     scale_text = io.scale_label(study_scale)
-    percent = lambda v: "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")  # noqa: E731
     headers = {c: c.replace("_to_zero", " →0").replace("_overflow", " >max").replace("_subnormal", " subn.")
                .replace("fp8_", "") for c in columns}
     for c in ("fp16_to_zero_scaled", "fp16_subnormal_scaled", "fp16_overflow_scaled"):
         headers[c] = headers[c].replace("_scaled", f" ×{scale_text}")
-    headers["max_abs"] = "max |x|"
-    formats = {c: percent for c in columns if c not in ("kind", "max_abs")}
+    headers["max_abs"], headers["zero"] = "max |x|", "exact 0"
+    formats = {c: _percent for c in columns if c not in ("kind", "max_abs")}
     formats["max_abs"] = lambda v: f"{v:.3g}"
     return tables.ReportTable(SUMMARY_TITLE, columns, rows, notes=notes, headers=headers, formats=formats)
 

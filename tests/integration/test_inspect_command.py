@@ -61,7 +61,7 @@ def test_gradients_are_recorded_as_true_values_whatever_the_loss_scale(tmp_path,
 def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, message):
     out = tmp_path / "inspect"
     with pytest.raises(SystemExit) as exit_info:
-        main(["inspect", *MLP, *args, f"hydra.run.dir={out}"])
+        main(["inspect", "device=cpu", "recipe=mlp", *args, f"hydra.run.dir={out}"])  # the default MLP underflows
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1, err
@@ -123,3 +123,25 @@ def test_ranges_every_counts_scaled_half_gradients_as_their_true_values(tmp_path
                         if "activation_grad" in kinds}
     assert sum(layers["fp32"].values()) > 0
     assert sum(layers["fp16"].values()) == pytest.approx(sum(layers["fp32"].values()), rel=0.15)
+
+
+def test_a_half_precision_run_says_what_it_cannot_measure_and_its_zeros_hold_what_underflowed(tmp_path, restore_argv,
+                                                                                             capsys):
+    """fp16 at loss scale 1: gradients below fp16's range were zero before the hooks saw them. The fp16 run's
+    exact zeros of activation gradients hold what the fp32 run (the same steps on true values) counts as flushed,
+    and the output says so and how to measure it; the fp32 run says nothing of the kind."""
+    def summary(*args: str) -> tuple[dict, str]:
+        out = tmp_path / args[0].split("=")[1]
+        main(["inspect", "device=cpu", "recipe=mlp", *args, f"hydra.run.dir={out}"])  # the default MLP underflows
+        rows = {r["kind"]: r for r in json.loads((out / "ranges.json").read_text())["summary"]}
+        return rows, " ".join(capsys.readouterr().out.split())
+
+    half, half_out = summary("precision=fp16", "scaler.init_scale=1")
+    full, full_out = summary("precision=fp32", "inspect.loss_scale=1")
+    assert full["activation_grad"]["fp16_to_zero"] > 0  # true values that fp16 would flush
+    assert half["activation_grad"]["fp16_to_zero"] == 0  # the run's own fp16 flushed them before recording
+    assert half["activation_grad"]["zero"] >= full["activation_grad"]["fp16_to_zero"] + full["activation_grad"]["zero"]
+    assert ("this run computed its gradients in float16 (loss scale [1.0]): a gradient below float16's range at "
+            "that scale was zero already when recorded") in half_out
+    assert "ampctl inspect precision=fp32 inspect.loss_scale=1." in half_out
+    assert "this run computed its gradients" not in full_out
