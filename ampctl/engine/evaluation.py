@@ -58,6 +58,9 @@ class Evaluator:
         if not can_evaluate(recipe):
             raise UsageError(f"train.eval_every: recipe {type(recipe).__name__} gives no held-out batches "
                              "(eval_batches(device)); see docs/models.md, 'Add your own recipe'")
+        refused = held_out_unavailable(recipe)  # e.g. a folder of images without its held-out folder
+        if refused:
+            raise UsageError(refused)
         self.recipe, self.device, self.batches = recipe, device, batches
         self.language_model = getattr(recipe, "tokens_per_batch", None) is not None
 

@@ -98,6 +98,43 @@ def test_timm_trains_on_a_local_image_folder_with_the_models_transforms(tmp_path
     assert rows[0]["loss"] == pytest.approx(math.log(3), rel=0.5)  # a 3-way head from the folder's classes
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_each_library_model_is_evaluated_on_held_out_batches(tmp_path, model):
+    """timm: held-out synthetic batches (loss, accuracy); transformers: the corpus's held-out tenth (loss,
+    next-token accuracy, perplexity = exp(loss))."""
+    summary, _ = train(tmp_path, *overrides(model), "train.steps=2", "train.eval_every=2", "train.eval_batches=2",
+                       base=QUIET)
+    held_out = summary["eval"]
+    assert held_out["step"] == 2 and math.isfinite(held_out["eval/loss"]) and 0 <= held_out["eval/accuracy"] <= 1
+    if MODELS[model][0] == "transformers":
+        assert held_out["eval/perplexity"] == pytest.approx(math.exp(held_out["eval/loss"]))
+
+
+def test_timm_evaluates_the_held_out_folder_and_refuses_evaluation_without_one(tmp_path, restore_argv, capsys):
+    pytest.importorskip("timm")
+    from PIL import Image
+
+    from ampctl.cli import main
+
+    generator = torch.Generator().manual_seed(0)
+    for folder, per_class in (("images", 4), ("held_out", 2)):
+        for label in ("cat", "dog", "fox"):
+            (tmp_path / folder / label).mkdir(parents=True)
+            for i in range(per_class):
+                pixels = torch.randint(0, 256, (40, 48, 3), dtype=torch.uint8, generator=generator).numpy()
+                Image.fromarray(pixels).save(tmp_path / folder / label / f"{i}.png")
+    folder = [*TIMM, "recipe.model=test_resnet", "recipe.num_classes=null", "recipe.data=imagefolder",
+              f"recipe.data_root={tmp_path / 'images'}", "recipe.num_workers=0", "train.steps=2",
+              "train.eval_every=2"]
+    summary, _ = train(tmp_path / "run", *folder, f"recipe.eval_root={tmp_path / 'held_out'}", base=QUIET)
+    assert round(summary["eval"]["eval/accuracy"] * 6) == pytest.approx(summary["eval"]["eval/accuracy"] * 6)  # k of 6
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *folder, *QUIET, f"hydra.run.dir={tmp_path / 'refused'}"])
+    assert exit_info.value.code == 2
+    assert "train.eval_every with recipe.data=imagefolder needs recipe.eval_root" in capsys.readouterr().err
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()  # refused before the first step
+
+
 # FLOP counts of the libraries' models (here, not in tests/unit: importing timm and transformers takes seconds)
 
 def test_transformers_llama_and_gpt2_flops_are_6n_per_token_plus_attention():
