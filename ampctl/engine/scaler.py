@@ -169,12 +169,10 @@ class AmpGradScaler(torch.amp.GradScaler):
             self._scale * self._growth_factor)
         tolerated = overflow & ~back_off
         # -1: the kernel counts this clean-looking step to 0, where an overflow restarts the count
-        self._growth_tracker.copy_(torch.where(tolerated, torch.full_like(self._growth_tracker, -1),
-                                               self._growth_tracker))
+        self._growth_tracker.masked_fill_(tolerated, -1)
         torch._amp_update_scale_(self._scale, self._growth_tracker, back_off.to(self._scale.dtype),
                                  self._growth_factor, self._backoff_factor, self._growth_interval)
-        self._hysteresis_left.copy_(torch.where(grows, torch.full_like(self._hysteresis_left, self.hysteresis),
-                                                self._hysteresis_left))
+        self._hysteresis_left.masked_fill_(grows, float(self.hysteresis))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def state_dict(self) -> dict[str, Any]:

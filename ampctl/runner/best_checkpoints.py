@@ -44,16 +44,13 @@ def write_index(run_dir: Path, monitor: str, direction: str, entries: list[dict[
 def set_aside_after(run_dir: Path, step: int, folder: Path) -> int:
     """Resuming at `step`: the best checkpoints of later steps belong to the abandoned timeline; moved into folder
     (kept, never deleted) and out of the index. Returns how many."""
-    try:
-        index = json.loads((best_folder(run_dir) / INDEX).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return 0
-    later = [e for e in read_index(run_dir) if e["step"] > step]
-    for entry in later:
-        checkpoint_files.move(best_folder(run_dir) / entry["file"], folder)
+    entries = read_index(run_dir)
+    later = [e for e in entries if e["step"] > step]
     if later:
-        write_index(run_dir, index.get("monitor", ""), index.get("mode", ""),
-                    [e for e in read_index(run_dir) if e["step"] <= step])
+        index = json.loads((best_folder(run_dir) / INDEX).read_text(encoding="utf-8"))
+        for entry in later:
+            checkpoint_files.move(best_folder(run_dir) / entry["file"], folder)
+        write_index(run_dir, index["monitor"], index["mode"], [e for e in entries if e["step"] <= step])
     return len(later)
 
 

@@ -88,10 +88,13 @@ def test_a_monitor_the_recipe_does_not_give_is_one_line_and_nothing_is_recorded(
      "train.monitor_mode=min|max"),
     (["train.eval_every=0"], "train.eval_every=0 is not allowed: expected an integer >= 1, or null"),
     (["train.eval_every=5", "train.eval_batches=0"], "train.eval_batches=0 is not allowed: expected an integer >= 1"),
+    (["precision=fp8_emulated", "train.eval_every=5", "train.eval_fp32=true"],
+     "train.eval_fp32=true with precision=fp8_emulated: its layers compute in FP8 whatever autocast says"),
 ])
 def test_bad_evaluation_settings_are_one_line(tmp_path, restore_argv, capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *FAST, *args, f"hydra.run.dir={tmp_path / 'run'}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err, err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing recorded

@@ -201,24 +201,31 @@ def test_compare_runs_by_default_only_the_modes_that_are_fast_here(monkeypatch, 
         assert [p.mode for p in plan_modes(named, ["device=cpu"])[0]] == ["fp32", "bf16"]
 
 
-def test_ctrl_c_during_compare_stops_the_running_mode_with_a_checkpoint_and_writes_the_partial_comparison(tmp_path):
-    """SIGINT to compare reaches the running mode once (forwarded, never SIGKILL): it stops after its step with a
-    checkpoint; the modes run so far are compared, the others listed as not run; exit 130."""
-    out = tmp_path / "cmp"
-    # a long warm-up: the first mode is still in it, the second not started, when the signal comes
-    process = subprocess.Popen([sys.executable, "-m", "ampctl", "compare", *TINY, "train.steps=100000",
-                                "compare.warmup_steps=50000", "compare.precisions=[fp32,bf16]",
-                                f"hydra.run.dir={out}"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
+def interrupt_compare(out: Path, *args: str, rows_before: int) -> str:
+    """`ampctl compare` of fp32 and bf16 in a real process, SIGINT once fp32 has written rows_before rows: exit 130,
+    one line, no traceback. Returns what it printed."""
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", "compare", *TINY, "train.steps=100000", *args,
+                                "compare.precisions=[fp32,bf16]", f"hydra.run.dir={out}"], cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "fp32" / "metrics.jsonl"
     deadline = time.monotonic() + 240
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 8):
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= rows_before):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.01)
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr and "ampctl compare: interrupted (SIGINT)" in stderr
+    return stdout
+
+
+def test_ctrl_c_during_compare_stops_the_running_mode_with_a_checkpoint_and_writes_the_partial_comparison(tmp_path):
+    """SIGINT to compare reaches the running mode once (forwarded, never SIGKILL): it stops after its step with a
+    checkpoint; the modes run so far are compared, the others listed as not run; exit 130."""
+    out = tmp_path / "cmp"
+    # a long warm-up: the first mode is still in it, the second not started, when the signal comes
+    stdout = interrupt_compare(out, "compare.warmup_steps=50000", rows_before=8)
+    metrics = out / "fp32" / "metrics.jsonl"
     step = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert (out / "fp32" / "checkpoints" / f"step_{step:08d}.pt").is_file()  # stopped gracefully at its step
     rows = {row["precision"]: row for row in read_csv(out / "comparison.csv")}
@@ -288,18 +295,7 @@ def test_ctrl_c_between_turns_stops_every_mode_with_a_checkpoint(tmp_path):
     """A SIGINT while one mode computes and the other waits for its turn: both stop after their step with a
     checkpoint, both are interrupted in the comparison, exit 130, no traceback."""
     out = tmp_path / "cmp"
-    process = subprocess.Popen([sys.executable, "-m", "ampctl", "compare", *TINY, "train.steps=100000",
-                                "compare.warmup_steps=2", "compare.precisions=[fp32,bf16]", f"hydra.run.dir={out}"],
-                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "fp32" / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 10):  # in round 1: bf16 waits
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.01)
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=120)
-    assert process.returncode == 130, stderr
-    assert "Traceback" not in stderr and "ampctl compare: interrupted (SIGINT)" in stderr
+    interrupt_compare(out, "compare.warmup_steps=2", rows_before=10)  # in round 1: bf16 waits for its turn
     rows = {row["precision"]: row for row in read_csv(out / "comparison.csv")}
     for mode in ("fp32", "bf16"):
         step = json.loads((out / mode / "metrics.jsonl").read_text().splitlines()[-1])["step"]

@@ -160,3 +160,19 @@ def test_stats_brought_to_the_host_together_keep_every_count():
         for fmt in FORMATS:
             for scaled in (False, True):
                 assert copy.fractions(fmt, scaled) == original.fractions(fmt, scaled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_exact_zeros_are_the_values_that_are_zero_in_the_stored_dtype(dtype):
+    """Values cast to the run's dtype first (as a half-precision run's gradients are): the zero count is the
+    count of zeros in the stored tensor, those the cast flushed among them, and survives the trip to the host."""
+    values = random_values(4000, 5)
+    stored = values.to(dtype)
+    stats = RangeStats(torch.device("cpu"))
+    stats.add(stored, divided_by=2.0)
+    expected = int((stored == 0).sum())
+    assert int(stats.zeros) == expected and stats.zero_fraction() == expected / len(values)
+    if dtype != torch.float32:
+        assert expected > int((values == 0).sum())  # the cast flushed some
+    (copy,) = RangeStats.on_host([stats])
+    assert int(copy.zeros) == expected
