@@ -46,7 +46,7 @@ def train(overrides: Sequence[str] = (), *, run_dir: Optional[PathLike] = None,
     from ampctl.commands.checks import train_run, typed
     from ampctl.runner.run import run_training
 
-    with _command(config_name, overrides, run_dir, config_dir) as (cfg, hydra_cfg, out):
+    with _command("train", config_name, overrides, run_dir, config_dir) as (cfg, hydra_cfg, out):
         job, choices = train_run(typed("train", cfg), hydra_cfg)
         summary = run_training(job, out, choices=choices)
     return Result(Path(summary["run_dir"]), summary)
@@ -58,7 +58,7 @@ def compare(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
     from ampctl.commands.checks import check_command
     from ampctl.runner.compare import run_compare
 
-    with _command(config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
+    with _command("compare", config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
         run_compare(check_command("compare", cfg), out, list(hydra_cfg.overrides.task), _dir(config_dir))
     return Result(out, json.loads((out / "comparison.json").read_text()))
 
@@ -69,7 +69,7 @@ def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
     from ampctl.analysis.ranges import run_inspect
     from ampctl.commands.checks import check_command
 
-    with _command(config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
+    with _command("inspect", config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
         run_inspect(check_command("inspect", cfg), out, list(hydra_cfg.overrides.task))
     return Result(out, json.loads((out / "ranges.json").read_text()))
 
@@ -80,7 +80,7 @@ def memory(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
     from ampctl.analysis.memory.study import run_memory
     from ampctl.commands.checks import check_command
 
-    with _command(config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
+    with _command("memory", config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
         run_memory(check_command("memory", cfg), out, list(hydra_cfg.overrides.task), _dir(config_dir))
     return Result(out, json.loads((out / "memory.json").read_text()))
 
@@ -90,13 +90,14 @@ def _dir(config_dir: Optional[PathLike]) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def _command(config_name: str, overrides: Sequence[str], out: Optional[PathLike],
+def _command(command: str, config_name: str, overrides: Sequence[str], out: Optional[PathLike],
              config_dir: Optional[PathLike]) -> Iterator[tuple[DictConfig, DictConfig, Path]]:
-    """The job's config, the hydra node and the output directory, as the command's Hydra app has them; the
-    directory gets Hydra's .hydra/ files (config, overrides), which reports read. A refused call leaves no
-    directory, as on the command line (a run that recorded steps keeps them)."""
+    """The job's config, the hydra node and the output directory, as the command's Hydra app has them, after
+    the command line's checks (its values; an output directory that is not its own is refused before
+    anything is written). The directory gets Hydra's .hydra/ files (config, overrides), which reports read. A
+    refused call leaves no directory, as on the command line (a run that recorded steps keeps them)."""
     from ampctl.cli import put_config_dir_on_path
-    from ampctl.commands.checks import without_hydra_node
+    from ampctl.commands.checks import check_single_run, without_hydra_node
     from ampctl.commands.compose import composed
     from ampctl.commands.train import remove_if_only_hydra_files
     from ampctl.conf.messages import one_line
@@ -104,12 +105,16 @@ def _command(config_name: str, overrides: Sequence[str], out: Optional[PathLike]
 
     overrides = [*overrides, *([f"hydra.run.dir={out}"] if out is not None else [])]
     if config_dir is not None:
+        if not Path(config_dir).is_dir():
+            raise UsageError(f"config_dir={str(config_dir)!r} is not a directory: expected the directory of your "
+                             "configs (the command line's -cd)")
         put_config_dir_on_path(["-cd", str(config_dir)])
     with contextlib.ExitStack() as hydra:
         try:
             cfg = hydra.enter_context(composed(config_name, overrides, None if config_dir is None else Path(config_dir)))
         except Exception as exc:  # Hydra's and OmegaConf's multi-line errors, as the command line's one line
             raise UsageError(one_line(exc)) from None
+        check_single_run(command, cfg)
         out_dir = Path(cfg.hydra.run.dir)
         job = without_hydra_node(cfg)
         (out_dir / ".hydra").mkdir(parents=True, exist_ok=True)

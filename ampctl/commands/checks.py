@@ -125,6 +125,23 @@ def without_hydra_node(config: DictConfig) -> DictConfig:
     return job
 
 
+def check_single_run(command: str, config: DictConfig) -> DictConfig:
+    """A single run's check (its config with the hydra node, as Hydra or the Python API composed it), before
+    anything is written: its values, and that its output directory is its own. Returns the job's config as
+    it will run (a resumed run's own). UsageError when refused."""
+    from ampctl.runner.ownership import refuse_another_commands_directory, refuse_another_runs_directory
+
+    cfg = typed(command, without_hydra_node(config))
+    if command == "train":
+        if is_main_process():  # the other ranks record nothing (run.dir=.)
+            refuse_another_runs_directory(config.hydra.run.dir, cfg.resume)
+        cfg, _ = train_run(cfg, config.hydra)  # a refused resume, refused before Hydra writes
+    else:
+        refuse_another_commands_directory(command, config.hydra.run.dir)
+    CHECKS[command][1](cfg)
+    return cfg
+
+
 # The directory Hydra is about to create for a single run (set once the run passed its check): what a Ctrl-C
 # in the moment between Hydra making it and the task function starting leaves behind (cli.py removes it).
 planned_run_dir: Optional[Path] = None
@@ -140,14 +157,7 @@ class CheckEveryJob(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # before Hydra creates the run directory: a refused run leaves nothing behind, and touches no other run
         try:
-            cfg = typed(self.command, without_hydra_node(config))
-            if self.command == "train":
-                if is_main_process():  # the other ranks record nothing (run.dir=.)
-                    from ampctl.runner.ownership import refuse_another_runs_directory
-
-                    refuse_another_runs_directory(config.hydra.run.dir, cfg.resume)
-                cfg, _ = train_run(cfg, config.hydra)  # a refused resume, refused before Hydra writes
-            CHECKS[self.command][1](cfg)
+            check_single_run(self.command, config)
         except UsageError as exc:
             raise CommandLineRefused(exc) from None
         global planned_run_dir
@@ -162,9 +172,8 @@ class CheckEveryJob(Callback):
                 except (HydraException, OmegaConfBaseException) as exc:
                     raise UsageError(one_line(exc)) from None
                 cfg = check_command(self.command, cfg)
-            if self.command == "train":
-                from ampctl.runner.ownership import refuse_another_sweeps_directory
+            from ampctl.runner.ownership import refuse_another_sweeps_directory
 
-                refuse_another_sweeps_directory(config.hydra.sweep.dir, cfg.resume)
+            refuse_another_sweeps_directory(config.hydra.sweep.dir, cfg.get("resume"))
         except UsageError as exc:
             raise CommandLineRefused(exc) from None

@@ -26,20 +26,19 @@ from ampctl.errors import (
     print_error,
     write_refused,
 )
-from ampctl.reports.runs import ERROR_FILE, LOCK_FILE
+from ampctl.reports.runs import ERROR_FILE
 from ampctl.runner.interrupt import Interrupted
 from ampctl.runner.run import run_training
 
 log = logging.getLogger(__name__)
 
 
-HYDRA_FILES = {".hydra", "train.log", "compare.log", "memory.log", "inspect.log", LOCK_FILE}
-
-
 def remove_if_only_hydra_files(run_dir: Path) -> None:
     """A run refused before it recorded a step leaves no directory behind (Hydra creates it before the job)."""
-    if run_dir.is_dir() and all(p.name in HYDRA_FILES or (p.name == "metrics.jsonl" and not p.stat().st_size)
-                                for p in run_dir.iterdir()):  # no row recorded: nothing of a run
+    from ampctl.runner.identity import created_here
+    from ampctl.runner.ownership import is_leftover
+
+    if run_dir.is_dir() and all(is_leftover(p) or created_here(p) for p in run_dir.iterdir()):
         shutil.rmtree(run_dir)
         # and the dated folders Hydra made for it (outputs/<date>/), when nothing else is in them
         here = Path.cwd().resolve()

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl.engine.loop import TrainState
 from ampctl.errors import UsageError
+from ampctl.runner import identity as run_identity
 from ampctl.runner import sharded_checkpoint
 from ampctl.runner.checkpoint_files import (
     CHECKPOINT_DIR,
@@ -36,19 +37,9 @@ from ampctl.runner.checkpoint_files import (
     prune,
     save_atomic,
 )
+from ampctl.runner.identity import SAFE_TO_CHANGE, RunIdentity, flatten
 
 FORMAT_VERSION = 1
-
-# Keys a resumed run may change; any other difference from the checkpoint's config is refused. distributed.*:
-# either format loads on one process, DDP or FSDP on any number of ranks (the resume line says how the global
-# batch changes).
-SAFE_TO_CHANGE = (
-    "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.checkpoint_every_s",
-    "train.keep_checkpoints", "train.preempt_signal", "train.compile", "train.compile_mode",
-    "train.profile", "train.timing_warmup_steps", "train.eval_every", "train.eval_batches", "train.eval_fp32",
-    "train.save_top_k", "telemetry.profile_cpu_memory", "distributed.", "logger", "resume",
-)
-
 
 # --- RNG ------------------------------------------------------------------------------------------
 
@@ -78,7 +69,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches_consumed: int,
-            skipped_total: int, sharded: bool) -> dict[str, Any]:
+            skipped_total: int, sharded: bool, identity: RunIdentity) -> dict[str, Any]:
     """The checkpoint's payload. Reads the device (scaler scale, lr count): called between steps only, on
     every rank (gathering sharded states is a collective). sharded: the model and optimizer states as each
     rank holds them (every rank writes its own); else whole, and rank 0's payload is the one saved."""
@@ -88,6 +79,8 @@ def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches
         model_state, optimizer_state = state.parallel.full_state(state.model, state.optimizer)
     return {
         "format_version": FORMAT_VERSION,
+        "run_id": identity.run_id,  # resume=auto takes only its own run's checkpoints (runner/identity.py)
+        "config_hash": identity.config_hash,
         "step": state.step,
         "batches_consumed": batches_consumed,
         "skipped_total": skipped_total,
@@ -144,29 +137,39 @@ class Found:
 
 def resolve_resume(target: str, run_dir: Path) -> Optional[Found]:
     """The checkpoint named by resume=...: a file as given; for a run directory or auto (this run dir), the
-    newest that passes its check, newer ones that fail it passed over (said, and set aside by the run).
-    None for resume=auto when this run dir has no checkpoint yet. UsageError when none is good."""
+    newest that passes its check and belongs to the directory's run, newer ones that do not passed over (said,
+    and set aside by the run). None for resume=auto when this run dir has no checkpoint yet. UsageError when
+    none is good."""
     if target == "auto":
-        return _newest_good(list_checkpoints(run_dir), f"resume=auto ({run_dir})")
+        return _newest_good(list_checkpoints(run_dir), run_dir, f"resume=auto ({run_dir})")
     path = Path(target).expanduser()
     if path.is_file() or is_checkpoint(path):
         payload = load(path, mmap=True)
+        owner = run_identity.read(run_dir_of(path))
+        why = owner.disowns(payload) if owner else None
+        if why:
+            raise UsageError(f"resume={target}: {why}; a checkpoint continues only its own run")
         return Found(path, payload["config"], payload.get("choices") or {}, [])
     if path.is_dir():
         found = list_checkpoints(path)
         if not found:
             raise UsageError(f"resume={target!r} holds no checkpoint ({CHECKPOINT_DIR}/step_*.pt)")
-        return _newest_good(found, f"resume={target}")
+        return _newest_good(found, path, f"resume={target}")
     raise UsageError(f"resume={target!r} does not exist; give a run directory, a checkpoint file, or auto")
 
 
-def _newest_good(candidates: list[Path], what: str) -> Optional[Found]:
+def _newest_good(candidates: list[Path], run_dir: Path, what: str) -> Optional[Found]:
+    owner = run_identity.read(run_dir)  # None: a directory of a run made before identities, any checkpoint
     failures: list[str] = []
     for path in reversed(candidates):
         try:
             payload = load(path, mmap=True)  # checked against its checksum; the tensors stay on disk
         except UsageError as exc:
             failures.append(str(exc))
+            continue
+        why = owner.disowns(payload) if owner else None
+        if why:
+            failures.append(f"checkpoint {str(path)!r}: {why}")
             continue
         return Found(path, payload["config"], payload.get("choices") or {}, failures)
     if failures:
@@ -197,37 +200,31 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
 
 
 def verify(path: Path) -> None:
-    """The file against its `.sha256`, a sharded checkpoint's files against its SHA256SUMS (none: a
-    checkpoint written by hand, checked only by loading it)."""
+    """The file against its `.sha256`, a sharded checkpoint's files against its SHA256SUMS. A checkpoint
+    without its checksum is not trusted: refused, saying how to trust it on purpose."""
     if is_sharded(path):
         bad = sharded_checkpoint.verify(path)
         if bad is not None:
-            raise UsageError(f"checkpoint {str(path)!r}: {bad} does not match its checksum "
-                             f"({sharded_checkpoint.MANIFEST}) or is "
-                             "missing: it changed on disk (a bit flip, a truncation)")
+            raise UsageError(f"checkpoint {str(path)!r}: {bad}")
         return
     sidecar = checksum_path(path)
     if not sidecar.is_file():
-        return
-    expected = sidecar.read_text(encoding="utf-8").split()[0] if sidecar.stat().st_size else ""
-    if cached_sha256(path) != expected:
+        raise UsageError(f"checkpoint {str(path)!r} has no checksum ({sidecar.name}), so a change on disk "
+                         f"cannot be seen; if you trust it, write one: sha256sum {path.name} > {sidecar.name}")
+    try:
+        words = sidecar.read_bytes().decode("ascii").split()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"checkpoint {str(path)!r}: its checksum file {sidecar.name} cannot be read "
+                         f"({type(exc).__name__}); the checkpoint cannot be checked") from None
+    if cached_sha256(path) != (words[0] if words else ""):
         raise UsageError(f"checkpoint {str(path)!r} does not match its checksum ({sidecar.name}): it changed on "
                          "disk (a bit flip, a truncation)")
 
 
-def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for key, value in node.items():
-            out.update(_flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
     """The safe differences between the checkpoint's config and this one; raises UsageError on any other."""
-    old = _flatten(saved)
-    new = _flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+    old = flatten(saved)
+    new = flatten(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     changes = []
     # a mode's or a class's name first: "precision.name was 'fp16'" says more than one of its fields
     for key in sorted(old.keys() | new.keys(), key=lambda k: (not k.endswith((".name", "._target_")), k)):

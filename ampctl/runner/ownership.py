@@ -17,9 +17,15 @@ from ampctl.reports.runs import LOCK_FILE, holder_pid
 from ampctl.runner import checkpoint_files
 from ampctl.runner.best_checkpoints import read_index, set_aside_after
 from ampctl.runner.checkpoint_files import CHECKPOINT_DIR, checkpoint_step, list_checkpoints
+from ampctl.runner.identity import RUN_FILE
 
 # What a training run writes; Hydra's own files (.hydra/, train.log) are rewritten by every run and say nothing.
 RUN_RECORDS = ("metrics.jsonl", "evals.jsonl", "ranges.jsonl", "summary.json", "diagnosis.json")
+
+
+# What a command that recorded nothing leaves (Hydra's own files, its log, the lock): a directory holding only
+# these is free for a new run, and is removed when a run is refused (commands/train.py)
+LEFTOVERS = frozenset({".hydra", "train.log", "compare.log", "memory.log", "inspect.log", LOCK_FILE})
 
 
 def run_records(run_dir: Path) -> list[str]:
@@ -30,28 +36,89 @@ def run_records(run_dir: Path) -> list[str]:
     return found
 
 
+def is_leftover(path: Path) -> bool:
+    return path.name in LEFTOVERS or (path.name == "metrics.jsonl" and path.is_file() and not path.stat().st_size)
+
+
+def what_it_holds(directory: Path) -> list[str]:
+    """What directory holds beyond the leftovers of a command that recorded nothing (folders end in /)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir() if not is_leftover(p))
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _a_directory(key: str, value: str, what: str) -> Path:
+    """The directory a key names, refused when it is empty (the current directory) or names a file."""
+    if not str(value).strip():
+        raise UsageError(f"{key}='' is not allowed: expected a directory of its own for this {what} (the current "
+                         "directory is not one)")
+    path = Path(value).expanduser()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{key}={value} is a file, not a directory: choose a directory for this {what}")
+    return path
+
+
+def continues_here(resume: Optional[str], run_dir: Path) -> bool:
+    """Whether resume= continues the run in run_dir itself (auto, or a checkpoint or directory of it)."""
+    if not resume:
+        return False
+    if resume == "auto":
+        return True
+    target = Path(resume).expanduser()
+    owner = target.parent.parent if target.parent.name == CHECKPOINT_DIR else target
+    return owner.resolve() == run_dir.resolve()
+
+
 def refuse_another_runs_directory(run_dir: str, resume: Optional[str]) -> None:
-    """Checked before Hydra creates or writes into the run directory (its .hydra/ would be overwritten)."""
-    if not str(run_dir).strip():
-        raise UsageError("hydra.run.dir='' is not allowed: expected a directory for this run's records "
-                         "(the current directory is not one)")
-    refuse_a_directory_in_use(Path(run_dir))
-    found = run_records(Path(run_dir))
-    if found and resume is None:
-        raise UsageError(f"hydra.run.dir={run_dir} already holds a run ({', '.join(found)}): continue it with "
-                         "resume=auto, or choose another hydra.run.dir")
+    """Checked before Hydra creates or writes into the run directory (its .hydra/ would be overwritten): a new
+    run (resume unset or empty) only into a directory of its own; a resume only into the run it continues."""
+    path = _a_directory("hydra.run.dir", run_dir, "run's records")
+    refuse_a_directory_in_use(path)
+    held = what_it_holds(path)
+    if not held:
+        return
+    if continues_here(resume, path):
+        if (path / RUN_FILE).is_file() or run_records(path):
+            return
+        raise UsageError(f"hydra.run.dir={run_dir} holds no ampctl train run to resume ({_listed(held)}): "
+                         "choose the run's own directory, or a new one")
+    raise UsageError(f"hydra.run.dir={run_dir} already holds "
+                     + (f"a run ({_listed(held)}): continue it with resume=auto, or choose another hydra.run.dir"
+                        if (path / RUN_FILE).is_file() or run_records(path) else
+                        f"files of its own ({_listed(held)}): a run writes only into a directory of its own; "
+                        "choose another hydra.run.dir"))
+
+
+def refuse_another_commands_directory(command: str, out_dir: str) -> None:
+    """compare, inspect, memory: their output directory is theirs alone (absent, empty, or the leftovers of a
+    command that recorded nothing), checked before Hydra writes into it."""
+    path = _a_directory("hydra.run.dir", out_dir, f"{command}'s records")
+    refuse_a_directory_in_use(path)
+    held = what_it_holds(path)
+    if held:
+        raise UsageError(f"hydra.run.dir={out_dir} is not empty ({_listed(held)}): ampctl {command} writes only "
+                         "into a directory of its own, never over earlier results; choose another hydra.run.dir")
 
 
 def refuse_another_sweeps_directory(sweep_dir: str, resume: Optional[str]) -> None:
-    """A multirun into a sweep directory that holds another sweep would write its jobs beside (or into) the
-    other's: refused before Hydra's sweeper creates or writes anything."""
-    path = Path(sweep_dir)
-    if resume is not None or not path.is_dir():
+    """A multirun into a sweep directory that holds another sweep (or anything else) would write its jobs
+    beside (or into) the other's: refused before Hydra's sweeper creates or writes anything. A sweep with
+    resume=auto continues its own (runner/sweep_resume.py)."""
+    path = _a_directory("hydra.sweep.dir", sweep_dir, "sweep's jobs")
+    held = what_it_holds(path)
+    if not held:
         return
-    jobs = [p for p in path.iterdir() if p.is_dir() and run_records(p)]
-    if jobs or (path / "multirun.yaml").is_file():
-        raise UsageError(f"hydra.sweep.dir={sweep_dir} already holds a sweep ({len(jobs)} job directories with "
-                         "records): choose another hydra.sweep.dir")
+    if resume == "auto" and (path / "multirun.yaml").is_file():
+        return
+    jobs = [p for p in path.iterdir() if p.is_dir() and (run_records(p) or (p / RUN_FILE).is_file())]
+    raise UsageError(f"hydra.sweep.dir={sweep_dir} already holds "
+                     + (f"a sweep ({len(jobs)} job directories with records): continue it with resume=auto, or "
+                        "choose another hydra.sweep.dir" if (path / "multirun.yaml").is_file() else
+                        f"files of its own ({_listed(held)}): choose another hydra.sweep.dir"))
 
 
 def _in_use(run_dir: Path, pid: Optional[int]) -> UsageError:

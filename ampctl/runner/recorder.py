@@ -14,8 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl import io
 from ampctl.engine.loop import TrainState
 from ampctl.engine.telemetry import JsonlSink, Sink
-from ampctl.runner import checkpoint_files
+from ampctl.runner import checkpoint_files, identity
 from ampctl.runner.console import make_console_sink
+from ampctl.runner.identity import RunIdentity
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -34,6 +35,7 @@ class Recorder:
         self.run_dir = run_dir
         self._print = echo
         self.trackers: Any = None  # runner/trackers.py's Trackers, once start_trackers made them
+        self.identity: Optional[RunIdentity] = None  # the run's identity.json, once claim() read or wrote it
 
     def echo(self, line: str) -> None:
         self._print(line)
@@ -51,6 +53,12 @@ class Recorder:
             finally:
                 if self.trackers is not None:
                     self.trackers.fail()  # a run that ended without its summary (finished ones are left as they are)
+
+    def claim(self, cfg: DictConfig, choices: dict[str, str]) -> Optional[RunIdentity]:
+        """The run's identity: its identity.json when the directory holds this run already (a resume), else a new
+        one, written before any record."""
+        self.identity = identity.own_or_create(self.run_dir, cfg, choices)
+        return self.identity
 
     def open(self, resumed_at: Optional[int]) -> None:
         """Create the run directory; resuming at a step, set aside what the directory holds past it."""
@@ -146,6 +154,9 @@ class NoRecorder(Recorder):
 
     def record_config(self, cfg: DictConfig) -> None:
         pass
+
+    def claim(self, cfg: DictConfig, choices: dict[str, str]) -> Optional[RunIdentity]:
+        return None  # rank 0's is broadcast
 
     def set_aside_rows_without_checkpoint(self) -> list[Path]:
         return []

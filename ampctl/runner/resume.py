@@ -1,7 +1,7 @@
 """Where a run resumes, and with which config.
 
 A resumed run is the run it continues: its config is the one saved in the checkpoint, and the command line
-may change only what is safe to change (checkpoint.SAFE_TO_CHANGE). A key the command line names (a value
+may change only what is safe to change (identity.SAFE_TO_CHANGE). A key the command line names (a value
 `train.steps=400`, a group `precision=fp16`) is compared with the saved run's; a key it does not name is
 the saved run's, whatever the defaults say. So `ampctl train resume=runs/x` continues runs/x as it was,
 and `ampctl train precision=bf16 resume=runs/x` on an fp16 run is refused, naming precision.
@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl.conf.typed import typed_config
 from ampctl.engine.loop import TrainState
 from ampctl.engine.optim import lr_factor
-from ampctl.runner import checkpoint
+from ampctl.runner import checkpoint, identity
 
 
 def named_keys(overrides: list[str]) -> list[str]:
@@ -40,20 +40,33 @@ def _named(key: str, names: list[str]) -> bool:
 
 def run_config(cfg: DictConfig, choices: dict[str, str], overrides: list[str],
                run_dir: Path) -> tuple[DictConfig, dict[str, str]]:
-    """The config and group choices of the run that cfg.resume continues: the checkpoint's, with the keys the
+    """The config and group choices of the run that cfg.resume continues: the checkpoint's (or, for
+    resume=auto before the run's first checkpoint, the one its identity.json was started with), with the keys the
     command line names taken from cfg. A named key that may not change and differs is refused (UsageError).
-    cfg as it is when there is nothing to resume (resume=auto before the first checkpoint)."""
-    found = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
-    if found is None:
+    cfg as it is when there is nothing to resume (resume=auto into a new directory)."""
+    saved = _saved_config(cfg.resume, run_dir)
+    if saved is None:
         return cfg, choices
+    saved_config, saved_choices = saved
     names = named_keys(overrides)
-    resumed = OmegaConf.create(found.config)
+    resumed = OmegaConf.create(saved_config)
     for name in names:
         value = OmegaConf.select(cfg, name, default=None)
         OmegaConf.update(resumed, name, value, merge=False, force_add=True)
     resumed = typed_config(resumed)
-    checkpoint.config_changes(found.config, resumed)  # raises on an unsafe change
-    return resumed, {**found.choices, **{g: c for g, c in choices.items() if _named(g, names)}}
+    checkpoint.config_changes(saved_config, resumed)  # raises on an unsafe change
+    return resumed, {**saved_choices, **{g: c for g, c in choices.items() if _named(g, names)}}
+
+
+def _saved_config(resume: Optional[str], run_dir: Path) -> Optional[tuple[dict[str, Any], dict[str, str]]]:
+    """The config and choices a resume continues with, or None for a new run."""
+    if not resume:
+        return None
+    found = checkpoint.resolve_resume(resume, run_dir)
+    if found is not None:
+        return found.config, found.choices
+    own = identity.read(run_dir) if resume == "auto" else None
+    return (own.config, own.choices) if own is not None else None
 
 
 @dataclass

@@ -95,8 +95,9 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
             if evaluation is not None and cfg.train.save_top_k:
                 evaluation.check_monitor(state.model, cfg.train.monitor)  # one held-out batch, before any record
             announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)
+            recorder.identity = parallel.main_value(recorder.claim(cfg, choices))  # before the first record
             recorder.open(resume.step)
-            if resume.payload:
+            if cfg.resume:
                 recorder.record_config(cfg)
             recorder.start_trackers(cfg, resume.step, after_steps=peak.untimed_steps)
             telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device, step_flops)
@@ -223,7 +224,7 @@ class Checkpointer:
     def _payload(self) -> dict:
         batches = self.state.step * self.cfg.train.grad_accum_steps
         return checkpoint.capture(self.state, self.cfg, self.choices, batches, self.telemetry.skipped_total,
-                                  self.sharded)
+                                  self.sharded, self.recorder.identity)
 
     def _due(self, step: int) -> bool:
         train = self.cfg.train

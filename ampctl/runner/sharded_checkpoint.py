@@ -166,16 +166,21 @@ def _refused_write(exc: BaseException) -> Optional[OSError]:
 
 
 def verify(folder: Path) -> Optional[str]:
-    """The first file of a DCP checkpoint that does not match its SHA256SUMS line, or is missing; None when
-    all match (or there is no manifest: a directory made by hand, checked only by loading)."""
+    """Why a DCP checkpoint cannot be trusted: a file that does not match its SHA256SUMS line or is missing,
+    no manifest (nothing to check against), an unreadable manifest. None when every file matches."""
     manifest = folder / MANIFEST
     if not manifest.is_file():
-        return None
-    for line in manifest.read_text(encoding="utf-8").splitlines():
+        return f"has no {MANIFEST}, so a change on disk cannot be seen"
+    try:
+        lines = manifest.read_bytes().decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"its {MANIFEST} cannot be read ({type(exc).__name__})"
+    for line in lines:
         expected, _, name = line.partition("  ")
         path = folder / name
-        if not path.is_file() or checkpoint_files.cached_sha256(path) != expected:
-            return name
+        if not name or not path.is_file() or checkpoint_files.cached_sha256(path) != expected:
+            return (f"{name or line!r} does not match its checksum ({MANIFEST}) or is missing: it changed on disk "
+                    "(a bit flip, a truncation)")
     return None
 
 

@@ -24,7 +24,10 @@ from typing import Callable, Optional
 
 from ampctl.runner.pauses import PAUSE_AFTER_ENV, PAUSE_FD_ENV
 
-CHILD_LOG = "compare_child.log"
+
+def child_log(run_dir: Path) -> Path:
+    """A mode's process output, beside its run directory (`<mode>.log`): the run directory is the run's own."""
+    return run_dir.with_name(run_dir.name + ".log")
 POLL_S = 0.5  # how often progress is read from the runs' metrics.jsonl while waiting
 
 
@@ -54,7 +57,7 @@ class TurnProcess:
         env = dict(os.environ)
         if pause_after:
             env.update({PAUSE_AFTER_ENV: ",".join(map(str, pause_after)), PAUSE_FD_ENV: str(write_fd)})
-        self._log = (run.run_dir / CHILD_LOG).open("w")
+        self._log = child_log(run.run_dir).open("w")
         run.started_at = time.perf_counter()
         # its own session: a Ctrl-C at the terminal reaches it once, forwarded from here
         self.process = subprocess.Popen(run.command, stdin=subprocess.PIPE, stdout=self._log,
@@ -181,7 +184,7 @@ def _finish(process: TurnProcess, received: list[int], on_finished: Callable[[Tu
     run.finished = True
     run.stopped_by = received[0] if received else None
     if process.process.returncode != 0:
-        run.error = child_error(run.run_dir / CHILD_LOG, process.process.returncode)
+        run.error = child_error(child_log(run.run_dir), process.process.returncode)
     on_finished(run)
 
 

@@ -3,6 +3,7 @@ config changes on resume. A resumed run must equal the uninterrupted one bit for
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
@@ -195,13 +196,27 @@ def test_no_good_checkpoint_is_one_line_and_touches_nothing(stopped_run, capsys,
     assert {p: p.read_bytes() for p in stopped_run.rglob("*") if p.is_file()} == before
 
 
-def test_a_checkpoint_without_its_checksum_is_checked_by_torch_load_alone(stopped_run, capsys, restore_argv):
+def test_a_checkpoint_without_its_checksum_is_never_trusted_silently(stopped_run, capsys, restore_argv):
+    """No .sha256: refused, saying how to trust it on purpose; trusted that way, a truncated file is still
+    refused by loading it. A garbled checksum file is named, one line."""
     newest = stopped_run / "checkpoints" / "step_00000020.pt"
-    (stopped_run / "checkpoints" / "step_00000020.pt.sha256").unlink()
+    sidecar = stopped_run / "checkpoints" / "step_00000020.pt.sha256"
+    sidecar.unlink()
     newest.write_bytes(newest.read_bytes()[:1000])
     with pytest.raises(SystemExit):
         main(["train", *RUN, f"hydra.run.dir={stopped_run}", f"resume={newest}"])
+    assert capsys.readouterr().err == (f"ampctl train: error: checkpoint '{newest}' has no checksum "
+                                       "(step_00000020.pt.sha256), so a change on disk cannot be seen; if you trust "
+                                       "it, write one: sha256sum step_00000020.pt > step_00000020.pt.sha256\n")
+    sidecar.write_text(hashlib.sha256(newest.read_bytes()).hexdigest() + "  step_00000020.pt\n")
+    with pytest.raises(SystemExit):
+        main(["train", *RUN, f"hydra.run.dir={stopped_run}", f"resume={newest}"])
     assert f"checkpoint '{newest}' cannot be read (truncated or corrupt?)" in capsys.readouterr().err
+    sidecar.write_bytes(b"\xff\xfe\x00garbled")
+    with pytest.raises(SystemExit):
+        main(["train", *RUN, f"hydra.run.dir={stopped_run}", f"resume={newest}"])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its checksum file step_00000020.pt.sha256 cannot be read" in err, err
 
 
 def test_time_based_checkpoints_are_written_on_log_steps(tmp_path, restore_argv):

@@ -56,11 +56,13 @@ def test_a_new_run_into_a_directory_that_holds_a_run_is_refused_and_touches_noth
     assert first.returncode == 0, first.stderr
     before = snapshot(tmp_path / "run")
     assert {"metrics.jsonl", "summary.json", ".hydra/config.yaml"} <= set(before)
-    second = ampctl("train.steps=4", "train.seed=5", "hydra.run.dir=run", cwd=tmp_path)
-    assert (second.returncode, second.stderr) == (2, "ampctl train: error: hydra.run.dir=run already holds a run "
-                                                     "(metrics.jsonl, summary.json, checkpoints/): continue it with "
-                                                     "resume=auto, or choose another hydra.run.dir\n")
-    assert snapshot(tmp_path / "run") == before  # its .hydra/config.yaml included
+    refused = "ampctl train: error: hydra.run.dir=run already holds a run (checkpoints/, identity.json, metrics.jsonl, " \
+              "summary.json): continue it with resume=auto, or choose another hydra.run.dir\n"
+    # `resume=` (empty) means "no resume": a new run, refused the same
+    for new_run in (["train.steps=4", "train.seed=5"], ["train.steps=3", "resume="], ["train.steps=3", "resume=null"]):
+        second = ampctl(*new_run, "hydra.run.dir=run", cwd=tmp_path)
+        assert (second.returncode, second.stderr) == (2, refused), new_run
+        assert snapshot(tmp_path / "run") == before  # its .hydra/config.yaml included
     # continuing it is what resume= is for
     resumed = ampctl("train.steps=4", "resume=auto", "hydra.run.dir=run", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
