@@ -334,7 +334,7 @@ class CsvLoggerConfig:
 
 @dataclass
 class TensorBoardLoggerConfig:
-    log_dir: str = "tensorboard"  # relative to the run directory, or absolute
+    log_dir: str = "tensorboard"  # inside the run directory (relative): a tracker writes only its own run's files
 
 
 @dataclass

@@ -178,7 +178,11 @@ def _newest_good(candidates: list[Path], run_dir: Path, what: str) -> Optional[F
 
 
 def run_dir_of(checkpoint: Path) -> Path:
-    return checkpoint.resolve().parent.parent
+    """The run directory a checkpoint belongs to: the nearest above it with the run's identity (a checkpoint set
+    aside sits deeper), else the one its checkpoints/ folder is in (a run made before identities)."""
+    path = checkpoint.resolve()
+    owner = next((d for d in path.parents if (d / run_identity.RUN_FILE).is_file()), None)
+    return owner or path.parent.parent
 
 
 def load(path: Path, mmap: bool = False) -> dict[str, Any]:

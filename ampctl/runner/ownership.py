@@ -28,6 +28,10 @@ RUN_RECORDS = ("metrics.jsonl", "evals.jsonl", "ranges.jsonl", "summary.json", "
 LEFTOVERS = frozenset({".hydra", "train.log", "compare.log", "memory.log", "inspect.log", LOCK_FILE})
 
 
+# Every name a run writes at the top of its directory: a tracker's files may be none of these
+RUN_OWN_NAMES = frozenset({*RUN_RECORDS, *LEFTOVERS, RUN_FILE, CHECKPOINT_DIR, "profile", "wandb"})
+
+
 def run_records(run_dir: Path) -> list[str]:
     """The records of a run already in run_dir (its checkpoints included)."""
     found = [name for name in RUN_RECORDS if (run_dir / name).is_file()]

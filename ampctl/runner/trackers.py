@@ -15,12 +15,13 @@ import json
 import os
 import time
 from dataclasses import fields
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io
+from ampctl.conf.messages import one_line
 from ampctl.engine.telemetry import StepRecord
 from ampctl.errors import UsageError
 
@@ -37,11 +38,41 @@ def chosen(logger: DictConfig) -> list[str]:
 
 
 def check_loggers(logger: DictConfig) -> None:
-    """Refuse a tracker whose package is not installed: one line, before anything is written."""
+    """Refuse, in one line before anything is written: a tracker whose package is not installed; a tracker
+    file outside its run directory or over one of the run's own records (a tracker writes only its own files,
+    inside the run it records); wandb online without a key (it would ask on stdin, or fail at step 1)."""
     for name in chosen(logger):
         if name in PACKAGES and importlib.util.find_spec(PACKAGES[name][0]) is None:
             module, extra = PACKAGES[name]
             raise UsageError(f"logger={name}: the {module} package is not installed; pip install 'ampctl[{extra}]'")
+    if logger.get("csv") is not None:
+        inside_the_run("logger.csv.file", logger.csv.file)
+    if logger.get("tensorboard") is not None:
+        inside_the_run("logger.tensorboard.log_dir", logger.tensorboard.log_dir)
+    if logger.get("wandb") is not None:
+        _check_wandb_login(logger.wandb)
+
+
+def inside_the_run(key: str, value: str) -> None:
+    """A tracker's path: relative, inside the run directory, and none of the run's own records."""
+    from ampctl.runner.ownership import RUN_OWN_NAMES
+
+    parts = PurePath(value).parts
+    if not str(value).strip() or PurePath(value).is_absolute() or ".." in parts or parts[0] in RUN_OWN_NAMES \
+            or parts[0] in PurePath(IDS_FILE).parts:
+        raise UsageError(f"{key}={value!r} is not allowed: expected a path inside the run directory (relative, "
+                         f"no '..') that is none of the run's own records ({', '.join(sorted(RUN_OWN_NAMES))}); "
+                         "a tracker writes only its own files, inside the run it records")
+
+
+def _check_wandb_login(options: DictConfig) -> None:
+    mode = (options.mode.value if options.mode is not None else os.environ.get("WANDB_MODE", "online"))
+    if mode not in ("offline", "disabled", "dryrun") and not os.environ.get("WANDB_API_KEY"):
+        import wandb
+
+        if not wandb.api.api_key:
+            raise UsageError("logger=wandb: online mode needs a W&B login (wandb login, or WANDB_API_KEY); or "
+                             "logger.wandb.mode=offline writes under the run directory for `wandb sync` later")
 
 
 def metric_values(record: StepRecord) -> dict[str, float]:
@@ -88,6 +119,8 @@ class Tracker:
     """start(config) once, write(records) on log steps, flush() when the loop ends, then finish(summary) when
     the run succeeds or fail() when it does not: either ends the tracker's run."""
 
+    name = ""  # the logger option that chose it
+
     def start(self, cfg: DictConfig) -> None:
         pass
 
@@ -111,6 +144,8 @@ class Tracker:
 class CsvTracker(Tracker):
     """Every step's record as a CSV row. A resumed run keeps the rows up to the step it resumes at (the rows
     of steps it runs again are replaced)."""
+
+    name = "csv"
 
     COLUMNS = ("step", *METRICS)
 
@@ -167,6 +202,8 @@ class TensorBoardTracker(Tracker):
     """Scalars per step (train/loss, train/loss_scale, ...), the config as text, the summary as HParams (so
     that the runs of a sweep line up in TensorBoard's HParams dashboard)."""
 
+    name = "tensorboard"
+
     def __init__(self, log_dir: Path, resumed_at: Optional[int]) -> None:
         self.log_dir, self.resumed_at = log_dir, resumed_at
         self._hparams: dict[str, Any] = {}
@@ -211,6 +248,8 @@ class TensorBoardTracker(Tracker):
 class WandbTracker(Tracker):
     """A wandb run in the run directory (its files under wandb/), resumed under the same id."""
 
+    name = "wandb"
+
     def __init__(self, options: DictConfig, run_dir: Path, run_id: Optional[str]) -> None:
         self.options, self.run_dir, self.run_id = options, run_dir, run_id
         self.run: Any = None
@@ -248,6 +287,8 @@ class WandbTracker(Tracker):
 class MlflowTracker(Tracker):
     """An MLflow run: the config as params, every step's record as metrics, the summary as metrics and tags,
     the run's status at the end. Resumed under the same run id."""
+
+    name = "mlflow"
 
     def __init__(self, options: DictConfig, run_dir: Path, run_id: Optional[str]) -> None:
         self.options, self.run_dir, self.run_id = options, run_dir, run_id
@@ -332,15 +373,27 @@ class Trackers:
             self._start()
 
     def _ids(self) -> dict[str, str]:
-        try:
-            return json.loads((self.run_dir / IDS_FILE).read_text())
-        except (OSError, ValueError):
+        """The tracker runs a resumed run continues. A trackers.json that cannot be read is refused, not
+        taken for none: that would start new tracker runs for an old one's steps."""
+        path = self.run_dir / IDS_FILE
+        if not path.is_file():
             return {}
+        try:
+            ids = json.loads(path.read_bytes().decode("utf-8"))
+            if isinstance(ids, dict) and all(isinstance(v, str) for v in ids.values()):
+                return ids
+        except (OSError, ValueError):
+            pass
+        raise UsageError(f"{path} cannot be read: it names the tracker runs this run continues; restore it, or "
+                         f"delete it to start new tracker runs for the resumed steps")
 
     def _start(self) -> None:
         self._started = True
         for tracker in self.trackers:
-            tracker.start(self.cfg)
+            try:
+                tracker.start(self.cfg)
+            except Exception as exc:  # noqa: BLE001 - a tracker's own refusal (a bad URI, a path): its line
+                raise UsageError(f"logger={tracker.name}: could not start: {one_line(exc)}") from None
         ids = {name: t.run_id for name, t in (("wandb", self._of(WandbTracker)), ("mlflow", self._of(MlflowTracker)))
                if t is not None and t.run_id}
         if ids:

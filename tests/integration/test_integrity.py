@@ -1,0 +1,175 @@
+"""Runs never lose or mix data (issue 25), adversarially: every command and the Python API own their output
+directories; a checkpoint continues only its own run; a resume restores its run's own config; signals
+outside the loop; sweeps that resume; problems named. Real processes where a kill or a signal is the point."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import ampctl
+from ampctl.cli import main
+from ampctl.errors import UsageError
+from tests.integration.test_run_ownership import snapshot, start_a_long_run, steps
+
+REPO = Path(__file__).resolve().parents[2]
+MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.console=quiet",
+       "telemetry.profile_cpu_memory=false", "train.log_every=1"]
+
+
+def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ampctl", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def one_line_refusal(result: subprocess.CompletedProcess, command: str) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"ampctl {command}: error: "), result.stderr
+    return result.stderr
+
+
+# --- 1. ownership cannot be bypassed: resume= (empty), the Python API -----------------------------------------
+
+
+def test_the_python_api_refuses_a_second_run_into_a_run_directory_and_touches_nothing(tmp_path):
+    first = ampctl.train([*MLP, "train.steps=6"], run_dir=tmp_path / "runA")
+    before = snapshot(first.run_dir)
+    for again in ([*MLP, "train.steps=3"], [*MLP, "train.steps=3", "resume="]):
+        with pytest.raises(UsageError, match="already holds a run .*continue it with resume=auto"):
+            ampctl.train(again, run_dir=tmp_path / "runA")
+        assert snapshot(first.run_dir) == before
+    resumed = ampctl.train([*MLP, "train.steps=8", "resume=auto"], run_dir=tmp_path / "runA")
+    assert steps(resumed.run_dir / "metrics.jsonl") == list(range(1, 9))
+
+
+def test_the_python_api_refuses_the_current_directory_and_a_missing_config_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"hydra.run.dir='' is not allowed"):
+        ampctl.train([*MLP, "train.steps=1"], run_dir="")
+    with pytest.raises(UsageError, match=r"config_dir='/nonexistent' is not a directory"):
+        ampctl.train([*MLP, "train.steps=1"], config_dir="/nonexistent")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- 2. a checkpoint continues only its own run ---------------------------------------------------------------
+
+
+def test_a_checkpoint_copied_from_another_run_is_passed_over_by_resume_auto(tmp_path, capsys, restore_argv):
+    main(["train", *MLP, "train.steps=8", "train.checkpoint_every=4", f"hydra.run.dir={tmp_path / 'A'}"])
+    main(["train", *MLP, "train.steps=2", "train.seed=3", f"hydra.run.dir={tmp_path / 'B'}"])
+    for path in (tmp_path / "A" / "checkpoints").glob("step_00000008.pt*"):
+        shutil.copy(path, tmp_path / "B" / "checkpoints")
+    capsys.readouterr()
+    main(["train", *MLP, "train.steps=4", f"hydra.run.dir={tmp_path / 'B'}", "resume=auto"])
+    out = capsys.readouterr().out
+    assert "step_00000008.pt': it belongs to run " in out and "passed over" in out
+    assert f"resumed from {tmp_path / 'B' / 'checkpoints' / 'step_00000002.pt'} at step 2" in out
+    assert steps(tmp_path / "B" / "metrics.jsonl") == [1, 2, 3, 4]
+    seeds = {json.loads((tmp_path / run / "identity.json").read_text())["config"]["train"]["seed"] for run in "AB"}
+    assert seeds == {0, 3}
+    # named explicitly, the copy is refused: a checkpoint continues only the run it belongs to
+    [folder] = (tmp_path / "B" / "checkpoints").glob("timeline.set-aside-*")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *MLP, "train.steps=9", f"resume={folder / 'step_00000008.pt'}",
+              f"hydra.run.dir={tmp_path / 'C'}"])
+    assert exit_info.value.code == 2
+    assert "a checkpoint continues only its own run" in capsys.readouterr().err
+
+
+def test_a_checkpoint_with_its_checksum_deleted_and_a_bit_flipped_is_never_loaded(tmp_path, capsys, restore_argv):
+    run_dir = tmp_path / "run"
+    main(["train", *MLP, "train.steps=8", "train.checkpoint_every=4", f"hydra.run.dir={run_dir}"])
+    newest = run_dir / "checkpoints" / "step_00000008.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))
+    (run_dir / "checkpoints" / "step_00000008.pt.sha256").unlink()
+    capsys.readouterr()
+    main(["train", *MLP, "train.steps=10", f"hydra.run.dir={run_dir}", "resume=auto"])
+    out = capsys.readouterr().out
+    assert "step_00000008.pt' has no checksum" in out and "passed over" in out
+    assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004.pt'} at step 4" in out
+
+
+# --- 3. resume=auto restores the run's own config, checkpoint or not ---------------------------------------
+
+
+def test_resume_auto_after_a_kill_before_the_first_checkpoint_trains_the_runs_own_config(tmp_path):
+    run_dir = tmp_path / "run"
+    killed = start_a_long_run(run_dir, rows=2)  # recipe=mlp recipe.hidden=32
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    resumed = cli("train", "device=cpu", "train.console=plain", "train.steps=3", "resume=auto",
+                  f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "recipe=mlp" in resumed.stdout and "gpt" not in resumed.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["recipe"] == "mlp" and summary["parameters"] < 20_000  # recipe.hidden=32, as it was started
+    assert steps(run_dir / "metrics.jsonl") == [1, 2, 3]
+    # a change it may not make is refused against the run's own config
+    refused = cli("train", "device=cpu", "recipe=mlp", "recipe.hidden=64", "resume=auto", f"hydra.run.dir={run_dir}",
+                  cwd=tmp_path)
+    assert "recipe.hidden was 32" in one_line_refusal(refused, "train")
+
+
+# --- 4. no command writes over another's results ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["compare", "inspect", "memory"])
+def test_a_command_into_a_directory_that_holds_results_is_refused_and_touches_nothing(tmp_path, command):
+    run_dir = tmp_path / "done"
+    first = cli("train", *MLP, "train.steps=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = snapshot(run_dir)
+    again = cli(command, *MLP, "train.steps=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert "is not empty (" in one_line_refusal(again, command)
+    assert snapshot(run_dir) == before
+    empty = cli(command, *MLP, "hydra.run.dir=", cwd=tmp_path)
+    assert "hydra.run.dir='' is not allowed" in one_line_refusal(empty, command)
+
+
+def test_inspect_twice_into_one_directory_keeps_the_first_results(tmp_path):
+    first = ampctl.inspect([*MLP, "inspect.steps=1"], out_dir=tmp_path / "ranges")
+    before = snapshot(first.run_dir)
+    with pytest.raises(UsageError, match="ampctl inspect writes only into a directory of its own"):
+        ampctl.inspect([*MLP, "inspect.steps=1"], out_dir=tmp_path / "ranges")
+    assert snapshot(first.run_dir) == before
+
+
+@pytest.mark.parametrize("where", ["/etc/passwd-ampctl.csv", "../elsewhere.csv", "", ".hydra", "metrics.jsonl"])
+def test_a_tracker_file_outside_its_run_directory_or_over_a_record_is_refused(tmp_path, where):
+    run_dir = tmp_path / "run"
+    refused = cli("train", *MLP, "train.steps=2", "logger=csv", f"logger.csv.file={where}",
+                  f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert "logger.csv.file=" in one_line_refusal(refused, "train")
+    assert not run_dir.exists()
+
+
+def test_a_multirun_into_the_current_directory_is_refused(tmp_path):
+    refused = cli("train", "-m", *MLP, "train.steps=1", "train.seed=1,2", "hydra.sweep.dir=", cwd=tmp_path)
+    assert "hydra.sweep.dir='' is not allowed" in one_line_refusal(refused, "train")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_directory_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    for command in ("train", "inspect"):
+        refused = cli(command, *MLP, "hydra.run.dir=afile", cwd=tmp_path)
+        assert "hydra.run.dir=afile is a file" in one_line_refusal(refused, command)
+    assert (tmp_path / "afile").read_text() == "mine"
+
+
+def wait_for(condition, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
