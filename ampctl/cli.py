@@ -8,7 +8,6 @@ import difflib
 import importlib
 import logging
 import os
-import signal
 import sys
 from typing import Optional
 
@@ -42,6 +41,11 @@ def print_help() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from ampctl.processes import die_with_parent
+    from ampctl.runner.interrupt import exit_code, raise_on_signals, signal_name
+
+    die_with_parent()  # a comparison's mode, when the comparison is gone
+    raise_on_signals()  # SIGTERM, SIGHUP, SIGUSR1/2 outside a training loop: one line, as Ctrl-C
     devnull_from_the_start = stdout_is_devnull()
     quiet_library_deprecations()
     try:
@@ -52,12 +56,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         # would fail again on the closed pipe, so stdout goes to /dev/null (the recipe in Python's docs).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(0)
-    except KeyboardInterrupt:
-        # Ctrl-C before a command could stop gracefully (importing torch, composing, Hydra making the run
-        # directory): nothing was recorded, and the directory Hydra made goes too
+    except KeyboardInterrupt as exc:
+        # Ctrl-C (or another stop signal) before a command could stop gracefully (importing torch, composing,
+        # Hydra making the run directory): nothing was recorded, and the directory Hydra made goes too
         remove_hydra_run_dir()
-        print("\nampctl: interrupted (SIGINT) before anything was recorded", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+        print(f"\nampctl: interrupted ({signal_name(exc)}) before anything was recorded", file=sys.stderr)
+        sys.exit(exit_code(exc))
     except SystemExit as exc:
         # rich handles a closed pipe itself: stdout to /dev/null, then SystemExit(1). The same case as above
         # (told apart from a failed run whose output the user sent to /dev/null).

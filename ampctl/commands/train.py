@@ -27,7 +27,7 @@ from ampctl.errors import (
     write_refused,
 )
 from ampctl.reports.runs import ERROR_FILE
-from ampctl.runner.interrupt import Interrupted
+from ampctl.runner.interrupt import Interrupted, exit_code, signal_name
 from ampctl.runner.run import run_training
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,13 @@ def train(cfg: DictConfig) -> Optional[float]:
             print(line, file=sys.stderr)
             log.warning(line)  # train.log (Hydra's job logging writes the file only)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C while building, compiling or loading data: before the first step
+    except KeyboardInterrupt as exc:  # a signal outside the loop: building, compiling, loading data, the summary
         if is_main_process():
             remove_if_only_hydra_files(run_dir)
-            print("\nampctl train: interrupted (SIGINT) before the first step; nothing recorded", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+            where = (f"outside the training loop; continue with: {continue_command(run_dir)}" if run_dir.is_dir()
+                     else "before the first step; nothing recorded")
+            print(f"\nampctl train: interrupted ({signal_name(exc)}) {where}", file=sys.stderr)
+        sys.exit(exit_code(exc))
     except RunStopped as exc:
         if multirun:
             return record_failed_job(run_dir, exc)

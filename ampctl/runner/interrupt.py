@@ -1,6 +1,14 @@
-"""Ctrl-C and SIGTERM during training: the first asks the loop to stop after the current step (it then
-writes a checkpoint and flushes the metrics); the second exits at once. Checkpoints are written atomically,
-so even that leaves every checkpoint on disk whole."""
+"""Signals, in and outside the training loop.
+
+In the loop: SIGINT, SIGTERM, SIGHUP and the batch system's preemption warning (train.preempt_signal) ask it to
+stop after the current step (it then writes a checkpoint and flushes the metrics); a second exits at once.
+Checkpoints are written atomically, so even that leaves every checkpoint on disk whole. The preemption
+signals not chosen (SIGUSR1, SIGUSR2; all of them with train.preempt_signal=null) are ignored there.
+
+Outside it (importing, composing, building, compiling): each of these signals ends the command as Ctrl-C
+does, with one line and the exit code 128 + its number, and what Hydra made for a run that recorded nothing
+removed (Signalled, raised by the handlers ampctl's entry point installs: ampctl/cli.py).
+"""
 
 from __future__ import annotations
 
@@ -22,12 +30,48 @@ class Interrupted(Exception):
         return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
 
 
+# SIGINT (Ctrl-C), SIGTERM (kill, a scheduler), SIGHUP (the terminal closed): always a graceful stop
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# the batch systems' preemption warnings: train.preempt_signal chooses which stops the run gracefully
+PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+class Signalled(KeyboardInterrupt):
+    """A stop signal outside the training loop: handled where Ctrl-C is (a KeyboardInterrupt), naming it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+def signal_name(exc: BaseException) -> str:
+    return signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
+
+
+def exit_code(exc: BaseException) -> int:
+    return 128 + getattr(exc, "signum", signal.SIGINT)
+
+
+def raise_on_signals() -> None:
+    """Every stop or preemption signal raises Signalled (Ctrl-C's KeyboardInterrupt already does): a command
+    killed before (or after) its loop says so in one line instead of vanishing. Main thread only."""
+    def raise_signalled(signum: int, _frame: Optional[FrameType]) -> None:
+        raise Signalled(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        for signum in (*STOP_SIGNALS[1:], *PREEMPT_SIGNALS):
+            signal.signal(signum, raise_signalled)
+
+
 class StopOnSignal:
-    """SIGINT, SIGTERM and a batch system's preemption warning (train.preempt_signal): stop at the next step
-    where the run can (after this step, or the next log step when ranks must agree), with a checkpoint."""
+    """SIGINT, SIGTERM, SIGHUP and a batch system's preemption warning (train.preempt_signal): stop at the next
+    step where the run can (after this step, or the next log step when ranks must agree), with a checkpoint.
+    The preemption signals not chosen are ignored while it holds."""
 
     def __init__(self, announce: str = "after this step", preempt_signal: Optional[str] = None) -> None:
-        self.signals = [signal.SIGINT, signal.SIGTERM] + ([signal.Signals[preempt_signal]] if preempt_signal else [])
+        chosen = [signal.Signals[preempt_signal]] if preempt_signal else []
+        self.signals = [*STOP_SIGNALS, *chosen]
+        self.ignored = [signum for signum in PREEMPT_SIGNALS if signum not in chosen]
         self.signum: Optional[int] = None
         self._previous: dict[int, object] = {}
         self._announce = announce  # when the run will stop; "" for a process that should not print
@@ -48,6 +92,8 @@ class StopOnSignal:
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            for signum in self.ignored:
+                self._previous[signum] = signal.signal(signum, signal.SIG_IGN)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ampctl.processes import child_environment
+from ampctl.runner.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS
 from ampctl.runner.pauses import PAUSE_AFTER_ENV, PAUSE_FD_ENV
 
 
@@ -54,7 +56,7 @@ class TurnProcess:
         self.run = run
         run.run_dir.mkdir(parents=True, exist_ok=True)
         self._read_fd, write_fd = os.pipe()
-        env = dict(os.environ)
+        env = child_environment()  # dies with this process, even on kill -9 (ampctl/processes.py)
         if pause_after:
             env.update({PAUSE_AFTER_ENV: ",".join(map(str, pause_after)), PAUSE_FD_ENV: str(write_fd)})
         self._log = child_log(run.run_dir).open("w")
@@ -126,9 +128,10 @@ def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Calla
     received: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
+        # Ctrl-C as itself; any other stop as SIGTERM, which every run stops on (whatever its preempt_signal)
         received.append(signum)
         for process in processes:
-            process.signal(signum)
+            process.signal(signum if signum == signal.SIGINT else signal.SIGTERM)
             process.let_go()
 
     def tick() -> None:
@@ -143,7 +146,7 @@ def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Calla
             pass
         _finish(process, received, on_finished)
 
-    previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, forward) for signum in (*STOP_SIGNALS, *PREEMPT_SIGNALS)}
     try:
         for run in runs:  # each runs its warm-up (or, with one round, everything), then waits
             if received:

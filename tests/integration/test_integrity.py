@@ -18,7 +18,7 @@ import pytest
 import ampctl
 from ampctl.cli import main
 from ampctl.errors import UsageError
-from tests.integration.test_run_ownership import snapshot, start_a_long_run, steps
+from tests.integration.test_run_ownership import QUICK, snapshot, start_a_long_run, steps
 
 REPO = Path(__file__).resolve().parents[2]
 MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.console=quiet",
@@ -173,3 +173,70 @@ def wait_for(condition, timeout: float = 240) -> None:
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+# --- 5. signals outside the training loop ---------------------------------------------------------------------
+
+
+def popen(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ampctl", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def rows(path: Path) -> int:
+    return path.read_text().count("\n") if path.is_file() else 0
+
+
+def test_preempt_signal_null_ignores_sigusr1_and_sigterm_still_stops_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    process = popen("train", *QUICK, "train.steps=100000", "train.preempt_signal=null", f"hydra.run.dir={run_dir}",
+                    cwd=tmp_path)
+    wait_for(lambda: rows(run_dir / "metrics.jsonl") >= 2)
+    process.send_signal(signal.SIGUSR1)
+    seen = rows(run_dir / "metrics.jsonl")
+    wait_for(lambda: rows(run_dir / "metrics.jsonl") > seen + 20)  # it trains on
+    assert process.poll() is None
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 143 and "interrupted at step" in err and "Traceback" not in err, err
+    assert list((run_dir / "checkpoints").glob("step_*.pt"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP])
+def test_a_signal_before_the_first_step_is_one_line_and_leaves_no_run_dir(tmp_path, signum):
+    run_dir = tmp_path / "run"
+    process = popen("train", *QUICK, f"hydra.run.dir={run_dir}", "recipe._target_=tests.broken_recipes.BrokenRecipe",
+                    "+recipe.mistake=slow_build", cwd=tmp_path)
+    wait_for(lambda: (run_dir / ".hydra" / "config.yaml").exists())
+    process.send_signal(signum)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum
+    assert err.strip() == f"ampctl train: interrupted ({signal.Signals(signum).name}) before the first step; " \
+                          "nothing recorded", err
+    assert not run_dir.exists()
+
+
+def test_sigusr1_to_compare_stops_its_mode_with_a_checkpoint_and_writes_the_comparison(tmp_path):
+    out = tmp_path / "cmp"
+    process = popen("compare", *MLP, "train.steps=100000", "compare.precisions=[fp32,bf16]", "compare.rounds=1",
+                    f"hydra.run.dir={out}", cwd=tmp_path)
+    wait_for(lambda: rows(out / "fp32" / "metrics.jsonl") >= 2)
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 138 and "ampctl compare: interrupted (SIGUSR1)" in err, err
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert [r["precision"] for r in comparison["rows"]][:1] == ["fp32"]
+    assert list((out / "fp32" / "checkpoints").glob("step_*.pt"))
+
+
+def test_a_comparison_killed_with_sigkill_takes_its_running_mode_with_it(tmp_path):
+    out = tmp_path / "cmp"
+    process = popen("compare", *MLP, "train.steps=100000", "compare.precisions=[fp32]", "compare.rounds=1",
+                    f"hydra.run.dir={out}", cwd=tmp_path)
+    wait_for(lambda: rows(out / "fp32" / "metrics.jsonl") >= 2)
+    process.kill()
+    process.wait()
+    # the mode's process got SIGTERM from the kernel: it stops after its step, with a checkpoint, and exits
+    wait_for(lambda: "interrupted at step" in (out / "fp32.log").read_text(), timeout=120)
+    wait_for(lambda: not (out / "fp32" / ".ampctl.lock").exists(), timeout=60)
+    assert list((out / "fp32" / "checkpoints").glob("step_*.pt"))

@@ -22,6 +22,9 @@ PROBE_STEPS = 2  # the second step is the first with the optimizer's states alre
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from ampctl.processes import die_with_parent
+
+    die_with_parent()
     from ampctl.analysis.memory.measure import measure_peak
     from ampctl.conf.schema import register_configs
     from ampctl.engine.build import build_state, check_config

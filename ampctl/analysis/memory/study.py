@@ -38,6 +38,7 @@ from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import build_state, check_config
 from ampctl.engine.loop import batch_stream, run_steps
 from ampctl.errors import UsageError
+from ampctl.processes import child_environment
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
@@ -169,7 +170,7 @@ def _fits(overrides: list[str], config_dir: Optional[str], batch_size: int, budg
     the device)? Returns (fits, measured peak or None when out of device memory)."""
     command = [sys.executable, "-m", "ampctl.analysis.memory.probe", str(batch_size),
                *(["--config-dir", config_dir] if config_dir else []), *overrides]
-    child = subprocess.run(command, capture_output=True, text=True)
+    child = subprocess.run(command, capture_output=True, text=True, env=child_environment())
     lines = child.stdout.strip().splitlines()
     if child.returncode != 0 or not lines:
         errors = [line for line in child.stderr.splitlines() if line.strip()]

@@ -1,0 +1,35 @@
+"""The processes a command starts (a comparison's modes, the memory study's probes) die with it.
+
+A parent killed with `kill -9` cannot stop its children, and a child started in a session of its own (so that
+one Ctrl-C at the terminal reaches it once, forwarded) would train on as an orphan. So each child asks the
+kernel for a signal when its parent dies (Linux's PR_SET_PDEATHSIG): SIGTERM, which a training run answers by
+finishing its step and writing a checkpoint. The parent's pid travels in the environment; the child checks it
+is still its parent after asking, in case the parent died first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+PARENT_ENV = "AMPCTL_PARENT_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def child_environment() -> dict[str, str]:
+    """os.environ for a child that must die with this process."""
+    return {**os.environ, PARENT_ENV: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """In a child started with child_environment(): SIGTERM when the parent dies (now, if it already has)."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or not parent.isdigit():
+        return
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(parent):  # it died before the kernel was asked: nothing would tell us
+        os.kill(os.getpid(), signal.SIGTERM)
