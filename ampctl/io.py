@@ -21,6 +21,12 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def strict_json(value: Any) -> Any:
     """value with every non-finite float replaced by None: JSON has no NaN or Infinity, and Python's bare
     `NaN` / `Infinity` tokens are rejected by strict readers (jq, JavaScript, Go, Rust's serde)."""

@@ -177,3 +177,28 @@ class CheckEveryJob(Callback):
             refuse_another_sweeps_directory(config.hydra.sweep.dir, cfg.get("resume"))
         except UsageError as exc:
             raise CommandLineRefused(exc) from None
+
+
+class KeepEarlierJobsHydraFiles(Callback):
+    """A sweep resumed with resume=auto: Hydra writes every job's .hydra/ files before the job starts, over those
+    of the job's earlier attempt (a finished job's record would then say resume=auto). They are read when the
+    sweep starts and put back as each job starts: a kept job is untouched; a continued one records its
+    resumed config itself (runner/recorder.py)."""
+
+    def __init__(self) -> None:
+        self.earlier: dict[Path, dict[str, bytes]] = {}
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if "resume=auto" not in config.hydra.overrides.task or not sweep_dir.is_dir():
+            return
+        for hydra_dir in sweep_dir.glob("*/.hydra"):
+            self.earlier[hydra_dir.parent.resolve()] = {p.name: p.read_bytes() for p in hydra_dir.iterdir()
+                                                        if p.is_file()}
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from ampctl import io
+
+        job_dir = Path(config.hydra.runtime.output_dir).resolve()
+        for name, data in self.earlier.get(job_dir, {}).items():
+            io.atomic_write_bytes(job_dir / ".hydra" / name, data)

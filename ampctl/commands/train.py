@@ -8,6 +8,7 @@ import shlex
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -55,6 +56,12 @@ def train(cfg: DictConfig) -> Optional[float]:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         cfg, choices = train_run(typed("train", cfg), hydra_cfg)
+        if multirun and cfg.resume == "auto":
+            kept = finished_job(run_dir, cfg.train.steps)
+            if kept is not None:
+                print(f"ampctl train: job in {run_dir} finished earlier ({cfg.train.steps} steps): kept as it is")
+                return kept.get("final_loss")
+            set_aside_failure(run_dir)
         summary = run_training(cfg, run_dir, choices=choices)
     except Interrupted as exc:
         if not is_main_process():
@@ -99,6 +106,21 @@ def train(cfg: DictConfig) -> Optional[float]:
     if Path(summary["run_dir"]) != run_dir and is_main_process():
         remove_if_only_hydra_files(run_dir)  # resumed into the checkpoint's own run dir
     return summary.get("final_loss")
+
+
+def finished_job(run_dir: Path, steps: int) -> Optional[dict]:
+    """A resumed sweep's job that finished before (its summary, of this many steps), or None: it runs."""
+    from ampctl.reports.runs import read_summary
+
+    summary = read_summary(run_dir / "summary.json")
+    return summary if summary is not None and summary.get("steps") == steps else None
+
+
+def set_aside_failure(run_dir: Path) -> None:
+    """A resumed sweep runs a failed job again: the earlier attempt's error is kept beside, not read as this one's."""
+    error = run_dir / ERROR_FILE
+    if error.is_file():
+        error.rename(error.with_name(f"{ERROR_FILE}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"))
 
 
 def continue_command(run_dir: Path) -> str:

@@ -77,7 +77,7 @@ def is_run_dir(path: Path) -> bool:
 def load_run(path: Path) -> RunRecord:
     """A run directory's records. A summary or row that is not whole raises UsageError naming the file (and
     line): a report from part of a record would be wrong without saying so."""
-    summary = _read_summary(path / "summary.json")
+    summary = read_summary(path / "summary.json")
     metrics = read_rows(path / "metrics.jsonl")
     overrides_path = path / ".hydra" / "overrides.yaml"
     overrides = [str(o) for o in OmegaConf.load(overrides_path)] if overrides_path.is_file() else []
@@ -86,7 +86,7 @@ def load_run(path: Path) -> RunRecord:
     return RunRecord(path, summary, metrics, overrides, error, running_pid=holder_pid(path))
 
 
-def _read_summary(path: Path) -> Optional[dict]:
+def read_summary(path: Path) -> Optional[dict]:
     if not path.is_file():
         return None
     try:

@@ -111,7 +111,7 @@ def refuse_another_commands_directory(command: str, out_dir: str) -> None:
 def refuse_another_sweeps_directory(sweep_dir: str, resume: Optional[str]) -> None:
     """A multirun into a sweep directory that holds another sweep (or anything else) would write its jobs
     beside (or into) the other's: refused before Hydra's sweeper creates or writes anything. A sweep with
-    resume=auto continues its own (runner/sweep_resume.py)."""
+    resume=auto continues its own: finished jobs kept, the others resumed (commands/train.py)."""
     path = _a_directory("hydra.sweep.dir", sweep_dir, "sweep's jobs")
     held = what_it_holds(path)
     if not held:

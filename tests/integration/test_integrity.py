@@ -240,3 +240,33 @@ def test_a_comparison_killed_with_sigkill_takes_its_running_mode_with_it(tmp_pat
     wait_for(lambda: "interrupted at step" in (out / "fp32.log").read_text(), timeout=120)
     wait_for(lambda: not (out / "fp32" / ".ampctl.lock").exists(), timeout=60)
     assert list((out / "fp32" / "checkpoints").glob("step_*.pt"))
+
+
+# --- 6. a sweep resumes -----------------------------------------------------------------------------------------
+
+
+def test_a_killed_sweep_resumes_keeping_finished_jobs_and_continuing_the_killed_one(tmp_path):
+    sweep = ["train", "-m", *QUICK, "train.steps=400", "train.checkpoint_every=50", "train.seed=1,2,3",
+             f"hydra.sweep.dir={tmp_path / 'sw'}"]
+    process = popen(*sweep, cwd=tmp_path)
+    second = lambda: next((tmp_path / "sw").glob("1_*/metrics.jsonl"), None)  # noqa: E731
+    wait_for(lambda: second() is not None and rows(second()) >= 120)
+    process.kill()
+    process.communicate()
+    jobs_before = sorted(p.name for p in (tmp_path / "sw").iterdir() if p.is_dir())
+    [first] = (tmp_path / "sw").glob("0_*")
+    first_before = snapshot(first)
+    # without resume=auto, a sweep into it is refused: it holds a sweep
+    refused = cli(*sweep, cwd=tmp_path)
+    assert "already holds a sweep" in one_line_refusal(refused, "train")
+    resumed = cli(*sweep, "resume=auto", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"job in {first} finished earlier (400 steps): kept as it is" in resumed.stdout
+    assert sorted(p.name for p in (tmp_path / "sw").iterdir() if p.is_dir()) == jobs_before + \
+        [name for name in sorted(p.name for p in (tmp_path / "sw").iterdir() if p.is_dir()) if name.startswith("2_")
+         and name not in jobs_before]
+    assert snapshot(first) == first_before  # a finished job is not touched
+    for job in sorted((tmp_path / "sw").glob("[0-2]_*")):
+        assert steps(job / "metrics.jsonl") == list(range(1, 401)), job.name
+        assert "resume=auto" not in job.name
+    assert "resumed from" in resumed.stdout and "step_00000" in resumed.stdout
