@@ -55,11 +55,11 @@ def train(overrides: Sequence[str] = (), *, run_dir: Optional[PathLike] = None,
 def compare(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
             config_dir: Optional[PathLike] = None, config_name: str = "compare") -> Result:
     """`ampctl compare [overrides]`: the same run under several precision modes; returns comparison.json."""
-    from ampctl.commands.checks import check_command
+    from ampctl.commands.checks import check_command, task_overrides
     from ampctl.runner.compare import run_compare
 
     with _command("compare", config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
-        run_compare(check_command("compare", cfg), out, list(hydra_cfg.overrides.task), _dir(config_dir))
+        run_compare(check_command("compare", cfg), out, task_overrides(hydra_cfg), _dir(config_dir))
     return Result(out, json.loads((out / "comparison.json").read_text()))
 
 
@@ -67,10 +67,10 @@ def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
             config_dir: Optional[PathLike] = None, config_name: str = "inspect") -> Result:
     """`ampctl inspect [overrides]`: where values fall against each format's range; returns ranges.json."""
     from ampctl.analysis.ranges import run_inspect
-    from ampctl.commands.checks import check_command
+    from ampctl.commands.checks import check_command, task_overrides
 
     with _command("inspect", config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
-        run_inspect(check_command("inspect", cfg), out, list(hydra_cfg.overrides.task))
+        run_inspect(check_command("inspect", cfg), out, task_overrides(hydra_cfg))
     return Result(out, json.loads((out / "ranges.json").read_text()))
 
 
@@ -78,10 +78,10 @@ def memory(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
            config_dir: Optional[PathLike] = None, config_name: str = "memory") -> Result:
     """`ampctl memory [overrides]`: estimated memory per part next to the measured peak; returns memory.json."""
     from ampctl.analysis.memory.study import run_memory
-    from ampctl.commands.checks import check_command
+    from ampctl.commands.checks import check_command, task_overrides
 
     with _command("memory", config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
-        run_memory(check_command("memory", cfg), out, list(hydra_cfg.overrides.task), _dir(config_dir))
+        run_memory(check_command("memory", cfg), out, task_overrides(hydra_cfg), _dir(config_dir))
     return Result(out, json.loads((out / "memory.json").read_text()))
 
 
@@ -97,7 +97,7 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
     anything is written). The directory gets Hydra's .hydra/ files (config, overrides), which reports read. A
     refused call leaves no directory, as on the command line (a run that recorded steps keeps them)."""
     from ampctl.cli import put_config_dir_on_path
-    from ampctl.commands.checks import check_single_run, without_hydra_node
+    from ampctl.commands.checks import check_single_run, task_overrides, without_hydra_node
     from ampctl.commands.compose import composed
     from ampctl.commands.train import remove_if_only_hydra_files
     from ampctl.conf.messages import one_line
@@ -119,7 +119,7 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
         job = without_hydra_node(cfg)
         (out_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         io.atomic_write_text(out_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(job))
-        io.atomic_write_text(out_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(list(cfg.hydra.overrides.task)))
+        io.atomic_write_text(out_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(task_overrides(cfg.hydra)))
         try:
             yield job, cfg.hydra, out_dir
         except UsageError:

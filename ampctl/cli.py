@@ -5,6 +5,7 @@ and calls that command's own entry point, so each command keeps every Hydra feat
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib
 import logging
 import os
@@ -189,8 +190,13 @@ def run_hydra_app(command: str, entry) -> None:
             raise
         print_error(f"ampctl {command}: error: {yaml_error(exc)}")
         sys.exit(USAGE_EXIT_CODE)
+    except RecursionError:  # Hydra composing a config that includes itself
+        print_error(f"ampctl {command}: error: the config's defaults include themselves (a config that names "
+                    "itself, directly or through others, in its defaults list): remove the cycle")
+        sys.exit(USAGE_EXIT_CODE)
     except OSError as exc:  # after Hydra's: its MissingConfigException is an OSError
-        if not write_refused(exc) or raised_in(exc, entry.__wrapped__):
+        cannot_create = exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST) and exc.filename is not None
+        if not (write_refused(exc) or cannot_create) or raised_in(exc, entry.__wrapped__):
             raise
         # Hydra could not create the run directory or write its .hydra/ files: the directory the user chose
         print_error(f"ampctl {command}: error: cannot write {exc.filename}: {exc.strerror}; choose a writable "

@@ -507,6 +507,9 @@ def _check_optimizer_arguments(optimizer: DictConfig) -> None:
         value = optimizer.get(key)
         if value is not None and not isinstance(value, ListConfig):  # Adafactor's eps is a pair
             require(_number(value) and ok(value), f"optimizer.{key}", value, allowed)
+    for flag in ("fused", "foreach", "capturable", "amsgrad", "maximize", "nesterov", "differentiable", "decoupled"):
+        value = optimizer.get(flag)
+        require(value is None or isinstance(value, bool), f"optimizer.{flag}", value, "true, false or null")
 
 
 INT64_MAX = 2**63 - 1

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from hydra import compose
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from ampctl.conf.messages import one_line
@@ -98,6 +98,11 @@ def check_command(command: str, cfg: DictConfig) -> DictConfig:
     return cfg
 
 
+def task_overrides(hydra_cfg: DictConfig) -> list[str]:
+    """The command line's overrides as typed: `train.steps=${x}` is text here, not an interpolation to resolve."""
+    return [str(o) for o in OmegaConf.to_container(hydra_cfg.overrides.task, resolve=False)]  # type: ignore[union-attr]
+
+
 def main_run_dir(hydra_cfg: DictConfig) -> Path:
     """Rank 0's run directory, on any rank. The other ranks run with hydra.run.dir=. (they write nothing of
     their own); they read the run dir the command line gave, which names the same directory on every rank
@@ -113,7 +118,7 @@ def train_run(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[DictConfig, dict[
     changes the command line names (runner/resume.py); UsageError for a change that is not safe."""
     from ampctl.runner.resume import run_config
 
-    return run_config(cfg, dict(hydra_cfg.runtime.choices), [str(o) for o in hydra_cfg.overrides.task],
+    return run_config(cfg, dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg),
                       main_run_dir(hydra_cfg))
 
 
@@ -190,7 +195,7 @@ class KeepEarlierJobsHydraFiles(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        if "resume=auto" not in config.hydra.overrides.task or not sweep_dir.is_dir():
+        if "resume=auto" not in task_overrides(config.hydra) or not sweep_dir.is_dir():
             return
         for hydra_dir in sweep_dir.glob("*/.hydra"):
             self.earlier[hydra_dir.parent.resolve()] = {p.name: p.read_bytes() for p in hydra_dir.iterdir()

@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.analysis.ranges import run_inspect
-from ampctl.commands.checks import check_command
+from ampctl.commands.checks import check_command, task_overrides
 from ampctl.commands.train import remove_if_only_hydra_files
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 
@@ -20,7 +20,7 @@ def inspect(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        run_inspect(check_command("inspect", cfg), out_dir, list(hydra_cfg.overrides.task))
+        run_inspect(check_command("inspect", cfg), out_dir, task_overrides(hydra_cfg))
     except UsageError as exc:
         remove_if_only_hydra_files(out_dir)
         print(f"ampctl inspect: error: {exc}", file=sys.stderr)

@@ -10,7 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.analysis.memory.study import run_memory
-from ampctl.commands.checks import check_command
+from ampctl.commands.checks import check_command, task_overrides
 from ampctl.commands.compare import command_line_config_dir
 from ampctl.commands.train import remove_if_only_hydra_files
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
@@ -21,7 +21,7 @@ def memory(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        run_memory(check_command("memory", cfg), out_dir, list(hydra_cfg.overrides.task),
+        run_memory(check_command("memory", cfg), out_dir, task_overrides(hydra_cfg),
                       command_line_config_dir(hydra_cfg))
     except UsageError as exc:
         remove_if_only_hydra_files(out_dir)

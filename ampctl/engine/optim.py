@@ -45,8 +45,11 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], devic
         kwargs["lr"] = torch.tensor(float(cfg.lr), device=device, dtype=lr_tensor_dtype(device))
     try:
         return factory(params, **kwargs)
-    except ValueError as exc:  # torch's check of an argument ("Invalid momentum value: -1"): not about fused
-        raise UsageError(f"optimizer ({target}) refused its arguments: {str(exc).splitlines()[0]}") from None
+    except (ValueError, TypeError) as exc:  # torch's check of an argument ("Invalid momentum value: -1"), a
+        # key it does not take (+optimizer.foo=1), a _target_ that is no optimizer: not about fused
+        raise UsageError(f"optimizer ({target}) refused its arguments: {str(exc).splitlines()[0]}"
+                         + ("; optimizer._target_ must name a torch.optim.Optimizer (or a callable taking params "
+                            "and returning one)" if isinstance(exc, TypeError) else "")) from None
     except RuntimeError as exc:
         if cfg.get("fused"):
             raise UnsupportedError(

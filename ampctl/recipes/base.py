@@ -4,14 +4,17 @@ importable callable named by `_target_` in a recipe YAML that returns an object 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import traceback
+import types
+import typing
 from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, runtime_checkable
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 from torch import nn
 
@@ -46,6 +49,7 @@ class Recipe(Protocol):
 def build_recipe(cfg: DictConfig) -> Recipe:
     """Instantiate the recipe named by cfg._target_ and check it follows the protocol."""
     target = cfg.get("_target_")
+    check_field_types(cfg, target)
     try:
         recipe = instantiate(cfg)
     except InstantiationException as exc:
@@ -67,6 +71,32 @@ def build_recipe(cfg: DictConfig) -> Recipe:
             "and loss(model, batch) (see docs/models.md, 'Add your own recipe')"
         )
     return recipe
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def check_field_types(cfg: DictConfig, target: Any) -> None:
+    """A dataclass recipe's values against its fields' plain types (int, float, str, bool, Optional of them):
+    `recipe.hidden=2.5` is refused naming the key, instead of failing deep inside torch. Other annotations,
+    and recipes that are not dataclasses, are the recipe's own to check."""
+    try:
+        cls = get_object(str(target))
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    except Exception:  # noqa: BLE001 - an unimportable target is reported by its instantiation
+        return
+    for name, hint in hints.items():
+        if name not in cfg:
+            continue
+        value, args = cfg[name], typing.get_args(hint)
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+        kind = next((a for a in args if a is not type(None)), None) if optional and len(args) == 2 else hint
+        if kind not in _KINDS or (value is None and optional):
+            continue
+        fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool)) or \
+            (kind is float and isinstance(value, int) and not isinstance(value, bool))
+        if not fits:
+            raise ConfigError(f"recipe.{name}", value, _KINDS[kind] + (" or null" if optional else ""))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -34,6 +34,8 @@ class MLPRecipe:
             raise ConfigError("recipe.num_classes", self.num_classes, "an integer >= 2")
         if self.norm not in NORMS:
             raise ConfigError("recipe.norm", self.norm, " | ".join(NORMS))
+        if self.norm == "batchnorm" and self.batch_size < 2:  # its training statistics need two samples
+            raise ConfigError("recipe.batch_size", self.batch_size, "an integer >= 2 with recipe.norm=batchnorm")
         self.samples_per_batch = self.batch_size
         self.tokens_per_batch: Optional[int] = None
 

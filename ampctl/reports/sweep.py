@@ -41,7 +41,7 @@ class SweepReport(Callback):
         num = config.hydra.job.num  # 0-based
         elapsed = time.perf_counter() - self.started
         eta = f"eta {format_seconds(elapsed / num * (self.total_jobs - num))}" if num else "eta -"
-        overrides = " ".join(config.hydra.overrides.task)
+        overrides = " ".join(map(str, OmegaConf.to_container(config.hydra.overrides.task, resolve=False)))
         print(f"ampctl sweep: job {num + 1}/{self.total_jobs} ({overrides}) | elapsed {format_seconds(elapsed)} | {eta}",
               flush=True)
 

@@ -42,6 +42,8 @@ def format_duration(seconds: Optional[float]) -> str:
     """0:01:05, 12:00:00, 2 days, 3:04:05; '?' before there is anything to estimate from."""
     if seconds is None or not math.isfinite(seconds):
         return "?"
+    if seconds >= 1e5 * 86400:  # past what a timedelta holds (train.steps=2^63-1): years are years
+        return f"{seconds / (365.25 * 86400):.3g} years"
     return str(datetime.timedelta(seconds=round(max(seconds, 0.0))))
 
 

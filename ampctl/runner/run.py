@@ -96,10 +96,11 @@ def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callab
                 evaluation.check_monitor(state.model, cfg.train.monitor)  # one held-out batch, before any record
             announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)
             recorder.identity = parallel.main_value(recorder.claim(cfg, choices))  # before the first record
+            # the trackers reached (and a resumed run's tracker ids read) before anything is set aside or written
+            recorder.start_trackers(cfg, resume.step, after_steps=peak.untimed_steps)
             recorder.open(resume.step)
             if cfg.resume:
                 recorder.record_config(cfg)
-            recorder.start_trackers(cfg, resume.step, after_steps=peak.untimed_steps)
             telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device, step_flops)
             telemetry.skipped_total = resume.skipped_total
             profiler = StepProfiler(cfg.train.profile, first_profiled, state.step, recorder.run_dir, parallel.rank,

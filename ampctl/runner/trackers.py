@@ -116,10 +116,14 @@ def eval_values(row: dict[str, Any]) -> dict[str, float]:
 
 
 class Tracker:
-    """start(config) once, write(records) on log steps, flush() when the loop ends, then finish(summary) when
-    the run succeeds or fail() when it does not: either ends the tracker's run."""
+    """connect() before the run records anything, start(config) once, write(records) on log steps, flush()
+    when the loop ends, then finish(summary) when the run succeeds or fail() when it does not: either ends the
+    tracker's run."""
 
     name = ""  # the logger option that chose it
+
+    def connect(self) -> None:
+        pass
 
     def start(self, cfg: DictConfig) -> None:
         pass
@@ -292,14 +296,24 @@ class MlflowTracker(Tracker):
 
     def __init__(self, options: DictConfig, run_dir: Path, run_id: Optional[str]) -> None:
         self.options, self.run_dir, self.run_id = options, run_dir, run_id
+        self.logged_up_to = 0  # a resumed run's steps MLflow holds already
 
-    def start(self, cfg: DictConfig) -> None:
-        from mlflow.entities import Param
+    def connect(self) -> None:
+        """The tracking store, reached before the run records anything (a bad URI is refused up front)."""
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=self.options.tracking_uri)
+        self.client.search_experiments(max_results=1)
+
+    def start(self, cfg: DictConfig) -> None:
+        from mlflow.entities import Param
+
         if self.run_id is not None:  # resumed: the run goes on
             self.client.update_run(self.run_id, status="RUNNING")
+            # MLflow's metric history is append-only: the steps a killed run logged past its checkpoint stay,
+            # and are not logged twice (a resumed run repeats them; on a CPU bit for bit)
+            self.logged_up_to = max((m.step for m in self.client.get_metric_history(self.run_id, "train/loss")),
+                                    default=0)
             return
         name = self.options.experiment
         experiment = self.client.get_experiment_by_name(name)
@@ -315,7 +329,8 @@ class MlflowTracker(Tracker):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, r.step) for r in records for k, v in metric_values(r).items()]
+        metrics = [Metric(k, v, now, r.step) for r in records if r.step > self.logged_up_to
+                   for k, v in metric_values(r).items()]
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a batch
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
@@ -365,6 +380,11 @@ class Trackers:
             self.trackers.append(WandbTracker(logger.wandb, run_dir, ids.get("wandb")))
         if logger.mlflow is not None:
             self.trackers.append(MlflowTracker(logger.mlflow, run_dir, ids.get("mlflow")))
+        for tracker in self.trackers:  # before the first record: a tracker that cannot start is refused now
+            try:
+                tracker.connect()
+            except Exception as exc:  # noqa: BLE001 - a tracker's own refusal (a bad URI, a path): its line
+                raise UsageError(f"logger={tracker.name}: could not start: {one_line(exc)}") from None
         self._start_after = start_after_steps
         self._waiting: list[StepRecord] = []
         self._waiting_evals: list[dict[str, Any]] = []

@@ -82,7 +82,8 @@ def test_multirun_sweeps_scaler_settings(tmp_path, restore_argv, capsys):
         main(["train", "-m", "precision=fp16", "scaler.growth_interval=100,500", *FAST, f"hydra.sweep.dir={sweep_dir}"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err == (f"ampctl train: error: hydra.sweep.dir={sweep_dir} already holds a sweep (3 "
-                                       "job directories with records): choose another hydra.sweep.dir\n")
+                                       "job directories with records): continue it with resume=auto, or choose another "
+                                       "hydra.sweep.dir\n")
     assert {p: p.read_bytes() for p in sweep_dir.rglob("*") if p.is_file()} == before
 
 

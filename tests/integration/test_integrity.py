@@ -270,3 +270,49 @@ def test_a_killed_sweep_resumes_keeping_finished_jobs_and_continuing_the_killed_
         assert steps(job / "metrics.jsonl") == list(range(1, 401)), job.name
         assert "resume=auto" not in job.name
     assert "resumed from" in resumed.stdout and "step_00000" in resumed.stdout
+
+
+# --- 7. problems named, nothing recorded twice ------------------------------------------------------------------
+
+
+def test_a_resumed_run_logs_no_step_twice_to_mlflow(tmp_path, restore_argv):
+    """A run killed after logging steps past its checkpoint (its newest checkpoint removed, as a kill before it
+    was written leaves the directory), then resumed: MLflow's append-only history holds each step once."""
+    pytest.importorskip("mlflow")
+    from tests.tracker_readers import mlflow_run
+
+    run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [*MLP, "train.checkpoint_every=4", "logger=mlflow", f"logger.mlflow.tracking_uri={uri}",
+              f"hydra.run.dir={run}"]
+    main(["train", *common, "train.steps=6"])
+    for path in (run / "checkpoints").glob("step_00000006.pt*"):
+        path.unlink()
+    main(["train", *common, "train.steps=8", "resume=auto"])
+    held = mlflow_run(uri, json.loads((run / "trackers.json").read_text())["mlflow"])
+    logged = [m.step for m in held["histories"]["train/loss"]]
+    assert sorted(logged) == list(range(1, 9)), logged
+
+
+def test_a_garbled_trackers_json_is_refused_not_taken_for_a_new_tracker_run(tmp_path, capsys, restore_argv):
+    pytest.importorskip("mlflow")
+    run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [*MLP, "logger=mlflow", f"logger.mlflow.tracking_uri={uri}", f"hydra.run.dir={run}"]
+    main(["train", *common, "train.steps=2"])
+    (run / "trackers.json").write_bytes(b"\x00{garbled")
+    before = snapshot(run)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *common, "train.steps=4", "resume=auto"])
+    assert exit_info.value.code == 2
+    assert "trackers.json cannot be read: it names the tracker runs this run continues" in capsys.readouterr().err
+    assert set(snapshot(run)) >= set(before)
+
+
+@pytest.mark.parametrize("uri", ["bogus://x", "sqlite:///{tmp}/afile/db.sqlite"])
+def test_a_tracker_that_cannot_start_is_refused_before_the_first_record(tmp_path, uri):
+    (tmp_path / "afile").write_text("")
+    refused = cli("train", *MLP, "train.steps=2", "logger=mlflow",
+                  f"logger.mlflow.tracking_uri={uri.format(tmp=tmp_path)}", f"hydra.run.dir={tmp_path / 'run'}",
+                  cwd=tmp_path)
+    assert refused.returncode == 2 and "logger=mlflow: could not start: " in refused.stderr, refused.stderr
+    assert refused.stderr.count("\n") == 1
+    assert not (tmp_path / "run").exists()
