@@ -91,6 +91,27 @@ def typed(command: str, cfg: DictConfig) -> DictConfig:
         raise UsageError(one_line(exc)) from None
 
 
+def refuse_numbers_for_booleans(cfg: DictConfig, overrides: list[str]) -> None:
+    """`telemetry.profile_cpu_memory=2`: OmegaConf takes any integer for a boolean (2 is true); a number where
+    true or false is expected is a mistake, refused naming the key."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import BooleanNode
+
+    from ampctl.errors import ConfigError
+
+    for override in OverridesParser.create().parse_overrides(overrides):
+        if override.is_delete() or override.is_sweep_override() or "/" in override.key_or_group:
+            continue
+        value = override.value()
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        node: Any = cfg
+        for part in override.key_or_group.split("."):
+            node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
+        if isinstance(node, BooleanNode):
+            raise ConfigError(override.key_or_group, value, "true or false")
+
+
 def check_command(command: str, cfg: DictConfig) -> DictConfig:
     """cfg typed by `command`'s schema and checked; raises UsageError. Returns the typed config."""
     cfg = typed(command, cfg)
@@ -137,6 +158,7 @@ def check_single_run(command: str, config: DictConfig) -> DictConfig:
     from ampctl.runner.ownership import refuse_another_commands_directory, refuse_another_runs_directory
 
     cfg = typed(command, without_hydra_node(config))
+    refuse_numbers_for_booleans(cfg, task_overrides(config.hydra))
     if command == "train":
         if is_main_process():  # the other ranks record nothing (run.dir=.)
             refuse_another_runs_directory(config.hydra.run.dir, cfg.resume)
@@ -177,6 +199,7 @@ class CheckEveryJob(Callback):
                 except (HydraException, OmegaConfBaseException) as exc:
                     raise UsageError(one_line(exc)) from None
                 cfg = check_command(self.command, cfg)
+                refuse_numbers_for_booleans(cfg, job)
             from ampctl.runner.ownership import refuse_another_sweeps_directory
 
             refuse_another_sweeps_directory(config.hydra.sweep.dir, cfg.get("resume"))

@@ -123,12 +123,17 @@ def main() -> None:
     existing = [str(path) for path in written if path.exists()]
     if existing:
         parser.error(f"{', '.join(existing)} exists already; choose another NAME or --dir (nothing was written)")
-    try:
+    done: list[Path] = []
+    try:  # all or nothing: the files written before one that cannot be are removed again
         for path, text in written.items():
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text, encoding="utf-8")
+            with path.open("x", encoding="utf-8") as f:  # never over a file that appeared meanwhile
+                done.append(path)
+                f.write(text)
     except OSError as exc:
-        parser.error(f"cannot write {exc.filename}: {exc.strerror}")
+        for path in done:
+            path.unlink(missing_ok=True)
+        parser.error(f"cannot write {exc.filename}: {exc.strerror} (nothing was written)")
     for path in written:
         print(f"wrote {path}")
     print(f"run it: ampctl train -cd {args.dir} -cn {args.name}")

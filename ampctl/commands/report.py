@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.reports import tables
-from ampctl.reports.runs import find_runs, is_run_dir, load_run
+from ampctl.reports.runs import find_runs, is_run_dir, load_run, row_problems
 from ampctl.reports.sweep import write_sweep_report
 from ampctl.runner.compare import write_comparison_report
 
@@ -32,6 +32,8 @@ def render(path: Path) -> int:
                                  "run the command that wrote it again") from None
     if is_run_dir(path):
         run = load_run(path)
+        for problem in row_problems(run.metrics):
+            console.print(f"warning: {path / 'metrics.jsonl'}: {problem}")
         if run.unfinished:
             _render_unfinished(run, console)
             return 0

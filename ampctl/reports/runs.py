@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import OmegaConf
-
 from ampctl.errors import UsageError
 
 LOCK_FILE = ".ampctl.lock"  # held (flock) by the run recording into the directory; the kernel frees it on kill
@@ -80,10 +78,54 @@ def load_run(path: Path) -> RunRecord:
     summary = read_summary(path / "summary.json")
     metrics = read_rows(path / "metrics.jsonl")
     overrides_path = path / ".hydra" / "overrides.yaml"
-    overrides = [str(o) for o in OmegaConf.load(overrides_path)] if overrides_path.is_file() else []
+    overrides = read_overrides(overrides_path) if overrides_path.is_file() else []
     error_path = path / ERROR_FILE
     error = error_path.read_text().strip() if error_path.is_file() else None
     return RunRecord(path, summary, metrics, overrides, error, running_pid=holder_pid(path))
+
+
+def read_overrides(path: Path) -> list[str]:
+    """Hydra's overrides.yaml: a list of `key=value` texts (UsageError naming the file when it is not one)."""
+    import yaml
+
+    try:
+        overrides = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UsageError(f"{path} cannot be read ({type(exc).__name__}): the run's overrides are lost; its config "
+                         "is in config.yaml beside it") from None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise UsageError(f"{path} is not a list of overrides: the run's config is in config.yaml beside it")
+    return overrides
+
+
+def row_problems(rows: list[dict], through: int = 0) -> list[str]:
+    """What a run's rows lack or repeat, in words: missing steps (up to the last row's, or `through`), steps
+    recorded twice, steps out of order."""
+    steps = [row["step"] for row in rows]
+    problems = []
+    if any(b < a for a, b in zip(steps, steps[1:])):
+        problems.append("rows out of step order")
+    seen, twice = set(), set()
+    for step in steps:
+        (twice if step in seen else seen).add(step)
+    if twice:
+        problems.append(f"step(s) {_ranges(sorted(twice))} recorded twice")
+    missing = sorted(set(range(1, max([*steps, through]) + 1)) - seen)
+    if missing:
+        problems.append(f"step(s) {_ranges(missing)} missing")
+    return problems
+
+
+def _ranges(steps: list[int]) -> str:
+    """[4, 5, 6, 9] -> '4-6, 9'."""
+    spans: list[list[int]] = []
+    for step in steps:
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    text = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans[:6])
+    return text + (f" and {len(spans) - 6} more spans" if len(spans) > 6 else "")
 
 
 def read_summary(path: Path) -> Optional[dict]:
@@ -99,6 +141,11 @@ def read_summary(path: Path) -> Optional[dict]:
     return summary
 
 
+# the figures of a row (engine/telemetry.py's StepRecord): numbers, or null where a step has none
+NUMERIC_FIELDS = ("loss", "loss_scale", "skipped_total", "grad_norm", "lr", "step_time_ms", "samples_per_s", "tokens_per_s",
+                  "tflops", "mfu", "data_ms")
+
+
 def read_rows(path: Path) -> list[dict]:
     """metrics.jsonl's rows. A last line without its newline was cut by a kill and is passed over; any other
     line that is not a row with an integer step raises UsageError naming it."""
@@ -112,6 +159,10 @@ def read_rows(path: Path) -> list[dict]:
             row = json.loads(line)
             if not isinstance(row, dict) or not isinstance(row.get("step"), int):
                 raise ValueError("not a row with an integer 'step'")
+            bad = next((k for k in NUMERIC_FIELDS if row.get(k) is not None and
+                        (isinstance(row[k], bool) or not isinstance(row[k], (int, float)))), None)
+            if bad is not None:
+                raise ValueError(f"its {bad} is {row[bad]!r}, not a number")
         except ValueError as exc:
             raise UsageError(f"{path}:{number} is not a metrics row ({exc}); a run resumed in that directory sets "
                              "such lines aside") from None

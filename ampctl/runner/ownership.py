@@ -202,6 +202,7 @@ def start_timeline_at(run_dir: Path, step: int) -> list[str]:
                     f"{folder.relative_to(run_dir)}")
     for name in ("metrics.jsonl", "evals.jsonl", "ranges.jsonl"):
         said += split_rows(run_dir / name, lambda row_step: row_step <= step, f"rows after step {step}", stamp)
+    said += _rows_lost_before(run_dir / "metrics.jsonl", step)
     for name in ("summary.json", "diagnosis.json"):
         if (run_dir / name).is_file():
             said.append(f"{name} set aside in {(run_dir / name).rename(_aside(run_dir / name, stamp)).name}")
@@ -227,6 +228,18 @@ def split_rows(path: Path, keep: Callable[[int], bool], what: str, stamp: str) -
     parts = ([f"{len(aside) - unreadable} {what}"] if len(aside) > unreadable else []) + \
         ([f"{unreadable} unreadable line(s)"] if unreadable else [])
     return [f"{path.name}: {' and '.join(parts)} set aside in {target.name}"]
+
+
+def _rows_lost_before(path: Path, step: int) -> list[str]:
+    """The steps up to the checkpoint whose rows metrics.jsonl lacks (a file cut or edited on disk): the run
+    continues exactly from its checkpoint, but those rows cannot be made again, and a report would hide it."""
+    from ampctl.reports.runs import row_problems
+
+    rows = [{"step": s} for line in (path.read_text(encoding="utf-8", errors="replace").splitlines()
+                                     if path.is_file() else []) if (s := _row_step(line)) is not None]
+    problems = row_problems(rows, through=step)
+    return [f"metrics.jsonl up to the checkpoint at step {step}: {'; '.join(problems)} (lost on disk "
+            "before this resume; the run continues exactly from its checkpoint)"] if problems else []
 
 
 def set_aside_unreadable_rows(run_dir: Path) -> list[str]:

@@ -134,6 +134,10 @@ class Recorder:
         if self.trackers is not None:
             self.trackers.finish(summary)
         self.echo(final_line(summary, self.run_dir))
+        if summary.get("steps") and summary.get("skipped_total") == summary["steps"]:
+            self.echo(f"warning: every step was skipped ({summary['steps']} of {summary['steps']}: the gradients were "
+                      "never finite at the loss scale): the weights never changed; lower scaler.init_scale, or see "
+                      "`ampctl inspect` for where the values overflow")
         return summary
 
 

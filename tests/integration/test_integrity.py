@@ -316,3 +316,98 @@ def test_a_tracker_that_cannot_start_is_refused_before_the_first_record(tmp_path
     assert refused.returncode == 2 and "logger=mlflow: could not start: " in refused.stderr, refused.stderr
     assert refused.stderr.count("\n") == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_rows_lost_on_disk_are_named_at_resume_and_by_report(tmp_path, capsys, restore_argv):
+    run_dir = tmp_path / "run"
+    main(["train", *MLP, "train.steps=12", "train.checkpoint_every=6", f"hydra.run.dir={run_dir}"])
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])  # cut inside row 4
+    for path in (run_dir / "checkpoints").glob("step_00000012.pt*"):
+        path.unlink()
+    capsys.readouterr()
+    main(["train", *MLP, "train.steps=14", f"hydra.run.dir={run_dir}", "resume=auto"])
+    out = capsys.readouterr().out
+    assert "metrics.jsonl up to the checkpoint at step 6: step(s) 4-6 missing" in out
+    main(["report", str(run_dir)])
+    assert f"warning: {run_dir / 'metrics.jsonl'}: step(s) 4-6 missing" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage,named", [
+    ("duplicate", "step(s) 2 recorded twice"), ("reorder", "rows out of step order"),
+])
+def test_report_names_duplicated_and_out_of_order_rows(tmp_path, capsys, restore_argv, damage, named):
+    run_dir = tmp_path / "run"
+    main(["train", *MLP, "train.steps=4", f"hydra.run.dir={run_dir}"])
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    lines = lines + [lines[1]] if damage == "duplicate" else [lines[1], lines[0], *lines[2:]]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    main(["report", str(run_dir)])
+    assert named in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage,named", [
+    ("overrides", "overrides.yaml cannot be read"), ("loss", "its loss is 'abc', not a number"),
+])
+def test_report_on_a_damaged_record_is_one_line(tmp_path, capsys, restore_argv, damage, named):
+    run_dir = tmp_path / "run"
+    main(["train", *MLP, "train.steps=3", f"hydra.run.dir={run_dir}"])
+    if damage == "overrides":
+        (run_dir / ".hydra" / "overrides.yaml").write_text("- [unclosed\n")
+    else:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        lines[1] = json.dumps({**json.loads(lines[1]), "loss": "abc"})
+        (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", str(run_dir)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and named in err, err
+
+
+def test_a_run_whose_every_step_was_skipped_says_so(tmp_path, capsys, restore_argv):
+    main(["train", *MLP, "precision=fp16", "scaler.init_scale=1e38", "scaler.backoff_factor=0.9999",
+          "guard.max_consecutive_skips=null", "train.steps=3", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert "warning: every step was skipped (3 of 3" in capsys.readouterr().out
+
+
+# --- 8. no tracebacks ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,named", [
+    (["recipe.hidden=2.5"], "recipe.hidden=2.5 is not allowed: expected an integer"),
+    (["recipe.hidden=abc"], "recipe.hidden='abc' is not allowed: expected an integer"),
+    (["recipe.batch_size=1e11"], "recipe.batch_size=100000000000.0 is not allowed: expected an integer"),
+    (["recipe.norm=batchnorm", "recipe.batch_size=1"], "recipe.batch_size=1 is not allowed"),
+    (["+optimizer.foo=1"], "unexpected keyword argument 'foo'"),
+    (["optimizer._target_=os.getcwd"], "optimizer._target_ must name a torch.optim.Optimizer"),
+    (["optimizer.fused=maybe"], "optimizer.fused='maybe' is not allowed: expected true, false or null"),
+    (["telemetry.profile_cpu_memory=2"], "telemetry.profile_cpu_memory=2 is not allowed: expected true or false"),
+    (["train.steps=${oops}"], "Interpolation key 'oops' not found"),
+    (["hydra.run.dir=/proc/ampctl-test/run"], "cannot write /proc/ampctl-test"),
+])
+def test_bad_values_are_one_line_exit_2_and_leave_nothing(tmp_path, args, named):
+    refused = cli("train", *MLP, "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}", *args, cwd=tmp_path)
+    assert named in one_line_refusal(refused, "train")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_long_run_prints_an_eta_in_years_instead_of_failing(tmp_path, capsys, restore_argv):
+    from ampctl.runner.console import format_duration
+
+    assert format_duration(2.0**62) == "1.46e+11 years"
+
+
+def test_a_config_that_includes_itself_is_one_line(tmp_path):
+    (tmp_path / "self.yaml").write_text("defaults:\n  - self\n")
+    refused = cli("train", "-cd", str(tmp_path), "-cn", "self", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert "defaults include themselves" in one_line_refusal(refused, "train")
+
+
+def test_init_next_to_a_file_in_its_way_writes_nothing(tmp_path, capsys, restore_argv):
+    (tmp_path / "recipe").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["init", "x", "--dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and "(nothing was written)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe"]
