@@ -179,7 +179,7 @@ def verify(folder: Path) -> Optional[str]:
         expected, _, name = line.partition("  ")
         path = folder / name
         if not name or not path.is_file() or checkpoint_files.cached_sha256(path) != expected:
-            return (f"{name or line!r} does not match its checksum ({MANIFEST}) or is missing: it changed on disk "
+            return (f"{name or repr(line)} does not match its checksum ({MANIFEST}) or is missing: it changed on disk "
                     "(a bit flip, a truncation)")
     return None
 
