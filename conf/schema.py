@@ -221,6 +221,12 @@ class TrainConfig:
     checkpoint_every_s: Optional[float] = 1800.0
     # treated as SIGTERM is: finish the step, checkpoint, exit 128 + its number (138 for SIGUSR1); null: ignore it
     preempt_signal: Optional[PreemptSignal] = PreemptSignal.SIGUSR1
+    # in a SLURM job, the preemption signal also requeues the job (scontrol requeue) once the checkpoint is
+    # written; the requeued job continues with resume=auto (Lightning's auto_requeue)
+    slurm_requeue: bool = True
+    # hang detection: no step finished for this many seconds (and 20x the median step) is said, with every
+    # thread's stack in hang-step-N.txt; the run goes on (runner/watchdog.py). null: off
+    hang_after_s: Optional[float] = 300.0
     keep_checkpoints: int = 2  # the newest K checkpoints are kept
     # evaluation on the recipe's held-out batches after every N steps and after the last, under the run's
     # autocast (engine/evaluation.py): evals.jsonl, the summary, the trackers, a line each; null: none
@@ -243,6 +249,9 @@ class TrainConfig:
         if self.checkpoint_every_s is not None:
             require(positive_finite(self.checkpoint_every_s), "train.checkpoint_every_s", self.checkpoint_every_s,
                     "a number of seconds > 0, or null for checkpoints by steps only")
+        if self.hang_after_s is not None:
+            require(positive_finite(self.hang_after_s), "train.hang_after_s", self.hang_after_s,
+                    "a number of seconds > 0, or null for no hang detection")
         require(self.profile is None or self.profile >= 1, "train.profile", self.profile,
                 "a number of steps >= 1, or null for no profile")
         require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")

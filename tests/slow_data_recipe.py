@@ -19,3 +19,17 @@ class SlowDataRecipe(MLPRecipe):
         for batch in super().batches(device, seed):
             time.sleep(self.data_delay_s)  # a DataLoader whose workers are behind
             yield batch
+
+
+@dataclass
+class StallingRecipe(MLPRecipe):
+    """The mlp recipe whose input pipeline stalls once: the batch of step `stall_at` takes `stall_s`."""
+
+    stall_at: int = 10
+    stall_s: float = 3.0
+
+    def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index, batch in enumerate(super().batches(device, seed), start=1):
+            if index == self.stall_at:
+                time.sleep(self.stall_s)  # a data worker that stopped answering, for a while
+            yield batch

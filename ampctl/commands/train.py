@@ -70,6 +70,11 @@ def train(cfg: DictConfig) -> Optional[float]:
         lines = [f"ampctl train: interrupted at step {exc.step} by {signal.Signals(exc.signum).name}; {where}"]
         if exc.checkpoint:
             lines.append(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}")
+            preempt = cfg.train.preempt_signal
+            if cfg.train.slurm_requeue and preempt is not None and exc.signum == signal.Signals[preempt.value]:
+                from ampctl.runner.requeue import requeue
+
+                lines += [line for line in [requeue()] if line]
         for line in lines:
             print(line, file=sys.stderr)
             log.warning(line)  # train.log (Hydra's job logging writes the file only)

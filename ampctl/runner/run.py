@@ -38,6 +38,7 @@ from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import METRICS_FILE, NoRecorder, Recorder
 from ampctl.runner.resume import Resume
 from ampctl.runner.speed_warnings import SpeedWarnings
+from ampctl.runner.watchdog import Watchdog
 
 
 def run_training(
@@ -253,20 +254,24 @@ def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Re
     SIGINT/SIGTERM. Returns the run's best checkpoints (train.save_top_k), if it keeps them."""
     checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak, parallel, compiling)
     pauses = Pauses.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
+    watchdog = Watchdog(recorder.run_dir, recorder.echo, cfg.train.hang_after_s if parallel.is_main else None)
 
     def after_step(last: bool) -> None:
+        watchdog.step_done(state.step)
         profiler.step()  # first: a profiled step ends where its timer mark is, before a checkpoint
         evaluated = (evaluation(state.step, state.model, telemetry, compiling, recorder)
                      if evaluation is not None and evaluation.due(state.step, last) else None)
         checkpointer(last, evaluated)
         if pauses is not None and not last:
-            pauses.after_step(state.step, telemetry)
+            with watchdog.pause():
+                pauses.after_step(state.step, telemetry)
+        watchdog.bookkeeping_done()
 
     ranges_log = recorder.ranges_log(state, policy.device, cfg.telemetry.ranges_every)
     announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
     try:
         preempt = cfg.train.preempt_signal.value if cfg.train.preempt_signal else None
-        with StopOnSignal(announce_stop if parallel.is_main else "", preempt) as stop, profiler:
+        with StopOnSignal(announce_stop if parallel.is_main else "", preempt) as stop, profiler, watchdog:
             finished = fit(
                 state, recipe, policy,
                 steps=cfg.train.steps,

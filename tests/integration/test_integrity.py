@@ -413,3 +413,45 @@ def test_init_next_to_a_file_in_its_way_writes_nothing(tmp_path, capsys, restore
         main(["init", "x", "--dir", str(tmp_path)])
     assert exit_info.value.code == 2 and "(nothing was written)" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe"]
+
+
+# --- what the most trusted peers guarantee: hang detection, SLURM requeue ------------------------------------
+
+
+def test_a_stalled_step_is_named_with_every_threads_stack_and_the_run_goes_on(tmp_path, capsys, restore_argv):
+    run_dir = tmp_path / "run"
+    main(["train", *MLP, "train.steps=14", "recipe._target_=tests.slow_data_recipe.StallingRecipe",
+          "+recipe.stall_at=10", "+recipe.stall_s=2.5", "train.hang_after_s=0.6", f"hydra.run.dir={run_dir}"])
+    out = capsys.readouterr().out
+    assert "warning: step 10 has not finished after" in out and "a hang?" in out, out
+    stacks = (run_dir / "hang-step-10.txt").read_text()
+    assert "slow_data_recipe.py" in stacks and "in batches" in stacks  # where it waits
+    assert steps(run_dir / "metrics.jsonl") == list(range(1, 15))  # the run went on to its end
+    assert [p.name for p in run_dir.glob("hang-step-*.txt")] == ["hang-step-10.txt"]  # one report, one stall
+
+
+def test_the_preemption_signal_in_a_slurm_job_requeues_it_after_the_checkpoint(tmp_path):
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol.calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
+                                f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: rows(run_dir / "metrics.jsonl") >= 2)
+    process.send_signal(signal.SIGUSR1)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 138, err
+    assert calls.read_text() == "requeue 4242\n"
+    assert "requeued SLURM job 4242: it continues this run with resume=auto" in err
+    # SIGTERM (a cancel, not the preemption warning) does not requeue
+    resumed = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000", "resume=auto",
+                                f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    done_rows = rows(run_dir / "metrics.jsonl")
+    wait_for(lambda: rows(run_dir / "metrics.jsonl") >= done_rows + 2)
+    resumed.send_signal(signal.SIGTERM)
+    resumed.communicate(timeout=120)
+    assert resumed.returncode == 143 and calls.read_text() == "requeue 4242\n"
