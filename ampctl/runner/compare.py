@@ -291,7 +291,8 @@ def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console
         started = run_in_turns(runs, pause_after, lambda done: progress.update(overall, completed=done),
                                on_round, on_finished)
     for run in started:
-        if run.error and run.stopped_by is None:
+        if run.error and run.stopped_by is None:  # a mode refused before its first step left no directory
+            run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / ERROR_FILE).write_text(run.error + "\n")
     return started
 

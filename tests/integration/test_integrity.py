@@ -455,3 +455,12 @@ def test_the_preemption_signal_in_a_slurm_job_requeues_it_after_the_checkpoint(t
     resumed.send_signal(signal.SIGTERM)
     resumed.communicate(timeout=120)
     assert resumed.returncode == 143 and calls.read_text() == "requeue 4242\n"
+
+
+def test_a_comparison_whose_modes_are_refused_before_their_first_step_records_why(tmp_path):
+    out = tmp_path / "cmp"
+    result = cli("compare", *MLP, "train.steps=2", "+optimizer.foo=1", "compare.precisions=[fp32]",
+                 "compare.rounds=1", "compare.warmup_steps=0", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout, result.stderr[-2000:]
+    assert "unexpected keyword argument 'foo'" in (out / "fp32" / "error.txt").read_text()
+    assert json.loads((out / "comparison.json").read_text())["rows"][0]["status"] == "failed"
