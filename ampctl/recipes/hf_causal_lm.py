@@ -189,7 +189,12 @@ class HFCausalLMRecipe:
             tokenizer = load_tokenizer(self.tokenizer)
             kwargs["vocab_size"] = len(tokenizer)
             kwargs.update({name: getattr(tokenizer, name) for name in SPECIAL_TOKENS if hasattr(default, name)})
+        needed = kwargs["vocab_size"]  # the token ids the corpus holds: the embedding must take every one
         kwargs.update(small_sizes(default, self.config) if self.size == "small" else self.config)
+        if isinstance(kwargs.get("vocab_size"), int) and kwargs["vocab_size"] < needed:
+            raise UsageError(f"recipe.config.vocab_size={kwargs['vocab_size']} is not allowed: expected an integer "
+                             f">= {needed}, the " + ("byte vocabulary (256)" if self.tokenizer is None else
+                                                     f"tokenizer's vocabulary ({needed})") + " the corpus is read in")
         try:
             return self._config_class(**kwargs)
         except Exception as exc:  # its validators' errors (huggingface_hub's strict dataclasses wrap ValueError)

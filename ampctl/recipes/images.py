@@ -3,13 +3,14 @@ by a DataLoader whose order depends on the seed alone."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from typing import Iterator, Optional
 
 import torch
 
-from ampctl.errors import ConfigError
+from ampctl.errors import ConfigError, UsageError
 from ampctl.recipes.metrics import EVAL_SEED
 
 SYNTHETIC_BATCHES = 4  # distinct fixed batches cycled on the device: data costs nothing in speed runs
@@ -82,9 +83,22 @@ def dataset_eval_batches(dataset: torch.utils.data.Dataset, batch_size: int, num
     """A held-out dataset once, in its order (the last batch may be short): the same batches on every call."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers,
                                          pin_memory=device.type == "cuda")
-    for x, y in loader:
-        yield (x.to(device, non_blocking=True).contiguous(memory_format=memory_format(channels_last)),
-               y.to(device, non_blocking=True))
+    with naming_unreadable_images():
+        for x, y in loader:
+            yield (x.to(device, non_blocking=True).contiguous(memory_format=memory_format(channels_last)),
+                   y.to(device, non_blocking=True))
+
+
+@contextlib.contextmanager
+def naming_unreadable_images() -> Iterator[None]:
+    """A file the loader cannot read (not an image, truncated: PIL raises an OSError, re-raised by the
+    DataLoader from its worker with the worker's traceback in its text) as one line naming the file."""
+    try:
+        yield
+    except OSError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise UsageError(f"the data loader cannot read an image: {lines[-1] if lines else type(exc).__name__}; "
+                         "remove or replace the file") from None
 
 
 def dataset_batches(dataset: torch.utils.data.Dataset, batch_size: int, num_workers: int, channels_last: bool,
@@ -101,7 +115,8 @@ def dataset_batches(dataset: torch.utils.data.Dataset, batch_size: int, num_work
         generator=torch.Generator().manual_seed(seed),  # its workers' seeds, never from the global RNG
         persistent_workers=num_workers > 0,
     )
-    while True:
-        for x, y in loader:
-            yield (x.to(device, non_blocking=True).contiguous(memory_format=memory_format(channels_last)),
-                   y.to(device, non_blocking=True))
+    with naming_unreadable_images():
+        while True:
+            for x, y in loader:
+                yield (x.to(device, non_blocking=True).contiguous(memory_format=memory_format(channels_last)),
+                       y.to(device, non_blocking=True))

@@ -464,3 +464,28 @@ def test_a_comparison_whose_modes_are_refused_before_their_first_step_records_wh
     assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout, result.stderr[-2000:]
     assert "unexpected keyword argument 'foo'" in (out / "fp32" / "error.txt").read_text()
     assert json.loads((out / "comparison.json").read_text())["rows"][0]["status"] == "failed"
+
+
+def test_an_image_the_loader_cannot_read_is_one_line_naming_it(tmp_path):
+    pytest.importorskip("timm")
+    from PIL import Image
+
+    for label, good in (("cat", 2), ("dog", 0)):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for i in range(good):
+            Image.new("RGB", (40, 48), (i * 60, 0, 0)).save(tmp_path / "images" / label / f"{i}.png")
+    (tmp_path / "images" / "dog" / "bad.png").write_bytes(b"not an image")
+    refused = cli("train", "device=cpu", "recipe=timm", "recipe.model=test_resnet", "recipe.image_size=32",
+                  "recipe.num_classes=null", "recipe.data=imagefolder", f"recipe.data_root={tmp_path / 'images'}",
+                  "recipe.batch_size=3", "recipe.num_workers=1", "train.steps=2", "train.console=quiet",
+                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert "the data loader cannot read an image: " in one_line_refusal(refused, "train")
+    assert "bad.png" in refused.stderr
+
+
+def test_a_vocabulary_smaller_than_the_corpus_is_refused(tmp_path):
+    pytest.importorskip("transformers")
+    refused = cli("train", "device=cpu", "recipe=hf_causal_lm", "+recipe.config.vocab_size=10", "train.steps=1",
+                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert "recipe.config.vocab_size=10 is not allowed: expected an integer >= 256" in one_line_refusal(refused, "train")
+    assert not (tmp_path / "run").exists()
