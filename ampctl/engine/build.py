@@ -17,6 +17,7 @@ from ampctl.engine.loop import TrainState
 from ampctl.engine.optim import (
     LRSchedule,
     build_optimizer,
+    check_optimizer_arguments,
     check_optimizer_with_scaler,
     prime_fused_sgd_momentum,
 )
@@ -33,6 +34,7 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     policy.check()
     check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
+    check_optimizer_arguments(cfg.optimizer)
     return policy
 
 

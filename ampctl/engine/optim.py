@@ -10,13 +10,14 @@ which torch's GradScaler has already paid for (it syncs in step() for non-fused 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import math
 from typing import Any, Callable, Iterable
 
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 
 from ampctl.conf.messages import instantiation_error
@@ -82,6 +83,28 @@ def check_optimizer_with_scaler(optimizer_cfg: DictConfig, scaler_can_skip: bool
             f"optimizer.dampening={optimizer_cfg.dampening} with optimizer.fused=true under a loss scaler: torch's "
             "fused SGD leaves its momentum uninitialised when the scaler skips its first step; set "
             "optimizer.fused=false (or dampening=0)")
+
+
+def check_optimizer_arguments(optimizer_cfg: DictConfig) -> None:
+    """Before anything is built (and before compare or a sweep starts a process): the optimizer's _target_
+    takes the parameters first and every key the config gives it, by its signature. A _target_ whose
+    signature cannot be read (a C extension) is left to its construction."""
+    target = str(optimizer_cfg.get("_target_"))
+    try:
+        factory = get_object(target)
+        parameters = inspect.signature(factory).parameters
+    except Exception:  # noqa: BLE001 - unimportable: its instantiation names why
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    if not parameters:
+        raise UsageError(f"optimizer._target_={target!r} takes no arguments: it must name a torch.optim.Optimizer "
+                         "(or a callable taking the parameters and returning one)")
+    names = [name for name in parameters if name != next(iter(parameters))]  # the first takes the params
+    unknown = [key for key in optimizer_cfg if not str(key).startswith("_") and key not in names]
+    if unknown:
+        raise UsageError(f"optimizer.{unknown[0]}: {target} takes no argument {unknown[0]!r}; it takes "
+                         f"{', '.join(names)}")
 
 
 def lr_tensor_dtype(device: torch.device) -> torch.dtype:

@@ -382,8 +382,8 @@ def test_a_run_whose_every_step_was_skipped_says_so(tmp_path, capsys, restore_ar
     (["recipe.hidden=abc"], "recipe.hidden='abc' is not allowed: expected an integer"),
     (["recipe.batch_size=1e11"], "recipe.batch_size=100000000000.0 is not allowed: expected an integer"),
     (["recipe.norm=batchnorm", "recipe.batch_size=1"], "recipe.batch_size=1 is not allowed"),
-    (["+optimizer.foo=1"], "unexpected keyword argument 'foo'"),
-    (["optimizer._target_=os.getcwd"], "optimizer._target_ must name a torch.optim.Optimizer"),
+    (["+optimizer.foo=1"], "optimizer.foo: torch.optim.AdamW takes no argument 'foo'; it takes lr, betas"),
+    (["optimizer._target_=os.getcwd"], "takes no arguments: it must name a torch.optim.Optimizer"),
     (["optimizer.fused=maybe"], "optimizer.fused='maybe' is not allowed: expected true, false or null"),
     (["telemetry.profile_cpu_memory=2"], "telemetry.profile_cpu_memory=2 is not allowed: expected true or false"),
     (["train.steps=${oops}"], "Interpolation key 'oops' not found"),
@@ -457,12 +457,23 @@ def test_the_preemption_signal_in_a_slurm_job_requeues_it_after_the_checkpoint(t
     assert resumed.returncode == 143 and calls.read_text() == "requeue 4242\n"
 
 
-def test_a_comparison_whose_modes_are_refused_before_their_first_step_records_why(tmp_path):
+def test_a_comparison_with_an_optimizer_argument_no_mode_can_take_is_refused_before_any_mode_runs(tmp_path):
     out = tmp_path / "cmp"
     result = cli("compare", *MLP, "train.steps=2", "+optimizer.foo=1", "compare.precisions=[fp32]",
                  "compare.rounds=1", "compare.warmup_steps=0", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert "torch.optim.AdamW takes no argument 'foo'" in one_line_refusal(result, "compare")
+    assert not out.exists()
+
+
+def test_a_mode_refused_in_its_own_process_before_its_first_step_records_why(tmp_path):
+    """A mistake only the mode's process meets (here: the recipe's model cannot be built) leaves the mode's
+    error.txt, though the refused run removed its directory."""
+    out = tmp_path / "cmp"
+    result = cli("compare", *MLP, "train.steps=2", "recipe._target_=tests.broken_recipes.BrokenRecipe",
+                 "+recipe.mistake=not_a_module", "compare.precisions=[fp32]", "compare.rounds=1",
+                 "compare.warmup_steps=0", f"hydra.run.dir={out}", cwd=tmp_path)
     assert result.returncode == 1 and "Traceback" not in result.stderr + result.stdout, result.stderr[-2000:]
-    assert "unexpected keyword argument 'foo'" in (out / "fp32" / "error.txt").read_text()
+    assert (out / "fp32" / "error.txt").read_text().strip()
     assert json.loads((out / "comparison.json").read_text())["rows"][0]["status"] == "failed"
 
 
