@@ -10,7 +10,7 @@ classified:
 
     python benchmarks/adversarial_sweep.py [--jobs 2] [--only SUBSTRING] [--out results.json]
 
-Prints one line per case that is not ok, then the counts. Takes about 15 minutes on 2 CPU cores.
+Prints one line per case that is not ok, then the counts. 309 cases; about 12 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations

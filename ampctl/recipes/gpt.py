@@ -102,7 +102,7 @@ class GPTRecipe:
         self.samples_per_batch = self.batch_size
         self.tokens_per_batch = self.batch_size * self.block_size
         self._data = read_corpus(self.corpus, self.max_corpus_bytes)
-        check_corpus_length(self.corpus, len(self._data), self.block_size)
+        check_corpus_length(self.corpus, len(self._data), self.block_size, max_corpus_bytes=self.max_corpus_bytes)
 
     def activation_checkpoint_blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.blocks)  # type: ignore[arg-type]

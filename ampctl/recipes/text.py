@@ -50,13 +50,18 @@ def read_corpus(corpus: Optional[str], max_bytes: int) -> bytes:
 HELD_OUT_FRACTION = 0.1
 
 
-def check_corpus_length(corpus: Optional[str], tokens: int, block_size: int, unit: str = "bytes") -> None:
+def check_corpus_length(corpus: Optional[str], tokens: int, block_size: int, unit: str = "bytes",
+                        max_corpus_bytes: Optional[int] = None) -> None:
     """Training draws windows of block_size + 1 tokens (inputs and their next-token targets) from at least two
-    places of the first nine tenths; the last tenth holds at least one window."""
+    places of the first nine tenths; the last tenth holds at least one window. The key named is the one to
+    change: recipe.max_corpus_bytes when it cut the corpus below that, else recipe.corpus."""
     needed = math.ceil((block_size + 1) / HELD_OUT_FRACTION)
     if tokens < needed:
         where = corpus if corpus is not None else "the standard library"
-        raise UsageError(f"recipe.corpus={where!r} holds {tokens} {unit}; at least {needed} are needed for "
+        held = (f"recipe.max_corpus_bytes={max_corpus_bytes} keeps {tokens} {unit} of {where}"
+                if max_corpus_bytes is not None and max_corpus_bytes < needed else
+                f"recipe.corpus={where!r} holds {tokens} {unit}")
+        raise UsageError(f"{held}; at least {needed} are needed for "
                          f"block_size={block_size} (training windows in the first nine tenths, a held-out window of "
                          "block_size + 1 in the last tenth)")
 

@@ -500,3 +500,10 @@ def test_a_vocabulary_smaller_than_the_corpus_is_refused(tmp_path):
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert "recipe.config.vocab_size=10 is not allowed: expected an integer >= 256" in one_line_refusal(refused, "train")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_corpus_cut_too_short_by_max_corpus_bytes_names_that_key(tmp_path):
+    refused = cli("train", "device=cpu", "recipe=gpt", "recipe.max_corpus_bytes=10", "train.steps=1",
+                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert "recipe.max_corpus_bytes=10 keeps 10 bytes of the standard library; at least 1290 are needed" in \
+        one_line_refusal(refused, "train")
