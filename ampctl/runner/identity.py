@@ -34,9 +34,9 @@ _CREATED: set[Path] = set()  # the identity.json files this process wrote (a ref
 # batch changes).
 SAFE_TO_CHANGE = (
     "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.checkpoint_every_s",
-    "train.keep_checkpoints", "train.preempt_signal", "train.slurm_requeue", "train.hang_after_s", "train.compile", "train.compile_mode",
-    "train.profile", "train.timing_warmup_steps", "train.eval_every", "train.eval_batches", "train.eval_fp32",
-    "train.save_top_k", "telemetry.profile_cpu_memory", "distributed.", "logger", "resume",
+    "train.keep_checkpoints", "train.preempt_signal", "train.slurm_requeue", "train.hang_after_s", "train.compile",
+    "train.compile_mode", "train.profile", "train.timing_warmup_steps", "train.eval_every", "train.eval_batches",
+    "train.eval_fp32", "train.save_top_k", "telemetry.profile_cpu_memory", "distributed.", "logger", "resume",
 )
 
 

@@ -58,8 +58,8 @@ def inside_the_run(key: str, value: str) -> None:
     from ampctl.runner.ownership import RUN_OWN_NAMES
 
     parts = PurePath(value).parts
-    if not str(value).strip() or PurePath(value).is_absolute() or ".." in parts or parts[0] in RUN_OWN_NAMES \
-            or parts[0] in PurePath(IDS_FILE).parts:
+    if not str(value).strip() or PurePath(value).is_absolute() or ".." in parts or \
+            parts[0] in RUN_OWN_NAMES | {IDS_FILE}:
         raise UsageError(f"{key}={value!r} is not allowed: expected a path inside the run directory (relative, "
                          f"no '..') that is none of the run's own records ({', '.join(sorted(RUN_OWN_NAMES))}); "
                          "a tracker writes only its own files, inside the run it records")
@@ -70,7 +70,11 @@ def _check_wandb_login(options: DictConfig) -> None:
     if mode not in ("offline", "disabled", "dryrun") and not os.environ.get("WANDB_API_KEY"):
         import wandb
 
-        if not wandb.api.api_key:
+        try:
+            logged_in = wandb.login(prompt=False, verify=False)  # reads the stored key; no network, no prompt
+        except TypeError:  # a wandb older than login(prompt=)
+            logged_in = bool(wandb.api.api_key)
+        if not logged_in:
             raise UsageError("logger=wandb: online mode needs a W&B login (wandb login, or WANDB_API_KEY); or "
                              "logger.wandb.mode=offline writes under the run directory for `wandb sync` later")
 

@@ -507,3 +507,15 @@ def test_a_corpus_cut_too_short_by_max_corpus_bytes_names_that_key(tmp_path):
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert "recipe.max_corpus_bytes=10 keeps 10 bytes of the standard library; at least 1290 are needed" in \
         one_line_refusal(refused, "train")
+
+
+def test_wandb_online_without_a_login_is_refused_before_the_run(tmp_path):
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update({"PYTHONPATH": str(REPO), "HOME": str(tmp_path), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+                "NETRC": str(tmp_path / "no-netrc")})
+    refused = subprocess.run([sys.executable, "-m", "ampctl", "train", *MLP, "train.steps=1", "logger=wandb",
+                              f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path,
+                             env=env, timeout=300)
+    assert "logger=wandb: online mode needs a W&B login" in one_line_refusal(refused, "train")
+    assert not (tmp_path / "run").exists()
