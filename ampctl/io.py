@@ -16,9 +16,7 @@ from torch.utils._pytree import tree_map_only  # public torch.utils.pytree is ne
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file beside path, then rename it into place: a reader (or a kill) never sees
     half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -16,7 +16,7 @@ from ampctl.errors import UsageError
 from ampctl.reports.runs import LOCK_FILE, holder_pid
 from ampctl.runner import checkpoint_files
 from ampctl.runner.best_checkpoints import read_index, set_aside_after
-from ampctl.runner.checkpoint_files import CHECKPOINT_DIR, checkpoint_step, list_checkpoints
+from ampctl.runner.checkpoint_files import CHECKPOINT_DIR, checkpoint_step, is_checkpoint, list_checkpoints
 from ampctl.runner.identity import RUN_FILE
 
 # What a training run writes; Hydra's own files (.hydra/, train.log) are rewritten by every run and say nothing.
@@ -72,8 +72,10 @@ def continues_here(resume: Optional[str], run_dir: Path) -> bool:
         return False
     if resume == "auto":
         return True
+    from ampctl.runner.checkpoint import run_dir_of
+
     target = Path(resume).expanduser()
-    owner = target.parent.parent if target.parent.name == CHECKPOINT_DIR else target
+    owner = run_dir_of(target) if target.is_file() or is_checkpoint(target) else target
     return owner.resolve() == run_dir.resolve()
 
 

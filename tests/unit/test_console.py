@@ -32,6 +32,7 @@ def test_the_time_left_is_the_steps_left_times_the_median_step_so_far_without_th
     pace.add_records([record(7, ms=200.0)])
     assert pace.remaining_s(7) == 93 * 0.2
     assert format_duration(3725.4) == "1:02:05" and format_duration(None) == "?"
+    assert format_duration(2.0**62) == "1.46e+11 years"  # train.steps=2^63-1: past what a timedelta holds
 
 
 def test_the_live_table_fits_80_columns_by_dropping_whole_columns_never_cutting_numbers():
