@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 from importlib import resources
 from typing import Optional
 
+import yaml
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-# The nodes of PrecisionConfig (conf/schema.py) that only one mode has (null in the others), and that mode;
-# and their names before the rename.
-MODE_OPTION_NODES = {"fp8_emulated": "fp8_emulated", "fp8_torchao": "fp8"}
+# Option nodes' names before the rename.
 RENAMED_KEYS = {"precision.fp8": "precision.fp8_emulated", "precision.float8": "precision.fp8_torchao"}
 
 
@@ -103,8 +103,26 @@ def _missing_plugin(group: str, option: str, installed: list[str]) -> str:
     return f"{group}={option}: the {kind} plugin is not installed; {fix}"
 
 
+@functools.cache
+def mode_option_nodes() -> dict[str, list[str]]:
+    """The nodes of PrecisionConfig that only some modes set (null in the others: a converter's options), and the
+    modes that set them, as the shipped conf/precision/*.yaml do."""
+    nodes: dict[str, list[str]] = {}
+    for option in _shipped_options("precision"):
+        text = resources.files("ampctl.conf").joinpath("precision", f"{option}.yaml").read_text(encoding="utf-8")
+        for key, value in (yaml.safe_load(text) or {}).items():
+            if isinstance(value, dict):
+                nodes.setdefault(key, []).append(option)
+    return nodes
+
+
+def _owners(node: str) -> list[str]:
+    return [f"precision={mode}" for mode in mode_option_nodes()[node.split(".")[1]]]
+
+
 def _owner(node: str) -> str:
-    return f"precision={MODE_OPTION_NODES[node.split('.')[1]]}"
+    owners = _owners(node)
+    return owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} or {owners[-1]}"
 
 
 def key_under_null_node(overrides: list[str]) -> Optional[str]:
@@ -112,10 +130,10 @@ def key_under_null_node(overrides: list[str]) -> Optional[str]:
     the composed config: precision.fp8_emulated.margin=2 under precision=fp32. Which override, and the fix."""
     for override in overrides:
         parts = override.split("=", 1)[0].lstrip("+~").split(".")
-        if len(parts) >= 3 and parts[0] == "precision" and parts[1] in MODE_OPTION_NODES:
-            owner = _owner(".".join(parts[:2]))
-            return (f"{override}: precision.{parts[1]}.* are the options of {owner} only; "
-                    f"choose it on the same command line ({owner} {override})")
+        if len(parts) >= 3 and parts[0] == "precision" and parts[1] in mode_option_nodes():
+            node = ".".join(parts[:2])
+            return (f"{override}: {node}.* are the options of {_owner(node)} only; "
+                    f"choose it on the same command line ({_owners(node)[0]} {override})")
         if len(parts) >= 3 and parts[0] == "logger" and parts[1] not in _chosen_loggers(overrides):
             return (f"{override}: logger.{parts[1]}.* are the options of logger={parts[1]}, which is not chosen; "
                     f"choose it on the same command line (logger={parts[1]} {override}, or logger=[...,{parts[1]}])")

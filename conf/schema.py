@@ -103,6 +103,44 @@ class Fp8TorchaoConfig:
     filter_fqns: list[str] = field(default_factory=list)  # keep Linear layers whose name contains one of these in bf16
 
 
+class MXFormat(str, Enum):  # a str too: the MX code compares it with its names
+    mxfp8 = "mxfp8"  # OCP MX: 8-bit elements (E4M3 or E5M2), blocks of 32, E8M0 scales
+    mxfp4 = "mxfp4"  # OCP MX: E2M1 elements, blocks of 32, E8M0 scales
+    nvfp4 = "nvfp4"  # NVIDIA: E2M1 elements, blocks of 16, E4M3 scales and an fp32 per-tensor scale
+
+
+class MXElements(str, Enum):
+    e4m3 = "e4m3"
+    e5m2 = "e5m2"
+
+
+class MXScaleMode(str, Enum):  # torchao's ScaleCalculationMode: how an E8M0 scale is rounded from a block's amax
+    floor = "floor"  # the OCP MX v1.0 specification's rule
+    rceil = "rceil"  # NVIDIA's (cuBLAS, Transformer Engine)
+    ceil = "ceil"
+    even = "even"
+
+
+@dataclass
+class MXEmulatedConfig:
+    """The emulated microscaling formats of Linear layers (ampctl/engine/precision/mx_emulated.py)."""
+
+    format: MXFormat = MXFormat.mxfp8
+    elements: MXElements = MXElements.e4m3  # mxfp8: the elements of activations and weights
+    grad_elements: MXElements = MXElements.e4m3  # mxfp8: the elements of gradients (e5m2: more range, less precision)
+    scale_mode: MXScaleMode = MXScaleMode.floor  # mxfp8, mxfp4: how each block's E8M0 scale is rounded
+    per_tensor_scale: bool = True  # nvfp4: the second-level fp32 scale from each tensor's amax
+
+    def __post_init__(self) -> None:
+        if self.format != MXFormat.mxfp8:
+            for key in ("elements", "grad_elements"):
+                require(getattr(self, key) == MXElements.e4m3, f"precision.mx.{key}", getattr(self, key).name,
+                        f"e4m3 (the default) with format={self.format.name}, whose elements are E2M1")
+        if self.format == MXFormat.nvfp4:
+            require(self.scale_mode == MXScaleMode.floor, "precision.mx.scale_mode", self.scale_mode.name,
+                    "floor (the default) with format=nvfp4, whose block scales are E4M3, not E8M0")
+
+
 @dataclass
 class PrecisionConfig:
     """One precision mode. The YAMLs in conf/precision/ are rows of docs/precision.md's table."""
@@ -115,8 +153,13 @@ class PrecisionConfig:
     master_weights: bool = False  # O2: the optimizer steps on fp32 copies of the half weights
     keep_norm_fp32: bool = False  # O2: normalization layers keep fp32 weights and run in fp32
     tf32: bool = False  # TF32 for matmul and cuDNN convolutions; false means explicitly off
+    # The model converter of a converter-style mode (ampctl/engine/precision/converters.py), by its registered
+    # name; its options are the node named by the converter (fp8_emulated, fp8_torchao, mx), or `options`.
+    converter: Optional[str] = None
+    options: Optional[dict[str, Any]] = None  # the options of a converter registered by another package
     fp8_emulated: Optional[Fp8EmulatedConfig] = None  # precision=fp8_emulated: FP8 inputs for every nn.Linear
     fp8_torchao: Optional[Fp8TorchaoConfig] = None  # precision=fp8: torchao's FP8 matmuls for large nn.Linear layers
+    mx: Optional[MXEmulatedConfig] = None  # precision=mxfp8, mxfp4, nvfp4: emulated microscaling Linear layers
 
     def __post_init__(self) -> None:
         half = self.dtype in (Dtype.float16, Dtype.bfloat16)

@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ampctl import io
 from ampctl.engine import cpu_speed, devices
+from ampctl.engine.precision import converters
 
 # Dense TFLOP/s by datasheet, matched against torch.cuda.get_device_name() in this order (the first match).
 # fp32 is the CUDA cores' rate (true fp32, TF32 off); fp8 is e4m3/e5m2 on FP8 tensor cores.
@@ -62,11 +63,11 @@ def model_flops_per_step(recipe: Any, batch: Any, grad_accum_steps: int) -> int:
 
 def matmul_dtype(precision: Any) -> str:
     """The dtype the precision mode's matmuls run in, as the peak tables name it."""
-    if precision.fp8_torchao is not None:
-        return "float8"
+    if precision.converter is not None:
+        return converters.converter_class(precision.converter).matmul_dtype
     if precision.autocast or precision.cast_model:
         return precision.dtype.name
-    return "tf32" if precision.tf32 else "float32"  # fp8_emulated's matmuls are fp32 too
+    return "tf32" if precision.tf32 else "float32"
 
 
 def device_peak(device: torch.device, dtype: str) -> Peak:

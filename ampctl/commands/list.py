@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 from importlib import resources
 from pathlib import Path
 
@@ -20,12 +21,16 @@ from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import OneLineArgumentParser, UsageError
 
 GROUPS = ("scaler", "recipe", "optimizer", "logger")
-# docs/precision.md's table order: baselines first, then autocast modes, then Apex's cast-model levels.
-PRECISION_ORDER = ("fp32", "O0", "tf32", "fp16", "O1", "bf16", "O2", "O3", "fp8", "fp8_emulated")
+DTYPE_ORDER = ("float32", "float16", "bfloat16")
 
 
-def precision_sort_key(option: str) -> tuple[int, str]:
-    return (PRECISION_ORDER.index(option) if option in PRECISION_ORDER else len(PRECISION_ORDER), option)
+def precision_sort_key(option: str, precision: Any) -> tuple:
+    """docs/precision.md's table order, from what each mode does: the fp32 baselines, the autocast modes, Apex's
+    cast-model levels, then the converter modes; fp16 before bf16, and Apex's names after the ones they alias."""
+    kind = 3 if precision.converter else 2 if precision.cast_model else 1 if precision.autocast else 0
+    if kind == 3:
+        return (kind, option)
+    return (kind, precision.tf32, DTYPE_ORDER.index(precision.dtype.name), option[:1] == "O", option)
 
 
 def yaml_description(group: str, option: str) -> str:
@@ -92,8 +97,9 @@ def main() -> None:
     table = Table(title=f"precision modes on {device.type} ({devices.device_name(device)})")
     for column in ("precision", "description", "default scaler", "runs here"):
         table.add_column(column)
-    for option in sorted(loader.get_group_options("precision"), key=precision_sort_key):
-        cfg = loader.load_configuration(config_name="train", overrides=[f"precision={option}"], run_mode=RunMode.RUN)
+    composed = {option: loader.load_configuration(config_name="train", overrides=[f"precision={option}"],
+                                                  run_mode=RunMode.RUN) for option in loader.get_group_options("precision")}
+    for option, cfg in sorted(composed.items(), key=lambda item: precision_sort_key(item[0], item[1].precision)):
         precision = cfg.precision
         try:
             policy = PrecisionPolicy(OmegaConf.to_object(precision), device)

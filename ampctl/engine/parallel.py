@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ampctl import io
+from ampctl.engine.precision import converters
 from ampctl.errors import UsageError
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -78,9 +79,11 @@ def check(cfg: DictConfig) -> None:
         raise UsageError(f"distributed=fsdp with precision={cfg.precision.name}: FSDP2 keeps fp32 sharded "
                          "parameters and casts them for compute (its MixedPrecisionPolicy is O2 for sharded "
                          "training); use precision=bf16 or fp16 (or fp32, tf32)")
-    if kind == "fsdp" and cfg.precision.fp8_torchao is not None:
+    if (kind == "fsdp" and cfg.precision.converter is not None
+            and not converters.converter_class(cfg.precision.converter).shards_with_fsdp):
         raise UsageError(f"distributed=fsdp with precision={cfg.precision.name} is not supported: ampctl does not "
-                         "yet shard torchao's FP8 layers (or all-gather their weights in FP8); use distributed=ddp")
+                         "yet shard its converted layers (or all-gather their weights in their format); use "
+                         "distributed=ddp")
     if cfg.distributed.checkpoint_format.value == "sharded" and cfg.precision.master_weights:
         raise UsageError(f"distributed.checkpoint_format=sharded with precision={cfg.precision.name}: a sharded "
                          "checkpoint holds the model's parameters and their optimizer state by name, and the fp32 "

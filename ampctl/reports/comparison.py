@@ -228,6 +228,8 @@ def _other_notes(done: Sequence[ModeRuns], skipped: dict[str, str], baseline: Op
         notes.append(f"held-out metrics: each run's last evaluation (step {base[0].summary['eval']['step']}), "
                      "the mean over the seeds; Δ held-out loss is the mean over seeds of the mode's minus "
                      f"{baseline}'s, ± its 95% interval.")
+    notes += [f"{mode} is emulated: its speed is the emulation's (quantizing around fp32 matmuls), not the format's."
+              for mode, runs in done if runs[0].summary.get("emulated")]
     # each mode's MFU is against the peak of its own matmul dtype: name each peak once
     peaks = dict.fromkeys(runs[0].summary["peak_source"] for _, runs in done if runs[0].summary.get("peak_tflops"))
     notes += [f"MFU against {peak}." for peak in peaks]

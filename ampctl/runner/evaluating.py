@@ -52,8 +52,9 @@ class RunEvaluation:
         self.every, self.steps, self.fp32 = train.eval_every, train.steps, train.eval_fp32
         self.policy = policy
         self.evaluator = Evaluator(recipe, policy.device, train.eval_batches)
-        if self.fp32 and (policy.precision.fp8_emulated is not None or policy.precision.fp8_torchao is not None):
-            raise UsageError(f"train.eval_fp32=true with precision={policy.precision.name}: its layers compute in FP8 "
+        if self.fp32 and policy.converter is not None:
+            raise UsageError(f"train.eval_fp32=true with precision={policy.precision.name}: its converted layers "
+                             f"compute in {policy.converter.default_format()} "
                              "whatever autocast says; evaluate an fp32 run beside it (ampctl compare)")
 
     def check_monitor(self, model: torch.nn.Module, monitor: str) -> None:

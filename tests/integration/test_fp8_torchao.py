@@ -6,6 +6,7 @@ part: tests/gpu/test_cuda.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from ampctl.cli import main
@@ -54,12 +55,18 @@ def test_the_size_filter_keeps_small_and_named_layers_in_bf16():
     model.add_module("square", nn.Linear(1024, 1024))  # K <= 4096 and N <= 1024: slower in FP8
     model.add_module("odd", nn.Linear(1000, 2048))  # K not a multiple of 16: no FP8 matmul
     model.add_module("head", nn.Linear(1024, 2048))  # named in filter_fqns
-    config = Fp8TorchaoConfig(filter_fqns=["head"])
-    assert fp8_torchao.convert_linears(model, config) == ["up"]
+    converter = fp8_torchao.TorchaoFp8Converter(Fp8TorchaoConfig(filter_fqns=["head"]), torch.device("cpu"))
+    assert wanted(converter, model) == ["up"]
+    converter.convert_model(model, {"up": "fp8"})
     assert [type(m).__name__ for m in model] == ["Float8Linear", "Linear", "Linear", "Linear"]
     # without the size heuristics, every layer the FP8 matmul accepts, less the named ones
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(30, 32))
-    assert fp8_torchao.convert_linears(model, Fp8TorchaoConfig(auto_filter_small_kn=False)) == ["0"]
+    converter = fp8_torchao.TorchaoFp8Converter(Fp8TorchaoConfig(auto_filter_small_kn=False), torch.device("cpu"))
+    assert wanted(converter, model) == ["0"]
+
+
+def wanted(converter, model):
+    return [fqn for fqn, module in model.named_modules() if fqn and converter.wants(module, fqn)]
 
 
 def test_a_model_with_nothing_worth_fp8_is_refused_not_run_as_bf16(tmp_path, fp8_tensor_cores, restore_argv, capsys):

@@ -12,7 +12,7 @@ from ampctl.engine.precision.fp8_emulated import (
     E4M3,
     E5M2,
     DelayedScaling,
-    convert_linears,
+    Fp8EmulatedLinear,
     quantize_tensorwise,
     quantize_tiles,
     relative_error_bound,
@@ -156,8 +156,8 @@ def test_blockwise_weight_gradient_quantizes_along_tokens():
     """Forward tiles run along the reduction dimension K; the weight gradient reduces over tokens, so its
     operands are quantized again in 128x1 tiles (Transformer Engine's columnwise usage)."""
     torch.manual_seed(0)
-    layer = nn.Linear(64, 32)
-    convert_linears(layer, Fp8EmulatedConfig(scaling=Fp8Scaling.blockwise, format=Fp8Format.e4m3))
+    layer = Fp8EmulatedLinear.from_linear(nn.Linear(64, 32), config=Fp8EmulatedConfig(
+        scaling=Fp8Scaling.blockwise, format=Fp8Format.e4m3))
     x = torch.randn(256, 64) * torch.logspace(-3, 3, 256)[:, None]  # token magnitudes vary: tiles matter
     x.requires_grad_(True)
     g = torch.randn(256, 32) * torch.logspace(2, -2, 256)[:, None]
@@ -173,10 +173,9 @@ def test_blockwise_weight_gradient_quantizes_along_tokens():
 def test_gradients_flow_through_the_quantizers(scaling):
     torch.manual_seed(0)
     reference = nn.Linear(128, 64)
-    emulated = nn.Linear(128, 64)
-    emulated.load_state_dict(reference.state_dict())
     fmt = Fp8Format.e4m3 if scaling == "blockwise" else Fp8Format.hybrid  # blockwise is e4m3 only
-    assert convert_linears(emulated, Fp8EmulatedConfig(scaling=Fp8Scaling(scaling), format=fmt)) == 1
+    emulated = Fp8EmulatedLinear(128, 64, config=Fp8EmulatedConfig(scaling=Fp8Scaling(scaling), format=fmt))
+    emulated.load_state_dict(reference.state_dict(), strict=False)  # delayed scaling's buffers start afresh
     x = torch.randn(32, 128)
     for model in (reference, emulated):
         model(x).square().mean().backward()

@@ -22,12 +22,14 @@ A margin (fp8.margin) maps amax to the format's max divided by 2^margin, as TE's
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ampctl.conf.schema import Fp8EmulatedConfig
+from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
 
 E4M3 = torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else None
 E5M2 = torch.float8_e5m2 if hasattr(torch, "float8_e5m2") else None
@@ -160,19 +162,52 @@ class Fp8Quantizers:
         return qg, qg
 
 
-def convert_linears(model: nn.Module, config: Fp8EmulatedConfig) -> int:
-    """Make every nn.Linear compute through emulated FP8. Returns how many were converted."""
-    converted = 0
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            quantizers = Fp8Quantizers(module, config)
+class Fp8EmulatedLinear(ConvertedLinear):
+    """An nn.Linear whose three matmuls take emulated FP8 inputs (precision=fp8_emulated, or a rule's
+    run_in=fp8_emulated). Delayed scaling's amax histories and scales are its buffers (fp8_amax_history_x, ...),
+    so they are in its state_dict."""
 
-            def forward(x: torch.Tensor, module: nn.Linear = module, q: Fp8Quantizers = quantizers) -> torch.Tensor:
-                return _Fp8Linear.apply(x, module.weight, module.bias, q).to(x.dtype)
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: Any = None, *, config: Fp8EmulatedConfig) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.config = config
+        self.setup()
 
-            module.forward = forward  # an instance attribute: parameters and state_dict unchanged
-            converted += 1
-    return converted
+    def setup(self) -> None:
+        self.quantizers = Fp8Quantizers(self, self.config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):  # the emulation's matmuls are fp32 under any mode
+            return _Fp8Linear.apply(x, self.weight, self.bias, self.quantizers).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"{super().extra_repr()}, fp8={c.format.value} scaling={c.scaling.value}"
+
+
+@register_converter
+class Fp8EmulatedConverter(Converter):
+    """precision=fp8_emulated: every nn.Linear becomes an Fp8EmulatedLinear."""
+
+    name = "fp8_emulated"
+    options_key = "fp8_emulated"
+    options_type = Fp8EmulatedConfig
+    formats = ("fp8_emulated",)
+    emulated = True
+    checkpoint_state = "delayed scaling's amax histories and scales, as buffers of each converted layer"
+
+    def convert(self, module: nn.Module, fqn: str, fmt: str) -> nn.Module:
+        return Fp8EmulatedLinear.from_linear(module, config=self.options)
+
+    def describe(self) -> str:
+        f = self.options
+        return f"fp8=emulated scaling={f.scaling.value} format={f.format.value} margin={f.margin}" + (
+            f" amax_history_len={f.amax_history_len} amax_compute_algo={f.amax_compute_algo.value}"
+            if f.scaling == "delayed" else "")
+
+    def speed_warnings(self, compiled: bool) -> list[str]:
+        return ["emulates FP8 (quantize and dequantize around fp32 matmuls): slower than fp32 by design; it is for "
+                "studying FP8's convergence and error, not for speed"]
 
 
 def relative_error_bound(dtype: torch.dtype) -> float:

@@ -22,9 +22,10 @@ from torch import nn
 
 from ampctl.conf.schema import Fp8TorchaoConfig
 from ampctl.engine import devices
+from ampctl.engine.precision.converters import Converter, register_converter
+from ampctl.errors import UsageError
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
-RECIPES = ("tensorwise", "rowwise")
 # torchao's auto filter skips a Linear (weight N x K) in these cases; said to the user when nothing is left.
 AUTO_FILTER_RULE = {
     "tensorwise": "K <= 4096 and N <= 1024",
@@ -67,16 +68,48 @@ def module_filter(config: Fp8TorchaoConfig) -> Callable[[nn.Module, str], bool]:
     return fits
 
 
-def convert_linears(model: nn.Module, config: Fp8TorchaoConfig) -> list[str]:
-    """Swap the chosen Linear layers for torchao's Float8Linear in place; returns their names."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+@register_converter
+class TorchaoFp8Converter(Converter):
+    """precision=fp8: torchao's Float8Linear for the Linear layers its size filter expects to gain."""
 
-    chosen = module_filter(config)
-    names = [fqn for fqn, module in model.named_modules() if chosen(module, fqn)]
-    if names:
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(config.recipe_name.value),
-                                   module_filter_fn=chosen)
-    return names
+    name = "fp8_torchao"
+    options_key = "fp8_torchao"
+    options_type = Fp8TorchaoConfig
+    formats = ("fp8",)
+    matmul_dtype = "float8"
+    emulation = "fp8_emulated"
+    shards_with_fsdp = False  # ampctl does not yet all-gather torchao's FP8 weights
+
+    def unsupported_reason(self) -> str | None:
+        return unsupported_reason(self.device)
+
+    def wants(self, module: nn.Module, fqn: str) -> bool:
+        return module_filter(self.options)(module, fqn)
+
+    def can_convert(self, module: nn.Module) -> bool:
+        return isinstance(module, nn.Linear)
+
+    def convert_model(self, model: nn.Module, chosen: dict[str, str]) -> None:
+        """torchao's own entry point (it also applies its compile-time workarounds), for the chosen layers."""
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(self.options.recipe_name.value),
+                                   module_filter_fn=lambda _module, fqn: fqn in chosen)
+
+    def check_converted(self, converted: list[str], linears: int) -> None:
+        if not converted:  # a run labelled fp8 that computes nothing in FP8 would be bf16 under another name
+            raise UsageError(nothing_converted_message(self.options, linears))
+
+    def describe(self) -> str:
+        f8 = self.options
+        return (f"fp8=torchao recipe={f8.recipe_name.value} auto_filter_small_kn={f8.auto_filter_small_kn}"
+                + (f" filter_fqns={list(f8.filter_fqns)}" if f8.filter_fqns else ""))
+
+    def speed_warnings(self, compiled: bool) -> list[str]:
+        if compiled:
+            return []
+        return ["without train.compile: torchao fuses FP8's scaling and casts only under torch.compile, so eager "
+                "FP8 runs slower than bf16; add train.compile=true"]
 
 
 def nothing_converted_message(config: Fp8TorchaoConfig, linears: int) -> str:

@@ -14,10 +14,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ampctl.conf.schema import Dtype, Fp8TorchaoConfig, PrecisionConfig
+from ampctl.conf.schema import Dtype, PrecisionConfig
 from ampctl.engine import cpu_speed, devices
-from ampctl.engine.precision import fp8_torchao, fp32_math
-from ampctl.engine.precision.fp8_emulated import convert_linears
+from ampctl.engine.precision import converters, fp32_math
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
 from ampctl.errors import UnsupportedError, UsageError
 
@@ -42,7 +41,8 @@ class PrecisionPolicy:
         self.uses_half = precision.autocast or precision.cast_model
         self.device = device
         self._saved_flags: Optional[dict[str, Any]] = None
-        self.float8_layers: list[str] = []  # the Linear layers precision=fp8 converted, by name
+        self.converter = converter_of(precision, device)  # None in the flag-driven modes
+        self.converted: dict[str, str] = {}  # the layers the converter swapped, by name: their format
         self._linears = 0
 
     # --- what the device can do -----------------------------------------------------------------
@@ -56,9 +56,12 @@ class PrecisionPolicy:
                 f"precision={s.name} needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or "
                 f"newer); this run is on {where}: use precision=fp32{_bf16_if_fast(dev, ', or precision=bf16 for a faster mode')}"
             )
-        if s.fp8_torchao is not None and (reason := fp8_torchao.unsupported_reason(dev)):
-            raise UnsupportedError(f"precision={s.name} {reason}: use precision=fp8_emulated to study FP8's "
-                                   f"numerics on this machine{_bf16_if_fast(dev, ', or precision=bf16 for speed')}")
+        if self.converter is not None and (reason := self.converter.unsupported_reason()):
+            emulation = self.converter.emulation
+            instead = (f"use precision={emulation} to study its numerics on this machine"
+                       f"{_bf16_if_fast(dev, ', or precision=bf16 for speed')}" if emulation
+                       else "`ampctl list` says which modes run here")
+            raise UnsupportedError(f"precision={s.name} {reason}: {instead}")
         if not self.uses_half:
             return
         if self.dtype == torch.bfloat16 and not devices.has_native_bf16(dev):
@@ -91,8 +94,8 @@ class PrecisionPolicy:
     def slow_here(self) -> Optional[str]:
         """Why this legal mode runs much slower than fp32 on this device, in a few words; None if it does not."""
         s, dev = self.precision, self.device
-        if s.fp8_emulated is not None:
-            return "emulated, by design"
+        if self.converter is not None and (why := self.converter.slow_here()):
+            return why
         if dev.type == "cpu" and self.uses_half:
             return cpu_speed.measured().why_slow(_short(self.dtype))
         return None
@@ -100,15 +103,11 @@ class PrecisionPolicy:
     def speed_warnings(self, compiled: bool) -> list[str]:
         """Legal runs that will be much slower than the user likely expects."""
         s, dev = self.precision, self.device
-        if s.fp8_torchao is not None and not compiled:
-            return [f"precision={s.name} without train.compile: torchao fuses FP8's scaling and casts only under "
-                    "torch.compile, so eager FP8 runs slower than bf16; add train.compile=true"]
+        if self.converter is not None and (said := self.converter.speed_warnings(compiled)):
+            return [f"precision={s.name} {warning}" for warning in said]
         why = self.slow_here()
-        if why is None:
+        if why is None or self.converter is not None:
             return []
-        if s.fp8_emulated is not None:
-            return [f"precision={s.name} emulates FP8 (quantize and dequantize around fp32 matmuls): slower than "
-                    "fp32 by design; it is for studying FP8's convergence and error, not for speed"]
         other = torch.float16 if self.dtype == torch.bfloat16 else torch.bfloat16
         instead = ("precision=bf16 is fast here" if other == torch.bfloat16 and cpu_speed.half_runs_at_speed(dev, other)
                    else "precision=fp32 is the fastest mode on this CPU")
@@ -133,23 +132,24 @@ class PrecisionPolicy:
         return torch.autocast(self.device.type, dtype=dtype, enabled=self.precision.autocast)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Move the model to the device and apply the mode's model converters: FP8 Linear layers (emulated or
-        torchao's), the half cast of O2/O3 (half.py)."""
+        """Move the model to the device and apply the mode's model converters: the converter's layer swaps
+        (FP8, MX), the half cast of O2/O3 (half.py)."""
         model.to(self.device)
-        if self.precision.fp8_emulated is not None:
-            convert_linears(model, self.precision.fp8_emulated)
-        if self.precision.fp8_torchao is not None:
-            self._convert_to_float8(model, self.precision.fp8_torchao)
+        if self.converter is not None:
+            self._convert(model)
         if self.precision.cast_model:
             cast_model_to_half(model, self.dtype, self.precision.keep_norm_fp32, self.device)
         return model
 
-    def _convert_to_float8(self, model: nn.Module, recipe: Fp8TorchaoConfig) -> None:
+    def _convert(self, model: nn.Module) -> None:
+        converter = self.converter
+        assert converter is not None
         self._linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-        self.float8_layers = fp8_torchao.convert_linears(model, recipe)
-        if not self.float8_layers:
-            # A run labelled fp8 that computes nothing in FP8 would be bf16 under another name.
-            raise UsageError(fp8_torchao.nothing_converted_message(recipe, self._linears))
+        chosen = {fqn: converter.default_format() for fqn, module in model.named_modules()
+                  if fqn and converter.wants(module, fqn)}
+        converter.check_converted(list(chosen), self._linears)
+        converter.convert_model(model, chosen)
+        self.converted = chosen
 
     def weight_layout(self, model: nn.Module) -> WeightLayout:
         return FP32MasterWeights(model) if self.precision.master_weights else WeightLayout(model)
@@ -166,16 +166,22 @@ class PrecisionPolicy:
             f"tf32={'on' if s.tf32 else 'off'}",
             f"loss_scale={scaler_description}",
         ]
-        if s.fp8_torchao is not None:
-            f8 = s.fp8_torchao
-            parts.insert(0, f"fp8=torchao recipe={f8.recipe_name.value} auto_filter_small_kn={f8.auto_filter_small_kn}"
-                         + (f" filter_fqns={list(f8.filter_fqns)}" if f8.filter_fqns else "")
-                         + (f" ({len(self.float8_layers)} of {self._linears} Linear layers in FP8)"
-                            if self.float8_layers else ""))
-        if s.fp8_emulated is not None:
-            f = s.fp8_emulated
-            parts.insert(0, f"fp8=emulated scaling={f.scaling.value} format={f.format.value} margin={f.margin}" + (
-                f" amax_history_len={f.amax_history_len} amax_compute_algo={f.amax_compute_algo.value}"
-                if f.scaling == "delayed" else ""))
+        if self.converter is not None:
+            parts.insert(0, self.converter.describe() + (
+                f" ({len(self.converted)} of {self._linears} Linear layers converted)" if self._linears else ""))
         return f"Selected precision={s.name}: " + ", ".join(parts)
 
+
+
+def converter_of(precision: PrecisionConfig, device: torch.device) -> Optional[converters.Converter]:
+    """The mode's converter, built from its options (None in the flag-driven modes)."""
+    if precision.converter is None:
+        return None
+    cls = converters.converter_class(precision.converter)
+    options = getattr(precision, cls.options_key) if cls.options_key else None
+    if isinstance(options, dict) and cls.options_type is not None:  # a plug-in's options, under precision.options
+        try:
+            options = cls.options_type(**options)
+        except TypeError as err:
+            raise UsageError(f"precision.{cls.options_key}: {err} (the options of converter {cls.name})") from None
+    return cls(options, device)

@@ -1,0 +1,268 @@
+"""Emulated microscaling formats (precision=mxfp8, mxfp4, nvfp4): every nn.Linear's three matmuls take inputs
+quantized block by block and dequantized back to fp32; the matmuls themselves run in fp32. Slow by design: the
+emulation studies the formats' numerics on any machine, and its speed is not theirs.
+
+The formats (docs/precision.md has the tables):
+- MXFP8 and MXFP4, OCP Microscaling Formats (MX) v1.0: blocks of 32 elements (E4M3 or E5M2; E2M1) share one
+  E8M0 scale, a power of two 2^(e-127), e in 0..254, 255 being NaN. The spec's scale is
+  2^(floor(log2(amax)) - emax_elem) (scale_mode=floor); torchao also offers ceil, even, and NVIDIA's rceil
+  (2^ceil(log2(amax / max_elem)), as cuBLAS and Transformer Engine round). Elements are rounded to nearest even and
+  saturate at the format's max.
+- NVFP4, NVIDIA: blocks of 16 E2M1 elements share an E4M3 scale (amax / 6, rounded to E4M3), under one fp32 scale
+  per tensor (amax / (448 * 6)), so that the block scales use E4M3's whole range.
+Every number here is computed as torchao.prototype.mx_formats computes it (to_mx, nvfp4_quantize), and the tests
+compare the two bit for bit, including torchao's choices the specifications leave open: a block whose amax is NaN
+gets the NaN scale; an infinite amax saturates (floor/ceil/even: the largest scale 2^127; rceil: code 254); under
+floor/ceil/even an all-zero or tiny block (scale code 0, 2^-127) is divided by 2^-126 when quantized (fp32's
+smallest normal, as torchao does to stay out of subnormals) and decoded with 2^-127. One deliberate difference:
+an all-zero tensor under NVFP4's per-tensor scale is quantized to zeros (torchao's 0/0 gives NaN).
+
+Blocks run along the reduction dimension of the matmul each operand enters, as torchao's MX training (mx_mm) and
+Transformer Engine lay them out: activations and weights along K in the forward; the output gradient and the
+weight along N for the input gradient; the output gradient and the activations along the tokens (M) for the
+weight gradient. A dimension that is not a multiple of the block is padded with zeros, which leave each block's
+amax unchanged (torchao refuses such shapes; real kernels pad too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampctl.conf.schema import MXElements, MXEmulatedConfig, MXFormat, MXScaleMode
+from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
+
+E8M0_BIAS = 127
+E8M0_NAN = 255
+F32_MIN_NORMAL = 2.0**-126
+E4M3_TINY = 2.0**-6  # torch.finfo(torch.float8_e4m3fn).tiny: NVFP4's smallest block scale
+E4M3_MAX = 448.0
+
+
+@dataclass(frozen=True)
+class Element:
+    """An element format: its largest finite value, the exponent of its largest power of two (emax) and the
+    torch dtype that rounds to it (None for E2M1, which torch cannot cast to: rounded by value here)."""
+
+    name: str
+    max: float
+    emax: int
+    dtype: Optional[torch.dtype]
+
+
+ELEMENTS = {
+    "e4m3": Element("e4m3", 448.0, 8, torch.float8_e4m3fn),
+    "e5m2": Element("e5m2", 57344.0, 15, torch.float8_e5m2),
+    "e2m1": Element("e2m1", 6.0, 2, None),
+}
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """How one tensor role is quantized: its elements, the block length and the kind of block scale."""
+
+    element: Element
+    block: int
+    scale: str  # "e8m0" (MX, with scale_mode) | "e4m3" (NVFP4, with an optional per-tensor fp32 scale)
+    scale_mode: MXScaleMode = MXScaleMode.floor
+    per_tensor_scale: bool = True
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32, already within [-6, 6]) rounded to the nearest E2M1 value {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to the
+    even code: steps of 0.5 below 2, 1 in [2, 4), 2 in [4, 6]; torch.round rounds half to even, and the even
+    multiples of each step are exactly the even codes. NaN stays NaN."""
+    a = x.abs()
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, x)
+
+
+def _to_element(x: torch.Tensor, element: Element) -> torch.Tensor:
+    """Round fp32 values (clamped to the element's range) to the element format, returned in fp32."""
+    if element.dtype is None:
+        return round_e2m1(x)
+    return x.to(element.dtype).float()
+
+
+def e8m0_codes(amax: torch.Tensor, element: Element, mode: MXScaleMode) -> torch.Tensor:
+    """The biased E8M0 code (int32, 0..255) of each block's scale, from its amax (fp32): torchao's to_mx."""
+    if mode == MXScaleMode.rceil:
+        descale = amax / element.max
+        normal = torch.clamp(torch.ceil(torch.log2(descale)), -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+        return torch.where(torch.isnan(descale), E8M0_NAN,
+                           torch.where(torch.isinf(descale), 254, normal.to(torch.int32))).to(torch.int32)
+    if mode == MXScaleMode.even:  # round amax to the element's mantissa width before taking its exponent
+        bits = amax.view(torch.int32)
+        rounded = ((bits + (1 << (23 - _mantissa_bits(element) - 1))) & (0x1FF << 23)).view(torch.float32)
+        amax = torch.where(torch.isnan(amax), amax, rounded)
+    bits = amax.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - E8M0_BIAS
+    if mode == MXScaleMode.ceil:
+        exponent = exponent + ((bits & 0x7FFFFF) > 0).to(torch.int32)
+    code = torch.clamp(exponent - element.emax, -E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS
+    return torch.where(torch.isnan(amax), E8M0_NAN, code).to(torch.int32)
+
+
+def _mantissa_bits(element: Element) -> int:
+    return {"e4m3": 3, "e5m2": 2, "e2m1": 1}[element.name]
+
+
+def e8m0_value(codes: torch.Tensor) -> torch.Tensor:
+    """2^(code - 127) in fp32 (2^-127 is subnormal), NaN for code 255: torchao's get_fp_scale."""
+    scale = torch.pow(torch.full_like(codes, 2.0, dtype=torch.float32), (codes - E8M0_BIAS).float())
+    return torch.where(codes == E8M0_NAN, float("nan"), scale)
+
+
+def quantize_mx_blocks(blocks: torch.Tensor, element: Element, mode: MXScaleMode
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements in fp32, E8M0 codes) of fp32 blocks (..., block): torchao's to_mx, number for number."""
+    amax = blocks.abs().amax(-1, keepdim=True)
+    codes = e8m0_codes(amax, element, mode)
+    if mode == MXScaleMode.rceil:
+        reciprocal = torch.where(codes == E8M0_NAN, amax / element.max,
+                                 torch.where(codes == 254, 2.0**-127,
+                                             torch.where(codes == 0, 1.0, torch.exp2((E8M0_BIAS - codes).float()))))
+        scaled = blocks * reciprocal
+    else:
+        divisor = torch.clamp((codes << 23).view(torch.float32), min=F32_MIN_NORMAL)  # code 255 reads as inf
+        scaled = blocks / divisor
+    return _to_element(torch.clamp(scaled, -element.max, element.max), element), codes
+
+
+def quantize_nvfp4_blocks(blocks: torch.Tensor, tensor_scale: Optional[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 elements in fp32, E4M3 block scales in fp32) of fp32 blocks (..., 16): torchao's nvfp4_quantize."""
+    block_scale = blocks.abs().amax(-1) / ELEMENTS["e2m1"].max
+    if tensor_scale is None:
+        scales = torch.clamp(block_scale, E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
+        reciprocal = 1.0 / scales
+    else:
+        scales = torch.clamp(block_scale / tensor_scale, E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
+        reciprocal = (1.0 / tensor_scale) / scales
+    scaled = torch.clamp(blocks * reciprocal.unsqueeze(-1), -6.0, 6.0)
+    return round_e2m1(scaled), scales
+
+
+def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
+    """torchao's per_tensor_amax_to_scale: amax / (448 * 6); 1.0 for an all-zero tensor (any scale gives zeros
+    there, and torchao's 0 / 0 would make them NaN)."""
+    amax = x.detach().abs().amax().float()
+    return torch.where(amax == 0, 1.0, amax / (E4M3_MAX * ELEMENTS["e2m1"].max))
+
+
+def _blocks(matrix: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """matrix (rows, K) in fp32, zero-padded to a multiple of block along K and viewed as (rows, K/block, block)."""
+    rows, k = matrix.shape
+    pad = (-k) % block
+    padded = F.pad(matrix.float(), (0, pad)) if pad else matrix.float()
+    return padded.reshape(rows, -1, block), k
+
+
+def fake_quantize(matrix: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """matrix (rows, K) quantized in blocks along K and dequantized, in fp32."""
+    blocks, k = _blocks(matrix.detach(), fmt.block)
+    if fmt.scale == "e8m0":
+        elements, codes = quantize_mx_blocks(blocks, fmt.element, fmt.scale_mode)
+        out = elements * e8m0_value(codes)
+    else:
+        tensor_scale = nvfp4_tensor_scale(matrix) if fmt.per_tensor_scale else None
+        elements, scales = quantize_nvfp4_blocks(blocks, tensor_scale)
+        out = elements * (scales if tensor_scale is None else tensor_scale * scales).unsqueeze(-1)
+    return out.reshape(blocks.shape[0], -1)[:, :k]
+
+
+class _MXLinear(torch.autograd.Function):
+    """The three matmuls of a Linear, each operand quantized along the dimension the matmul reduces."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer):  # type: ignore[override]
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, weight)
+        ctx.layer, ctx.has_bias, ctx.x_shape = layer, bias is not None, x.shape
+        out = fake_quantize(x2, layer.forward_format) @ fake_quantize(weight, layer.forward_format).t()
+        if bias is not None:
+            out = out + bias.float()
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        x2, weight = ctx.saved_tensors
+        layer = ctx.layer
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g_fmt, fwd = layer.grad_format, layer.forward_format
+        grad_x = fake_quantize(g2, g_fmt) @ fake_quantize(weight.t(), fwd).t()  # reduces over N
+        grad_w = fake_quantize(g2.t(), g_fmt) @ fake_quantize(x2.t(), fwd).t()  # reduces over the tokens M
+        # the bias gradient is a sum, not a matmul: from the unquantized gradient, as torchao does
+        grad_b = g2.float().sum(0) if ctx.has_bias else None
+        return grad_x.reshape(ctx.x_shape), grad_w, grad_b, None
+
+
+def block_formats(config: MXEmulatedConfig, fmt: str) -> tuple[BlockFormat, BlockFormat]:
+    """(activations and weights, gradients) of a layer computing in fmt (mxfp8, mxfp4, nvfp4)."""
+    if fmt == MXFormat.nvfp4:
+        nv = BlockFormat(ELEMENTS["e2m1"], 16, "e4m3", per_tensor_scale=config.per_tensor_scale)
+        return nv, nv
+    if fmt == MXFormat.mxfp4:
+        fp4 = BlockFormat(ELEMENTS["e2m1"], 32, "e8m0", config.scale_mode)
+        return fp4, fp4
+    elements = config.elements.value if fmt == config.format else MXElements.e4m3.value
+    grads = config.grad_elements.value if fmt == config.format else MXElements.e4m3.value
+    return (BlockFormat(ELEMENTS[elements], 32, "e8m0", config.scale_mode),
+            BlockFormat(ELEMENTS[grads], 32, "e8m0", config.scale_mode))
+
+
+class MXLinear(ConvertedLinear):
+    """An nn.Linear whose three matmuls take emulated MX or NVFP4 inputs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: Any = None, *, config: MXEmulatedConfig, fmt: str) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.config, self.fmt = config, fmt
+        self.forward_format, self.grad_format = block_formats(config, fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):  # the emulation's matmuls are fp32 under any mode
+            return _MXLinear.apply(x, self.weight, self.bias, self).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        f, g = self.forward_format, self.grad_format
+        scale = f"e8m0 scale_mode={f.scale_mode.value}" if f.scale == "e8m0" else (
+            "e4m3 scales" + (" per_tensor_scale" if f.per_tensor_scale else ""))
+        grads = f" grads={g.element.name}" if g.element != f.element else ""
+        return f"{super().extra_repr()}, {self.fmt}={f.element.name}x{f.block}{grads} {scale}"
+
+
+@register_converter
+class MXEmulatedConverter(Converter):
+    """precision=mxfp8, mxfp4, nvfp4: every nn.Linear becomes an MXLinear."""
+
+    name = "mx_emulated"
+    options_key = "mx"
+    options_type = MXEmulatedConfig
+    formats = ("mxfp8", "mxfp4", "nvfp4")
+    emulated = True
+
+    def default_format(self) -> str:
+        return self.options.format.value
+
+    def convert(self, module: nn.Module, fqn: str, fmt: str) -> nn.Module:
+        return MXLinear.from_linear(module, config=self.options, fmt=fmt)
+
+    def describe(self) -> str:
+        o = self.options
+        forward, grads = block_formats(o, o.format.value)
+        text = f"{o.format.value}=emulated elements={forward.element.name} block={forward.block}"
+        if o.format == MXFormat.mxfp8:
+            text += f" grad_elements={grads.element.name}"
+        if forward.scale == "e8m0":
+            return f"{text} scales=e8m0 scale_mode={o.scale_mode.value}"
+        return f"{text} scales=e4m3 per_tensor_scale={o.per_tensor_scale}"
+
+    def speed_warnings(self, compiled: bool) -> list[str]:
+        return [f"emulates {self.options.format.value} (quantize and dequantize around fp32 matmuls): slower than "
+                "fp32 by design, and its speed is not the format's; it is for studying the format's convergence "
+                "and error"]
