@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from hydra.types import RunMode
 from omegaconf import OmegaConf

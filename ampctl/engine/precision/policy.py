@@ -93,7 +93,7 @@ class PrecisionPolicy:
 
     def slow_here(self) -> Optional[str]:
         """Why this legal mode runs much slower than fp32 on this device, in a few words; None if it does not."""
-        s, dev = self.precision, self.device
+        dev = self.device
         if self.converter is not None and (why := self.converter.slow_here()):
             return why
         if dev.type == "cpu" and self.uses_half:
