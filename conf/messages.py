@@ -15,6 +15,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 
 # Option nodes' names before the rename.
 RENAMED_KEYS = {"precision.fp8": "precision.fp8_emulated", "precision.float8": "precision.fp8_torchao"}
+# Keys that became something else, and what to write instead.
+REPLACED_KEYS = {"precision.keep_norm_fp32": "replaced by the per-layer rule {type: norm, run_in: fp32}, O2's default "
+                 "(precision.rules=[] runs the norms in half; docs/precision.md)"}
 
 
 def one_line(exc: BaseException) -> str:
@@ -22,6 +25,8 @@ def one_line(exc: BaseException) -> str:
     for err in _chain(exc):
         if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
             if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
+                if err.full_key in REPLACED_KEYS:
+                    return f"{err.full_key}: {REPLACED_KEYS[err.full_key]}"
                 if err.full_key in RENAMED_KEYS:
                     new = RENAMED_KEYS[err.full_key]
                     return f"{err.full_key}: renamed; set {new}.* (the options of {_owner(new)})"

@@ -141,6 +141,26 @@ class MXEmulatedConfig:
                     "floor (the default) with format=nvfp4, whose block scales are E4M3, not E8M0")
 
 
+LAYER_DTYPES = ("fp32", "bf16", "fp16")  # what a rule may keep a layer's math in, besides a converter's formats
+UNCONVERTED = "unconverted"  # a rule's run_in that leaves its layers out of the mode's converter
+
+
+@dataclass
+class LayerRule:
+    """A per-layer precision rule (ampctl/engine/precision/layers.py; docs/precision.md): the layers it matches, by
+    qualified name and/or by type, and what they run in. The first rule that matches a layer decides it; a layer
+    no rule matches runs as its parent does; a rule on a container decides everything inside it."""
+
+    run_in: str = MISSING  # fp32 | bf16 | fp16 | unconverted | a converter's format: fp8_emulated, mxfp8, mxfp4, nvfp4, fp8
+    match: Optional[str] = None  # a glob over qualified module names: head, blocks.0.*, blocks.*.attn.qkv
+    type: Optional[str] = None  # a glob over the class names of the module and its bases (LayerNorm, *Embedding);
+    # `norm`: every normalization layer (torch's, and leaf modules named like them: LlamaRMSNorm, T5LayerNorm)
+
+    def __post_init__(self) -> None:
+        require(bool(self.match or self.type), "precision.rules[].match", None,
+                "a glob over layer names, or a type (each rule needs at least one: match=head or type=LayerNorm)")
+
+
 @dataclass
 class PrecisionConfig:
     """One precision mode. The YAMLs in conf/precision/ are rows of docs/precision.md's table."""
@@ -151,7 +171,6 @@ class PrecisionConfig:
     dtype: Dtype = Dtype.float32  # the low-precision dtype: autocast's, or the model's when cast_model
     cast_model: bool = False  # O2/O3: the model's weights are stored in `dtype`
     master_weights: bool = False  # O2: the optimizer steps on fp32 copies of the half weights
-    keep_norm_fp32: bool = False  # O2: normalization layers keep fp32 weights and run in fp32
     tf32: bool = False  # TF32 for matmul and cuDNN convolutions; false means explicitly off
     # The model converter of a converter-style mode (ampctl/engine/precision/converters.py), by its registered
     # name; its options are the node named by the converter (fp8_emulated, fp8_torchao, mx), or `options`.
@@ -160,6 +179,7 @@ class PrecisionConfig:
     fp8_emulated: Optional[Fp8EmulatedConfig] = None  # precision=fp8_emulated: FP8 inputs for every nn.Linear
     fp8_torchao: Optional[Fp8TorchaoConfig] = None  # precision=fp8: torchao's FP8 matmuls for large nn.Linear layers
     mx: Optional[MXEmulatedConfig] = None  # precision=mxfp8, mxfp4, nvfp4: emulated microscaling Linear layers
+    rules: list[LayerRule] = field(default_factory=list)  # per-layer precision, first match wins (O2: norms in fp32)
 
     def __post_init__(self) -> None:
         half = self.dtype in (Dtype.float16, Dtype.bfloat16)
@@ -171,8 +191,6 @@ class PrecisionConfig:
                 "false with autocast=true (autocast over a half model is not a supported mode; use O2 or O3)")
         require(not self.master_weights or self.cast_model, "precision.master_weights", self.master_weights,
                 "false unless cast_model=true (fp32 weights are already their own masters)")
-        require(not self.keep_norm_fp32 or self.cast_model, "precision.keep_norm_fp32", self.keep_norm_fp32,
-                "false unless cast_model=true")
         require(not (self.tf32 and half), "precision.tf32", self.tf32,
                 "false for half-precision modes (tf32 is its own mode: precision=tf32)")
         if self.fp8_torchao is not None:

@@ -22,6 +22,7 @@ from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state, check_config
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.loop import TrainState, fit
+from ampctl.engine.precision import layers
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped, UsageError
@@ -147,6 +148,9 @@ def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recip
     """The start lines: the resolved precision options, the run, where it resumed, what to expect."""
     echo, device = recorder.echo, policy.device
     echo(policy.describe(state.scaler.describe()))
+    if policy.precision.rules or policy.converter is not None:  # layers differ from one another: show each
+        for line in layers.render(policy.layer_rows):
+            echo(f"  {line}")
     n_params = sum(p.numel() for p in state.model.parameters())
     echo(f"recipe={recipe_title(choices.get('recipe', type(recipe).__name__), cfg.recipe)} params={n_params / 1e6:.2f}M "
          f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={recorder.run_dir}"

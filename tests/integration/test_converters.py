@@ -63,7 +63,7 @@ def halving(tmp_path):
 def test_a_registered_converter_is_a_mode_that_trains(halving, tmp_path, restore_argv, capsys):
     main(["train", "-cd", str(halving), *QUIET, *MLP, "precision=halved", f"hydra.run.dir={tmp_path / 'run'}"])
     log = (tmp_path / "run" / "train.log").read_text()
-    assert "Selected precision=halved: halved=yes (4 of 4 Linear layers converted)" in log, log
+    assert "Selected precision=halved: halved=yes, converted=4 of 4 Linear layers, autocast=off" in log, log
 
 
 def test_ampctl_list_shows_it_with_the_converter_modes(halving, restore_argv, capsys, monkeypatch):

@@ -77,5 +77,5 @@ def test_the_resolved_options_are_printed_at_start(tmp_path):
     lines: list[str] = []
     run_training(compose_cfg(*FAST, "precision=O2", "train.steps=1"), tmp_path, echo=lines.append)
     assert lines[0].startswith("Selected precision=O2: autocast=off, model_weights=float16, "
-                               "master_weights=float32, norm_layers=float32, tf32=off, loss_scale=dynamic")
+                               "master_weights=float32, rules=[type=norm run_in=fp32], tf32=off, loss_scale=dynamic")
 

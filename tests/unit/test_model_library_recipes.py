@@ -93,11 +93,16 @@ def test_hf_blocks_are_the_models_no_split_modules(transformers, model_type, blo
 
 
 def test_o2_keeps_library_norms_in_fp32(transformers):
-    """LlamaRMSNorm is transformers' own class, not torch's: O2 keeps it (and timm's RmsNorm) fp32 all the same."""
+    """LlamaRMSNorm is transformers' own class, not torch's: O2's rule type=norm keeps it (and timm's RmsNorm) fp32
+    all the same."""
+    from ampctl.conf.schema import LayerRule
     from ampctl.engine.precision.half import cast_model_to_half
+    from ampctl.engine.precision.layers import matches
 
     model = hf().build_model()
-    cast_model_to_half(model, torch.float16, keep_norm_fp32=True, device=torch.device("cpu"))
+    o2_rule = LayerRule(run_in="fp32", type="norm")
+    cast_model_to_half(model, torch.float16, [n for n, m in model.named_modules() if matches(o2_rule, n, m)],
+                       torch.device("cpu"))
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
     norms = [n for n in dtypes if "norm" in n]
     assert norms and all(dtypes[n] == torch.float32 for n in norms)

@@ -1,5 +1,6 @@
-"""O2 and O3's model converter: the model cast to half the way Apex did (normalization layers kept, and run,
-in fp32 under O2), and the weight layout the optimizer steps on (fp32 masters under O2)."""
+"""O2 and O3's model converter: the model cast to half the way Apex did (the layers a rule keeps in fp32, O2's
+normalization layers by default, kept and run in fp32), and the weight layout the optimizer steps on (fp32
+masters under O2)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from ampctl import io
 
-# Normalization layers kept (and run) in fp32 under O2: their statistics are where half precision loses
+# Normalization layers (a rule's type=norm; kept and run in fp32 under O2 by its default rule): their statistics are where half precision loses
 # the most (Apex kept BatchNorm; transformers need LayerNorm too).
 NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
     t
@@ -35,7 +36,7 @@ def is_norm_layer(module: nn.Module) -> bool:
                                                and next(module.children(), None) is None)
 
 
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
     """Cast the floating-point tensors in (nested tuples/lists/dicts of) value; leave everything else."""
     return io.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
@@ -103,22 +104,22 @@ class FP32MasterWeights(WeightLayout):
             master.copy_(value)
 
 
-def cast_model_to_half(model: nn.Module, half: torch.dtype, keep_norm_fp32: bool, device: torch.device) -> None:
-    """Cast the model's weights to `half` in place; with keep_norm_fp32 (O2) the normalization layers stay fp32
-    and run on fp32 inputs. Inputs are cast to half and outputs back to fp32, so the loss is computed in fp32."""
+def cast_model_to_half(model: nn.Module, half: torch.dtype, fp32_layers: list[str], device: torch.device) -> None:
+    """Cast the model's weights to `half` in place, except the named layers (a rule's run_in=fp32: O2's norms),
+    which keep fp32 weights and run on fp32 inputs. Inputs are cast to half and outputs back to fp32, so the loss
+    is computed in fp32."""
     model.to(half)
-    if keep_norm_fp32:
-        for module in model.modules():
-            if is_norm_layer(module):
-                module.float()
-                if device.type == "cuda" and isinstance(module, nn.modules.batchnorm._BatchNorm):
-                    # cuDNN's batch norm takes half input with fp32 parameters and statistics and computes in
-                    # fp32 (what Apex O2 relied on): casting around it would only add two memory-bound passes.
-                    continue
-                _cast_hook(module, "pre_hook", lambda _m, args: _cast_floats(args, torch.float32))
-                _cast_hook(module, "hook", lambda _m, _args, out: _cast_floats(out, half))
-    _cast_hook(model, "pre_hook", lambda _m, args: _cast_floats(args, half))
-    _cast_hook(model, "hook", lambda _m, _args, out: _cast_floats(out, torch.float32))
+    for name in fp32_layers:
+        module = model.get_submodule(name)
+        module.float()
+        if device.type == "cuda" and isinstance(module, nn.modules.batchnorm._BatchNorm):
+            # cuDNN's batch norm takes half input with fp32 parameters and statistics and computes in
+            # fp32 (what Apex O2 relied on): casting around it would only add two memory-bound passes.
+            continue
+        _cast_hook(module, "pre_hook", lambda _m, args: cast_floats(args, torch.float32))
+        _cast_hook(module, "hook", lambda _m, _args, out: cast_floats(out, half))
+    _cast_hook(model, "pre_hook", lambda _m, args: cast_floats(args, half))
+    _cast_hook(model, "hook", lambda _m, _args, out: cast_floats(out, torch.float32))
 
 
 _CAST_HOOKS = "_ampctl_cast_hooks"  # (kind, handle id) of the hooks above, on the module they cast around

@@ -16,7 +16,7 @@ from torch import nn
 
 from ampctl.conf.schema import Dtype, PrecisionConfig
 from ampctl.engine import cpu_speed, devices
-from ampctl.engine.precision import converters, fp32_math
+from ampctl.engine.precision import converters, fp32_math, layers
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
 from ampctl.errors import UnsupportedError, UsageError
 
@@ -42,7 +42,8 @@ class PrecisionPolicy:
         self.device = device
         self._saved_flags: Optional[dict[str, Any]] = None
         self.converter = converter_of(precision, device)  # None in the flag-driven modes
-        self.converted: dict[str, str] = {}  # the layers the converter swapped, by name: their format
+        self.layer_plan: Optional[layers.LayerPlan] = None  # the rules matched against the model (prepare_model)
+        self.layer_rows: list[layers.LayerRow] = []  # the resolved precision of every layer
         self._linears = 0
 
     # --- what the device can do -----------------------------------------------------------------
@@ -89,6 +90,9 @@ class PrecisionPolicy:
                 f"precision={s.name} runs in float16 without loss scaling: small gradients will underflow to "
                 "zero (scaler=dynamic is the usual choice)"
             ]
+        if not scaler_active and any(rule.run_in == "fp16" for rule in s.rules):
+            return ["precision.rules keep layers in fp16 without loss scaling: their small gradients will underflow "
+                    "to zero (scaler=dynamic is the usual choice)"]
         return []
 
     def slow_here(self) -> Optional[str]:
@@ -132,24 +136,24 @@ class PrecisionPolicy:
         return torch.autocast(self.device.type, dtype=dtype, enabled=self.precision.autocast)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """Move the model to the device and apply the mode's model converters: the converter's layer swaps
-        (FP8, MX), the half cast of O2/O3 (half.py)."""
+        """Move the model to the device and apply the mode's converters and per-layer rules (layers.py): the
+        converters' layer swaps (FP8, MX), then the half cast of O2/O3 (half.py) or the rules' dtype scopes."""
         model.to(self.device)
-        if self.converter is not None:
-            self._convert(model)
+        self.layer_plan = plan = layers.plan(model, self.precision, self.converter, self.device)
+        self._linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+        layers.convert(model, plan)
         if self.precision.cast_model:
-            cast_model_to_half(model, self.dtype, self.precision.keep_norm_fp32, self.device)
+            cast_model_to_half(model, self.dtype, [f for f, run_in in plan.scopes().items() if run_in == "fp32"],
+                               self.device)
+        else:
+            layers.open_scopes(model, plan, self.device, self.precision.autocast)
+        self.layer_rows = layers.table(model, plan, self.precision)
         return model
 
-    def _convert(self, model: nn.Module) -> None:
-        converter = self.converter
-        assert converter is not None
-        self._linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-        chosen = {fqn: converter.default_format() for fqn, module in model.named_modules()
-                  if fqn and converter.wants(module, fqn)}
-        converter.check_converted(list(chosen), self._linears)
-        converter.convert_model(model, chosen)
-        self.converted = chosen
+    @property
+    def converted(self) -> dict[str, str]:
+        """The layers a converter swapped, by name: their format."""
+        return {} if self.layer_plan is None else {f: fmt for f, (_, fmt) in self.layer_plan.converted.items()}
 
     def weight_layout(self, model: nn.Module) -> WeightLayout:
         return FP32MasterWeights(model) if self.precision.master_weights else WeightLayout(model)
@@ -162,13 +166,15 @@ class PrecisionPolicy:
             f"autocast={short(self.dtype) if s.autocast else 'off'}",
             f"model_weights={short(self.dtype) if s.cast_model else 'float32'}",
             f"master_weights={'float32' if s.master_weights else 'none'}",
-            "norm_layers=" + ("float32" if (s.keep_norm_fp32 or not s.cast_model) else short(self.dtype)),
+            "rules=" + (f"[{'; '.join(layers.rule_text(rule) for rule in s.rules)}]" if s.rules else "none"),
             f"tf32={'on' if s.tf32 else 'off'}",
             f"loss_scale={scaler_description}",
         ]
         if self.converter is not None:
-            parts.insert(0, self.converter.describe() + (
-                f" ({len(self.converted)} of {self._linears} Linear layers converted)" if self._linears else ""))
+            parts.insert(0, self.converter.describe())
+        if self.converted:
+            parts.insert(1 if self.converter is not None else 0,
+                         f"converted={len(self.converted)} of {self._linears} Linear layers")
         return f"Selected precision={s.name}: " + ", ".join(parts)
 
 

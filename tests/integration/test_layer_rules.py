@@ -1,0 +1,159 @@
+"""Per-layer precision rules: a run with rules equals the torch.amp loop with the same layers kept in fp32 by hand,
+bit for bit, in fp16 and bf16; a dtype hook proves each Linear's matmul dtype and the resolved table says the
+same; name and type matching; every refusal is one line; the rules with the converter modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ampctl.cli import main
+from ampctl.engine.build import build_state
+from ampctl.engine.precision import layers
+from ampctl.engine.precision.half import is_norm_layer
+from tests.conftest import build, train
+from tests.integration.test_golden_amp import GOLDEN, canonical_loop
+
+HEAD = "9"  # the MLP's last Linear: [Linear, LayerNorm, GELU] x 3, then the head
+FIRST_AND_LAST = f"precision.rules=[{{match:'0',run_in:fp32}},{{match:'{HEAD}',run_in:fp32}}]"
+
+
+def keep_in_fp32_by_hand(model: nn.Module) -> None:
+    """What a user writes without ampctl: autocast off around the first and last layers, inputs cast to fp32."""
+    for index in (0, int(HEAD)):
+        layer = model[index]
+        forward = layer.forward
+
+        def fp32_forward(x, forward=forward):
+            with torch.autocast("cpu", enabled=False):
+                return forward(x.float())
+
+        layer.forward = fp32_forward
+
+
+@pytest.mark.parametrize("precision,dtype,use_scaler", [("fp16", torch.float16, True), ("bf16", torch.bfloat16, False)])
+def test_a_run_with_rules_equals_the_torch_amp_loop_with_those_layers_kept_by_hand(tmp_path, precision, dtype,
+                                                                                     use_scaler):
+    _, rows = train(tmp_path, f"precision={precision}", FIRST_AND_LAST, *GOLDEN)
+    losses, scales, _ = canonical_loop(dtype, use_scaler, by_hand=keep_in_fp32_by_hand)
+    assert [r["loss"] for r in rows] == losses
+    assert [r["loss_scale"] for r in rows] == scales
+    plain, _, _ = canonical_loop(dtype, use_scaler)
+    assert losses != plain  # the rules changed what was computed
+
+
+def linear_output_dtypes(*overrides: str) -> tuple[dict[str, torch.dtype], list[layers.LayerRow]]:
+    """Each Linear's output dtype (its matmul's, under autocast) in one forward of ampctl's prepared model."""
+    cfg, policy, recipe = build(*overrides)
+    seen: dict[str, torch.dtype] = {}
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        for name, module in state.model.named_modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
+        with policy.autocast():
+            recipe.loss(state.model, next(recipe.batches(policy.device, 0)))
+    return seen, policy.layer_rows
+
+
+@pytest.mark.parametrize("precision,low", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_a_dtype_hook_proves_each_matmuls_dtype_and_the_table_says_the_same(precision, low):
+    seen, rows = linear_output_dtypes(f"precision={precision}", FIRST_AND_LAST)
+    assert seen == {"0": torch.float32, "3": low, "6": low, HEAD: torch.float32}
+    by_name = {name: row for row in rows for name in row.names}
+    for name, dtype in seen.items():
+        assert by_name[name].compute == str(dtype).removeprefix("torch.")
+    assert by_name["0"].rule == "rules[0]" and by_name[HEAD].rule == "rules[1]" and by_name["3"].rule == "mode"
+    assert by_name["1"].compute == "float32"  # a LayerNorm: autocast runs it in fp32 anyway
+
+
+def test_a_bf16_rule_under_fp32_runs_that_layer_in_bf16_and_returns_fp32():
+    seen, rows = linear_output_dtypes("precision=fp32", f"precision.rules=[{{match:'{HEAD}',run_in:bf16}}]")
+    assert seen == {"0": torch.float32, "3": torch.float32, "6": torch.float32, HEAD: torch.float32}
+    (head,) = [row for row in rows if HEAD in row.names]
+    assert head.compute == "bfloat16"
+
+
+def test_rules_match_by_type_glob_and_by_name_glob_first_match_wins():
+    _, rows = linear_output_dtypes("precision=bf16", "precision.rules=[{match:'[36]',run_in:fp32},{type:'*Norm',"
+                                   "run_in:fp32},{type:Linear,run_in:bf16}]")
+    rules = {name: row.rule for row in rows for name in row.names}
+    assert rules == {"0": "rules[2]", "1": "rules[1]", "3": "rules[0]", "4": "rules[1]", "6": "rules[0]",
+                     "7": "rules[1]", HEAD: "rules[2]"}
+
+
+def test_o2s_default_rule_keeps_every_norm_in_fp32_and_a_user_rule_adds_the_head(tmp_path):
+    cfg, policy, recipe = build("precision=O2", f"precision.rules=[{{type:norm,run_in:fp32}},"
+                                f"{{match:'{HEAD}',run_in:fp32}}]")
+    with policy:
+        model = build_state(cfg, policy, recipe).model
+    dtypes = {name: m.weight.dtype for name, m in model.named_modules() if hasattr(m, "weight")}
+    norms = {name for name, m in model.named_modules() if is_norm_layer(m)}
+    assert {n for n, d in dtypes.items() if d == torch.float32} == norms | {HEAD}
+    assert {n for n, d in dtypes.items() if d == torch.float16} == {"0", "3", "6"}
+
+
+def test_the_first_and_last_layers_left_out_of_an_mx_format(tmp_path):
+    seen, rows = linear_output_dtypes("precision=mxfp8", f"precision.rules=[{{match:'0',run_in:unconverted}},"
+                                      f"{{match:'{HEAD}',run_in:unconverted}}]")
+    kinds = {name: row.type for row in rows for name in row.names}
+    assert {kinds["0"], kinds[HEAD]} == {"Linear"} and {kinds["3"], kinds["6"]} == {"MXLinear"}
+    assert {name: row.compute for row in rows for name in row.names if name in ("3", HEAD)} == {
+        "3": "mxfp8 (emulated)", HEAD: "float32"}
+
+
+def test_a_format_rule_converts_one_layer_under_another_mode():
+    _, rows = linear_output_dtypes("precision=bf16", f"precision.rules=[{{match:'{HEAD}',run_in:nvfp4}}]")
+    (head,) = [row for row in rows if HEAD in row.names]
+    assert (head.type, head.compute, head.converter) == ("MXLinear", "nvfp4 (emulated)", "mx_emulated")
+
+
+@pytest.mark.parametrize("precision,rules,message", [
+    ("bf16", "[{match:haed,run_in:fp32}]",
+     "precision.rules[0] (match=haed run_in=fp32) matches no layer of this model; the closest layer names:"),
+    ("bf16", "[{type:LayerNom,run_in:fp32}]",
+     "precision.rules[0] (type=LayerNom run_in=fp32) matches no layer of this model; the closest layer types: LayerNorm"),
+    ("bf16", f"[{{type:Linear,run_in:fp32}},{{match:'{HEAD}',run_in:bf16}}]",
+     f"precision.rules[1] (match={HEAD} run_in=bf16) contradicts precision.rules[0] (type=Linear run_in=fp32), which "
+     f"matches every layer it matches first ({HEAD})"),
+    ("bf16", "[{type:LayerNorm,run_in:mxfp8}]",
+     "precision.rules[0] (type=LayerNorm run_in=mxfp8): mxfp8 converts nn.Linear layers, and none of the layers it "
+     "matches is or holds one (1, 4, 7)"),
+    ("bf16", "[{type:Linear,run_in:unconverted}]",
+     "precision.rules[0] (type=Linear run_in=unconverted): precision=bf16 converts no layers"),
+    ("bf16", "[{type:Linear,run_in:fp8}]",
+     "precision.rules[0] (type=Linear run_in=fp8): fp8 needs FP8 tensor cores"),
+    ("O2", "[{type:Linear,run_in:bf16}]",
+     "precision.rules[0] (type=Linear run_in=bf16): precision=O2 stores the model's weights in float16"),
+    ("O2", "[{type:Linear,run_in:mxfp4}]",
+     "precision.rules[0] (type=Linear run_in=mxfp4): precision=O2 casts the model's weights to float16"),
+    ("bf16", "[{type:Linear,run_in:fp9}]",
+     "precision.rules[0] (type=Linear run_in=fp9): no such run_in (did you mean fp8?); choose fp32, bf16, fp16, "
+     "unconverted or a format: "),
+    ("bf16", "[{run_in:fp32}]", "precision.rules[].match=None is not allowed: expected a glob over layer names, or a "
+     "type"),
+])
+def test_a_rule_that_cannot_be_honoured_is_refused_in_one_line(tmp_path, restore_argv, capsys, precision, rules,
+                                                               message):
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "recipe=mlp", "recipe.hidden=32", "device=cpu", "train.console=quiet", "train.steps=2",
+              f"precision={precision}", f"precision.rules={rules}", f"hydra.run.dir={run}"])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert message in line, line
+    assert not run.exists()
+
+
+def test_the_start_lines_show_the_resolved_table(tmp_path, restore_argv, capsys):
+    main(["train", "recipe=mlp", "recipe.hidden=32", "device=cpu", "train.console=plain", "train.steps=1",
+          "precision=bf16", FIRST_AND_LAST, f"hydra.run.dir={tmp_path / 'run'}"])
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "rules=[match=0 run_in=fp32; match=9 run_in=fp32]" in log
+    table = [line.split(" - ", 1)[1].strip() for line in log.splitlines() if " - " in line][1:9]
+    assert table[0].split() == ["layer", "type", "compute", "weights", "converter", "rule"]
+    assert table[1].split() == ["0", "Linear", "float32", "float32", "-", "rules[0]"]
+    assert table[2].split() == ["*", "x3", "LayerNorm", "float32", "float32", "-", "mode"]
+    assert table[3].split() == ["*", "x2", "Linear", "bfloat16", "float32", "-", "mode"]
+    assert table[4].split() == ["9", "Linear", "float32", "float32", "-", "rules[1]"]
