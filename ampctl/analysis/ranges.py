@@ -18,7 +18,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig
@@ -26,6 +26,13 @@ from rich.console import Console
 from torch import nn
 
 from ampctl import io
+from ampctl.analysis.block_scales import (
+    BLOCKS_TITLE,
+    PRECISION_TITLE,
+    BlockScaleRecorder,
+    precision_table,
+    styled_blocks,
+)
 from ampctl.analysis.numerics import (
     FORMATS,
     FP16,
@@ -43,6 +50,7 @@ from ampctl.reports.progress import Phases
 KINDS = ("activation", "activation_grad", "weight_grad", "weight")
 GRADIENT_KINDS = ("activation_grad", "weight_grad")
 SUMMARY_TITLE, LAYERS_TITLE = "value ranges by tensor kind, all layers", "value ranges per layer"
+ALSO_KEYS = {PRECISION_TITLE: "precision_layers", BLOCKS_TITLE: "block_scales"}  # their rows' keys in ranges.json
 GRADSCALER_DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale: the scale studied for unscaled modes
 
 
@@ -115,6 +123,8 @@ class Inspection:
     study_scale: float
     run_scales: list[float]
     gradient_dtype: str = "float32"  # what the run's backward computed its gradients in
+    precision: Optional[tables.ReportTable] = None  # the resolved precision of every layer
+    blocks: Optional[tables.ReportTable] = None  # block-scaled layers: what their scales saturate and flush
 
 
 def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None) -> Inspection:
@@ -138,13 +148,14 @@ def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: Non
 
         phase(f"built the model, hooks on {len(recorder.layers)} leaf modules")
         n = cfg.inspect.steps
-        with recorder:
+        blocks = BlockScaleRecorder(state.model)
+        with recorder, blocks:
             recorder.record_weights()
             run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), n, recipe, policy,
                       cfg.train.grad_accum_steps, cfg.train.clip_grad_norm, before_step=note_the_scale,
                       after_step=lambda done: phase(f"recorded step {done}/{n}"))
     half = str(policy.dtype).removeprefix("torch.") if policy.uses_half else "float32"
-    return Inspection(recorder, study, run_scales, half)
+    return Inspection(recorder, study, run_scales, half, precision_table(policy.layer_rows), blocks.table())
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -265,14 +276,15 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {cfg.inspect.steps} steps"
     write_inspect_report(out_dir, layer_table(inspection), summary_table(inspection), histogram,
                          inspection.study_scale, inspection.run_scales, overrides,
-                         tables.machine_info([{"device": device.type}]), console, context)
+                         tables.machine_info([{"device": device.type}]), console, context,
+                         [t for t in (inspection.precision, inspection.blocks) if t is not None])
 
 
 def write_inspect_report(out_dir: Path, layers: tables.ReportTable, summary: tables.ReportTable, histogram: dict,
                          study_scale: float, run_scales: list[float], overrides: list[str], machine: dict,
-                         console: Console, context: str = "") -> None:
+                         console: Console, context: str = "", also: Sequence[tables.ReportTable] = ()) -> None:
     """ranges.csv / ranges.json / report.md and the two plots; everything `ampctl report` needs to redo them
-    goes into ranges.json (the summary rows and the plotted histogram too)."""
+    goes into ranges.json (the summary rows, the plotted histogram, the precision and block-scale tables too)."""
     from ampctl.analysis import range_plots
 
     label = histogram["kind"].replace("_grad", " gradients")
@@ -280,8 +292,11 @@ def write_inspect_report(out_dir: Path, layers: tables.ReportTable, summary: tab
                                     out_dir / "gradient_ranges.png", context),
               range_plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png", context)]
     extra = {"kind": "inspect", "context": context, "overrides": overrides, "study_scale": study_scale, "run_scales": run_scales,
-             "summary": summary.as_dicts(), "summary_notes": summary.notes, "histogram": histogram}
-    files = tables.write_files(layers, out_dir, "ranges", machine, images, extra)
+             "summary": summary.as_dicts(), "summary_notes": summary.notes, "histogram": histogram,
+             **{ALSO_KEYS[t.title]: t.as_dicts() for t in also}}
+    files = tables.write_files(layers, out_dir, "ranges", machine, images, extra, also)
+    for table in also:
+        tables.print_table(table, console)
     tables.print_table(summary, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
 
@@ -298,8 +313,11 @@ def rerender(out_dir: Path, console: Console) -> None:
     summary_rows = data["summary"]
     summary = _styled_summary(list(summary_rows[0]) if summary_rows else [], [list(r.values()) for r in summary_rows],
                               data.get("summary_notes", []), data["study_scale"])
+    also = [make(list(data[key][0]), [list(r.values()) for r in data[key]])
+            for key, make in (("precision_layers", lambda c, r: tables.ReportTable(PRECISION_TITLE, c, r)),
+                              ("block_scales", styled_blocks)) if data.get(key)]
     write_inspect_report(out_dir, layers, summary, data["histogram"], data["study_scale"], data["run_scales"],
-                         data.get("overrides", []), data["machine"], console, data.get("context", ""))
+                         data.get("overrides", []), data["machine"], console, data.get("context", ""), also)
 
 
 class RangesLog:

@@ -185,9 +185,11 @@ def markdown(table: ReportTable) -> str:
 
 
 def write_files(
-    table: ReportTable, out_dir: Path, stem: str, machine: dict[str, Any], images: Sequence[Path], extra: dict
+    table: ReportTable, out_dir: Path, stem: str, machine: dict[str, Any], images: Sequence[Path], extra: dict,
+    also: Sequence[ReportTable] = (),
 ) -> list[Path]:
-    """<stem>.csv, <stem>.json and report.md in out_dir; each written whole, then renamed into place."""
+    """<stem>.csv, <stem>.json and report.md in out_dir (report.md with the `also` tables after the main one);
+    each written whole, then renamed into place."""
     csv_path, json_path, md_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.json", out_dir / "report.md"
 
     tmp_csv = csv_path.with_name(csv_path.name + ".tmp")
@@ -198,7 +200,10 @@ def write_files(
     os.replace(tmp_csv, csv_path)
     io.write_json(json_path, {**extra, "machine": machine, "notes": table.notes, "rows": table.as_dicts()})
     machine_lines = [f"- {k}: {v}" for k, v in machine.items()]
-    report = [f"# {table.title}", "", markdown(table), "## Machine", "", *machine_lines, ""]
+    report = [f"# {table.title}", "", markdown(table)]
+    for other in also:
+        report += [f"## {other.title}", "", markdown(other)]
+    report += ["## Machine", "", *machine_lines, ""]
     report += [f"![{image.stem}]({image.name})\n" for image in images]
     io.atomic_write_text(md_path, "\n".join(report))
     return [csv_path, json_path, md_path]

@@ -145,3 +145,31 @@ def test_a_half_precision_run_says_what_it_cannot_measure_and_its_zeros_hold_wha
             "that scale was zero already when recorded") in half_out
     assert "ampctl inspect precision=fp32 inspect.loss_scale=1." in half_out
     assert "this run computed its gradients" not in full_out
+
+
+def test_inspect_under_a_block_scaled_format_shows_each_layers_precision_and_its_block_scales(tmp_path, restore_argv,
+                                                                                              capsys):
+    out = tmp_path / "inspect"
+    main(["inspect", *GPT, "precision=nvfp4", "precision.rules=[{match:lm_head,run_in:unconverted},"
+          "{match:'blocks.1.*',run_in:mxfp8}]", f"hydra.run.dir={out}"])
+    printed = capsys.readouterr().out
+    assert "resolved precision per layer" in printed and "block scales per layer" in printed
+    data = json.loads((out / "ranges.json").read_text())
+    layers = {row["layer"]: row for row in data["precision_layers"]}
+    assert layers["lm_head"]["compute"] == "float32" and layers["lm_head"]["rule"] == "rules[0]"
+    assert layers["blocks.0.attn.qkv"]["compute"] == "nvfp4 (emulated)"
+    assert layers["blocks.1.attn.qkv"]["compute"] == "mxfp8 (emulated)"
+    blocks = {row["layer"]: row for row in data["block_scales"]}
+    assert set(blocks) == {f"blocks.{i}.{n}" for i in (0, 1) for n in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
+    assert {blocks["blocks.0.mlp.0"]["format"], blocks["blocks.1.mlp.0"]["format"]} == {"nvfp4", "mxfp8"}
+    for row in blocks.values():
+        for role in ("activation", "weight", "gradient"):
+            assert 0 <= row[f"{role}_saturated"] <= 1 and 0 <= row[f"{role}_flushed"] <= 1
+    # FP4 flushes more than FP8 on the same model
+    assert blocks["blocks.0.mlp.0"]["weight_flushed"] > blocks["blocks.1.mlp.0"]["weight_flushed"]
+    report = (out / "report.md").read_text()
+    assert "## resolved precision per layer" in report and "## block scales per layer" in report
+    # and ampctl report renders them again from ranges.json
+    (out / "report.md").unlink()
+    main(["report", str(out)])
+    assert "## block scales per layer" in (out / "report.md").read_text()

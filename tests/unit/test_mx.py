@@ -176,3 +176,21 @@ def test_the_specs_floor_scale_clips_a_block_whose_amax_mantissa_exceeds_the_ele
                     for mode in (MXScaleMode.floor, MXScaleMode.rceil))
     assert fake_quantize(x, floor)[0, 0].item() == 448 / 256
     assert fake_quantize(x, rceil)[0, 0].item() == pytest.approx(1.9, rel=2.0**-4)
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e2m1"])
+def test_block_outcomes_count_what_torchaos_quantization_clips_and_flushes(element):
+    """saturated: |x| beyond the element's max times the block's scale; flushed: non-zero, dequantized to zero;
+    both read off torchao's own to_mx and to_dtype."""
+    from ampctl.engine.precision.mx_emulated import block_outcomes
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 128, generator=gen) * torch.logspace(-6, 0, 128)  # wide blocks: tiny values flush
+    fmt = BlockFormat(ELEMENTS[element], 32, "e8m0")
+    scale, data = mx.to_mx(x, TORCHAO_ELEMENTS[element], 32, ScaleCalculationMode.FLOOR)
+    decoded = mx.to_dtype(data, scale, TORCHAO_ELEMENTS[element], 32, torch.float32)
+    block_max = (mx.get_fp_scale(scale) * ELEMENTS[element].max).repeat_interleave(32, -1)
+    values, saturated, flushed = block_outcomes(x, fmt).tolist()
+    assert values == x.numel()
+    assert saturated == int((x.abs() > block_max).sum()) > 0
+    assert flushed == int(((x != 0) & (decoded == 0)).sum()) > 0

@@ -319,10 +319,15 @@ def _folded(names: list[str]) -> str:
     return ".".join(p[0] if len(set(p)) == 1 else "*" for p in zip(*parts))
 
 
+def display_name(row: LayerRow) -> str:
+    """The row's layer as the table shows it: its own name, or the folded names and how many (blocks.*.attn x12)."""
+    return _folded(row.names) + (f" x{row.count}" if row.count > 1 else "")
+
+
 def render(rows: list[LayerRow]) -> list[str]:
     """The table as aligned text lines (the start line's, in the console and train.log)."""
     header = ("layer", "type", "compute", "weights", "converter", "rule")
-    cells = [header] + [(_folded(r.names) + (f" x{r.count}" if r.count > 1 else ""), r.type, r.compute, r.weights, r.converter,
+    cells = [header] + [(display_name(r), r.type, r.compute, r.weights, r.converter,
                          r.rule) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]

@@ -27,7 +27,7 @@ amax unchanged (torchao refuses such shapes; real kernels pad too).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -117,25 +117,28 @@ def e8m0_value(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes == E8M0_NAN, float("nan"), scale)
 
 
-def quantize_mx_blocks(blocks: torch.Tensor, element: Element, mode: MXScaleMode
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(elements in fp32, E8M0 codes) of fp32 blocks (..., block): torchao's to_mx, number for number."""
+def _mx_scaled(blocks: torch.Tensor, element: Element, mode: MXScaleMode) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the blocks divided by their scales, not yet clamped; E8M0 codes): torchao's to_mx before its cast."""
     amax = blocks.abs().amax(-1, keepdim=True)
     codes = e8m0_codes(amax, element, mode)
     if mode == MXScaleMode.rceil:
         reciprocal = torch.where(codes == E8M0_NAN, amax / element.max,
                                  torch.where(codes == 254, 2.0**-127,
                                              torch.where(codes == 0, 1.0, torch.exp2((E8M0_BIAS - codes).float()))))
-        scaled = blocks * reciprocal
-    else:
-        divisor = torch.clamp((codes << 23).view(torch.float32), min=F32_MIN_NORMAL)  # code 255 reads as inf
-        scaled = blocks / divisor
+        return blocks * reciprocal, codes
+    divisor = torch.clamp((codes << 23).view(torch.float32), min=F32_MIN_NORMAL)  # code 255 reads as inf
+    return blocks / divisor, codes
+
+
+def quantize_mx_blocks(blocks: torch.Tensor, element: Element, mode: MXScaleMode
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements in fp32, E8M0 codes) of fp32 blocks (..., block): torchao's to_mx, number for number."""
+    scaled, codes = _mx_scaled(blocks, element, mode)
     return _to_element(torch.clamp(scaled, -element.max, element.max), element), codes
 
 
-def quantize_nvfp4_blocks(blocks: torch.Tensor, tensor_scale: Optional[torch.Tensor]
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E2M1 elements in fp32, E4M3 block scales in fp32) of fp32 blocks (..., 16): torchao's nvfp4_quantize."""
+def _nvfp4_scaled(blocks: torch.Tensor, tensor_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the blocks times their reciprocal scales, not yet clamped; E4M3 block scales in fp32)."""
     block_scale = blocks.abs().amax(-1) / ELEMENTS["e2m1"].max
     if tensor_scale is None:
         scales = torch.clamp(block_scale, E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
@@ -143,8 +146,14 @@ def quantize_nvfp4_blocks(blocks: torch.Tensor, tensor_scale: Optional[torch.Ten
     else:
         scales = torch.clamp(block_scale / tensor_scale, E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
         reciprocal = (1.0 / tensor_scale) / scales
-    scaled = torch.clamp(blocks * reciprocal.unsqueeze(-1), -6.0, 6.0)
-    return round_e2m1(scaled), scales
+    return blocks * reciprocal.unsqueeze(-1), scales
+
+
+def quantize_nvfp4_blocks(blocks: torch.Tensor, tensor_scale: Optional[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E2M1 elements in fp32, E4M3 block scales in fp32) of fp32 blocks (..., 16): torchao's nvfp4_quantize."""
+    scaled, scales = _nvfp4_scaled(blocks, tensor_scale)
+    return round_e2m1(torch.clamp(scaled, -6.0, 6.0)), scales
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
@@ -164,15 +173,32 @@ def _blocks(matrix: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
 
 def fake_quantize(matrix: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """matrix (rows, K) quantized in blocks along K and dequantized, in fp32."""
+    return _quantize(matrix, fmt)[0]
+
+
+def _quantize(matrix: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(matrix quantized and dequantized, in fp32; its blocks scaled to the element's range before the clamp)."""
     blocks, k = _blocks(matrix.detach(), fmt.block)
     if fmt.scale == "e8m0":
-        elements, codes = quantize_mx_blocks(blocks, fmt.element, fmt.scale_mode)
+        scaled, codes = _mx_scaled(blocks, fmt.element, fmt.scale_mode)
+        elements = _to_element(torch.clamp(scaled, -fmt.element.max, fmt.element.max), fmt.element)
         out = elements * e8m0_value(codes)
     else:
         tensor_scale = nvfp4_tensor_scale(matrix) if fmt.per_tensor_scale else None
-        elements, scales = quantize_nvfp4_blocks(blocks, tensor_scale)
+        scaled, scales = _nvfp4_scaled(blocks, tensor_scale)
+        elements = round_e2m1(torch.clamp(scaled, -6.0, 6.0))
         out = elements * (scales if tensor_scale is None else tensor_scale * scales).unsqueeze(-1)
-    return out.reshape(blocks.shape[0], -1)[:, :k]
+    return out.reshape(blocks.shape[0], -1)[:, :k], scaled.reshape(blocks.shape[0], -1)[:, :k]
+
+
+def block_outcomes(matrix: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """[values, saturated, flushed] of one quantization, counted on the device (a long tensor): saturated,
+    beyond the element's max after its block's scale (clipped to it); flushed, non-zero and quantized to zero."""
+    quantized, scaled = _quantize(matrix, fmt)
+    original = matrix.detach().float()
+    saturated = (scaled.abs() > fmt.element.max).sum()
+    flushed = ((original != 0) & (quantized == 0)).sum()
+    return torch.stack([torch.tensor(original.numel(), device=matrix.device), saturated, flushed])
 
 
 class _MXLinear(torch.autograd.Function):
@@ -183,6 +209,8 @@ class _MXLinear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, weight)
         ctx.layer, ctx.has_bias, ctx.x_shape = layer, bias is not None, x.shape
+        layer.observe("activation", x2, layer.forward_format)
+        layer.observe("weight", weight, layer.forward_format)
         out = fake_quantize(x2, layer.forward_format) @ fake_quantize(weight, layer.forward_format).t()
         if bias is not None:
             out = out + bias.float()
@@ -194,6 +222,7 @@ class _MXLinear(torch.autograd.Function):
         layer = ctx.layer
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         g_fmt, fwd = layer.grad_format, layer.forward_format
+        layer.observe("gradient", g2, g_fmt)
         grad_x = fake_quantize(g2, g_fmt) @ fake_quantize(weight.t(), fwd).t()  # reduces over N
         grad_w = fake_quantize(g2.t(), g_fmt) @ fake_quantize(x2.t(), fwd).t()  # reduces over the tokens M
         # the bias gradient is a sum, not a matmul: from the unquantized gradient, as torchao does
@@ -223,6 +252,12 @@ class MXLinear(ConvertedLinear):
         super().__init__(in_features, out_features, bias, device, dtype)
         self.config, self.fmt = config, fmt
         self.forward_format, self.grad_format = block_formats(config, fmt)
+        self.observers: list[Callable[[str, torch.Tensor, BlockFormat], None]] = []  # ampctl inspect's
+
+    def observe(self, role: str, matrix: torch.Tensor, fmt: BlockFormat) -> None:
+        """Show an operand about to be quantized to the observers (none outside an inspection)."""
+        for observer in self.observers:
+            observer(role, matrix, fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):  # the emulation's matmuls are fp32 under any mode

@@ -1,0 +1,84 @@
+"""`ampctl inspect` on block-scaled layers (MXFP8, MXFP4, NVFP4, by mode or by rule): per layer and operand,
+the share of values its block's scale saturates (beyond the element's max after the scale: clipped) or flushes
+(non-zero, quantized to zero), counted on the device as each operand is quantized: the activations and the
+weight as the forward matmul takes them, the output gradient as the input-gradient matmul takes it. And the
+resolved precision of every layer, the table the start lines print."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ampctl.engine.precision.layers import LayerRow, display_name
+from ampctl.engine.precision.mx_emulated import BlockFormat, MXLinear, block_outcomes
+from ampctl.reports import tables
+
+ROLES = ("activation", "weight", "gradient")
+BLOCKS_TITLE = "block scales per layer: values saturated (clipped at the element's max) and flushed to zero"
+PRECISION_TITLE = "resolved precision per layer"
+PRECISION_COLUMNS = ["layer", "type", "compute", "weights", "converter", "rule"]
+
+
+class BlockScaleRecorder:
+    """Observers on every MXLinear, added on entry and removed on exit: [values, saturated, flushed] per layer
+    and operand, accumulated on the device (read once, by table())."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MXLinear)]
+        self.counts: dict[tuple[str, str], torch.Tensor] = {}
+        self._observers: list[tuple[MXLinear, Any]] = []
+
+    def __enter__(self) -> "BlockScaleRecorder":
+        for name, layer in self.layers:
+            def observe(role: str, matrix: torch.Tensor, fmt: BlockFormat, name: str = name) -> None:
+                counts = block_outcomes(matrix, fmt)
+                key = (name, role)
+                self.counts[key] = self.counts[key] + counts if key in self.counts else counts
+
+            layer.observers.append(observe)
+            self._observers.append((layer, observe))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer, observe in self._observers:
+            layer.observers.remove(observe)
+        self._observers.clear()
+
+    def table(self) -> Optional[tables.ReportTable]:
+        if not self.counts:
+            return None
+        host = dict(zip(self.counts, torch.stack(list(self.counts.values())).cpu().tolist()))  # one transfer
+        columns = ["layer", "format", *(f"{role}_{what}" for role in ROLES for what in ("saturated", "flushed"))]
+        rows = []
+        for name, layer in self.layers:
+            row: list[Any] = [name, layer.fmt]
+            for role in ROLES:
+                values, saturated, flushed = host.get((name, role), (0, 0, 0))
+                row += [saturated / values, flushed / values] if values else [None, None]
+            rows.append(row)
+        return styled_blocks(columns, rows)
+
+
+def styled_blocks(columns: list[str], rows: list[list[Any]]) -> tables.ReportTable:
+    headers = {c: c.replace("activation_", "act ").replace("weight_", "weight ").replace("gradient_", "grad ")
+               .replace("saturated", "sat.").replace("flushed", "→0") for c in columns}
+    formats = {c: _percent for c in columns[2:]}
+    notes = ["fractions of each operand's values over the steps inspected: sat., beyond the element's max after its "
+             "block's scale (clipped to it); →0, non-zero and quantized to zero. Activations and weights as the "
+             "forward matmul quantizes them (blocks along K), gradients as the input-gradient matmul does (along N). "
+             "Emulated: the numerics are the format's, the speed is not."]
+    return tables.ReportTable(BLOCKS_TITLE, columns, rows, notes=notes, headers=headers, formats=formats)
+
+
+def precision_table(rows: list[LayerRow]) -> tables.ReportTable:
+    """The resolved precision of every layer (layers.table), as a report table."""
+    return tables.ReportTable(PRECISION_TITLE, PRECISION_COLUMNS,
+                              [[display_name(r), r.type, r.compute, r.weights, r.converter, r.rule] for r in rows])
+
+
+def _percent(v: Optional[float]) -> str:
+    if v is None:
+        return "-"
+    return "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")
