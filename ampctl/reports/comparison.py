@@ -173,7 +173,9 @@ def _mode_row(mode: str, records: Sequence[RunRecord], baseline: str, base: Sequ
     }
     words = []
     if mode != baseline:
-        row["speed_verdict"] = rounds_stats.verdict(mode, baseline, speed, n_rounds)
+        # an emulated format's verdict is about the emulation: its name says so where the claim is made
+        label = f"{mode} (emulated)" if summaries[0].get("emulated") else mode
+        row["speed_verdict"] = rounds_stats.verdict(label, baseline, speed, n_rounds)
         words.append(row["speed_verdict"])
     for metric in metrics:
         values = [held_out(r, metric) for r in records]

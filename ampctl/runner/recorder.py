@@ -213,7 +213,7 @@ def final_line(summary: dict, run_dir: Path) -> str:
         f"{summary['skipped_total']} | final scale {io.scale_label(summary['final_loss_scale'])} | median "
         f"{summary['median_step_time_ms']:.1f} ms/step, {rate}"
         + (f", {summary['achieved_tflops']:.3g} TFLOP/s = {summary['mfu']:.1%} MFU" if summary.get("mfu") else "")
-        + (f" (the emulation's speed, not {summary['precision']}'s)" if summary.get("emulated") else "")
+        + (" (an emulation's speed, not the format's)" if summary.get("emulated") else "")
         + (f" | compiled in {summary['compile_s']:.1f} s (not in the step times)" if summary.get("compiled") else "")
         + f" | {run_dir / SUMMARY_FILE}"
     )

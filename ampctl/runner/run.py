@@ -315,7 +315,10 @@ def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolic
         "precision": cfg.precision.name,
         "precision_choice": choices.get("precision", cfg.precision.name),
         # an emulated format's speed is the emulation's, never the format's: said beside every speed shown
-        "emulated": policy.converter is not None and policy.converter.emulated,
+        "emulated": policy.emulated,
+        "converter": None if policy.converter is None else {
+            "name": policy.converter.name, "layers": len(policy.converted),
+            "checkpoints_carry": policy.converter.checkpoint_state},
         "scaler": state.scaler.kind,
         "recipe": choices.get("recipe", type(recipe).__name__),
         "recipe_title": recipe_title(choices.get("recipe", type(recipe).__name__), cfg.recipe),  # with its model

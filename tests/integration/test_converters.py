@@ -5,6 +5,7 @@ honest under print, copy.deepcopy and state_dict."""
 from __future__ import annotations
 
 import copy
+import json
 from importlib import metadata
 
 import pytest
@@ -154,3 +155,15 @@ def test_every_converted_model_is_honest_under_print_deepcopy_and_state_dict(nam
     fresh.load_state_dict(model.state_dict())
     assert torch.equal(fresh(x), model(x))
 
+
+
+def test_an_emulated_formats_speed_is_labelled_as_the_emulations(tmp_path, restore_argv, capsys):
+    main(["train", *QUIET, *MLP, "precision=mxfp4", f"hydra.run.dir={tmp_path / 'run'}"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["emulated"] is True
+    assert summary["converter"] == {"name": "mx_emulated", "layers": 4,
+                                    "checkpoints_carry": "nothing beyond the model's weights"}
+    done = [line for line in (tmp_path / "run" / "train.log").read_text().splitlines() if "done:" in line]
+    assert "(an emulation's speed, not the format's)" in done[0]
+    main(["train", *QUIET, *MLP, "precision=bf16", f"hydra.run.dir={tmp_path / 'bf16'}"])
+    assert json.loads((tmp_path / "bf16" / "summary.json").read_text())["emulated"] is False

@@ -122,6 +122,8 @@ def test_a_format_rule_converts_one_layer_under_another_mode():
      "matches is or holds one (1, 4, 7)"),
     ("bf16", "[{type:Linear,run_in:unconverted}]",
      "precision.rules[0] (type=Linear run_in=unconverted): precision=bf16 converts no layers"),
+    ("mxfp8", "[{type:LayerNorm,run_in:unconverted}]",
+     "precision.rules[0] (type=LayerNorm run_in=unconverted): none of the layers it matches is or holds an nn.Linear"),
     ("bf16", "[{type:Linear,run_in:fp8}]",
      "precision.rules[0] (type=Linear run_in=fp8): fp8 needs FP8 tensor cores"),
     ("O2", "[{type:Linear,run_in:bf16}]",
@@ -157,3 +159,8 @@ def test_the_start_lines_show_the_resolved_table(tmp_path, restore_argv, capsys)
     assert table[2].split() == ["*", "x3", "LayerNorm", "float32", "float32", "-", "mode"]
     assert table[3].split() == ["*", "x2", "Linear", "bfloat16", "float32", "-", "mode"]
     assert table[4].split() == ["9", "Linear", "float32", "float32", "-", "rules[1]"]
+
+
+def test_a_format_rule_under_a_plain_mode_labels_the_runs_speed_as_an_emulations(tmp_path):
+    summary, _ = train(tmp_path, "precision=fp32", "train.steps=2", f"precision.rules=[{{match:'{HEAD}',run_in:mxfp4}}]")
+    assert summary["emulated"] is True and summary["converter"] is None

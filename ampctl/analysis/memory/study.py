@@ -62,6 +62,7 @@ class ModeMemory:
     batch_estimate: Optional[int] = None
     batch_found: Optional[int] = None
     search_log: list[str] = field(default_factory=list)
+    emulated: bool = False  # an emulated format: fp32 weights and matmuls, not the format's bytes or speed
 
     @property
     def estimate(self) -> Optional[int]:
@@ -144,7 +145,8 @@ def measure_mode(label: str, cfg: DictConfig, budget: Optional[int], settings: D
         # Counted after the measurement, so that the counting (and its recomputation of a checkpointed
         # block) is never part of the measured peak.
         activations = _count_activations(state, recipe, policy, cfg)
-        result = ModeMemory(label, states, activations, peak, statistics.median(times) if times else None, batch_size)
+        result = ModeMemory(label, states, activations, peak, statistics.median(times) if times else None, batch_size,
+                            emulated=policy.emulated)
         if budget is not None:
             other = max(1, batch_size // 2) if batch_size > 1 else 2
             other_bytes = _count_activations(state, _recipe_with_batch(cfg, other), policy, cfg)
@@ -245,6 +247,8 @@ def memory_notes(rows: list[ModeMemory], budget: Optional[int]) -> list[str]:
                      "; the CUDA context and cuBLAS/cuDNN workspaces are outside both.")
     elif source:
         notes.append(f"measured peak = {source}: tensor memory of the process, the interpreter not included.")
+    notes += [f"{r.label} is emulated: its bytes and step time are the emulation's (fp32 weights and matmuls, with "
+              "quantized copies of each operand on top), not the format's." for r in rows if r.emulated]
     for r in rows:
         if r.peak.breakdown:
             parts = ", ".join(f"{k.replace('_', ' ')} {io.format_bytes(v)}" for k, v in r.peak.breakdown.items())
@@ -351,6 +355,7 @@ def _mode_record(r: ModeMemory) -> dict[str, Any]:
         "activations_per_sample": None if r.activation_line is None else r.activation_line.per_sample,
         "activations_fixed": None if r.activation_line is None else r.activation_line.fixed,
         "batch_estimate": r.batch_estimate, "batch_found": r.batch_found, "search": r.search_log,
+        "emulated": r.emulated,
     }
 
 
@@ -361,4 +366,5 @@ def _from_record(m: dict[str, Any]) -> ModeMemory:
     peak = MeasuredPeak(m["measured_peak"], m["measured_source"], m.get("measured_breakdown") or {},
                         m.get("peak_reserved"))
     return ModeMemory(m["precision"], ModelStateBytes(**states), m["activations"], peak, m["step_time_ms"],
-                      m["batch_size"], line, m["batch_estimate"], m["batch_found"], m.get("search") or [])
+                      m["batch_size"], line, m["batch_estimate"], m["batch_found"], m.get("search") or [],
+                      m.get("emulated", False))

@@ -115,6 +115,10 @@ def plan(model: nn.Module, precision: PrecisionConfig, converter: Optional[conve
         if rule.run_in in owners and not any(decided[f] == index for f in layer_plan.converted):
             raise UsageError(f"{describe_rule(index, rule)}: {rule.run_in} converts nn.Linear layers, and none of the "
                              f"layers it matches is or holds one ({_names(hits[index])})")
+        if rule.run_in == UNCONVERTED and not any(decided[f] == index and isinstance(modules[f], nn.Linear)
+                                                  for f in modules):
+            raise UsageError(f"{describe_rule(index, rule)}: none of the layers it matches is or holds an nn.Linear, "
+                             f"the layers a converter converts ({_names(hits[index])})")
     if converter is not None:
         converter.check_converted([f for f, (c, _) in layer_plan.converted.items() if c is converter],
                                   sum(isinstance(m, nn.Linear) for m in modules.values()))

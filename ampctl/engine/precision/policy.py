@@ -151,6 +151,12 @@ class PrecisionPolicy:
         return model
 
     @property
+    def emulated(self) -> bool:
+        """Whether any layer computes in an emulated format (by the mode or by a rule): its speed is not the
+        format's."""
+        return self.layer_plan is not None and any(c.emulated for c, _ in self.layer_plan.converted.values())
+
+    @property
     def converted(self) -> dict[str, str]:
         """The layers a converter swapped, by name: their format."""
         return {} if self.layer_plan is None else {f: fmt for f, (_, fmt) in self.layer_plan.converted.items()}
