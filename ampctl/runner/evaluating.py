@@ -52,10 +52,10 @@ class RunEvaluation:
         self.every, self.steps, self.fp32 = train.eval_every, train.steps, train.eval_fp32
         self.policy = policy
         self.evaluator = Evaluator(recipe, policy.device, train.eval_batches)
-        if self.fp32 and policy.converter is not None:
+        if self.fp32 and policy.converts_layers():
             raise UsageError(f"train.eval_fp32=true with precision={policy.precision.name}: its converted layers "
-                             f"compute in {policy.converter.default_format()} "
-                             "whatever autocast says; evaluate an fp32 run beside it (ampctl compare)")
+                             "compute in their format whatever autocast says; evaluate an fp32 run beside it "
+                             "(ampctl compare)")
 
     def check_monitor(self, model: torch.nn.Module, monitor: str) -> None:
         """train.monitor is among the recipe's metrics: one held-out batch evaluated at start (the model is not

@@ -92,7 +92,7 @@ def plan(model: nn.Module, precision: PrecisionConfig, converter: Optional[conve
          device: torch.device) -> LayerPlan:
     """Match the rules against the model and check them; refuse, in one line, what cannot be honoured."""
     rules = list(precision.rules)
-    owners = converters.format_owners()
+    owners = converters.format_owners() if rules else {}  # (loads every converter: only where a rule may name one)
     for index, rule in enumerate(rules):
         _check_run_in(index, rule, owners, precision, converter, device)
     own: dict[str, int] = {}

@@ -167,7 +167,10 @@ def _blocks(matrix: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     """matrix (rows, K) in fp32, zero-padded to a multiple of block along K and viewed as (rows, K/block, block)."""
     rows, k = matrix.shape
     pad = (-k) % block
-    padded = F.pad(matrix.float(), (0, pad)) if pad else matrix.float()
+    # contiguous fp32 before the blocks are viewed: inductor (CPU, torch 2.14) fails to tile a half-precision
+    # transposed gradient cast and reshaped in one kernel
+    matrix = matrix.float().contiguous()
+    padded = F.pad(matrix, (0, pad)) if pad else matrix
     return padded.reshape(rows, -1, block), k
 
 
@@ -260,8 +263,9 @@ class MXLinear(ConvertedLinear):
             observer(role, matrix, fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):  # the emulation's matmuls are fp32 under any mode
-            return _MXLinear.apply(x, self.weight, self.bias, self).to(x.dtype)
+        if torch.is_autocast_enabled(x.device.type):  # a rule's MX layer inside an autocast mode
+            return _outside_compile(self, x)
+        return _mx_linear(self, x)
 
     def extra_repr(self) -> str:
         f, g = self.forward_format, self.grad_format
@@ -269,6 +273,17 @@ class MXLinear(ConvertedLinear):
             "e4m3 scales" + (" per_tensor_scale" if f.per_tensor_scale else ""))
         grads = f" grads={g.element.name}" if g.element != f.element else ""
         return f"{super().extra_repr()}, {self.fmt}={f.element.name}x{f.block}{grads} {scale}"
+
+
+def _mx_linear(layer: MXLinear, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):  # the emulation's matmuls are fp32 under any mode
+        return _MXLinear.apply(x, layer.weight, layer.bias, layer).to(x.dtype)
+
+
+# Under autocast, inductor's CPU code generation (torch 2.14) fuses the half-to-fp32 cast of the incoming gradient
+# with its two blockings (along N and, transposed, along M) and fails in its loop split (an AssertionError in
+# try_loop_split). Such a layer runs eagerly inside a compiled model: a graph break around it, the rest compiled.
+_outside_compile = torch.compiler.disable(_mx_linear)
 
 
 @register_converter

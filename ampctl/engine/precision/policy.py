@@ -150,6 +150,11 @@ class PrecisionPolicy:
         self.layer_rows = layers.table(model, plan, self.precision)
         return model
 
+    def converts_layers(self) -> bool:
+        """Whether some layers compute in a converter's format (by the mode or by a rule), whatever autocast says."""
+        return self.converter is not None or (
+            bool(self.precision.rules) and any(r.run_in in converters.format_owners() for r in self.precision.rules))
+
     @property
     def emulated(self) -> bool:
         """Whether any layer computes in an emulated format (by the mode or by a rule): its speed is not the
