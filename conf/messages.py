@@ -11,7 +11,7 @@ from typing import Optional
 
 import yaml
 from omegaconf import DictConfig
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 # Option nodes' names before the rename.
 RENAMED_KEYS = {"precision.fp8": "precision.fp8_emulated", "precision.float8": "precision.fp8_torchao"}
@@ -30,10 +30,15 @@ def one_line(exc: BaseException) -> str:
                 if err.full_key in RENAMED_KEYS:
                     new = RENAMED_KEYS[err.full_key]
                     return f"{err.full_key}: renamed; set {new}.* (the options of {_owner(new)})"
-                parent, _, key = err.full_key.rpartition(".")
+                full_key = _in_list(err) + err.full_key
+                parent, _, key = full_key.rpartition(".")
                 close = did_you_mean(key, _keys(err), prefix=f"{parent}." if parent else "")
-                return f"{err.full_key}: no such key{close}{_allowed_keys(err) or _open_node_keys(err)}"
+                return f"{full_key}: no such key{close}{_allowed_keys(err) or _open_node_keys(err)}"
             msg = str(getattr(err, "msg", "") or err).splitlines()[0]
+            if isinstance(err, MissingMandatoryValue):
+                return f"{err.full_key}: required, and not given"
+            if "Cannot merge DictConfig with ListConfig" in msg or "Cannot merge ListConfig with DictConfig" in msg:
+                return f"{err.full_key}: expected a list ([...]), as the schema's {err.full_key} is"
             return _type_error(err.full_key, msg) or f"{err.full_key}: {msg}"
     text = str(exc).strip()
     missing = re.search(r"Could not (?:find|load) '(.+)/([^/']+)'", text)
@@ -58,6 +63,16 @@ def did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
     """' (did you mean X?)' for the closest of choices (difflib's ratio >= 0.6), or nothing."""
     close = difflib.get_close_matches(word, choices, n=1)
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+# The schema's list elements, where OmegaConf's error names a key of one without the list's path.
+LIST_ELEMENTS = {"LayerRule": "precision.rules[]."}
+
+
+def _in_list(err: OmegaConfBaseException) -> str:
+    schema = getattr(err, "object_type", None)
+    prefix = LIST_ELEMENTS.get(getattr(schema, "__name__", ""), "")
+    return "" if err.full_key.startswith(prefix.split("[")[0]) else prefix
 
 
 def _keys(err: OmegaConfBaseException) -> list[str]:
@@ -126,8 +141,8 @@ def _owners(node: str) -> list[str]:
 
 
 def _owner(node: str) -> str:
-    owners = _owners(node)
-    return owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} or {owners[-1]}"
+    modes = mode_option_nodes()[node.split(".")[1]]
+    return f"precision={modes[0]}" if len(modes) == 1 else f"precision={', '.join(modes[:-1])} or {modes[-1]}"
 
 
 def key_under_null_node(overrides: list[str]) -> Optional[str]:

@@ -388,6 +388,18 @@ def test_a_run_whose_every_step_was_skipped_says_so(tmp_path, capsys, restore_ar
     (["telemetry.profile_cpu_memory=2"], "telemetry.profile_cpu_memory=2 is not allowed: expected true or false"),
     (["train.steps=${oops}"], "Interpolation key 'oops' not found"),
     (["hydra.run.dir=/proc/ampctl-test/run"], "cannot write /proc/ampctl-test"),
+    # precision per layer and the microscaling formats (issue 26)
+    (["precision=mxfp4", "precision.mx.elements=e5m2"], "precision.mx.elements='e5m2' is not allowed: expected e4m3"),
+    (["precision=nvfp4", "precision.mx.scale_mode=rceil"], "precision.mx.scale_mode='rceil' is not allowed"),
+    (["precision=mxfp8", "precision.mx.scale_mode=round"], "precision.mx.scale_mode"),
+    (["precision=bf16", "precision.mx.scale_mode=rceil"],
+     "precision.mx.* are the options of precision=mxfp4, mxfp8 or nvfp4 only"),
+    (["precision.converter=nope"], "precision.converter=nope: no such converter"),
+    (["precision.rules=[{match:'9',run_in:fp32}"], "no viable alternative at input"),
+    (["precision.rules=[{match:'9',run_in:fp32,extra:1}]"], "precision.rules[].extra: no such key; allowed: run_in, match, type"),
+    (["precision.rules=[{match:'9'}]"], "precision.rules[0].run_in: required, and not given"),
+    (["precision.rules={match:'9'}"], "precision.rules: expected a list"),
+    (["precision=O2", "precision.keep_norm_fp32=false"], "precision.keep_norm_fp32: replaced by the per-layer rule"),
 ])
 def test_bad_values_are_one_line_exit_2_and_leave_nothing(tmp_path, args, named):
     refused = cli("train", *MLP, "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}", *args, cwd=tmp_path)
