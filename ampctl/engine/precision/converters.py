@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import nn
 
+from ampctl.conf.messages import did_you_mean
 from ampctl.errors import UsageError
 
 # The built-in converters, by name, and the module that registers each.
@@ -146,8 +147,6 @@ def converter_class(name: str) -> type[Converter]:
         importlib.import_module(BUILT_IN[name])
     if name not in _REGISTRY:
         names = sorted(registered())
-        from ampctl.conf.messages import did_you_mean
-
         raise UsageError(f"precision.converter={name}: no such converter{did_you_mean(name, names)}; registered: "
                          f"{', '.join(names)} (a package adds one through the {ENTRY_POINT_GROUP!r} entry points)")
     return _REGISTRY[name]

@@ -26,6 +26,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from ampctl.conf.messages import did_you_mean
 from ampctl.conf.schema import LAYER_DTYPES, UNCONVERTED, LayerRule, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import converters
@@ -66,7 +67,6 @@ class LayerPlan:
     rules: list[LayerRule]
     decided: dict[str, Optional[int]]  # module name -> index of the deciding rule, own or inherited
     own: dict[str, int]  # module name -> index of the first rule that matches the module itself
-    converter: Optional[converters.Converter]  # the mode's
     converted: dict[str, tuple[converters.Converter, str]]  # module name -> (converter, format)
 
     def run_in(self, fqn: str) -> Optional[str]:
@@ -109,20 +109,26 @@ def plan(model: nn.Module, precision: PrecisionConfig, converter: Optional[conve
     decided: dict[str, Optional[int]] = {}
     for fqn in modules:  # named_modules lists a parent before its children
         decided[fqn] = own[fqn] if fqn in own else decided.get(_parent(fqn)) if fqn else None
-    layer_plan = LayerPlan(rules, decided, own, converter, {})
+    layer_plan = LayerPlan(rules, decided, own, {})
     layer_plan.converted = _conversions(layer_plan, modules, owners, converter, device)
-    for index, rule in enumerate(rules):
-        if rule.run_in in owners and not any(decided[f] == index for f in layer_plan.converted):
-            raise UsageError(f"{describe_rule(index, rule)}: {rule.run_in} converts nn.Linear layers, and none of the "
-                             f"layers it matches is or holds one ({_names(hits[index])})")
-        if rule.run_in == UNCONVERTED and not any(decided[f] == index and isinstance(modules[f], nn.Linear)
-                                                  for f in modules):
-            raise UsageError(f"{describe_rule(index, rule)}: none of the layers it matches is or holds an nn.Linear, "
-                             f"the layers a converter converts ({_names(hits[index])})")
+    _check_effects(layer_plan, modules, owners, hits)
     if converter is not None:
         converter.check_converted([f for f, (c, _) in layer_plan.converted.items() if c is converter],
                                   sum(isinstance(m, nn.Linear) for m in modules.values()))
     return layer_plan
+
+
+def _check_effects(layer_plan: LayerPlan, modules: dict[str, nn.Module], owners: dict[str, type],
+                   hits: list[list[str]]) -> None:
+    """Refuse a format or unconverted rule that decides no Linear layer: it would change nothing."""
+    for index, rule in enumerate(layer_plan.rules):
+        decides = [f for f in modules if layer_plan.decided[f] == index]
+        if rule.run_in in owners and not any(f in layer_plan.converted for f in decides):
+            raise UsageError(f"{describe_rule(index, rule)}: {rule.run_in} converts nn.Linear layers, and none of the "
+                             f"layers it matches is or holds one ({_names(hits[index])})")
+        if rule.run_in == UNCONVERTED and not any(isinstance(modules[f], nn.Linear) for f in decides):
+            raise UsageError(f"{describe_rule(index, rule)}: none of the layers it matches is or holds an nn.Linear, "
+                             f"the layers a converter converts ({_names(hits[index])})")
 
 
 def _check_run_in(index: int, rule: LayerRule, owners: dict[str, type[converters.Converter]],
@@ -130,8 +136,6 @@ def _check_run_in(index: int, rule: LayerRule, owners: dict[str, type[converters
     said = describe_rule(index, rule)
     if rule.run_in not in DTYPES and rule.run_in != UNCONVERTED and rule.run_in not in owners:
         choices = [*LAYER_DTYPES, UNCONVERTED, *sorted(owners)]
-        from ampctl.conf.messages import did_you_mean
-
         raise UsageError(f"{said}: no such run_in{did_you_mean(rule.run_in, choices)}; choose "
                          f"{', '.join(LAYER_DTYPES)}, {UNCONVERTED} or a format: {', '.join(sorted(owners))}")
     mode = f"precision={precision.name}"
