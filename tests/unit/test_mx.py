@@ -194,3 +194,12 @@ def test_block_outcomes_count_what_torchaos_quantization_clips_and_flushes(eleme
     assert values == x.numel()
     assert saturated == int((x.abs() > block_max).sum()) > 0
     assert flushed == int(((x != 0) & (decoded == 0)).sum()) > 0
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e2m1"])
+def test_rceil_never_clips_where_floor_does(element):
+    from ampctl.engine.precision.mx_emulated import block_outcomes
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(2)) * 3
+    floor, rceil = (BlockFormat(ELEMENTS[element], 32, "e8m0", mode) for mode in (MXScaleMode.floor, MXScaleMode.rceil))
+    assert block_outcomes(x, floor)[1] > 0 and block_outcomes(x, rceil)[1] == 0
