@@ -182,3 +182,22 @@ def test_an_mx_layer_inside_a_compiled_autocast_model_trains():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         eager = model(x.detach())
     assert torch.equal(out, eager) and torch.isfinite(x.grad).all()
+
+
+def test_a_ruled_model_is_honest_under_print_and_deepcopy():
+    import copy
+
+    cfg, policy, recipe = build("precision=bf16", f"precision.rules=[{{match:'{HEAD}',run_in:fp32}}]")
+    with policy:
+        model = build_state(cfg, policy, recipe).model
+    assert f"({HEAD}): Linear(in_features=64, out_features=10, bias=True, run_in=fp32)" in repr(model)
+    assert type(model[int(HEAD)]).__name__ == "Linear" and isinstance(model[int(HEAD)], nn.Linear)
+    clone = copy.deepcopy(model)
+    x = torch.randn(4, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert clone(x).dtype == torch.float32  # the copy keeps the rule: its head computes in fp32
+        with torch.no_grad():
+            clone[int(HEAD)].weight.zero_()
+            clone[int(HEAD)].bias.zero_()
+        assert torch.equal(clone(x), torch.zeros(4, 10)) and not torch.equal(model(x), torch.zeros(4, 10))
+    assert set(clone.state_dict()) == set(model.state_dict())
