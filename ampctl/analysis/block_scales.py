@@ -14,6 +14,7 @@ from torch import nn
 from ampctl.engine.precision.layers import LayerRow, display_name
 from ampctl.engine.precision.mx_emulated import BlockFormat, MXLinear, block_outcomes
 from ampctl.reports import tables
+from ampctl.reports.tables import fraction_cell
 
 ROLES = ("activation", "weight", "gradient")
 BLOCKS_TITLE = "block scales per layer: values saturated (clipped at the element's max) and flushed to zero"
@@ -64,7 +65,7 @@ class BlockScaleRecorder:
 def styled_blocks(columns: list[str], rows: list[list[Any]]) -> tables.ReportTable:
     headers = {c: c.replace("activation_", "act ").replace("weight_", "weight ").replace("gradient_", "grad ")
                .replace("saturated", "sat.").replace("flushed", "→0") for c in columns}
-    formats = {c: _percent for c in columns[2:]}
+    formats = {c: lambda v: "-" if v is None else fraction_cell(v) for c in columns[2:]}
     notes = ["fractions of each operand's values over the steps inspected: sat., beyond the element's max after its "
              "block's scale (clipped to it); →0, non-zero and quantized to zero. Activations and weights as the "
              "forward matmul quantizes them (blocks along K), gradients as the input-gradient matmul does (along N). "
@@ -77,8 +78,3 @@ def precision_table(rows: list[LayerRow]) -> tables.ReportTable:
     return tables.ReportTable(PRECISION_TITLE, PRECISION_COLUMNS,
                               [[display_name(r), r.type, r.compute, r.weights, r.converter, r.rule] for r in rows])
 
-
-def _percent(v: Optional[float]) -> str:
-    if v is None:
-        return "-"
-    return "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")

@@ -46,6 +46,7 @@ from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
+from ampctl.reports.tables import fraction_cell
 
 KINDS = ("activation", "activation_grad", "weight_grad", "weight")
 GRADIENT_KINDS = ("activation_grad", "weight_grad")
@@ -218,8 +219,6 @@ def summary_table(inspection: Inspection) -> tables.ReportTable:
     return _styled_summary(columns, rows, notes, inspection.study_scale)
 
 
-def _percent(v: float) -> str:
-    return "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")
 
 
 def _lost_in_the_run(inspection: Inspection, rows: list[list[Any]], columns: list[str]) -> list[str]:
@@ -230,7 +229,7 @@ def _lost_in_the_run(inspection: Inspection, rows: list[list[Any]], columns: lis
         return []
     zeros = {row[0]: row[columns.index("zero")] for row in rows if row[0] in GRADIENT_KINDS}
     scales = sorted(set(inspection.run_scales))
-    said = ", ".join(f"{_percent(z)} of the {kind.replace('_', ' ')}s" for kind, z in zeros.items())
+    said = ", ".join(f"{fraction_cell(z)} of the {kind.replace('_', ' ')}s" for kind, z in zeros.items())
     return [f"this run computed its gradients in {inspection.gradient_dtype} (loss scale {scales}): a gradient "
             f"below {inspection.gradient_dtype}'s range at that scale was zero already when recorded, among the exact "
             f"zeros ({said}) and not told apart from them, so the →0 columns count only the values that survived. "
@@ -247,7 +246,7 @@ def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str],
     for c in ("fp16_to_zero_scaled", "fp16_subnormal_scaled", "fp16_overflow_scaled"):
         headers[c] = headers[c].replace("_scaled", f" ×{scale_text}")
     headers["max_abs"], headers["zero"] = "max |x|", "exact 0"
-    formats = {c: _percent for c in columns if c not in ("kind", "max_abs")}
+    formats = {c: fraction_cell for c in columns if c not in ("kind", "max_abs")}
     formats["max_abs"] = lambda v: f"{v:.3g}"
     return tables.ReportTable(SUMMARY_TITLE, columns, rows, notes=notes, headers=headers, formats=formats)
 

@@ -184,6 +184,11 @@ def markdown(table: ReportTable) -> str:
     return "\n".join(lines + [""] + [f"- {n}" for n in table.notes]) + "\n"
 
 
+def fraction_cell(v: float) -> str:
+    """A fraction of values as a cell: a percentage, or 1.0e-05 when smaller than 0.01%, or 0."""
+    return "0" if v == 0 else (f"{v:.2%}" if v >= 1e-4 else f"{v:.1e}")
+
+
 def write_files(
     table: ReportTable, out_dir: Path, stem: str, machine: dict[str, Any], images: Sequence[Path], extra: dict,
     also: Sequence[ReportTable] = (),
