@@ -325,8 +325,6 @@ class RangesLog:
     loss scale before the step and every counter in one transfer after it, on those steps only). The other
     steps run without hooks."""
 
-    FILE = "ranges.jsonl"
-
     def __init__(self, model: nn.Module, scaler: Any, device: torch.device, every: int, path: Path) -> None:
         self._model, self._scaler, self._device, self._every, self._path = model, scaler, device, every, path
 

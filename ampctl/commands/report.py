@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ampctl import run_files
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs, is_run_dir, load_run, row_problems
@@ -33,7 +34,7 @@ def render(path: Path) -> int:
     if is_run_dir(path):
         run = load_run(path)
         for problem in row_problems(run.metrics):
-            console.print(f"warning: {path / 'metrics.jsonl'}: {problem}")
+            console.print(f"warning: {path / run_files.METRICS}: {problem}")
         if run.unfinished:
             _render_unfinished(run, console)
             return 0

@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from ampctl import run_files
 from ampctl.commands.checks import train_run, typed
 from ampctl.engine.parallel import is_main_process, torchrun_world_size
 from ampctl.errors import (
@@ -27,7 +28,6 @@ from ampctl.errors import (
     print_error,
     write_refused,
 )
-from ampctl.reports.runs import ERROR_FILE
 from ampctl.runner.interrupt import Interrupted, exit_code, signal_name
 from ampctl.runner.run import run_training
 
@@ -117,15 +117,15 @@ def finished_job(run_dir: Path, steps: int) -> Optional[dict]:
     """A resumed sweep's job that finished before (its summary, of this many steps), or None: it runs."""
     from ampctl.reports.runs import read_summary
 
-    summary = read_summary(run_dir / "summary.json")
+    summary = read_summary(run_dir / run_files.SUMMARY)
     return summary if summary is not None and summary.get("steps") == steps else None
 
 
 def set_aside_failure(run_dir: Path) -> None:
     """A resumed sweep runs a failed job again: the earlier attempt's error is kept beside, not read as this one's."""
-    error = run_dir / ERROR_FILE
+    error = run_dir / run_files.ERROR
     if error.is_file():
-        error.rename(error.with_name(f"{ERROR_FILE}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"))
+        error.rename(error.with_name(f"{run_files.ERROR}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"))
 
 
 def continue_command(run_dir: Path) -> str:
@@ -144,6 +144,6 @@ def record_failed_job(run_dir: Path, exc: BaseException) -> float:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     message = text if isinstance(exc, (UsageError, RunStopped)) else f"{type(exc).__name__}: {text}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / ERROR_FILE).write_text(message + "\n", encoding="utf-8")
+    (run_dir / run_files.ERROR).write_text(message + "\n", encoding="utf-8")
     print(f"ampctl train: job in {run_dir} failed: {message}", file=sys.stderr)
     return float("nan")

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ampctl import run_files
 from ampctl.errors import UsageError
 
-LOCK_FILE = ".ampctl.lock"  # held (flock) by the run recording into the directory; the kernel frees it on kill
-ERROR_FILE = "error.txt"  # written by a multirun job that failed, so the sweep's table can show why
 # summary.json's measured figures: null there stands for a non-finite value (JSON has no NaN), read back as NaN
 SUMMARY_FIGURES = ("final_loss", "tail_loss", "final_loss_scale", "median_step_time_ms", "samples_per_s",
                    "tokens_per_s")
@@ -42,7 +41,7 @@ class RunRecord:
     @property
     def unfinished(self) -> Optional[str]:
         """Why a run without a summary has none, when not an error: it is running, or it was interrupted."""
-        if self.summary is not None or (self.path / ERROR_FILE).is_file():
+        if self.summary is not None or (self.path / run_files.ERROR).is_file():
             return None
         at = f"at step {self.metrics[-1]['step']}" if self.metrics else "before its first step"
         if self.running_pid is not None:
@@ -69,17 +68,17 @@ class RunRecord:
 
 
 def is_run_dir(path: Path) -> bool:
-    return any((path / name).exists() for name in ("summary.json", "metrics.jsonl", ERROR_FILE))
+    return any((path / name).exists() for name in (run_files.SUMMARY, run_files.METRICS, run_files.ERROR))
 
 
 def load_run(path: Path) -> RunRecord:
     """A run directory's records. A summary or row that is not whole raises UsageError naming the file (and
     line): a report from part of a record would be wrong without saying so."""
-    summary = read_summary(path / "summary.json")
-    metrics = read_rows(path / "metrics.jsonl")
+    summary = read_summary(path / run_files.SUMMARY)
+    metrics = read_rows(path / run_files.METRICS)
     overrides_path = path / ".hydra" / "overrides.yaml"
     overrides = read_overrides(overrides_path) if overrides_path.is_file() else []
-    error_path = path / ERROR_FILE
+    error_path = path / run_files.ERROR
     error = error_path.read_text().strip() if error_path.is_file() else None
     return RunRecord(path, summary, metrics, overrides, error, running_pid=holder_pid(path))
 
@@ -172,7 +171,7 @@ def read_rows(path: Path) -> list[dict]:
 
 def holder_pid(run_dir: Path) -> Optional[int]:
     """The pid of the ampctl run holding run_dir's lock now, or None (a killed run's lock is free)."""
-    lock = run_dir / LOCK_FILE
+    lock = run_dir / run_files.LOCK
     if not lock.is_file():
         return None
     with open(lock) as handle:

@@ -13,17 +13,17 @@ import math
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ampctl import io
+from ampctl import io, run_files
 from ampctl.errors import UsageError
 from ampctl.runner import checkpoint_files
-from ampctl.runner.checkpoint_files import CHECKPOINT_DIR, checkpoint_path
+from ampctl.runner.checkpoint_files import checkpoint_path
 
 BEST_DIR = "best"
 INDEX = "best.json"
 
 
 def best_folder(run_dir: Path) -> Path:
-    return run_dir / CHECKPOINT_DIR / BEST_DIR
+    return run_dir / run_files.CHECKPOINTS / BEST_DIR
 
 
 def read_index(run_dir: Path) -> list[dict[str, Any]]:

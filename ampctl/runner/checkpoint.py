@@ -22,12 +22,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl import run_files
 from ampctl.engine.loop import TrainState
 from ampctl.errors import UsageError
 from ampctl.runner import identity as run_identity
 from ampctl.runner import sharded_checkpoint
 from ampctl.runner.checkpoint_files import (
-    CHECKPOINT_DIR,
     cached_sha256,
     checkpoint_path,
     checksum_path,
@@ -153,7 +153,7 @@ def resolve_resume(target: str, run_dir: Path) -> Optional[Found]:
     if path.is_dir():
         found = list_checkpoints(path)
         if not found:
-            raise UsageError(f"resume={target!r} holds no checkpoint ({CHECKPOINT_DIR}/step_*.pt)")
+            raise UsageError(f"resume={target!r} holds no checkpoint ({run_files.CHECKPOINTS}/step_*.pt)")
         return _newest_good(found, path, f"resume={target}")
     raise UsageError(f"resume={target!r} does not exist; give a run directory, a checkpoint file, or auto")
 
@@ -181,7 +181,7 @@ def run_dir_of(checkpoint: Path) -> Path:
     """The run directory a checkpoint belongs to: the nearest above it with the run's identity (a checkpoint set
     aside sits deeper), else the one its checkpoints/ folder is in (a run made before identities)."""
     path = checkpoint.resolve()
-    owner = next((d for d in path.parents if (d / run_identity.RUN_FILE).is_file()), None)
+    owner = next((d for d in path.parents if (d / run_files.IDENTITY).is_file()), None)
     return owner or path.parent.parent
 
 

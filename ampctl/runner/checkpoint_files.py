@@ -19,9 +19,8 @@ from typing import Any, BinaryIO, Optional
 
 import torch
 
-from ampctl import io
+from ampctl import io, run_files
 
-CHECKPOINT_DIR = "checkpoints"
 CHECKSUM_SUFFIX = ".sha256"  # beside each checkpoint file, in sha256sum's format
 _NAME = re.compile(r"^step_(\d{8})\.(pt|dcp)$")  # one file, or a directory of shards
 
@@ -30,7 +29,7 @@ _NAME = re.compile(r"^step_(\d{8})\.(pt|dcp)$")  # one file, or a directory of s
 
 
 def checkpoint_path(run_dir: Path, step: int, sharded: bool = False) -> Path:
-    return run_dir / CHECKPOINT_DIR / f"step_{step:08d}.{'dcp' if sharded else 'pt'}"
+    return run_dir / run_files.CHECKPOINTS / f"step_{step:08d}.{'dcp' if sharded else 'pt'}"
 
 
 def is_sharded(path: Path) -> bool:
@@ -48,7 +47,7 @@ def is_checkpoint(path: Path) -> bool:
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """The complete checkpoints of a run, oldest first."""
-    folder = run_dir / CHECKPOINT_DIR
+    folder = run_dir / run_files.CHECKPOINTS
     if not folder.is_dir():
         return []
     return sorted(filter(is_checkpoint, folder.iterdir()), key=checkpoint_step)
@@ -140,7 +139,7 @@ def remove_stale_files(run_dir: Path) -> list[Path]:
     """What a killed write left: temporary files and sharded checkpoint directories (`*.tmp`) beside the
     checkpoints and the run's records, and a checksum whose checkpoint was never renamed into place. Removed
     at the start of a run; returned."""
-    folder = run_dir / CHECKPOINT_DIR
+    folder = run_dir / run_files.CHECKPOINTS
     stale = [*run_dir.glob("*.tmp"), *run_dir.glob("*/*.tmp")]  # checkpoints/ and profile/ among them
     sums = folder.glob(f"*.pt{CHECKSUM_SUFFIX}")
     stale += [p for p in sums if not p.with_name(p.name.removesuffix(CHECKSUM_SUFFIX)).exists()]

@@ -32,6 +32,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from ampctl import run_files
 from ampctl.conf.messages import one_line
 from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine import cpu_speed
@@ -43,7 +44,7 @@ from ampctl.errors import UnsupportedError, UsageError
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import comparison, tables
 from ampctl.reports import rounds as rounds_stats
-from ampctl.reports.runs import ERROR_FILE, load_run
+from ampctl.reports.runs import load_run
 from ampctl.runner.turns import TurnRun, run_in_turns
 
 
@@ -293,13 +294,13 @@ def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console
     for run in started:
         if run.error and run.stopped_by is None:  # a mode refused before its first step left no directory
             run.run_dir.mkdir(parents=True, exist_ok=True)
-            (run.run_dir / ERROR_FILE).write_text(run.error + "\n")
+            (run.run_dir / run_files.ERROR).write_text(run.error + "\n")
     return started
 
 
 def load_rows(run_dir: Path) -> list[dict]:
     """A running mode's rows so far (its window is written before it pauses)."""
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / run_files.METRICS
     if not metrics.is_file():
         return []
     return [dataclasses.asdict(r) for r in read_metrics(metrics)]

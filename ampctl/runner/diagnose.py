@@ -18,14 +18,12 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ampctl import io
+from ampctl import io, run_files
 from ampctl.engine.build import build_state
 from ampctl.engine.loop import TrainState, batch_stream, run_steps
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.recipes.base import Recipe
 from ampctl.runner import checkpoint, checkpoint_files
-
-DIAGNOSIS_FILE = "diagnosis.json"
 
 
 @dataclass
@@ -137,7 +135,7 @@ def replay(
         "checkpoint_replayed_from": str(earlier[-1]) if earlier else None,
     }
     diagnosis["summary"] = describe(diagnosis)
-    io.write_json(run_dir / DIAGNOSIS_FILE, diagnosis)
+    io.write_json(run_dir / run_files.DIAGNOSIS, diagnosis)
     return diagnosis
 
 

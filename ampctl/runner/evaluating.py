@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
+from ampctl import run_files
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.evaluation import Evaluator
 from ampctl.engine.precision.half import fp32_copy
@@ -22,7 +23,6 @@ from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry
 from ampctl.errors import UsageError
 
-EVALS_FILE = "evals.jsonl"
 PREFIX, FP32_PREFIX = "eval", "eval_fp32"
 
 
@@ -93,7 +93,7 @@ def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
 
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
     """evals.jsonl's rows (a line cut short by a kill passed over); non-finite values are null there."""
-    path = run_dir / EVALS_FILE
+    path = run_dir / run_files.EVALS
     rows = []
     for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
         try:

@@ -22,10 +22,9 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import io
+from ampctl import io, run_files
 from ampctl.errors import UsageError
 
-RUN_FILE = "identity.json"
 _CREATED: set[Path] = set()  # the identity.json files this process wrote (a refused run removes its own only)
 
 
@@ -83,7 +82,7 @@ class RunIdentity:
 def read(run_dir: Path) -> Optional[RunIdentity]:
     """The identity of the run in run_dir; None for a directory without one. UsageError when it is unreadable
     (a run whose identity cannot be read is not resumed or written over)."""
-    path = run_dir / RUN_FILE
+    path = run_dir / run_files.IDENTITY
     if not path.is_file():
         return None
     try:
@@ -102,16 +101,16 @@ def create(run_dir: Path, cfg: DictConfig, choices: dict[str, str]) -> RunIdenti
     identity = RunIdentity(run_id=uuid.uuid4().hex, config_hash=config_hash(config), config=config,
                            choices=dict(choices), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     text = io.dumps(asdict(identity), indent=2, default=str) + "\n"
-    tmp = run_dir / f".{RUN_FILE}.{os.getpid()}.tmp"
+    tmp = run_dir / f".{run_files.IDENTITY}.{os.getpid()}.tmp"
     tmp.write_text(text, encoding="utf-8")
     try:
-        os.link(tmp, run_dir / RUN_FILE)  # fails if another run's identity is there already
+        os.link(tmp, run_dir / run_files.IDENTITY)  # fails if another run's identity is there already
     except FileExistsError:
-        raise UsageError(f"{run_dir} already holds a run ({RUN_FILE}): continue it with resume=auto, or "
+        raise UsageError(f"{run_dir} already holds a run ({run_files.IDENTITY}): continue it with resume=auto, or "
                          "choose another hydra.run.dir") from None
     finally:
         tmp.unlink(missing_ok=True)
-    _CREATED.add((run_dir / RUN_FILE).resolve())
+    _CREATED.add((run_dir / run_files.IDENTITY).resolve())
     return identity
 
 

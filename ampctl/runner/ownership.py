@@ -11,37 +11,32 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from ampctl import io
+from ampctl import io, run_files
 from ampctl.errors import UsageError
-from ampctl.reports.runs import LOCK_FILE, holder_pid
+from ampctl.reports.runs import holder_pid
 from ampctl.runner import checkpoint_files
 from ampctl.runner.best_checkpoints import read_index, set_aside_after
-from ampctl.runner.checkpoint_files import CHECKPOINT_DIR, checkpoint_step, is_checkpoint, list_checkpoints
-from ampctl.runner.identity import RUN_FILE
-
-# What a training run writes; Hydra's own files (.hydra/, train.log) are rewritten by every run and say nothing.
-RUN_RECORDS = ("metrics.jsonl", "evals.jsonl", "ranges.jsonl", "summary.json", "diagnosis.json")
-
+from ampctl.runner.checkpoint_files import checkpoint_step, is_checkpoint, list_checkpoints
 
 # What a command that recorded nothing leaves (Hydra's own files, its log, the lock): a directory holding only
 # these is free for a new run, and is removed when a run is refused (commands/train.py)
-LEFTOVERS = frozenset({".hydra", "train.log", "compare.log", "memory.log", "inspect.log", LOCK_FILE})
+LEFTOVERS = frozenset({run_files.HYDRA, *run_files.COMMAND_LOGS, run_files.LOCK})
 
 
 # Every name a run writes at the top of its directory: a tracker's files may be none of these
-RUN_OWN_NAMES = frozenset({*RUN_RECORDS, *LEFTOVERS, RUN_FILE, CHECKPOINT_DIR, "profile", "wandb"})
+RUN_OWN_NAMES = frozenset({*run_files.RECORDS, *LEFTOVERS, run_files.IDENTITY, run_files.CHECKPOINTS, "profile", "wandb"})
 
 
 def run_records(run_dir: Path) -> list[str]:
     """The records of a run already in run_dir (its checkpoints included)."""
-    found = [name for name in RUN_RECORDS if (run_dir / name).is_file()]
-    if (run_dir / CHECKPOINT_DIR).is_dir() and any((run_dir / CHECKPOINT_DIR).iterdir()):
-        found.append(f"{CHECKPOINT_DIR}/")
+    found = [name for name in run_files.RECORDS if (run_dir / name).is_file()]
+    if (run_dir / run_files.CHECKPOINTS).is_dir() and any((run_dir / run_files.CHECKPOINTS).iterdir()):
+        found.append(f"{run_files.CHECKPOINTS}/")
     return found
 
 
 def is_leftover(path: Path) -> bool:
-    return path.name in LEFTOVERS or (path.name == "metrics.jsonl" and path.is_file() and not path.stat().st_size)
+    return path.name in LEFTOVERS or (path.name == run_files.METRICS and path.is_file() and not path.stat().st_size)
 
 
 def what_it_holds(directory: Path) -> list[str]:
@@ -88,13 +83,13 @@ def refuse_another_runs_directory(run_dir: str, resume: Optional[str]) -> None:
     if not held:
         return
     if continues_here(resume, path):
-        if (path / RUN_FILE).is_file() or run_records(path):
+        if (path / run_files.IDENTITY).is_file() or run_records(path):
             return
         raise UsageError(f"hydra.run.dir={run_dir} holds no ampctl train run to resume ({_listed(held)}): "
                          "choose the run's own directory, or a new one")
     raise UsageError(f"hydra.run.dir={run_dir} already holds "
                      + (f"a run ({_listed(held)}): continue it with resume=auto, or choose another hydra.run.dir"
-                        if (path / RUN_FILE).is_file() or run_records(path) else
+                        if (path / run_files.IDENTITY).is_file() or run_records(path) else
                         f"files of its own ({_listed(held)}): a run writes only into a directory of its own; "
                         "choose another hydra.run.dir"))
 
@@ -120,7 +115,7 @@ def refuse_another_sweeps_directory(sweep_dir: str, resume: Optional[str]) -> No
         return
     if resume == "auto" and (path / "multirun.yaml").is_file():
         return
-    jobs = [p for p in path.iterdir() if p.is_dir() and (run_records(p) or (p / RUN_FILE).is_file())]
+    jobs = [p for p in path.iterdir() if p.is_dir() and (run_records(p) or (p / run_files.IDENTITY).is_file())]
     raise UsageError(f"hydra.sweep.dir={sweep_dir} already holds "
                      + (f"a sweep ({len(jobs)} job directories with records): continue it with resume=auto, or "
                         "choose another hydra.sweep.dir" if (path / "multirun.yaml").is_file() else
@@ -146,7 +141,7 @@ def holding(run_dir: Path) -> Iterator[None]:
     advisory flock: released by the kernel when the process ends, however it ends, so a killed run leaves
     no stale lock (only the file, which the next run takes over)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(run_dir / LOCK_FILE, "a+")
+    handle = open(run_dir / run_files.LOCK, "a+")
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -162,7 +157,7 @@ def holding(run_dir: Path) -> Iterator[None]:
     try:
         yield
     finally:
-        (run_dir / LOCK_FILE).unlink(missing_ok=True)  # a run that ended, however, leaves no lock file
+        (run_dir / run_files.LOCK).unlink(missing_ok=True)  # a run that ended, however, leaves no lock file
         handle.close()  # closing releases the lock
 
 
@@ -172,7 +167,7 @@ def set_aside_rows_without_checkpoint(run_dir: Path) -> list[Path]:
     if list_checkpoints(run_dir):
         return []
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return [path.rename(_aside(path, stamp)) for path in map(run_dir.joinpath, RUN_RECORDS) if path.is_file()]
+    return [path.rename(_aside(path, stamp)) for path in map(run_dir.joinpath, run_files.RECORDS) if path.is_file()]
 
 
 def _aside(path: Path, stamp: str) -> Path:
@@ -194,7 +189,7 @@ def start_timeline_at(run_dir: Path, step: int) -> list[str]:
     later = [path for path in list_checkpoints(run_dir) if checkpoint_step(path) > step]
     later_best = [e for e in read_index(run_dir) if e["step"] > step]
     if later or later_best:
-        folder = _aside(run_dir / CHECKPOINT_DIR / "timeline", stamp)
+        folder = _aside(run_dir / run_files.CHECKPOINTS / "timeline", stamp)
         folder.mkdir()
         for path in later:
             checkpoint_files.move(path, folder)
@@ -202,10 +197,10 @@ def start_timeline_at(run_dir: Path, step: int) -> list[str]:
         among_best = f" ({best} of them among the best)" if best else ""
         said.append(f"{len(later) + best} later checkpoint(s) of the abandoned timeline{among_best} set aside in "
                     f"{folder.relative_to(run_dir)}")
-    for name in ("metrics.jsonl", "evals.jsonl", "ranges.jsonl"):
+    for name in run_files.ROWS:
         said += split_rows(run_dir / name, lambda row_step: row_step <= step, f"rows after step {step}", stamp)
-    said += _rows_lost_before(run_dir / "metrics.jsonl", step)
-    for name in ("summary.json", "diagnosis.json"):
+    said += _rows_lost_before(run_dir / run_files.METRICS, step)
+    for name in (run_files.SUMMARY, run_files.DIAGNOSIS):
         if (run_dir / name).is_file():
             said.append(f"{name} set aside in {(run_dir / name).rename(_aside(run_dir / name, stamp)).name}")
     return said
@@ -248,7 +243,7 @@ def set_aside_unreadable_rows(run_dir: Path) -> list[str]:
     """At the end of a run: a line of metrics.jsonl that is not a row (garbled on disk) is set aside, so that
     every reader sees whole rows; the valid rows around it all stay."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return split_rows(run_dir / "metrics.jsonl", lambda _step: True, "", stamp)
+    return split_rows(run_dir / run_files.METRICS, lambda _step: True, "", stamp)
 
 
 def _row_step(line: str) -> Optional[int]:

@@ -11,18 +11,13 @@ from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import io
+from ampctl import io, run_files
 from ampctl.engine.loop import TrainState
 from ampctl.engine.telemetry import JsonlSink, Sink
 from ampctl.runner import checkpoint_files, identity
 from ampctl.runner.console import make_console_sink
 from ampctl.runner.identity import RunIdentity
 
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-
-
-LOG_FILE = "train.log"
 log = logging.getLogger("ampctl.train")
 
 
@@ -47,7 +42,7 @@ class Recorder:
         train.log."""
         from ampctl.runner.ownership import holding
 
-        with holding(self.run_dir), _logging_into(self.run_dir / LOG_FILE):
+        with holding(self.run_dir), _logging_into(self.run_dir / run_files.TRAIN_LOG):
             try:
                 yield
             finally:
@@ -96,14 +91,13 @@ class Recorder:
     def sinks(self, console_mode: Any, total_steps: int, tokens: bool,
               peak_memory: Callable[[], Optional[int]]) -> list[Sink]:
         console = make_console_sink(console_mode, total_steps, tokens, peak_memory)
-        return [JsonlSink(self.run_dir / METRICS_FILE), *([self.trackers] if self.trackers is not None else []),
+        return [JsonlSink(self.run_dir / run_files.METRICS), *([self.trackers] if self.trackers is not None else []),
                 *([console] if console is not None else [])]
 
     def record_eval(self, row: dict[str, Any], line: str) -> None:
         """An evaluation: a row of evals.jsonl, the trackers' eval/<metric>, a line said."""
-        from ampctl.runner.evaluating import EVALS_FILE
 
-        with (self.run_dir / EVALS_FILE).open("a", encoding="utf-8") as f:
+        with (self.run_dir / run_files.EVALS).open("a", encoding="utf-8") as f:
             f.write(io.dumps(row) + "\n")
         if self.trackers is not None:
             self.trackers.write_eval(row)
@@ -115,14 +109,13 @@ class Recorder:
             return None
         from ampctl.analysis.ranges import RangesLog
 
-        return RangesLog(state.model, state.scaler, device, every, self.run_dir / RangesLog.FILE)
+        return RangesLog(state.model, state.scaler, device, every, self.run_dir / run_files.RANGES)
 
     def explain_stop(self, reason: str, step: int, diagnose: Callable[[], dict[str, Any]]) -> str:
         """A guard stopped the run: replay the step to find the layer (diagnosis.json); the stop's message."""
-        from ampctl.runner.diagnose import DIAGNOSIS_FILE
 
         self.echo(f"stopped: {reason}; replaying step {step} to find the layer...")
-        return f"{reason}. {diagnose()['summary']}. Written to {self.run_dir / DIAGNOSIS_FILE}"
+        return f"{reason}. {diagnose()['summary']}. Written to {self.run_dir / run_files.DIAGNOSIS}"
 
     def write_summary(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         from ampctl.runner.ownership import set_aside_unreadable_rows
@@ -130,7 +123,7 @@ class Recorder:
         for line in set_aside_unreadable_rows(self.run_dir):
             self.echo(f"warning: {line} (the rows around them are whole and kept)")
         summary = build()
-        io.write_json(self.run_dir / SUMMARY_FILE, summary)
+        io.write_json(self.run_dir / run_files.SUMMARY, summary)
         if self.trackers is not None:
             self.trackers.finish(summary)
         self.echo(final_line(summary, self.run_dir))
@@ -215,5 +208,5 @@ def final_line(summary: dict, run_dir: Path) -> str:
         + (f", {summary['achieved_tflops']:.3g} TFLOP/s = {summary['mfu']:.1%} MFU" if summary.get("mfu") else "")
         + (" (an emulation's speed, not the format's)" if summary.get("emulated") else "")
         + (f" | compiled in {summary['compile_s']:.1f} s (not in the step times)" if summary.get("compiled") else "")
-        + f" | {run_dir / SUMMARY_FILE}"
+        + f" | {run_dir / run_files.SUMMARY}"
     )

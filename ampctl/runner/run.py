@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl import run_files
 from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.schema import MONITOR_MODES, scaler_is_active
@@ -36,7 +37,7 @@ from ampctl.runner.guards import Guard, GuardStop
 from ampctl.runner.interrupt import Interrupted, StopOnSignal
 from ampctl.runner.pauses import Pauses
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
-from ampctl.runner.recorder import METRICS_FILE, NoRecorder, Recorder
+from ampctl.runner.recorder import NoRecorder, Recorder
 from ampctl.runner.resume import Resume
 from ampctl.runner.speed_warnings import SpeedWarnings
 from ampctl.runner.watchdog import Watchdog
@@ -309,7 +310,7 @@ def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolic
     device = policy.device
     # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says; nor are the
     # steps that compiled, nor those train.profile profiled
-    timing = summarize(read_metrics(run_dir / METRICS_FILE), max(cfg.train.timing_warmup_steps, peak.untimed_steps),
+    timing = summarize(read_metrics(run_dir / run_files.METRICS), max(cfg.train.timing_warmup_steps, peak.untimed_steps),
                        untimed=set(compiling.compiles_at) | profiler.untimed_steps)
     return {
         "precision": cfg.precision.name,

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import io
+from ampctl import io, run_files
 from ampctl.conf.messages import one_line
 from ampctl.engine.telemetry import StepRecord
 from ampctl.errors import UsageError
@@ -28,7 +28,6 @@ from ampctl.errors import UsageError
 # logger option -> (the module it imports, the ampctl extra that installs it)
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
 # the ids a resumed run continues its tracker runs under (wandb's run id, MLflow's run id)
-IDS_FILE = "trackers.json"
 # every StepRecord field but the step is a metric, under its own name (units in the names: step_time_ms, ...)
 METRICS = tuple(f.name for f in fields(StepRecord) if f.name != "step")
 
@@ -59,7 +58,7 @@ def inside_the_run(key: str, value: str) -> None:
 
     parts = PurePath(value).parts
     if not str(value).strip() or PurePath(value).is_absolute() or ".." in parts or \
-            parts[0] in RUN_OWN_NAMES | {IDS_FILE}:
+            parts[0] in RUN_OWN_NAMES | {run_files.TRACKER_IDS}:
         raise UsageError(f"{key}={value!r} is not allowed: expected a path inside the run directory (relative, "
                          f"no '..') that is none of the run's own records ({', '.join(sorted(RUN_OWN_NAMES))}); "
                          "a tracker writes only its own files, inside the run it records")
@@ -399,7 +398,7 @@ class Trackers:
     def _ids(self) -> dict[str, str]:
         """The tracker runs a resumed run continues. A trackers.json that cannot be read is refused, not
         taken for none: that would start new tracker runs for an old one's steps."""
-        path = self.run_dir / IDS_FILE
+        path = self.run_dir / run_files.TRACKER_IDS
         if not path.is_file():
             return {}
         try:
@@ -421,7 +420,7 @@ class Trackers:
         ids = {name: t.run_id for name, t in (("wandb", self._of(WandbTracker)), ("mlflow", self._of(MlflowTracker)))
                if t is not None and t.run_id}
         if ids:
-            io.write_json(self.run_dir / IDS_FILE, ids)
+            io.write_json(self.run_dir / run_files.TRACKER_IDS, ids)
 
     def _of(self, kind: type) -> Any:
         return next((t for t in self.trackers if isinstance(t, kind)), None)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from ampctl import run_files
 from ampctl.processes import child_environment
 from ampctl.runner.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS
 from ampctl.runner.pauses import PAUSE_AFTER_ENV, PAUSE_FD_ENV
@@ -45,7 +46,7 @@ class TurnRun:
     finished: bool = False
 
     def steps_done(self) -> int:
-        metrics = self.run_dir / "metrics.jsonl"
+        metrics = self.run_dir / run_files.METRICS
         return metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
 
 

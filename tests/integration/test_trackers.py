@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from ampctl import run_files
 from ampctl.cli import main
 from ampctl.runner import trackers
 from tests import tracker_readers
@@ -34,10 +35,10 @@ def test_every_tracker_holds_every_steps_record_the_config_and_the_summary_acros
     monkeypatch.setenv("WANDB_SILENT", "true")
     run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
     main(["train", *RUN, "train.steps=6", f"logger.mlflow.tracking_uri={uri}", f"hydra.run.dir={run}"])
-    ids = json.loads((run / trackers.IDS_FILE).read_text())
+    ids = json.loads((run / run_files.TRACKER_IDS).read_text())
     main(["train", *RUN, "train.steps=10", f"logger.mlflow.tracking_uri={uri}", f"hydra.run.dir={run}",
           "resume=auto"])
-    assert json.loads((run / trackers.IDS_FILE).read_text()) == ids  # the same tracker runs, continued
+    assert json.loads((run / run_files.TRACKER_IDS).read_text()) == ids  # the same tracker runs, continued
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run / "summary.json").read_text())
@@ -119,7 +120,7 @@ def test_a_run_a_guard_stops_ends_its_tracker_runs_as_failed_with_every_recorded
     assert steps == [1, 2, 3, 4, 5]
     with (run / "metrics.csv").open(newline="") as f:
         assert [int(r["step"]) for r in csv.DictReader(f)] == steps
-    mlflow = tracker_readers.mlflow_run(uri, json.loads((run / trackers.IDS_FILE).read_text())["mlflow"])
+    mlflow = tracker_readers.mlflow_run(uri, json.loads((run / run_files.TRACKER_IDS).read_text())["mlflow"])
     assert mlflow["status"] == "FAILED" and sorted(mlflow["metrics"]["train/loss"]) == steps
     assert math.isnan(mlflow["metrics"]["train/loss"][5])
 
@@ -156,7 +157,7 @@ def test_every_tracker_holds_every_evaluation_across_a_resume(tmp_path, restore_
         assert all(history[row["step"]][name] == row[name] for name in names)
         assert "train/loss" in history[row["step"]]  # the step's own record beside it
 
-    mlflow = tracker_readers.mlflow_run(uri, json.loads((run / trackers.IDS_FILE).read_text())["mlflow"])
+    mlflow = tracker_readers.mlflow_run(uri, json.loads((run / run_files.TRACKER_IDS).read_text())["mlflow"])
     for name in names:
         assert mlflow["metrics"][name] == {e["step"]: pytest.approx(e[name]) for e in evals}
     # each process's summary: the last evaluation as of its end

@@ -1,0 +1,36 @@
+"""The run directory's layout: every name ampctl writes into a run directory, in one place. Code reads these
+constants; docstrings and messages may say the names.
+
+    <run_dir>/
+      identity.json        the run's identity, written once when it starts (runner/identity.py)
+      metrics.jsonl        one row per optimizer step (engine/telemetry.py)
+      evals.jsonl          one row per held-out evaluation (runner/evaluating.py)
+      ranges.jsonl         telemetry.ranges_every's per-layer value ranges (analysis/ranges.py)
+      summary.json         what ran, and its figures, when it ends (runner/run.py)
+      diagnosis.json       the layer a guard's stop found (runner/diagnose.py)
+      trackers.json        the tracker runs a resume continues (runner/trackers.py)
+      checkpoints/         step_NNNNNNNN.pt (or .dcp/) with .sha256 sidecars, best/ (runner/checkpoint_files.py)
+      train.log            the run's log (compare.log, memory.log, inspect.log for those commands)
+      error.txt            a failed multirun job's one line (the sweep's table shows it)
+      .ampctl.lock         held (flock) by the process recording into the directory; the kernel frees it on kill
+      .hydra/              Hydra's record of the composed config
+"""
+
+from __future__ import annotations
+
+IDENTITY = "identity.json"
+METRICS = "metrics.jsonl"
+EVALS = "evals.jsonl"
+RANGES = "ranges.jsonl"
+SUMMARY = "summary.json"
+DIAGNOSIS = "diagnosis.json"
+TRACKER_IDS = "trackers.json"
+CHECKPOINTS = "checkpoints"
+TRAIN_LOG = "train.log"
+ERROR = "error.txt"
+LOCK = ".ampctl.lock"
+HYDRA = ".hydra"
+
+ROWS = (METRICS, EVALS, RANGES)  # appended to step by step; a resume cuts them back to its checkpoint
+RECORDS = (*ROWS, SUMMARY, DIAGNOSIS)  # what a run recorded: another run never replaces them
+COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log")  # each command's log, by its name
