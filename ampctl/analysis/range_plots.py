@@ -8,7 +8,7 @@ from typing import Sequence
 
 from ampctl import io
 from ampctl.analysis.numerics import FORMATS, LOG2_LOW
-from ampctl.reports.plots import plt, save_figure
+from ampctl.reports.plots import pyplot, save_figure
 
 
 def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: float, path: Path,
@@ -22,7 +22,7 @@ def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: 
     shift = math.log2(study_scale)
     lo = min(min(used, default=-30), -26) - 2
     hi = max(max(used, default=0) + shift, 17) + 2
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = pyplot().subplots(figsize=(9, 5))
     ax.bar(exponents, fractions, width=1.0, align="edge", color="tab:blue", alpha=0.75, label=label)
     ax.step([e + shift for e in exponents], fractions, where="post", color="tab:orange",
             label=f"× loss scale {io.scale_label(study_scale)}")
@@ -56,7 +56,7 @@ def underflow_heatmap(layer_table, path: Path, context: str = "") -> Path:
     by_key = {(r["layer"], r["kind"]): r for r in rows}
     grid = [[(by_key.get((layer, k)) or {}).get(f"{fmt}_to_zero", float("nan")) for k, fmt in columns]
             for layer in layers]
-    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(columns) + 3), max(3, 0.28 * len(layers) + 1.5)))
+    fig, ax = pyplot().subplots(figsize=(max(6, 0.55 * len(columns) + 3), max(3, 0.28 * len(layers) + 1.5)))
     image = ax.imshow(grid, aspect="auto", cmap="magma_r", vmin=0, vmax=max(1e-6, max(
         (v for row in grid for v in row if v == v), default=1e-6)))
     ax.set_xticks(range(len(columns)), [f"{k.replace('activation', 'act').replace('weight', 'w')}\n{f}"

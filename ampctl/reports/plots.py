@@ -5,15 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: works on headless machines and never opens a window
-import matplotlib.pyplot as plt  # noqa: E402
-
-from ampctl.reports.runs import RunRecord  # noqa: E402
+from ampctl.reports.runs import RunRecord
 
 # Curves of modes that agree (fp32 and bf16 often do) lie on top of each other: vary the dash too.
 LINESTYLES = ("-", "--", "-.", ":")
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, imported (~2 s) only when a chart is drawn, never by a run that draws none; the Agg
+    backend: files only, works on headless machines and never opens a window."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def run_context(runs: Sequence[tuple[str, RunRecord]]) -> str:
@@ -52,10 +58,10 @@ def loss_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: str,
     baseline's at the same step (curves that agree hide each other in the first)."""
     against = dict(runs).get(baseline) if baseline is not None and len(runs) > 1 else None
     if against is None:
-        fig, ax = plt.subplots(figsize=(9, 4.5))
+        fig, ax = pyplot().subplots(figsize=(9, 4.5))
         axes = [ax]
     else:
-        fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+        fig, axes = pyplot().subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for i, (label, run) in enumerate(runs):
         steps = [r["step"] for r in run.metrics]
         axes[0].plot(steps, [r["loss"] for r in run.metrics], label=label, linewidth=1.2,
@@ -94,7 +100,7 @@ def seed_band_curves(runs: Sequence[tuple[str, Sequence[RunRecord]]], path: Path
 
     curves = {mode: by_step(records) for mode, records in runs}
     against = curves.get(baseline) if baseline is not None and len(runs) > 1 else None
-    fig, axes = plt.subplots(2 if against else 1, 1, figsize=(9, 7 if against else 4.5), sharex=True, squeeze=False,
+    fig, axes = pyplot().subplots(2 if against else 1, 1, figsize=(9, 7 if against else 4.5), sharex=True, squeeze=False,
                              gridspec_kw={"height_ratios": [3, 2]} if against else None)
     top = axes[0][0]
     for i, (mode, (steps, mean, low, high)) in enumerate(curves.items()):
@@ -125,7 +131,7 @@ def held_out_points(values: dict[str, Sequence[float]], path: Path, title: str, 
     """Each mode's held-out metric: every seed's value as a dot, the seeds joined across modes (the runs they pair),
     the mean over seeds as a bar marker with its value. The axis is zoomed to the values: differences are the
     point, and no bar pretends to start at zero."""
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(values) + 3), 4.4))
+    fig, ax = pyplot().subplots(figsize=(max(5.0, 1.3 * len(values) + 3), 4.4))
     labels = list(values)
     seeds = max(len(v) for v in values.values())
     for j in range(seeds):
@@ -149,7 +155,7 @@ def loss_scale_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: 
     scaled = [(label, run) for label, run in runs if any(r["loss_scale"] != 1.0 for r in run.metrics)]
     if not scaled:
         return None
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = pyplot().subplots(figsize=(9, 4.5))
     for i, (label, run) in enumerate(scaled):
         steps = [r["step"] for r in run.metrics]
         (line,) = ax.plot(steps, [r["loss_scale"] for r in run.metrics], label=label, linewidth=1.2,
@@ -177,7 +183,7 @@ def throughput_memory_bars(
     path: Path,
     context: str = "",
 ) -> Path:
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.4))
+    fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 4.4))
     rates = [t.value for t in throughput]
     error = [[t.value - t.low for t in throughput], [t.high - t.value for t in throughput]]
     bars = left.bar(labels, rates, yerr=error, capsize=4, color="tab:blue", ecolor="black")
@@ -202,7 +208,7 @@ def memory_bars(labels: Sequence[str], parts: dict[str, Sequence[Optional[int]]]
                 path: Path, context: str = "") -> Path:
     """`ampctl memory`: each mode's estimate as stacked parts (weights, gradients, masters, optimizer states,
     activations), the measured peak beside it as a black bar; MiB."""
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(labels) + 4), 4.8))
+    fig, ax = pyplot().subplots(figsize=(max(6.0, 1.3 * len(labels) + 4), 4.8))
     positions = range(len(labels))
     bottom = [0.0] * len(labels)
     for i, (part, values) in enumerate(parts.items()):
@@ -224,5 +230,5 @@ def memory_bars(labels: Sequence[str], parts: dict[str, Sequence[Optional[int]]]
 
 def save_figure(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    pyplot().close(fig)
     return path

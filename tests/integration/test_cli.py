@@ -323,3 +323,13 @@ def test_init_writes_an_experiment_that_trains_as_written_from_anywhere(tmp_path
     evaluations = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evaluations] == [6, 12] and evaluations[1]["eval/loss"] < evaluations[0]["eval/loss"]
 
+
+
+def test_a_training_run_that_draws_nothing_never_imports_matplotlib(tmp_path):
+    """matplotlib costs ~2 s of start-up: only a command that draws a chart imports it."""
+    code = ("import sys; from ampctl.cli import main; "
+            f"main(['train', *{FAST!r}, 'train.steps=1', 'hydra.run.dir={tmp_path / 'run'}']); "
+            "print('matplotlib' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "False"

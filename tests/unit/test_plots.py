@@ -17,7 +17,7 @@ def figures(monkeypatch):
     monkeypatch.setattr(plots, "save_figure", lambda fig, path: kept.append(fig) or path)
     yield kept
     for fig in kept:
-        plots.plt.close(fig)
+        plots.pyplot().close(fig)
 
 
 def run(mode: str, losses: list[float], scales: list[float] | None = None) -> tuple[str, RunRecord]:
