@@ -96,12 +96,11 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
     the command line's checks (its values; an output directory that is not its own is refused before
     anything is written). The directory gets Hydra's .hydra/ files (config, overrides), which reports read. A
     refused call leaves no directory, as on the command line (a run that recorded steps keeps them)."""
-    from ampctl.cli import put_config_dir_on_path
     from ampctl.commands.checks import check_single_run, task_overrides, without_hydra_node
-    from ampctl.commands.compose import composed
-    from ampctl.commands.train import remove_if_only_hydra_files
+    from ampctl.commands.compose import composed, put_config_dir_on_path
     from ampctl.conf.messages import one_line
     from ampctl.errors import UsageError
+    from ampctl.runner.ownership import remove_if_only_hydra_files
 
     overrides = [*overrides, *([f"hydra.run.dir={out}"] if out is not None else [])]
     if config_dir is not None:

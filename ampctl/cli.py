@@ -59,8 +59,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(0)
     except KeyboardInterrupt as exc:
         # Ctrl-C (or another stop signal) before a command could stop gracefully (importing torch, composing,
-        # Hydra making the run directory): nothing was recorded, and the directory Hydra made goes too
-        remove_hydra_run_dir()
+        # Hydra making the run directory: run_hydra_app removes that): nothing was recorded
         print(f"\nampctl: interrupted ({signal_name(exc)}) before anything was recorded", file=sys.stderr)
         sys.exit(exit_code(exc))
     except SystemExit as exc:
@@ -76,19 +75,6 @@ def quiet_library_deprecations() -> None:
     torch logs as deprecated at every import: two lines about libraries' internals before every such run."""
     logging.getLogger("torch.utils._pytree").addFilter(
         lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
-
-
-def remove_hydra_run_dir() -> None:
-    """The directory Hydra made for a run interrupted before its task function took over, if only Hydra's
-    files are in it."""
-    checks = sys.modules.get("ampctl.commands.checks")
-    if checks is None or checks.planned_run_dir is None:
-        return
-    from ampctl.commands.train import remove_if_only_hydra_files
-    from ampctl.engine.parallel import is_main_process
-
-    if is_main_process():
-        remove_if_only_hydra_files(checks.planned_run_dir)
 
 
 def stdout_is_devnull() -> bool:
@@ -137,6 +123,8 @@ def dispatch(args: list[str]) -> None:
     # argv[0] is the program's name for Hydra: the shell-completion script it writes registers `ampctl`
     sys.argv = ["ampctl", *rest]
     if hasattr(entry, "__wrapped__"):  # a @hydra.main app
+        from ampctl.commands.compose import put_config_dir_on_path
+
         put_config_dir_on_path(rest)
         run_hydra_app(command, entry)
     else:
@@ -145,21 +133,6 @@ def dispatch(args: list[str]) -> None:
         from ampctl.engine.parallel import exit_worker
 
         exit_worker()
-
-
-def put_config_dir_on_path(args: list[str]) -> None:
-    """Modules beside the configs of `-cd DIR` are importable (a recipe's `_target_: my_recipe.Recipe`), as
-    the directory of a script Python runs is: a user's experiment directory works without PYTHONPATH."""
-    for i, arg in enumerate(args):
-        value = None
-        if arg in ("-cd", "--config-dir") and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith("--config-dir="):
-            value = arg.split("=", 1)[1]
-        if value and os.path.isdir(value):
-            sys.path.insert(0, os.path.abspath(value))
-            os.environ["PYTHONPATH"] = os.pathsep.join(  # the processes compare and memory start see it too
-                [os.path.abspath(value), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def run_hydra_app(command: str, entry) -> None:
@@ -173,8 +146,19 @@ def run_hydra_app(command: str, entry) -> None:
     from ampctl.conf.messages import key_under_null_node, one_line, yaml_error
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
+    from ampctl.commands import checks
+
     try:
         entry()  # raises SystemExit when the run fails
+    except KeyboardInterrupt:
+        # between Hydra making the run directory and the task function taking over: it holds only Hydra's files
+        if checks.planned_run_dir is not None:
+            from ampctl.engine.parallel import is_main_process
+            from ampctl.runner.ownership import remove_if_only_hydra_files
+
+            if is_main_process():
+                remove_if_only_hydra_files(checks.planned_run_dir)
+        raise
     except CommandLineRefused as exc:
         print_error(f"ampctl {command}: error: {exc}")
         sys.exit(USAGE_EXIT_CODE)

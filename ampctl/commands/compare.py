@@ -10,9 +10,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.commands.checks import check_command, task_overrides
-from ampctl.commands.train import remove_if_only_hydra_files
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.runner.compare import CompareInterrupted, run_compare
+from ampctl.runner.ownership import remove_if_only_hydra_files
 
 
 def command_line_config_dir(hydra_cfg: DictConfig) -> str | None:

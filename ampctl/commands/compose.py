@@ -4,6 +4,8 @@ compose it: ampctl's configs, with a `-cd` directory first, as Hydra puts a comm
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -43,3 +45,18 @@ def composed(config_name: str, overrides: Sequence[str], config_dir: Optional[Pa
         yield cfg
     finally:
         GlobalHydra.instance().clear()
+
+
+def put_config_dir_on_path(args: list[str]) -> None:
+    """Modules beside the configs of `-cd DIR` are importable (a recipe's `_target_: my_recipe.Recipe`), as
+    the directory of a script Python runs is: a user's experiment directory works without PYTHONPATH."""
+    for i, arg in enumerate(args):
+        value = None
+        if arg in ("-cd", "--config-dir") and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--config-dir="):
+            value = arg.split("=", 1)[1]
+        if value and os.path.isdir(value):
+            sys.path.insert(0, os.path.abspath(value))
+            os.environ["PYTHONPATH"] = os.pathsep.join(  # the processes compare and memory start see it too
+                [os.path.abspath(value), *filter(None, [os.environ.get("PYTHONPATH")])])

@@ -12,8 +12,8 @@ from omegaconf import DictConfig
 from ampctl.analysis.memory.study import run_memory
 from ampctl.commands.checks import check_command, task_overrides
 from ampctl.commands.compare import command_line_config_dir
-from ampctl.commands.train import remove_if_only_hydra_files
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.runner.ownership import remove_if_only_hydra_files
 
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="memory")

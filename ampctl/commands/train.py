@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import shutil
 import signal
 import sys
 import time
@@ -29,24 +28,10 @@ from ampctl.errors import (
     write_refused,
 )
 from ampctl.runner.interrupt import Interrupted, exit_code, signal_name
+from ampctl.runner.ownership import remove_if_only_hydra_files
 from ampctl.runner.run import run_training
 
 log = logging.getLogger(__name__)
-
-
-def remove_if_only_hydra_files(run_dir: Path) -> None:
-    """A run refused before it recorded a step leaves no directory behind (Hydra creates it before the job)."""
-    from ampctl.runner.identity import created_here
-    from ampctl.runner.ownership import is_leftover
-
-    if run_dir.is_dir() and all(is_leftover(p) or created_here(p) for p in run_dir.iterdir()):
-        shutil.rmtree(run_dir)
-        # and the dated folders Hydra made for it (outputs/<date>/), when nothing else is in them
-        here = Path.cwd().resolve()
-        for parent in run_dir.resolve().parents:
-            if parent == here or here not in parent.parents or any(parent.iterdir()):
-                break
-            parent.rmdir()
 
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="train")

@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -17,6 +18,7 @@ from ampctl.reports.runs import holder_pid
 from ampctl.runner import checkpoint_files
 from ampctl.runner.best_checkpoints import read_index, set_aside_after
 from ampctl.runner.checkpoint_files import checkpoint_step, is_checkpoint, list_checkpoints
+from ampctl.runner.identity import created_here
 
 # What a command that recorded nothing leaves (Hydra's own files, its log, the lock): a directory holding only
 # these is free for a new run, and is removed when a run is refused (commands/train.py)
@@ -252,3 +254,15 @@ def _row_step(line: str) -> Optional[int]:
     except (ValueError, KeyError, TypeError):
         return None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
+def remove_if_only_hydra_files(run_dir: Path) -> None:
+    """A run refused before it recorded a step leaves no directory behind (Hydra creates it before the job)."""
+    if run_dir.is_dir() and all(is_leftover(p) or created_here(p) for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir)
+        # and the dated folders Hydra made for it (outputs/<date>/), when nothing else is in them
+        here = Path.cwd().resolve()
+        for parent in run_dir.resolve().parents:
+            if parent == here or here not in parent.parents or any(parent.iterdir()):
+                break
+            parent.rmdir()

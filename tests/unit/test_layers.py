@@ -103,3 +103,11 @@ def test_no_module_imports_itself_through_others():
 
     cycles = [c for name in sorted(modules) if name not in done for c in [cycle_through(name, [name])] if c]
     assert not cycles, [" -> ".join(c) for c in cycles]
+
+
+def test_the_front_ends_do_not_import_each_other():
+    """The command line (cli) and the Python API (api) share what lies below them, never each other."""
+    modules = package_modules()
+    assert not {m for m in imported_modules(modules["ampctl.api"]) if m.startswith("ampctl.cli")}
+    assert not {m for m in imported_modules(modules["ampctl.cli"]) if m.startswith("ampctl.api")}
+    assert "sys.modules" not in modules["ampctl.cli"].read_text()  # values are handed over, not fetched
