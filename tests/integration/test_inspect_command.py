@@ -140,7 +140,10 @@ def test_a_half_precision_run_says_what_it_cannot_measure_and_its_zeros_hold_wha
     full, full_out = summary("precision=fp32", "inspect.loss_scale=1")
     assert full["activation_grad"]["fp16_to_zero"] > 0  # true values that fp16 would flush
     assert half["activation_grad"]["fp16_to_zero"] == 0  # the run's own fp16 flushed them before recording
-    assert half["activation_grad"]["zero"] >= full["activation_grad"]["fp16_to_zero"] + full["activation_grad"]["zero"]
+    # the two runs compute different values (the fp16 run rounds every product; a CPU with AVX512-FP16 rounds
+    # them differently again), so the zeros hold what underflowed to within a few percent, not exactly
+    assert half["activation_grad"]["zero"] >= 0.97 * (full["activation_grad"]["fp16_to_zero"]
+                                                      + full["activation_grad"]["zero"])
     assert ("this run computed its gradients in float16 (loss scale [1.0]): a gradient below float16's range at "
             "that scale was zero already when recorded") in half_out
     assert "ampctl inspect precision=fp32 inspect.loss_scale=1." in half_out
