@@ -106,16 +106,12 @@ def dispatch(args: list[str]) -> None:
 
     from ampctl.conf.schema import register_configs
 
-    register_configs()
+    register_configs(command)
     module_name, function_name, _ = COMMANDS[command]
     entry = getattr(importlib.import_module(module_name), function_name)
     under_torchrun = False
     if command == "train":
-        from ampctl.engine.parallel import (
-            NON_MAIN_HYDRA_OVERRIDES,
-            is_main_process,
-            torchrun_world_size,
-        )
+        from ampctl.processes import NON_MAIN_HYDRA_OVERRIDES, is_main_process, torchrun_world_size
 
         under_torchrun = torchrun_world_size() > 1
         if not is_main_process():
@@ -130,7 +126,7 @@ def dispatch(args: list[str]) -> None:
     else:
         entry()
     if under_torchrun:
-        from ampctl.engine.parallel import exit_worker
+        from ampctl.processes import exit_worker
 
         exit_worker()
 
@@ -153,7 +149,7 @@ def run_hydra_app(command: str, entry) -> None:
     except KeyboardInterrupt:
         # between Hydra making the run directory and the task function taking over: it holds only Hydra's files
         if checks.planned_run_dir is not None:
-            from ampctl.engine.parallel import is_main_process
+            from ampctl.processes import is_main_process
             from ampctl.runner.ownership import remove_if_only_hydra_files
 
             if is_main_process():

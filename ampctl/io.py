@@ -7,10 +7,13 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
-from torch.utils._pytree import tree_map_only  # public torch.utils.pytree is newer than torch 2.11
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the two tensor helpers when called, not with this module: the command line's --help and
+# shell completion read run files through here without a training run's imports
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -48,6 +51,8 @@ def write_json(path: Path, data: Any) -> None:
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors in (nested tuples, lists and dicts of) value: a module's output, a batch."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
@@ -60,6 +65,9 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """value with fn applied to every tensor in it, through torch's pytree: nested tuples, named tuples, lists,
     dicts and the containers libraries register (transformers' ModelOutput) keep their type and shape."""
+    import torch
+    from torch.utils._pytree import tree_map_only  # public torch.utils.pytree is newer than torch 2.11
+
     return tree_map_only(torch.Tensor, fn, value)
 
 

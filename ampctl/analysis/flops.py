@@ -15,16 +15,16 @@ the CPU is measured again, and an MFU above 100% is never reported.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
 
 from ampctl import io
 from ampctl.engine import cpu_speed, devices
+from ampctl.engine.parallel import unsharded
 from ampctl.engine.precision import converters
+from ampctl.recipes.gpt import VOCAB_SIZE, GPTRecipe
+from ampctl.recipes.mlp import MLPRecipe
 
 # Dense TFLOP/s by datasheet, matched against torch.cuda.get_device_name() in this order (the first match).
 # fp32 is the CUDA cores' rate (true fp32, TF32 off); fp8 is e4m3/e5m2 on FP8 tensor cores.
@@ -51,6 +51,12 @@ def model_flops_per_step(recipe: Any, batch: Any, grad_accum_steps: int) -> int:
     The model is built on the meta device, the batch is fake: libraries that check a tensor's values on the host
     (transformers' masks) know fake tensors and skip the check, where a meta tensor's .item() raises. Attention in its math form: the
     counter knows the fused CUDA kernels but not the CPU's, which would count as nothing."""
+    # here, not with the module: the counter imports Triton where it is installed (0.15 s), and the built-in
+    # recipes are counted by formula
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
     with torch.device("meta"):
         model = recipe.build_model()
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, sdpa_kernel(SDPBackend.MATH):
@@ -130,12 +136,43 @@ class StepFlops:
         }
 
 
+def mlp_flops(recipe: MLPRecipe, batch: Any) -> int:
+    """The built-in MLP's matmuls: forward, weight gradient and input gradient (none for the first layer,
+    whose input is the batch), 2 FLOPs per multiply-add each."""
+    rows = batch[0].shape[0]
+    widths = [recipe.in_features, *[recipe.hidden] * recipe.depth, recipe.num_classes]
+    layers = [2 * rows * n_in * n_out for n_in, n_out in zip(widths, widths[1:])]
+    return 2 * sum(layers) + sum(layers[1:])
+
+
+def gpt_flops(recipe: GPTRecipe, batch: Any) -> int:
+    """The built-in GPT's matmuls, forward and backward (3x forward: every input needs its gradient past the
+    embeddings): per token, 2 x (qkv 3d^2 + proj d^2 + mlp 8d^2) per block and the tied head's 2dV; attention's
+    two batched matmuls in their math form, over every (query, key) pair, 4 B T^2 d per block."""
+    batch_size, tokens = batch[0].shape
+    d = recipe.d_model
+    per_token = recipe.n_layers * 2 * 12 * d * d + 2 * d * VOCAB_SIZE
+    attention = recipe.n_layers * 4 * batch_size * tokens * tokens * d
+    return 3 * (batch_size * tokens * per_token + attention)
+
+
+# The built-in recipes' FLOPs by formula, equal to torch.utils.flop_counter's (tests/unit/test_flops.py), by exact
+# class: the counter's first use imports Dynamo (every TorchDispatchMode does), 2-5 s of a run's start here. A
+# subclass or a copy of a built-in recipe may change its model, and is counted.
+FORMULAS: dict[type, Callable[[Any, Any], int]] = {MLPRecipe: mlp_flops, GPTRecipe: gpt_flops}
+
+
 def count(recipe: Any, device: torch.device, precision: Any, seed: int, grad_accum_steps: int) -> StepFlops:
     """StepFlops for this run; a recipe the counter cannot trace gets none (said in source), the run goes on."""
     try:
         batch = next(iter(recipe.batches(device, seed)))  # a stream of its own: the run's is not touched
-        per_step: Optional[int] = model_flops_per_step(recipe, batch, grad_accum_steps)
-        source = "torch.utils.flop_counter, forward + backward on fake tensors"
+        formula = FORMULAS.get(type(unsharded(recipe)))
+        if formula is not None:
+            per_step: Optional[int] = formula(unsharded(recipe), batch) * grad_accum_steps
+            source = f"{formula.__name__}: the recipe's matmuls by formula (torch.utils.flop_counter's count)"
+        else:
+            per_step = model_flops_per_step(recipe, batch, grad_accum_steps)
+            source = "torch.utils.flop_counter, forward + backward on fake tensors"
     except Exception as exc:  # noqa: BLE001 - no figure is the answer for any failure to trace
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         per_step, source = None, f"not counted: {type(exc).__name__}: {reason}"

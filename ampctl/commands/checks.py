@@ -21,16 +21,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from ampctl.conf.messages import one_line
-from ampctl.conf.schema import (
-    AmpctlConfig,
-    CompareAppConfig,
-    InspectAppConfig,
-    MemoryAppConfig,
-    validate,
-)
+from ampctl.conf.schema import APP_SCHEMAS, validate
 from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
 from ampctl.conf.typed import typed_config
-from ampctl.engine.parallel import is_main_process
+from ampctl.processes import is_main_process
 from ampctl.errors import CommandLineRefused, UsageError
 
 
@@ -74,19 +68,14 @@ def check_inspect(cfg: DictConfig) -> None:
         power_of_two_log2(cfg.inspect.loss_scale, "inspect.loss_scale")
 
 
-# command -> (its primary config's schema, its check)
-CHECKS = {
-    "train": (AmpctlConfig, check_train),
-    "compare": (CompareAppConfig, check_compare),
-    "memory": (MemoryAppConfig, check_memory),
-    "inspect": (InspectAppConfig, check_inspect),
-}
+# command -> its check (its primary config's schema: conf.schema.APP_SCHEMAS)
+CHECKS = {"train": check_train, "compare": check_compare, "memory": check_memory, "inspect": check_inspect}
 
 
 def typed(command: str, cfg: DictConfig) -> DictConfig:
     """cfg typed by `command`'s schema (a key it lacks, a value of the wrong type: UsageError)."""
     try:
-        return typed_config(cfg, CHECKS[command][0])
+        return typed_config(cfg, APP_SCHEMAS[command][1])
     except (HydraException, OmegaConfBaseException) as exc:
         raise UsageError(one_line(exc)) from None
 
@@ -115,7 +104,7 @@ def refuse_numbers_for_booleans(cfg: DictConfig, overrides: list[str]) -> None:
 def check_command(command: str, cfg: DictConfig) -> DictConfig:
     """cfg typed by `command`'s schema and checked; raises UsageError. Returns the typed config."""
     cfg = typed(command, cfg)
-    CHECKS[command][1](cfg)
+    CHECKS[command](cfg)
     return cfg
 
 
@@ -165,7 +154,7 @@ def check_single_run(command: str, config: DictConfig) -> DictConfig:
         cfg, _ = train_run(cfg, config.hydra)  # a refused resume, refused before Hydra writes
     else:
         refuse_another_commands_directory(command, config.hydra.run.dir)
-    CHECKS[command][1](cfg)
+    CHECKS[command](cfg)
     return cfg
 
 

@@ -9,7 +9,6 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.analysis.ranges import run_inspect
 from ampctl.commands.checks import check_command, task_overrides
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.runner.ownership import remove_if_only_hydra_files
@@ -17,6 +16,9 @@ from ampctl.runner.ownership import remove_if_only_hydra_files
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="inspect")
 def inspect(cfg: DictConfig) -> None:
+    # the study imports torch: here, so that --help and shell completion answer without it
+    from ampctl.analysis.ranges import run_inspect
+
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:

@@ -9,7 +9,6 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.analysis.memory.study import run_memory
 from ampctl.commands.checks import check_command, task_overrides
 from ampctl.commands.compare import command_line_config_dir
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
@@ -18,6 +17,9 @@ from ampctl.runner.ownership import remove_if_only_hydra_files
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="memory")
 def memory(cfg: DictConfig) -> None:
+    # the study imports torch: here, so that --help and shell completion answer without it
+    from ampctl.analysis.memory.study import run_memory
+
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from ampctl import run_files
 from ampctl.commands.checks import train_run, typed
-from ampctl.engine.parallel import is_main_process, torchrun_world_size
+from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.errors import (
     USAGE_EXIT_CODE,
     WRITE_FAILED_EXIT_CODE,
@@ -29,7 +29,6 @@ from ampctl.errors import (
 )
 from ampctl.runner.interrupt import Interrupted, exit_code, signal_name
 from ampctl.runner.ownership import remove_if_only_hydra_files
-from ampctl.runner.run import run_training
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +46,8 @@ def train(cfg: DictConfig) -> Optional[float]:
                 print(f"ampctl train: job in {run_dir} finished earlier ({cfg.train.steps} steps): kept as it is")
                 return kept.get("final_loss")
             set_aside_failure(run_dir)
+        from ampctl.runner.run import run_training  # torch: imported by a run, not by --help or completion
+
         summary = run_training(cfg, run_dir, choices=choices)
     except Interrupted as exc:
         if not is_main_process():

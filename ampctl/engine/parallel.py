@@ -19,10 +19,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import logging
 import os
-import sys
-from typing import Any, ContextManager, Iterator, NoReturn
+from typing import Any, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -30,36 +28,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ampctl import io
+from ampctl.processes import torchrun_world_size
 from ampctl.engine.precision import converters
 from ampctl.errors import UsageError
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def is_main_process() -> bool:
-    """Rank 0, or no torchrun: before any process group exists (the command line, Hydra's run dir)."""
-    return int(os.environ.get("RANK", "0")) == 0
-
-
-# Ranks other than 0 write nothing of their own: no Hydra run dir, .hydra files or log (they record into
-# rank 0's run dir, which they learn from rank 0 once the process group is up).
-NON_MAIN_HYDRA_OVERRIDES = ["hydra.output_subdir=null", "hydra/job_logging=disabled",
-                            "hydra/hydra_logging=disabled", "hydra.run.dir=."]
-
-
-def torchrun_world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def exit_worker() -> NoReturn:
-    """End a torchrun worker whose run succeeded: flush what it wrote, then leave without interpreter
-    shutdown. The process group is destroyed by then, but C++ objects of the backend that are still
-    referenced (gloo's worker threads) would be destroyed during shutdown, where they can abort the process
-    ("terminate called without an active exception") and fail a finished job."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def local_device(device: torch.device, kind: str) -> torch.device:
@@ -307,6 +280,11 @@ class RankShard:
     def batches(self, device: torch.device, seed: int) -> Iterator[Any]:
         for batch in self._recipe.batches(device, seed):
             yield _slice(batch, self._rank, self._world)
+
+
+def unsharded(recipe: Any) -> Any:
+    """The recipe a RankShard wraps (itself when it is none)."""
+    return recipe._recipe if isinstance(recipe, RankShard) else recipe
 
 
 def _slice(batch: Any, rank: int, world_size: int) -> Any:

@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
-import torch
 
 from ampctl import io, run_files
 
@@ -92,6 +91,8 @@ def save_atomic(payload: dict[str, Any], path: Path, checksum: bool = True) -> N
     """Write, fsync, checksum, rename: a crash at any moment leaves the earlier checkpoints whole; a failed
     write (a full disk) leaves no temporary file. checksum=False: a part of a sharded checkpoint, whose
     manifest checksums it."""
+    import torch  # here: the rest of this module (names, lists, checks) serves the command line without torch
+
     tmp = path.with_name(path.name + ".tmp")
     hashing: Optional[_Hashing] = None
     try:

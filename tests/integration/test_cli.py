@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -333,3 +335,26 @@ def test_a_training_run_that_draws_nothing_never_imports_matplotlib(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "False"
+
+
+def imported_after(args: list[str], cwd: Path, env: Optional[dict] = None) -> dict[str, bool]:
+    """Which of torch, Dynamo and matplotlib a fresh process of `ampctl <args>` imported."""
+    code = ("import sys; from ampctl.cli import main\n"
+            "try:\n"
+            f"    main({args!r})\n"
+            "except SystemExit as exc:\n"
+            "    assert exc.code in (0, None), exc.code\n"
+            "print({m: m in sys.modules for m in ('torch', 'torch._dynamo', 'matplotlib')})")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
+                            env={**os.environ, **(env or {})})
+    assert result.returncode == 0, result.stderr
+    return ast.literal_eval(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "memory", "inspect"])
+def test_help_and_completion_answer_without_importing_torch(tmp_path, command):
+    """`ampctl train --help` and every Tab of shell completion: ~1 s here, where importing torch alone is 1.5 s
+    (benchmarks/startup.py measures them)."""
+    assert not imported_after([command, "--help"], tmp_path)["torch"]
+    completion = imported_after(["-sc", "query=bash"], tmp_path, {"COMP_LINE": f"ampctl {command} precision=f"})
+    assert not completion["torch"]

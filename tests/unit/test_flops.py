@@ -36,6 +36,43 @@ def test_a_gpts_flops_are_6n_per_token_plus_attention():
     assert flops.model_flops_per_step(recipe, batch, 1) == pytest.approx(formula, rel=0.01)
 
 
+@pytest.mark.parametrize("options", [
+    {}, {"depth": 1, "norm": "none"}, {"in_features": 7, "hidden": 33, "depth": 4, "num_classes": 3, "batch_size": 5},
+    {"norm": "batchnorm", "batch_size": 2}])
+def test_the_mlps_formula_is_the_flop_counters_count(options):
+    recipe = MLPRecipe(**options)
+    batch = next(iter(recipe.batches(torch.device("cpu"), 0)))
+    assert flops.mlp_flops(recipe, batch) == flops.model_flops_per_step(recipe, batch, 1)
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"block_size": 16, "batch_size": 3, "d_model": 24, "n_layers": 1, "n_heads": 3},
+    {"block_size": 33, "batch_size": 2, "d_model": 32, "n_layers": 3, "n_heads": 8, "dropout": 0.1}])
+def test_the_gpts_formula_is_the_flop_counters_count(options):
+    recipe = GPTRecipe(max_corpus_bytes=100000, **options)
+    batch = next(iter(recipe.batches(torch.device("cpu"), 0)))
+    assert flops.gpt_flops(recipe, batch) == flops.model_flops_per_step(recipe, batch, 1)
+
+
+def test_a_built_in_recipe_is_counted_by_formula_and_a_subclass_by_the_counter(monkeypatch):
+    """A subclass (or a copy) of a built-in recipe may build another model: the formula is for the exact class."""
+    monkeypatch.setattr(flops, "device_peak", lambda device, dtype: flops.Peak(None, "not measured in a unit test"))
+    class Wider(MLPRecipe):
+        def build_model(self) -> torch.nn.Module:
+            return torch.nn.Sequential(torch.nn.Linear(self.in_features, 2 * self.hidden),
+                                       torch.nn.Linear(2 * self.hidden, self.num_classes))
+
+    cpu = torch.device("cpu")
+    precision = type("Precision", (), {"converter": None, "autocast": False, "cast_model": False, "tf32": False})
+    built_in = flops.count(MLPRecipe(batch_size=4), cpu, precision, 0, grad_accum_steps=2)
+    assert built_in.source.startswith("mlp_flops") and built_in.per_step == 2 * flops.mlp_flops(
+        MLPRecipe(batch_size=4), next(iter(MLPRecipe(batch_size=4).batches(cpu, 0))))
+    wider = Wider(batch_size=4)
+    counted = flops.count(wider, cpu, precision, 0, grad_accum_steps=1)
+    assert counted.source.startswith("torch.utils.flop_counter")
+    assert counted.per_step == 2 * 4 * (64 * 512 + 512 * 10) * 2 + 2 * 4 * 512 * 10
+
+
 @pytest.mark.parametrize("name,dtype,tflops", [
     ("NVIDIA H100 80GB HBM3", "bfloat16", 989.4),
     ("NVIDIA H100 PCIe", "float16", 756.0),

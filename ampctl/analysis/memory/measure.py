@@ -2,7 +2,7 @@
 
 CUDA: torch.cuda.max_memory_allocated, the caching allocator's high-water mark of tensor memory (its
 reserve, the CUDA context and library workspaces are outside it; the reserve is reported beside it).
-CPU: torch's memory profiler (torch.profiler with profile_memory=True), which sees every allocation and free
+CPU: torch's memory profiler (profile_memory=True), which sees every allocation and free
 of torch's CPU allocator: the peak is the highest running sum of them. `ampctl memory` asks for a breakdown by
 category too (parameters, optimizer state, gradients, activations, temporaries...), for which torch's memory
 timeline needs every op's shapes and Python stack and a data-flow analysis of the whole window: a minute on a
@@ -79,14 +79,18 @@ def measure_peak(device: torch.device, by_category: bool = False) -> Iterator[Me
         yield result
         result.source = "not measured: this torch has no memory timeline"
         return
-    from torch.profiler import ProfilerActivity, profile
+    if by_category:  # the timeline is torch.profiler's
+        from torch.profiler import ProfilerActivity, profile
 
-    with quiet_kineto(), _without_stderr_lines(_UNKNOWN_BLOCK), profile(
-            activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=by_category,
-            with_stack=by_category) as prof:
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True)
+    else:
+        # the autograd profiler that torch.profiler.profile drives: the same allocation events, without its
+        # start, which imports Inductor and Dynamo to read one flag (1-5 s of every CPU run's start here)
+        prof = torch.autograd.profiler.profile(use_cpu=True, profile_memory=True, use_kineto=True)
+    with quiet_kineto(), _without_stderr_lines(_UNKNOWN_BLOCK), prof:
         yield result
     try:
-        result.bytes = _allocation_peak(prof)
+        result.bytes = _allocation_peak(prof.profiler.kineto_results if by_category else prof.kineto_results)
         if by_category:
             result.breakdown = _timeline_peak(prof)
         result.source = "torch memory profiler (CPU allocator)"
@@ -195,13 +199,13 @@ class TrainingPeak:
         return None if self._result is None else self._result.bytes
 
 
-def _allocation_peak(prof) -> int:
+def _allocation_peak(kineto_results) -> int:
     """The most tensor memory allocated inside the window and alive at once: the allocator's allocations and
     frees in time order, by address. A block allocated before the window (the recipe's data, a model an earlier
     measurement in this process left) is not counted when it is freed inside: this window did not allocate it."""
     from torch._C._profiler import _EventType
 
-    nodes, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    nodes, allocations = list(kineto_results.experimental_event_tree()), []
     while nodes:
         node = nodes.pop()
         nodes.extend(node.children)
