@@ -98,13 +98,18 @@ class NoLossScaler:
 
 
 class AmpGradScaler(torch.amp.GradScaler):
-    """torch.amp.GradScaler plus what torch lacks: optional scale bounds, a static mode, and unscaling of
-    fp16 gradients for pure-half training (O3), which torch refuses because it is usually a mistake."""
+    """torch.amp.GradScaler as a LossScaler, plus what torch lacks: optional scale bounds, hysteresis, a static
+    mode, and unscaling of fp16 gradients for pure-half training (O3), which torch refuses because it is usually
+    a mistake. GradScaler's own verbs (scale, unscale_, step, update, state_dict) are the interface's; the rest
+    read its state on the device. The one class that reads GradScaler's private members
+    (tests/unit/test_supported_torch.py checks them on the installed torch)."""
 
     def __init__(
         self,
-        device: str,
+        device: str | torch.device,
         *,
+        kind: str = "dynamic",
+        description: str = "",
         static: bool = False,
         allow_fp16_grads: bool = False,
         min_scale: Optional[float] = None,
@@ -112,15 +117,29 @@ class AmpGradScaler(torch.amp.GradScaler):
         hysteresis: int = 1,
         **kwargs: Any,
     ) -> None:
-        super().__init__(device, **kwargs)
+        super().__init__(torch.device(device).type, **kwargs)
+        self.kind = kind
+        self.can_skip = self.is_enabled()
+        self._description = description
         self.hysteresis = hysteresis
         self._hysteresis_left: Optional[torch.Tensor] = None
         self.static = static
         self.allow_fp16_grads = allow_fp16_grads
         self.min_scale = min_scale
         self.max_scale = max_scale
+        self._zero = torch.zeros((), device=device)
+        self._one = torch.ones((), device=device)
 
     all_reduce_found_inf = False  # sharded gradients (FSDP): each rank checks only its shard
+
+    def describe(self) -> str:
+        return self._description
+
+    def agree_across_ranks(self) -> None:
+        self.all_reduce_found_inf = True
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16 or self.allow_fp16_grads)
@@ -132,8 +151,35 @@ class AmpGradScaler(torch.amp.GradScaler):
             # collective on the device, no host sync.
             import torch.distributed as dist
 
-            for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            for found_inf in self._found_inf_per_device(optimizer).values():
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+
+    def skip_if_not_finite(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+        # GradScaler checks the gradients before unscaling them. Unscaling can still make them non-finite:
+        # half gradients (O3) overflowing as a scale below 1 is divided out, or a norm whose sum of squares
+        # overflows. Folding that into found_inf skips the step (fused kernels read found_inf on the device)
+        # and backs the scale off, as an overflow would.
+        if not self._enabled:
+            return
+        not_finite = (~torch.isfinite(grad_norm)).float()
+        for found_inf in self._found_inf_per_device(optimizer).values():
+            torch.maximum(found_inf, not_finite.to(found_inf.device), out=found_inf)
+
+    # step(): GradScaler's. With a fused optimizer it hands found_inf to the kernel (which skips on the device);
+    # with any other optimizer torch reads found_inf on the host, one sync per step: prefer fused.
+
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        if not self._enabled:
+            return self._zero
+        per_device = self._found_inf_per_device(optimizer)
+        return torch.stack([t.to(self._zero.device) for t in per_device.values()]).sum().clamp(max=1.0)
+
+    def current_scale(self) -> torch.Tensor:
+        if not self._enabled:
+            return self._one  # a disabled GradScaler never creates its _scale
+        if self._scale is None:  # GradScaler creates its scale at the first scale(): until then it is init_scale
+            return torch.full_like(self._one, self._init_scale)
+        return self._scale
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
         if not self._enabled:
@@ -147,7 +193,6 @@ class AmpGradScaler(torch.amp.GradScaler):
         if self.min_scale is not None or self.max_scale is not None:
             assert self._scale is not None
             self._scale.clamp_(min=self.min_scale, max=self.max_scale)  # on the device, no sync
-
 
     def _update_with_hysteresis(self) -> None:
         """GradScaler's update, except that an overflow backs the scale off only once `hysteresis` overflows have
@@ -190,81 +235,19 @@ class AmpGradScaler(torch.amp.GradScaler):
             self._hysteresis_left = torch.full((), left, device=self._device)
 
 
-class TorchLossScaler:
-    """Adapts AmpGradScaler to the LossScaler interface (device-side found_inf and scale)."""
-
-    def __init__(self, kind: str, scaler: AmpGradScaler, device: torch.device, description: str) -> None:
-        self.kind = kind
-        self.can_skip = scaler.is_enabled()
-        self.scaler = scaler
-        self._description = description
-        self._zero = torch.zeros((), device=device)
-        self._one = torch.ones((), device=device)
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss)
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.unscale_(optimizer)
-
-    def agree_across_ranks(self) -> None:
-        self.scaler.all_reduce_found_inf = True
-
-    def skip_if_not_finite(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
-        # GradScaler checks the gradients before unscaling them. Unscaling can still make them non-finite:
-        # half gradients (O3) overflowing as a scale below 1 is divided out, or a norm whose sum of squares
-        # overflows. Folding that into found_inf skips the step (fused kernels read found_inf on the device)
-        # and backs the scale off, as an overflow would.
-        if not self.scaler.is_enabled():
-            return
-        not_finite = (~torch.isfinite(grad_norm)).float()
-        for found_inf in self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-            torch.maximum(found_inf, not_finite.to(found_inf.device), out=found_inf)
-
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        # With a fused optimizer this hands found_inf to the kernel (which skips on the device); with
-        # any other optimizer torch reads found_inf on the host, one sync per step: prefer fused.
-        self.scaler.step(optimizer)
-
-    def found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        if not self.scaler.is_enabled():
-            return self._zero
-        per_device = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        return torch.stack([t.to(self._zero.device) for t in per_device.values()]).sum().clamp(max=1.0)
-
-    def current_scale(self) -> torch.Tensor:
-        if not self.scaler.is_enabled():
-            return self._one  # a disabled GradScaler never creates its _scale
-        scale = self.scaler._scale
-        if scale is None:  # GradScaler creates its scale at the first scale(): until then it is init_scale
-            return torch.full_like(self._one, self.scaler._init_scale)
-        return scale
-
-    def update(self) -> None:
-        self.scaler.update()
-
-    def describe(self) -> str:
-        return self._description
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scaler.load_state_dict(state)
-
-
 def build_scaler(cfg: DictConfig, device: torch.device, half_grads: bool) -> LossScaler:
     """cfg is a validated scaler config. half_grads: the optimizer's own parameters are half (O3)."""
     if cfg.kind == "none":
         return NoLossScaler(device)
     try:
         if cfg.kind == "static":
-            scaler = AmpGradScaler(
-                device.type, static=True, allow_fp16_grads=half_grads, init_scale=float(cfg.scale)
-            )
-            return TorchLossScaler("static", scaler, device, f"static {cfg.scale:g}")
-        scaler = AmpGradScaler(
-            device.type,
+            return AmpGradScaler(device, kind="static", description=f"static {cfg.scale:g}", static=True,
+                                 allow_fp16_grads=half_grads, init_scale=float(cfg.scale))
+        if not cfg.enabled:
+            return AmpGradScaler(device, description="dynamic (disabled)", enabled=False)
+        return AmpGradScaler(
+            device,
+            description=_dynamic_description(cfg),
             allow_fp16_grads=half_grads,
             min_scale=cfg.min_scale,
             max_scale=cfg.max_scale,
@@ -273,22 +256,19 @@ def build_scaler(cfg: DictConfig, device: torch.device, half_grads: bool) -> Los
             growth_factor=cfg.growth_factor,
             backoff_factor=cfg.backoff_factor,
             growth_interval=cfg.growth_interval,
-            enabled=cfg.enabled,
         )
     except (RuntimeError, TypeError, AttributeError) as exc:
         raise UnsupportedError(
             f"scaler={cfg.kind}: torch {torch.__version__} has no GradScaler for {device.type} ({exc}); "
             "use scaler=none with precision=bf16, or upgrade torch"
         ) from None
-    if not cfg.enabled:
-        return TorchLossScaler("dynamic", scaler, device, "dynamic (disabled)")
+
+
+def _dynamic_description(cfg: DictConfig) -> str:
     bounds = ""
     if cfg.min_scale is not None or cfg.max_scale is not None:
         bounds = f", bounds=[{cfg.min_scale}, {cfg.max_scale}]"
     if cfg.hysteresis > 1:
         bounds += f", hysteresis={cfg.hysteresis}"
-    description = (
-        f"dynamic init={cfg.init_scale:g} growth={cfg.growth_factor:g}/{cfg.growth_interval} "
-        f"backoff={cfg.backoff_factor:g}{bounds}"
-    )
-    return TorchLossScaler("dynamic", scaler, device, description)
+    return (f"dynamic init={cfg.init_scale:g} growth={cfg.growth_factor:g}/{cfg.growth_interval} "
+            f"backoff={cfg.backoff_factor:g}{bounds}")
