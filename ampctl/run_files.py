@@ -8,7 +8,7 @@ constants; docstrings and messages may say the names.
       ranges.jsonl         telemetry.ranges_every's per-layer value ranges (analysis/ranges.py)
       summary.json         what ran, and its figures, when it ends (runner/run.py)
       diagnosis.json       the layer a guard's stop found (runner/diagnose.py)
-      trackers.json        the tracker runs a resume continues (runner/trackers.py)
+      trackers.json        the tracker runs a resume continues (runner/trackers/)
       checkpoints/         step_NNNNNNNN.pt (or .dcp/) with .sha256 sidecars, best/ (runner/checkpoint_files.py)
       train.log            the run's log (compare.log, memory.log, inspect.log for those commands)
       error.txt            a failed multirun job's one line (the sweep's table shows it)

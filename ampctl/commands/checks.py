@@ -24,8 +24,8 @@ from ampctl.conf.messages import one_line
 from ampctl.conf.schema import APP_SCHEMAS, validate
 from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
 from ampctl.conf.typed import typed_config
-from ampctl.processes import is_main_process
 from ampctl.errors import CommandLineRefused, UsageError
+from ampctl.processes import is_main_process
 
 
 def refuse_distributed(cfg: DictConfig, command: str) -> None:

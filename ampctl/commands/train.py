@@ -18,7 +18,6 @@ from omegaconf import DictConfig
 
 from ampctl import run_files
 from ampctl.commands.checks import train_run, typed
-from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.errors import (
     USAGE_EXIT_CODE,
     WRITE_FAILED_EXIT_CODE,
@@ -27,6 +26,7 @@ from ampctl.errors import (
     print_error,
     write_refused,
 )
+from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.runner.interrupt import Interrupted, exit_code, signal_name
 from ampctl.runner.ownership import remove_if_only_hydra_files
 

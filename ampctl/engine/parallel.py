@@ -28,9 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ampctl import io
-from ampctl.processes import torchrun_world_size
 from ampctl.engine.precision import converters
 from ampctl.errors import UsageError
+from ampctl.processes import torchrun_world_size
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

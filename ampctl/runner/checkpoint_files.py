@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 from typing import Any, BinaryIO, Optional
 
-
 from ampctl import io, run_files
 
 CHECKSUM_SUFFIX = ".sha256"  # beside each checkpoint file, in sha256sum's format

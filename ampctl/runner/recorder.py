@@ -29,7 +29,7 @@ class Recorder:
     def __init__(self, run_dir: Path, echo: Callable[[str], None]) -> None:
         self.run_dir = run_dir
         self._print = echo
-        self.trackers: Any = None  # runner/trackers.py's Trackers, once start_trackers made them
+        self.trackers: Any = None  # runner/trackers/'s Trackers, once start_trackers made them
         self.identity: Optional[RunIdentity] = None  # the run's identity.json, once claim() read or wrote it
 
     def echo(self, line: str) -> None:
@@ -81,7 +81,7 @@ class Recorder:
 
     def start_trackers(self, cfg: DictConfig, resumed_at: Optional[int], after_steps: int) -> None:
         """The experiment trackers cfg.logger names, started with the resolved config after this process's
-        first `after_steps` steps (the CPU memory profiler's window: runner/trackers.py says why)."""
+        first `after_steps` steps (the CPU memory profiler's window: runner/trackers/ says why)."""
         if not any(cfg.logger.get(name) is not None for name in cfg.logger):
             return
         from ampctl.runner.trackers import Trackers

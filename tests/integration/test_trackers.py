@@ -6,6 +6,7 @@ by step: every step once, every metric, the config and the summary."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 
@@ -94,7 +95,8 @@ def test_every_tracker_holds_every_steps_record_the_config_and_the_summary_acros
 
 def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path, capsys, restore_argv,
                                                                          monkeypatch):
-    monkeypatch.setitem(trackers.PACKAGES, "wandb", ("wandb_is_not_installed_here", "wandb"))
+    monkeypatch.setitem(trackers.TRACKERS, "wandb",
+                        dataclasses.replace(trackers.TRACKERS["wandb"], package="wandb_is_not_installed_here"))
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "device=cpu", "recipe=mlp", "train.steps=2", "logger=[csv,wandb]",
               f"hydra.run.dir={tmp_path / 'run'}"])

@@ -236,3 +236,23 @@ def test_a_key_the_schema_lacks_is_refused_even_when_added_with_plus():
     assert cfg.train.stepz == 5
     with pytest.raises(UsageError, match=r"^train.stepz: no such key \(did you mean train.steps\?\); allowed: steps, grad_accum_steps, "):
         typed_config(cfg)
+
+
+def test_the_tracker_table_is_the_schemas_loggers_and_their_yamls_and_extras():
+    """runner/trackers' TRACKERS is the one list: LoggerConfig has a node of each one's options and no other,
+    each has conf/logger/<name>.yaml, and each package's extra is in pyproject.toml."""
+    import dataclasses
+    import tomllib
+    import typing
+    from pathlib import Path
+
+    from ampctl.conf.schema import LoggerConfig
+    from ampctl.runner.trackers import TRACKERS
+
+    hints = typing.get_type_hints(LoggerConfig)
+    assert {f.name: typing.get_args(hints[f.name])[0] for f in dataclasses.fields(LoggerConfig)} == {
+        name: kind.options for name, kind in TRACKERS.items()}
+    assert sorted(p.name for p in (CONF / "logger").iterdir() if p.name.endswith(".yaml")) == sorted(
+        f"{name}.yaml" for name in TRACKERS)
+    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert all(kind.extra in extras for kind in TRACKERS.values() if kind.package is not None)

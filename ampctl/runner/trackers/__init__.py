@@ -1,0 +1,177 @@
+"""Experiment trackers (`logger=[csv,tensorboard,wandb,mlflow]`): sinks that receive the step records the run
+already has, on log steps, when they have come back from the device anyway (a tracker never reads the
+device), plus the resolved config at start and the summary at the end.
+
+Each tracker speaks its library's own API (one module each beside this one): torch.utils.tensorboard's
+SummaryWriter, wandb.init/log/summary, MLflow's client (params, metrics, tags, run status). The optional
+packages are imported only when chosen; a missing one is refused before the run starts, naming the extra that
+installs it. TRACKERS is the one list of them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from ampctl import io, run_files
+from ampctl.conf.messages import one_line
+from ampctl.conf.schema import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig, WandbLoggerConfig
+from ampctl.engine.telemetry import StepRecord
+from ampctl.errors import UsageError
+from ampctl.runner.trackers.base import METRICS, Tracker
+from ampctl.runner.trackers.csv_tracker import CsvTracker
+from ampctl.runner.trackers.mlflow_tracker import MlflowTracker
+from ampctl.runner.trackers.tensorboard_tracker import TensorBoardTracker
+from ampctl.runner.trackers.wandb_tracker import WandbTracker
+
+__all__ = ["METRICS", "TRACKERS", "Trackers", "check_loggers", "chosen"]
+
+
+@dataclass(frozen=True)
+class TrackerKind:
+    """One tracker: the logger option that chooses it (conf/logger/<name>.yaml turns on LoggerConfig.<name>),
+    its options' schema, the sink that speaks its library, and the package it needs with the ampctl extra that
+    installs it (none for the standard library's csv)."""
+
+    name: str
+    options: type
+    sink: type[Tracker]
+    package: Optional[str] = None
+    extra: Optional[str] = None
+
+
+TRACKERS: dict[str, TrackerKind] = {kind.name: kind for kind in (
+    TrackerKind("csv", CsvLoggerConfig, CsvTracker),
+    TrackerKind("tensorboard", TensorBoardLoggerConfig, TensorBoardTracker, "tensorboard", "tensorboard"),
+    TrackerKind("wandb", WandbLoggerConfig, WandbTracker, "wandb", "wandb"),
+    TrackerKind("mlflow", MlflowLoggerConfig, MlflowTracker, "mlflow", "mlflow"),
+)}
+
+
+def chosen(logger: DictConfig) -> list[str]:
+    return [name for name in TRACKERS if logger.get(name) is not None]
+
+
+def check_loggers(logger: DictConfig) -> None:
+    """Refuse, in one line before anything is written: a tracker whose package is not installed; what a
+    tracker's own check refuses (a file outside its run directory or over one of the run's own records: a
+    tracker writes only its own files, inside the run it records; wandb online without a key)."""
+    for name in chosen(logger):
+        kind = TRACKERS[name]
+        if kind.package is not None and importlib.util.find_spec(kind.package) is None:
+            raise UsageError(f"logger={name}: the {kind.package} package is not installed; "
+                             f"pip install 'ampctl[{kind.extra}]'")
+    for name in chosen(logger):
+        TRACKERS[name].sink.check(logger[name])
+
+
+class Trackers:
+    """The run's trackers together, as one sink: started with the config, finished with the summary, failed
+    when the run does. The ids a resumed run needs are kept in the run directory's trackers.json.
+
+    They start after the first `start_after_steps` steps of this process: torch's CPU memory profiler
+    (telemetry.profile_cpu_memory) records Python stacks over the build and steps 1-2, and a tracker's
+    background threads inside that window made a 12-step run take minutes. Records of those steps wait here
+    and are written when the trackers start."""
+
+    def __init__(self, logger: DictConfig, cfg: DictConfig, run_dir: Path, resumed_at: Optional[int],
+                 start_after_steps: int = 0) -> None:
+        check_loggers(logger)
+        self.run_dir, self.cfg = run_dir, cfg
+        # nothing is imported or created here: each tracker does both in start()
+        ids = self._ids() if resumed_at is not None else {}
+        self.by_name: dict[str, Tracker] = {
+            name: TRACKERS[name].sink(logger[name], run_dir, resumed_at, ids.get(name)) for name in chosen(logger)}
+        self.trackers = list(self.by_name.values())
+        for name, tracker in self.by_name.items():  # before the first record: one that cannot start is refused now
+            try:
+                tracker.connect()
+            except Exception as exc:  # noqa: BLE001 - a tracker's own refusal (a bad URI, a path): its line
+                raise UsageError(f"logger={name}: could not start: {one_line(exc)}") from None
+        self._start_after = start_after_steps
+        self._waiting: list[StepRecord] = []
+        self._waiting_evals: list[dict[str, Any]] = []
+        self._started = self._ended = False
+        if start_after_steps == 0:
+            self._start()
+
+    def _ids(self) -> dict[str, str]:
+        """The tracker runs a resumed run continues. A trackers.json that cannot be read is refused, not
+        taken for none: that would start new tracker runs for an old one's steps."""
+        path = self.run_dir / run_files.TRACKER_IDS
+        if not path.is_file():
+            return {}
+        try:
+            ids = json.loads(path.read_bytes().decode("utf-8"))
+            if isinstance(ids, dict) and all(isinstance(v, str) for v in ids.values()):
+                return ids
+        except (OSError, ValueError):
+            pass
+        raise UsageError(f"{path} cannot be read: it names the tracker runs this run continues; restore it, or "
+                         f"delete it to start new tracker runs for the resumed steps")
+
+    def _start(self) -> None:
+        self._started = True
+        for name, tracker in self.by_name.items():
+            try:
+                tracker.start(self.cfg)
+            except Exception as exc:  # noqa: BLE001 - a tracker's own refusal (a bad URI, a path): its line
+                raise UsageError(f"logger={name}: could not start: {one_line(exc)}") from None
+        ids = {name: tracker.run_id for name, tracker in self.by_name.items() if tracker.run_id}
+        if ids:
+            io.write_json(self.run_dir / run_files.TRACKER_IDS, ids)
+
+    def write(self, records: list[StepRecord]) -> None:
+        if not self._started:
+            self._waiting += records
+            if len(self._waiting) <= self._start_after:  # the window closes after its last step's records
+                return
+            self._start()
+            records, self._waiting = self._waiting, []
+        for tracker in self.trackers:
+            tracker.write(records)
+        self._write_waiting_evals()
+
+    def write_eval(self, row: dict[str, Any]) -> None:
+        """An evaluation; one inside the trackers' waiting window waits with its step's records."""
+        self._waiting_evals.append(row)
+        if self._started:
+            self._write_waiting_evals()
+
+    def _write_waiting_evals(self) -> None:
+        rows, self._waiting_evals = self._waiting_evals, []
+        for row in rows:
+            for tracker in self.trackers:
+                tracker.write_eval(row)
+
+    def close(self) -> None:
+        """The loop ended (a Sink's close): what was written is flushed; the runs end with the summary."""
+        for tracker in self.trackers:
+            tracker.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self._ended:
+            return
+        if not self._started:  # a run shorter than the window
+            self._start()
+            if self._waiting:
+                for tracker in self.trackers:
+                    tracker.write(self._waiting)
+            self._write_waiting_evals()
+        self._ended = True
+        for tracker in self.trackers:
+            tracker.finish(summary)
+
+    def fail(self) -> None:
+        """The run failed or was stopped before its summary: each tracker's run ends as failed (those that
+        never started have nothing to end)."""
+        if not self._ended:
+            self._ended = True
+            for tracker in self.trackers:
+                if self._started:
+                    tracker.fail()

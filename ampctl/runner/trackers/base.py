@@ -1,0 +1,107 @@
+"""What every tracker shares: the sink's verbs, the names its metrics go under, and the checks of a path it
+writes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from pathlib import Path, PurePath
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from ampctl import run_files
+from ampctl.engine.telemetry import StepRecord
+from ampctl.errors import UsageError
+
+# every StepRecord field but the step is a metric, under its own name (units in the names: step_time_ms, ...)
+METRICS = tuple(f.name for f in fields(StepRecord) if f.name != "step")
+
+
+def inside_the_run(key: str, value: str) -> None:
+    """A tracker's path: relative, inside the run directory, and none of the run's own records."""
+    from ampctl.runner.ownership import RUN_OWN_NAMES
+
+    parts = PurePath(value).parts
+    if not str(value).strip() or PurePath(value).is_absolute() or ".." in parts or \
+            parts[0] in RUN_OWN_NAMES | {run_files.TRACKER_IDS}:
+        raise UsageError(f"{key}={value!r} is not allowed: expected a path inside the run directory (relative, "
+                         f"no '..') that is none of the run's own records ({', '.join(sorted(RUN_OWN_NAMES))}); "
+                         "a tracker writes only its own files, inside the run it records")
+
+
+def metric_values(record: StepRecord) -> dict[str, float]:
+    """A record's metrics under train/<field>, the ones this run has (no tokens_per_s without tokens)."""
+    values = {name: getattr(record, name) for name in METRICS}
+    return {f"train/{name}": float(v) for name, v in values.items() if v is not None}
+
+
+def flat_config(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved config as dotted keys -> scalars (lists as their text): what HParams and MLflow params
+    take."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{prefix}{key}.")
+        elif isinstance(node, (str, int, float, bool)) or node is None:
+            out[prefix[:-1]] = "null" if node is None else node
+        else:
+            out[prefix[:-1]] = json.dumps(node)
+
+    walk(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), "")
+    return out
+
+
+def summary_numbers(summary: dict[str, Any]) -> dict[str, float]:
+    """The summary's numbers, and those of its sections one level down (eval: eval/loss, ...)."""
+    numbers = {}
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            numbers.update({f"{key}/{k.split('/')[-1]}": v for k, v in summary_numbers(value).items()})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            numbers[key] = float(value)
+    return numbers
+
+
+def eval_values(row: dict[str, Any]) -> dict[str, float]:
+    """An evaluation's metrics under their names (eval/loss, eval_fp32/accuracy); non-finite ones are null there."""
+    return {k: float(v) for k, v in row.items() if "/" in k and v is not None}
+
+
+class Tracker:
+    """Made from its options (its node of LoggerConfig), the run directory, the step a resumed run continues
+    from and the id of the tracker run it continues (trackers.json). connect() before the run records anything,
+    start(config) once, write(records) on log steps, flush() when the loop ends, then finish(summary) when the
+    run succeeds or fail() when it does not: either ends the tracker's run. run_id: the id a resumed run
+    continues its tracker run under (wandb's, MLflow's), once started; None for a tracker without one."""
+
+    def __init__(self, options: DictConfig, run_dir: Path, resumed_at: Optional[int], run_id: Optional[str]) -> None:
+        self.options, self.run_dir, self.resumed_at, self.run_id = options, run_dir, resumed_at, run_id
+
+    @staticmethod
+    def check(options: DictConfig) -> None:
+        """Refuse, in one line before anything is written, what this tracker could not do with options."""
+
+    def connect(self) -> None:
+        pass
+
+    def start(self, cfg: DictConfig) -> None:
+        pass
+
+    def write(self, records: list[StepRecord]) -> None:
+        raise NotImplementedError
+
+    def write_eval(self, row: dict[str, Any]) -> None:
+        """An evaluation (evaluating.py's row: step, eval/<metric>...), after the records of its step."""
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        self.fail()
+
+    def fail(self) -> None:
+        pass
