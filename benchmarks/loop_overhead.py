@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_module
 
 from ampctl.conf.schema import register_configs
 from ampctl.engine.build import build_state, check_config
-from ampctl.engine.loop import batch_stream, train_step
+from ampctl.engine.loop import StepSettings, batch_stream, train_step
 from ampctl.engine.telemetry import Telemetry
 from ampctl.recipes.base import build_recipe
 
@@ -66,7 +66,7 @@ class AmpctlLoop:
         self.telemetry = Telemetry(self.policy.device, cfg.train.log_every, self.recipe.samples_per_batch, None, [])
 
     def step(self) -> None:
-        train_step(self.state, self.batches, self.recipe, self.policy, 1, self.clip, self.telemetry)
+        train_step(self.state, self.batches, self.recipe, self.policy, StepSettings(1, self.clip), self.telemetry)
         self.telemetry.end_step(last=False, data_s=self.batches.take_wait_s())
 
 

@@ -41,7 +41,7 @@ from ampctl.analysis.numerics import (
     largest_safe_scale,
 )
 from ampctl.engine.build import build_state, check_config
-from ampctl.engine.loop import batch_stream, run_steps
+from ampctl.engine.loop import StepSettings, batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
@@ -153,7 +153,7 @@ def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: Non
         with recorder, blocks:
             recorder.record_weights()
             run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), n, recipe, policy,
-                      cfg.train.grad_accum_steps, cfg.train.clip_grad_norm, before_step=note_the_scale,
+                      StepSettings.of(cfg.train), before_step=note_the_scale,
                       after_step=lambda done: phase(f"recorded step {done}/{n}"))
     half = str(policy.dtype).removeprefix("torch.") if policy.uses_half else "float32"
     return Inspection(recorder, study, run_scales, half, precision_table(policy.layer_rows), blocks.table())

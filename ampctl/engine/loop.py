@@ -54,6 +54,31 @@ class TrainState:
     parallel: Parallel = field(default_factory=Parallel)  # DDP's hooks; identities in one process
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """How each optimizer step is taken: micro-batches per step, and the norm gradients are clipped to (None:
+    measured, not clipped)."""
+
+    grad_accum_steps: int = 1
+    clip_grad_norm: Optional[float] = None
+
+    @classmethod
+    def of(cls, train: Any) -> "StepSettings":
+        """From the config's train node (train.grad_accum_steps, train.clip_grad_norm)."""
+        return cls(train.grad_accum_steps, train.clip_grad_norm)
+
+
+@dataclass
+class FitHooks:
+    """What a training run does around fit()'s steps: after_step(last) after every step (checkpoints,
+    evaluations); stop_requested(), a host-side flag checked between steps; around_step(step), a context around
+    a step (the range hooks on the steps telemetry.ranges_every picks)."""
+
+    after_step: Callable[[bool], None] = lambda last: None
+    stop_requested: Callable[[], bool] = lambda: False
+    around_step: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext()
+
+
 _END = object()  # what next() returns when a recipe's batches run out
 DATA_RANGE = "ampctl.data"  # the profiler range around each fetch of a batch (analysis/step_time.py reads it)
 
@@ -92,11 +117,11 @@ def train_step(
     batches: Iterator[Any],
     recipe: Recipe,
     policy: PrecisionPolicy,
-    grad_accum_steps: int,
-    clip_grad_norm: Optional[float],
+    settings: StepSettings,
     telemetry: Telemetry,
 ) -> None:
     opt, scaler = state.optimizer, state.scaler
+    grad_accum_steps = settings.grad_accum_steps
     losses = []
     model = state.parallel.training_model(state.model)
     for micro in range(grad_accum_steps):
@@ -114,7 +139,7 @@ def train_step(
     state.weights.grads_to_masters()
     # One unscale_ after the last micro-batch: clipping and the grad norm must see true gradients.
     scaler.unscale_(opt)
-    grad_norm = grad_norm_(state.weights.optimizer_params, clip_grad_norm)
+    grad_norm = grad_norm_(state.weights.optimizer_params, settings.clip_grad_norm)
     scaler.skip_if_not_finite(opt, grad_norm)
     # A fused optimizer's step() runs even when the scaler skips (the kernel reads found_inf), so
     # "skipped" comes from found_inf itself, never from whether step() was called.
@@ -134,27 +159,23 @@ def fit(
     state: TrainState,
     recipe: Recipe,
     policy: PrecisionPolicy,
-    steps: int,
-    grad_accum_steps: int,
-    clip_grad_norm: Optional[float],
-    seed: int,
+    settings: StepSettings,
     telemetry: Telemetry,
-    after_step: Callable[[bool], None] = lambda last: None,
-    stop_requested: Callable[[], bool] = lambda: False,
-    around_step: Callable[[int], ContextManager] = lambda step: contextlib.nullcontext(),
+    steps: int,
+    seed: int,
+    hooks: FitHooks = FitHooks(),
 ) -> bool:
-    """Train from state.step to steps. after_step(last) runs after every step (checkpoints); stop_requested()
-    is a host-side flag checked between steps. Returns False when stopped early."""
+    """Train from state.step to steps, on the batches of `seed`. Returns False when stopped early (hooks)."""
     # A resumed run continues the same batch stream: the data position is the number of batches consumed.
-    batches = batch_stream(recipe, policy.device, seed, state.step * grad_accum_steps)
+    batches = batch_stream(recipe, policy.device, seed, state.step * settings.grad_accum_steps)
     state.model.train()
     while state.step < steps:
-        with around_step(state.step + 1):  # e.g. range hooks on the steps telemetry.ranges_every picks
-            train_step(state, batches, recipe, policy, grad_accum_steps, clip_grad_norm, telemetry)
-        stopping = stop_requested()
+        with hooks.around_step(state.step + 1):
+            train_step(state, batches, recipe, policy, settings, telemetry)
+        stopping = hooks.stop_requested()
         last = state.step == steps or stopping
         telemetry.end_step(last=last, data_s=batches.take_wait_s())
-        after_step(last)
+        hooks.after_step(last)
         if stopping:
             return False
     return True
@@ -174,11 +195,11 @@ def run_steps(
     n: int,
     recipe: Recipe,
     policy: PrecisionPolicy,
-    grad_accum_steps: int = 1,
-    clip_grad_norm: Optional[float] = None,
+    settings: StepSettings = StepSettings(),
+    *,
     before_step: Callable[[], None] = lambda: None,
-    timed: bool = False,
     after_step: Callable[[int], None] = lambda done: None,
+    timed: bool = False,
 ) -> list[float]:
     """n optimizer steps outside a training run (inspect, memory, the memory probe, diagnose): the step fit()
     takes, its records kept on the device where nobody reads them. With timed, each step's wall time in ms
@@ -190,7 +211,7 @@ def run_steps(
     for done in range(1, n + 1):
         before_step()
         start = time.perf_counter()
-        train_step(state, batches, recipe, policy, grad_accum_steps, clip_grad_norm, telemetry)
+        train_step(state, batches, recipe, policy, settings, telemetry)
         if timed:
             if policy.device.type == "cuda":
                 torch.cuda.synchronize(policy.device)

@@ -20,7 +20,7 @@ from torch import nn
 
 from ampctl import io, run_files
 from ampctl.engine.build import build_state
-from ampctl.engine.loop import TrainState, batch_stream, run_steps
+from ampctl.engine.loop import StepSettings, TrainState, batch_stream, run_steps
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.recipes.base import Recipe
 from ampctl.runner import checkpoint, checkpoint_files
@@ -103,7 +103,7 @@ def replay(
         checkpoint.restore(checkpoint.load(earlier[-1]), state, earlier[-1])
     accum = cfg.train.grad_accum_steps
     batches = batch_stream(recipe, policy.device, cfg.train.seed, state.step * accum)
-    run_steps(state, batches, bad_step - 1 - state.step, recipe, policy, accum, cfg.train.clip_grad_norm)
+    run_steps(state, batches, bad_step - 1 - state.step, recipe, policy, StepSettings.of(cfg.train))
 
     half_max = float(torch.finfo(torch.float16).max) if policy.uses_half and policy.dtype == torch.float16 else None
     watch = LayerWatch(state.model, half_max)

@@ -1,10 +1,10 @@
-"""One training run around fit(), in named steps: find where it resumes, build, announce, train (with the
-checkpointer, the guards and the agreement to stop), summarize. Rank 0 records through a Recorder, the other
-ranks through a NoRecorder (runner/recorder.py)."""
+"""One training run around fit(): a TrainingRun holds the run's parts (as torchtitan's Trainer holds its
+components), made in named steps: find where it resumes, build, announce, train (with the checkpointer, the
+guards and the agreement to stop), summarize. Rank 0 records through a Recorder, the other ranks through a
+NoRecorder (runner/recorder.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import platform
 import signal
 import time
@@ -22,7 +22,7 @@ from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state, check_config
 from ampctl.engine.compilation import CompileWatch
-from ampctl.engine.loop import TrainState, fit
+from ampctl.engine.loop import FitHooks, StepSettings, TrainState, fit
 from ampctl.engine.precision import layers
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
@@ -56,7 +56,7 @@ def run_training(
             raise UsageError(f"rank {parallel.rank} resolved a different config than rank 0 (resume={cfg.resume}): "
                              "every rank must see the same run directory and checkpoints")
         try:
-            summary = _train(cfg, parallel.main_value(run_dir), choices or {}, echo, policy, parallel)
+            summary = TrainingRun(cfg, choices or {}, echo, policy, parallel, parallel.main_value(run_dir)).train()
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             what = devices.out_of_memory(exc)
             if what is None:
@@ -69,55 +69,204 @@ def run_training(
         parallel.close()
 
 
-def _train(cfg: DictConfig, run_dir: Path, choices: dict[str, str], echo: Callable[[str], None],
-           policy: PrecisionPolicy, parallel: parallelism.Parallel) -> dict:
-    resume = Resume.find(cfg, run_dir, parallel.world_size)
-    recorder = Recorder(resume.run_dir, echo) if parallel.is_main else NoRecorder(resume.run_dir)
-    recipe = _rank_recipe(cfg, parallel)
-    peak = TrainingPeak(policy.device)
-    # On a CPU the memory profiler would record torch.compile's own work too: minutes, for a peak it distorts
-    compiled_on_cpu = cfg.train.compile and policy.device.type == "cpu"
-    measure_cpu = cfg.telemetry.profile_cpu_memory and not compiled_on_cpu
-    measure = parallel.is_main and (policy.device.type == "cuda" or measure_cpu)
-    why_not = "train.compile on a CPU" if compiled_on_cpu and cfg.telemetry.profile_cpu_memory else ""
-    # the same window on every rank (rank 0 alone measures memory, over the first steps on a CPU)
-    memory_steps = MEASURED_STEPS if policy.device.type == "cpu" and measure_cpu else 0
-    first_profiled = _first_profiled_step(cfg, resume.step or 0, memory_steps)
-    # model FLOPs of a step (counted on fake tensors) and the device's peak, for MFU in every record; before
-    # the peak memory is measured, which the batch drawn for the count must not raise. On a recipe of its own:
-    # counting calls its loss, and a user recipe's state (a call counter) must stay the run's.
-    step_flops = flops.count(_rank_recipe(cfg, parallel), policy.device, policy.precision, cfg.train.seed,
-                             cfg.train.grad_accum_steps)
-    # refuses a recipe without held-out batches, before anything is written
-    evaluation = RunEvaluation(cfg, recipe, policy) if cfg.train.eval_every else None
-    with recorder.holding():  # no other run records into this directory while this one lives
-        # the peak counts the model's build; a user recipe's mistake is one line naming it
-        with policy, peak.measuring(enabled=measure, why_not=why_not), recipe_errors(recipe):
-            state = build_state(cfg, policy, recipe, parallel)
-            resume.restore(state)
-            if evaluation is not None and cfg.train.save_top_k:
-                evaluation.check_monitor(state.model, cfg.train.monitor)  # one held-out batch, before any record
-            announce(recorder, cfg, policy, recipe, state, parallel, choices, resume)
-            recorder.identity = parallel.main_value(recorder.claim(cfg, choices))  # before the first record
-            # the trackers reached (and a resumed run's tracker ids read) before anything is set aside or written
-            recorder.start_trackers(cfg, resume.step, after_steps=peak.untimed_steps)
-            recorder.open(resume.step)
-            if cfg.resume:
-                recorder.record_config(cfg)
-            telemetry = _telemetry(cfg, recipe, parallel, recorder, peak, policy.device, step_flops)
-            telemetry.skipped_total = resume.skipped_total
-            profiler = StepProfiler(cfg.train.profile, first_profiled, state.step, recorder.run_dir, parallel.rank,
-                                    policy.device, recorder.echo)
-            # torch.compile compiles in the first steps
-            with CompileWatch(lambda: state.step + 1, enabled=cfg.train.compile) as compiling:
-                best = _fit(cfg, choices, state, recipe, policy, parallel, recorder, telemetry, peak, compiling,
-                            profiler, evaluation)
-        # inside: the summary is written while the run directory is held, and ends the trackers' runs
-        return recorder.write_summary(lambda: {
-            **run_summary(cfg, choices, policy, recipe, state, parallel, peak, compiling, profiler, step_flops,
-                          recorder.run_dir),
-            **evaluating.summary_of(recorder.run_dir),
-            **({"eval_best": best.best()} if best is not None and best.best() else {})})
+class TrainingRun:
+    """One run's parts. Made before anything is written (where it resumes, the recorder, the recipe, the memory
+    measurement, the FLOP count, the evaluation); train() builds the state, announces it, trains and writes the
+    summary. The parts train() makes (state, telemetry, profiler, compiling) are attributes from then on."""
+
+    state: TrainState
+    telemetry: Telemetry
+    profiler: StepProfiler
+    compiling: CompileWatch
+
+    def __init__(self, cfg: DictConfig, choices: dict[str, str], echo: Callable[[str], None],
+                 policy: PrecisionPolicy, parallel: parallelism.Parallel, run_dir: Path) -> None:
+        self.cfg, self.choices, self.policy, self.parallel = cfg, choices, policy, parallel
+        self.settings = StepSettings.of(cfg.train)
+        self.resume = Resume.find(cfg, run_dir, parallel.world_size)
+        self.recorder = Recorder(self.resume.run_dir, echo) if parallel.is_main else NoRecorder(self.resume.run_dir)
+        self.recipe = self._rank_recipe()
+        self.peak = TrainingPeak(policy.device)
+        # On a CPU the memory profiler would record torch.compile's own work too: minutes, for a peak it distorts
+        compiled_on_cpu = cfg.train.compile and policy.device.type == "cpu"
+        measure_cpu = cfg.telemetry.profile_cpu_memory and not compiled_on_cpu
+        self.measure_memory = parallel.is_main and (policy.device.type == "cuda" or measure_cpu)
+        self.why_memory_not_measured = ("train.compile on a CPU" if compiled_on_cpu and cfg.telemetry.profile_cpu_memory
+                                        else "")
+        # the same window on every rank (rank 0 alone measures memory, over the first steps on a CPU)
+        memory_steps = MEASURED_STEPS if policy.device.type == "cpu" and measure_cpu else 0
+        self.first_profiled = _first_profiled_step(cfg, self.resume.step or 0, memory_steps)
+        # model FLOPs of a step (counted on fake tensors) and the device's peak, for MFU in every record; before
+        # the peak memory is measured, which the batch drawn for the count must not raise. On a recipe of its
+        # own: counting calls its loss, and a user recipe's state (a call counter) must stay the run's.
+        self.step_flops = flops.count(self._rank_recipe(), policy.device, policy.precision, cfg.train.seed,
+                                      cfg.train.grad_accum_steps)
+        # refuses a recipe without held-out batches, before anything is written
+        self.evaluation = RunEvaluation(cfg, self.recipe, policy) if cfg.train.eval_every else None
+
+    def train(self) -> dict:
+        cfg, policy, recorder, resume = self.cfg, self.policy, self.recorder, self.resume
+        with recorder.holding():  # no other run records into this directory while this one lives
+            # the peak counts the model's build; a user recipe's mistake is one line naming it
+            with policy, self.peak.measuring(enabled=self.measure_memory, why_not=self.why_memory_not_measured), \
+                    recipe_errors(self.recipe):
+                self.state = build_state(cfg, policy, self.recipe, self.parallel)
+                resume.restore(self.state)
+                if self.evaluation is not None and cfg.train.save_top_k:
+                    self.evaluation.check_monitor(self.state.model, cfg.train.monitor)  # one held-out batch, first
+                self.announce()
+                recorder.identity = self.parallel.main_value(recorder.claim(cfg, self.choices))  # before any record
+                # the trackers reached (and a resumed run's tracker ids read) before anything is set aside or written
+                recorder.start_trackers(cfg, resume.step, after_steps=self.peak.untimed_steps)
+                recorder.open(resume.step)
+                if cfg.resume:
+                    recorder.record_config(cfg)
+                self.telemetry = self._telemetry()
+                self.telemetry.skipped_total = resume.skipped_total
+                self.profiler = StepProfiler(cfg.train.profile, self.first_profiled, self.state.step, recorder.run_dir,
+                                             self.parallel.rank, policy.device, recorder.echo)
+                # torch.compile compiles in the first steps
+                with CompileWatch(lambda: self.state.step + 1, enabled=cfg.train.compile) as self.compiling:
+                    best = self._fit()
+            # inside: the summary is written while the run directory is held, and ends the trackers' runs
+            return recorder.write_summary(lambda: {
+                **self.summary(),
+                **evaluating.summary_of(recorder.run_dir),
+                **({"eval_best": best.best()} if best is not None and best.best() else {})})
+
+    def _rank_recipe(self) -> Recipe:
+        """The recipe as this process sees it: built for the global batch, this rank's slice of it."""
+        world = self.parallel.world_size
+        recipe = build_recipe(parallelism.global_recipe_config(self.cfg.recipe, world, self.cfg.distributed.kind.value))
+        return parallelism.RankShard(recipe, self.parallel.rank, world) if world > 1 else recipe
+
+    def announce(self) -> None:
+        """The start lines: the resolved precision options, the run, where it resumed, what to expect."""
+        cfg, policy, state, resume, parallel = self.cfg, self.policy, self.state, self.resume, self.parallel
+        echo, device = self.recorder.echo, policy.device
+        echo(policy.describe(state.scaler.describe()))
+        if policy.precision.rules or policy.converter is not None:  # layers differ from one another: show each
+            for line in layers.render(policy.layer_rows):
+                echo(f"  {line}")
+        n_params = sum(p.numel() for p in state.model.parameters())
+        echo(f"recipe={recipe_title(self.choices.get('recipe', type(self.recipe).__name__), cfg.recipe)} "
+             f"params={n_params / 1e6:.2f}M device={device.type} ({devices.device_name(device)}) "
+             f"torch={torch.__version__} run_dir={self.recorder.run_dir}"
+             + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
+                if parallel.world_size > 1 else ""))
+        if cfg.train.compile:  # the first step pauses while it compiles: say so before it does
+            blocks = getattr(self.recipe, "activation_checkpoint_blocks", lambda _model: [])(state.model)
+            echo(f"torch.compile (mode={cfg.train.compile_mode}): "
+                 + (f"each of the recipe's {len(blocks)} blocks" if blocks else "the whole model")
+                 + ", compiled during the first step (its time is reported on its own)")
+        for failure in resume.passed_over:
+            echo(f"warning: {failure}; passed over (set aside, kept)")
+        if resume.payload:
+            echo(f"resumed from {resume.source} at step {state.step}"
+                 + (f"; changed: {'; '.join(resume.changes)}" if resume.changes else ""))
+        elif cfg.resume == "auto":
+            echo(f"resume=auto: no checkpoint in {self.recorder.run_dir} yet, starting from step 0")
+            for path in self.recorder.set_aside_rows_without_checkpoint():
+                echo(f"resume=auto: rows of a run that left no checkpoint set aside in {path.name}")
+        for message in (policy.combination_warnings(scaler_is_active(cfg.scaler))
+                        + policy.speed_warnings(cfg.train.compile)):
+            echo(f"warning: {message}")
+
+    def _telemetry(self) -> Telemetry:
+        train, recipe = self.cfg.train, self.recipe
+        per_step = train.grad_accum_steps * self.parallel.world_size  # throughput is the whole job's: every rank's
+        tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * per_step
+        sinks = self.recorder.sinks(train.console, train.steps, tokens is not None, self.peak.bytes)
+        # its device buffer holds one log interval: never more rows than the run has (log_every=10**9 is "at the end")
+        log_every = min(train.log_every, train.steps)
+        return Telemetry(self.policy.device, log_every, recipe.samples_per_batch * per_step, tokens, sinks,
+                         self.step_flops.per_step, self.step_flops.peak.tflops)
+
+    def _fit(self) -> Optional[BestCheckpoints]:
+        """fit() with the checkpointer, the evaluations, the guards, the value-range log, the profiler and a stop
+        on SIGINT/SIGTERM. Returns the run's best checkpoints (train.save_top_k), if it keeps them."""
+        cfg, state, telemetry, recorder, parallel = self.cfg, self.state, self.telemetry, self.recorder, self.parallel
+        checkpointer = Checkpointer(self)
+        pauses = Pauses.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
+        watchdog = Watchdog(recorder.run_dir, recorder.echo, cfg.train.hang_after_s if parallel.is_main else None)
+
+        def after_step(last: bool) -> None:
+            watchdog.step_done(state.step)
+            self.profiler.step()  # first: a profiled step ends where its timer mark is, before a checkpoint
+            evaluated = (self.evaluation(state.step, state.model, telemetry, self.compiling, recorder)
+                         if self.evaluation is not None and self.evaluation.due(state.step, last) else None)
+            checkpointer(last, evaluated)
+            if pauses is not None and not last:
+                with watchdog.pause():
+                    pauses.after_step(state.step, telemetry)
+            watchdog.bookkeeping_done()
+
+        ranges_log = recorder.ranges_log(state, self.policy.device, cfg.telemetry.ranges_every)
+        announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
+        try:
+            preempt = cfg.train.preempt_signal.value if cfg.train.preempt_signal else None
+            with StopOnSignal(announce_stop if parallel.is_main else "", preempt) as stop, self.profiler, watchdog:
+                hooks = FitHooks(after_step=after_step,
+                                 stop_requested=stop_agreement(parallel, stop, state, cfg.train.log_every))
+                if ranges_log:
+                    hooks.around_step = ranges_log.around
+                finished = fit(state, self.recipe, self.policy, self.settings, telemetry, cfg.train.steps,
+                               cfg.train.seed, hooks)
+        except GuardStop as stop_exc:
+            telemetry.close()
+            trip = stop_exc.trip
+            raise RunStopped(recorder.explain_stop(
+                trip.reason, trip.step,
+                lambda: replay(cfg, self.policy, self.recipe, recorder.run_dir, trip.step, trip.reason))) from None
+        finally:
+            telemetry.close()
+            checkpointer.writer.close()  # a pending async save completes: the last checkpoint exists from here
+        if not finished:
+            # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
+            raise Interrupted(stop.signum or signal.SIGTERM, state.step,
+                              str(checkpointer.last) if checkpointer.last else None)
+        return checkpointer.best
+
+    def summary(self) -> dict:
+        """summary.json: what ran, where, and the figures of its metrics.jsonl."""
+        cfg, policy, state, compiling, run_dir = self.cfg, self.policy, self.state, self.compiling, self.recorder.run_dir
+        device = policy.device
+        recipe_name = self.choices.get("recipe", type(self.recipe).__name__)
+        # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says; nor are the
+        # steps that compiled, nor those train.profile profiled
+        timing = summarize(read_metrics(run_dir / run_files.METRICS),
+                           max(cfg.train.timing_warmup_steps, self.peak.untimed_steps),
+                           untimed=set(compiling.compiles_at) | self.profiler.untimed_steps)
+        return {
+            "precision": cfg.precision.name,
+            "precision_choice": self.choices.get("precision", cfg.precision.name),
+            # an emulated format's speed is the emulation's, never the format's: said beside every speed shown
+            "emulated": policy.emulated,
+            "converter": None if policy.converter is None else {
+                "name": policy.converter.name, "layers": len(policy.converted),
+                "checkpoints_carry": policy.converter.checkpoint_state},
+            "scaler": state.scaler.kind,
+            "recipe": recipe_name,
+            "recipe_title": recipe_title(recipe_name, cfg.recipe),  # with its model
+            "optimizer": cfg.optimizer._target_,
+            "device": device.type,
+            "device_name": devices.device_name(device),
+            "torch_version": torch.__version__,
+            "cuda_version": torch.version.cuda,
+            "python_version": platform.python_version(),
+            "parameters": sum(p.numel() for p in state.model.parameters()),
+            "world_size": self.parallel.world_size,
+            "compiled": cfg.train.compile,
+            "compile_mode": cfg.train.compile_mode if cfg.train.compile else None,
+            "compile_s": round(compiling.seconds, 3) if cfg.train.compile else None,  # left out of the step times
+            "compilations": len(compiling.compiles_at) if cfg.train.compile else None,
+            **timing,
+            **self.step_flops.summary(timing.get("median_step_time_ms")),
+            "peak_memory_bytes": self.peak.bytes(),
+            "peak_memory_source": self.peak.source,
+            "profile": self.profiler.summary(),
+            "run_dir": str(run_dir),
+        }
 
 
 def _first_profiled_step(cfg: DictConfig, start_step: int, memory_steps: int) -> int:
@@ -136,72 +285,20 @@ def _first_profiled_step(cfg: DictConfig, start_step: int, memory_steps: int) ->
     return first
 
 
-def _rank_recipe(cfg: DictConfig, parallel: parallelism.Parallel) -> Recipe:
-    """The recipe as this process sees it: built for the global batch, this rank's slice of it."""
-    recipe = build_recipe(parallelism.global_recipe_config(cfg.recipe, parallel.world_size, cfg.distributed.kind.value))
-    if parallel.world_size > 1:
-        recipe = parallelism.RankShard(recipe, parallel.rank, parallel.world_size)
-    return recipe
-
-
-def announce(recorder: Recorder, cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, state: TrainState,
-             parallel: parallelism.Parallel, choices: dict[str, str], resume: Resume) -> None:
-    """The start lines: the resolved precision options, the run, where it resumed, what to expect."""
-    echo, device = recorder.echo, policy.device
-    echo(policy.describe(state.scaler.describe()))
-    if policy.precision.rules or policy.converter is not None:  # layers differ from one another: show each
-        for line in layers.render(policy.layer_rows):
-            echo(f"  {line}")
-    n_params = sum(p.numel() for p in state.model.parameters())
-    echo(f"recipe={recipe_title(choices.get('recipe', type(recipe).__name__), cfg.recipe)} params={n_params / 1e6:.2f}M "
-         f"device={device.type} ({devices.device_name(device)}) torch={torch.__version__} run_dir={recorder.run_dir}"
-         + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
-            if parallel.world_size > 1 else ""))
-    if cfg.train.compile:  # the first step pauses while it compiles: say so before it does
-        blocks = getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(state.model)
-        echo(f"torch.compile (mode={cfg.train.compile_mode}): "
-             + (f"each of the recipe's {len(blocks)} blocks" if blocks else "the whole model")
-             + ", compiled during the first step (its time is reported on its own)")
-    for failure in resume.passed_over:
-        echo(f"warning: {failure}; passed over (set aside, kept)")
-    if resume.payload:
-        echo(f"resumed from {resume.source} at step {state.step}"
-             + (f"; changed: {'; '.join(resume.changes)}" if resume.changes else ""))
-    elif cfg.resume == "auto":
-        echo(f"resume=auto: no checkpoint in {recorder.run_dir} yet, starting from step 0")
-        for path in recorder.set_aside_rows_without_checkpoint():
-            echo(f"resume=auto: rows of a run that left no checkpoint set aside in {path.name}")
-    for message in policy.combination_warnings(scaler_is_active(cfg.scaler)) + policy.speed_warnings(cfg.train.compile):
-        echo(f"warning: {message}")
-
-
-def _telemetry(cfg: DictConfig, recipe: Recipe, parallel: parallelism.Parallel, recorder: Recorder,
-               peak: TrainingPeak, device: torch.device, step_flops: flops.StepFlops) -> Telemetry:
-    # throughput is the whole job's: every rank's samples
-    per_step = cfg.train.grad_accum_steps * parallel.world_size
-    tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * per_step
-    sinks = recorder.sinks(cfg.train.console, cfg.train.steps, tokens is not None, peak.bytes)
-    # its device buffer holds one log interval: never more rows than the run has (log_every=10**9 is "at the end")
-    log_every = min(cfg.train.log_every, cfg.train.steps)
-    return Telemetry(device, log_every, recipe.samples_per_batch * per_step, tokens, sinks,
-                     step_flops.per_step, step_flops.peak.tflops)
-
-
 class Checkpointer:
     """After every step: the guards on log steps (when values came back from the device anyway), then a
     checkpoint every train.checkpoint_every steps, on the first log step train.checkpoint_every_s seconds
     after the last checkpoint (ranks agree there), and at the last step."""
 
-    def __init__(self, cfg: DictConfig, choices: dict[str, str], state: TrainState, telemetry: Telemetry,
-                 recorder: Recorder, peak: TrainingPeak, parallel: parallelism.Parallel,
-                 compiling: CompileWatch) -> None:
-        self.cfg, self.choices, self.state, self.telemetry = cfg, choices, state, telemetry
+    def __init__(self, run: TrainingRun) -> None:
+        cfg, state, recorder, peak = run.cfg, run.state, run.recorder, run.peak
+        self.cfg, self.choices, self.state, self.telemetry = cfg, run.choices, state, run.telemetry
         train = cfg.train
         self.best = (BestCheckpoints(recorder.run_dir, train.save_top_k, train.monitor,
                                      train.monitor_mode or MONITOR_MODES[train.monitor])
                      if train.save_top_k else None)
-        self.recorder, self.peak, self.parallel = recorder, peak, parallel
-        self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, compiling, peak.device.type)
+        self.recorder, self.peak, self.parallel = recorder, peak, run.parallel
+        self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, run.compiling, peak.device.type)
         self.saved_at = time.monotonic()
         scaler = state.scaler
         self.guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
@@ -249,96 +346,3 @@ def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: Tr
     if parallel.world_size == 1:
         return lambda: stop.requested
     return lambda: state.step % log_every == 0 and parallel.agree(stop.requested)
-
-
-def _fit(cfg: DictConfig, choices: dict[str, str], state: TrainState, recipe: Recipe, policy: PrecisionPolicy,
-         parallel: parallelism.Parallel, recorder: Recorder, telemetry: Telemetry, peak: TrainingPeak,
-         compiling: CompileWatch, profiler: StepProfiler,
-         evaluation: Optional[RunEvaluation]) -> Optional[BestCheckpoints]:
-    """fit() with the checkpointer, the evaluations, the guards, the value-range log, the profiler and a stop on
-    SIGINT/SIGTERM. Returns the run's best checkpoints (train.save_top_k), if it keeps them."""
-    checkpointer = Checkpointer(cfg, choices, state, telemetry, recorder, peak, parallel, compiling)
-    pauses = Pauses.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
-    watchdog = Watchdog(recorder.run_dir, recorder.echo, cfg.train.hang_after_s if parallel.is_main else None)
-
-    def after_step(last: bool) -> None:
-        watchdog.step_done(state.step)
-        profiler.step()  # first: a profiled step ends where its timer mark is, before a checkpoint
-        evaluated = (evaluation(state.step, state.model, telemetry, compiling, recorder)
-                     if evaluation is not None and evaluation.due(state.step, last) else None)
-        checkpointer(last, evaluated)
-        if pauses is not None and not last:
-            with watchdog.pause():
-                pauses.after_step(state.step, telemetry)
-        watchdog.bookkeeping_done()
-
-    ranges_log = recorder.ranges_log(state, policy.device, cfg.telemetry.ranges_every)
-    announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
-    try:
-        preempt = cfg.train.preempt_signal.value if cfg.train.preempt_signal else None
-        with StopOnSignal(announce_stop if parallel.is_main else "", preempt) as stop, profiler, watchdog:
-            finished = fit(
-                state, recipe, policy,
-                steps=cfg.train.steps,
-                grad_accum_steps=cfg.train.grad_accum_steps,
-                clip_grad_norm=cfg.train.clip_grad_norm,
-                seed=cfg.train.seed,
-                telemetry=telemetry,
-                after_step=after_step,
-                stop_requested=stop_agreement(parallel, stop, state, cfg.train.log_every),
-                around_step=ranges_log.around if ranges_log else (lambda _step: contextlib.nullcontext()),
-            )
-    except GuardStop as stop_exc:
-        telemetry.close()
-        trip = stop_exc.trip
-        raise RunStopped(recorder.explain_stop(
-            trip.reason, trip.step, lambda: replay(cfg, policy, recipe, recorder.run_dir, trip.step, trip.reason))
-        ) from None
-    finally:
-        telemetry.close()
-        checkpointer.writer.close()  # a pending async save completes: the last checkpoint exists from here
-    if not finished:
-        # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
-        raise Interrupted(stop.signum or signal.SIGTERM, state.step, str(checkpointer.last) if checkpointer.last else None)
-    return checkpointer.best
-
-
-def run_summary(cfg: DictConfig, choices: dict[str, str], policy: PrecisionPolicy, recipe: Recipe,
-                state: TrainState, parallel: parallelism.Parallel, peak: TrainingPeak, compiling: CompileWatch,
-                profiler: StepProfiler, step_flops: flops.StepFlops, run_dir: Path) -> dict:
-    """summary.json: what ran, where, and the figures of its metrics.jsonl."""
-    device = policy.device
-    # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says; nor are the
-    # steps that compiled, nor those train.profile profiled
-    timing = summarize(read_metrics(run_dir / run_files.METRICS), max(cfg.train.timing_warmup_steps, peak.untimed_steps),
-                       untimed=set(compiling.compiles_at) | profiler.untimed_steps)
-    return {
-        "precision": cfg.precision.name,
-        "precision_choice": choices.get("precision", cfg.precision.name),
-        # an emulated format's speed is the emulation's, never the format's: said beside every speed shown
-        "emulated": policy.emulated,
-        "converter": None if policy.converter is None else {
-            "name": policy.converter.name, "layers": len(policy.converted),
-            "checkpoints_carry": policy.converter.checkpoint_state},
-        "scaler": state.scaler.kind,
-        "recipe": choices.get("recipe", type(recipe).__name__),
-        "recipe_title": recipe_title(choices.get("recipe", type(recipe).__name__), cfg.recipe),  # with its model
-        "optimizer": cfg.optimizer._target_,
-        "device": device.type,
-        "device_name": devices.device_name(device),
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda,
-        "python_version": platform.python_version(),
-        "parameters": sum(p.numel() for p in state.model.parameters()),
-        "world_size": parallel.world_size,
-        "compiled": cfg.train.compile,
-        "compile_mode": cfg.train.compile_mode if cfg.train.compile else None,
-        "compile_s": round(compiling.seconds, 3) if cfg.train.compile else None,  # left out of the step times
-        "compilations": len(compiling.compiles_at) if cfg.train.compile else None,
-        **timing,
-        **step_flops.summary(timing.get("median_step_time_ms")),
-        "peak_memory_bytes": peak.bytes(),
-        "peak_memory_source": peak.source,
-        "profile": profiler.summary(),
-        "run_dir": str(run_dir),
-    }

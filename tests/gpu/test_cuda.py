@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ampctl.engine.build import build_state
-from ampctl.engine.loop import train_step
+from ampctl.engine.loop import StepSettings, train_step
 from ampctl.engine.precision import fp32_math
 from ampctl.engine.telemetry import Telemetry
 from tests.conftest import QUIET, build, train
@@ -33,12 +33,12 @@ def test_a_step_never_syncs_the_host_with_fused_optimizers(precision):
         state = build_state(cfg, policy, recipe)
         telemetry = Telemetry(policy.device, 100, recipe.samples_per_batch, None, [])
         batches = recipe.batches(policy.device, 0)
-        train_step(state, batches, recipe, policy, 2, 1.0, telemetry)  # warm-up: lazy inits may sync once
+        train_step(state, batches, recipe, policy, StepSettings(2, 1.0), telemetry)  # warm-up: lazy inits may sync once
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(3):
-                train_step(state, batches, recipe, policy, 2, 1.0, telemetry)
+                train_step(state, batches, recipe, policy, StepSettings(2, 1.0), telemetry)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
@@ -68,7 +68,7 @@ def test_o2_batchnorm_runs_fp32_parameters_on_half_input_without_casts(tmp_path)
         seen = []
         bn.register_forward_hook(lambda _m, args, out: seen.append((args[0].dtype, out.dtype)))
         telemetry = Telemetry(policy.device, 100, recipe.samples_per_batch, None, [])
-        train_step(state, recipe.batches(policy.device, 0), recipe, policy, 1, 1.0, telemetry)
+        train_step(state, recipe.batches(policy.device, 0), recipe, policy, StepSettings(1, 1.0), telemetry)
     assert seen == [(torch.float16, torch.float16)]
 
 

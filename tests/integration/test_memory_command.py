@@ -156,5 +156,5 @@ def test_the_allocators_peak_is_the_timelines_less_the_memory_it_did_not_allocat
         built = build_recipe(cfg.recipe)
         with policy, measure_peak(policy.device, by_category=True) as peak:
             state = build_state(cfg, policy, built)
-            run_steps(state, built.batches(policy.device, 0), 2, built, policy, 1, None)
+            run_steps(state, built.batches(policy.device, 0), 2, built, policy)
         assert peak.bytes > 0 and sum(peak.breakdown.values()) - peak.bytes == corpus, (precision, peak)

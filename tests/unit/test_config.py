@@ -242,9 +242,8 @@ def test_the_tracker_table_is_the_schemas_loggers_and_their_yamls_and_extras():
     """runner/trackers' TRACKERS is the one list: LoggerConfig has a node of each one's options and no other,
     each has conf/logger/<name>.yaml, and each package's extra is in pyproject.toml."""
     import dataclasses
-    import tomllib
     import typing
-    from pathlib import Path
+    from importlib import metadata
 
     from ampctl.conf.schema import LoggerConfig
     from ampctl.runner.trackers import TRACKERS
@@ -254,5 +253,5 @@ def test_the_tracker_table_is_the_schemas_loggers_and_their_yamls_and_extras():
         name: kind.options for name, kind in TRACKERS.items()}
     assert sorted(p.name for p in (CONF / "logger").iterdir() if p.name.endswith(".yaml")) == sorted(
         f"{name}.yaml" for name in TRACKERS)
-    extras = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = metadata.metadata("ampctl").get_all("Provides-Extra")
     assert all(kind.extra in extras for kind in TRACKERS.values() if kind.package is not None)

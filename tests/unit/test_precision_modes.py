@@ -50,7 +50,7 @@ def test_o2_steps_fp32_masters_and_keeps_norms_fp32():
 
 
 def test_o2_model_is_the_rounded_masters_after_steps(tmp_path):
-    from ampctl.engine.loop import train_step
+    from ampctl.engine.loop import StepSettings, train_step
     from ampctl.engine.telemetry import Telemetry
 
     cfg, policy, recipe = build("precision=O2")
@@ -59,7 +59,7 @@ def test_o2_model_is_the_rounded_masters_after_steps(tmp_path):
         telemetry = Telemetry(policy.device, 5, recipe.samples_per_batch, None, [])
         batches = recipe.batches(policy.device, 0)
         for _ in range(3):
-            train_step(state, batches, recipe, policy, 1, 1.0, telemetry)
+            train_step(state, batches, recipe, policy, StepSettings(1, 1.0), telemetry)
     half = [p for p in state.model.parameters() if p.dtype == torch.float16]
     in_model = {id(p) for p in state.model.parameters()}
     masters = [p for p in state.weights.optimizer_params if id(p) not in in_model]  # in the model's order

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ampctl.engine.build import build_state
-from ampctl.engine.loop import train_step
+from ampctl.engine.loop import StepSettings, train_step
 from ampctl.engine.scaler import AmpGradScaler
 from ampctl.engine.telemetry import ListSink, Telemetry
 from tests.conftest import build
@@ -19,7 +19,7 @@ def run_steps(state, policy, recipe, batches, steps=1, accum=1, clip=None):
     sink = ListSink()
     telemetry = Telemetry(policy.device, max(steps, 1), recipe.samples_per_batch, None, [sink])
     for step in range(steps):
-        train_step(state, batches, recipe, policy, accum, clip, telemetry)
+        train_step(state, batches, recipe, policy, StepSettings(accum, clip), telemetry)
         telemetry.end_step(last=step == steps - 1)
     return sink.records
 

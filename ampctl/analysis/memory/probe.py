@@ -28,7 +28,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from ampctl.analysis.memory.measure import measure_peak
     from ampctl.conf.schema import register_configs
     from ampctl.engine.build import build_state, check_config
-    from ampctl.engine.loop import batch_stream, run_steps
+    from ampctl.engine.loop import StepSettings, batch_stream, run_steps
     from ampctl.recipes.base import build_recipe
 
     parser = argparse.ArgumentParser(prog="python -m ampctl.analysis.memory.probe")
@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         with policy, measure_peak(policy.device) as peak:
             state = build_state(cfg, policy, recipe)
             run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), PROBE_STEPS, recipe, policy,
-                      cfg.train.grad_accum_steps, cfg.train.clip_grad_norm)
+                      StepSettings.of(cfg.train))
     except torch.cuda.OutOfMemoryError:
         print(json.dumps({"out_of_memory": True}), flush=True)
         return
