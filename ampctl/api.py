@@ -22,11 +22,14 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io
+
+if TYPE_CHECKING:
+    from ampctl.commands.checks import Job
 
 PathLike = Union[str, Path]
 
@@ -43,23 +46,21 @@ class Result:
 def train(overrides: Sequence[str] = (), *, run_dir: Optional[PathLike] = None,
           config_dir: Optional[PathLike] = None, config_name: str = "train") -> Result:
     """`ampctl train [overrides]`: one training run; returns its summary and run directory."""
-    from ampctl.commands.checks import train_run, typed
     from ampctl.runner.run import run_training
 
-    with _command("train", config_name, overrides, run_dir, config_dir) as (cfg, hydra_cfg, out):
-        job, choices = train_run(typed("train", cfg), hydra_cfg)
-        summary = run_training(job, out, choices=choices)
+    with _command("train", config_name, overrides, run_dir, config_dir) as (job, _hydra_cfg, out):
+        summary = run_training(job.cfg, out, choices=job.choices, resume=job.resume)
     return Result(Path(summary["run_dir"]), summary)
 
 
 def compare(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
             config_dir: Optional[PathLike] = None, config_name: str = "compare") -> Result:
     """`ampctl compare [overrides]`: the same run under several precision modes; returns comparison.json."""
-    from ampctl.commands.checks import check_command, task_overrides
+    from ampctl.commands.checks import task_overrides
     from ampctl.runner.compare import run_compare
 
-    with _command("compare", config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
-        run_compare(check_command("compare", cfg), out, task_overrides(hydra_cfg), _dir(config_dir))
+    with _command("compare", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
+        run_compare(job.cfg, out, task_overrides(hydra_cfg), _dir(config_dir))
     return Result(out, json.loads((out / "comparison.json").read_text()))
 
 
@@ -67,10 +68,10 @@ def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
             config_dir: Optional[PathLike] = None, config_name: str = "inspect") -> Result:
     """`ampctl inspect [overrides]`: where values fall against each format's range; returns ranges.json."""
     from ampctl.analysis.ranges import run_inspect
-    from ampctl.commands.checks import check_command, task_overrides
+    from ampctl.commands.checks import task_overrides
 
-    with _command("inspect", config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
-        run_inspect(check_command("inspect", cfg), out, task_overrides(hydra_cfg))
+    with _command("inspect", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
+        run_inspect(job.cfg, out, task_overrides(hydra_cfg))
     return Result(out, json.loads((out / "ranges.json").read_text()))
 
 
@@ -78,10 +79,10 @@ def memory(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
            config_dir: Optional[PathLike] = None, config_name: str = "memory") -> Result:
     """`ampctl memory [overrides]`: estimated memory per part next to the measured peak; returns memory.json."""
     from ampctl.analysis.memory.study import run_memory
-    from ampctl.commands.checks import check_command, task_overrides
+    from ampctl.commands.checks import task_overrides
 
-    with _command("memory", config_name, overrides, out_dir, config_dir) as (cfg, hydra_cfg, out):
-        run_memory(check_command("memory", cfg), out, task_overrides(hydra_cfg), _dir(config_dir))
+    with _command("memory", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
+        run_memory(job.cfg, out, task_overrides(hydra_cfg), _dir(config_dir))
     return Result(out, json.loads((out / "memory.json").read_text()))
 
 
@@ -91,9 +92,9 @@ def _dir(config_dir: Optional[PathLike]) -> Optional[str]:
 
 @contextlib.contextmanager
 def _command(command: str, config_name: str, overrides: Sequence[str], out: Optional[PathLike],
-             config_dir: Optional[PathLike]) -> Iterator[tuple[DictConfig, DictConfig, Path]]:
-    """The job's config, the hydra node and the output directory, as the command's Hydra app has them, after
-    the command line's checks (its values; an output directory that is not its own is refused before
+             config_dir: Optional[PathLike]) -> Iterator[tuple["Job", DictConfig, Path]]:
+    """The job (its checked config as it runs), the hydra node and the output directory, as the command's Hydra
+    app has them, after the command line's checks (its values; an output directory that is not its own is refused before
     anything is written). The directory gets Hydra's .hydra/ files (config, overrides), which reports read. A
     refused call leaves no directory, as on the command line (a run that recorded steps keeps them)."""
     from ampctl.commands.checks import check_single_run, task_overrides, without_hydra_node
@@ -113,11 +114,10 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
             cfg = hydra.enter_context(composed(config_name, overrides, None if config_dir is None else Path(config_dir)))
         except Exception as exc:  # Hydra's and OmegaConf's multi-line errors, as the command line's one line
             raise UsageError(one_line(exc)) from None
-        check_single_run(command, cfg)
+        job = check_single_run(command, cfg)
         out_dir = Path(cfg.hydra.run.dir)
-        job = without_hydra_node(cfg)
         (out_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-        io.atomic_write_text(out_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(job))
+        io.atomic_write_text(out_dir / ".hydra" / "config.yaml", OmegaConf.to_yaml(without_hydra_node(cfg)))
         io.atomic_write_text(out_dir / ".hydra" / "overrides.yaml", OmegaConf.to_yaml(task_overrides(cfg.hydra)))
         try:
             yield job, cfg.hydra, out_dir

@@ -148,12 +148,12 @@ def run_hydra_app(command: str, entry) -> None:
         entry()  # raises SystemExit when the run fails
     except KeyboardInterrupt:
         # between Hydra making the run directory and the task function taking over: it holds only Hydra's files
-        if checks.planned_run_dir is not None:
+        if checks.planned is not None:
             from ampctl.processes import is_main_process
             from ampctl.runner.ownership import remove_if_only_hydra_files
 
             if is_main_process():
-                remove_if_only_hydra_files(checks.planned_run_dir)
+                remove_if_only_hydra_files(checks.planned.run_dir)
         raise
     except CommandLineRefused as exc:
         print_error(f"ampctl {command}: error: {exc}")

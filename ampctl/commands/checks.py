@@ -11,8 +11,9 @@ front and each job again when it starts.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hydra import compose
 from hydra.errors import HydraException
@@ -25,7 +26,10 @@ from ampctl.conf.schema import APP_SCHEMAS, validate
 from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
 from ampctl.conf.typed import typed_config
 from ampctl.errors import CommandLineRefused, UsageError
-from ampctl.processes import is_main_process
+from ampctl.processes import is_main_process, torchrun_world_size
+
+if TYPE_CHECKING:
+    from ampctl.runner.resume import Resume
 
 
 def refuse_distributed(cfg: DictConfig, command: str) -> None:
@@ -116,20 +120,32 @@ def task_overrides(hydra_cfg: DictConfig) -> list[str]:
 def main_run_dir(hydra_cfg: DictConfig) -> Path:
     """Rank 0's run directory, on any rank. The other ranks run with hydra.run.dir=. (they write nothing of
     their own); they read the run dir the command line gave, which names the same directory on every rank
-    when resume=auto has one to continue (a timestamped default is a new directory on every rank)."""
+    when resume=auto has one to continue (a timestamped default is a new directory on every rank). A job
+    that runs has its own directory (a sweep's job: under the sweep's); a run being checked, the one planned."""
     if is_main_process():
-        return Path(hydra_cfg.run.dir)
+        job_dir = OmegaConf.select(hydra_cfg, "runtime.output_dir", default=None, throw_on_missing=False)
+        return Path(job_dir or hydra_cfg.run.dir)
     given = [o.split("=", 1)[1] for o in hydra_cfg.overrides.hydra if o.startswith("hydra.run.dir=")]
     return Path(given[-2] if len(given) > 1 else ".")
 
 
-def train_run(cfg: DictConfig, hydra_cfg: DictConfig) -> tuple[DictConfig, dict[str, str]]:
-    """`ampctl train`'s config and group choices as the job runs them: a resumed run's own config, with the
-    changes the command line names (runner/resume.py); UsageError for a change that is not safe."""
-    from ampctl.runner.resume import run_config
+@dataclass
+class Job:
+    """A single run as it will run, once checked: its config (a resumed run's own), its group choices and, for
+    train, where it starts (the checkpoint resolved, checked and loaded once, then handed to the run)."""
 
-    return run_config(cfg, dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg),
-                      main_run_dir(hydra_cfg))
+    cfg: DictConfig
+    choices: dict[str, str]
+    resume: Optional["Resume"] = None
+
+
+def train_run(cfg: DictConfig, hydra_cfg: DictConfig) -> Job:
+    """`ampctl train`'s job: a resumed run's own config and choices, with the changes the command line names,
+    and its checkpoint (runner/resume.py); UsageError for a change that is not safe."""
+    from ampctl.runner.resume import plan
+
+    return Job(*plan(cfg, dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg), main_run_dir(hydra_cfg),
+                     torchrun_world_size()))
 
 
 def without_hydra_node(config: DictConfig) -> DictConfig:
@@ -140,10 +156,10 @@ def without_hydra_node(config: DictConfig) -> DictConfig:
     return job
 
 
-def check_single_run(command: str, config: DictConfig) -> DictConfig:
+def check_single_run(command: str, config: DictConfig) -> Job:
     """A single run's check (its config with the hydra node, as Hydra or the Python API composed it), before
-    anything is written: its values, and that its output directory is its own. Returns the job's config as
-    it will run (a resumed run's own). UsageError when refused."""
+    anything is written: its values, and that its output directory is its own. Returns the job as it will run
+    (a resumed run's own config, and its checkpoint). UsageError when refused."""
     from ampctl.runner.ownership import refuse_another_commands_directory, refuse_another_runs_directory
 
     cfg = typed(command, without_hydra_node(config))
@@ -151,16 +167,38 @@ def check_single_run(command: str, config: DictConfig) -> DictConfig:
     if command == "train":
         if is_main_process():  # the other ranks record nothing (run.dir=.)
             refuse_another_runs_directory(config.hydra.run.dir, cfg.resume)
-        cfg, _ = train_run(cfg, config.hydra)  # a refused resume, refused before Hydra writes
+        job = train_run(cfg, config.hydra)  # a refused resume, refused before Hydra writes
     else:
         refuse_another_commands_directory(command, config.hydra.run.dir)
-    CHECKS[command](cfg)
-    return cfg
+        job = Job(cfg, dict(config.hydra.runtime.choices))
+    CHECKS[command](job.cfg)
+    return job
 
 
-# The directory Hydra is about to create for a single run (set once the run passed its check): what a Ctrl-C
-# in the moment between Hydra making it and the task function starting leaves behind (cli.py removes it).
-planned_run_dir: Optional[Path] = None
+@dataclass
+class PlannedRun:
+    """The single run Hydra is about to start, as its check left it."""
+
+    run_dir: Path
+    job: Job
+
+
+# Set once a single run passed its check: the task function takes its job from here instead of resolving a
+# resume again, and a Ctrl-C in the moment between Hydra making the run directory and the task function
+# starting leaves only that directory behind (cli.py removes it).
+planned: Optional[PlannedRun] = None
+
+
+def job_of(command: str, cfg: DictConfig, hydra_cfg: DictConfig) -> Job:
+    """In a command's task function: the job its check planned for this run, or, for a sweep's job (checked
+    with the others before the first started), the job as this one runs it."""
+    global planned
+    found, planned = planned, None
+    if found is not None and found.run_dir.resolve() == Path(hydra_cfg.runtime.output_dir).resolve():
+        return found.job
+    if command == "train":
+        return train_run(typed("train", cfg), hydra_cfg)
+    return Job(check_command(command, cfg), dict(hydra_cfg.runtime.choices))
 
 
 class CheckEveryJob(Callback):
@@ -173,11 +211,11 @@ class CheckEveryJob(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         # before Hydra creates the run directory: a refused run leaves nothing behind, and touches no other run
         try:
-            check_single_run(self.command, config)
+            job = check_single_run(self.command, config)
         except UsageError as exc:
             raise CommandLineRefused(exc) from None
-        global planned_run_dir
-        planned_run_dir = Path(config.hydra.run.dir)
+        global planned
+        planned = PlannedRun(Path(config.hydra.run.dir), job)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         jobs = planned_jobs(config) or [base_overrides(sweep_overrides(config))]

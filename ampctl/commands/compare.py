@@ -9,7 +9,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.commands.checks import check_command, task_overrides
+from ampctl.commands.checks import job_of, task_overrides
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
@@ -30,8 +30,8 @@ def compare(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        failed = run_compare(check_command("compare", cfg), out_dir, task_overrides(hydra_cfg),
-                                command_line_config_dir(hydra_cfg))
+        failed = run_compare(job_of("compare", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
+                             command_line_config_dir(hydra_cfg))
     except UsageError as exc:
         remove_if_only_hydra_files(out_dir)
         print(f"ampctl compare: error: {exc}", file=sys.stderr)

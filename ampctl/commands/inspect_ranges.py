@@ -9,7 +9,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.commands.checks import check_command, task_overrides
+from ampctl.commands.checks import job_of, task_overrides
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
@@ -22,7 +22,7 @@ def inspect(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        run_inspect(check_command("inspect", cfg), out_dir, task_overrides(hydra_cfg))
+        run_inspect(job_of("inspect", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg))
     except UsageError as exc:
         remove_if_only_hydra_files(out_dir)
         print(f"ampctl inspect: error: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.commands.checks import check_command, task_overrides
+from ampctl.commands.checks import job_of, task_overrides
 from ampctl.commands.compare import command_line_config_dir
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.runner.ownership import remove_if_only_hydra_files
@@ -23,7 +23,7 @@ def memory(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        run_memory(check_command("memory", cfg), out_dir, task_overrides(hydra_cfg),
+        run_memory(job_of("memory", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
                       command_line_config_dir(hydra_cfg))
     except UsageError as exc:
         remove_if_only_hydra_files(out_dir)

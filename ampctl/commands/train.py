@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ampctl import run_files
-from ampctl.commands.checks import train_run, typed
+from ampctl.commands.checks import job_of
 from ampctl.errors import (
     USAGE_EXIT_CODE,
     WRITE_FAILED_EXIT_CODE,
@@ -39,7 +39,8 @@ def train(cfg: DictConfig) -> Optional[float]:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        cfg, choices = train_run(typed("train", cfg), hydra_cfg)
+        job = job_of("train", cfg, hydra_cfg)
+        cfg = job.cfg
         if multirun and cfg.resume == "auto":
             kept = finished_job(run_dir, cfg.train.steps)
             if kept is not None:
@@ -48,7 +49,7 @@ def train(cfg: DictConfig) -> Optional[float]:
             set_aside_failure(run_dir)
         from ampctl.runner.run import run_training  # torch: imported by a run, not by --help or completion
 
-        summary = run_training(cfg, run_dir, choices=choices)
+        summary = run_training(cfg, run_dir, choices=job.choices, resume=job.resume)
     except Interrupted as exc:
         if not is_main_process():
             sys.exit(exc.exit_code)

@@ -127,12 +127,20 @@ def writer(cfg: DictConfig, run_dir: Path, state: TrainState) -> "FullWriter | A
 
 @dataclass
 class Found:
-    """The checkpoint a resume loads, and the newer ones it passed over because they failed their check."""
+    """The checkpoint a resume loads (checked against its checksum and loaded once, its tensors mapped from
+    disk), and the newer ones it passed over because they failed their check."""
 
     path: Path
-    config: dict[str, Any]
-    choices: dict[str, str]
+    payload: dict[str, Any]
     passed_over: list[str]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.payload["config"]
+
+    @property
+    def choices(self) -> dict[str, str]:
+        return self.payload.get("choices") or {}
 
 
 def resolve_resume(target: str, run_dir: Path) -> Optional[Found]:
@@ -149,7 +157,7 @@ def resolve_resume(target: str, run_dir: Path) -> Optional[Found]:
         why = owner.disowns(payload) if owner else None
         if why:
             raise UsageError(f"resume={target}: {why}; a checkpoint continues only its own run")
-        return Found(path, payload["config"], payload.get("choices") or {}, [])
+        return Found(path, payload, [])
     if path.is_dir():
         found = list_checkpoints(path)
         if not found:
@@ -171,7 +179,7 @@ def _newest_good(candidates: list[Path], run_dir: Path, what: str) -> Optional[F
         if why:
             failures.append(f"checkpoint {str(path)!r}: {why}")
             continue
-        return Found(path, payload["config"], payload.get("choices") or {}, failures)
+        return Found(path, payload, failures)
     if failures:
         raise UsageError(f"{what}: no checkpoint passes its check: {'; '.join(failures)}")
     return None

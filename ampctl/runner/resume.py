@@ -38,16 +38,18 @@ def _named(key: str, names: list[str]) -> bool:
     return any(key == name or key.startswith(name + ".") for name in names)
 
 
-def run_config(cfg: DictConfig, choices: dict[str, str], overrides: list[str],
-               run_dir: Path) -> tuple[DictConfig, dict[str, str]]:
-    """The config and group choices of the run that cfg.resume continues: the checkpoint's (or, for
-    resume=auto before the run's first checkpoint, the one its identity.json was started with), with the keys the
-    command line names taken from cfg. A named key that may not change and differs is refused (UsageError).
-    cfg as it is when there is nothing to resume (resume=auto into a new directory)."""
-    saved = _saved_config(cfg.resume, run_dir)
-    if saved is None:
-        return cfg, choices
-    saved_config, saved_choices = saved
+def plan(cfg: DictConfig, choices: dict[str, str], overrides: list[str], run_dir: Path,
+         world_size: int = 1) -> tuple[DictConfig, dict[str, str], "Resume"]:
+    """The run that cfg.resume continues, resolved once: its config and group choices (the checkpoint's, or for
+    resume=auto before the run's first checkpoint, the one its identity.json was started with), with the keys
+    the command line names taken from cfg, and where it starts (the checkpoint, checked and loaded here). A named
+    key that may not change and differs is refused (UsageError). cfg as it is, from step 0, when there is
+    nothing to resume (resume=auto into a new directory)."""
+    found = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+    own = identity.read(run_dir) if found is None and cfg.resume == "auto" else None
+    if found is None and own is None:
+        return cfg, choices, Resume(run_dir)
+    saved_config, saved_choices = (found.config, found.choices) if found is not None else (own.config, own.choices)
     names = named_keys(overrides)
     resumed = OmegaConf.create(saved_config)
     for name in names:
@@ -55,18 +57,8 @@ def run_config(cfg: DictConfig, choices: dict[str, str], overrides: list[str],
         OmegaConf.update(resumed, name, value, merge=False, force_add=True)
     resumed = typed_config(resumed)
     checkpoint.config_changes(saved_config, resumed)  # raises on an unsafe change
-    return resumed, {**saved_choices, **{g: c for g, c in choices.items() if _named(g, names)}}
-
-
-def _saved_config(resume: Optional[str], run_dir: Path) -> Optional[tuple[dict[str, Any], dict[str, str]]]:
-    """The config and choices a resume continues with, or None for a new run."""
-    if not resume:
-        return None
-    found = checkpoint.resolve_resume(resume, run_dir)
-    if found is not None:
-        return found.config, found.choices
-    own = identity.read(run_dir) if resume == "auto" else None
-    return (own.config, own.choices) if own is not None else None
+    resumed_choices = {**saved_choices, **{g: c for g, c in choices.items() if _named(g, names)}}
+    return resumed, resumed_choices, Resume.of(found, resumed, run_dir, world_size)
 
 
 @dataclass
@@ -81,10 +73,15 @@ class Resume:
 
     @classmethod
     def find(cls, cfg: DictConfig, run_dir: Path, world_size: int = 1) -> "Resume":
+        """For a config that plan() did not resolve (a run started from Python with its config as it is)."""
         found = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
+        return cls.of(found, cfg, run_dir, world_size)
+
+    @classmethod
+    def of(cls, found: Optional[checkpoint.Found], cfg: DictConfig, run_dir: Path, world_size: int) -> "Resume":
         if found is None:
             return cls(run_dir)
-        payload = checkpoint.load(found.path)
+        payload = found.payload
         changes = (checkpoint.config_changes(payload["config"], cfg) + _schedule_change(payload, cfg)
                    + _world_size_change(payload, cfg, world_size))
         return cls(checkpoint.run_dir_of(found.path), found.path, payload, changes, found.passed_over)

@@ -44,10 +44,12 @@ from ampctl.runner.watchdog import Watchdog
 
 
 def run_training(
-    cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None, echo: Callable[[str], None] = say
+    cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None, echo: Callable[[str], None] = say,
+    resume: Optional[Resume] = None,
 ) -> dict:
-    """Train as cfg says, recording into run_dir (the checkpoint's run dir when resuming from another).
-    Returns the summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
+    """Train as cfg says, recording into run_dir (the checkpoint's run dir when resuming from another), from
+    `resume` (where the command's check resolved cfg.resume: runner/resume.py's plan), or from where cfg.resume
+    says. Returns the summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
     policy = check_config(cfg)
     parallel = parallelism.start(cfg, policy.device, policy.dtype if policy.precision.autocast else None)
     try:
@@ -56,7 +58,9 @@ def run_training(
             raise UsageError(f"rank {parallel.rank} resolved a different config than rank 0 (resume={cfg.resume}): "
                              "every rank must see the same run directory and checkpoints")
         try:
-            summary = TrainingRun(cfg, choices or {}, echo, policy, parallel, parallel.main_value(run_dir)).train()
+            run_dir = parallel.main_value(run_dir)
+            resume = resume or Resume.find(cfg, run_dir, parallel.world_size)
+            summary = TrainingRun(cfg, choices or {}, echo, policy, parallel, resume).train()
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             what = devices.out_of_memory(exc)
             if what is None:
@@ -80,10 +84,10 @@ class TrainingRun:
     compiling: CompileWatch
 
     def __init__(self, cfg: DictConfig, choices: dict[str, str], echo: Callable[[str], None],
-                 policy: PrecisionPolicy, parallel: parallelism.Parallel, run_dir: Path) -> None:
+                 policy: PrecisionPolicy, parallel: parallelism.Parallel, resume: Resume) -> None:
         self.cfg, self.choices, self.policy, self.parallel = cfg, choices, policy, parallel
         self.settings = StepSettings.of(cfg.train)
-        self.resume = Resume.find(cfg, run_dir, parallel.world_size)
+        self.resume = resume
         self.recorder = Recorder(self.resume.run_dir, echo) if parallel.is_main else NoRecorder(self.resume.run_dir)
         self.recipe = self._rank_recipe()
         self.peak = TrainingPeak(policy.device)

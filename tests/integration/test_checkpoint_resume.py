@@ -318,3 +318,25 @@ def test_a_second_sigint_exits_at_once_and_corrupts_nothing(tmp_path, restore_ar
     main(["train", *RUN, "recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint_every=2", "train.steps=40",
           "train.console=quiet", f"hydra.run.dir={run_dir}", "resume=auto"])
     assert [r["step"] for r in rows(run_dir)] == list(range(1, 41))
+
+
+@pytest.mark.parametrize("how", ["command line", "python api"])
+def test_a_resume_reads_its_checkpoint_once(tmp_path, restore_argv, monkeypatch, how):
+    """The resume target is resolved once, by the check before anything is written, and handed to the run: the
+    checkpoint is hashed and loaded once (a 7B model's checkpoint is tens of GB)."""
+    import ampctl
+    from ampctl.runner import checkpoint
+
+    run = tmp_path / "run"
+    first = [*RUN, "train.steps=10", "train.console=quiet"]
+    main(["train", *first, f"hydra.run.dir={run}"])
+    verified, loaded = [], []
+    verify, load = checkpoint.verify, torch.load
+    monkeypatch.setattr(checkpoint, "verify", lambda path: (verified.append(Path(path).name), verify(path))[1])
+    monkeypatch.setattr(torch, "load", lambda path, *a, **k: (loaded.append(Path(path).name), load(path, *a, **k))[1])
+    if how == "command line":
+        main(["train", *first, "train.steps=12", f"resume={run}", f"hydra.run.dir={tmp_path / 'next'}"])
+    else:
+        ampctl.train([*first, "train.steps=12", f"resume={run}"], run_dir=tmp_path / "next")
+    assert verified == loaded == ["step_00000010.pt"]
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == list(range(1, 13))
