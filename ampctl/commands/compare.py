@@ -1,4 +1,4 @@
-"""`ampctl compare [overrides]`: a Hydra app over conf/compare.yaml (train's config plus compare.*)."""
+"""`ampctl compare [overrides]`: a Hydra app over ampctl/conf/compare.yaml (train's config plus compare.*)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`ampctl inspect [overrides]`: a Hydra app over conf/inspect.yaml (train's config plus inspect.*)."""
+"""`ampctl inspect [overrides]`: a Hydra app over ampctl/conf/inspect.yaml (train's config plus inspect.*)."""
 
 from __future__ import annotations
 

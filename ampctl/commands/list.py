@@ -34,7 +34,7 @@ def precision_sort_key(option: str, precision: Any) -> tuple:
 
 
 def yaml_description(group: str, option: str) -> str:
-    """The first sentence of conf/<group>/<option>.yaml's opening comment: every shipped YAML starts with one."""
+    """The first sentence of ampctl/conf/<group>/<option>.yaml's opening comment: every shipped YAML starts with one."""
     return first_sentence(resources.files("ampctl.conf").joinpath(group, f"{option}.yaml").read_text(encoding="utf-8"))
 
 

@@ -1,4 +1,4 @@
-"""`ampctl memory [overrides]`: a Hydra app over conf/memory.yaml (train's config plus memory.*)."""
+"""`ampctl memory [overrides]`: a Hydra app over ampctl/conf/memory.yaml (train's config plus memory.*)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ FAST = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", 
         "train.console=plain"]
 REPO = Path(__file__).resolve().parents[2]
 # The precision modes as the directory of their YAML files lists them (the one list there is), sorted as Hydra does.
-PRECISION_MODES = sorted(path.stem for path in (REPO / "conf" / "precision").glob("*.yaml"))
+PRECISION_MODES = sorted(path.stem for path in (REPO / "ampctl" / "conf" / "precision").glob("*.yaml"))
 
 
 def ampctl(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:

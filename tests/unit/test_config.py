@@ -30,7 +30,7 @@ def test_every_closed_group_yaml_extends_a_schema(group):
         defaults = data.get("defaults", [])
         extends_schema = any(isinstance(d, str) and d.startswith(f"/schema_{group}") for d in defaults)
         alias_of = [d for d in defaults if isinstance(d, str) and f"{d}.yaml" in yaml_files(group)]
-        assert extends_schema or alias_of, f"conf/{group}/{name} extends no schema"
+        assert extends_schema or alias_of, f"ampctl/conf/{group}/{name} extends no schema"
 
 
 @pytest.mark.parametrize("name", [n.removesuffix(".yaml") for n in yaml_files("precision")])
@@ -199,7 +199,7 @@ def test_a_yaml_states_only_what_differs_from_its_schema():
             default = _schema_default(schema, key)
             default = getattr(default, "value", default)  # an Enum's YAML spelling
             if value == default and not (isinstance(value, dict) and not value):
-                repeated.append(f"conf/{path}: {key}: {value!r}")
+                repeated.append(f"ampctl/conf/{path}: {key}: {value!r}")
     assert not repeated, "restated schema defaults:\n" + "\n".join(repeated)
 
 
@@ -240,7 +240,7 @@ def test_a_key_the_schema_lacks_is_refused_even_when_added_with_plus():
 
 def test_the_tracker_table_is_the_schemas_loggers_and_their_yamls_and_extras():
     """runner/trackers' TRACKERS is the one list: LoggerConfig has a node of each one's options and no other,
-    each has conf/logger/<name>.yaml, and each package's extra is in pyproject.toml."""
+    each has ampctl/conf/logger/<name>.yaml, and each package's extra is in pyproject.toml."""
     import dataclasses
     import typing
     from importlib import metadata

@@ -63,12 +63,9 @@ def layer_of(module: str) -> int:
 
 
 def package_modules() -> dict[str, Path]:
-    """Every module by name; ampctl.conf ships from the repository's conf/ (pyproject's package-dir)."""
-    import ampctl.conf
-
-    roots = {"ampctl": PACKAGE, "ampctl.conf": Path(ampctl.conf.__file__).parent}
-    return {".".join([name, *path.relative_to(root).with_suffix("").parts]): path
-            for name, root in roots.items() for path in sorted(root.rglob("*.py"))}
+    """Every module by name (its import path is its file's path)."""
+    return {".".join(["ampctl", *path.relative_to(PACKAGE).with_suffix("").parts]): path
+            for path in sorted(PACKAGE.rglob("*.py"))}
 
 
 def test_every_package_imports_only_from_its_layer_and_below():

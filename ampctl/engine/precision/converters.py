@@ -1,6 +1,6 @@
 """Model converters: the precision modes that swap layers rather than set flags, registered by name.
 
-A flag-driven mode (fp32, tf32, fp16, bf16, O1-O3) is a YAML row of conf/precision/ and nothing else. A
+A flag-driven mode (fp32, tf32, fp16, bf16, O1-O3) is a YAML row of ampctl/conf/precision/ and nothing else. A
 converter-style mode is one YAML file that names its converter (`converter: <name>`) and one module that
 defines the converter: a Converter subclass decorated with @register_converter, as torchtitan registers its
 model converters. Its formats (what a per-layer rule may ask for: `run_in: mxfp4`) are then known everywhere

@@ -1,6 +1,6 @@
 """PrecisionPolicy: everything a precision mode changes, in one place.
 
-The data of each mode lives in conf/precision/*.yaml; this class turns it into behaviour: the autocast
+The data of each mode lives in ampctl/conf/precision/*.yaml; this class turns it into behaviour: the autocast
 context, how the model is prepared (cast to half, norm layers kept fp32), the weight layout the optimizer
 steps on (fp32 masters for O2), and the global TF32 flags (set for the run, restored afterwards). The loop
 never branches on precision: it calls these verbs whatever the mode.

@@ -34,7 +34,7 @@ __all__ = ["METRICS", "TRACKERS", "Trackers", "check_loggers", "chosen"]
 
 @dataclass(frozen=True)
 class TrackerKind:
-    """One tracker: the logger option that chooses it (conf/logger/<name>.yaml turns on LoggerConfig.<name>),
+    """One tracker: the logger option that chooses it (ampctl/conf/logger/<name>.yaml turns on LoggerConfig.<name>),
     its options' schema, the sink that speaks its library, and the package it needs with the ampctl extra that
     installs it (none for the standard library's csv)."""
 

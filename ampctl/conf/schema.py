@@ -1,6 +1,6 @@
 """Config schemas: one source of defaults and types, plus the range checks OmegaConf cannot express.
 
-Every YAML in conf/ extends one of the schemas stored here (``defaults: [/schema_<group>[_<kind>]@_here_]``),
+Every YAML in ampctl/conf/ extends one of the schemas stored here (``defaults: [/schema_<group>[_<kind>]@_here_]``),
 so a typo'd key or a wrong type is rejected by OmegaConf at compose time. The dataclasses' defaults are the
 only ones: a YAML states what differs from them and nothing else (tests/unit/test_config.py checks every
 file). Ranges and cross-field rules are each schema's __post_init__; :func:`validate` runs them all (through
@@ -163,7 +163,7 @@ class LayerRule:
 
 @dataclass
 class PrecisionConfig:
-    """One precision mode. The YAMLs in conf/precision/ are rows of docs/precision.md's table."""
+    """One precision mode. The YAMLs in ampctl/conf/precision/ are rows of docs/precision.md's table."""
 
     name: str = MISSING
     description: str = ""
@@ -425,7 +425,7 @@ class MlflowLoggerConfig:
 
 @dataclass
 class LoggerConfig:
-    """Experiment trackers, any number at once (`logger=[tensorboard,csv]`): each conf/logger/<name>.yaml
+    """Experiment trackers, any number at once (`logger=[tensorboard,csv]`): each ampctl/conf/logger/<name>.yaml
     turns its node on; a null node is off."""
 
     csv: Optional[CsvLoggerConfig] = None
@@ -598,7 +598,7 @@ def _refuse_integers_beyond_int64(node: Any, path: str) -> None:
         require(-INT64_MAX - 1 <= node <= INT64_MAX, path[:-1], node, "an integer that fits in 64 bits (|x| < 2^63)")
 
 
-# command -> the name its primary config (conf/<command>.yaml) extends, and the schema stored under it
+# command -> the name its primary config (ampctl/conf/<command>.yaml) extends, and the schema stored under it
 APP_SCHEMAS: dict[str, tuple[str, type]] = {
     "train": ("ampctl_schema", AmpctlConfig),
     "compare": ("ampctl_compare_schema", CompareAppConfig),

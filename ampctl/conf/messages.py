@@ -126,7 +126,7 @@ def _missing_plugin(group: str, option: str, installed: list[str]) -> str:
 @functools.cache
 def mode_option_nodes() -> dict[str, list[str]]:
     """The nodes of PrecisionConfig that only some modes set (null in the others: a converter's options), and the
-    modes that set them, as the shipped conf/precision/*.yaml do."""
+    modes that set them, as the shipped ampctl/conf/precision/*.yaml do."""
     nodes: dict[str, list[str]] = {}
     for option in _shipped_options("precision"):
         text = resources.files("ampctl.conf").joinpath("precision", f"{option}.yaml").read_text(encoding="utf-8")
