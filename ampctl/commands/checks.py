@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from ampctl.conf.messages import one_line
-from ampctl.conf.schema import APP_SCHEMAS, validate
+from ampctl.conf.schema import APP_SCHEMAS, ParallelKind, validate
 from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
 from ampctl.conf.typed import typed_config
 from ampctl.errors import CommandLineRefused, UsageError
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 def refuse_distributed(cfg: DictConfig, command: str) -> None:
-    if cfg.distributed.kind.value != "none":
+    if cfg.distributed.kind is not ParallelKind.none:
         raise UsageError(f"distributed={cfg.distributed.kind.value}: ampctl {command} runs on one device; "
                          f"data parallelism is for ampctl train under torchrun")
 

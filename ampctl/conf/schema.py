@@ -9,7 +9,9 @@ OmegaConf.to_object) before anything is built.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
@@ -52,18 +54,18 @@ class ConsoleMode(Enum):
     quiet = "quiet"
 
 
-class Fp8Scaling(str, Enum):  # a str too: the FP8 code compares it with its names
+class Fp8Scaling(Enum):
     current = "current"
     delayed = "delayed"
     blockwise = "blockwise"
 
 
-class Fp8Format(str, Enum):  # a str too: the FP8 code compares it with its names
+class Fp8Format(Enum):
     hybrid = "hybrid"
     e4m3 = "e4m3"
 
 
-class AmaxAlgo(str, Enum):  # a str too: the FP8 code compares it with its names
+class AmaxAlgo(Enum):
     max = "max"
     most_recent = "most_recent"
 
@@ -83,7 +85,7 @@ class Fp8EmulatedConfig:
         require(self.amax_history_len >= 1, "precision.fp8_emulated.amax_history_len", self.amax_history_len,
                 "an integer >= 1")
         require(self.margin >= 0, "precision.fp8_emulated.margin", self.margin, "an integer >= 0")
-        require(not (self.scaling == Fp8Scaling.blockwise and self.format == Fp8Format.hybrid),
+        require(not (self.scaling is Fp8Scaling.blockwise and self.format is Fp8Format.hybrid),
                 "precision.fp8_emulated.format", self.format.name,
                 "e4m3 with scaling=blockwise (DeepSeek-V3's fine-grained scaling is E4M3 only)")
 
@@ -257,45 +259,54 @@ MONITOR_MODES = {"loss": "min", "perplexity": "min", "accuracy": "max"}
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
+def safe_to_change(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A field a resumed run may change (a node: any key under it), with its default. Every other difference
+    from the checkpoint's config is refused, and left out of the hash that identifies a run (runner/identity.py);
+    safe_to_change_keys() lists them."""
+    return field(default=default, metadata={"safe_to_change": True}, **kwargs)
+
+
 @dataclass
 class TrainConfig:
-    steps: int = 200
+    """train.*: the loop, checkpoints, evaluation. safe_to_change(...): a resumed run may change it."""
+
+    steps: int = safe_to_change(200)
     grad_accum_steps: int = 1
     clip_grad_norm: Optional[float] = 1.0  # max total grad norm after unscale_; null = no clipping
-    log_every: int = 10  # the only steps that read values back from the device
+    log_every: int = safe_to_change(10)  # the only steps that read values back from the device
     seed: int = 0
     lr_schedule: Schedule = Schedule.cosine
     lr_warmup_steps: int = 20
     min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
-    timing_warmup_steps: int = 5  # first steps left out of median step time and throughput
-    console: ConsoleMode = ConsoleMode.auto
+    timing_warmup_steps: int = safe_to_change(5)  # first steps left out of median step time and throughput
+    console: ConsoleMode = safe_to_change(ConsoleMode.auto)
     activation_checkpointing: bool = False  # recompute each block's activations in backward (gpt, resnet)
     # torch.compile: each block the recipe names (as torchtitan compiles each transformer block), else the model
-    compile: bool = False
-    compile_mode: str = "default"  # torch.compile's mode: one of COMPILE_MODES
+    compile: bool = safe_to_change(False)
+    compile_mode: str = safe_to_change("default")  # torch.compile's mode: one of COMPILE_MODES
     # N: a torch.profiler trace of N steady steps (after the timing warm-up) in the run's profile/, and a summary
     # of where their time went (matmuls, other ops, optimizer, data, ...); null: no profiler
-    profile: Optional[int] = None
-    checkpoint_every: Optional[int] = None  # steps between checkpoints; one is always written at the end
+    profile: Optional[int] = safe_to_change(None)
+    checkpoint_every: Optional[int] = safe_to_change(None)  # steps between checkpoints; one is always at the end
     # seconds between checkpoints, checked on log steps (every rank decides together there): a crash loses at
     # most this much of a long run whatever checkpoint_every says; null: by steps only
-    checkpoint_every_s: Optional[float] = 1800.0
+    checkpoint_every_s: Optional[float] = safe_to_change(1800.0)
     # treated as SIGTERM is: finish the step, checkpoint, exit 128 + its number (138 for SIGUSR1); null: ignore it
-    preempt_signal: Optional[PreemptSignal] = PreemptSignal.SIGUSR1
+    preempt_signal: Optional[PreemptSignal] = safe_to_change(PreemptSignal.SIGUSR1)
     # in a SLURM job, the preemption signal also requeues the job (scontrol requeue) once the checkpoint is
     # written; the requeued job continues with resume=auto (Lightning's auto_requeue)
-    slurm_requeue: bool = True
+    slurm_requeue: bool = safe_to_change(True)
     # hang detection: no step finished for this many seconds (and 20x the median step) is said, with every
     # thread's stack in hang-step-N.txt; the run goes on (runner/watchdog.py). null: off
-    hang_after_s: Optional[float] = 300.0
-    keep_checkpoints: int = 2  # the newest K checkpoints are kept
+    hang_after_s: Optional[float] = safe_to_change(300.0)
+    keep_checkpoints: int = safe_to_change(2)  # the newest K checkpoints are kept
     # evaluation on the recipe's held-out batches after every N steps and after the last, under the run's
     # autocast (engine/evaluation.py): evals.jsonl, the summary, the trackers, a line each; null: none
-    eval_every: Optional[int] = None
-    eval_batches: int = 8  # held-out batches per evaluation
-    eval_fp32: bool = False  # each evaluation in fp32 compute too (autocast off; an fp32 copy of an O2/O3 model)
+    eval_every: Optional[int] = safe_to_change(None)
+    eval_batches: int = safe_to_change(8)  # held-out batches per evaluation
+    eval_fp32: bool = safe_to_change(False)  # each evaluation in fp32 too (autocast off; an fp32 copy of O2/O3's model)
     # the K best checkpoints by the eval metric `monitor`, in checkpoints/best/, beside the newest ones
-    save_top_k: int = 0
+    save_top_k: int = safe_to_change(0)
     monitor: str = "loss"  # an eval metric of the recipe's: loss, accuracy, perplexity, or its own
     monitor_mode: Optional[str] = None  # min | max; null: max for accuracy, min for loss and perplexity
 
@@ -337,7 +348,7 @@ class TelemetryConfig:
     ranges_every: Optional[int] = None  # every N steps, record per-layer value ranges into ranges.jsonl (ampctl inspect's)
     # on a CPU, measure peak memory with torch's memory profiler over the build and steps 1-2 (well under 1 s);
     # on CUDA the allocator's peak is always read, for free
-    profile_cpu_memory: bool = True
+    profile_cpu_memory: bool = safe_to_change(True)
 
     def __post_init__(self) -> None:
         every = self.ranges_every
@@ -446,9 +457,10 @@ class AmpctlConfig:
     scaler: Any = MISSING
     recipe: Any = MISSING
     optimizer: Any = MISSING
-    distributed: DistributedConfig = MISSING
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    resume: Optional[str] = None  # a run dir or checkpoint file to continue from; "auto": this run dir's newest
+    distributed: DistributedConfig = safe_to_change(MISSING)
+    logger: LoggerConfig = safe_to_change(default_factory=LoggerConfig)
+    # a run dir or checkpoint file to continue from; "auto": this run dir's newest
+    resume: Optional[str] = safe_to_change(None)
 
 
 @dataclass
@@ -621,3 +633,17 @@ def register_configs(command: Optional[str] = None) -> None:
     cs.store(name="schema_distributed", node=DistributedConfig)
     for name, node in SCALER_SCHEMAS.items():
         cs.store(name=f"schema_scaler_{name}", node=node)
+
+
+def safe_to_change_keys(schema: type = AmpctlConfig, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys a resumed run may change, from the fields made with safe_to_change(); a node's end in '.'
+    (every key under it)."""
+    keys: list[str] = []
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        node = dataclasses.is_dataclass(hints[f.name])
+        if f.metadata.get("safe_to_change"):
+            keys.append(f"{prefix}{f.name}{'.' if node else ''}")
+        elif node:
+            keys += safe_to_change_keys(hints[f.name], f"{prefix}{f.name}.")
+    return tuple(keys)

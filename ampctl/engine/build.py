@@ -30,7 +30,7 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     """Everything that can be refused before building anything: ranges, then what the device can do."""
     validate(cfg)
     parallelism.check(cfg)
-    device = parallelism.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind.value)
+    device = parallelism.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind)
     policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     policy.check()
     check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))

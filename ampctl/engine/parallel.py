@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from ampctl import io
+from ampctl.conf.schema import CheckpointFormat, ParallelKind
 from ampctl.engine.precision import converters
 from ampctl.errors import UsageError
 from ampctl.processes import torchrun_world_size
@@ -35,38 +36,38 @@ from ampctl.processes import torchrun_world_size
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def local_device(device: torch.device, kind: str) -> torch.device:
+def local_device(device: torch.device, kind: ParallelKind) -> torch.device:
     """Under torchrun on CUDA, each process owns the GPU of its local rank."""
-    if kind != "none" and device.type == "cuda":
+    if kind is not ParallelKind.none and device.type == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
 
 
 def check(cfg: DictConfig) -> None:
     """Refuse a distributed choice that does not match how the process was started."""
-    kind = cfg.distributed.kind.value
-    if kind == "none" and torchrun_world_size() > 1:
+    kind = cfg.distributed.kind
+    if kind is ParallelKind.none and torchrun_world_size() > 1:
         raise UsageError(f"this process is one of {torchrun_world_size()} started by torchrun, but distributed=none: "
                          "add distributed=ddp")
-    if kind == "fsdp" and cfg.precision.cast_model:
+    if kind is ParallelKind.fsdp and cfg.precision.cast_model:
         raise UsageError(f"distributed=fsdp with precision={cfg.precision.name}: FSDP2 keeps fp32 sharded "
                          "parameters and casts them for compute (its MixedPrecisionPolicy is O2 for sharded "
                          "training); use precision=bf16 or fp16 (or fp32, tf32)")
-    if (kind == "fsdp" and cfg.precision.converter is not None
+    if (kind is ParallelKind.fsdp and cfg.precision.converter is not None
             and not converters.converter_class(cfg.precision.converter).shards_with_fsdp):
         raise UsageError(f"distributed=fsdp with precision={cfg.precision.name} is not supported: ampctl does not "
                          "yet shard its converted layers (or all-gather their weights in their format); use "
                          "distributed=ddp")
-    if cfg.distributed.checkpoint_format.value == "sharded" and cfg.precision.master_weights:
+    if cfg.distributed.checkpoint_format is CheckpointFormat.sharded and cfg.precision.master_weights:
         raise UsageError(f"distributed.checkpoint_format=sharded with precision={cfg.precision.name}: a sharded "
                          "checkpoint holds the model's parameters and their optimizer state by name, and the fp32 "
                          "master weights the optimizer steps on are not the model's; use "
                          "distributed.checkpoint_format=full")
-    if kind != "none":
+    if kind is not ParallelKind.none:
         missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
         if missing:
-            raise UsageError(f"distributed={kind} runs under torchrun (no {', '.join(missing)} here): "
-                             f"torchrun --nproc_per_node=N -m ampctl train distributed={kind} ...")
+            raise UsageError(f"distributed={kind.value} runs under torchrun (no {', '.join(missing)} here): "
+                             f"torchrun --nproc_per_node=N -m ampctl train distributed={kind.value} ...")
 
 
 class Parallel:
@@ -243,21 +244,21 @@ def _fsdp2():
 
 def start(cfg: DictConfig, device: torch.device, compute_dtype: torch.dtype | None = None) -> Parallel:
     """The parallelism of this process. compute_dtype: the precision mode's half dtype, if it has one."""
-    kind = cfg.distributed.kind.value
-    if kind == "none":
+    kind = cfg.distributed.kind
+    if kind is ParallelKind.none:
         return Parallel()
-    if kind == "ddp":
+    if kind is ParallelKind.ddp:
         return DDPParallel(device, cfg.distributed.timeout_s)
     return FSDP2Parallel(device, cfg.distributed.timeout_s, compute_dtype, cfg.distributed.reshard_after_forward)
 
 
-def global_recipe_config(recipe_cfg: DictConfig, world_size: int, kind: str) -> DictConfig:
+def global_recipe_config(recipe_cfg: DictConfig, world_size: int, kind: ParallelKind) -> DictConfig:
     """The recipe config whose batch is the global batch of world_size ranks (kind: ddp or fsdp, for messages)."""
     if world_size == 1:
         return recipe_cfg
     batch_size = recipe_cfg.get("batch_size")
     if not isinstance(batch_size, int):
-        raise UsageError(f"distributed={kind} splits the recipe's batches over the ranks: the recipe needs an "
+        raise UsageError(f"distributed={kind.value} splits the recipe's batches over the ranks: the recipe needs an "
                          "integer recipe.batch_size")
     data = OmegaConf.to_container(recipe_cfg, resolve=True)
     data["batch_size"] = batch_size * world_size

@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import run_files
+from ampctl.conf.schema import CheckpointFormat
 from ampctl.engine.loop import TrainState
 from ampctl.errors import UsageError
 from ampctl.runner import identity as run_identity
@@ -117,7 +118,7 @@ class FullWriter:
 def writer(cfg: DictConfig, run_dir: Path, state: TrainState) -> "FullWriter | Any":
     """The writer of distributed.checkpoint_format: save(payload) -> path, close() (waits for async saves)."""
     keep = cfg.train.keep_checkpoints
-    if cfg.distributed.checkpoint_format.value == "sharded":
+    if cfg.distributed.checkpoint_format is CheckpointFormat.sharded:
         return sharded_checkpoint.ShardedWriter(run_dir, keep, state, cfg.distributed.async_checkpoint)
     return FullWriter(run_dir, keep, state.parallel.is_main)
 

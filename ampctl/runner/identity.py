@@ -23,20 +23,15 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io, run_files
+from ampctl.conf.schema import safe_to_change_keys
 from ampctl.errors import UsageError
 
 _CREATED: set[Path] = set()  # the identity.json files this process wrote (a refused run removes its own only)
 
 
-# Keys a resumed run may change; any other difference from the checkpoint's config is refused. distributed.*:
-# either format loads on one process, DDP or FSDP on any number of ranks (the resume line says how the global
-# batch changes).
-SAFE_TO_CHANGE = (
-    "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.checkpoint_every_s",
-    "train.keep_checkpoints", "train.preempt_signal", "train.slurm_requeue", "train.hang_after_s", "train.compile",
-    "train.compile_mode", "train.profile", "train.timing_warmup_steps", "train.eval_every", "train.eval_batches",
-    "train.eval_fp32", "train.save_top_k", "telemetry.profile_cpu_memory", "distributed.", "logger", "resume",
-)
+# Keys a resumed run may change (the schema's fields made with safe_to_change); any other difference from the
+# checkpoint's config is refused.
+SAFE_TO_CHANGE = safe_to_change_keys()
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:

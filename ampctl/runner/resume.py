@@ -17,6 +17,7 @@ import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl.conf.schema import Schedule
 from ampctl.conf.typed import typed_config
 from ampctl.engine.loop import TrainState
 from ampctl.engine.optim import lr_factor
@@ -116,7 +117,7 @@ def _schedule_change(payload: dict[str, Any], cfg: DictConfig) -> list[str]:
     """A changed train.steps moves the end of the lr schedule (it decays over train.steps): the lr of the
     next step, before and after, so that a jump is seen and not discovered in a plot."""
     old_steps, train = payload["config"]["train"]["steps"], cfg.train
-    if old_steps == train.steps or train.lr_schedule.value == "constant":
+    if old_steps == train.steps or train.lr_schedule is Schedule.constant:
         return []
     applied = torch.tensor(float(payload["schedule"]["applied"]), dtype=torch.float64)
 

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl import run_files
 from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
-from ampctl.conf.schema import MONITOR_MODES, scaler_is_active
+from ampctl.conf.schema import MONITOR_MODES, CheckpointFormat, scaler_is_active
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state, check_config
@@ -141,7 +141,7 @@ class TrainingRun:
     def _rank_recipe(self) -> Recipe:
         """The recipe as this process sees it: built for the global batch, this rank's slice of it."""
         world = self.parallel.world_size
-        recipe = build_recipe(parallelism.global_recipe_config(self.cfg.recipe, world, self.cfg.distributed.kind.value))
+        recipe = build_recipe(parallelism.global_recipe_config(self.cfg.recipe, world, self.cfg.distributed.kind))
         return parallelism.RankShard(recipe, self.parallel.rank, world) if world > 1 else recipe
 
     def announce(self) -> None:
@@ -307,7 +307,7 @@ class Checkpointer:
         scaler = state.scaler
         self.guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
         self.writer = checkpoint.writer(cfg, recorder.run_dir, state)
-        self.sharded = cfg.distributed.checkpoint_format.value == "sharded"
+        self.sharded = cfg.distributed.checkpoint_format is CheckpointFormat.sharded
         self.last: Optional[Path] = None
 
     def __call__(self, last: bool, evaluated: Optional[dict] = None) -> None:

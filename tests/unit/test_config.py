@@ -255,3 +255,16 @@ def test_the_tracker_table_is_the_schemas_loggers_and_their_yamls_and_extras():
         f"{name}.yaml" for name in TRACKERS)
     extras = metadata.metadata("ampctl").get_all("Provides-Extra")
     assert all(kind.extra in extras for kind in TRACKERS.values() if kind.package is not None)
+
+
+def test_the_keys_a_resume_may_change_are_the_schemas_marked_fields():
+    """Marked where each field is declared (safe_to_change); the set is pinned because it is also what a run's
+    identity hash leaves out: a change here makes every earlier run's checkpoints refuse to resume."""
+    from ampctl.runner.identity import SAFE_TO_CHANGE
+
+    assert set(SAFE_TO_CHANGE) == {
+        "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.checkpoint_every_s",
+        "train.keep_checkpoints", "train.preempt_signal", "train.slurm_requeue", "train.hang_after_s",
+        "train.compile", "train.compile_mode", "train.profile", "train.timing_warmup_steps", "train.eval_every",
+        "train.eval_batches", "train.eval_fp32", "train.save_top_k", "telemetry.profile_cpu_memory",
+        "distributed.", "logger.", "resume"}

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampctl.conf.schema import Fp8EmulatedConfig
+from ampctl.conf.schema import AmaxAlgo, Fp8EmulatedConfig, Fp8Format, Fp8Scaling
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
 
 E4M3 = torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else None
@@ -40,7 +40,7 @@ FP32_MAX = torch.finfo(torch.float32).max
 
 def backward_dtype(config: Fp8EmulatedConfig) -> torch.dtype:
     """The gradients' FP8 type: e5m2 in the hybrid format, e4m3 otherwise (blockwise is e4m3 only)."""
-    return E5M2 if config.format == "hybrid" and config.scaling != "blockwise" else E4M3
+    return E5M2 if config.format is Fp8Format.hybrid and config.scaling is not Fp8Scaling.blockwise else E4M3
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
@@ -92,8 +92,8 @@ class DelayedScaling:
     first) and the scale are buffers of the layer, so they are in the model's state_dict: checkpoints carry
     them and a resumed run scales exactly as the uninterrupted one. Everything stays on the device."""
 
-    def __init__(self, layer: nn.Module, role: str, length: int, algo: str) -> None:
-        self.layer, self.algo = layer, algo
+    def __init__(self, layer: nn.Module, role: str, length: int, algo: AmaxAlgo | str) -> None:
+        self.layer, self.algo = layer, AmaxAlgo(algo)  # its name or itself
         self.history_name, self.scale_name = f"fp8_amax_history_{role}", f"fp8_scale_{role}"
         layer.register_buffer(self.history_name, torch.zeros(length, device=layer.weight.device))
         layer.register_buffer(self.scale_name, torch.ones((), device=layer.weight.device))
@@ -104,7 +104,7 @@ class DelayedScaling:
         out = quantize(x, dtype, scale.clone())
         history.copy_(torch.roll(history, 1))
         history[0] = x.detach().abs().max().float()
-        amax = history.max() if self.algo == "max" else history[0]
+        amax = history.max() if self.algo is AmaxAlgo.max else history[0]
         scale.copy_(delayed_scale(amax, scale, dtype, margin))
         return out
 
@@ -136,10 +136,10 @@ class Fp8Quantizers:
     def __init__(self, layer: nn.Linear, config: Fp8EmulatedConfig) -> None:
         self.config = config
         self.delayed = {role: DelayedScaling(layer, role, config.amax_history_len, config.amax_compute_algo)
-                        for role in ("x", "w", "grad")} if config.scaling == "delayed" else {}
+                        for role in ("x", "w", "grad")} if config.scaling is Fp8Scaling.delayed else {}
 
     def _tensorwise(self, role: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.config.scaling == "delayed":
+        if self.config.scaling is Fp8Scaling.delayed:
             return self.delayed[role].quantize(t, dtype, self.config.margin)
         return quantize_tensorwise(t, dtype, self.config.margin)
 
@@ -147,7 +147,7 @@ class Fp8Quantizers:
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x for the forward matmul, w, x for the weight-gradient matmul)."""
         margin = self.config.margin
-        if self.config.scaling == "blockwise":
+        if self.config.scaling is Fp8Scaling.blockwise:
             return (quantize_tiles(x, E4M3, 1, TILE, margin), quantize_tiles(w, E4M3, TILE, TILE, margin),
                     quantize_tiles(x, E4M3, TILE, 1, margin))
         qx = self._tensorwise("x", x, E4M3)
@@ -156,7 +156,7 @@ class Fp8Quantizers:
     def quantize_grad(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(g for the input-gradient matmul, g for the weight-gradient matmul)."""
         dtype, margin = backward_dtype(self.config), self.config.margin
-        if self.config.scaling == "blockwise":
+        if self.config.scaling is Fp8Scaling.blockwise:
             return quantize_tiles(g, dtype, 1, TILE, margin), quantize_tiles(g, dtype, TILE, 1, margin)
         qg = self._tensorwise("grad", g, dtype)
         return qg, qg
@@ -203,7 +203,7 @@ class Fp8EmulatedConverter(Converter):
         f = self.options
         return f"fp8=emulated scaling={f.scaling.value} format={f.format.value} margin={f.margin}" + (
             f" amax_history_len={f.amax_history_len} amax_compute_algo={f.amax_compute_algo.value}"
-            if f.scaling == "delayed" else "")
+            if f.scaling is Fp8Scaling.delayed else "")
 
     def speed_warnings(self, compiled: bool) -> list[str]:
         return ["emulates FP8 (quantize and dequantize around fp32 matmuls): slower than fp32 by design; it is for "
