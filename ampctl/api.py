@@ -57,7 +57,7 @@ def compare(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
             config_dir: Optional[PathLike] = None, config_name: str = "compare") -> Result:
     """`ampctl compare [overrides]`: the same run under several precision modes; returns comparison.json."""
     from ampctl.commands.checks import task_overrides
-    from ampctl.runner.compare import run_compare
+    from ampctl.studies.compare import run_compare
 
     with _command("compare", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
         run_compare(job.cfg, out, task_overrides(hydra_cfg), _dir(config_dir))
@@ -67,8 +67,8 @@ def compare(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
 def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
             config_dir: Optional[PathLike] = None, config_name: str = "inspect") -> Result:
     """`ampctl inspect [overrides]`: where values fall against each format's range; returns ranges.json."""
-    from ampctl.analysis.ranges import run_inspect
     from ampctl.commands.checks import task_overrides
+    from ampctl.studies.inspect_ranges import run_inspect
 
     with _command("inspect", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
         run_inspect(job.cfg, out, task_overrides(hydra_cfg))
@@ -78,8 +78,8 @@ def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
 def memory(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
            config_dir: Optional[PathLike] = None, config_name: str = "memory") -> Result:
     """`ampctl memory [overrides]`: estimated memory per part next to the measured peak; returns memory.json."""
-    from ampctl.analysis.memory.study import run_memory
     from ampctl.commands.checks import task_overrides
+    from ampctl.studies.memory import run_memory
 
     with _command("memory", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
         run_memory(job.cfg, out, task_overrides(hydra_cfg), _dir(config_dir))

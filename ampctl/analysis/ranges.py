@@ -1,58 +1,26 @@
-"""`ampctl inspect`: where a model's values fall against fp16, bf16 and FP8 ranges, per layer.
-
-Runs inspect.steps real training steps of the recipe under its precision mode with hooks on every leaf
-module, and records, on the device, log2-magnitude histograms of activations (module outputs), activation
-gradients (gradients of those outputs), weight gradients and weights. Gradients are recorded as true values
-(divided by the loss scale the step used) and judged twice: as they are, and multiplied by the loss scale
-under study (the mode's scaler's, or inspect.loss_scale). The hooks exist only inside the inspection: a
-normal `ampctl train` has none.
-
-For the loss-scaling picture of Micikevicius et al. (2018) for your own model, inspect in fp32
-(`precision=fp32`, the default), where no value has been flushed yet.
-"""
+"""Value ranges, recorded: log2-magnitude histograms of a model's activations (module outputs), activation
+gradients, weight gradients and weights, on the device, by hooks that exist only while a RangeRecorder is
+entered. `ampctl inspect` records its steps with one (studies/inspect_ranges.py); `ampctl train` with
+telemetry.ranges_every=N records every N-th step with a RangesLog. Gradients are recorded as true values
+(divided by the loss scale their step used)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Iterator
 
 import torch
-from omegaconf import DictConfig
-from rich.console import Console
 from torch import nn
 
 from ampctl import io
-from ampctl.analysis.block_scales import (
-    BLOCKS_TITLE,
-    PRECISION_TITLE,
-    BlockScaleRecorder,
-    precision_table,
-    styled_blocks,
-)
-from ampctl.analysis.numerics import (
-    FORMATS,
-    FP16,
-    LOG2_LOW,
-    RangeStats,
-    largest_safe_scale,
-)
-from ampctl.engine.build import build_state, check_config
-from ampctl.engine.loop import StepSettings, batch_stream, run_steps
+from ampctl.analysis.numerics import FORMATS, FP16, RangeStats
 from ampctl.errors import UsageError
-from ampctl.recipes.base import build_recipe
-from ampctl.reports import plots, tables
-from ampctl.reports.progress import Phases
-from ampctl.reports.tables import fraction_cell
 
 KINDS = ("activation", "activation_grad", "weight_grad", "weight")
 GRADIENT_KINDS = ("activation_grad", "weight_grad")
-SUMMARY_TITLE, LAYERS_TITLE = "value ranges by tensor kind, all layers", "value ranges per layer"
-ALSO_KEYS = {PRECISION_TITLE: "precision_layers", BLOCKS_TITLE: "block_scales"}  # their rows' keys in ranges.json
-GRADSCALER_DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale: the scale studied for unscaled modes
 
 
 def power_of_two_log2(value: float, key: str) -> int:
@@ -116,207 +84,6 @@ class RangeRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-
-@dataclass
-class Inspection:
-    recorder: RangeRecorder
-    study_scale: float
-    run_scales: list[float]
-    gradient_dtype: str = "float32"  # what the run's backward computed its gradients in
-    precision: Optional[tables.ReportTable] = None  # the resolved precision of every layer
-    blocks: Optional[tables.ReportTable] = None  # block-scaled layers: what their scales saturate and flush
-
-
-def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None) -> Inspection:
-    """cfg.inspect.steps training steps with range hooks on every leaf module; phase(what) after each part."""
-    policy = check_config(cfg)
-    recipe = build_recipe(cfg.recipe)
-    with policy:
-        state = build_state(cfg, policy, recipe)
-        scaled_mode = state.scaler.can_skip
-        study = cfg.inspect.loss_scale
-        if study is None:
-            study = float(state.scaler.current_scale()) if scaled_mode else GRADSCALER_DEFAULT_SCALE
-        recorder = RangeRecorder(state.model, policy.device, study)
-        run_scales: list[float] = []
-
-        def note_the_scale() -> None:
-            # the scale this step multiplies the loss by: its gradients are divided by it (a host read:
-            # inspect is not a training run)
-            recorder.run_scale = float(state.scaler.current_scale())
-            run_scales.append(recorder.run_scale)
-
-        phase(f"built the model, hooks on {len(recorder.layers)} leaf modules")
-        n = cfg.inspect.steps
-        blocks = BlockScaleRecorder(state.model)
-        with recorder, blocks:
-            recorder.record_weights()
-            run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), n, recipe, policy,
-                      StepSettings.of(cfg.train), before_step=note_the_scale,
-                      after_step=lambda done: phase(f"recorded step {done}/{n}"))
-    half = str(policy.dtype).removeprefix("torch.") if policy.uses_half else "float32"
-    return Inspection(recorder, study, run_scales, half, precision_table(policy.layer_rows), blocks.table())
-
-
-# --- tables ---------------------------------------------------------------------------------------
-
-
-def _format_columns() -> list[str]:
-    return [f"{f.name}_{what}{suffix}" for f in FORMATS for what in ("to_zero", "subnormal", "overflow")
-            for suffix in ("", "_scaled")]
-
-
-def layer_table(inspection: Inspection) -> tables.ReportTable:
-    """One row per layer and tensor kind: every format's fractions, unscaled and at the studied scale."""
-    columns = ["layer", "kind", "values", "max_abs", *_format_columns()]
-    rows = []
-    recorded = inspection.recorder.stats
-    for (layer, kind), stats in zip(recorded, RangeStats.on_host(list(recorded.values()))):
-        values: dict[str, Any] = {"layer": layer, "kind": kind, "values": int(stats.total),
-                                  "max_abs": float(stats.max_abs)}
-        for f in FORMATS:
-            for scaled, suffix in ((False, ""), (True, "_scaled")):
-                for what, fraction in stats.fractions(f, scaled).items():
-                    values[f"{f.name}_{what}{suffix}"] = fraction
-        rows.append([values[c] for c in columns])
-    order = {k: i for i, k in enumerate(KINDS)}
-    rows.sort(key=lambda r: (order[r[1]], [l for l, _ in inspection.recorder.layers].index(r[0])))
-    return tables.ReportTable(LAYERS_TITLE, columns, rows)
-
-
-def summary_table(inspection: Inspection) -> tables.ReportTable:
-    """One row per tensor kind, all layers together: what the terminal shows."""
-    scale_text = io.scale_label(inspection.study_scale)
-    columns = ["kind", "max_abs", "zero"]
-    for f in FORMATS:
-        columns += [f"{f.name}_to_zero", f"{f.name}_overflow"]
-    columns += ["fp16_to_zero_scaled", "fp16_subnormal_scaled", "fp16_overflow_scaled"]
-    rows = []
-    for kind in KINDS:
-        merged = _merged(inspection, kind)
-        if merged is None:
-            continue
-        values: dict[str, Any] = {"kind": kind, "max_abs": float(merged.max_abs), "zero": merged.zero_fraction()}
-        for f in FORMATS:
-            fr = merged.fractions(f, scaled=False)
-            values[f"{f.name}_to_zero"], values[f"{f.name}_overflow"] = fr["to_zero"], fr["overflow"]
-        scaled = merged.fractions(FP16, scaled=True)
-        for what in ("to_zero", "subnormal", "overflow"):
-            values[f"fp16_{what}_scaled"] = scaled[what] if kind in GRADIENT_KINDS else None
-        rows.append([values[c] for c in columns])
-    grads = [m for m in (_merged(inspection, k) for k in GRADIENT_KINDS) if m is not None]
-    max_grad = max((float(m.max_abs) for m in grads), default=0.0)
-    notes = [f"fractions of all values; exact 0: values that are zero as recorded, →0: flushed to zero, subn.: "
-             f"kept only as a subnormal, >max: overflow. Gradients are true values (each step's loss scale "
-             f"{sorted(set(inspection.run_scales))} divided out); ×{scale_text}: multiplied by the loss scale studied."]
-    notes += _lost_in_the_run(inspection, rows, columns)
-    if max_grad > 0:
-        safe = largest_safe_scale(max_grad)
-        notes.append(f"largest loss scale keeping every gradient finite in fp16 with a factor 2 to spare: "
-                     f"2^{int(math.log2(safe))} = {safe:g} (max |gradient| {max_grad:.3g}, activation and weight "
-                     "gradients).")
-    return _styled_summary(columns, rows, notes, inspection.study_scale)
-
-
-
-
-def _lost_in_the_run(inspection: Inspection, rows: list[list[Any]], columns: list[str]) -> list[str]:
-    """What cannot be measured here: a run that computed its gradients in a half type recorded them after they
-    went through it, so values below its range were zero already, among the exact zeros and not told apart
-    from them; the →0 columns count only the values that survived. Said, with the zeros, and how to measure it."""
-    if inspection.gradient_dtype == "float32":
-        return []
-    zeros = {row[0]: row[columns.index("zero")] for row in rows if row[0] in GRADIENT_KINDS}
-    scales = sorted(set(inspection.run_scales))
-    said = ", ".join(f"{fraction_cell(z)} of the {kind.replace('_', ' ')}s" for kind, z in zeros.items())
-    return [f"this run computed its gradients in {inspection.gradient_dtype} (loss scale {scales}): a gradient "
-            f"below {inspection.gradient_dtype}'s range at that scale was zero already when recorded, among the exact "
-            f"zeros ({said}) and not told apart from them, so the →0 columns count only the values that survived. "
-            f"What {inspection.gradient_dtype} would flush is measured on true values: ampctl inspect precision=fp32 "
-            f"inspect.loss_scale={scales[0]:g}."]
-
-
-def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str], study_scale: float
-                    ) -> tables.ReportTable:
-    """The summary table with its short headers and percentages (from a run, or from ranges.json again)."""
-    scale_text = io.scale_label(study_scale)
-    headers = {c: c.replace("_to_zero", " →0").replace("_overflow", " >max").replace("_subnormal", " subn.")
-               .replace("fp8_", "") for c in columns}
-    for c in ("fp16_to_zero_scaled", "fp16_subnormal_scaled", "fp16_overflow_scaled"):
-        headers[c] = headers[c].replace("_scaled", f" ×{scale_text}")
-    headers["max_abs"], headers["zero"] = "max |x|", "exact 0"
-    formats = {c: fraction_cell for c in columns if c not in ("kind", "max_abs")}
-    formats["max_abs"] = lambda v: f"{v:.3g}"
-    return tables.ReportTable(SUMMARY_TITLE, columns, rows, notes=notes, headers=headers, formats=formats)
-
-
-def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
-    parts = [s for (_, k), s in inspection.recorder.stats.items() if k == kind]
-    if not parts:
-        return None
-    merged = RangeStats(parts[0].histogram.device, parts[0].study_scale)
-    for part in parts:
-        merged.merge(part)
-    return merged
-
-
-def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
-    console = tables.make_console()
-    console.print(f"ampctl inspect: {cfg.inspect.steps} steps of precision={cfg.precision.name} with range hooks "
-                  f"on every leaf module -> {out_dir}")
-    inspection = inspect_run(cfg, Phases(console))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = next(iter(inspection.recorder.stats.values())).histogram.device
-    kind = "activation_grad" if _merged(inspection, "activation_grad") is not None else "weight_grad"
-    plotted = _merged(inspection, kind)
-    histogram = {"kind": kind, "log2_low": LOG2_LOW, "total": int(plotted.total),
-                 "counts": plotted.histogram.cpu().tolist()}
-    context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {cfg.inspect.steps} steps"
-    write_inspect_report(out_dir, layer_table(inspection), summary_table(inspection), histogram,
-                         inspection.study_scale, inspection.run_scales, overrides,
-                         tables.machine_info([{"device": device.type}]), console, context,
-                         [t for t in (inspection.precision, inspection.blocks) if t is not None])
-
-
-def write_inspect_report(out_dir: Path, layers: tables.ReportTable, summary: tables.ReportTable, histogram: dict,
-                         study_scale: float, run_scales: list[float], overrides: list[str], machine: dict,
-                         console: Console, context: str = "", also: Sequence[tables.ReportTable] = ()) -> None:
-    """ranges.csv / ranges.json / report.md and the two plots; everything `ampctl report` needs to redo them
-    goes into ranges.json (the summary rows, the plotted histogram, the precision and block-scale tables too)."""
-    from ampctl.analysis import range_plots
-
-    label = histogram["kind"].replace("_grad", " gradients")
-    images = [range_plots.gradient_ranges(histogram["counts"], histogram["total"], label, study_scale,
-                                    out_dir / "gradient_ranges.png", context),
-              range_plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png", context)]
-    extra = {"kind": "inspect", "context": context, "overrides": overrides, "study_scale": study_scale, "run_scales": run_scales,
-             "summary": summary.as_dicts(), "summary_notes": summary.notes, "histogram": histogram,
-             **{ALSO_KEYS[t.title]: t.as_dicts() for t in also}}
-    files = tables.write_files(layers, out_dir, "ranges", machine, images, extra, also)
-    for table in also:
-        tables.print_table(table, console)
-    tables.print_table(summary, console)
-    console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
-
-
-def rerender(out_dir: Path, console: Console) -> None:
-    """`ampctl report` on an inspect directory: the tables, files and plots again from ranges.json."""
-    data = json.loads((out_dir / "ranges.json").read_text())
-    if "histogram" not in data or data["histogram"].get("log2_low") != LOG2_LOW:
-        raise UsageError(f"{out_dir / 'ranges.json'} was written by an older ampctl inspect (no histogram to plot "
-                         "again); run ampctl inspect again")
-    rows = data["rows"]
-    layers = tables.ReportTable(LAYERS_TITLE, list(rows[0]) if rows else [], [list(r.values()) for r in rows],
-                                notes=data.get("notes", []))
-    summary_rows = data["summary"]
-    summary = _styled_summary(list(summary_rows[0]) if summary_rows else [], [list(r.values()) for r in summary_rows],
-                              data.get("summary_notes", []), data["study_scale"])
-    also = [make(list(data[key][0]), [list(r.values()) for r in data[key]])
-            for key, make in (("precision_layers", lambda c, r: tables.ReportTable(PRECISION_TITLE, c, r)),
-                              ("block_scales", styled_blocks)) if data.get(key)]
-    write_inspect_report(out_dir, layers, summary, data["histogram"], data["study_scale"], data["run_scales"],
-                         data.get("overrides", []), data["machine"], console, data.get("context", ""), also)
 
 
 class RangesLog:

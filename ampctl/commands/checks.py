@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from hydra import compose
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from ampctl.conf.composing import compose_job
 from ampctl.conf.messages import one_line
 from ampctl.conf.schema import APP_SCHEMAS, ParallelKind, validate
 from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
@@ -221,11 +221,7 @@ class CheckEveryJob(Callback):
         jobs = planned_jobs(config) or [base_overrides(sweep_overrides(config))]
         try:
             for job in jobs:
-                try:
-                    cfg = compose(config_name=config.hydra.job.config_name, overrides=job)
-                except (HydraException, OmegaConfBaseException) as exc:
-                    raise UsageError(one_line(exc)) from None
-                cfg = check_command(self.command, cfg)
+                cfg = check_command(self.command, compose_job(config.hydra.job.config_name, job))
                 refuse_numbers_for_booleans(cfg, job)
             from ampctl.runner.ownership import refuse_another_sweeps_directory
 

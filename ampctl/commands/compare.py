@@ -25,7 +25,7 @@ def command_line_config_dir(hydra_cfg: DictConfig) -> str | None:
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="compare")
 def compare(cfg: DictConfig) -> None:
     # the study imports torch: here, so that --help and shell completion answer without it
-    from ampctl.runner.compare import CompareInterrupted, run_compare
+    from ampctl.studies.compare import CompareInterrupted, run_compare
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)

@@ -17,7 +17,7 @@ from ampctl.runner.ownership import remove_if_only_hydra_files
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="inspect")
 def inspect(cfg: DictConfig) -> None:
     # the study imports torch: here, so that --help and shell completion answer without it
-    from ampctl.analysis.ranges import run_inspect
+    from ampctl.studies.inspect_ranges import run_inspect
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)

@@ -18,7 +18,7 @@ from ampctl.runner.ownership import remove_if_only_hydra_files
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="memory")
 def memory(cfg: DictConfig) -> None:
     # the study imports torch: here, so that --help and shell completion answer without it
-    from ampctl.analysis.memory.study import run_memory
+    from ampctl.studies.memory import run_memory
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)

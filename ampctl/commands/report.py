@@ -12,7 +12,7 @@ from ampctl.errors import USAGE_EXIT_CODE, UsageError
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs, is_run_dir, load_run, row_problems
 from ampctl.reports.sweep import write_sweep_report
-from ampctl.runner.compare import write_comparison_report
+from ampctl.studies.compare import write_comparison_report
 
 USAGE = "usage: ampctl report PATH   (a run, multirun, compare, memory or inspect directory)"
 
@@ -72,9 +72,9 @@ def _render_record(path: Path, record: str, console) -> int:
         return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console,
                                        spans, meta.get("seeds"))
     if record == "memory.json":
-        from ampctl.analysis.memory.study import rerender
+        from ampctl.studies.memory import rerender
     else:
-        from ampctl.analysis.ranges import rerender
+        from ampctl.studies.inspect_ranges import rerender
     rerender(path, console)
     return 0
 

@@ -186,7 +186,7 @@ def test_compare_runs_by_default_only_the_modes_that_are_fast_here(monkeypatch, 
     named in compare.precisions it runs."""
     from hydra import compose, initialize_config_module
 
-    from ampctl.runner.compare import plan_modes
+    from ampctl.studies.compare import plan_modes
     from tests.simulated_cpu import AVX2_ONLY, AVX512_BF16, use_simulated
 
     use_simulated(monkeypatch, bf16, 30.0, AVX512_BF16 if bf16 < 1 else AVX2_ONLY)

@@ -84,7 +84,7 @@ def test_a_probe_of_the_batch_search_reports_its_peak_from_its_own_process():
 
 
 def test_the_search_doubles_then_bisects_to_the_largest_fitting_batch(monkeypatch):
-    from ampctl.analysis.memory import study
+    from ampctl.studies import memory as study
 
     probed = []
 

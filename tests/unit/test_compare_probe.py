@@ -1,4 +1,4 @@
-"""A comparison on a CPU that contradicts the CPU probe has the CPU measured again (runner/compare.py)."""
+"""A comparison on a CPU that contradicts the CPU probe has the CPU measured again (studies/compare.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ampctl.engine import cpu_speed
-from ampctl.runner.compare import ModePlan, recheck_cpu_probe
+from ampctl.studies.compare import ModePlan, recheck_cpu_probe
 from tests.simulated_cpu import AVX2_ONLY, AVX512_BF16, simulated
 
 PLANS = [ModePlan("fp32", [], 10), ModePlan("bf16", [], 10, "cpu", "bfloat16")]

@@ -268,3 +268,28 @@ def test_the_keys_a_resume_may_change_are_the_schemas_marked_fields():
         "train.compile", "train.compile_mode", "train.profile", "train.timing_warmup_steps", "train.eval_every",
         "train.eval_batches", "train.eval_fp32", "train.save_top_k", "telemetry.profile_cpu_memory",
         "distributed.", "logger.", "resume"}
+
+
+@pytest.mark.parametrize("name", [p.stem for p in sorted((CONF / "recipe").iterdir()) if p.name.endswith(".yaml")])
+def test_a_built_in_recipes_yaml_declares_its_dataclasss_fields_at_their_defaults(name):
+    """A recipe node is open-ended (any `_target_`), so its keys exist only if its YAML names them: the YAML of a
+    built-in recipe lists every field of the recipe's dataclass (to be overridden without `+`, shown by --cfg job
+    and completion, without importing the recipe and torch to compose) at the dataclass's own default, the one
+    source of the value; a variant (gpt2, resnet50) states only what differs from the recipe it extends."""
+    import dataclasses
+
+    from hydra.utils import get_class
+
+    data = yaml.safe_load(CONF.joinpath("recipe", f"{name}.yaml").read_text())
+    if "defaults" in data:  # a variant: what differs from its base
+        base = yaml.safe_load(CONF.joinpath("recipe", f"{data['defaults'][0]}.yaml").read_text())
+        stated = {k: v for k, v in data.items() if k != "defaults"}
+        assert stated and all(k in base and base[k] != v for k, v in stated.items()), stated
+        return
+    fields = {f.name: f for f in dataclasses.fields(get_class(data.pop("_target_"))) if f.init}
+
+    def default(f: dataclasses.Field):
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    assert list(data) == list(fields)  # the dataclass's order, every field
+    assert {k: v for k, v in data.items() if v != default(fields[k])} == {}

@@ -9,7 +9,8 @@ from pathlib import Path
 import ampctl
 
 PACKAGE = Path(ampctl.__file__).parent
-ABOVE_THE_ENGINE = ("ampctl.runner", "ampctl.analysis", "ampctl.reports", "ampctl.commands", "ampctl.cli", "rich")
+ABOVE_THE_ENGINE = ("ampctl.runner", "ampctl.analysis", "ampctl.reports", "ampctl.studies", "ampctl.commands", "ampctl.cli",
+                    "rich")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -48,6 +49,7 @@ LAYERS = (
     ("ampctl.reports",),  # run dirs, tables, plots: rendering that the instruments and the runner use
     ("ampctl.analysis",),
     ("ampctl.runner",),
+    ("ampctl.studies",),  # compare, inspect, memory: studies that run the engine (and the runner) many times
     ("ampctl.commands",),
     ("ampctl.cli", "ampctl.__main__", "ampctl.api"),
 )

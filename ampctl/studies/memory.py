@@ -33,7 +33,7 @@ from ampctl.analysis.memory.model import (
     largest_batch,
     parse_size,
 )
-from ampctl.conf.messages import one_line
+from ampctl.conf.composing import compose_job
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import build_state, check_config
 from ampctl.engine.loop import StepSettings, batch_stream, run_steps
@@ -267,7 +267,7 @@ def memory_notes(rows: list[ModeMemory], budget: Optional[int]) -> list[str]:
 def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> None:
     budget = None if cfg.memory.budget is None else parse_size(cfg.memory.budget)
     rows = plan(cfg, task_overrides)
-    configs = [(label, _compose_memory(overrides)) for label, overrides in rows]
+    configs = [(label, compose_job("memory", overrides)) for label, overrides in rows]
     for _, mode_cfg in configs:
         check_config(mode_cfg)  # refuse what cannot run before measuring anything
     if any(mode_cfg.train.activation_checkpointing for _, mode_cfg in configs):
@@ -326,18 +326,6 @@ def rerender(out_dir: Path, console: Console) -> None:
                          "fp32 gradients both); run ampctl memory again")
     write_memory_report(out_dir, [_from_record(m) for m in data["modes"]], data.get("budget"), data["machine"],
                         data.get("overrides", []), console, data.get("context", ""))
-
-
-def _compose_memory(overrides: list[str]) -> DictConfig:
-    """The config of one row: the train config under its precision, plus the memory node."""
-    from hydra import compose
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return compose(config_name="memory", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise UsageError(one_line(exc)) from None
 
 
 def _device_name(device: torch.device) -> str:

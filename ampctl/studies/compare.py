@@ -2,7 +2,7 @@
 
 Each mode trains in its own `ampctl train` process, so that no mode inherits another's allocator caches,
 compiled kernels or peak-memory high-water mark; its run directory is a subfolder of the comparison's. After
-the warm-up (compare.warmup_steps) the modes take turns in compare.rounds rounds (runner/turns.py), so that
+the warm-up (compare.warmup_steps) the modes take turns in compare.rounds rounds (studies/turns.py), so that
 their timings are taken side by side and a speedup has an interval (reports/rounds.py).
 """
 
@@ -17,11 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hydra import compose
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -33,7 +30,7 @@ from rich.progress import (
 )
 
 from ampctl import run_files
-from ampctl.conf.messages import one_line
+from ampctl.conf.composing import compose_job
 from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine import cpu_speed
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
@@ -45,7 +42,7 @@ from ampctl.recipes.base import build_recipe
 from ampctl.reports import comparison, tables
 from ampctl.reports import rounds as rounds_stats
 from ampctl.reports.runs import load_run
-from ampctl.runner.turns import TurnRun, run_in_turns
+from ampctl.studies.turns import TurnRun, run_in_turns
 
 
 @dataclass
@@ -98,12 +95,12 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan
         overrides = [f"precision={name}", *run_overrides]
         without_scaler_keys = [o for o in overrides if not o.lstrip("+~").startswith("scaler.")]
         try:
-            mode_cfg = _compose_train(without_scaler_keys)
+            mode_cfg = compose_job("train", without_scaler_keys)
             if mode_cfg.scaler.kind == "none":
                 # scaler.* settings are for the modes that scale; fp32 and bf16 keep scaler=none
                 overrides = without_scaler_keys
             else:
-                mode_cfg = _compose_train(overrides)
+                mode_cfg = compose_job("train", overrides)
             policy = check_config(mode_cfg)
         except UnsupportedError as exc:
             skipped[name] = str(exc).split("; ")[0].removeprefix(f"precision={name} ")
@@ -127,13 +124,6 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan
         raise UsageError(f"none of compare.precisions={names} can run here: " +
                          "; ".join(f"{m}: {r}" for m, r in skipped.items()))
     return plans, skipped
-
-
-def _compose_train(overrides: list[str]) -> DictConfig:
-    try:
-        return compose(config_name="train", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as exc:
-        raise UsageError(one_line(exc)) from None
 
 
 class CompareInterrupted(Exception):
