@@ -206,47 +206,64 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     histogram = {"kind": kind, "log2_low": LOG2_LOW, "total": int(plotted.total),
                  "counts": plotted.histogram.cpu().tolist()}
     context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {cfg.inspect.steps} steps"
-    write_inspect_report(out_dir, layer_table(inspection), summary_table(inspection), histogram,
-                         inspection.study_scale, inspection.run_scales, overrides,
-                         tables.machine_info([{"device": device.type}]), console, context,
-                         [t for t in (inspection.precision, inspection.blocks) if t is not None])
+    InspectReport(layer_table(inspection), summary_table(inspection), histogram, inspection.study_scale,
+                  inspection.run_scales, overrides, tables.machine_info([{"device": device.type}]), context,
+                  [t for t in (inspection.precision, inspection.blocks) if t is not None]).write(out_dir, console)
 
 
-def write_inspect_report(out_dir: Path, layers: tables.ReportTable, summary: tables.ReportTable, histogram: dict,
-                         study_scale: float, run_scales: list[float], overrides: list[str], machine: dict,
-                         console: Console, context: str = "", also: Sequence[tables.ReportTable] = ()) -> None:
-    """ranges.csv / ranges.json / report.md and the two plots; everything `ampctl report` needs to redo them
-    goes into ranges.json (the summary rows, the plotted histogram, the precision and block-scale tables too)."""
-    from ampctl.analysis import range_plots
+@dataclass
+class InspectReport:
+    """What an inspection's directory holds: ranges.csv / ranges.json / report.md and the two plots. Everything
+    `ampctl report` needs to write them again goes into ranges.json (the summary rows, the plotted histogram,
+    the precision and block-scale tables too)."""
 
-    label = histogram["kind"].replace("_grad", " gradients")
-    images = [range_plots.gradient_ranges(histogram["counts"], histogram["total"], label, study_scale,
-                                    out_dir / "gradient_ranges.png", context),
-              range_plots.underflow_heatmap(layers, out_dir / "underflow_heatmap.png", context)]
-    extra = {"kind": "inspect", "context": context, "overrides": overrides, "study_scale": study_scale, "run_scales": run_scales,
-             "summary": summary.as_dicts(), "summary_notes": summary.notes, "histogram": histogram,
-             **{ALSO_KEYS[t.title]: t.as_dicts() for t in also}}
-    files = tables.write_files(layers, out_dir, "ranges", machine, images, extra, also)
-    for table in also:
-        tables.print_table(table, console)
-    tables.print_table(summary, console)
-    console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
+    layers: tables.ReportTable
+    summary: tables.ReportTable
+    histogram: dict
+    study_scale: float
+    run_scales: list[float]
+    overrides: list[str]
+    machine: dict
+    context: str = ""
+    also: Sequence[tables.ReportTable] = ()
+
+    def write(self, out_dir: Path, console: Console) -> None:
+        from ampctl.analysis import range_plots
+
+        label = self.histogram["kind"].replace("_grad", " gradients")
+        images = [range_plots.gradient_ranges(self.histogram["counts"], self.histogram["total"], label,
+                                              self.study_scale, out_dir / "gradient_ranges.png", self.context),
+                  range_plots.underflow_heatmap(self.layers, out_dir / "underflow_heatmap.png", self.context)]
+        extra = {"kind": "inspect", "context": self.context, "overrides": self.overrides,
+                 "study_scale": self.study_scale, "run_scales": self.run_scales, "summary": self.summary.as_dicts(),
+                 "summary_notes": self.summary.notes, "histogram": self.histogram,
+                 **{ALSO_KEYS[t.title]: t.as_dicts() for t in self.also}}
+        files = tables.write_files(self.layers, out_dir, "ranges", self.machine, images, extra, self.also)
+        for table in self.also:
+            tables.print_table(table, console)
+        tables.print_table(self.summary, console)
+        console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
+
+    @classmethod
+    def read(cls, out_dir: Path) -> "InspectReport":
+        """From the ranges.json an inspection wrote."""
+        data = json.loads((out_dir / "ranges.json").read_text())
+        if "histogram" not in data or data["histogram"].get("log2_low") != LOG2_LOW:
+            raise UsageError(f"{out_dir / 'ranges.json'} was written by an older ampctl inspect (no histogram to "
+                             "plot again); run ampctl inspect again")
+        rows, summary_rows = data["rows"], data["summary"]
+        layers = tables.ReportTable(LAYERS_TITLE, list(rows[0]) if rows else [], [list(r.values()) for r in rows],
+                                    notes=data.get("notes", []))
+        summary = _styled_summary(list(summary_rows[0]) if summary_rows else [],
+                                  [list(r.values()) for r in summary_rows], data.get("summary_notes", []),
+                                  data["study_scale"])
+        also = [make(list(data[key][0]), [list(r.values()) for r in data[key]])
+                for key, make in (("precision_layers", lambda c, r: tables.ReportTable(PRECISION_TITLE, c, r)),
+                                  ("block_scales", styled_blocks)) if data.get(key)]
+        return cls(layers, summary, data["histogram"], data["study_scale"], data["run_scales"],
+                   data.get("overrides", []), data["machine"], data.get("context", ""), also)
 
 
 def rerender(out_dir: Path, console: Console) -> None:
     """`ampctl report` on an inspect directory: the tables, files and plots again from ranges.json."""
-    data = json.loads((out_dir / "ranges.json").read_text())
-    if "histogram" not in data or data["histogram"].get("log2_low") != LOG2_LOW:
-        raise UsageError(f"{out_dir / 'ranges.json'} was written by an older ampctl inspect (no histogram to plot "
-                         "again); run ampctl inspect again")
-    rows = data["rows"]
-    layers = tables.ReportTable(LAYERS_TITLE, list(rows[0]) if rows else [], [list(r.values()) for r in rows],
-                                notes=data.get("notes", []))
-    summary_rows = data["summary"]
-    summary = _styled_summary(list(summary_rows[0]) if summary_rows else [], [list(r.values()) for r in summary_rows],
-                              data.get("summary_notes", []), data["study_scale"])
-    also = [make(list(data[key][0]), [list(r.values()) for r in data[key]])
-            for key, make in (("precision_layers", lambda c, r: tables.ReportTable(PRECISION_TITLE, c, r)),
-                              ("block_scales", styled_blocks)) if data.get(key)]
-    write_inspect_report(out_dir, layers, summary, data["histogram"], data["study_scale"], data["run_scales"],
-                         data.get("overrides", []), data["machine"], console, data.get("context", ""), also)
+    InspectReport.read(out_dir).write(out_dir, console)
