@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence, Union
 
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import io
+from ampctl import io, run_files
 
 if TYPE_CHECKING:
     from ampctl.commands.checks import Job
@@ -61,7 +61,7 @@ def compare(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
 
     with _command("compare", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
         run_compare(job.cfg, out, task_overrides(hydra_cfg), _dir(config_dir))
-    return Result(out, json.loads((out / "comparison.json").read_text()))
+    return Result(out, json.loads((out / f"{run_files.COMPARISON}.json").read_text()))
 
 
 def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
@@ -72,7 +72,7 @@ def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
 
     with _command("inspect", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
         run_inspect(job.cfg, out, task_overrides(hydra_cfg))
-    return Result(out, json.loads((out / "ranges.json").read_text()))
+    return Result(out, json.loads((out / f"{run_files.INSPECTION}.json").read_text()))
 
 
 def memory(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
@@ -83,7 +83,7 @@ def memory(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
 
     with _command("memory", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
         run_memory(job.cfg, out, task_overrides(hydra_cfg), _dir(config_dir))
-    return Result(out, json.loads((out / "memory.json").read_text()))
+    return Result(out, json.loads((out / f"{run_files.MEMORY}.json").read_text()))
 
 
 def _dir(config_dir: Optional[PathLike]) -> Optional[str]:

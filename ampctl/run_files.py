@@ -14,6 +14,9 @@ constants; docstrings and messages may say the names.
       error.txt            a failed multirun job's one line (the sweep's table shows it)
       .ampctl.lock         held (flock) by the process recording into the directory; the kernel frees it on kill
       .hydra/              Hydra's record of the composed config
+
+A study's directory (compare, memory, inspect) holds its table as <stem>.csv and <stem>.json, the record that
+`ampctl report` renders again, beside report.md and its plots; one training run per mode under compare's.
 """
 
 from __future__ import annotations
@@ -33,4 +36,8 @@ HYDRA = ".hydra"
 
 ROWS = (METRICS, EVALS, RANGES)  # appended to step by step; a resume cuts them back to its checkpoint
 RECORDS = (*ROWS, SUMMARY, DIAGNOSIS)  # what a run recorded: another run never replaces them
+# the studies' table stems: comparison.json, memory.json, ranges.json are their records
+COMPARISON, MEMORY, INSPECTION = "comparison", "memory", "ranges"
+STUDY_RECORDS = tuple(f"{stem}.json" for stem in (COMPARISON, MEMORY, INSPECTION))
+
 COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log")  # each command's log, by its name

@@ -24,7 +24,7 @@ def render(path: Path) -> int:
     if not path.is_dir():
         raise UsageError(f"PATH={str(path)!r} is a file; give a run, multirun or compare directory")
     console = tables.make_console()
-    for record in ("comparison.json", "memory.json", "ranges.json"):
+    for record in run_files.STUDY_RECORDS:
         if (path / record).is_file():
             try:
                 return _render_record(path, record, console)
@@ -66,12 +66,12 @@ def _render_unfinished(run, console) -> None:
 
 def _render_record(path: Path, record: str, console) -> int:
     """A compare, memory or inspect directory, from the JSON record its command wrote."""
-    if record == "comparison.json":
+    if record == f"{run_files.COMPARISON}.json":
         meta = json.loads((path / record).read_text())
         spans = [tuple(span) for span in meta["rounds"]] if meta.get("rounds") else None
         return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console,
                                        spans, meta.get("seeds"))
-    if record == "memory.json":
+    if record == f"{run_files.MEMORY}.json":
         from ampctl.studies.memory import rerender
     else:
         from ampctl.studies.inspect_ranges import rerender

@@ -205,7 +205,7 @@ def recheck_cpu_probe(plans: list[ModePlan], out_dir: Path) -> list[str]:
     said it is slow, or more than SLOW_FACTOR slower where it said it runs at speed: intervals that exclude the
     probe's verdict) has the CPU measured again, so that list, the warnings and the next comparison's default
     modes follow what was measured. Returns the lines that say so."""
-    rows = {r["precision"]: r for r in json.loads((out_dir / "comparison.json").read_text())["rows"]}
+    rows = {r["precision"]: r for r in json.loads((out_dir / f"{run_files.COMPARISON}.json").read_text())["rows"]}
     probe = cpu_speed.measured()
     contradicted = []
     for plan in plans:
@@ -242,7 +242,7 @@ def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, 
     machine = tables.machine_info([run.summary for _, records in runs for run in records if run.summary])
     extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides,
              "rounds": [list(span) for span in spans] if spans else None, "seeds": seeds}
-    files = tables.write_files(table, out_dir, "comparison", machine, images, extra)
+    files = tables.write_files(table, out_dir, run_files.COMPARISON, machine, images, extra)
     tables.print_table(table, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
     return sum(run.failed for _, records in runs for run in records)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 from omegaconf import DictConfig
 from rich.console import Console
 
-from ampctl import io
+from ampctl import io, run_files
 from ampctl.analysis.block_scales import (
     BLOCKS_TITLE,
     PRECISION_TITLE,
@@ -238,7 +238,7 @@ class InspectReport:
                  "study_scale": self.study_scale, "run_scales": self.run_scales, "summary": self.summary.as_dicts(),
                  "summary_notes": self.summary.notes, "histogram": self.histogram,
                  **{ALSO_KEYS[t.title]: t.as_dicts() for t in self.also}}
-        files = tables.write_files(self.layers, out_dir, "ranges", self.machine, images, extra, self.also)
+        files = tables.write_files(self.layers, out_dir, run_files.INSPECTION, self.machine, images, extra, self.also)
         for table in self.also:
             tables.print_table(table, console)
         tables.print_table(self.summary, console)
@@ -247,9 +247,10 @@ class InspectReport:
     @classmethod
     def read(cls, out_dir: Path) -> "InspectReport":
         """From the ranges.json an inspection wrote."""
-        data = json.loads((out_dir / "ranges.json").read_text())
+        path = out_dir / f"{run_files.INSPECTION}.json"
+        data = json.loads(path.read_text())
         if "histogram" not in data or data["histogram"].get("log2_low") != LOG2_LOW:
-            raise UsageError(f"{out_dir / 'ranges.json'} was written by an older ampctl inspect (no histogram to "
+            raise UsageError(f"{path} was written by an older ampctl inspect (no histogram to "
                              "plot again); run ampctl inspect again")
         rows, summary_rows = data["rows"], data["summary"]
         layers = tables.ReportTable(LAYERS_TITLE, list(rows[0]) if rows else [], [list(r.values()) for r in rows],

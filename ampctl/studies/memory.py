@@ -23,7 +23,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from ampctl import io
+from ampctl import io, run_files
 from ampctl.analysis.memory.measure import MeasuredPeak, measure_peak, release_memory
 from ampctl.analysis.memory.model import (
     ActivationLine,
@@ -313,14 +313,14 @@ def write_memory_report(out_dir: Path, results: list[ModeMemory], budget_text: O
                               {part: [getattr(r.states, attr) if attr else r.activations for r in results]
                                for part, attr in MEMORY_PARTS},
                               [r.peak.bytes for r in results], out_dir / "memory.png", context)
-    files = tables.write_files(table, out_dir, "memory", machine, [image], {**extra, "context": context})
+    files = tables.write_files(table, out_dir, run_files.MEMORY, machine, [image], {**extra, "context": context})
     tables.print_table(table, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, image])} in {out_dir}")
 
 
 def rerender(out_dir: Path, console: Console) -> None:
     """`ampctl report` on a memory directory: the table again from memory.json."""
-    data = json.loads((out_dir / "memory.json").read_text())
+    data = json.loads((out_dir / f"{run_files.MEMORY}.json").read_text())
     if any("master_gradients" in m["model_states"] for m in data["modes"]):
         raise UsageError(f"{out_dir / 'memory.json'} was written by an older ampctl memory (it counted O2's half and "
                          "fp32 gradients both); run ampctl memory again")
