@@ -17,6 +17,7 @@ from ampctl.engine.telemetry import JsonlSink, Sink
 from ampctl.runner import checkpoint_files, identity
 from ampctl.runner.console import make_console_sink
 from ampctl.runner.identity import RunIdentity
+from ampctl.runner.scale_story import ScaleStory
 
 log = logging.getLogger("ampctl.train")
 
@@ -31,6 +32,7 @@ class Recorder:
         self._print = echo
         self.trackers: Any = None  # runner/trackers/'s Trackers, once start_trackers made them
         self.identity: Optional[RunIdentity] = None  # the run's identity.json, once claim() read or wrote it
+        self.scale_story: Optional[ScaleStory] = None  # the loss scale's story, told as the run goes
 
     def echo(self, line: str) -> None:
         self._print(line)
@@ -91,8 +93,10 @@ class Recorder:
     def sinks(self, console_mode: Any, total_steps: int, tokens: bool,
               peak_memory: Callable[[], Optional[int]]) -> list[Sink]:
         console = make_console_sink(console_mode, total_steps, tokens, peak_memory)
+        # before the console: a log interval's skips and scale changes are said before its step's line
+        self.scale_story = ScaleStory(self.echo)
         return [JsonlSink(self.run_dir / run_files.METRICS), *([self.trackers] if self.trackers is not None else []),
-                *([console] if console is not None else [])]
+                self.scale_story, *([console] if console is not None else [])]
 
     def record_eval(self, row: dict[str, Any], line: str) -> None:
         """An evaluation: a row of evals.jsonl, the trackers' eval/<metric>, a line said."""
@@ -126,6 +130,9 @@ class Recorder:
         io.write_json(self.run_dir / run_files.SUMMARY, summary)
         if self.trackers is not None:
             self.trackers.finish(summary)
+        story = self.scale_story.summary() if self.scale_story is not None else None
+        if story is not None:
+            self.echo(story)
         self.echo(final_line(summary, self.run_dir))
         if summary.get("steps") and summary.get("skipped_total") == summary["steps"]:
             self.echo(f"warning: every step was skipped ({summary['steps']} of {summary['steps']}: the gradients were "

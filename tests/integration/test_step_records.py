@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -79,3 +80,33 @@ def test_a_log_interval_longer_than_the_run_records_every_step_at_the_end(tmp_pa
     40 GB before)."""
     summary, rows = train(tmp_path, "train.log_every=1000000000", "train.steps=3")
     assert [r["step"] for r in rows] == [1, 2, 3] and summary["steps"] == 3
+
+
+def test_the_terminal_keeps_every_skip_and_scale_change_of_metrics_jsonl(tmp_path, restore_argv, capsys):
+    """What the scale story says (runner/scale_story.py) against metrics.jsonl read independently: every skipped
+    step named once, in a burst's range; a line after each step whose next step used a larger scale; the end
+    line's counts."""
+    import re
+
+    from ampctl.cli import main
+
+    run = tmp_path / "run"
+    main(["train", "device=cpu", "recipe=mlp", "precision=fp16", "scaler.init_scale=1e9", "scaler.growth_interval=3",
+          "train.steps=40", "train.log_every=7", "train.console=plain", "telemetry.profile_cpu_memory=false",
+          f"hydra.run.dir={run}"])
+    out = capsys.readouterr().out.splitlines()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["step"] for r in rows if r["skipped"]]
+    grew_after = [a["step"] for a, b in zip(rows, rows[1:]) if not a["skipped"] and b["loss_scale"] > a["loss_scale"]]
+    assert skipped and grew_after  # the run under test has both
+    said_skipped = []
+    for line in out:
+        if m := re.match(r"steps? (\d+)(?:-(\d+))? skipped: gradients not finite", line):
+            said_skipped += range(int(m[1]), int(m[2] or m[1]) + 1)
+    assert said_skipped == skipped
+    assert [int(m[1]) for line in out if (m := re.match(r"after step (\d+): loss scale", line))] == grew_after
+    backoffs = sum(b["loss_scale"] < a["loss_scale"] for a, b in zip(rows, rows[1:]))
+    [summary] = [line for line in out if line.startswith("loss scale ")]
+    assert summary.endswith(f": {len(skipped)} skipped (first at step {skipped[0]}), {backoffs} backoff"
+                            f"{'s' if backoffs != 1 else ''}, {len(grew_after)} growths")
+    assert out.index(summary) == len(out) - 2 and out[-1].startswith("done:")
