@@ -165,3 +165,49 @@ def test_every_tracker_holds_every_evaluation_across_a_resume(tmp_path, restore_
     # each process's summary: the last evaluation as of its end
     assert mlflow["metrics"]["summary/eval/loss"] == {6: pytest.approx(evals[1]["eval/loss"]),
                                                        10: pytest.approx(evals[-1]["eval/loss"])}
+
+
+def test_each_sink_spells_a_non_finite_value_by_its_documented_rule(tmp_path):
+    """A skipped step's grad norm, inf or NaN: metrics.jsonl null (strict JSON); the CSV Python's `inf`/`nan`;
+    TensorBoard the float itself (as W&B, which logs what it is given); MLflow keeps NaN and leaves an infinity out of its step, since its
+    SQL store would turn it into 1.8e308 (docs/runs.md)."""
+    from omegaconf import OmegaConf
+
+    from ampctl.conf.schema import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig
+    from ampctl.engine.telemetry import StepRecord
+    from ampctl.runner.trackers.csv_tracker import CsvTracker
+    from ampctl.runner.trackers.mlflow_tracker import MlflowTracker
+    from ampctl.runner.trackers.tensorboard_tracker import TensorBoardTracker
+
+    def record(step: int, grad_norm: float) -> StepRecord:
+        return StepRecord(step=step, loss=1.0, loss_scale=2.0**16, skipped=not math.isfinite(grad_norm),
+                          skipped_total=0, grad_norm=grad_norm, lr=1e-3, step_time_ms=1.0, samples_per_s=1.0)
+
+    records = [record(1, 2.0), record(2, float("inf")), record(3, float("nan")), record(4, 3.0)]
+    assert [json.loads(r.to_json())["grad_norm"] for r in records] == [2.0, None, None, 3.0]
+
+    csv_tracker = CsvTracker(OmegaConf.structured(CsvLoggerConfig), tmp_path, None, None)
+    csv_tracker.start(OmegaConf.create({}))
+    csv_tracker.write(records)
+    csv_tracker.fail()
+    with (tmp_path / "metrics.csv").open(newline="") as f:
+        assert [row["grad_norm"] for row in csv.DictReader(f)] == ["2.0", "inf", "nan", "3.0"]
+
+    tensorboard = TensorBoardTracker(OmegaConf.structured(TensorBoardLoggerConfig), tmp_path, None, None)
+    tensorboard.start(OmegaConf.create({}))
+    tensorboard.write(records)
+    tensorboard.fail()
+    scalars = tracker_readers.tensorboard_scalars(tmp_path / "tensorboard")["train/grad_norm"]
+    assert scalars[1] == 2.0 and scalars[2] == float("inf") and math.isnan(scalars[3]) and scalars[4] == 3.0
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker(OmegaConf.structured(MlflowLoggerConfig(tracking_uri=uri)), tmp_path, None, None)
+    tracker.connect()
+    tracker.start(OmegaConf.create({"train": {"steps": 4}}))
+    tracker.write(records)
+    tracker.finish({"steps": 4, "final_grad_norm": float("inf"), "final_loss": 1.0})
+    run = tracker_readers.mlflow_run(uri, tracker.run_id)
+    norms = {m.step: m.value for m in run["histories"]["train/grad_norm"]}
+    assert list(norms) == [1, 3, 4] and norms[1] == 2.0 and math.isnan(norms[3]) and norms[4] == 3.0
+    assert "summary/final_grad_norm" not in run["metrics"] and run["metrics"]["summary/final_loss"] == {4: 1.0}
+    assert max(m.value for m in run["histories"]["train/loss_scale"]) == 2.0**16  # no 1.8e308 anywhere

@@ -1,7 +1,12 @@
-"""logger=mlflow: an MLflow run through MLflow's client, resumed under the same run id."""
+"""logger=mlflow: an MLflow run through MLflow's client, resumed under the same run id.
+
+MLflow's SQL stores keep a NaN but turn an infinity into +-1.8e308, a finite number that would spike every chart
+of the metric: an infinite value (the grad norm of a step whose gradients overflowed) is left out at its step,
+never written as a stand-in (docs/runs.md: non-finite values, sink by sink)."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -52,7 +57,7 @@ class MlflowTracker(Tracker):
 
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, r.step) for r in records if r.step > self.logged_up_to
-                   for k, v in metric_values(r).items()]
+                   for k, v in metric_values(r).items() if not math.isinf(v)]
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics a batch
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
@@ -61,7 +66,7 @@ class MlflowTracker(Tracker):
 
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, row["step"])
-                                                    for k, v in eval_values(row).items()])
+                                                    for k, v in eval_values(row).items() if not math.isinf(v)])
 
     def finish(self, summary: dict[str, Any]) -> None:
         from mlflow.entities import Metric, RunTag
@@ -69,8 +74,8 @@ class MlflowTracker(Tracker):
         now, step = int(time.time() * 1000), int(summary.get("steps", 0))
         numbers = summary_numbers(summary)
         tags = [RunTag(f"ampctl.{k}", str(v)) for k, v in summary.items() if k not in numbers and v is not None]
-        self.client.log_batch(self.run_id, metrics=[Metric(f"summary/{k}", v, now, step) for k, v in numbers.items()],
-                              tags=tags)
+        self.client.log_batch(self.run_id, metrics=[Metric(f"summary/{k}", v, now, step) for k, v in numbers.items()
+                                                    if not math.isinf(v)], tags=tags)
         self.client.set_terminated(self.run_id, "FINISHED")
 
     def fail(self) -> None:
