@@ -25,6 +25,7 @@ from torch import nn
 from ampctl.conf.messages import did_you_mean
 from ampctl.errors import ConfigError, UsageError
 from ampctl.recipes.base import plain_dict, require_positive
+from ampctl.recipes.libraries import import_library
 from ampctl.recipes.metrics import classification_sums
 from ampctl.recipes.text import (
     BYTE_VOCAB_SIZE,
@@ -46,12 +47,7 @@ WELL_KNOWN_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemm
 
 
 def import_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise UsageError("recipe=hf_causal_lm: the transformers package is not installed; "
-                         "pip install 'ampctl[transformers]'") from None
-    return transformers
+    return import_library("transformers", "recipe=hf_causal_lm", extra="transformers")
 
 
 def causal_lm_types() -> list[str]:

@@ -20,6 +20,7 @@ from ampctl.recipes.images import (
     synthetic_batches,
     synthetic_eval_batches,
 )
+from ampctl.recipes.libraries import import_library
 from ampctl.recipes.metrics import classification_sums
 
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
@@ -55,6 +56,7 @@ class ResNetRecipe:
         self._dataset = self._open_cifar10(train=True) if self.data == "cifar10" else None
 
     def _open_cifar10(self, train: bool):
+        import_library("torchvision", "recipe=resnet")
         from torchvision import datasets, transforms
 
         root = Path(self.data_root).expanduser()
@@ -74,7 +76,7 @@ class ResNetRecipe:
                 for block in stage]
 
     def build_model(self) -> nn.Module:
-        import torchvision
+        torchvision = import_library("torchvision", "recipe=resnet")
 
         model = getattr(torchvision.models, self.arch)(weights=None, num_classes=self.num_classes)
         # channels_last lets cuDNN use its fastest half-precision convolution kernels.

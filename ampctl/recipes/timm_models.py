@@ -28,6 +28,7 @@ from ampctl.recipes.images import (
     synthetic_batches,
     synthetic_eval_batches,
 )
+from ampctl.recipes.libraries import import_library
 from ampctl.recipes.metrics import classification_sums
 
 DATASETS = ("synthetic", "imagefolder")
@@ -35,11 +36,7 @@ SYNTHETIC_CLASSES = 1000  # ImageNet's
 
 
 def import_timm() -> Any:
-    try:
-        import timm
-    except ImportError:
-        raise UsageError("recipe=timm: the timm package is not installed; pip install 'ampctl[timm]'") from None
-    return timm
+    return import_library("timm", "recipe=timm", extra="timm")
 
 
 @dataclass

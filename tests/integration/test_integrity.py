@@ -407,6 +407,20 @@ def test_bad_values_are_one_line_exit_2_and_leave_nothing(tmp_path, args, named)
     assert not (tmp_path / "run").exists()
 
 
+def test_a_torchvision_for_another_torch_is_one_line_naming_both_versions(tmp_path):
+    """As after `pip install '.[models]'` beside a CPU-only torch from PyTorch's index: timm's import fails in
+    torchvision's operators. Simulated by a timm that fails the same way, first on the path."""
+    (tmp_path / "broken" / "timm").mkdir(parents=True)
+    (tmp_path / "broken" / "timm" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    refused = subprocess.run([sys.executable, "-m", "ampctl", "train", "recipe=timm", "train.steps=1",
+                              f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path,
+                             timeout=300, env={**os.environ, "PYTHONPATH": f"{tmp_path / 'broken'}:{REPO}"})
+    line = one_line_refusal(refused, "train")
+    assert "recipe=timm: torchvision " in line and " does not match torch " in line
+    assert "pip install 'torchvision==0." in line and not (tmp_path / "run").exists()
+
+
 def test_a_config_that_includes_itself_is_one_line(tmp_path):
     (tmp_path / "self.yaml").write_text("defaults:\n  - self\n")
     refused = cli("train", "-cd", str(tmp_path), "-cn", "self", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)

@@ -167,3 +167,54 @@ def test_recipe_titles_name_the_model():
     assert recipe_title("timm", {"model": "vit_base_patch16_224"}) == "timm (vit_base_patch16_224)"
     assert recipe_title("hf_causal_lm", {"model_type": "llama"}) == "hf_causal_lm (llama)"
     assert recipe_title("gpt", {"d_model": 256}) == "gpt"
+
+
+class _BrokenTorchvision:
+    """A meta path finder whose modules fail as a torchvision built for another torch does on import."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = names
+
+    def find_spec(self, name, path, target=None):
+        if name in self.names:
+            import importlib.util
+
+            return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise RuntimeError("operator torchvision::nms does not exist")
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line_naming_both_and_the_fix(monkeypatch):
+    import sys
+    from importlib import metadata
+
+    from ampctl.errors import UsageError
+    from ampctl.recipes.libraries import import_library
+
+    versions = {"torch": "2.13.0+cpu", "torchvision": "0.29.1"}
+    monkeypatch.setattr(metadata, "version", lambda name: versions[name])
+    monkeypatch.setattr(metadata, "requires", lambda name: ["numpy", "torch (>=2.14.0)", "pillow (>=5.3.0)"])
+    monkeypatch.delitem(sys.modules, "timm", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenTorchvision("timm"), *sys.meta_path])
+    with pytest.raises(UsageError) as refused:
+        import_library("timm", "recipe=timm", extra="timm")
+    assert str(refused.value) == (
+        "recipe=timm: torchvision 0.29.1 does not match torch 2.13.0+cpu (it was built for torch>=2.14.0): its "
+        "compiled operators are missing (operator torchvision::nms); install the torchvision of this torch: "
+        "pip install 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu")
+
+
+def test_a_library_that_is_not_installed_names_its_extra(monkeypatch):
+    import sys
+
+    from ampctl.errors import UsageError
+    from ampctl.recipes.libraries import import_library
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(UsageError, match=r"^recipe=hf_causal_lm: the transformers package is not installed; "
+                                         r"pip install 'ampctl\[transformers\]'$"):
+        import_library("transformers", "recipe=hf_causal_lm", extra="transformers")
