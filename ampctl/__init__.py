@@ -9,6 +9,11 @@ API = ("train", "compare", "inspect", "memory", "Result")
 __all__ = [*API, "__version__"]
 
 
+def __dir__() -> list[str]:
+    """The public names too (they are imported on first use, so not in the module's dict yet)."""
+    return sorted({*globals(), *API})
+
+
 def __getattr__(name: str):
     # imported on first use: the command line's start does not pay for the API's imports
     if name in API:

@@ -80,6 +80,11 @@ def scale_label(scale: float) -> str:
     return f"2^{int(exponent)}"
 
 
+def count_of(n: int, noun: str) -> str:
+    """1 step, 2 steps: a count with its noun (English plurals by s)."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def format_bytes(n: Optional[float], decimals: int = 2) -> str:
     """1,536 -> '1.50 KiB' (binary units); None -> '-'."""
     if n is None:

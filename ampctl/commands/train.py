@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ampctl import run_files
+from ampctl import io, run_files
 from ampctl.commands.checks import job_of
 from ampctl.errors import (
     USAGE_EXIT_CODE,
@@ -44,7 +44,7 @@ def train(cfg: DictConfig) -> Optional[float]:
         if multirun and cfg.resume == "auto":
             kept = finished_job(run_dir, cfg.train.steps)
             if kept is not None:
-                print(f"ampctl train: job in {run_dir} finished earlier ({cfg.train.steps} steps): kept as it is")
+                print(f"ampctl train: job in {run_dir} finished earlier ({io.count_of(cfg.train.steps, 'step')}): kept as it is")
                 return kept.get("final_loss")
             set_aside_failure(run_dir)
         from ampctl.runner.run import run_training  # torch: imported by a run, not by --help or completion

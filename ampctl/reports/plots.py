@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from ampctl import io
 from ampctl.reports.runs import RunRecord
 
 # Curves of modes that agree (fp32 and bf16 often do) lie on top of each other: vary the dash too.
@@ -31,7 +32,7 @@ def run_context(runs: Sequence[tuple[str, RunRecord]]) -> str:
     steps = max((r["step"] for _, run in runs for r in run.metrics[-1:]), default=0)
     devices = list(dict.fromkeys(f"{s['device_name']} ({s['device']})" if s.get("device") == "cpu" else
                                  str(s["device_name"]) for s in summaries if s.get("device_name")))
-    parts = [f"recipe={'/'.join(recipes)}" if recipes else "", ", ".join(modes), f"{steps} steps" if steps else "",
+    parts = [f"recipe={'/'.join(recipes)}" if recipes else "", ", ".join(modes), io.count_of(steps, "step") if steps else "",
              ", ".join(devices)]
     return " · ".join(p for p in parts if p)
 

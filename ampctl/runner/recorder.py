@@ -209,7 +209,7 @@ def final_line(summary: dict, run_dir: Path) -> str:
     rate = (f"{summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary
             else f"{summary['samples_per_s']:,.0f} samples/s")
     return (
-        f"done: {summary['steps']} steps | final loss {summary['final_loss']:.4f} | skipped "
+        f"done: {io.count_of(summary['steps'], 'step')} | final loss {summary['final_loss']:.4f} | skipped "
         f"{summary['skipped_total']} | final scale {io.scale_label(summary['final_loss_scale'])} | median "
         f"{summary['median_step_time_ms']:.1f} ms/step, {rate}"
         + (f", {summary['achieved_tflops']:.3g} TFLOP/s = {summary['mfu']:.1%} MFU" if summary.get("mfu") else "")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ampctl.engine.telemetry import StepRecord
-from ampctl.io import scale_label
+from ampctl.io import count_of, scale_label
 
 MAX_EVENT_LINES = 50  # a run that skips or grows every few steps says the first ones; metrics.jsonl has all
 
@@ -42,7 +42,7 @@ class ScaleStory:
             self.growths += r.loss_scale > prev.loss_scale
         if prev is not None and not prev.skipped and r.loss_scale != prev.loss_scale:  # grew (or was set) after prev
             n = None if self.clean_since is None else r.step - self.clean_since
-            clean = "" if n is None else f" ({n} clean step{'s' if n != 1 else ''})"
+            clean = "" if n is None else f" ({count_of(n, 'clean step')})"
             self._say(f"after step {prev.step}: loss scale {scale_label(prev.loss_scale)} -> "
                       f"{scale_label(r.loss_scale)}{clean}")
         if self.burst is not None and not r.skipped:
@@ -94,7 +94,6 @@ class ScaleStory:
             lowest = self.lowest < min(first.loss_scale, last.loss_scale)
             scales = (f"{scale_label(first.loss_scale)} -> {scale_label(last.loss_scale)}"
                       + (f" (lowest {scale_label(self.lowest)})" if lowest else ""))
-        skips = (f"{self.skipped} skipped (first at step {self.first_skip})" if self.skipped else "no step skipped")
-        changes = [f"{n} {what}{'s' if n != 1 else ''}" for n, what in ((self.backoffs, "backoff"),
-                                                                        (self.growths, "growth")) if n]
+        skips = (f"{self.skipped:,} skipped (first at step {self.first_skip})" if self.skipped else "no step skipped")
+        changes = [count_of(n, what) for n, what in ((self.backoffs, "backoff"), (self.growths, "growth")) if n]
         return f"loss scale {scales}: {skips}" + (f", {', '.join(changes)}" if changes else "")

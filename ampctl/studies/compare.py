@@ -29,7 +29,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from ampctl import run_files
+from ampctl import io, run_files
 from ampctl.conf.composing import compose_job
 from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine import cpu_speed
@@ -276,8 +276,8 @@ def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console
         say(f"{prefix}{run.label}: {status}")
 
     if not console.is_terminal:
-        print(f"{prefix}training {len(runs)} modes x {runs[0].steps} steps"
-              + (f" in {len(spans)} rounds" if pause_after else ""), flush=True)
+        print(f"{prefix}training {io.count_of(len(runs), 'mode')} x {io.count_of(runs[0].steps, 'step')}"
+              + (f" in {io.count_of(len(spans), 'round')}" if pause_after else ""), flush=True)
     with progress:
         started = run_in_turns(runs, pause_after, lambda done: progress.update(overall, completed=done),
                                on_round, on_finished)

@@ -196,7 +196,7 @@ def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
 
 def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     console = tables.make_console()
-    console.print(f"ampctl inspect: {cfg.inspect.steps} steps of precision={cfg.precision.name} with range hooks "
+    console.print(f"ampctl inspect: {io.count_of(cfg.inspect.steps, 'step')} of precision={cfg.precision.name} with range hooks "
                   f"on every leaf module -> {out_dir}")
     inspection = inspect_run(cfg, Phases(console))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -205,7 +205,7 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     plotted = _merged(inspection, kind)
     histogram = {"kind": kind, "log2_low": LOG2_LOW, "total": int(plotted.total),
                  "counts": plotted.histogram.cpu().tolist()}
-    context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {cfg.inspect.steps} steps"
+    context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {io.count_of(cfg.inspect.steps, 'step')}"
     InspectReport(layer_table(inspection), summary_table(inspection), histogram, inspection.study_scale,
                   inspection.run_scales, overrides, tables.machine_info([{"device": device.type}]), context,
                   [t for t in (inspection.precision, inspection.blocks) if t is not None]).write(out_dir, console)

@@ -28,3 +28,21 @@ def test_every_relative_link_names_a_file_and_a_heading_that_exist():
                 assert anchor in anchors(linked), f"{page.name}: {target} (headings: {sorted(anchors(linked))})"
             checked += 1
     assert checked >= 10
+
+
+def test_every_table_is_whole():
+    """A Markdown table is a header, a separator and its rows, after a blank line: a row left after a paragraph
+    (docs/precision.md's loss-scaling table once had one) renders as text."""
+    broken = []
+    for page in PAGES:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        in_code = False
+        for i, line in enumerate(lines):
+            if line.startswith("```"):
+                in_code = not in_code
+            if in_code or not line.startswith("|") or (i and lines[i - 1].startswith("|")):
+                continue
+            starts_a_table = i + 1 < len(lines) and re.match(r"^\|(\s*:?-+:?\s*\|)+\s*$", lines[i + 1])
+            if not starts_a_table or (i and lines[i - 1].strip()):
+                broken.append(f"{page.name}:{i + 1}: {line[:60]}")
+    assert not broken, broken
