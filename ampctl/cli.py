@@ -75,6 +75,9 @@ def quiet_library_deprecations() -> None:
     torch logs as deprecated at every import: two lines about libraries' internals before every such run."""
     logging.getLogger("torch.utils._pytree").addFilter(
         lambda record: "is an Enum subclass and is now natively supported" not in record.getMessage())
+    # alembic (under Optuna's storages and MLflow) logs "setup plugin ..." at INFO, and Hydra's console handler on
+    # the root logger printed a dozen of them before a sweep's first job
+    logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def stdout_is_devnull() -> bool:

@@ -80,6 +80,22 @@ def scale_label(scale: float) -> str:
     return f"2^{int(exponent)}"
 
 
+def readable_value(text: str) -> str:
+    """An override's value as people read it: a float a sweeper drew (Optuna's 0.005461687968002626) to 4
+    significant digits; anything else as written. For display: the config keeps the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    short = f"{value:.4g}"
+    return short if len(short) < len(text) and ("." in text or "e" in text.lower()) else text
+
+
+def readable_override(override: str) -> str:
+    key, sep, value = override.partition("=")
+    return f"{key}{sep}{readable_value(value)}" if sep else override
+
+
 def count_of(n: int, noun: str) -> str:
     """1 step, 2 steps: a count with its noun (English plurals by s)."""
     return f"{n:,} {noun}{'' if n == 1 else 's'}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ampctl import io
 from ampctl.analysis.numerics import FORMATS, LOG2_LOW
@@ -47,10 +47,19 @@ def gradient_ranges(counts: Sequence[int], total: int, label: str, study_scale: 
     return save_figure(fig, path)
 
 
+def row_label(layer: str, module_type: Optional[str]) -> str:
+    """A layer as a reader tells it apart: its name, and its type where the name is only a position (an
+    nn.Sequential's 0, 1, 2: the MLP's layers)."""
+    if module_type and layer.rsplit(".", 1)[-1].isdigit():
+        return f"{layer} ({module_type})"
+    return layer
+
+
 def underflow_heatmap(layer_table, path: Path, context: str = "") -> Path:
     """Fraction of values flushed to zero, per layer (rows) and tensor kind × format (columns)."""
     rows = layer_table.as_dicts()
     layers = list(dict.fromkeys(r["layer"] for r in rows))
+    types = {r["layer"]: r.get("type") for r in rows}  # ranges.json before 0.1 has none
     kinds = [k for k in ("activation", "activation_grad", "weight_grad") if any(r["kind"] == k for r in rows)]
     columns = [(k, f.name) for k in kinds for f in FORMATS]
     by_key = {(r["layer"], r["kind"]): r for r in rows}
@@ -61,7 +70,7 @@ def underflow_heatmap(layer_table, path: Path, context: str = "") -> Path:
         (v for row in grid for v in row if v == v), default=1e-6)))
     ax.set_xticks(range(len(columns)), [f"{k.replace('activation', 'act').replace('weight', 'w')}\n{f}"
                                         for k, f in columns], fontsize=7)
-    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    ax.set_yticks(range(len(layers)), [row_label(layer, types[layer]) for layer in layers], fontsize=7)
     image.cmap.set_bad("lightgrey")  # NaN cells: a layer without that kind of tensor
     empty = any(v != v for row in grid for v in row)
     ax.set_title("fraction of values flushed to zero in each format (no loss scale)"

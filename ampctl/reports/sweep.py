@@ -13,6 +13,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl import io
 from ampctl.conf.sweeps import planned_jobs
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs
@@ -30,6 +31,8 @@ class SweepReport(Callback):
         self.started = 0.0
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if "optuna" in sys.modules:  # the Optuna sweeper's library: its own INFO lines ("A new study created")
+            sys.modules["optuna"].logging.set_verbosity(sys.modules["optuna"].logging.WARNING)
         jobs = planned_jobs(config)  # None when a sweeper plugin chooses the jobs: its trial count, if it says
         trials = OmegaConf.select(config, "hydra.sweeper.n_trials")
         self.total_jobs = len(jobs) if jobs is not None else int(trials or 0)
@@ -41,9 +44,11 @@ class SweepReport(Callback):
         num = config.hydra.job.num  # 0-based
         elapsed = time.perf_counter() - self.started
         eta = f"eta {format_seconds(elapsed / num * (self.total_jobs - num))}" if num else "eta -"
-        overrides = " ".join(map(str, OmegaConf.to_container(config.hydra.overrides.task, resolve=False)))
-        print(f"ampctl sweep: job {num + 1}/{self.total_jobs} ({overrides}) | elapsed {format_seconds(elapsed)} | {eta}",
-              flush=True)
+        overrides = " ".join(io.readable_override(str(o)) for o in
+                             OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+        # #N as Hydra's launcher and the job's directory (N_<overrides>) number it, of how many
+        print(f"ampctl sweep: job #{num} ({num + 1} of {self.total_jobs}: {overrides}) | elapsed "
+              f"{format_seconds(elapsed)} | {eta}", flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         failed = write_sweep_report(Path(config.hydra.sweep.dir))
@@ -56,7 +61,8 @@ def write_sweep_report(sweep_dir: Path, console=None) -> int:
     runs = find_runs(sweep_dir)
     table = tables.sweep_table(runs)
     keys = tables.swept_keys(runs)
-    labels = [(f"{run.job}: " + " ".join(f"{k}={run.override_values().get(k)}" for k in keys), run) for run in runs]
+    labels = [(f"#{run.job}: " + " ".join(io.readable_override(f"{k}={run.override_values().get(k)}") for k in keys),
+               run) for run in runs]
     images = tables.run_images([(label, run) for label, run in labels if not run.failed], sweep_dir)
     machine = tables.machine_info([run.summary for run in runs if run.summary])
     tables.write_files(table, sweep_dir, "sweep", machine, images, {"kind": "multirun"})

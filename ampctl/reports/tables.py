@@ -133,8 +133,9 @@ def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
         s = run.summary
         rows.append([run.job, *values, "ok", s["final_loss"], *(s.get("eval", {}).get(k) for k in held_out),
                      s["skipped_total"], s["final_loss_scale"], *(s.get(key) for key in rates), s.get("mfu")])
-    notes = [f"job {run.job} {run.status}: {run.why_not_ok}" for run in runs if run.failed]
-    formats = {"final_loss": lambda v: f"{v:.4f}", "final_loss_scale": io.scale_label, "mfu": lambda v: f"{v:.1%}",
+    notes = [f"job #{run.job} {run.status}: {run.why_not_ok}" for run in runs if run.failed]
+    formats = {**{k: io.readable_value for k in keys},  # the files keep the value a sweeper drew, whole
+               "final_loss": lambda v: f"{v:.4f}", "final_loss_scale": io.scale_label, "mfu": lambda v: f"{v:.1%}",
                **{key: (lambda v: f"{v:,.0f}") for key in rates},
                **{k: (lambda v: f"{v:.2%}") if k.endswith("accuracy") else (lambda v: f"{v:.4f}") for k in held_out}}
     headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale", "mfu": "MFU",

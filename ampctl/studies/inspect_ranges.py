@@ -102,11 +102,12 @@ def _format_columns() -> list[str]:
 
 def layer_table(inspection: Inspection) -> tables.ReportTable:
     """One row per layer and tensor kind: every format's fractions, unscaled and at the studied scale."""
-    columns = ["layer", "kind", "values", "max_abs", *_format_columns()]
+    columns = ["layer", "type", "kind", "values", "max_abs", *_format_columns()]
     rows = []
     recorded = inspection.recorder.stats
+    types = {name: type(module).__name__ for name, module in inspection.recorder.layers}
     for (layer, kind), stats in zip(recorded, RangeStats.on_host(list(recorded.values()))):
-        values: dict[str, Any] = {"layer": layer, "kind": kind, "values": int(stats.total),
+        values: dict[str, Any] = {"layer": layer, "type": types[layer], "kind": kind, "values": int(stats.total),
                                   "max_abs": float(stats.max_abs)}
         for f in FORMATS:
             for scaled, suffix in ((False, ""), (True, "_scaled")):
@@ -114,7 +115,8 @@ def layer_table(inspection: Inspection) -> tables.ReportTable:
                     values[f"{f.name}_{what}{suffix}"] = fraction
         rows.append([values[c] for c in columns])
     order = {k: i for i, k in enumerate(KINDS)}
-    rows.sort(key=lambda r: (order[r[1]], [l for l, _ in inspection.recorder.layers].index(r[0])))
+    position = {name: i for i, (name, _) in enumerate(inspection.recorder.layers)}
+    rows.sort(key=lambda r: (order[r[2]], position[r[0]]))
     return tables.ReportTable(LAYERS_TITLE, columns, rows)
 
 

@@ -110,7 +110,8 @@ def test_sweep_report_lists_every_job_and_failures(tmp_path, restore_argv, capsy
               f"hydra.sweep.dir={sweep}"])
     assert exit_info.value.code == 1
     out = capsys.readouterr().out
-    assert "job 1/2" in out and "job 2/2" in out and "job 1 failed: recipe.data_root=" in out
+    # each job as Hydra's launcher and its directory number it (#0, #1), of how many
+    assert "job #0 (1 of 2: " in out and "job #1 (2 of 2: " in out and "job #1 failed: recipe.data_root=" in out
     rows = read_csv(sweep / "sweep.csv")
     assert [(r["job"], r["recipe"], r["status"]) for r in rows] == [("0", "mlp", "ok"), ("1", "resnet", "failed")]
     assert float(rows[0]["final_loss"]) > 0

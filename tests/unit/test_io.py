@@ -22,3 +22,14 @@ def test_tensors_in_and_map_tensors_walk_nested_batches():
     doubled = io.map_tensors(batch, lambda t: t * 2)
     assert doubled["n"] == 4 and doubled["x"][1][1] == "label" and isinstance(doubled["x"], tuple)
     assert torch.equal(doubled["x"][0], a * 2) and torch.equal(doubled["y"], c * 2)
+
+
+def test_a_drawn_float_reads_in_four_digits_and_everything_else_as_written():
+    from ampctl.io import count_of, readable_override, readable_value
+
+    assert readable_value("0.005461687968002626") == "0.005462"  # what Optuna's TPE draws
+    assert [readable_value(v) for v in ("1e-3", "0.001", "2000", "[fp32,bf16]", "1099511627776")] == [
+        "1e-3", "0.001", "2000", "[fp32,bf16]", "1099511627776"]
+    assert readable_override("optimizer.lr=0.00805469883095217") == "optimizer.lr=0.008055"
+    assert readable_override("recipe=mlp") == "recipe=mlp"
+    assert (count_of(1, "step"), count_of(2, "step"), count_of(12000, "step")) == ("1 step", "2 steps", "12,000 steps")
