@@ -36,7 +36,15 @@ def _refuse_unknown_keys(node: DictConfig, path: str) -> None:
         if key not in names:
             allowed = [n for n in names if n != "kind"]
             raise UsageError(f"{path}{key}: no such key{did_you_mean(str(key), allowed, path)}; allowed: "
-                             f"{', '.join(allowed)}")
+                             f"{', '.join(allowed)}{_group_hint(path, key, node[key])}")
         child = node._get_node(key)
         if isinstance(child, DictConfig) and not child._is_none():
             _refuse_unknown_keys(child, f"{path}{key}.")
+
+
+def _group_hint(path: str, key: str, value: object) -> str:
+    """`+experiment=x` without a group of that name is taken for a new key: say how to make it a config group."""
+    if path or not isinstance(value, str) or not value.replace("_", "").replace("-", "").isalnum():
+        return ""
+    return (f". To choose {key}={value} from a config group of your own, put it in DIR/{key}/{value}.yaml (first "
+            f"line `# @package _global_` to set keys anywhere) and run with -cd DIR +{key}={value} (docs/sweeps.md)")

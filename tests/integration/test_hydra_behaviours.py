@@ -133,3 +133,18 @@ def test_a_sweeper_plugin_chooses_the_jobs(tmp_path):
     lrs = [yaml.safe_load(p.read_text())["optimizer"]["lr"] for p in sorted((tmp_path / "sweep").glob("*/.hydra/config.yaml"))]
     assert len(lrs) == 3 and len(set(lrs)) == 3 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
     assert (tmp_path / "sweep" / "sweep.csv").is_file()  # ampctl's sweep table, as after the basic sweeper
+
+
+def test_an_experiment_group_of_ones_own_is_chosen_with_plus(tmp_path):
+    """docs/sweeps.md's experiment pattern: a group in a -cd directory, `# @package _global_`, group overrides."""
+    group = tmp_path / "my_conf" / "experiment"
+    group.mkdir(parents=True)
+    (group / "fp16_short.yaml").write_text("# @package _global_\ndefaults:\n  - override /precision: fp16\n"
+                                           "  - override /recipe: mlp\n\ntrain:\n  steps: 3\nscaler:\n"
+                                           "  growth_interval: 100\n")
+    result = ampctl("train", "-cd", "my_conf", "+experiment=fp16_short", "device=cpu", "hydra.run.dir=run",
+                    cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load((tmp_path / "run" / ".hydra" / "config.yaml").read_text())
+    assert config["precision"]["name"] == "fp16" and config["recipe"]["_target_"].endswith("MLPRecipe")
+    assert config["train"]["steps"] == 3 and config["scaler"]["growth_interval"] == 100

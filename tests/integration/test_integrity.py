@@ -387,6 +387,7 @@ def test_a_run_whose_every_step_was_skipped_says_so(tmp_path, capsys, restore_ar
     (["optimizer.fused=maybe"], "optimizer.fused='maybe' is not allowed: expected true, false or null"),
     (["telemetry.profile_cpu_memory=2"], "telemetry.profile_cpu_memory=2 is not allowed: expected true or false"),
     (["train.steps=${oops}"], "Interpolation key 'oops' not found"),
+    (["+experiment=x"], "To choose experiment=x from a config group of your own, put it in DIR/experiment/x.yaml"),
     (["hydra.run.dir=/proc/ampctl-test/run"], "cannot write /proc/ampctl-test"),
     # precision per layer and the microscaling formats (issue 26)
     (["precision=mxfp4", "precision.mx.elements=e5m2"], "precision.mx.elements='e5m2' is not allowed: expected e4m3"),
