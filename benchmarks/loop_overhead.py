@@ -67,7 +67,8 @@ class AmpctlLoop:
 
     def step(self) -> None:
         train_step(self.state, self.batches, self.recipe, self.policy, StepSettings(1, self.clip), self.telemetry)
-        self.telemetry.end_step(last=False, data_s=self.batches.take_wait_s())
+        data_s, idle_s = self.batches.take_wait_s()
+        self.telemetry.end_step(last=False, data_s=data_s, data_idle_s=idle_s)
 
 
 class HandWrittenLoop:

@@ -33,3 +33,18 @@ class StallingRecipe(MLPRecipe):
             if index == self.stall_at:
                 time.sleep(self.stall_s)  # a data worker that stopped answering, for a while
             yield batch
+
+
+@dataclass
+class BusyDataRecipe(MLPRecipe):
+    """The mlp recipe that makes each batch in the loop's thread with `data_work_s` of CPU work (a synthetic batch
+    generated on the CPU, a tokenizer in the loop): the batch's own cost, not a wait on a pipeline."""
+
+    data_work_s: float = 0.03
+
+    def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for batch in super().batches(device, seed):
+            end = time.thread_time() + self.data_work_s
+            while time.thread_time() < end:  # the thread's own work: CPU time, as making a batch takes
+                pass
+            yield batch

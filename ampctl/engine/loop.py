@@ -86,30 +86,34 @@ DATA_RANGE = "ampctl.data"  # the profiler range around each fetch of a batch (a
 class BatchStream:
     """The recipe's batches, and how long the loop waited for them: host time in next(), which is the whole
     making of a batch when the recipe makes it in the loop's thread, and the wait for a DataLoader's workers
-    when they are behind. Reading a clock costs nothing on the device; inside a torch.profiler window each
-    fetch is also a range named DATA_RANGE (a range costs ~20 us, too much for every step of a run)."""
+    when they are behind; and, of that, the time the loop's thread was idle (the wall time less its own CPU
+    time): waiting on workers, a disk or the network, rather than making the batch itself. Reading the clocks
+    costs nothing on the device; inside a torch.profiler window each fetch is also a range named DATA_RANGE (a
+    range costs ~20 us, too much for every step of a run)."""
 
     def __init__(self, batches: Iterator[Any]) -> None:
         self._batches = batches
-        self._wait_s = 0.0
+        self._wait_s = self._idle_s = 0.0
 
     def __iter__(self) -> "BatchStream":
         return self
 
     def __next__(self) -> Any:
-        start = time.perf_counter()
+        start, own_start = time.perf_counter(), time.thread_time()
         if torch._C._autograd._profiler_enabled():
             with torch.profiler.record_function(DATA_RANGE):
                 batch = next(self._batches)
         else:
             batch = next(self._batches)
-        self._wait_s += time.perf_counter() - start
+        own, wall = time.thread_time() - own_start, time.perf_counter() - start
+        self._wait_s += wall
+        self._idle_s += max(0.0, wall - own)
         return batch
 
-    def take_wait_s(self) -> float:
-        """Seconds spent waiting for batches since the last call."""
-        wait, self._wait_s = self._wait_s, 0.0
-        return wait
+    def take_wait_s(self) -> tuple[float, float]:
+        """Seconds spent in next() since the last call, and of them the seconds the loop's thread was idle."""
+        wait, idle, self._wait_s, self._idle_s = self._wait_s, self._idle_s, 0.0, 0.0
+        return wait, idle
 
 
 def train_step(
@@ -174,7 +178,8 @@ def fit(
             train_step(state, batches, recipe, policy, settings, telemetry)
         stopping = hooks.stop_requested()
         last = state.step == steps or stopping
-        telemetry.end_step(last=last, data_s=batches.take_wait_s())
+        data_s, idle_s = batches.take_wait_s()
+        telemetry.end_step(last=last, data_s=data_s, data_idle_s=idle_s)
         hooks.after_step(last)
         if stopping:
             return False

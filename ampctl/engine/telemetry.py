@@ -38,11 +38,12 @@ class StepRecord:
     tokens_per_s: Optional[float] = None
     tflops: Optional[float] = None  # achieved model TFLOP/s of one device (when the run counted its FLOPs)
     mfu: Optional[float] = None  # tflops / the device's dense peak for the mode's matmul dtype
-    data_ms: Optional[float] = None  # host time the step waited for its batches (loop.BatchStream)
+    data_ms: Optional[float] = None  # host time the step spent getting its batches (loop.BatchStream)
+    data_idle_ms: Optional[float] = None  # of data_ms, the time the loop's thread was idle (waiting on workers, I/O)
 
     def to_json(self) -> str:
         data = {k: v for k, v in asdict(self).items()
-                if v is not None or k not in ("tokens_per_s", "tflops", "mfu", "data_ms")}
+                if v is not None or k not in ("tokens_per_s", "tflops", "mfu", "data_ms", "data_idle_ms")}
         return io.dumps(data)  # JSON has no inf/nan: a skipped step's grad norm is written as null
 
 
@@ -129,7 +130,7 @@ class Telemetry:
         self._lr_rows = self._lrs.unbind()  # views made once: indexing a tensor every step costs a dispatch
         self._rows: tuple[torch.Tensor, ...] = ()
         self._pending_steps: list[int] = []
-        self._pending_data_ms: list[Optional[float]] = []
+        self._pending_data_ms: list[tuple[Optional[float], Optional[float]]] = []
         self.timer = StepTimer(device)
         self.skipped_total = 0
         # Records of the latest log intervals, until the guards take them; the run's full record is
@@ -159,12 +160,14 @@ class Telemetry:
         self._lr_rows[i].copy_(lr)  # a 0-dim tensor, as every torch optimizer's lr
         self._pending_steps.append(step)
 
-    def end_step(self, last: bool, data_s: Optional[float] = None) -> None:
-        """Called after every optimizer step (data_s: the host time it waited for batches); reads back and
+    def end_step(self, last: bool, data_s: Optional[float] = None, data_idle_s: Optional[float] = None) -> None:
+        """Called after every optimizer step (data_s: the host time it spent getting its batches, data_idle_s: of
+        that, the time the loop's thread was idle); reads back and
         emits on log steps (every log_every-th step), on the last step, and on the first step this process
         runs, so that the first figures show at once rather than log_every steps later."""
         self.timer.mark()
-        self._pending_data_ms.append(None if data_s is None else data_s * 1e3)
+        self._pending_data_ms.append((None if data_s is None else data_s * 1e3,
+                                      None if data_idle_s is None else data_idle_s * 1e3))
         step = self._pending_steps[-1]
         if self._counters:
             step_ms = self.timer.latest_ms()
@@ -182,7 +185,7 @@ class Telemetry:
         lrs = self._lrs[:n].tolist()
         times = self.timer.drain_ms()
         records = []
-        for step, row, lr, ms, data in zip(self._pending_steps, rows, lrs, times, self._pending_data_ms):
+        for step, row, lr, ms, (data, idle) in zip(self._pending_steps, rows, lrs, times, self._pending_data_ms):
             skipped = row[_FOUND_INF] > 0
             self.skipped_total += skipped
             per_s = 1e3 / ms if ms > 0 else float("inf")
@@ -202,6 +205,7 @@ class Telemetry:
                     tflops=tflops,
                     mfu=self._mfu(tflops),
                     data_ms=data,
+                    data_idle_ms=idle,
                 )
             )
         self._pending_steps, self._pending_data_ms = [], []

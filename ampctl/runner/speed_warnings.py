@@ -4,6 +4,7 @@ compiling again and again, and a step that waits on its data."""
 from __future__ import annotations
 
 import statistics
+from typing import Optional
 
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.telemetry import StepRecord
@@ -45,22 +46,29 @@ class SpeedWarnings:
                 "depends on changes from step to step (a shape, a Python value); those steps are left out of the "
                 "timings; TORCH_LOGS=recompiles says what changed"]
 
+    def _waited_ms(self, r: StepRecord) -> Optional[float]:
+        """What a step waited for its batches. On a GPU, all its host time getting them: the device idles through
+        it. On a CPU, only the time the loop's thread was idle: a batch it makes itself (the synthetic recipes'
+        generation, a tokenizer in the loop) is the batch's own cost, compute the CPU does either way, not a wait
+        on a pipeline, and a busy machine's preemptions inflate both alike."""
+        return r.data_ms if self.device_type == "cuda" else r.data_idle_ms
+
     def _data_wait(self, fresh: list[StepRecord]) -> list[str]:
         """Said once, when DATA_WAIT_STEPS steps past the warm-up have come back and their median step waited
         DATA_WAIT_SHARE or more of its time for batches; the summary's data_wait_fraction has the run's share."""
         if self.data_wait_said:
             return []
         settled = self._settled()
-        self._waits += [r for r in fresh if r.step > settled and r.data_ms is not None and r.step_time_ms > 0]
+        self._waits += [r for r in fresh if r.step > settled and self._waited_ms(r) is not None and r.step_time_ms > 0]
         if len(self._waits) < DATA_WAIT_STEPS:
             return []
         steps, self._waits = self._waits, []
-        share = statistics.median(r.data_ms / r.step_time_ms for r in steps)  # type: ignore[operator]
+        share = statistics.median(self._waited_ms(r) / r.step_time_ms for r in steps)  # type: ignore[operator]
         if share < DATA_WAIT_SHARE:
             return []
         self.data_wait_said = True
         idles = "the GPU idles" if self.device_type == "cuda" else "the training compute waits"
-        data_ms = statistics.median(r.data_ms for r in steps)  # type: ignore[type-var]
+        data_ms = statistics.median(self._waited_ms(r) for r in steps)  # type: ignore[type-var]
         step_ms = statistics.median(r.step_time_ms for r in steps)
         return [f"steps {steps[0].step}-{steps[-1].step} waited for their batches {share:.0%} of the time (median "
                 f"step: {data_ms:.2f} ms of {step_ms:.2f} ms): {idles} while the input pipeline catches up; give its "
