@@ -1,13 +1,19 @@
-"""`ampctl init NAME [--dir DIR]`: an editable experiment of your own, in the spirit of torchtune's `tune cp`:
-NAME.yaml (an experiment config over ampctl's train config), recipe/NAME.yaml (its recipe's config) and
-NAME_recipe.py (the recipe: model, batches, loss), which `ampctl train -cd DIR -cn NAME` runs as written.
-Nothing is overwritten: a file that exists already is refused before anything is written."""
+"""`ampctl init NAME [--from RECIPE] [--dir DIR]`: an editable experiment of your own, in the spirit of
+torchtune's `tune cp`: NAME.yaml (an experiment config over ampctl's train config), recipe/NAME.yaml (its
+recipe's config) and NAME_recipe.py (the recipe: model, batches, loss), which `ampctl train -cd DIR -cn NAME`
+runs as written. Without --from the recipe is a small skeleton to fill in; with --from it is a copy of a
+built-in recipe (gpt, timm, hf_causal_lm, ...): its module's source and its config as ampctl composes it,
+under the new name, to change (the model, the data). Nothing is overwritten: a file that exists already is
+refused before anything is written."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
+from importlib import resources
 from pathlib import Path
+from typing import Optional
 
 from ampctl.errors import OneLineArgumentParser
 
@@ -99,13 +105,52 @@ class Recipe:
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def files(name: str, directory: Path) -> dict[Path, str]:
+def files(name: str, directory: Path, source: Optional[str] = None) -> dict[Path, str]:
     shown = str(directory)
+    recipe_config, recipe_source = (RECIPE_CONFIG.format(name=name), RECIPE_SOURCE.format(name=name)) \
+        if source is None else copied_recipe(name, source)
     return {
         directory / f"{name}.yaml": EXPERIMENT.format(name=name, dir=shown),
-        directory / "recipe" / f"{name}.yaml": RECIPE_CONFIG.format(name=name),
-        directory / f"{name}_recipe.py": RECIPE_SOURCE.format(name=name),
+        directory / "recipe" / f"{name}.yaml": recipe_config,
+        directory / f"{name}_recipe.py": recipe_source,
     }
+
+
+def built_in_recipes() -> list[str]:
+    return sorted(p.name.removesuffix(".yaml") for p in resources.files("ampctl.conf").joinpath("recipe").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def copied_recipe(name: str, source: str) -> tuple[str, str]:
+    """recipe/NAME.yaml and NAME_recipe.py for a copy of the built-in recipe `source`: its config as ampctl composes
+    it (a variant such as gpt2 with its base's keys), its _target_ the copy's class; its module's source as it is
+    (it imports ampctl's helpers: the text corpus, the library imports), read without importing it."""
+    from omegaconf import OmegaConf
+
+    from ampctl.commands.compose import composed
+
+    with composed("train", [f"recipe={source}"]) as cfg:
+        recipe = OmegaConf.to_container(cfg.recipe, resolve=False)
+    module, _, cls = recipe["_target_"].rpartition(".")
+    origin = importlib.util.find_spec(module).origin
+    recipe["_target_"] = f"{name}_recipe.{cls}"
+    comments = [line for line in _leading_comments(source)]
+    config = "\n".join([f"# {name}: a copy of ampctl's recipe={source} ({cls} in {name}_recipe.py, beside the "
+                         "experiment config), to edit.", *comments, OmegaConf.to_yaml(recipe)])
+    code = (f"# {name}_recipe.py: a copy of {module} (ampctl's recipe={source}), written by `ampctl init {name} "
+            f"--from {source}`. Edit freely:\n# ampctl runs it as recipe={name}; its FLOPs are counted by "
+            "torch.utils.flop_counter, since the model may now differ.\n" + Path(origin).read_text(encoding="utf-8"))
+    return config, code
+
+
+def _leading_comments(recipe: str) -> list[str]:
+    text = resources.files("ampctl.conf").joinpath("recipe", f"{recipe}.yaml").read_text(encoding="utf-8")
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return lines
 
 
 def main() -> None:
@@ -113,13 +158,21 @@ def main() -> None:
                            "skeleton that `ampctl train -cd DIR -cn NAME` runs as written.",
                            epilog="example: ampctl init my_exp && ampctl train -cd . -cn my_exp")
     parser.add_argument("name", metavar="NAME", help="the experiment's name (a Python identifier: it names a module)")
+    parser.add_argument("--from", dest="source", metavar="RECIPE",
+                        help="copy a built-in recipe (its source and config) instead of the skeleton: "
+                             + ", ".join(built_in_recipes()))
     parser.add_argument("--dir", type=Path, default=Path("."), metavar="DIR",
                         help="where to write the files (default: the current directory)")
     args = parser.parse_args(sys.argv[1:])
     if not NAME.fullmatch(args.name):
         parser.error(f"NAME={args.name!r} is not allowed: a Python identifier (letters, digits, _; not starting "
                      "with a digit), since it names the recipe's module")
-    written = files(args.name, args.dir)
+    if args.source is not None and args.source not in built_in_recipes():
+        from ampctl.conf.messages import did_you_mean
+
+        parser.error(f"--from {args.source}: no such built-in recipe{did_you_mean(args.source, built_in_recipes())}; "
+                     f"choose one of {', '.join(built_in_recipes())}")
+    written = files(args.name, args.dir, args.source)
     existing = [str(path) for path in written if path.exists()]
     if existing:
         parser.error(f"{', '.join(existing)} exists already; choose another NAME or --dir (nothing was written)")

@@ -358,3 +358,31 @@ def test_help_and_completion_answer_without_importing_torch(tmp_path, command):
     assert not imported_after([command, "--help"], tmp_path)["torch"]
     completion = imported_after(["-sc", "query=bash"], tmp_path, {"COMP_LINE": f"ampctl {command} precision=f"})
     assert not completion["torch"]
+
+
+@pytest.mark.parametrize("source,shape", [
+    ("gpt2", ["recipe.n_layers=2", "recipe.d_model=64", "recipe.n_heads=2", "recipe.block_size=32",
+              "recipe.batch_size=4", "recipe.max_corpus_bytes=200000"]),
+    ("mlp", ["recipe.hidden=32"]),
+])
+def test_init_from_a_built_in_recipe_copies_it_to_run_as_the_original_does(tmp_path, source, shape):
+    """`ampctl init NAME --from RECIPE` (torchtune's `tune cp`): the built-in's source and composed config under
+    the new name; run as written, the copy trains exactly as the built-in does (same losses on the CPU), and its
+    FLOPs, counted by the counter now (the model may have been edited), equal the built-in's formula."""
+    exp = tmp_path / "exp"
+    made = ampctl("init", "mine", "--from", source, "--dir", str(exp), cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    source_module = {"gpt2": "gpt", "mlp": "mlp"}[source]
+    copied = (exp / "mine_recipe.py").read_text()
+    assert copied.endswith((REPO / "ampctl" / "recipes" / f"{source_module}.py").read_text())
+    common = ["device=cpu", "train.steps=4", "train.console=quiet", "telemetry.profile_cpu_memory=false", *shape]
+    for args, run in ((["-cd", str(exp), "-cn", "mine"], "copy"), ([f"recipe={source}"], "built_in")):
+        result = ampctl("train", *args, *common, f"hydra.run.dir={tmp_path / run}", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+    assert [r["loss"] for r in rows(tmp_path / "copy")] == [r["loss"] for r in rows(tmp_path / "built_in")]
+    copy, built_in = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("copy", "built_in"))
+    assert copy["model_flops_source"].startswith("torch.utils.flop_counter")
+    assert built_in["model_flops_source"].startswith(f"{source_module}_flops")
+    assert copy["model_flops_per_step"] == built_in["model_flops_per_step"]
+    refused = ampctl("init", "other", "--from", "gtp", "--dir", str(exp), cwd=tmp_path)
+    assert refused.returncode == 2 and "--from gtp: no such built-in recipe (did you mean gpt?)" in refused.stderr
