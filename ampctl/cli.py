@@ -4,13 +4,16 @@ and calls that command's own entry point, so each command keeps every Hydra feat
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import importlib
+import io
 import logging
 import os
 import sys
-from typing import Optional
+from pathlib import Path
+from typing import Iterator, Optional
 
 from ampctl.errors import USAGE_EXIT_CODE, CommandLineRefused, UsageError, print_error, write_refused
 
@@ -121,10 +124,15 @@ def dispatch(args: list[str]) -> None:
             rest = [*rest, *NON_MAIN_HYDRA_OVERRIDES]
     # argv[0] is the program's name for Hydra: the shell-completion script it writes registers `ampctl`
     sys.argv = ["ampctl", *rest]
-    if hasattr(entry, "__wrapped__"):  # a @hydra.main app
-        from ampctl.commands.compose import put_config_dir_on_path
+    if hasattr(entry, "__wrapped__"):  # a @hydra.main app (its primary config is named as the command)
+        from ampctl.commands.compose import put_config_dir_on_path, refuse_a_config_that_is_not_ampctls
 
         put_config_dir_on_path(rest)
+        try:
+            refuse_a_config_that_is_not_ampctls(command, command, rest)
+        except UsageError as exc:
+            print_error(f"ampctl {command}: error: {exc}")
+            sys.exit(USAGE_EXIT_CODE)
         run_hydra_app(command, entry)
     else:
         entry()
@@ -148,7 +156,8 @@ def run_hydra_app(command: str, entry) -> None:
     from ampctl.commands import checks
 
     try:
-        entry()  # raises SystemExit when the run fails
+        with job_config_with_its_defaults(command):
+            entry()  # raises SystemExit when the run fails
     except KeyboardInterrupt:
         # between Hydra making the run directory and the task function taking over: it holds only Hydra's files
         if checks.planned is not None:
@@ -185,6 +194,25 @@ def run_hydra_app(command: str, entry) -> None:
         print_error(f"ampctl {command}: error: cannot write {exc.filename}: {exc.strerror}; choose a writable "
                     "hydra.run.dir (or hydra.sweep.dir)")
         sys.exit(USAGE_EXIT_CODE)
+
+
+@contextlib.contextmanager
+def job_config_with_its_defaults(command: str) -> Iterator[None]:
+    """`--cfg job`: Hydra prints the job's config; ampctl puts the defaults list it was composed from before it, so
+    that the dump loads again as an ampctl config (`-cd DIR -cn NAME`: ampctl's checks, run directory, logging)."""
+    from ampctl.commands.compose import composed, defaults_of_a_job, hydra_flags
+
+    flags, overrides = hydra_flags(sys.argv[1:])
+    if flags.get("cfg") != "job" or "package" in flags or "multirun" in flags:
+        yield
+        return
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        yield
+    config_dir = flags.get("config_dir")
+    with composed(flags.get("config_name") or command, overrides, Path(config_dir) if config_dir else None) as cfg:
+        head = defaults_of_a_job(command, dict(cfg.hydra.runtime.choices))
+    sys.stdout.write(head + printed.getvalue())
 
 
 def raised_in(exc: BaseException, function) -> bool:

@@ -60,3 +60,75 @@ def put_config_dir_on_path(args: list[str]) -> None:
             sys.path.insert(0, os.path.abspath(value))
             os.environ["PYTHONPATH"] = os.pathsep.join(  # the processes compare and memory start see it too
                 [os.path.abspath(value), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+# Hydra's flags that take a value, and those that take none: what is left of a command line is its overrides
+_FLAGS_WITH_VALUE = {"-cd": "config_dir", "--config-dir": "config_dir", "-cn": "config_name",
+                     "--config-name": "config_name", "-c": "cfg", "--cfg": "cfg", "-p": "package", "--package": "package",
+                     "--info": "info", "-sc": "shell_completion", "--shell-completion": "shell_completion",
+                     "--experimental-rerun": "rerun", "-cp": "config_path", "--config-path": "config_path"}
+_FLAGS = {"-m": "multirun", "--multirun": "multirun", "--resolve": "resolve", "-h": "help", "--help": "help",
+          "-hh": "hydra_help", "--hydra-help": "hydra_help", "--version": "version"}
+
+
+def hydra_flags(args: list[str]) -> tuple[dict[str, Optional[str]], list[str]]:
+    """A Hydra app's command line as its flags (name -> value, None for a flag without one) and its overrides."""
+    flags: dict[str, Optional[str]] = {}
+    overrides: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, _, value = arg.partition("=")
+        if name in _FLAGS_WITH_VALUE and (value or name.startswith("--")) and "=" in arg:
+            flags[_FLAGS_WITH_VALUE[name]] = value
+        elif arg in _FLAGS_WITH_VALUE:
+            flags[_FLAGS_WITH_VALUE[arg]] = args[i + 1] if i + 1 < len(args) else ""
+            i += 1
+        elif arg in _FLAGS:
+            flags[_FLAGS[arg]] = None
+        else:
+            overrides.append(arg)
+        i += 1
+    return flags, overrides
+
+
+GROUPS_OF_A_RUN = ("precision", "scaler", "recipe", "optimizer", "distributed")
+
+
+def defaults_of_a_job(app_config: str, choices: dict) -> str:
+    """The head `ampctl <command> --cfg job` prints before the config: the defaults list that makes the dump an
+    ampctl config again (its app config and the group options it was composed from), so that `-cd DIR -cn NAME`
+    runs it with ampctl's checks, run directory and logging."""
+    lines = [f"# ampctl's composed {app_config} config; loadable as it is: ampctl {app_config} -cd DIR -cn NAME",
+             "defaults:", f"  - {app_config}",
+             *(f"  - override {group}: {choices[group]}" for group in GROUPS_OF_A_RUN if choices.get(group)),
+             "  - _self_", ""]
+    return "\n".join(lines) + "\n"
+
+
+def refuse_a_config_that_is_not_ampctls(command: str, app_config: str, args: list[str]) -> None:
+    """`-cn NAME` whose config does not start from ampctl's app config (a --cfg job dump from before it wrote
+    its defaults list, a config of one's own without `- train`): Hydra would run it without ampctl's callbacks,
+    so without the check that a run directory is the run's own (it overwrote an earlier run's records), and
+    with Hydra's default run directories and logging. Refused in one line; a config Hydra cannot compose is
+    left to Hydra's own message."""
+    from omegaconf import OmegaConf
+
+    from ampctl.errors import UsageError
+
+    flags, overrides = hydra_flags(args)
+    name = flags.get("config_name")
+    if not name or name == app_config or {"help", "hydra_help", "cfg", "info", "shell_completion"} & set(flags):
+        return
+    config_dir = flags.get("config_dir")
+    try:
+        with composed(name, overrides, Path(config_dir) if config_dir else None) as cfg:
+            ours = OmegaConf.select(cfg, "hydra.callbacks.check_every_job") is not None
+    except Exception:  # noqa: BLE001 - Hydra's run says what is wrong with it, in its one line
+        return
+    if not ours:
+        raise UsageError(f"-cn {name}: the config does not start from ampctl's {app_config} config, so ampctl's "
+                         "checks (a value it refuses, a run directory that holds another run), its run directories "
+                         f"and its logging would not apply; begin it with `defaults: [{app_config}, _self_]` (and "
+                         f"`override <group>: <option>` for the options it uses), as `ampctl {command} --cfg job` "
+                         "writes it")

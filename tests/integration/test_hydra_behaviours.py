@@ -84,11 +84,15 @@ def test_cfg_job_output_loads_back_as_a_primary_config(tmp_path):
     again = ampctl("train", "-cd", ".", "-cn", "x", "--cfg", "job", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert yaml.safe_load(again.stdout) == yaml.safe_load(dumped.stdout)
-    trained = ampctl("train", "-cd", ".", "-cn", "x", "train.steps=1",
-                     "hydra.run.dir=run", cwd=tmp_path)
+    assert dumped.stdout.startswith("# ampctl's composed train config") and "  - override precision: bf16\n" in dumped.stdout
+    trained = ampctl("train", "-cd", ".", "-cn", "x", "train.steps=1", "train.console=plain", cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr
-    [summary] = summaries(tmp_path / "run")
-    assert (summary["precision"], summary["steps"]) == ("bf16", 1)
+    [run] = (tmp_path / "outputs").glob("*/*")
+    assert run.name.endswith("_bf16")  # named as a run of ampctl's train config, with its mode
+    [summary] = summaries(run)
+    assert (summary["precision"], summary["steps"], summary["recipe"]) == ("bf16", 1, "mlp")
+    lines = trained.stdout.splitlines()
+    assert len(lines) == len(set(lines)) and not any("][ampctl" in line for line in lines)  # each said once
     # the loaded config is typed by ampctl's schema as the composed one was
     bad = ampctl("train", "-cd", ".", "-cn", "x", "scaler.kind=sometimes", "hydra.run.dir=bad", cwd=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("ampctl train: error: scaler.kind='sometimes'")

@@ -422,6 +422,19 @@ def test_a_torchvision_for_another_torch_is_one_line_naming_both_versions(tmp_pa
     assert "pip install 'torchvision==0." in line and not (tmp_path / "run").exists()
 
 
+def test_a_config_that_is_not_ampctls_is_refused_before_it_touches_a_run(tmp_path):
+    """A --cfg job dump from before it wrote its defaults list (or any primary config without `- train`) would
+    run without ampctl's callbacks: it overwrote an earlier run's metrics.jsonl. Refused in one line."""
+    first = ampctl.train([*MLP, "train.steps=3"], run_dir=tmp_path / "run")
+    before = snapshot(first.run_dir)
+    dump = cli("train", *MLP, "train.steps=2", "--cfg", "job", cwd=tmp_path)
+    assert dump.returncode == 0, dump.stderr
+    (tmp_path / "old.yaml").write_text(dump.stdout.split("  - _self_\n", 1)[1])  # the values, no defaults list
+    refused = cli("train", "-cd", str(tmp_path), "-cn", "old", f"hydra.run.dir={first.run_dir}", cwd=tmp_path)
+    assert "-cn old: the config does not start from ampctl's train config" in one_line_refusal(refused, "train")
+    assert snapshot(first.run_dir) == before
+
+
 def test_a_config_that_includes_itself_is_one_line(tmp_path):
     (tmp_path / "self.yaml").write_text("defaults:\n  - self\n")
     refused = cli("train", "-cd", str(tmp_path), "-cn", "self", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
