@@ -54,3 +54,12 @@ def test_memory_bars_stack_the_parts_beside_the_measured_peak(figures):
     assert (-0.18, 4.0) in heights and (0.82, 2.0) in heights  # each mode's stack tops at its estimate, MiB
     assert (0.18, 3.0) in heights  # the measured peak beside it
     assert "not measured" in [t.get_text() for t in ax.texts] and ax.get_title().endswith("recipe=gpt")
+
+
+def test_a_layer_whose_name_is_only_a_position_is_labelled_with_its_type():
+    from ampctl.analysis.range_plots import row_label
+
+    assert row_label("0", "Linear") == "0 (Linear)"  # the MLP, an nn.Sequential
+    assert row_label("blocks.0.mlp.2", "Linear") == "blocks.0.mlp.2 (Linear)"
+    assert row_label("blocks.0.attn.qkv", "Linear") == "blocks.0.attn.qkv"
+    assert row_label("3", None) == "3"  # a ranges.json written before layers carried their type
