@@ -97,8 +97,9 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
     app has them, after the command line's checks (its values; an output directory that is not its own is refused before
     anything is written). The directory gets Hydra's .hydra/ files (config, overrides), which reports read. A
     refused call leaves no directory, as on the command line (a run that recorded steps keeps them)."""
-    from ampctl.commands.checks import check_single_run, task_overrides, without_hydra_node
+    from ampctl.commands.checks import check_single_run, task_overrides
     from ampctl.commands.compose import composed, put_config_dir_on_path
+    from ampctl.conf.composing import without_hydra_node
     from ampctl.conf.messages import one_line
     from ampctl.errors import UsageError
     from ampctl.runner.ownership import remove_if_only_hydra_files

@@ -23,6 +23,7 @@ COMMANDS = {
     "compare": ("ampctl.commands.compare", "compare", "the same run under several precision modes, one table and report"),
     "memory": ("ampctl.commands.memory", "memory", "estimated memory per part next to the measured peak, per precision mode"),
     "inspect": ("ampctl.commands.inspect_ranges", "inspect", "where values fall against fp16, bf16 and FP8 ranges, per layer"),
+    "advise": ("ampctl.commands.advise", "advise", "the precision mode for this model on this machine, with the evidence"),
     "report": ("ampctl.commands.report", "main", "the table, files and plots of a run, multirun or compare directory, again"),
     "list": ("ampctl.commands.list", "main", "list precision modes, scalers, recipes and optimizers, and what runs here"),
     "init": ("ampctl.commands.init", "main", "write an editable experiment config and recipe of your own"),
@@ -200,7 +201,8 @@ def run_hydra_app(command: str, entry) -> None:
 def job_config_with_its_defaults(command: str) -> Iterator[None]:
     """`--cfg job`: Hydra prints the job's config; ampctl puts the defaults list it was composed from before it, so
     that the dump loads again as an ampctl config (`-cd DIR -cn NAME`: ampctl's checks, run directory, logging)."""
-    from ampctl.commands.compose import composed, defaults_of_a_job, hydra_flags
+    from ampctl.commands.compose import composed, hydra_flags
+    from ampctl.conf.composing import defaults_of_a_job
 
     flags, overrides = hydra_flags(sys.argv[1:])
     if flags.get("cfg") != "job" or "package" in flags or "multirun" in flags:

@@ -10,7 +10,7 @@ constants; docstrings and messages may say the names.
       diagnosis.json       the layer a guard's stop found (runner/diagnose.py)
       trackers.json        the tracker runs a resume continues (runner/trackers/)
       checkpoints/         step_NNNNNNNN.pt (or .dcp/) with .sha256 sidecars, best/ (runner/checkpoint_files.py)
-      train.log            the run's log (compare.log, memory.log, inspect.log for those commands)
+      train.log            the run's log (compare.log, memory.log, inspect.log, advise.log for those commands)
       error.txt            a failed multirun job's one line (the sweep's table shows it)
       .ampctl.lock         held (flock) by the process recording into the directory; the kernel frees it on kill
       .hydra/              Hydra's record of the composed config
@@ -40,4 +40,4 @@ RECORDS = (*ROWS, SUMMARY, DIAGNOSIS)  # what a run recorded: another run never 
 COMPARISON, MEMORY, INSPECTION = "comparison", "memory", "ranges"
 STUDY_RECORDS = tuple(f"{stem}.json" for stem in (COMPARISON, MEMORY, INSPECTION))
 
-COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log")  # each command's log, by its name
+COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log", "advise.log")  # each command's log, by its name

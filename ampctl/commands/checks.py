@@ -10,17 +10,16 @@ front and each job again when it starts.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ampctl.conf.composing import compose_job
+from ampctl.conf.composing import compose_job, without_hydra_node
 from ampctl.conf.messages import one_line
 from ampctl.conf.schema import APP_SCHEMAS, ParallelKind, validate
 from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
@@ -72,8 +71,14 @@ def check_inspect(cfg: DictConfig) -> None:
         power_of_two_log2(cfg.inspect.loss_scale, "inspect.loss_scale")
 
 
+def check_advise(cfg: DictConfig) -> None:
+    validate(cfg)  # its studies check each mode and run as they go
+    refuse_distributed(cfg, "advise")
+
+
 # command -> its check (its primary config's schema: conf.schema.APP_SCHEMAS)
-CHECKS = {"train": check_train, "compare": check_compare, "memory": check_memory, "inspect": check_inspect}
+CHECKS = {"train": check_train, "compare": check_compare, "memory": check_memory, "inspect": check_inspect,
+          "advise": check_advise}
 
 
 def typed(command: str, cfg: DictConfig) -> DictConfig:
@@ -146,14 +151,6 @@ def train_run(cfg: DictConfig, hydra_cfg: DictConfig) -> Job:
 
     return Job(*plan(cfg, dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg), main_run_dir(hydra_cfg),
                      torchrun_world_size()))
-
-
-def without_hydra_node(config: DictConfig) -> DictConfig:
-    """The job's config as its task function receives it (Hydra removes the hydra node the same way)."""
-    job = copy.deepcopy(config)
-    with read_write(job), open_dict(job):
-        del job["hydra"]
-    return job
 
 
 def check_single_run(command: str, config: DictConfig) -> Job:

@@ -92,20 +92,6 @@ def hydra_flags(args: list[str]) -> tuple[dict[str, Optional[str]], list[str]]:
     return flags, overrides
 
 
-GROUPS_OF_A_RUN = ("precision", "scaler", "recipe", "optimizer", "distributed")
-
-
-def defaults_of_a_job(app_config: str, choices: dict) -> str:
-    """The head `ampctl <command> --cfg job` prints before the config: the defaults list that makes the dump an
-    ampctl config again (its app config and the group options it was composed from), so that `-cd DIR -cn NAME`
-    runs it with ampctl's checks, run directory and logging."""
-    lines = [f"# ampctl's composed {app_config} config; loadable as it is: ampctl {app_config} -cd DIR -cn NAME",
-             "defaults:", f"  - {app_config}",
-             *(f"  - override {group}: {choices[group]}" for group in GROUPS_OF_A_RUN if choices.get(group)),
-             "  - _self_", ""]
-    return "\n".join(lines) + "\n"
-
-
 def refuse_a_config_that_is_not_ampctls(command: str, app_config: str, args: list[str]) -> None:
     """`-cn NAME` whose config does not start from ampctl's app config (a --cfg job dump from before it wrote
     its defaults list, a config of one's own without `- train`): Hydra would run it without ampctl's callbacks,

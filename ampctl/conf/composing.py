@@ -4,17 +4,43 @@ command line's one line."""
 
 from __future__ import annotations
 
+import copy
+
 from hydra import compose
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from ampctl.conf.messages import one_line
 from ampctl.errors import UsageError
 
 
-def compose_job(config_name: str, overrides: list[str]) -> DictConfig:
+def compose_job(config_name: str, overrides: list[str], with_hydra: bool = False) -> DictConfig:
+    """with_hydra: the hydra node too (the group choices, hydra.runtime.choices)."""
     try:
-        return compose(config_name=config_name, overrides=overrides)
+        return compose(config_name=config_name, overrides=overrides, return_hydra_config=with_hydra)
     except (HydraException, OmegaConfBaseException) as exc:
         raise UsageError(one_line(exc)) from None
+
+
+def without_hydra_node(config: DictConfig) -> DictConfig:
+    """The job's config as its task function receives it (Hydra removes the hydra node the same way)."""
+    job = copy.deepcopy(config)
+    with read_write(job), open_dict(job):
+        del job["hydra"]
+    return job
+
+
+GROUPS_OF_A_RUN = ("precision", "scaler", "recipe", "optimizer", "distributed")
+
+
+def defaults_of_a_job(app_config: str, choices: dict) -> str:
+    """The head `ampctl <command> --cfg job` prints before the config: the defaults list that makes the dump an
+    ampctl config again (its app config and the group options it was composed from), so that `-cd DIR -cn NAME`
+    runs it with ampctl's checks, run directory and logging."""
+    lines = [f"# ampctl's composed {app_config} config; loadable as it is: ampctl {app_config} -cd DIR -cn NAME",
+             "defaults:", f"  - {app_config}",
+             *(f"  - override {group}: {choices[group]}" for group in GROUPS_OF_A_RUN if choices.get(group)),
+             "  - _self_", ""]
+    return "\n".join(lines) + "\n"
+

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -534,6 +535,46 @@ class InspectAppConfig(AmpctlConfig):
     inspect: InspectConfig = field(default_factory=InspectConfig)
 
 
+class AdviseGoal(Enum):
+    speed = "speed"  # the fastest mode whose accuracy matches fp32's
+    memory = "memory"  # the mode with the smallest peak whose accuracy matches fp32's
+    accuracy = "accuracy"  # fp32's numbers: the others as alternatives, with what they would cost
+
+
+@dataclass
+class AdviseConfig:
+    budget: str = "10min"  # the time advise may take in all: 90s, 10min, 1h30m
+    goal: AdviseGoal = AdviseGoal.speed
+    name: str = "advised"  # the experiment config it writes: <run dir>/<name>.yaml
+
+    def __post_init__(self) -> None:
+        require(budget_seconds(self.budget) is not None, "advise.budget", self.budget,
+                "a duration such as 90s, 10min, 1h or 1h30m")
+        require(bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name)), "advise.name", self.name,
+                "a config name: letters, digits and _")
+
+
+def budget_seconds(text: str) -> Optional[float]:
+    """'1h30m' -> 5400.0; None when it is no duration (a positive one of h, min or m, s)."""
+    match = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*(?:min|m))?\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*",
+                         str(text))
+    if match is None or not any(match.groups()):
+        return None
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    return total if total > 0 else None
+
+
+@dataclass
+class AdviseAppConfig(AmpctlConfig):
+    """The primary config of `ampctl advise`: a train config, what to advise on, and the settings of the compare
+    and inspect studies it runs."""
+
+    advise: AdviseConfig = field(default_factory=AdviseConfig)
+    compare: CompareConfig = field(default_factory=lambda: CompareConfig(seeds=3, rounds=3, warmup_steps=5))
+    inspect: InspectConfig = field(default_factory=lambda: InspectConfig(steps=2))
+
+
 SCALER_SCHEMAS = {"none": NoScalerConfig, "static": StaticScalerConfig, "dynamic": DynamicScalerConfig}
 
 
@@ -616,6 +657,7 @@ APP_SCHEMAS: dict[str, tuple[str, type]] = {
     "compare": ("ampctl_compare_schema", CompareAppConfig),
     "memory": ("ampctl_memory_schema", MemoryAppConfig),
     "inspect": ("ampctl_inspect_schema", InspectAppConfig),
+    "advise": ("ampctl_advise_schema", AdviseAppConfig),
 }
 
 

@@ -181,7 +181,8 @@ def test_unknown_command_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["trian"])
     assert exit_info.value.code == 2
-    assert "unknown command 'trian'; did you mean 'train'? choose one of: train, compare, memory, inspect, report, list" in capsys.readouterr().err
+    assert f"unknown command 'trian'; did you mean 'train'? choose one of: {', '.join(COMMANDS)}" in capsys.readouterr().err
+    assert "train, compare, memory, inspect, advise, report, list" in ", ".join(COMMANDS)
 
 
 # --- real processes ---------------------------------------------------------------------------------
@@ -351,7 +352,7 @@ def imported_after(args: list[str], cwd: Path, env: Optional[dict] = None) -> di
     return ast.literal_eval(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("command", ["train", "compare", "memory", "inspect"])
+@pytest.mark.parametrize("command", ["train", "compare", "memory", "inspect", "advise"])
 def test_help_and_completion_answer_without_importing_torch(tmp_path, command):
     """`ampctl train --help` and every Tab of shell completion: ~1 s here, where importing torch alone is 1.5 s
     (benchmarks/startup.py measures them)."""

@@ -124,7 +124,7 @@ def test_resume_auto_after_a_kill_before_the_first_checkpoint_trains_the_runs_ow
 # --- 4. no command writes over another's results ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["compare", "inspect", "memory"])
+@pytest.mark.parametrize("command", ["compare", "inspect", "memory", "advise"])
 def test_a_command_into_a_directory_that_holds_results_is_refused_and_touches_nothing(tmp_path, command):
     run_dir = tmp_path / "done"
     first = cli("train", *MLP, "train.steps=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)
@@ -158,6 +158,21 @@ def test_a_multirun_into_the_current_directory_is_refused(tmp_path):
     refused = cli("train", "-m", *MLP, "train.steps=1", "train.seed=1,2", "hydra.sweep.dir=", cwd=tmp_path)
     assert "hydra.sweep.dir='' is not allowed" in one_line_refusal(refused, "train")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args,named", [
+    (["advise.budget=soon"], "advise.budget='soon' is not allowed: expected a duration such as 90s, 10min"),
+    (["advise.budget=0s"], "advise.budget='0s' is not allowed"),
+    (["advise.goal=fast"], "advise.goal='fast' is not allowed: expected one of speed, memory, accuracy"),
+    (["advise.name=my-config"], "advise.name='my-config' is not allowed: expected a config name"),
+    (["precision=bf16"], "'precision=bf16': ampctl advise chooses the precision mode"),
+    (["resume=auto"], "'resume=auto': ampctl advise starts runs of its own"),
+    (["distributed=ddp"], "distributed=ddp: ampctl advise runs on one device"),
+])
+def test_advise_refuses_bad_values_in_one_line_and_leaves_nothing(tmp_path, args, named):
+    refused = cli("advise", *MLP, *args, f"hydra.run.dir={tmp_path / 'advice'}", cwd=tmp_path)
+    assert named in one_line_refusal(refused, "advise")
+    assert not (tmp_path / "advice").exists()
 
 
 def test_a_run_directory_that_is_a_file_is_refused(tmp_path):

@@ -1,0 +1,36 @@
+"""`ampctl advise [overrides]`: a Hydra app over conf/advise.yaml (train's config plus advise.*, and the settings
+of the compare and inspect studies it runs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from ampctl.commands.checks import job_of, task_overrides
+from ampctl.commands.compare import command_line_config_dir
+from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.runner.ownership import remove_if_only_hydra_files
+
+
+@hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="advise")
+def advise(cfg: DictConfig) -> None:
+    # the study imports torch: here, so that --help and shell completion answer without it
+    from ampctl.studies.advise import run_advise
+    from ampctl.studies.compare import CompareInterrupted
+
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    try:
+        run_advise(job_of("advise", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
+                   command_line_config_dir(hydra_cfg))
+    except UsageError as exc:
+        remove_if_only_hydra_files(out_dir)
+        print(f"ampctl advise: error: {exc}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    except CompareInterrupted as exc:
+        print(f"ampctl advise: interrupted ({exc}); the advice of what was measured is in {out_dir}", file=sys.stderr)
+        sys.exit(128 + exc.signum)
