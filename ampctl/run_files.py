@@ -37,7 +37,8 @@ HYDRA = ".hydra"
 ROWS = (METRICS, EVALS, RANGES)  # appended to step by step; a resume cuts them back to its checkpoint
 RECORDS = (*ROWS, SUMMARY, DIAGNOSIS)  # what a run recorded: another run never replaces them
 # the studies' table stems: comparison.json, memory.json, ranges.json are their records
-COMPARISON, MEMORY, INSPECTION = "comparison", "memory", "ranges"
-STUDY_RECORDS = tuple(f"{stem}.json" for stem in (COMPARISON, MEMORY, INSPECTION))
+COMPARISON, MEMORY, INSPECTION, ADVICE = "comparison", "memory", "ranges", "advice"
+# advice first: an advice's directory holds the other studies' in directories of their own
+STUDY_RECORDS = tuple(f"{stem}.json" for stem in (ADVICE, COMPARISON, MEMORY, INSPECTION))
 
 COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log", "advise.log")  # each command's log, by its name

@@ -71,7 +71,9 @@ def _render_record(path: Path, record: str, console) -> int:
         spans = [tuple(span) for span in meta["rounds"]] if meta.get("rounds") else None
         return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console,
                                        spans, meta.get("seeds"))
-    if record == f"{run_files.MEMORY}.json":
+    if record == f"{run_files.ADVICE}.json":
+        from ampctl.studies.advise import rerender
+    elif record == f"{run_files.MEMORY}.json":
         from ampctl.studies.memory import rerender
     else:
         from ampctl.studies.inspect_ranges import rerender

@@ -165,12 +165,23 @@ def write_advice(out_dir: Path, cfg: DictConfig, advice: Advice, evidence: list[
               "evidence": [vars(e) for e in evidence],
               "gradients": None if gradients is None else vars(gradients),
               "overrides": run_overrides, "config": config.name}
-    io.write_json(out_dir / "advice.json", record)
+    io.write_json(out_dir / f"{run_files.ADVICE}.json", record)
+    say_advice(out_dir, advice, partial, config, console)
+
+
+def say_advice(out_dir: Path, advice: Advice, partial: Optional[str], config: Path, console: Any) -> None:
+    """advice.md, and the same lines on the console."""
     lines = advice_lines(advice, partial, config, out_dir)
-    io.atomic_write_text(out_dir / "advice.md", "# ampctl advise\n\n" + "\n".join(f"- {line}" if i else line
-                                                                                 for i, line in enumerate(lines)) + "\n")
+    io.atomic_write_text(out_dir / f"{run_files.ADVICE}.md", "# ampctl advise\n\n" + "\n".join(
+        f"- {line}" if i else line for i, line in enumerate(lines)) + "\n")
     for line in lines:
         console.print(line, soft_wrap=True)
+
+
+def rerender(out_dir: Path, console: Any) -> None:
+    """`ampctl report` on an advice's directory: advice.md and its lines again, from advice.json."""
+    record = json.loads((out_dir / f"{run_files.ADVICE}.json").read_text())
+    say_advice(out_dir, Advice(**record["advice"]), record.get("partial"), out_dir / record["config"], console)
 
 
 def advice_lines(advice: Advice, partial: Optional[str], config: Path, out_dir: Path) -> list[str]:

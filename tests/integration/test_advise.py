@@ -32,6 +32,11 @@ def test_advise_writes_the_evidence_and_a_config_that_runs_and_agrees_with_an_in
     evidence = {e["mode"]: e for e in record["evidence"]}
     assert evidence.keys() >= {"fp32"} and set(advice["rejected"]) == evidence.keys() - {"fp32", advice["mode"]}
 
+    written = (out / "advice.md").read_text()
+    (out / "advice.md").unlink()
+    rendered = ampctl("report", str(out), cwd=tmp_path)  # from advice.json, again
+    assert rendered.returncode == 0 and (out / "advice.md").read_text() == written, rendered.stderr
+
     trained = ampctl("train", "-cd", str(out), "-cn", "advised", "train.steps=3", "hydra.run.dir=run", cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
