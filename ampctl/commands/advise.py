@@ -12,8 +12,7 @@ from omegaconf import DictConfig
 
 from ampctl.commands.checks import job_of, task_overrides
 from ampctl.commands.compare import command_line_config_dir
-from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.runner.ownership import remove_if_only_hydra_files
+from ampctl.commands.studies import refused_in_one_line
 
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="advise")
@@ -25,12 +24,9 @@ def advise(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        run_advise(job_of("advise", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
-                   command_line_config_dir(hydra_cfg))
-    except UsageError as exc:
-        remove_if_only_hydra_files(out_dir)
-        print(f"ampctl advise: error: {exc}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
+        with refused_in_one_line("advise", out_dir):
+            run_advise(job_of("advise", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
+                       command_line_config_dir(hydra_cfg))
     except CompareInterrupted as exc:
         print(f"ampctl advise: interrupted ({exc}); the advice of what was measured is in {out_dir}", file=sys.stderr)
         sys.exit(128 + exc.signum)

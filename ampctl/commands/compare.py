@@ -10,8 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.commands.checks import job_of, task_overrides
-from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.runner.ownership import remove_if_only_hydra_files
+from ampctl.commands.studies import refused_in_one_line
 
 
 def command_line_config_dir(hydra_cfg: DictConfig) -> str | None:
@@ -30,12 +29,9 @@ def compare(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        failed = run_compare(job_of("compare", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
-                             command_line_config_dir(hydra_cfg))
-    except UsageError as exc:
-        remove_if_only_hydra_files(out_dir)
-        print(f"ampctl compare: error: {exc}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
+        with refused_in_one_line("compare", out_dir):
+            failed = run_compare(job_of("compare", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
+                                 command_line_config_dir(hydra_cfg))
     except CompareInterrupted as exc:
         print(f"ampctl compare: interrupted ({exc}); the modes run so far are compared in {out_dir}; the "
               "interrupted mode continues with ampctl train resume=<its directory>", file=sys.stderr)

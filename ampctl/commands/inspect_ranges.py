@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -10,8 +9,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.commands.checks import job_of, task_overrides
-from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.runner.ownership import remove_if_only_hydra_files
+from ampctl.commands.studies import refused_in_one_line
 
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="inspect")
@@ -21,9 +19,5 @@ def inspect(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
-    try:
+    with refused_in_one_line("inspect", out_dir):
         run_inspect(job_of("inspect", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg))
-    except UsageError as exc:
-        remove_if_only_hydra_files(out_dir)
-        print(f"ampctl inspect: error: {exc}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)

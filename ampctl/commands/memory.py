@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -11,8 +10,7 @@ from omegaconf import DictConfig
 
 from ampctl.commands.checks import job_of, task_overrides
 from ampctl.commands.compare import command_line_config_dir
-from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.runner.ownership import remove_if_only_hydra_files
+from ampctl.commands.studies import refused_in_one_line
 
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="memory")
@@ -22,10 +20,6 @@ def memory(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
-    try:
+    with refused_in_one_line("memory", out_dir):
         run_memory(job_of("memory", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
-                      command_line_config_dir(hydra_cfg))
-    except UsageError as exc:
-        remove_if_only_hydra_files(out_dir)
-        print(f"ampctl memory: error: {exc}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
+                   command_line_config_dir(hydra_cfg))
