@@ -51,26 +51,39 @@ class BlockScaleRecorder:
         if not self.counts:
             return None
         host = dict(zip(self.counts, torch.stack(list(self.counts.values())).cpu().tolist()))  # one transfer
-        columns = ["layer", "format", *(f"{role}_{what}" for role in ROLES for what in ("saturated", "flushed"))]
-        rows = []
-        for name, layer in self.layers:
-            row: list[Any] = [name, layer.fmt]
-            for role in ROLES:
-                values, saturated, flushed = host.get((name, role), (0, 0, 0))
-                row += [saturated / values, flushed / values] if values else [None, None]
-            rows.append(row)
-        return styled_blocks(columns, rows)
+        return operand_table(BLOCKS_TITLE, [(name, layer.fmt) for name, layer in self.layers], host, BLOCKS_NOTE)
 
 
-def styled_blocks(columns: list[str], rows: list[list[Any]]) -> tables.ReportTable:
+BLOCKS_NOTE = ("fractions of each operand's values over the steps inspected: sat., beyond the element's max after its "
+               "block's scale (clipped to it); →0, non-zero and quantized to zero. Activations and weights as the "
+               "forward matmul quantizes them (blocks along K), gradients as the input-gradient matmul does (along N). "
+               "Emulated: the numerics are the format's, the speed is not.")
+OPERAND_COLUMNS = ["layer", "format", *(f"{role}_{what}" for role in ROLES for what in ("saturated", "flushed"))]
+
+
+def operand_table(title: str, layers: list[tuple[str, Any]], host: dict[tuple[str, str], list[int]],
+                  note: str) -> tables.ReportTable:
+    """One row per layer: the share of each operand's values saturated and flushed, from host counts
+    [values, saturated, flushed] by (layer, role)."""
+    rows = []
+    for name, fmt in layers:
+        row: list[Any] = [name, fmt]
+        for role in ROLES:
+            values, saturated, flushed = host.get((name, role), (0, 0, 0))
+            row += [saturated / values, flushed / values] if values else [None, None]
+        rows.append(row)
+    return styled_operands(title, OPERAND_COLUMNS, rows, note)
+
+
+def styled_operands(title: str, columns: list[str], rows: list[list[Any]], note: str) -> tables.ReportTable:
     headers = {c: c.replace("activation_", "act ").replace("weight_", "weight ").replace("gradient_", "grad ")
                .replace("saturated", "sat.").replace("flushed", "→0") for c in columns}
     formats = {c: lambda v: "-" if v is None else fraction_cell(v) for c in columns[2:]}
-    notes = ["fractions of each operand's values over the steps inspected: sat., beyond the element's max after its "
-             "block's scale (clipped to it); →0, non-zero and quantized to zero. Activations and weights as the "
-             "forward matmul quantizes them (blocks along K), gradients as the input-gradient matmul does (along N). "
-             "Emulated: the numerics are the format's, the speed is not."]
-    return tables.ReportTable(BLOCKS_TITLE, columns, rows, notes=notes, headers=headers, formats=formats)
+    return tables.ReportTable(title, columns, rows, notes=[note], headers=headers, formats=formats)
+
+
+def styled_blocks(columns: list[str], rows: list[list[Any]]) -> tables.ReportTable:
+    return styled_operands(BLOCKS_TITLE, columns, rows, BLOCKS_NOTE)
 
 
 def precision_table(rows: list[LayerRow]) -> tables.ReportTable:

@@ -23,12 +23,14 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from ampctl import io, run_files
+from ampctl.analysis import fp8_tensorwise
 from ampctl.analysis.block_scales import (
     BLOCKS_TITLE,
     PRECISION_TITLE,
     BlockScaleRecorder,
     precision_table,
     styled_blocks,
+    styled_operands,
 )
 from ampctl.analysis.numerics import (
     FORMATS,
@@ -47,7 +49,8 @@ from ampctl.reports.progress import Phases
 from ampctl.reports.tables import fraction_cell
 
 SUMMARY_TITLE, LAYERS_TITLE = "value ranges by tensor kind, all layers", "value ranges per layer"
-ALSO_KEYS = {PRECISION_TITLE: "precision_layers", BLOCKS_TITLE: "block_scales"}  # their rows' keys in ranges.json
+ALSO_KEYS = {PRECISION_TITLE: "precision_layers", BLOCKS_TITLE: "block_scales",
+             fp8_tensorwise.TITLE: "fp8_tensorwise"}  # their rows' keys in ranges.json
 GRADSCALER_DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale: the scale studied for unscaled modes
 
 
@@ -59,6 +62,7 @@ class Inspection:
     gradient_dtype: str = "float32"  # what the run's backward computed its gradients in
     precision: Optional[tables.ReportTable] = None  # the resolved precision of every layer
     blocks: Optional[tables.ReportTable] = None  # block-scaled layers: what their scales saturate and flush
+    fp8: Optional[tables.ReportTable] = None  # plain Linear layers: what FP8's tensorwise scale would flush
 
 
 def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None) -> Inspection:
@@ -83,13 +87,15 @@ def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: Non
         phase(f"built the model, hooks on {len(recorder.layers)} leaf modules")
         n = cfg.inspect.steps
         blocks = BlockScaleRecorder(state.model)
-        with recorder, blocks:
+        fp8 = fp8_tensorwise.TensorwiseFp8Recorder(state.model)
+        with recorder, blocks, fp8:
             recorder.record_weights()
             run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), n, recipe, policy,
                       StepSettings.of(cfg.train), before_step=note_the_scale,
                       after_step=lambda done: phase(f"recorded step {done}/{n}"))
     half = str(policy.dtype).removeprefix("torch.") if policy.uses_half else "float32"
-    return Inspection(recorder, study, run_scales, half, precision_table(policy.layer_rows), blocks.table())
+    return Inspection(recorder, study, run_scales, half, precision_table(policy.layer_rows), blocks.table(),
+                      fp8.table())
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -210,7 +216,7 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {io.count_of(cfg.inspect.steps, 'step')}"
     InspectReport(layer_table(inspection), summary_table(inspection), histogram, inspection.study_scale,
                   inspection.run_scales, overrides, tables.machine_info([{"device": device.type}]), context,
-                  [t for t in (inspection.precision, inspection.blocks) if t is not None]).write(out_dir, console)
+                  [t for t in (inspection.precision, inspection.blocks, inspection.fp8) if t is not None]).write(out_dir, console)
 
 
 @dataclass
@@ -242,7 +248,10 @@ class InspectReport:
                  **{ALSO_KEYS[t.title]: t.as_dicts() for t in self.also}}
         files = tables.write_files(self.layers, out_dir, run_files.INSPECTION, self.machine, images, extra, self.also)
         for table in self.also:
-            tables.print_table(table, console)
+            if table.title == fp8_tensorwise.TITLE:  # one row per Linear: in the files, its worst on screen
+                console.print(fp8_tensorwise.worst_line(table), soft_wrap=True)
+            else:
+                tables.print_table(table, console)
         tables.print_table(self.summary, console)
         console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
 
@@ -262,7 +271,10 @@ class InspectReport:
                                   data["study_scale"])
         also = [make(list(data[key][0]), [list(r.values()) for r in data[key]])
                 for key, make in (("precision_layers", lambda c, r: tables.ReportTable(PRECISION_TITLE, c, r)),
-                                  ("block_scales", styled_blocks)) if data.get(key)]
+                                  ("block_scales", styled_blocks),
+                                  ("fp8_tensorwise", lambda c, r: styled_operands(fp8_tensorwise.TITLE, c, r,
+                                                                                  fp8_tensorwise.NOTE)))
+                if data.get(key)]
         return cls(layers, summary, data["histogram"], data["study_scale"], data["run_scales"],
                    data.get("overrides", []), data["machine"], data.get("context", ""), also)
 
