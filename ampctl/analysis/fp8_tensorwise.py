@@ -3,11 +3,13 @@ its own amax, this step): per nn.Linear and operand, the share of values that sc
 quantized to zero) and saturates (beyond the format's max: none, by construction, unless the amax is not the
 tensor's own). The operands are the ones the FP8 matmuls take: the layer's input and weight in E4M3, the
 gradient of its output in E5M2 (fp8_emulated.quantize and scale_from_amax: torchao's rules, bit for bit).
-Counted on the device while an inspection runs in any mode that leaves the Linear layers plain (fp32, bf16, ...):
-the evidence `ampctl advise` turns into per-layer rules for precision=fp8."""
+Counted on the device while an inspection runs: on the layers an FP8 mode converted (torchao's Float8Linear,
+Fp8EmulatedLinear) where it converted some, else on every plain nn.Linear (fp32, bf16, ...). The evidence
+`ampctl advise` turns into per-layer rules for precision=fp8."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 import torch
@@ -23,6 +25,15 @@ FORMAT = "fp8 tensorwise (e4m3, grads e5m2)"
 NOTE = ("fractions of each operand's values over the steps inspected, each tensor scaled by its own amax as "
         "torchao's tensorwise recipe does (E4M3 input and weight, E5M2 output gradient): →0, non-zero and quantized "
         "to zero; sat., beyond the format's max (none when the amax is the tensor's own).")
+
+
+def fp8_linear_classes() -> tuple[type, ...]:
+    """The Linear classes FP8 modes convert to: torchao's only where torchao is already imported (a model holds
+    none otherwise)."""
+    from ampctl.engine.precision.fp8_emulated import Fp8EmulatedLinear
+
+    torchao_linear = sys.modules.get("torchao.float8.float8_linear")
+    return (Fp8EmulatedLinear, *([torchao_linear.Float8Linear] if torchao_linear is not None else []))
 
 
 def tensorwise_outcomes(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -42,7 +53,8 @@ class TensorwiseFp8Recorder:
     backward), added on entry and removed on exit; counts accumulated on the device, read once by table()."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.layers = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+        converted = [(name, m) for name, m in model.named_modules() if isinstance(m, fp8_linear_classes())]
+        self.layers = converted or [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
         self.counts: dict[tuple[str, str], torch.Tensor] = {}
         self._handles: list[Any] = []
 

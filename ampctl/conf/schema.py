@@ -546,10 +546,18 @@ class AdviseConfig:
     budget: str = "10min"  # the time advise may take in all: 90s, 10min, 1h30m
     goal: AdviseGoal = AdviseGoal.speed
     name: str = "advised"  # the experiment config it writes: <run dir>/<name>.yaml
+    # torch.compile measured (each mode eager and compiled): null, where the budget leaves each run enough steps
+    # after the compile time the calibration measured; true, always; false, never
+    compile: Optional[bool] = None
+    # FP8 and MX modes: a layer whose format loses more than this share of an operand's values (saturated or
+    # flushed to zero, as inspect counts them in that mode) stays unconverted
+    layer_loss_limit: float = 0.02
 
     def __post_init__(self) -> None:
         require(budget_seconds(self.budget) is not None, "advise.budget", self.budget,
                 "a duration such as 90s, 10min, 1h or 1h30m")
+        require(0.0 <= self.layer_loss_limit < 1.0, "advise.layer_loss_limit", self.layer_loss_limit,
+                "a share of values from 0 to below 1 (0.02: 2%)")
         require(bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name)), "advise.name", self.name,
                 "a config name: letters, digits and _")
 

@@ -233,3 +233,32 @@ def save_figure(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     pyplot().close(fig)
     return path
+
+
+def speed_and_accuracy(points: Sequence[dict[str, Any]], chosen: str, path: Path, title: str,
+                       context: str = "") -> Path:
+    """ampctl advise's evidence in one picture: each compared mode's speedup over fp32 (x, with its interval from
+    the rounds) against its held-out loss minus fp32's (y, with its 95% interval over seeds). Up-left is worse on
+    both; the advised mode is drawn filled. points: mode, speedup, speedup_low, speedup_high, delta, delta_interval."""
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.6))
+    ax.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.axhline(0.0, color="grey", linewidth=0.8, linestyle="--")
+    for i, p in enumerate(sorted(points, key=lambda p: p["speedup"])):
+        x, y = p["speedup"], p.get("delta") or 0.0
+        xerr = [[x - (p.get("speedup_low") or x)], [(p.get("speedup_high") or x) - x]]
+        yerr = [[p.get("delta_interval") or 0.0], [p.get("delta_interval") or 0.0]]
+        filled = p["mode"] == chosen
+        ax.errorbar([x], [y], xerr=xerr, yerr=yerr, fmt="o", capsize=3, markersize=7,
+                    markerfacecolor="black" if filled else "white", color="black", zorder=3)
+        ax.annotate(p["mode"] + (" (advised)" if filled else ""), (x, y), textcoords="offset points",
+                    xytext=(7, 6 if i % 2 == 0 else -13), fontsize=8)  # neighbours alternate: no overlap
+    ax.set_xscale("log")
+    times = pyplot().FuncFormatter(lambda v, _pos: f"{v:g}x")
+    ax.xaxis.set_major_formatter(times)
+    ax.xaxis.set_minor_formatter(times)
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.set(xlabel="speed against fp32 (x; its interval over the rounds)",
+           ylabel="held-out loss minus fp32's (± 95% over seeds)", title=title + (f"\n{context}" if context else ""))
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    return save_figure(fig, path)

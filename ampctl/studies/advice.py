@@ -5,20 +5,25 @@ The rules, for goal=speed (the default): a mode is recommended over fp32 only wh
 faster (its speedup's interval above 1, from alternating rounds) *and* its held-out loss matches fp32's within
 seed noise (reports/parity.py); the fastest such mode wins. goal=memory: the smallest measured peak among the
 modes that match. goal=accuracy: fp32, with what the others would give. A mode whose parity the seeds did not
-decide is not recommended: the advice says so, and that a longer budget decides it. A mode that scales its loss
-(fp16, O1, O2, O3) gets an initial scale from the largest gradient measured (the largest power of two that keeps
-it finite in fp16 with a factor 2 to spare) and a rule keeping in fp32 every layer whose activations exceed fp16's
-range.
+decide is not recommended: the advice says so, and that a longer budget decides it.
+
+Each mode is compared as it would be advised (prepare(), before the comparison): a mode that scales its loss
+(fp16, O1, O2, O3) with an initial scale from the largest gradient measured (the largest power of two that keeps
+it finite in fp16 with a factor 2 to spare) and fp32 for every layer whose activations exceed fp16's range; a mode
+that converts Linear layers (FP8, MX) with the layers whose operands the format loses too much of left
+unconverted. So the speed and the parity that decide are those of the config advise writes.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+from ampctl import io
 from ampctl.analysis.numerics import largest_safe_scale
 from ampctl.io import scale_label
+from ampctl.studies import variants
 
 BASELINE = "fp32"
 SCALED_MODES = ("fp16", "O1", "O2", "O3")  # fp16 compute: a loss scaler, and fp16's range, matter
@@ -36,6 +41,7 @@ class ModeEvidence:
     speedup_high: Optional[float] = None
     parity: Optional[str] = None  # matches | differs | undecided | one seed
     eval_loss_delta: Optional[float] = None  # mean over seeds of (mode - fp32) held-out loss
+    eval_loss_delta_interval: Optional[float] = None  # its 95% half-width over the seeds
     seeds: int = 0
     peak_mib: Optional[float] = None
     skipped: Optional[str] = None  # why it did not run here
@@ -69,28 +75,97 @@ class GradientEvidence:
     overflowing_layers: tuple[str, ...] = ()  # layers whose activations exceed fp16's range
 
 
+@dataclass(frozen=True)
+class LayerLoss:
+    """What a low-precision format loses of one layer's operand (inspect: block scales, or FP8's tensorwise)."""
+
+    layer: str
+    operand: str  # activation | weight | gradient: the layer's operand that loses the most
+    share: float  # of that operand's values, saturated or flushed to zero
+
+
 @dataclass
-class Advice:
-    mode: str
-    goal: str
-    reasons: list[str]
-    rejected: dict[str, str]
-    scaler: dict[str, Any] = field(default_factory=dict)  # scaler.<key> -> value for the chosen mode
-    rules: list[dict[str, str]] = field(default_factory=list)  # precision.rules for the chosen mode
+class Preparation:
+    """What advise sets for a mode before comparing it, so that the comparison measures the mode as it is advised:
+    the loss scaler's settings, the per-layer rules (the advised ones first, then the mode's own), and why."""
+
+    scaler: dict[str, Any] = field(default_factory=dict)
+    rules: list[dict[str, str]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    refused: Optional[str] = None  # why the mode is not worth comparing at all
+    summary: str = ""  # the settings in a few words: "scaler.init_scale=2^13, head in fp32"
 
     def overrides(self) -> list[str]:
-        """The command line that runs the advice."""
-        out = [f"precision={self.mode}", *(f"scaler.{k}={v!r}" for k, v in self.scaler.items())]
+        out = [f"scaler.{k}={v!r}" for k, v in self.scaler.items()]
         if self.rules:
             out.append("precision.rules=[" + ",".join("{" + ",".join(f"{k}:'{v}'" for k, v in rule.items()) + "}"
                                                       for rule in self.rules) + "]")
         return out
 
+
+def prepare(mode: str, gradients: Optional[GradientEvidence], losses: Optional[list[LayerLoss]] = None,
+            own_rules: Sequence[dict[str, str]] = (), limit: float = 0.01, measured_by: str = "") -> Preparation:
+    """The settings of a mode before it is compared. A mode that scales its loss: an initial scale from the largest
+    gradient measured and fp32 for the layers whose activations exceed fp16's range. A mode that converts Linear
+    layers (FP8, MX): the layers whose worst operand the format loses more than `limit` of stay unconverted."""
+    prepared = Preparation()
+    added: list[dict[str, str]] = []
+    if mode in SCALED_MODES and gradients is not None:
+        _scaler(prepared, gradients)
+        added = [{"match": layer, "run_in": "fp32"} for layer in gradients.overflowing_layers]
+        init = prepared.scaler.get("init_scale")
+        prepared.summary = ", ".join([*([f"scaler.init_scale={scale_label(init)}"] if init else []),
+                                      *([f"{', '.join(gradients.overflowing_layers)} in fp32"] if added else [])])
+        if added:
+            prepared.reasons.append(f"{', '.join(gradients.overflowing_layers)} kept in fp32 (precision.rules): their "
+                                    "activations exceed fp16's range")
+    if losses:
+        beyond = sorted((loss for loss in losses if loss.share > limit), key=lambda loss: -loss.share)
+        if len(beyond) == len(losses):
+            prepared.refused = (f"{measured_by} loses more than {limit:.2%} of an operand in every one of its "
+                                f"{len(losses)} converted layers (least: {min(loss.share for loss in losses):.2%}): "
+                                "nothing would be left to run in it")
+            return prepared
+        added = [{"match": loss.layer, "run_in": "unconverted"} for loss in beyond]
+        if beyond:
+            prepared.summary = f"{io.count_of(len(beyond), 'layer')} of {len(losses)} unconverted"
+            worst = ", ".join(f"{loss.layer} ({loss.share:.2%} of its {loss.operand}s)" for loss in beyond[:3])
+            more = f" and {len(beyond) - 3} more" if len(beyond) > 3 else ""
+            prepared.reasons.append(
+                f"{io.count_of(len(beyond), 'layer')} of {len(losses)} kept unconverted (precision.rules), as "
+                f"{measured_by} loses more than advise.layer_loss_limit={limit:g} of an operand there: {worst}{more}")
+    prepared.rules = [*added, *own_rules] if added else []
+    return prepared
+
+
+@dataclass
+class Advice:
+    mode: str  # a comparison's row: "bf16", or "bf16+compile" where compile was compared both ways (see .precision)
+    goal: str
+    reasons: list[str]
+    rejected: dict[str, str]
+    scaler: dict[str, Any] = field(default_factory=dict)  # scaler.<key> -> value for the chosen mode
+    rules: list[dict[str, str]] = field(default_factory=list)  # precision.rules for the chosen mode
+    notes: list[str] = field(default_factory=list)  # what was not measured, and why
+
+    @property
+    def precision(self) -> str:
+        return variants.parse(self.mode).mode
+
+    def overrides(self) -> list[str]:
+        """The command line that runs the advice."""
+        variant = variants.parse(self.mode)
+        return [f"precision={variant.mode}", *variant.overrides(), *Preparation(self.scaler, self.rules).overrides()]
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def decide(modes: list[ModeEvidence], gradients: Optional[GradientEvidence], goal: str = "speed") -> Advice:
+def decide(modes: list[ModeEvidence], prepared: Optional[dict[str, Preparation]] = None,
+           goal: str = "speed", notes: Sequence[str] = ()) -> Advice:
+    """The advice from the comparison's rows; prepared: what advise set for each mode (by mode name) before the
+    comparison measured it, adopted with the mode chosen."""
+    prepared = prepared or {}
     baseline = next((m for m in modes if m.mode == BASELINE), None)
     rejected: dict[str, str] = {}
     matching: list[ModeEvidence] = []
@@ -103,9 +178,15 @@ def decide(modes: list[ModeEvidence], gradients: Optional[GradientEvidence], goa
         else:
             rejected[m.mode] = why
     chosen, reasons = _choose(goal, baseline, matching, rejected)
-    advice = Advice(chosen, goal, reasons, rejected)
-    if chosen in SCALED_MODES and gradients is not None:
-        _scaler_and_rules(advice, gradients)
+    for label in rejected:
+        summary = getattr(prepared.get(variants.parse(label).mode), "summary", "")
+        if summary and label not in {m.mode for m in modes if m.skipped is not None}:
+            rejected[label] += f" (as advise would set it: {summary})"
+    advice = Advice(chosen, goal, reasons, rejected, notes=list(notes))
+    preparation = prepared.get(variants.parse(chosen).mode)
+    if preparation is not None:
+        advice.scaler, advice.rules = dict(preparation.scaler), list(preparation.rules)
+        advice.reasons += preparation.reasons
     return advice
 
 
@@ -160,28 +241,23 @@ def _choose(goal: str, baseline: Optional[ModeEvidence], matching: list[ModeEvid
                        f"{best.eval_loss_delta:+.4f} against fp32, within the seed-to-seed noise of {best.seeds} seeds"]
 
 
-def _scaler_and_rules(advice: Advice, gradients: GradientEvidence) -> None:
+def _scaler(prepared: Preparation, gradients: GradientEvidence) -> None:
     safe = largest_safe_scale(gradients.max_gradient)
     if math.isfinite(safe):
         init = min(safe, MAX_INIT_SCALE)
-        advice.scaler["init_scale"] = init
+        prepared.scaler["init_scale"] = init
         if init < GRADSCALER_INIT:
-            advice.reasons.append(
+            prepared.reasons.append(
                 f"scaler.init_scale={scale_label(init)}: the largest gradient measured ({gradients.max_gradient:.3g}) "
                 f"overflows fp16 at GradScaler's 2^16; {scale_label(init)} keeps it finite with a factor 2 to spare")
         elif init > GRADSCALER_INIT:
-            advice.reasons.append(
+            prepared.reasons.append(
                 f"scaler.init_scale={scale_label(init)}: at GradScaler's 2^16, fp16 flushes "
                 f"{gradients.flushed_in_fp16:.2%} of the activation gradients to zero; {scale_label(init)} still "
                 f"keeps the largest ({gradients.max_gradient:.3g}) finite with a factor 2 to spare")
-    advice.scaler["growth_interval"] = 2000
-    advice.reasons.append("scaler.growth_interval=2000 (GradScaler's): from a start the gradients measured allow, growth "
-                          "only probes upward, and each probe that overflows costs a skipped step")
-    for layer in gradients.overflowing_layers:
-        advice.rules.append({"match": layer, "run_in": "fp32"})
-    if gradients.overflowing_layers:
-        advice.reasons.append(f"{', '.join(gradients.overflowing_layers)} kept in fp32 (precision.rules): their "
-                              "activations exceed fp16's range")
+    prepared.scaler["growth_interval"] = 2000
+    prepared.reasons.append("scaler.growth_interval=2000 (GradScaler's): from a start the gradients measured allow, "
+                            "growth only probes upward, and each probe that overflows costs a skipped step")
 
 
 def _mib(value: Optional[float]) -> str:

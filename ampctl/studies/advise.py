@@ -2,36 +2,45 @@
 
 It runs ampctl's own instruments in turn, within advise.budget, each into a directory of its own under the
 advice's: inspect (a few fp32 steps with range hooks: the largest gradient, what fp16 flushes, which layers
-overflow fp16), a short calibration run (the step's time, to size what follows), and compare (the modes that
-run at speed here, in alternating rounds, over advise's seeds: speedup with its interval, held-out parity with
-fp32, each mode's peak memory). Then it decides (studies/advice.py) and writes advice.md, advice.json and an
-experiment config that `ampctl train -cd <dir> -cn <advise.name>` runs as written. Ctrl-C during the comparison
-leaves the advice of what was measured, said to be partial.
+overflow fp16); a short calibration run (the step's time, to size what follows; and a compiled one, for the
+compile time, where compile is a candidate); for each FP8 or MX mode that runs at speed here (or is named in
+compare.precisions) an inspection in that mode (what its format loses of each converted layer); then compare
+(the candidates as they would be advised, see advice.prepare; eager and compiled where the budget leaves each run
+enough steps; with and without activation checkpointing where memory is the goal) in alternating rounds over
+advise's seeds: speedup with its interval, held-out parity with fp32, each mode's peak memory. Then it decides
+(studies/advice.py) and writes advice.md, advice.png, advice.json and an experiment config that
+`ampctl train -cd <dir> -cn <advise.name>` runs as written. Ctrl-C during the comparison leaves the advice of what
+was measured, said to be partial.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ampctl import io, run_files
 from ampctl.conf.composing import compose_job, defaults_of_a_job, without_hydra_node
-from ampctl.conf.schema import budget_seconds
+from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS, budget_seconds
 from ampctl.engine import cpu_speed
 from ampctl.errors import UsageError
 from ampctl.reports import tables
-from ampctl.studies.advice import Advice, GradientEvidence, ModeEvidence, decide
-from ampctl.studies.compare import CompareInterrupted, plan_modes, run_compare, split_overrides
+from ampctl.studies import variants
+from ampctl.studies.advice import Advice, GradientEvidence, LayerLoss, ModeEvidence, Preparation, decide, prepare
+from ampctl.studies.compare import CompareInterrupted, ModePlan, plan_modes, run_compare, split_overrides
 from ampctl.studies.inspect_ranges import run_inspect
 
 OWN_KEYS = ("advise.", "compare.", "inspect.")  # advise's settings: not the runs'
+# the modes advise considers: those compare runs by default, and the converted formats where they run at speed
+CANDIDATES = (*DEFAULT_COMPARE_PRECISIONS, "fp8", "mxfp8", "nvfp4", "mxfp4")
 CALIBRATION_STEPS = 8
 PROCESS_START_S = 8.0  # a mode's process: imports, build, the first steps (measured here: 5-8 s on 2 cores)
 MIN_STEPS, MAX_STEPS = 30, 2000
+COMPILED_MIN_STEPS = 2 * MIN_STEPS  # compile is measured only where each run keeps at least this many steps
 
 
 def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> None:
@@ -57,9 +66,19 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     run_inspect(inspect_cfg, out_dir / "inspect", run_overrides)
     gradients = gradient_evidence(out_dir / "inspect")
 
+    notes: list[str] = []
     step_ms = _calibrate(run_overrides, out_dir / "calibration")
-    plans, skipped = plan_modes(cfg, run_overrides)
-    steps, estimate = _steps_for(budget - (time.monotonic() - started), step_ms, plans, cfg)
+    cfg = _with_variants(cfg, run_overrides, notes)
+    plans, skipped = plan_modes(cfg, run_overrides, CANDIDATES)
+    prepared = _prepare(cfg, plans, skipped, gradients, run_overrides, out_dir)
+    compile_s = 0.0
+    if _compile_is_candidate(cfg, run_overrides, notes):
+        plans, compile_s = _with_compile_where_it_fits(cfg, plans, run_overrides, out_dir, step_ms,
+                                                       budget - (time.monotonic() - started), notes)
+    seconds_left = budget - (time.monotonic() - started)
+    plans = [_prepared_plan(plan, prepared) for plan in plans]
+    steps, estimate = _steps_for(seconds_left, step_ms, plans, cfg, compile_s)
+    plans = [dataclasses.replace(p, steps=steps, overrides=[*p.overrides, f"train.steps={steps}"]) for p in plans]
     modes = [p.mode for p in plans]
     console.print(f"  plan: compare {', '.join(modes)} x {io.count_of(cfg.compare.seeds, 'seed')} x "
                   f"{io.count_of(steps, 'step')} in {io.count_of(cfg.compare.rounds, 'round')} (about "
@@ -67,16 +86,116 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     interrupted: Optional[CompareInterrupted] = None
     if len(plans) > 1:  # fp32 alone is no comparison
         try:
-            run_compare(cfg, out_dir / "compare", [*run_overrides, f"train.steps={steps}"], config_dir)
+            run_compare(cfg, out_dir / "compare", [*run_overrides, f"train.steps={steps}"], config_dir,
+                        planned=(plans, skipped))
         except CompareInterrupted as exc:
             interrupted = exc
     evidence = mode_evidence(out_dir / "compare", skipped, only=None if len(plans) > 1 else modes)
-    advice = decide(evidence, gradients, cfg.advise.goal.value)
+    advice = decide(evidence, prepared, cfg.advise.goal.value, notes)
     partial = None if interrupted is None else \
         f"interrupted during the comparison ({interrupted}): the advice holds what was measured before"
     write_advice(out_dir, cfg, advice, evidence, gradients, run_overrides, console, partial)
     if interrupted is not None:
         raise interrupted
+
+
+def _compile_is_candidate(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> bool:
+    """Whether compile is to be measured (the budget decides later where advise.compile is null)."""
+    if cfg.compare.compile is not None or any(o.lstrip("+~").startswith("train.compile=") for o in run_overrides):
+        notes.append("torch.compile: as set (compare.compile or train.compile), not chosen by advise")
+        return False
+    if cfg.advise.compile is False:
+        notes.append("torch.compile: not measured (advise.compile=false)")
+        return False
+    return True
+
+
+def _eager_and_compiled(plans: list[ModePlan]) -> list[ModePlan]:
+    """Each plan eager and compiled: the rows "bf16" and "bf16+compile", as compare.compile=[false,true] makes."""
+    both_checkpointed = any(variants.parse(p.mode).checkpointed for p in plans)
+    out = []
+    for plan in plans:
+        variant = variants.parse(plan.mode)
+        settings = [o for o in plan.overrides if not o.startswith("train.compile=")]
+        for compiled in (False, True):
+            out.append(dataclasses.replace(
+                plan, mode=variants.label(variant.mode, compiled, variant.checkpointed, both_compiled=True,
+                                          both_checkpointed=both_checkpointed),
+                overrides=[*settings, f"train.compile={str(compiled).lower()}"]))
+    return out
+
+
+def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> DictConfig:
+    """Activation checkpointing measured (each mode with and without) where memory is the goal and the recipe
+    names blocks to checkpoint; otherwise a note of why not."""
+    if cfg.compare.activation_checkpointing is not None or any(
+            o.lstrip("+~").startswith("train.activation_checkpointing=") for o in run_overrides):
+        notes.append("activation checkpointing: as set (compare.activation_checkpointing or "
+                     "train.activation_checkpointing), not chosen by advise")
+        return cfg
+    if cfg.advise.goal.value != "memory":
+        notes.append("activation checkpointing: not measured: it trades compute for memory (it runs each "
+                     "checkpointed block's forward twice), which goal=speed does not ask for; advise.goal=memory "
+                     "measures it")
+        return cfg
+    from ampctl.recipes.base import build_recipe
+
+    if getattr(build_recipe(cfg.recipe), "activation_checkpoint_blocks", None) is None:
+        notes.append(f"activation checkpointing: not measured: recipe {cfg.recipe.name} names no blocks to "
+                     "checkpoint")
+        return cfg
+    out = cfg.copy()
+    with open_dict(out):
+        out.compare.activation_checkpointing = [False, True]
+    return out
+
+
+def _prepare(cfg: DictConfig, plans: list[ModePlan], skipped: dict[str, str], gradients: Optional[GradientEvidence],
+             run_overrides: list[str], out_dir: Path) -> dict[str, Preparation]:
+    """Each mode's settings before it is compared (advice.prepare): scaled modes from the fp32 inspection's
+    gradients; converted modes (FP8, MX) from an inspection in that mode, which counts what their format loses
+    of each converted layer. A mode not worth comparing moves to skipped."""
+    prepared: dict[str, Preparation] = {}
+    for mode in dict.fromkeys(variants.parse(p.mode).mode for p in plans):
+        mode_cfg = compose_job("advise", [*run_overrides, f"precision={mode}"])
+        precision = OmegaConf.to_container(mode_cfg.precision, resolve=True, enum_to_str=True)
+        own_rules = [{k: v for k, v in rule.items() if v is not None} for rule in precision.get("rules") or []]
+        losses, measured_by = None, ""
+        if mode_cfg.precision.converter is not None:
+            inspect_dir = out_dir / f"inspect_{mode}"
+            run_inspect(mode_cfg, inspect_dir, [*run_overrides, f"precision={mode}"])
+            losses, measured_by = layer_losses(inspect_dir, mode)
+        prepared[mode] = prepare(mode, gradients, losses, own_rules, cfg.advise.layer_loss_limit, measured_by)
+        if prepared[mode].refused is not None:
+            skipped[mode] = prepared[mode].refused
+    plans[:] = [p for p in plans if variants.parse(p.mode).mode not in skipped]
+    return prepared
+
+
+def _prepared_plan(plan: ModePlan, prepared: dict[str, Preparation]) -> ModePlan:
+    preparation = prepared.get(variants.parse(plan.mode).mode)
+    if preparation is None:
+        return plan
+    return dataclasses.replace(plan, overrides=[*plan.overrides, *preparation.overrides()])
+
+
+def layer_losses(inspect_dir: Path, mode: str) -> tuple[Optional[list[LayerLoss]], str]:
+    """Per converted layer, the operand its format loses most of (saturated + flushed), from an inspection in that
+    mode: its block-scale table (MX) or its FP8 tensorwise table."""
+    data = json.loads((inspect_dir / f"{run_files.INSPECTION}.json").read_text())
+    for key, measured_by in (("block_scales", f"{mode}'s block scales"),
+                             ("fp8_tensorwise", f"{mode}'s tensorwise scale")):
+        rows = data.get(key)
+        if rows:
+            return [_worst_operand(row) for row in rows], measured_by
+    return None, ""
+
+
+def _worst_operand(row: dict) -> LayerLoss:
+    shares = {role: (row.get(f"{role}_saturated") or 0.0) + (row.get(f"{role}_flushed") or 0.0)
+              for role in ("activation", "weight", "gradient")}
+    role = max(shares, key=shares.__getitem__)
+    return LayerLoss(row["layer"], role, shares[role])
 
 
 def _machine(cfg: DictConfig) -> str:
@@ -90,23 +209,49 @@ def _machine(cfg: DictConfig) -> str:
     return f"cpu ({name}); " + "; ".join(speed.describe())
 
 
-def _calibrate(run_overrides: list[str], run_dir: Path) -> float:
-    """fp32's median step time here, from a short run of the recipe (its own record, under the advice's)."""
+def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> float:
+    """fp32's median step time here from a short run of the recipe (its own record, under the advice's); with
+    train.compile=true its summary's compile_s is the compile time."""
     from ampctl.runner.run import run_training
 
     cfg = compose_job("train", [*run_overrides, "precision=fp32", f"train.steps={CALIBRATION_STEPS}",
-                                "train.timing_warmup_steps=2", "train.console=quiet", "train.eval_every=null"])
+                                "train.timing_warmup_steps=2", "train.console=quiet", "train.eval_every=null", *extra])
     summary = run_training(cfg, run_dir, echo=lambda _line: None)
-    return float(summary["median_step_time_ms"])
+    return float(summary["compile_s"] or 0.0) if extra else float(summary["median_step_time_ms"])
 
 
-def _steps_for(seconds_left: float, step_ms: float, plans: list, cfg: DictConfig) -> tuple[int, float]:
+def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_overrides: list[str], out_dir: Path,
+                                step_ms: float, seconds_left: float, notes: list[str]) -> tuple[list[ModePlan], float]:
+    """Each mode eager and compiled, where the budget leaves each run COMPILED_MIN_STEPS after compiling (its time
+    measured by a compiled calibration run, taken only where the steps would fit without any compile time);
+    advise.compile=true, whatever the budget. Returns the plans and the compile time."""
+    both_ways = _eager_and_compiled(plans)
+    forced = cfg.advise.compile is True
+    steps, _ = _steps_for(seconds_left, step_ms, both_ways, cfg)
+    compile_s = None
+    if steps >= COMPILED_MIN_STEPS or forced:
+        started = time.monotonic()
+        compile_s = _calibrate(run_overrides, out_dir / "calibration_compiled", "train.compile=true")
+        steps, _ = _steps_for(seconds_left - (time.monotonic() - started), step_ms, both_ways, cfg, compile_s)
+    if steps >= COMPILED_MIN_STEPS or forced:
+        return both_ways, compile_s or 0.0
+    cost = "" if compile_s is None else f"compiling each run (~{compile_s:.0f} s here) and "
+    notes.append(f"torch.compile: not measured: {cost}running every mode both ways would leave "
+                 f"{io.count_of(steps, 'step')} a run in advise.budget={cfg.advise.budget}, under {COMPILED_MIN_STEPS}; "
+                 "advise.compile=true or a longer budget measures it")
+    return plans, 0.0
+
+
+def _steps_for(seconds_left: float, step_ms: float, plans: list, cfg: DictConfig,
+               compile_s: float = 0.0) -> tuple[int, float]:
     """The steps each mode's run takes so that the comparison fits what is left of the budget, and the estimate.
-    A mode's step is fp32's times the CPU probe's slowdown of its half type (a GPU's modes are taken as fp32's)."""
+    A mode's step is fp32's times the CPU probe's slowdown of its half type (a GPU's modes are taken as fp32's);
+    a compiled run adds its compile time once."""
     slowdown = sum(_relative_time(plan) for plan in plans)
     seeds = cfg.compare.seeds
     per_step_s = seeds * slowdown * step_ms / 1e3
-    fixed_s = seeds * len(plans) * PROCESS_START_S
+    compiled = sum(variants.parse(plan.mode).compiled for plan in plans)
+    fixed_s = seeds * (len(plans) * PROCESS_START_S + compiled * compile_s)
     steps = int(max(seconds_left - fixed_s, 0) / per_step_s) if per_step_s > 0 else MAX_STEPS
     steps = max(MIN_STEPS, min(MAX_STEPS, steps))
     return steps, fixed_s + steps * per_step_s
@@ -149,7 +294,8 @@ def mode_evidence(compare_dir: Path, skipped: dict[str, str], only: Optional[lis
             continue
         evidence.append(ModeEvidence(
             row["precision"], row.get("speedup"), row.get("speedup_low"), row.get("speedup_high"), row.get("parity"),
-            row.get("eval_loss_delta"), row.get("seeds") or 0, row.get("peak_memory_mib")))
+            row.get("eval_loss_delta"), row.get("eval_loss_delta_interval"), row.get("seeds") or 0,
+            row.get("peak_memory_mib")))
     return evidence
 
 
@@ -166,33 +312,49 @@ def write_advice(out_dir: Path, cfg: DictConfig, advice: Advice, evidence: list[
               "gradients": None if gradients is None else vars(gradients),
               "overrides": run_overrides, "config": config.name}
     io.write_json(out_dir / f"{run_files.ADVICE}.json", record)
-    say_advice(out_dir, advice, partial, config, console)
+    say_advice(out_dir, advice, evidence, partial, config, console)
 
 
-def say_advice(out_dir: Path, advice: Advice, partial: Optional[str], config: Path, console: Any) -> None:
-    """advice.md, and the same lines on the console."""
+def say_advice(out_dir: Path, advice: Advice, evidence: list[ModeEvidence], partial: Optional[str], config: Path,
+               console: Any) -> None:
+    """advice.md (with its plot, where modes were compared), and the same lines on the console."""
     lines = advice_lines(advice, partial, config, out_dir)
+    image = speed_plot(out_dir, advice, evidence)
     io.atomic_write_text(out_dir / f"{run_files.ADVICE}.md", "# ampctl advise\n\n" + "\n".join(
-        f"- {line}" if i else line for i, line in enumerate(lines)) + "\n")
+        f"- {line}" if i else line for i, line in enumerate(lines)) + "\n"
+        + (f"\n![{image.stem}]({image.name})\n" if image is not None else ""))
     for line in lines:
         console.print(line, soft_wrap=True)
 
 
+def speed_plot(out_dir: Path, advice: Advice, evidence: list[ModeEvidence]) -> Optional[Path]:
+    from ampctl.reports import plots
+
+    points = [{"mode": e.mode, "speedup": e.speedup, "speedup_low": e.speedup_low, "speedup_high": e.speedup_high,
+               "delta": e.eval_loss_delta, "delta_interval": e.eval_loss_delta_interval}
+              for e in evidence if e.speedup is not None and e.skipped is None and e.failed is None]
+    if len(points) < 2:
+        return None
+    return plots.speed_and_accuracy(points, advice.mode, out_dir / "advice.png",
+                                    f"ampctl advise (goal={advice.goal}): {' '.join(advice.overrides())}")
+
+
 def rerender(out_dir: Path, console: Any) -> None:
-    """`ampctl report` on an advice's directory: advice.md and its lines again, from advice.json."""
+    """`ampctl report` on an advice's directory: advice.md, its plot and its lines again, from advice.json."""
     record = json.loads((out_dir / f"{run_files.ADVICE}.json").read_text())
-    say_advice(out_dir, Advice(**record["advice"]), record.get("partial"), out_dir / record["config"], console)
+    evidence = [ModeEvidence(**e) for e in record["evidence"]]
+    say_advice(out_dir, Advice(**record["advice"]), evidence, record.get("partial"), out_dir / record["config"],
+               console)
 
 
 def advice_lines(advice: Advice, partial: Optional[str], config: Path, out_dir: Path) -> list[str]:
-    lines = [f"advice (goal={advice.goal}): precision={advice.mode}"
+    lines = [f"advice (goal={advice.goal}): precision={advice.precision}"
              + (f" with {' '.join(advice.overrides()[1:])}" if len(advice.overrides()) > 1 else "")]
     if partial:
         lines.append(f"partial: {partial}")
     lines += [f"why: {reason}" for reason in advice.reasons]
     lines += [f"not {mode}: {why}" for mode, why in advice.rejected.items()]
+    lines += [f"note: {note}" for note in advice.notes]
     lines.append(f"run it: ampctl train -cd {out_dir} -cn {config.stem}   (the evidence: inspect/, compare/, "
-                 "advice.json)")
+                 "advice.json, advice.png)")
     return lines
-
-

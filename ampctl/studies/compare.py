@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
@@ -42,6 +42,7 @@ from ampctl.recipes.base import build_recipe
 from ampctl.reports import comparison, tables
 from ampctl.reports import rounds as rounds_stats
 from ampctl.reports.runs import load_run
+from ampctl.studies import variants
 from ampctl.studies.turns import TurnRun, run_in_turns
 
 
@@ -72,11 +73,13 @@ def split_overrides(task_overrides: list[str]) -> list[str]:
     return run_overrides
 
 
-def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan], dict[str, str]]:
-    """The modes to run, each with its overrides, and the modes skipped with the reason."""
+def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[str] = DEFAULT_COMPARE_PRECISIONS,
+               ) -> tuple[list[ModePlan], dict[str, str]]:
+    """The modes to run, each with its overrides, and the modes skipped with the reason: compare.precisions, or the
+    candidates that run at speed here."""
     options = GlobalHydra.instance().config_loader().get_group_options("precision")
     explicit = cfg.compare.precisions is not None
-    names = list(cfg.compare.precisions) if explicit else list(DEFAULT_COMPARE_PRECISIONS)
+    names = list(cfg.compare.precisions) if explicit else list(candidates)
     for name in names:
         if name not in options:
             raise UsageError(f"compare.precisions: {name!r} is not a precision mode; choose from {', '.join(options)}")
@@ -111,8 +114,8 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str]) -> tuple[list[ModePlan
             continue
         for compiled in compiling:
             for ac in checkpointing:
-                label = (name + ("+compile" if compiled and len(compiling) > 1 else "")
-                         + ("+ac" if ac and len(checkpointing) > 1 else ""))
+                label = variants.label(name, compiled, ac, both_compiled=len(compiling) > 1,
+                                       both_checkpointed=len(checkpointing) > 1)
                 plans.append(ModePlan(label, [*overrides, f"train.activation_checkpointing={str(ac).lower()}",
                                               f"train.compile={str(compiled).lower()}"], mode_cfg.train.steps,
                                       policy.device.type,
@@ -155,10 +158,13 @@ def evaluation_overrides(cfg: DictConfig, steps: int) -> tuple[list[str], Option
     return ([], reason) if reason else ([f"train.eval_every={steps}"], None)
 
 
-def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> int:
+def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str],
+                planned: Optional[tuple[list[ModePlan], dict[str, str]]] = None) -> int:
     """Run every mode in turns, seed after seed, then write the table, CSV, JSON, report.md and plots. Returns the
-    number of failed runs. Interrupted, it writes the comparison of the runs so far and raises CompareInterrupted."""
-    plans, skipped = plan_modes(cfg, split_overrides(task_overrides))
+    number of failed runs. Interrupted, it writes the comparison of the runs so far and raises CompareInterrupted.
+    planned: the plans and skipped modes of plan_modes, with settings of their own (ampctl advise's)."""
+    plans, skipped = planned if planned is not None else plan_modes(cfg, split_overrides(task_overrides))
+    skipped = dict(skipped)
     spans = round_spans(cfg, plans[0].steps)
     seeds = [cfg.train.seed + i for i in range(cfg.compare.seeds)]
     evaluation, no_evaluation = evaluation_overrides(cfg, plans[0].steps)

@@ -42,6 +42,7 @@ from ampctl.processes import child_environment
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
+from ampctl.studies import variants
 
 SEARCH_PROBES = 10  # real-step probes of the batch search, at most
 
@@ -90,7 +91,7 @@ def plan(cfg: DictConfig, task_overrides: list[str]) -> list[tuple[str, list[str
     rows = []
     for name in names:
         for ac in checkpointing:
-            label = name + ("+ac" if ac and len(checkpointing) > 1 else "")
+            label = variants.label(name, False, ac, both_compiled=False, both_checkpointed=len(checkpointing) > 1)
             rows.append((label, [*run_overrides, f"precision={name}", f"train.activation_checkpointing={str(ac).lower()}"]))
     return rows
 

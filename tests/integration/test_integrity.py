@@ -165,6 +165,8 @@ def test_a_multirun_into_the_current_directory_is_refused(tmp_path):
     (["advise.budget=0s"], "advise.budget='0s' is not allowed"),
     (["advise.goal=fast"], "advise.goal='fast' is not allowed: expected one of speed, memory, accuracy"),
     (["advise.name=my-config"], "advise.name='my-config' is not allowed: expected a config name"),
+    (["advise.layer_loss_limit=2"], "advise.layer_loss_limit=2.0 is not allowed: expected a share of values from 0"),
+    (["advise.compile=maybe"], "advise.compile"),
     (["precision=bf16"], "'precision=bf16': ampctl advise chooses the precision mode"),
     (["resume=auto"], "'resume=auto': ampctl advise starts runs of its own"),
     (["distributed=ddp"], "distributed=ddp: ampctl advise runs on one device"),

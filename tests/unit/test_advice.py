@@ -3,7 +3,9 @@ reasons."""
 
 from __future__ import annotations
 
-from ampctl.studies.advice import Advice, GradientEvidence, ModeEvidence, decide
+import dataclasses
+
+from ampctl.studies.advice import Advice, GradientEvidence, LayerLoss, ModeEvidence, decide, prepare
 
 FP32 = ModeEvidence("fp32", 1.0, 1.0, 1.0, peak_mib=100.0, seeds=3)
 
@@ -58,7 +60,7 @@ def test_a_mode_within_noise_of_fp32s_speed_is_not_faster():
 
 def test_the_fastest_matching_mode_wins_and_a_scaled_one_gets_its_scale_and_rules():
     gradients = GradientEvidence(max_gradient=3.2, flushed_in_fp16=0.0, overflowing_layers=("head",))
-    advice = decide([FP32, bf16(), fp16()], gradients)
+    advice = decide([FP32, bf16(), fp16()], {"fp16": prepare("fp16", gradients)})
     assert advice.mode == "fp16" and advice.rejected["bf16"].endswith("below fp16's 2.00x")
     # 65504 / 3.2 = 20470: the largest power of two below is 2^14, and one bit to spare makes it 2^13
     assert advice.scaler == {"init_scale": 2.0**13, "growth_interval": 2000}
@@ -69,7 +71,7 @@ def test_the_fastest_matching_mode_wins_and_a_scaled_one_gets_its_scale_and_rule
 
 
 def test_tiny_gradients_start_the_scale_higher_and_say_what_fp16_would_flush():
-    advice = decide([FP32, fp16()], GradientEvidence(max_gradient=1e-3, flushed_in_fp16=0.05))
+    advice = decide([FP32, fp16()], {"fp16": prepare("fp16", GradientEvidence(max_gradient=1e-3, flushed_in_fp16=0.05))})
     assert advice.scaler["init_scale"] == 2.0**24  # 2^25 is safe; capped at 2^24
     assert any("flushes 5.00% of the activation gradients" in r for r in advice.reasons)
 
@@ -88,3 +90,50 @@ def test_goal_accuracy_is_fp32_with_the_alternatives():
 def test_advice_round_trips_as_json():
     advice = decide([FP32, bf16()], None)
     assert Advice(**advice.to_json()) == advice
+
+
+def test_o2s_own_rule_stays_after_the_advised_ones():
+    """precision.rules replaces the mode's list: O2's norms-in-fp32 must be carried after the advised rules."""
+    norms = {"type": "norm", "run_in": "fp32"}
+    prepared = prepare("O2", GradientEvidence(3.2, 0.0, ("head",)), own_rules=[norms])
+    assert prepared.rules == [{"match": "head", "run_in": "fp32"}, norms]
+    assert prepare("O2", GradientEvidence(3.2, 0.0), own_rules=[norms]).rules == []  # nothing added: the mode's own
+
+
+def test_a_converted_mode_keeps_the_layers_its_format_loses_too_much_of_unconverted():
+    losses = [LayerLoss("blocks.0.fc", "gradient", 0.12), LayerLoss("blocks.1.fc", "activation", 0.002),
+              LayerLoss("head", "activation", 0.03)]
+    prepared = prepare("fp8", None, losses, limit=0.01, measured_by="FP8's tensorwise scale")
+    assert prepared.refused is None and prepared.scaler == {}
+    assert prepared.rules == [{"match": "blocks.0.fc", "run_in": "unconverted"}, {"match": "head", "run_in": "unconverted"}]
+    assert prepared.reasons == ["2 layers of 3 kept unconverted (precision.rules), as FP8's tensorwise scale loses "
+                                "more than advise.layer_loss_limit=0.01 of an operand there: blocks.0.fc (12.00% of "
+                                "its gradients), head (3.00% of its activations)"]
+    advice = decide([FP32, ModeEvidence("fp8", 1.4, 1.3, 1.5, "matches", 0.001, 3)], {"fp8": prepared})
+    assert advice.mode == "fp8" and advice.rules == prepared.rules and prepared.reasons[0] in advice.reasons
+    assert advice.overrides() == ["precision=fp8", "precision.rules=[{match:'blocks.0.fc',run_in:'unconverted'},"
+                                  "{match:'head',run_in:'unconverted'}]"]
+    assert prepare("fp8", None, [LayerLoss("x", "activation", 0.0)]).rules == []
+
+
+def test_a_format_that_loses_too_much_everywhere_is_not_worth_comparing():
+    prepared = prepare("mxfp4", None, [LayerLoss("a", "activation", 0.2), LayerLoss("b", "weight", 0.05)],
+                       limit=0.01, measured_by="MXFP4's block scales")
+    assert prepared.refused == ("MXFP4's block scales loses more than 1.00% of an operand in every one of its 2 "
+                                "converted layers (least: 5.00%): nothing would be left to run in it")
+
+
+def test_a_compiled_row_is_advised_as_compile_and_notes_are_kept():
+    compiled = bf16(speedup=2.2, speedup_low=2.1, speedup_high=2.3)
+    advice = decide([FP32, bf16(), dataclasses.replace(compiled, mode="bf16+compile")],
+                    notes=["activation checkpointing: not measured"])
+    assert advice.mode == "bf16+compile" and advice.overrides() == ["precision=bf16", "train.compile=true"]
+    assert advice.rejected["bf16"].endswith("below bf16+compile's 2.20x")
+    assert advice.notes == ["activation checkpointing: not measured"]
+
+
+def test_a_rejected_mode_says_the_settings_it_was_compared_with():
+    gradients = GradientEvidence(max_gradient=3.2, flushed_in_fp16=0.0, overflowing_layers=("head",))
+    advice = decide([FP32, fp16(speedup=0.7, speedup_low=0.65, speedup_high=0.75)], {"fp16": prepare("fp16", gradients)})
+    assert advice.mode == "fp32" and advice.scaler == {} and advice.rules == []
+    assert advice.rejected["fp16"].endswith("(as advise would set it: scaler.init_scale=2^13, head in fp32)")

@@ -49,3 +49,13 @@ def test_the_recorder_counts_each_linears_input_weight_and_output_gradient():
     assert row["gradient_flushed"] == pytest.approx(1 / 2)
     assert all(row[f"{role}_saturated"] == 0 for role in ("activation", "weight", "gradient"))
     assert not layer._forward_hooks  # the hooks exist only inside the recorder
+
+
+def test_in_an_fp8_mode_only_the_converted_layers_are_recorded():
+    from ampctl.conf.schema import Fp8EmulatedConfig
+    from ampctl.engine.precision.fp8_emulated import Fp8EmulatedLinear
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model[1] = Fp8EmulatedLinear.from_linear(model[1], config=Fp8EmulatedConfig())
+    assert [name for name, _ in TensorwiseFp8Recorder(model).layers] == ["1"]
+    assert [name for name, _ in TensorwiseFp8Recorder(nn.Sequential(nn.Linear(2, 2))).layers] == ["0"]
