@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional, Sequence
 
 from ampctl import io
-from ampctl.analysis.numerics import largest_safe_scale
+from ampctl.analysis.numerics import FP16, largest_safe_scale
 from ampctl.io import scale_label
 from ampctl.studies import variants
 
 BASELINE = "fp32"
 SCALED_MODES = ("fp16", "O1", "O2", "O3")  # fp16 compute: a loss scaler, and fp16's range, matter
 GRADSCALER_INIT = 2.0**16
+SAME_PEAK = 0.02  # goal=memory: peaks within 2% of each other are the same to a user (the faster wins)
 MAX_INIT_SCALE = 2.0**24  # a start above this buys nothing the scaler's growth would not
 
 
@@ -213,20 +214,29 @@ def _choose(goal: str, baseline: Optional[ModeEvidence], matching: list[ModeEvid
         return BASELINE, ["goal=accuracy: fp32 is the reference every other mode is measured against"
                           + (f"; alternatives that matched it: {alternatives}" if alternatives else "")]
     if goal == "memory":
-        lower = [m for m in matching if m.peak_mib is not None and baseline is not None and baseline.peak_mib
-                 and m.peak_mib < baseline.peak_mib]
+        fp32_peak = baseline.peak_mib if baseline is not None else None
+        lower = [m for m in matching if m.peak_mib is not None and fp32_peak
+                 and m.peak_mib < fp32_peak * (1 - SAME_PEAK)]
         for m in matching:
             if m not in lower:
-                rejected[m.mode] = f"matches fp32, but its peak is not below fp32's ({_mib(m.peak_mib)})"
+                rejected[m.mode] = (f"matches fp32, but its peak ({_mib(m.peak_mib)}) is not below fp32's "
+                                    f"({_mib(fp32_peak)}) by more than {SAME_PEAK:.0%}")
         if not lower:
-            return BASELINE, ["no mode that matches fp32's accuracy measured a smaller peak than fp32's "
-                              f"({_mib(baseline.peak_mib if baseline else None)})"]
-        best = min(lower, key=lambda m: (m.peak_mib, -(m.speedup or 0.0)))
+            return BASELINE, [f"no mode that matches fp32's accuracy measured a peak more than {SAME_PEAK:.0%} below "
+                              f"fp32's ({_mib(fp32_peak)})"]
+        smallest = min(m.peak_mib for m in lower)
+        # peaks within SAME_PEAK of the smallest are the same to a user: the fastest of them
+        best = max((m for m in lower if m.peak_mib <= smallest * (1 + SAME_PEAK)), key=lambda m: m.speedup or 0.0)
         for m in lower:
-            if m is not best:
+            if m is best:
+                continue
+            if m.peak_mib <= smallest * (1 + SAME_PEAK):
+                rejected[m.mode] = (f"peak {_mib(m.peak_mib)}, within {SAME_PEAK:.0%} of {best.mode}'s "
+                                    f"{_mib(best.peak_mib)}, and {best.mode} runs faster ({m.speed_words()})")
+            else:
                 rejected[m.mode] = f"peak {_mib(m.peak_mib)}, above {best.mode}'s {_mib(best.peak_mib)}"
         return best.mode, [f"the smallest peak of the modes that match fp32's accuracy: {_mib(best.peak_mib)} against "
-                           f"fp32's {_mib(baseline.peak_mib if baseline else None)}; {best.speed_words()}"]
+                           f"fp32's {_mib(fp32_peak)}; {best.speed_words()}"]
     faster = [m for m in matching if m.faster]
     for m in matching:
         if not m.faster:
@@ -247,9 +257,12 @@ def _scaler(prepared: Preparation, gradients: GradientEvidence) -> None:
         init = min(safe, MAX_INIT_SCALE)
         prepared.scaler["init_scale"] = init
         if init < GRADSCALER_INIT:
+            at_default = gradients.max_gradient * GRADSCALER_INIT
+            what = ("overflows fp16" if at_default > FP16.max else
+                    f"leaves less than a factor 2 below fp16's max ({at_default:.4g} of {FP16.max:g})")
             prepared.reasons.append(
                 f"scaler.init_scale={scale_label(init)}: the largest gradient measured ({gradients.max_gradient:.3g}) "
-                f"overflows fp16 at GradScaler's 2^16; {scale_label(init)} keeps it finite with a factor 2 to spare")
+                f"{what} at GradScaler's 2^16; {scale_label(init)} keeps it finite with a factor 2 to spare")
         elif init > GRADSCALER_INIT:
             prepared.reasons.append(
                 f"scaler.init_scale={scale_label(init)}: at GradScaler's 2^16, fp16 flushes "

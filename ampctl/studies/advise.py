@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -47,7 +48,7 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     console = tables.make_console()
     budget = budget_seconds(cfg.advise.budget)
     assert budget is not None  # the schema refused anything else
-    started = time.monotonic()
+    clock = BudgetClock(budget)
     run_overrides = [o for o in task_overrides if not o.lstrip("+~").startswith(OWN_KEYS)]
     for override in run_overrides:
         key = override.lstrip("+~").split("=", 1)[0]
@@ -62,27 +63,30 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     console.print(f"ampctl advise: goal={cfg.advise.goal.value}, budget {cfg.advise.budget} -> {out_dir}")
     console.print(f"  the machine: {_machine(cfg)}", soft_wrap=True)
 
+    say = lambda text: console.print(clock.line(text), soft_wrap=True, highlight=False)  # noqa: E731
+    say(f"inspect: where fp32's values fall against each format, {io.count_of(cfg.inspect.steps, 'step')}")
     inspect_cfg = compose_job("advise", [*run_overrides, "precision=fp32"])
     run_inspect(inspect_cfg, out_dir / "inspect", run_overrides)
     gradients = gradient_evidence(out_dir / "inspect")
 
     notes: list[str] = []
+    say(f"calibration: {CALIBRATION_STEPS} steps of fp32, to size the comparison to the budget")
     step_ms = _calibrate(run_overrides, out_dir / "calibration")
     cfg = _with_variants(cfg, run_overrides, notes)
     plans, skipped = plan_modes(cfg, run_overrides, CANDIDATES)
-    prepared = _prepare(cfg, plans, skipped, gradients, run_overrides, out_dir)
+    prepared = _prepare(cfg, plans, skipped, gradients, run_overrides, out_dir, say)
     compile_s = 0.0
     if _compile_is_candidate(cfg, run_overrides, notes):
         plans, compile_s = _with_compile_where_it_fits(cfg, plans, run_overrides, out_dir, step_ms,
-                                                       budget - (time.monotonic() - started), notes)
-    seconds_left = budget - (time.monotonic() - started)
+                                                       clock.left(), notes, say)
+    seconds_left = clock.left()
     plans = [_prepared_plan(plan, prepared) for plan in plans]
     steps, estimate = _steps_for(seconds_left, step_ms, plans, cfg, compile_s)
     plans = [dataclasses.replace(p, steps=steps, overrides=[*p.overrides, f"train.steps={steps}"]) for p in plans]
     modes = [p.mode for p in plans]
-    console.print(f"  plan: compare {', '.join(modes)} x {io.count_of(cfg.compare.seeds, 'seed')} x "
-                  f"{io.count_of(steps, 'step')} in {io.count_of(cfg.compare.rounds, 'round')} (about "
-                  f"{estimate / 60:.1f} min; fp32 steps {step_ms:.1f} ms here)", soft_wrap=True)
+    say(f"compare {', '.join(modes)} x {io.count_of(cfg.compare.seeds, 'seed')} x {io.count_of(steps, 'step')} in "
+        f"{io.count_of(cfg.compare.rounds, 'round')}: about {estimate / 60:.1f} min, done near "
+        f"{time.strftime('%H:%M', time.localtime(time.time() + estimate))} (fp32 steps {step_ms:.1f} ms here)")
     interrupted: Optional[CompareInterrupted] = None
     if len(plans) > 1:  # fp32 alone is no comparison
         try:
@@ -94,9 +98,31 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     advice = decide(evidence, prepared, cfg.advise.goal.value, notes)
     partial = None if interrupted is None else \
         f"interrupted during the comparison ({interrupted}): the advice holds what was measured before"
+    say("the advice, from what was measured:")
     write_advice(out_dir, cfg, advice, evidence, gradients, run_overrides, console, partial)
     if interrupted is not None:
         raise interrupted
+
+
+class BudgetClock:
+    """advise's progress against its budget: each phase's line starts `[1:05 of 10:00]`."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s, self._started = budget_s, time.monotonic()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self._started
+
+    def left(self) -> float:
+        return self.budget_s - self.elapsed()
+
+    def line(self, text: str) -> str:
+        return f"[{_minutes(self.elapsed())} of {_minutes(self.budget_s)}] {text}"
+
+
+def _minutes(seconds: float) -> str:
+    whole = int(round(seconds))
+    return f"{whole // 60}:{whole % 60:02d}"
 
 
 def _compile_is_candidate(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> bool:
@@ -151,7 +177,7 @@ def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str]) 
 
 
 def _prepare(cfg: DictConfig, plans: list[ModePlan], skipped: dict[str, str], gradients: Optional[GradientEvidence],
-             run_overrides: list[str], out_dir: Path) -> dict[str, Preparation]:
+             run_overrides: list[str], out_dir: Path, say: Callable[[str], None]) -> dict[str, Preparation]:
     """Each mode's settings before it is compared (advice.prepare): scaled modes from the fp32 inspection's
     gradients; converted modes (FP8, MX) from an inspection in that mode, which counts what their format loses
     of each converted layer. A mode not worth comparing moves to skipped."""
@@ -163,6 +189,7 @@ def _prepare(cfg: DictConfig, plans: list[ModePlan], skipped: dict[str, str], gr
         losses, measured_by = None, ""
         if mode_cfg.precision.converter is not None:
             inspect_dir = out_dir / f"inspect_{mode}"
+            say(f"inspect in {mode}: what its format loses of each converted layer")
             run_inspect(mode_cfg, inspect_dir, [*run_overrides, f"precision={mode}"])
             losses, measured_by = layer_losses(inspect_dir, mode)
         prepared[mode] = prepare(mode, gradients, losses, own_rules, cfg.advise.layer_loss_limit, measured_by)
@@ -183,8 +210,8 @@ def layer_losses(inspect_dir: Path, mode: str) -> tuple[Optional[list[LayerLoss]
     """Per converted layer, the operand its format loses most of (saturated + flushed), from an inspection in that
     mode: its block-scale table (MX) or its FP8 tensorwise table."""
     data = json.loads((inspect_dir / f"{run_files.INSPECTION}.json").read_text())
-    for key, measured_by in (("block_scales", f"{mode}'s block scales"),
-                             ("fp8_tensorwise", f"{mode}'s tensorwise scale")):
+    for key, measured_by in (("block_scales", f"{mode} (by its block scales)"),
+                             ("fp8_tensorwise", f"{mode} (by its tensorwise scale)")):
         rows = data.get(key)
         if rows:
             return [_worst_operand(row) for row in rows], measured_by
@@ -216,12 +243,18 @@ def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> float:
 
     cfg = compose_job("train", [*run_overrides, "precision=fp32", f"train.steps={CALIBRATION_STEPS}",
                                 "train.timing_warmup_steps=2", "train.console=quiet", "train.eval_every=null", *extra])
-    summary = run_training(cfg, run_dir, echo=lambda _line: None)
+    train_log = logging.getLogger("ampctl.train")
+    propagates, train_log.propagate = train_log.propagate, False  # its lines go to its own train.log only
+    try:
+        summary = run_training(cfg, run_dir, echo=lambda _line: None)
+    finally:
+        train_log.propagate = propagates
     return float(summary["compile_s"] or 0.0) if extra else float(summary["median_step_time_ms"])
 
 
 def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_overrides: list[str], out_dir: Path,
-                                step_ms: float, seconds_left: float, notes: list[str]) -> tuple[list[ModePlan], float]:
+                                step_ms: float, seconds_left: float, notes: list[str], say: Callable[[str], None],
+                                ) -> tuple[list[ModePlan], float]:
     """Each mode eager and compiled, where the budget leaves each run COMPILED_MIN_STEPS after compiling (its time
     measured by a compiled calibration run, taken only where the steps would fit without any compile time);
     advise.compile=true, whatever the budget. Returns the plans and the compile time."""
@@ -231,6 +264,7 @@ def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_over
     compile_s = None
     if steps >= COMPILED_MIN_STEPS or forced:
         started = time.monotonic()
+        say("calibration: fp32 compiled, for the compile time")
         compile_s = _calibrate(run_overrides, out_dir / "calibration_compiled", "train.compile=true")
         steps, _ = _steps_for(seconds_left - (time.monotonic() - started), step_ms, both_ways, cfg, compile_s)
     if steps >= COMPILED_MIN_STEPS or forced:

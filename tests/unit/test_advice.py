@@ -103,10 +103,10 @@ def test_o2s_own_rule_stays_after_the_advised_ones():
 def test_a_converted_mode_keeps_the_layers_its_format_loses_too_much_of_unconverted():
     losses = [LayerLoss("blocks.0.fc", "gradient", 0.12), LayerLoss("blocks.1.fc", "activation", 0.002),
               LayerLoss("head", "activation", 0.03)]
-    prepared = prepare("fp8", None, losses, limit=0.01, measured_by="FP8's tensorwise scale")
+    prepared = prepare("fp8", None, losses, limit=0.01, measured_by="fp8 (by its tensorwise scale)")
     assert prepared.refused is None and prepared.scaler == {}
     assert prepared.rules == [{"match": "blocks.0.fc", "run_in": "unconverted"}, {"match": "head", "run_in": "unconverted"}]
-    assert prepared.reasons == ["2 layers of 3 kept unconverted (precision.rules), as FP8's tensorwise scale loses "
+    assert prepared.reasons == ["2 layers of 3 kept unconverted (precision.rules), as fp8 (by its tensorwise scale) loses "
                                 "more than advise.layer_loss_limit=0.01 of an operand there: blocks.0.fc (12.00% of "
                                 "its gradients), head (3.00% of its activations)"]
     advice = decide([FP32, ModeEvidence("fp8", 1.4, 1.3, 1.5, "matches", 0.001, 3)], {"fp8": prepared})
@@ -118,8 +118,8 @@ def test_a_converted_mode_keeps_the_layers_its_format_loses_too_much_of_unconver
 
 def test_a_format_that_loses_too_much_everywhere_is_not_worth_comparing():
     prepared = prepare("mxfp4", None, [LayerLoss("a", "activation", 0.2), LayerLoss("b", "weight", 0.05)],
-                       limit=0.01, measured_by="MXFP4's block scales")
-    assert prepared.refused == ("MXFP4's block scales loses more than 1.00% of an operand in every one of its 2 "
+                       limit=0.01, measured_by="mxfp4 (by its block scales)")
+    assert prepared.refused == ("mxfp4 (by its block scales) loses more than 1.00% of an operand in every one of its 2 "
                                 "converted layers (least: 5.00%): nothing would be left to run in it")
 
 
@@ -137,3 +137,22 @@ def test_a_rejected_mode_says_the_settings_it_was_compared_with():
     advice = decide([FP32, fp16(speedup=0.7, speedup_low=0.65, speedup_high=0.75)], {"fp16": prepare("fp16", gradients)})
     assert advice.mode == "fp32" and advice.scaler == {} and advice.rules == []
     assert advice.rejected["fp16"].endswith("(as advise would set it: scaler.init_scale=2^13, head in fp32)")
+
+
+def test_goal_memory_takes_the_faster_of_peaks_within_two_percent():
+    """fp16+ac and O2+ac at 3.70 and 3.68 MiB are the same peak to a user: the faster wins, and fp32's own peak
+    is not beaten by a mode 1% below it."""
+    fast = fp16(peak_mib=3.70, speedup=0.5, speedup_low=0.45, speedup_high=0.55)
+    slow = dataclasses.replace(fp16(peak_mib=3.68, speedup=0.3, speedup_low=0.28, speedup_high=0.33), mode="O2")
+    advice = decide([dataclasses.replace(FP32, peak_mib=7.2), fast, slow], goal="memory")
+    assert advice.mode == "fp16" and "within 2% of fp16's 3.7 MiB, and fp16 runs faster" in advice.rejected["O2"]
+    advice = decide([FP32, bf16(peak_mib=99.0)], goal="memory")
+    assert advice.mode == "fp32" and "not below fp32's (100.0 MiB) by more than 2%" in advice.rejected["bf16"]
+
+
+def test_a_scale_lowered_only_for_headroom_is_not_said_to_overflow():
+    """0.652 * 2^16 = 42729 fits fp16 (65504), with less than a factor 2 to spare: 2^15, and the reason says so."""
+    prepared = prepare("fp16", GradientEvidence(max_gradient=0.652, flushed_in_fp16=0.0))
+    assert prepared.scaler["init_scale"] == 2.0**15
+    assert "leaves less than a factor 2 below fp16's max (4.273e+04 of 65504)" in prepared.reasons[0]
+    assert "overflows" not in prepared.reasons[0]
