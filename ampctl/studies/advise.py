@@ -42,6 +42,7 @@ CALIBRATION_STEPS = 8
 PROCESS_START_S = 8.0  # a mode's process: imports, build, the first steps (measured here: 5-8 s on 2 cores)
 MIN_STEPS, MAX_STEPS = 30, 2000
 COMPILED_MIN_STEPS = 2 * MIN_STEPS  # compile is measured only where each run keeps at least this many steps
+PLANNED_SHARE = 0.9  # of the budget left: the rest for what the estimate leaves out (evaluations, reports)
 
 
 def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> None:
@@ -78,8 +79,8 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     compile_s = 0.0
     if _compile_is_candidate(cfg, run_overrides, notes):
         plans, compile_s = _with_compile_where_it_fits(cfg, plans, run_overrides, out_dir, step_ms,
-                                                       clock.left(), notes, say)
-    seconds_left = clock.left()
+                                                       PLANNED_SHARE * clock.left(), notes, say)
+    seconds_left = PLANNED_SHARE * clock.left()
     plans = [_prepared_plan(plan, prepared) for plan in plans]
     steps, estimate = _steps_for(seconds_left, step_ms, plans, cfg, compile_s)
     plans = [dataclasses.replace(p, steps=steps, overrides=[*p.overrides, f"train.steps={steps}"]) for p in plans]

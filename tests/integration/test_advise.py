@@ -116,3 +116,21 @@ def test_advise_on_the_gpt_compares_a_converted_format_as_advised_and_its_config
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["precision_choice"] == record["advice"]["mode"] and summary["recipe"] == "gpt"
+
+
+def test_an_fp8_modes_layer_losses_come_from_its_converted_layers(tmp_path):
+    """The FP8 path of advise's preparation on a CPU: an inspection in an FP8 mode (fp8_emulated here, whose layers
+    are the converter's) records the tensorwise table on exactly its converted Linear layers, and layer_losses
+    reads each one's worst operand from it."""
+    from ampctl.studies.advise import layer_losses
+
+    inspected = ampctl("inspect", "device=cpu", "recipe=mlp", "precision=fp8_emulated", "inspect.steps=1",
+                       "hydra.run.dir=inspect", cwd=tmp_path)
+    assert inspected.returncode == 0, inspected.stderr[-3000:]
+    rows = json.loads((tmp_path / "inspect" / "ranges.json").read_text())["fp8_tensorwise"]
+    losses, measured_by = layer_losses(tmp_path / "inspect", "fp8_emulated")
+    assert measured_by == "fp8_emulated (by its tensorwise scale)"
+    assert [loss.layer for loss in losses] == [row["layer"] for row in rows] == ["0", "3", "6", "9"]
+    for loss, row in zip(losses, rows):
+        assert loss.share == max(row[f"{role}_saturated"] + row[f"{role}_flushed"]
+                                 for role in ("activation", "weight", "gradient"))
