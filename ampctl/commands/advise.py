@@ -24,7 +24,7 @@ def advise(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        with refused_in_one_line("advise", out_dir):
+        with refused_in_one_line("advise", out_dir, " (nothing was compared yet: no advice)"):
             run_advise(job_of("advise", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
                        command_line_config_dir(hydra_cfg))
     except CompareInterrupted as exc:

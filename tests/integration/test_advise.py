@@ -134,3 +134,27 @@ def test_an_fp8_modes_layer_losses_come_from_its_converted_layers(tmp_path):
     for loss, row in zip(losses, rows):
         assert loss.share == max(row[f"{role}_saturated"] + row[f"{role}_flushed"]
                                  for role in ("activation", "weight", "gradient"))
+
+
+def test_ctrl_c_before_the_comparison_says_where_the_measurements_are_and_writes_no_advice(tmp_path):
+    """Interrupted in the calibration run (the default gpt's steps take ~0.2 s here): one line, exit 130, inspect's
+    record kept, no advice claimed from nothing compared."""
+    import signal
+    import time
+
+    out = tmp_path / "advice"
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", "advise", "device=cpu", "recipe=gpt",
+                                "recipe.max_corpus_bytes=100000", "inspect.steps=1", f"hydra.run.dir={out}"],
+                               cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 300
+    while not (out / "calibration" / "train.log").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.05)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=180)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    assert f"ampctl advise: interrupted (SIGINT); what was measured until then is in {out} (nothing was compared " \
+           "yet: no advice)" in stderr
+    assert (out / "inspect" / "ranges.json").is_file() and not (out / "advice.json").exists()
