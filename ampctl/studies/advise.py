@@ -166,9 +166,10 @@ def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str]) 
                      "measures it")
         return cfg
     from ampctl.recipes.base import build_recipe
+    from ampctl.reports.plots import recipe_label
 
     if getattr(build_recipe(cfg.recipe), "activation_checkpoint_blocks", None) is None:
-        notes.append(f"activation checkpointing: not measured: recipe {cfg.recipe.name} names no blocks to "
+        notes.append(f"activation checkpointing: not measured: recipe {recipe_label(cfg)} names no blocks to "
                      "checkpoint")
         return cfg
     out = cfg.copy()

@@ -158,3 +158,24 @@ def test_ctrl_c_before_the_comparison_says_where_the_measurements_are_and_writes
     assert f"ampctl advise: interrupted (SIGINT); what was measured until then is in {out} (nothing was compared " \
            "yet: no advice)" in stderr
     assert (out / "inspect" / "ranges.json").is_file() and not (out / "advice.json").exists()
+
+
+def test_activation_checkpointing_is_measured_only_for_memory_and_a_recipe_with_blocks():
+    from hydra import initialize_config_module
+
+    from ampctl.conf.composing import compose_job
+    from ampctl.studies.advise import _with_variants
+
+    with initialize_config_module(config_module="ampctl.conf", version_base=None):
+        def variants_of(*overrides: str) -> tuple[object, list[str]]:
+            notes: list[str] = []
+            return _with_variants(compose_job("advise", list(overrides)), list(overrides), notes).compare \
+                .activation_checkpointing, notes
+
+        assert variants_of("recipe=gpt", "advise.goal=memory") == ([False, True], [])
+        checkpointing, notes = variants_of("recipe=mlp", "advise.goal=memory")
+        assert checkpointing is None and "names no blocks to checkpoint" in notes[0]
+        checkpointing, notes = variants_of("recipe=gpt")
+        assert checkpointing is None and "which goal=speed does not ask for" in notes[0]
+        checkpointing, notes = variants_of("recipe=gpt", "advise.goal=memory", "train.activation_checkpointing=true")
+        assert checkpointing is None and "not chosen by advise" in notes[0]
