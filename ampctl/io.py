@@ -101,6 +101,15 @@ def count_of(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
+def si_prefixed(value: float) -> tuple[str, str]:
+    """A count in 3 significant digits and its SI prefix: 4710 -> ("4.71", "k"), 4.29e10 -> ("42.9", "G")."""
+    rounded = float(f"{value:.3g}")  # 999,999 is 1.00M, not 1e+03k
+    for prefix, size in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(rounded) >= size:
+            return f"{rounded / size:.3g}", prefix
+    return f"{rounded:.3g}", ""
+
+
 def format_bytes(n: Optional[float], decimals: int = 2) -> str:
     """1,536 -> '1.50 KiB' (binary units); None -> '-'."""
     if n is None:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -62,7 +63,8 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     split_overrides(run_overrides)  # refuses resume= (its runs are new ones)
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"ampctl advise: goal={cfg.advise.goal.value}, budget {cfg.advise.budget} -> {out_dir}")
-    console.print(f"  the machine: {_machine(cfg)}", soft_wrap=True)
+    facts = {"machine": _machine(cfg)}
+    console.print(f"  the machine: {facts['machine']}", soft_wrap=True)
 
     say = lambda text: console.print(clock.line(text), soft_wrap=True, highlight=False)  # noqa: E731
     say(f"inspect: where fp32's values fall against each format, {io.count_of(cfg.inspect.steps, 'step')}")
@@ -72,7 +74,10 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
 
     notes: list[str] = []
     say(f"calibration: {CALIBRATION_STEPS} steps of fp32, to size the comparison to the budget")
-    step_ms = _calibrate(run_overrides, out_dir / "calibration")
+    calibration = _calibrate(run_overrides, out_dir / "calibration")
+    step_ms = float(calibration["median_step_time_ms"])
+    facts["model"] = model_facts(calibration, out_dir / "inspect")
+    say(f"the model: {facts['model']}")
     cfg = _with_variants(cfg, run_overrides, notes)
     plans, skipped = plan_modes(cfg, run_overrides, CANDIDATES)
     prepared = _prepare(cfg, plans, skipped, gradients, run_overrides, out_dir, say)
@@ -87,7 +92,7 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     modes = [p.mode for p in plans]
     say(f"compare {', '.join(modes)} x {io.count_of(cfg.compare.seeds, 'seed')} x {io.count_of(steps, 'step')} in "
         f"{io.count_of(cfg.compare.rounds, 'round')}: about {estimate / 60:.1f} min, done near "
-        f"{time.strftime('%H:%M', time.localtime(time.time() + estimate))} (fp32 steps {step_ms:.1f} ms here)")
+        f"{time.strftime('%H:%M', time.localtime(time.time() + estimate))}")
     interrupted: Optional[CompareInterrupted] = None
     if len(plans) > 1:  # fp32 alone is no comparison
         try:
@@ -100,7 +105,7 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     partial = None if interrupted is None else \
         f"interrupted during the comparison ({interrupted}): the advice holds what was measured before"
     say("the advice, from what was measured:")
-    write_advice(out_dir, cfg, advice, evidence, gradients, run_overrides, console, partial)
+    write_advice(out_dir, cfg, advice, evidence, gradients, run_overrides, console, partial, facts)
     if interrupted is not None:
         raise interrupted
 
@@ -238,9 +243,9 @@ def _machine(cfg: DictConfig) -> str:
     return f"cpu ({name}); " + "; ".join(speed.describe())
 
 
-def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> float:
-    """fp32's median step time here from a short run of the recipe (its own record, under the advice's); with
-    train.compile=true its summary's compile_s is the compile time."""
+def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> dict:
+    """The summary of a short fp32 run of the recipe (its own record, under the advice's): the step's time here,
+    the model's parameters and FLOPs; with train.compile=true, the compile time."""
     from ampctl.runner.run import run_training
 
     cfg = compose_job("train", [*run_overrides, "precision=fp32", f"train.steps={CALIBRATION_STEPS}",
@@ -251,7 +256,21 @@ def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> float:
         summary = run_training(cfg, run_dir, echo=lambda _line: None)
     finally:
         train_log.propagate = propagates
-    return float(summary["compile_s"] or 0.0) if extra else float(summary["median_step_time_ms"])
+    return summary
+
+
+def model_facts(calibration: dict, inspect_dir: Path) -> str:
+    """The model in a line: parameters and FLOPs (the calibration run's), its leaf layers by type (inspect's)."""
+    rows = json.loads((inspect_dir / f"{run_files.INSPECTION}.json").read_text())["rows"]
+    types = Counter(dict((r["layer"], r.get("type", "?")) for r in rows).values())
+    flops = calibration.get("model_flops_per_step")
+    mfu = calibration.get("mfu")
+    parameters, flop = io.si_prefixed(calibration["parameters"]), io.si_prefixed(flops or 0)
+    return (f"{''.join(parameters)} parameters" + (f", {flop[0]} {flop[1]}FLOP a step" if flops else "")
+            + f"; {io.count_of(sum(types.values()), 'leaf layer')} ("
+            + ", ".join(f"{n} {name}" for name, n in types.most_common(4)) + (", ..." if len(types) > 4 else "")
+            + f"); fp32 steps {calibration['median_step_time_ms']:.3g} ms here"
+            + (f" ({mfu:.1%} MFU)" if mfu else ""))
 
 
 def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_overrides: list[str], out_dir: Path,
@@ -267,7 +286,8 @@ def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_over
     if steps >= COMPILED_MIN_STEPS or forced:
         started = time.monotonic()
         say("calibration: fp32 compiled, for the compile time")
-        compile_s = _calibrate(run_overrides, out_dir / "calibration_compiled", "train.compile=true")
+        compile_s = float(_calibrate(run_overrides, out_dir / "calibration_compiled", "train.compile=true")
+                          ["compile_s"] or 0.0)
         steps, _ = _steps_for(seconds_left - (time.monotonic() - started), step_ms, both_ways, cfg, compile_s)
     if steps >= COMPILED_MIN_STEPS or forced:
         return both_ways, compile_s or 0.0
@@ -337,7 +357,7 @@ def mode_evidence(compare_dir: Path, skipped: dict[str, str], only: Optional[lis
 
 def write_advice(out_dir: Path, cfg: DictConfig, advice: Advice, evidence: list[ModeEvidence],
                  gradients: Optional[GradientEvidence], run_overrides: list[str], console: Any,
-                 partial: Optional[str]) -> None:
+                 partial: Optional[str], facts: dict[str, str]) -> None:
     """advice.json (the advice and its evidence), advice.md, and the experiment config that runs the advice."""
     config = out_dir / f"{cfg.advise.name}.yaml"
     job = compose_job("train", [*run_overrides, *advice.overrides()], with_hydra=True)
@@ -346,17 +366,19 @@ def write_advice(out_dir: Path, cfg: DictConfig, advice: Advice, evidence: list[
     record = {"kind": "advise", "advice": advice.to_json(), "partial": partial,
               "evidence": [vars(e) for e in evidence],
               "gradients": None if gradients is None else vars(gradients),
-              "overrides": run_overrides, "config": config.name}
+              "overrides": run_overrides, "config": config.name, "facts": facts}
     io.write_json(out_dir / f"{run_files.ADVICE}.json", record)
-    say_advice(out_dir, advice, evidence, partial, config, console)
+    say_advice(out_dir, advice, evidence, partial, config, console, facts)
 
 
 def say_advice(out_dir: Path, advice: Advice, evidence: list[ModeEvidence], partial: Optional[str], config: Path,
-               console: Any) -> None:
-    """advice.md (with its plot, where modes were compared), and the same lines on the console."""
+               console: Any, facts: dict[str, str]) -> None:
+    """advice.md (the machine and the model, then the advice, with its plot where modes were compared), and the
+    advice's lines on the console (which said the machine and the model as it measured them)."""
     lines = advice_lines(advice, partial, config, out_dir)
     image = speed_plot(out_dir, advice, evidence)
-    io.atomic_write_text(out_dir / f"{run_files.ADVICE}.md", "# ampctl advise\n\n" + "\n".join(
+    header = "".join(f"{what}: {text}\n\n" for what, text in facts.items())
+    io.atomic_write_text(out_dir / f"{run_files.ADVICE}.md", "# ampctl advise\n\n" + header + "\n".join(
         f"- {line}" if i else line for i, line in enumerate(lines)) + "\n"
         + (f"\n![{image.stem}]({image.name})\n" if image is not None else ""))
     for line in lines:
@@ -380,7 +402,7 @@ def rerender(out_dir: Path, console: Any) -> None:
     record = json.loads((out_dir / f"{run_files.ADVICE}.json").read_text())
     evidence = [ModeEvidence(**e) for e in record["evidence"]]
     say_advice(out_dir, Advice(**record["advice"]), evidence, record.get("partial"), out_dir / record["config"],
-               console)
+               console, record.get("facts", {}))
 
 
 def advice_lines(advice: Advice, partial: Optional[str], config: Path, out_dir: Path) -> list[str]:

@@ -32,10 +32,17 @@ def test_advise_writes_the_evidence_and_a_config_that_runs_and_agrees_with_an_in
     # what advise did not measure is said: checkpointing (goal=speed), compile (30 s leave too few steps for it)
     assert "note: activation checkpointing: not measured" in advised.stdout
     assert "note: torch.compile: not measured" in advised.stdout
+    # the machine and the model, as measured: the parameters counted here from the recipe's own model
+    from ampctl.recipes.mlp import MLPRecipe
+
+    parameters = sum(p.numel() for p in MLPRecipe(hidden=32, batch_size=16).build_model().parameters())
+    model_line = f"the model: {parameters / 1e3:.3g}k parameters"  # 4,714: 4.71k
+    assert model_line in advised.stdout and record["facts"]["model"].startswith(model_line[len("the model: "):])
     evidence = {e["mode"]: e for e in record["evidence"]}
     assert evidence.keys() >= {"fp32"} and set(advice["rejected"]) == evidence.keys() - {"fp32", advice["mode"]}
 
     written = (out / "advice.md").read_text()
+    assert written.startswith(f"# ampctl advise\n\nmachine: {record['facts']['machine']}\n\nmodel: ")
     (out / "advice.md").unlink()
     rendered = ampctl("report", str(out), cwd=tmp_path)  # from advice.json, again
     assert rendered.returncode == 0 and (out / "advice.md").read_text() == written, rendered.stderr

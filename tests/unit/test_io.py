@@ -33,3 +33,11 @@ def test_a_drawn_float_reads_in_four_digits_and_everything_else_as_written():
     assert readable_override("optimizer.lr=0.00805469883095217") == "optimizer.lr=0.008055"
     assert readable_override("recipe=mlp") == "recipe=mlp"
     assert (count_of(1, "step"), count_of(2, "step"), count_of(12000, "step")) == ("1 step", "2 steps", "12,000 steps")
+
+
+def test_si_prefixed_counts_keep_three_digits():
+    from ampctl.io import si_prefixed
+
+    assert si_prefixed(4714) == ("4.71", "k") and si_prefixed(3_295_488) == ("3.3", "M")
+    assert si_prefixed(42_882_564_096) == ("42.9", "G") and si_prefixed(12) == ("12", "")
+    assert si_prefixed(999_999) == ("1", "M") and si_prefixed(999.4) == ("999", "")
