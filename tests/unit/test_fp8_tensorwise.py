@@ -59,3 +59,29 @@ def test_in_an_fp8_mode_only_the_converted_layers_are_recorded():
     model[1] = Fp8EmulatedLinear.from_linear(model[1], config=Fp8EmulatedConfig())
     assert [name for name, _ in TensorwiseFp8Recorder(model).layers] == ["1"]
     assert [name for name, _ in TensorwiseFp8Recorder(nn.Sequential(nn.Linear(2, 2))).layers] == ["0"]
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_under_autocast_the_counts_are_the_definitions_on_the_tensors_the_layer_saw(half):
+    """In a bf16 or fp16 mode the output gradient arrives in half precision: the counts are still the definition's,
+    applied to the very tensors the layer took and gave (captured by a hook of the test's own)."""
+    g = torch.Generator().manual_seed(1)
+    layer = nn.Linear(64, 64)
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(module, args, output):
+        seen["activation"], seen["weight"] = args[0].detach().clone(), module.weight.detach().clone()
+        output.register_hook(lambda grad: seen.__setitem__("gradient", grad.detach().clone()))
+
+    layer.register_forward_hook(capture)
+    recorder = TensorwiseFp8Recorder(nn.Sequential(layer))
+    x = torch.randn(32, 64, generator=g) * torch.exp2(torch.randint(-20, 4, (32, 64), generator=g).float())
+    with recorder, torch.autocast("cpu", dtype=half):
+        out = layer(x)
+        (out.float() * torch.exp2(torch.randint(-30, 0, out.shape, generator=g).float())).sum().backward()
+    assert seen["gradient"].dtype == half
+    row = dict(zip(recorder.table().columns, recorder.table().rows[0]))
+    for role, dtype in (("activation", torch.float8_e4m3fn), ("weight", torch.float8_e4m3fn),
+                        ("gradient", torch.float8_e5m2)):
+        assert row[f"{role}_flushed"] == flushed_by_definition(seen[role], dtype) / seen[role].numel(), role
+    assert row["activation_flushed"] > 0  # the magnitudes span beyond E4M3's range: the test counts something
