@@ -78,11 +78,12 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     step_ms = float(calibration["median_step_time_ms"])
     facts["model"] = model_facts(calibration, out_dir / "inspect")
     say(f"the model: {facts['model']}")
-    cfg = _with_variants(cfg, run_overrides, notes)
+    compile_measured = _compile_is_candidate(cfg, run_overrides, notes)
+    cfg = _with_variants(cfg, run_overrides, notes, compile_measured)
     plans, skipped = plan_modes(cfg, run_overrides, CANDIDATES)
     prepared = _prepare(cfg, plans, skipped, gradients, run_overrides, out_dir, say)
     compile_s = 0.0
-    if _compile_is_candidate(cfg, run_overrides, notes):
+    if compile_measured:
         plans, compile_s = _with_compile_where_it_fits(cfg, plans, run_overrides, out_dir, step_ms,
                                                        PLANNED_SHARE * clock.left(), notes, say)
     seconds_left = PLANNED_SHARE * clock.left()
@@ -142,24 +143,15 @@ def _compile_is_candidate(cfg: DictConfig, run_overrides: list[str], notes: list
     return True
 
 
-def _eager_and_compiled(plans: list[ModePlan]) -> list[ModePlan]:
-    """Each plan eager and compiled: the rows "bf16" and "bf16+compile", as compare.compile=[false,true] makes."""
-    both_checkpointed = any(variants.parse(p.mode).checkpointed for p in plans)
-    out = []
-    for plan in plans:
-        variant = variants.parse(plan.mode)
-        settings = [o for o in plan.overrides if not o.startswith("train.compile=")]
-        for compiled in (False, True):
-            out.append(dataclasses.replace(
-                plan, mode=variants.label(variant.mode, compiled, variant.checkpointed, both_compiled=True,
-                                          both_checkpointed=both_checkpointed),
-                overrides=[*settings, f"train.compile={str(compiled).lower()}"]))
-    return out
-
-
-def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> DictConfig:
-    """Activation checkpointing measured (each mode with and without) where memory is the goal and the recipe
-    names blocks to checkpoint; otherwise a note of why not."""
+def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str], compiled_too: bool = False,
+                   ) -> DictConfig:
+    """The ways compare runs each mode: eager and compiled where compile is a candidate (the budget may drop the
+    compiled ones later); with and without activation checkpointing where memory is the goal and the recipe names
+    blocks to checkpoint, otherwise a note of why not."""
+    if compiled_too:
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.compare.compile = [False, True]
     if cfg.compare.activation_checkpointing is not None or any(
             o.lstrip("+~").startswith("train.activation_checkpointing=") for o in run_overrides):
         notes.append("activation checkpointing: as set (compare.activation_checkpointing or "
@@ -276,10 +268,10 @@ def model_facts(calibration: dict, inspect_dir: Path) -> str:
 def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_overrides: list[str], out_dir: Path,
                                 step_ms: float, seconds_left: float, notes: list[str], say: Callable[[str], None],
                                 ) -> tuple[list[ModePlan], float]:
-    """Each mode eager and compiled, where the budget leaves each run COMPILED_MIN_STEPS after compiling (its time
+    """The compiled plans kept where the budget leaves each run COMPILED_MIN_STEPS after compiling (its time
     measured by a compiled calibration run, taken only where the steps would fit without any compile time);
     advise.compile=true, whatever the budget. Returns the plans and the compile time."""
-    both_ways = _eager_and_compiled(plans)
+    both_ways = plans
     forced = cfg.advise.compile is True
     steps, _ = _steps_for(seconds_left, step_ms, both_ways, cfg)
     compile_s = None
@@ -295,7 +287,7 @@ def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_over
     notes.append(f"torch.compile: not measured: {cost}running every mode both ways would leave "
                  f"{io.count_of(steps, 'step')} a run in advise.budget={cfg.advise.budget}, under {COMPILED_MIN_STEPS}; "
                  "advise.compile=true or a longer budget measures it")
-    return plans, 0.0
+    return [p for p in plans if not variants.parse(p.mode).compiled], 0.0
 
 
 def _steps_for(seconds_left: float, step_ms: float, plans: list, cfg: DictConfig,
