@@ -33,8 +33,8 @@ def compare(cfg: DictConfig) -> None:
             failed = run_compare(job_of("compare", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
                                  command_line_config_dir(hydra_cfg))
     except CompareInterrupted as exc:
-        print(f"ampctl compare: interrupted ({exc}); the modes run so far are compared in {out_dir}; the "
-              "interrupted mode continues with ampctl train resume=<its directory>", file=sys.stderr)
+        print(f"ampctl compare: interrupted ({exc}); the modes run so far are compared in {out_dir} (each "
+              "interrupted mode's line above says whether and how it continues)", file=sys.stderr)
         sys.exit(128 + exc.signum)
     if failed:
         sys.exit(1)

@@ -211,10 +211,12 @@ def _timing_notes(spans: Optional[Sequence[Span]], seeds: int, baseline: Optiona
     first, last = spans[0][0], spans[-1][1]
     n = len(spans) * seeds
     each_seed = f" in each of {seeds} seeds" if seeds > 1 else ""
+    speedup = (f"; speedup is the median of its round-by-round ratios to {baseline}, with a "
+               f"{rounds_stats.coverage(n):.0%} interval" if baseline else "; no speedup: no mode to compare with "
+               "finished")
     notes = [f"timings: {len(spans)} rounds of steps {first}-{last}{each_seed} (each mode's window of about "
              f"{spans[0][1] - spans[0][0] + 1} steps a round, in turns, its first step left out); step ms is the "
-             f"median of a mode's {n} rounds (their range in brackets); speedup is the median of its round-by-round "
-             f"ratios to {baseline}, with a {rounds_stats.coverage(n):.0%} interval."]
+             f"median of a mode's {n} rounds (their range in brackets){speedup}."]
     busy = rounds_stats.busy_rounds({mode: t.round_ms for mode, t in timings.items()})
     return notes + ([f"warning: {busy}."] if busy else [])
 

@@ -46,7 +46,15 @@ class RunRecord:
         at = f"at step {self.metrics[-1]['step']}" if self.metrics else "before its first step"
         if self.running_pid is not None:
             return f"running (pid {self.running_pid}), {at}"
+        if not self.metrics:
+            return "interrupted before its first step: nothing to continue (run it again)"
+        if not self.has_checkpoint:
+            return f"interrupted {at}, before its first checkpoint: nothing to continue (run it again)"
         return f"interrupted {at}; continue it with: ampctl train resume={self.path}"
+
+    @property
+    def has_checkpoint(self) -> bool:
+        return any((self.path / run_files.CHECKPOINTS).glob("step_*"))
 
     @property
     def name(self) -> str:

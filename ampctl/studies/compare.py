@@ -130,12 +130,12 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
 
 
 class CompareInterrupted(Exception):
-    """Ctrl-C (or SIGTERM) during a comparison: the running modes stopped with a checkpoint; the modes started
-    until then. run_compare writes their comparison before it lets this go."""
+    """Ctrl-C (or SIGTERM) during a comparison, or its deadline passed: the running modes stopped with a
+    checkpoint; the modes started until then. run_compare writes their comparison before it lets this go."""
 
-    def __init__(self, signum: int, started: list[str]) -> None:
-        self.signum, self.started = signum, started
-        super().__init__(signal.Signals(signum).name)
+    def __init__(self, signum: int, started: list[str], out_of_time: bool = False) -> None:
+        self.signum, self.started, self.out_of_time = signum, started, out_of_time
+        super().__init__("its deadline passed" if out_of_time else signal.Signals(signum).name)
 
 
 def round_spans(cfg: DictConfig, steps: int) -> list[tuple[int, int]]:
@@ -159,10 +159,13 @@ def evaluation_overrides(cfg: DictConfig, steps: int) -> tuple[list[str], Option
 
 
 def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str],
-                planned: Optional[tuple[list[ModePlan], dict[str, str]]] = None) -> int:
+                planned: Optional[tuple[list[ModePlan], dict[str, str]]] = None,
+                deadline: Optional[float] = None) -> int:
     """Run every mode in turns, seed after seed, then write the table, CSV, JSON, report.md and plots. Returns the
     number of failed runs. Interrupted, it writes the comparison of the runs so far and raises CompareInterrupted.
-    planned: the plans and skipped modes of plan_modes, with settings of their own (ampctl advise's)."""
+    planned: the plans and skipped modes of plan_modes, with settings of their own (ampctl advise's). deadline
+    (time.monotonic()): a seed whose runs would end past it (as long as the seed before took) is not started, and
+    runs still going when it passes are stopped, as by SIGTERM (CompareInterrupted, out_of_time)."""
     plans, skipped = planned if planned is not None else plan_modes(cfg, split_overrides(task_overrides))
     skipped = dict(skipped)
     spans = round_spans(cfg, plans[0].steps)
@@ -180,8 +183,13 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
     if no_evaluation:
         console.print(f"  no held-out evaluation: {no_evaluation}", soft_wrap=True)
     started: list[TurnRun] = []
-    interrupted, ran_seeds = None, []
+    interrupted, ran_seeds, seed_s = None, [], 0.0
     for seed in seeds:
+        if deadline is not None and ran_seeds and time.monotonic() + seed_s > deadline:
+            console.print(f"  seeds {', '.join(map(str, seeds[len(ran_seeds):]))} not run: another seed would end "
+                          f"past the deadline (seed {ran_seeds[-1]} took {seed_s:.0f} s)", soft_wrap=True)
+            break
+        seed_started = time.monotonic()
         ran_seeds.append(seed)
         runs = []
         for plan in plans:
@@ -189,20 +197,23 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
             command = child_command(plan, run_dir, cfg.compare.warmup_steps, config_dir,
                                     [*evaluation, f"train.seed={seed}"])
             runs.append(TurnRun(plan.mode, command, run_dir, plan.steps))
-        started += run_with_progress(runs, spans, console, f"seed {seed}: " if len(seeds) > 1 else "")
-        interrupted = next((run.stopped_by for run in started if run.stopped_by is not None), None)
+        started += run_with_progress(runs, spans, console, f"seed {seed}: " if len(seeds) > 1 else "", deadline)
+        seed_s = time.monotonic() - seed_started
+        interrupted = next((run for run in started if run.stopped_by is not None), None)
         if interrupted is not None:
             break
     modes = list(dict.fromkeys(run.label for run in started))
     if interrupted is not None:
+        why = ("its deadline passed" if interrupted.out_of_time
+               else f"was interrupted ({signal.Signals(interrupted.stopped_by).name})")
         for plan in plans:
             if plan.mode not in modes:
-                skipped[plan.mode] = f"not run: the comparison was interrupted ({signal.Signals(interrupted).name})"
+                skipped[plan.mode] = f"not run: the comparison {why} before it started"
     failed = write_comparison_report(out_dir, modes, skipped, task_overrides, console, spans, ran_seeds)
     for line in recheck_cpu_probe(plans, out_dir):
         console.print(line, soft_wrap=True)
     if interrupted is not None:
-        raise CompareInterrupted(interrupted, modes)
+        raise CompareInterrupted(interrupted.stopped_by, modes, interrupted.out_of_time)
     return failed
 
 
@@ -255,7 +266,7 @@ def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, 
 
 
 def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console: Console,
-                      prefix: str = "") -> list[TurnRun]:
+                      prefix: str = "", deadline: Optional[float] = None) -> list[TurnRun]:
     """run_in_turns with a progress bar over every mode's steps (or plain lines off a terminal): a line as each
     round ends, with each mode's median step time in it, and as each mode ends."""
     progress = Progress(
@@ -276,9 +287,14 @@ def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console
         progress.update(overall, description=f"round {min(r + 1, len(spans))}/{len(spans)}")
 
     def on_finished(run: TurnRun) -> None:
-        record = load_run(run.run_dir) if run.error is None else None
-        status = (f"failed: {run.error}" if run.error else f"{record.status}: {record.why_not_ok}"
-                  if record is not None and record.failed else f"done in {time.perf_counter() - run.started_at:.1f} s")
+        record = load_run(run.run_dir) if run.error is None or run.stopped_by is not None else None
+        if record is not None and record.failed:
+            why = record.why_not_ok or ""
+            status = why if why.startswith(record.status) else f"{record.status}: {why}"
+        elif record is None:
+            status = f"failed: {run.error}"
+        else:
+            status = f"done in {time.perf_counter() - run.started_at:.1f} s"
         say(f"{prefix}{run.label}: {status}")
 
     if not console.is_terminal:
@@ -286,7 +302,7 @@ def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console
               + (f" in {io.count_of(len(spans), 'round')}" if pause_after else ""), flush=True)
     with progress:
         started = run_in_turns(runs, pause_after, lambda done: progress.update(overall, completed=done),
-                               on_round, on_finished)
+                               on_round, on_finished, deadline)
     for run in started:
         if run.error and run.stopped_by is None:  # a mode refused before its first step left no directory
             run.run_dir.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ With one round nobody waits: each run trains whole, one after the other.
 
 Ctrl-C (or SIGTERM) reaches every run once, forwarded from here, and the waiting ones are let go: each finishes
 its step and writes a checkpoint (waited for, never killed); a second Ctrl-C ends them at once, as `ampctl train`
-alone would.
+alone would. A run that is being started when the signal comes gets it as soon as it exists (it was not yet among
+the runs to forward to). A deadline, where one is given, stops them the same way (SIGTERM) once it has passed.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ampctl.runner.pauses import PAUSE_AFTER_ENV, PAUSE_FD_ENV
 def child_log(run_dir: Path) -> Path:
     """A mode's process output, beside its run directory (`<mode>.log`): the run directory is the run's own."""
     return run_dir.with_name(run_dir.name + ".log")
+
+
 POLL_S = 0.5  # how often progress is read from the runs' metrics.jsonl while waiting
 
 
@@ -41,7 +44,8 @@ class TurnRun:
     run_dir: Path
     steps: int
     error: Optional[str] = None
-    stopped_by: Optional[int] = None  # the signal it was stopped by
+    stopped_by: Optional[int] = None  # the signal it was stopped by (SIGTERM for a deadline)
+    out_of_time: bool = False  # stopped because the deadline passed, not by a signal from outside
     started_at: float = 0.0
     finished: bool = False
 
@@ -68,6 +72,7 @@ class TurnProcess:
                                         pass_fds=(write_fd,))
         os.close(write_fd)
         self._buffer = b""
+        self.sent = 0  # how many of the stop signals received so far it was sent
 
     @property
     def alive(self) -> bool:
@@ -106,9 +111,15 @@ class TurnProcess:
         except BrokenPipeError:
             pass
 
-    def signal(self, signum: int) -> None:
-        if self.alive:
-            self.process.send_signal(signum)
+    def catch_up(self, received: list[int]) -> None:
+        """Send it each stop signal received that it was not sent yet (Ctrl-C as itself; any other stop as
+        SIGTERM, which every run stops on, whatever its preempt_signal), and let it go."""
+        for signum in received[self.sent:]:
+            self.sent += 1
+            if self.alive:
+                self.process.send_signal(signum if signum == signal.SIGINT else signal.SIGTERM)
+        if received:
+            self.let_go()
 
     def kill(self) -> None:
         if self.alive:
@@ -121,22 +132,40 @@ class TurnProcess:
 
 
 def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Callable[[int], None],
-                 on_round: Callable[[int], None], on_finished: Callable[[TurnRun], None]) -> list[TurnRun]:
+                 on_round: Callable[[int], None], on_finished: Callable[[TurnRun], None],
+                 deadline: Optional[float] = None) -> list[TurnRun]:
     """Start every run, let them take turns through len(pause_after) rounds, wait for their ends. Returns the runs
-    started: all of them, unless a signal stopped the comparison (each run's stopped_by says so).
-    on_progress(steps done by all runs), on_round(r) after round r (1-based), on_finished(run) as each ends."""
+    started: all of them, unless a signal or the deadline (time.monotonic()) stopped the comparison (each run's
+    stopped_by and out_of_time say so). on_progress(steps done by all runs), on_round(r) after round r (1-based),
+    on_finished(run) as each ends."""
     processes: list[TurnProcess] = []
     received: list[int] = []
+    out_of_time: list[bool] = []
+    stops = (*STOP_SIGNALS, *PREEMPT_SIGNALS)
 
     def forward(signum: int, _frame: object) -> None:
-        # Ctrl-C as itself; any other stop as SIGTERM, which every run stops on (whatever its preempt_signal)
         received.append(signum)
         for process in processes:
-            process.signal(signum if signum == signal.SIGINT else signal.SIGTERM)
-            process.let_go()
+            process.catch_up(received)
+
+    def catch_up(process: TurnProcess) -> None:
+        # the signals that came while it was being started, when forward() could not reach it yet; with them
+        # blocked meanwhile, so that one arriving now is not sent twice
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        try:
+            process.catch_up(received)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
 
     def tick() -> None:
         on_progress(sum(p.run.steps_done() for p in processes))
+        if deadline is not None and not received and time.monotonic() > deadline:
+            out_of_time.append(True)
+            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+            try:
+                forward(signal.SIGTERM, None)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
 
     def turn(process: TurnProcess) -> bool:
         """Until it pauses (False) or ends (True)."""
@@ -145,16 +174,17 @@ def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Calla
     def to_the_end(process: TurnProcess) -> None:
         while process.wait(tick) is not None:  # a run let go may still say it pauses, then goes on
             pass
-        _finish(process, received, on_finished)
+        _finish(process, received, on_finished, bool(out_of_time))
 
-    previous = {signum: signal.signal(signum, forward) for signum in (*STOP_SIGNALS, *PREEMPT_SIGNALS)}
+    previous = {signum: signal.signal(signum, forward) for signum in stops}
     try:
         for run in runs:  # each runs its warm-up (or, with one round, everything), then waits
             if received:
                 break
             processes.append(TurnProcess(run, pause_after))
+            catch_up(processes[-1])
             if turn(processes[-1]):
-                _finish(processes[-1], received, on_finished)
+                _finish(processes[-1], received, on_finished, bool(out_of_time))
         for r in range(len(pause_after)):
             order = processes[r % len(processes):] + processes[:r % len(processes)] if processes else []
             ended = []
@@ -166,7 +196,7 @@ def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Calla
             if not received:
                 on_round(r + 1)
             for process in ended:  # said after the round they ended in
-                _finish(process, received, on_finished)
+                _finish(process, received, on_finished, bool(out_of_time))
         for process in processes:  # ended already, or let go after a signal
             to_the_end(process)
     except BaseException:
@@ -181,12 +211,14 @@ def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Calla
     return [p.run for p in processes]
 
 
-def _finish(process: TurnProcess, received: list[int], on_finished: Callable[[TurnRun], None]) -> None:
+def _finish(process: TurnProcess, received: list[int], on_finished: Callable[[TurnRun], None],
+            out_of_time: bool) -> None:
     run = process.run
     if run.finished:
         return
     run.finished = True
     run.stopped_by = received[0] if received else None
+    run.out_of_time = out_of_time
     if process.process.returncode != 0:
         run.error = child_error(child_log(run.run_dir), process.process.returncode)
     on_finished(run)

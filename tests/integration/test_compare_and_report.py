@@ -232,7 +232,7 @@ def test_ctrl_c_during_compare_stops_the_running_mode_with_a_checkpoint_and_writ
     rows = {row["precision"]: row for row in read_csv(out / "comparison.csv")}
     assert rows["fp32"]["status"] == "interrupted" and rows["bf16"]["status"] == "skipped"
     assert f"fp32 interrupted: interrupted at step {step}; continue it with: ampctl train resume={out / 'fp32'}" in stdout
-    assert "bf16 skipped: not run: the comparison was interrupted (SIGINT)" in stdout
+    assert "bf16 skipped: not run: the comparison was interrupted (SIGINT) before it started" in stdout
 
 
 def test_a_failed_mode_shows_the_childs_own_error_line(tmp_path, restore_argv, capsys):
