@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -48,3 +49,19 @@ class BusyDataRecipe(MLPRecipe):
             while time.thread_time() < end:  # the thread's own work: CPU time, as making a batch takes
                 pass
             yield batch
+
+
+@dataclass
+class SlowStepRecipe(MLPRecipe):
+    """The mlp recipe whose every step takes `step_s` more (a model that is slow here), and `in_turns_s` more again
+    in a comparison's rounds (compare's runs in turns: a machine that got busy after advise's calibration)."""
+
+    step_s: float = 0.1
+    in_turns_s: float = 0.0
+
+    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if next(model.parameters()).device.type != "meta":  # not the FLOP count at start
+            from ampctl.runner.pauses import PAUSE_AFTER_ENV
+
+            time.sleep(self.step_s + (self.in_turns_s if os.environ.get(PAUSE_AFTER_ENV) else 0.0))
+        return super().loss(model, batch)

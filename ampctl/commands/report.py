@@ -70,9 +70,9 @@ def _render_record(path: Path, record: str, console) -> int:
         meta = json.loads((path / record).read_text())
         spans = [tuple(span) for span in meta["rounds"]] if meta.get("rounds") else None
         return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console,
-                                       spans, meta.get("seeds"))
+                                       spans, meta.get("seeds"), meta.get("per_seed"))
     if record == f"{run_files.ADVICE}.json":
-        from ampctl.studies.advise import rerender
+        from ampctl.studies.advice_report import rerender
     elif record == f"{run_files.MEMORY}.json":
         from ampctl.studies.memory import rerender
     else:

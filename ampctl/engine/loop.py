@@ -205,15 +205,19 @@ def run_steps(
     before_step: Callable[[], None] = lambda: None,
     after_step: Callable[[int], None] = lambda done: None,
     timed: bool = False,
+    enough: Callable[[], bool] = lambda: False,
 ) -> list[float]:
     """n optimizer steps outside a training run (inspect, memory, the memory probe, diagnose): the step fit()
     takes, its records kept on the device where nobody reads them. With timed, each step's wall time in ms
     (synchronized with the device: these are measurements, not a training run). after_step(k) after the k-th
-    (progress for the commands that wait on these steps)."""
+    (progress for the commands that wait on these steps); enough(), asked before every step but the first, ends
+    them early (a deadline)."""
     telemetry = Telemetry(policy.device, max(n, 1), recipe.samples_per_batch, None, [])
     state.model.train()
     times = []
     for done in range(1, n + 1):
+        if done > 1 and enough():
+            break
         before_step()
         start = time.perf_counter()
         train_step(state, batches, recipe, policy, settings, telemetry)

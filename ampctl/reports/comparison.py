@@ -29,9 +29,10 @@ Span = tuple[int, int]
 ModeRuns = tuple[str, Sequence[RunRecord]]  # a mode and its runs, one per seed, in the seeds' order
 
 
-def run_dir(out_dir: Path, mode: str, seed: Optional[int], seeds: Sequence[Optional[int]]) -> Path:
-    """A run's directory: <out>/<mode>, or <out>/<mode>/seed_<seed> when the comparison has several seeds."""
-    return out_dir / mode if len(seeds) == 1 else out_dir / mode / f"seed_{seed}"
+def run_dir(out_dir: Path, mode: str, seed: Optional[int], per_seed: bool) -> Path:
+    """A run's directory: <out>/<mode>, or <out>/<mode>/seed_<seed> when the comparison was planned with several
+    seeds (however many of them ran)."""
+    return out_dir / mode / f"seed_{seed}" if per_seed else out_dir / mode
 
 
 @dataclass

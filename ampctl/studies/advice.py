@@ -178,7 +178,11 @@ def decide(modes: list[ModeEvidence], prepared: Optional[dict[str, Preparation]]
             matching.append(m)
         else:
             rejected[m.mode] = why
-    chosen, reasons = _choose(goal, baseline, matching, rejected)
+    if not matching and all(m.skipped is not None for m in modes if m.mode != BASELINE):
+        chosen, reasons = BASELINE, ["no other mode was compared with fp32 here (each one's reason below): fp32, the "
+                                     "reference, by default"]
+    else:
+        chosen, reasons = _choose(goal, baseline, matching, rejected)
     for label in rejected:
         summary = getattr(prepared.get(variants.parse(label).mode), "summary", "")
         if summary and label not in {m.mode for m in modes if m.skipped is not None}:
@@ -196,7 +200,7 @@ def _why_not(m: ModeEvidence) -> Optional[str]:
     if m.skipped is not None:
         return m.skipped
     if m.failed is not None:
-        return f"its run failed: {m.failed}"
+        return f"its run did not finish ({m.failed})" if m.failed == "interrupted" else f"its run failed: {m.failed}"
     delta = "" if m.eval_loss_delta is None else f"held-out loss {m.eval_loss_delta:+.4f} against fp32"
     if m.parity == "differs":
         return f"{delta}, beyond the seed-to-seed noise of {m.seeds} seeds; {m.speed_words()}"

@@ -26,31 +26,43 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ampctl import io, run_files
-from ampctl.conf.composing import compose_job, defaults_of_a_job, without_hydra_node
+from ampctl.conf.composing import compose_job
 from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS, budget_seconds
 from ampctl.engine import cpu_speed
 from ampctl.errors import UsageError
 from ampctl.reports import tables
+from ampctl.reports.comparison import baseline_of
 from ampctl.studies import variants
-from ampctl.studies.advice import Advice, GradientEvidence, LayerLoss, ModeEvidence, Preparation, decide, prepare
+from ampctl.studies.advice import GradientEvidence, LayerLoss, ModeEvidence, Preparation, decide, prepare
+from ampctl.studies.budget import (
+    CALIBRATION_STEPS,
+    COMPILED_MIN_STEPS,
+    INSPECT_SHARE,
+    INSPECTED_STEP_COST,
+    MARGIN_S,
+    PLANNED_SHARE,
+    BudgetClock,
+    Candidate,
+    inspected_steps,
+    minutes,
+    seconds_since_start,
+    size_comparison,
+)
 from ampctl.studies.compare import CompareInterrupted, ModePlan, plan_modes, run_compare, split_overrides
+from ampctl.studies.advice_report import write_advice
 from ampctl.studies.inspect_ranges import run_inspect
 
 OWN_KEYS = ("advise.", "compare.", "inspect.")  # advise's settings: not the runs'
 # the modes advise considers: those compare runs by default, and the converted formats where they run at speed
 CANDIDATES = (*DEFAULT_COMPARE_PRECISIONS, "fp8", "mxfp8", "nvfp4", "mxfp4")
-CALIBRATION_STEPS = 8
-PROCESS_START_S = 8.0  # a mode's process: imports, build, the first steps (measured here: 5-8 s on 2 cores)
-MIN_STEPS, MAX_STEPS = 30, 2000
-COMPILED_MIN_STEPS = 2 * MIN_STEPS  # compile is measured only where each run keeps at least this many steps
-PLANNED_SHARE = 0.9  # of the budget left: the rest for what the estimate leaves out (evaluations, reports)
+log = logging.getLogger(__name__)  # advise.log (Hydra's job logging): every line advise says
 
 
 def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> None:
     console = tables.make_console()
     budget = budget_seconds(cfg.advise.budget)
     assert budget is not None  # the schema refused anything else
-    clock = BudgetClock(budget)
+    clock = BudgetClock(budget, seconds_since_start())
     run_overrides = [o for o in task_overrides if not o.lstrip("+~").startswith(OWN_KEYS)]
     for override in run_overrides:
         key = override.lstrip("+~").split("=", 1)[0]
@@ -62,74 +74,110 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
                              "here); to choose its candidates yourself, compare.precisions=[fp32,bf16,...]")
     split_overrides(run_overrides)  # refuses resume= (its runs are new ones)
     out_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"ampctl advise: goal={cfg.advise.goal.value}, budget {cfg.advise.budget} -> {out_dir}")
+
+    def say(text: str, clocked: bool = True) -> None:
+        line = clock.line(text) if clocked else text
+        console.print(line, soft_wrap=True, highlight=False)
+        log.info(line)
+
+    ends = time.strftime("%H:%M:%S", time.localtime(time.time() + clock.left()))
+    say(f"ampctl advise: goal={cfg.advise.goal.value}, budget {cfg.advise.budget} from its start: ends by {ends}, "
+        f"plus up to {MARGIN_S:.0f} s to stop its runs and write the reports -> {out_dir}", clocked=False)
     facts = {"machine": _machine(cfg)}
-    console.print(f"  the machine: {facts['machine']}", soft_wrap=True)
-
-    say = lambda text: console.print(clock.line(text), soft_wrap=True, highlight=False)  # noqa: E731
-    say(f"inspect: where fp32's values fall against each format, {io.count_of(cfg.inspect.steps, 'step')}")
-    inspect_cfg = compose_job("advise", [*run_overrides, "precision=fp32"])
-    run_inspect(inspect_cfg, out_dir / "inspect", run_overrides)
-    gradients = gradient_evidence(out_dir / "inspect")
-
+    say(f"  the machine: {facts['machine']}", clocked=False)
     notes: list[str] = []
-    say(f"calibration: {CALIBRATION_STEPS} steps of fp32, to size the comparison to the budget")
+    say(f"calibration: {CALIBRATION_STEPS} steps of fp32, to size each phase to the budget")
     calibration = _calibrate(run_overrides, out_dir / "calibration")
-    step_ms = float(calibration["median_step_time_ms"])
-    facts["model"] = model_facts(calibration, out_dir / "inspect")
+    step_s = float(calibration["median_step_time_ms"]) / 1e3
+    inspected = _inspect(cfg, run_overrides, out_dir / "inspect", "fp32", step_s, clock, notes, say)
+    gradients = gradient_evidence(out_dir / "inspect") if inspected else None
+    facts["model"] = model_facts(calibration, out_dir / "inspect" if inspected else None)
     say(f"the model: {facts['model']}")
     compile_measured = _compile_is_candidate(cfg, run_overrides, notes)
     cfg = _with_variants(cfg, run_overrides, notes, compile_measured)
     plans, skipped = plan_modes(cfg, run_overrides, CANDIDATES)
-    prepared = _prepare(cfg, plans, skipped, gradients, run_overrides, out_dir, say)
+    prepared = _prepare(cfg, plans, skipped, gradients, run_overrides, out_dir, step_s, clock, notes, say)
     compile_s = 0.0
     if compile_measured:
-        plans, compile_s = _with_compile_where_it_fits(cfg, plans, run_overrides, out_dir, step_ms,
-                                                       PLANNED_SHARE * clock.left(), notes, say)
-    seconds_left = PLANNED_SHARE * clock.left()
-    plans = [_prepared_plan(plan, prepared) for plan in plans]
-    steps, estimate = _steps_for(seconds_left, step_ms, plans, cfg, compile_s)
-    plans = [dataclasses.replace(p, steps=steps, overrides=[*p.overrides, f"train.steps={steps}"]) for p in plans]
-    modes = [p.mode for p in plans]
-    say(f"compare {', '.join(modes)} x {io.count_of(cfg.compare.seeds, 'seed')} x {io.count_of(steps, 'step')} in "
-        f"{io.count_of(cfg.compare.rounds, 'round')}: about {estimate / 60:.1f} min, done near "
-        f"{time.strftime('%H:%M', time.localtime(time.time() + estimate))}")
+        plans, compile_s = _with_compile_where_it_fits(cfg, plans, run_overrides, out_dir, step_s, clock, notes, say)
+    size = size_comparison([_candidate(p, plans) for p in plans], step_s, PLANNED_SHARE * clock.left(),
+                           cfg.compare.seeds, compile_s)
+    skipped.update(size.dropped)
+    plans = [_sized(_prepared_plan(p, prepared), size.steps) for p in plans if p.mode in size.kept]
     interrupted: Optional[CompareInterrupted] = None
-    if len(plans) > 1:  # fp32 alone is no comparison
+    if size.runs:
+        if size.fewer_seeds:
+            notes.append(f"compare: {size.fewer_seeds} in advise.budget={cfg.advise.budget}")
+        cfg = _with_seeds(cfg, size.seeds)
+        say(f"compare {', '.join(size.kept)} x {io.count_of(size.seeds, 'seed')} x {io.count_of(size.steps, 'step')} "
+            f"in {io.count_of(cfg.compare.rounds, 'round')}: about {size.estimate_s / 60:.1f} min, done near "
+            f"{time.strftime('%H:%M', time.localtime(time.time() + size.estimate_s))}")
         try:
-            run_compare(cfg, out_dir / "compare", [*run_overrides, f"train.steps={steps}"], config_dir,
-                        planned=(plans, skipped))
+            run_compare(cfg, out_dir / "compare", [*run_overrides, f"train.steps={size.steps}"], config_dir,
+                        planned=(plans, skipped), deadline=clock.deadline())
         except CompareInterrupted as exc:
             interrupted = exc
-    evidence = mode_evidence(out_dir / "compare", skipped, only=None if len(plans) > 1 else modes)
+    else:
+        why = ("fp32 is the only candidate that runs here" if not size.dropped else
+               f"fp32 and one other mode do not fit the {minutes(clock.left())} left of advise.budget="
+               f"{cfg.advise.budget}")
+        say(f"compare: not run: {why} (each mode's reason below)")
+        notes.append(f"no comparison: {why}; the advice is fp32 by default, not by measurement")
+    evidence = mode_evidence(out_dir / "compare" if size.runs else None, skipped, size.kept)
     advice = decide(evidence, prepared, cfg.advise.goal.value, notes)
-    partial = None if interrupted is None else \
-        f"interrupted during the comparison ({interrupted}): the advice holds what was measured before"
+    partial = _partial(interrupted)
     say("the advice, from what was measured:")
     write_advice(out_dir, cfg, advice, evidence, gradients, run_overrides, console, partial, facts)
-    if interrupted is not None:
+    if interrupted is not None and not interrupted.out_of_time:
         raise interrupted
 
 
-class BudgetClock:
-    """advise's progress against its budget: each phase's line starts `[1:05 of 10:00]`."""
-
-    def __init__(self, budget_s: float) -> None:
-        self.budget_s, self._started = budget_s, time.monotonic()
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self._started
-
-    def left(self) -> float:
-        return self.budget_s - self.elapsed()
-
-    def line(self, text: str) -> str:
-        return f"[{_minutes(self.elapsed())} of {_minutes(self.budget_s)}] {text}"
+def _candidate(plan: ModePlan, plans: list[ModePlan]) -> Candidate:
+    return Candidate(plan.mode, _relative_time(plan), variants.parse(plan.mode).compiled,
+                     plan.mode == baseline_of([p.mode for p in plans]))
 
 
-def _minutes(seconds: float) -> str:
-    whole = int(round(seconds))
-    return f"{whole // 60}:{whole % 60:02d}"
+def _sized(plan: ModePlan, steps: int) -> ModePlan:
+    return dataclasses.replace(plan, steps=steps, overrides=[*plan.overrides, f"train.steps={steps}"])
+
+
+def _partial(interrupted: Optional[CompareInterrupted]) -> Optional[str]:
+    if interrupted is None:
+        return None
+    if interrupted.out_of_time:
+        return ("advise.budget ran out during the comparison (the machine ran slower than its calibration): its runs "
+                "were stopped, and the advice holds what was measured before")
+    return f"interrupted during the comparison ({interrupted}): the advice holds what was measured before"
+
+
+def _with_seeds(cfg: DictConfig, seeds: int) -> DictConfig:
+    if seeds == cfg.compare.seeds:
+        return cfg
+    out = cfg.copy()
+    with open_dict(out):
+        out.compare.seeds = seeds
+    return out
+
+
+def _inspect(cfg: DictConfig, run_overrides: list[str], out_dir: Path, mode: str, step_s: float,
+             clock: BudgetClock, notes: list[str], say: Callable[[str], None], relative: float = 1.0) -> int:
+    """An inspection in `mode` with the steps that fit its share of what is left (inspect.steps at most), stopped
+    between steps at the end of that share; none where one step does not fit (said as a note). Returns its steps."""
+    seconds = INSPECT_SHARE * clock.left()
+    steps = inspected_steps(cfg.inspect.steps, step_s, seconds, relative)
+    what = "where fp32's values fall against each format" if mode == "fp32" else \
+        "what its format loses of each converted layer"
+    if steps == 0:
+        say(f"inspect in {mode}: not run: one inspected step (~{INSPECTED_STEP_COST * relative * step_s:.0f} s here) "
+            f"does not fit its share of the {minutes(clock.left())} left")
+        notes.append(f"inspect in {mode}: not run in advise.budget={cfg.advise.budget}: one inspected step "
+                     f"(~{INSPECTED_STEP_COST:.0f}x a plain one) would not fit; "
+                     + ("the loss-scaling modes are compared with GradScaler's own settings" if mode == "fp32" else
+                        "it is compared with every layer converted"))
+        return 0
+    say(f"inspect in {mode}: {what}, {io.count_of(steps, 'step')}")
+    inspect_cfg = compose_job("advise", [*run_overrides, f"precision={mode}", f"inspect.steps={steps}"])
+    return run_inspect(inspect_cfg, out_dir, [*run_overrides, f"precision={mode}"], clock.deadline(INSPECT_SHARE))
 
 
 def _compile_is_candidate(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> bool:
@@ -176,21 +224,21 @@ def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str], 
 
 
 def _prepare(cfg: DictConfig, plans: list[ModePlan], skipped: dict[str, str], gradients: Optional[GradientEvidence],
-             run_overrides: list[str], out_dir: Path, say: Callable[[str], None]) -> dict[str, Preparation]:
+             run_overrides: list[str], out_dir: Path, step_s: float, clock: BudgetClock, notes: list[str],
+             say: Callable[[str], None]) -> dict[str, Preparation]:
     """Each mode's settings before it is compared (advice.prepare): scaled modes from the fp32 inspection's
     gradients; converted modes (FP8, MX) from an inspection in that mode, which counts what their format loses
-    of each converted layer. A mode not worth comparing moves to skipped."""
+    of each converted layer (where it fits the budget). A mode not worth comparing moves to skipped."""
     prepared: dict[str, Preparation] = {}
-    for mode in dict.fromkeys(variants.parse(p.mode).mode for p in plans):
+    for plan in {variants.parse(p.mode).mode: p for p in plans}.values():
+        mode = variants.parse(plan.mode).mode
         mode_cfg = compose_job("advise", [*run_overrides, f"precision={mode}"])
         precision = OmegaConf.to_container(mode_cfg.precision, resolve=True, enum_to_str=True)
         own_rules = [{k: v for k, v in rule.items() if v is not None} for rule in precision.get("rules") or []]
         losses, measured_by = None, ""
-        if mode_cfg.precision.converter is not None:
-            inspect_dir = out_dir / f"inspect_{mode}"
-            say(f"inspect in {mode}: what its format loses of each converted layer")
-            run_inspect(mode_cfg, inspect_dir, [*run_overrides, f"precision={mode}"])
-            losses, measured_by = layer_losses(inspect_dir, mode)
+        if mode_cfg.precision.converter is not None and _inspect(
+                cfg, run_overrides, out_dir / f"inspect_{mode}", mode, step_s, clock, notes, say, _relative_time(plan)):
+            losses, measured_by = layer_losses(out_dir / f"inspect_{mode}", mode)
         prepared[mode] = prepare(mode, gradients, losses, own_rules, cfg.advise.layer_loss_limit, measured_by)
         if prepared[mode].refused is not None:
             skipped[mode] = prepared[mode].refused
@@ -251,58 +299,48 @@ def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> dict:
     return summary
 
 
-def model_facts(calibration: dict, inspect_dir: Path) -> str:
-    """The model in a line: parameters and FLOPs (the calibration run's), its leaf layers by type (inspect's)."""
-    rows = json.loads((inspect_dir / f"{run_files.INSPECTION}.json").read_text())["rows"]
-    types = Counter(dict((r["layer"], r.get("type", "?")) for r in rows).values())
+def model_facts(calibration: dict, inspect_dir: Optional[Path]) -> str:
+    """The model in a line: parameters and FLOPs (the calibration run's), its leaf layers by type (inspect's, where
+    it ran)."""
     flops = calibration.get("model_flops_per_step")
     mfu = calibration.get("mfu")
     parameters, flop = io.si_prefixed(calibration["parameters"]), io.si_prefixed(flops or 0)
-    return (f"{''.join(parameters)} parameters" + (f", {flop[0]} {flop[1]}FLOP a step" if flops else "")
-            + f"; {io.count_of(sum(types.values()), 'leaf layer')} ("
-            + ", ".join(f"{n} {name}" for name, n in types.most_common(4)) + (", ..." if len(types) > 4 else "")
-            + f"); fp32 steps {calibration['median_step_time_ms']:.3g} ms here"
-            + (f" ({mfu:.1%} MFU)" if mfu else ""))
+    layers = ""
+    if inspect_dir is not None:
+        rows = json.loads((inspect_dir / f"{run_files.INSPECTION}.json").read_text())["rows"]
+        types = Counter(dict((r["layer"], r.get("type", "?")) for r in rows).values())
+        layers = (f"; {io.count_of(sum(types.values()), 'leaf layer')} ("
+                  + ", ".join(f"{n} {name}" for name, n in types.most_common(4)) + (", ..." if len(types) > 4 else "")
+                  + ")")
+    return (f"{''.join(parameters)} parameters" + (f", {flop[0]} {flop[1]}FLOP a step" if flops else "") + layers
+            + f"; fp32 steps {calibration['median_step_time_ms']:.3g} ms here" + (f" ({mfu:.1%} MFU)" if mfu else ""))
 
 
 def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_overrides: list[str], out_dir: Path,
-                                step_ms: float, seconds_left: float, notes: list[str], say: Callable[[str], None],
+                                step_s: float, clock: BudgetClock, notes: list[str], say: Callable[[str], None],
                                 ) -> tuple[list[ModePlan], float]:
     """The compiled plans kept where the budget leaves each run COMPILED_MIN_STEPS after compiling (its time
     measured by a compiled calibration run, taken only where the steps would fit without any compile time);
     advise.compile=true, whatever the budget. Returns the plans and the compile time."""
-    both_ways = plans
     forced = cfg.advise.compile is True
-    steps, _ = _steps_for(seconds_left, step_ms, both_ways, cfg)
+
+    def every_plan_fits(compile_s: float) -> bool:
+        size = size_comparison([_candidate(p, plans) for p in plans], step_s, PLANNED_SHARE * clock.left(),
+                               cfg.compare.seeds, compile_s, COMPILED_MIN_STEPS)
+        return len(size.kept) == len(plans) and not size.fewer_seeds
+
     compile_s = None
-    if steps >= COMPILED_MIN_STEPS or forced:
-        started = time.monotonic()
+    if forced or every_plan_fits(0.0):
         say("calibration: fp32 compiled, for the compile time")
         compile_s = float(_calibrate(run_overrides, out_dir / "calibration_compiled", "train.compile=true")
                           ["compile_s"] or 0.0)
-        steps, _ = _steps_for(seconds_left - (time.monotonic() - started), step_ms, both_ways, cfg, compile_s)
-    if steps >= COMPILED_MIN_STEPS or forced:
-        return both_ways, compile_s or 0.0
+    if forced or (compile_s is not None and every_plan_fits(compile_s)):
+        return plans, compile_s or 0.0
     cost = "" if compile_s is None else f"compiling each run (~{compile_s:.0f} s here) and "
-    notes.append(f"torch.compile: not measured: {cost}running every mode both ways would leave "
-                 f"{io.count_of(steps, 'step')} a run in advise.budget={cfg.advise.budget}, under {COMPILED_MIN_STEPS}; "
-                 "advise.compile=true or a longer budget measures it")
+    notes.append(f"torch.compile: not measured: {cost}running every mode both ways would leave fewer than "
+                 f"{COMPILED_MIN_STEPS} steps a run in advise.budget={cfg.advise.budget}; advise.compile=true or a "
+                 "longer budget measures it")
     return [p for p in plans if not variants.parse(p.mode).compiled], 0.0
-
-
-def _steps_for(seconds_left: float, step_ms: float, plans: list, cfg: DictConfig,
-               compile_s: float = 0.0) -> tuple[int, float]:
-    """The steps each mode's run takes so that the comparison fits what is left of the budget, and the estimate.
-    A mode's step is fp32's times the CPU probe's slowdown of its half type (a GPU's modes are taken as fp32's);
-    a compiled run adds its compile time once."""
-    slowdown = sum(_relative_time(plan) for plan in plans)
-    seeds = cfg.compare.seeds
-    per_step_s = seeds * slowdown * step_ms / 1e3
-    compiled = sum(variants.parse(plan.mode).compiled for plan in plans)
-    fixed_s = seeds * (len(plans) * PROCESS_START_S + compiled * compile_s)
-    steps = int(max(seconds_left - fixed_s, 0) / per_step_s) if per_step_s > 0 else MAX_STEPS
-    steps = max(MIN_STEPS, min(MAX_STEPS, steps))
-    return steps, fixed_s + steps * per_step_s
 
 
 def _relative_time(plan: Any) -> float:
@@ -325,12 +363,14 @@ def gradient_evidence(inspect_dir: Path) -> Optional[GradientEvidence]:
     return GradientEvidence(max(grads), flushed, overflowing)
 
 
-def mode_evidence(compare_dir: Path, skipped: dict[str, str], only: Optional[list[str]] = None) -> list[ModeEvidence]:
-    """Every mode's row of comparison.json, and the modes compare did not run (with its reason)."""
+def mode_evidence(compare_dir: Optional[Path], skipped: dict[str, str], not_compared: list[str] = ()
+                  ) -> list[ModeEvidence]:
+    """Every mode's row of comparison.json, and the modes compare did not run (with its reason). Without a
+    comparison (compare_dir None), the modes that would have been compared, with nothing measured."""
     evidence = [ModeEvidence(mode, skipped=reason) for mode, reason in skipped.items()]
-    record = compare_dir / f"{run_files.COMPARISON}.json"
-    if only is not None or not record.is_file():
-        return [*(ModeEvidence(mode, 1.0, 1.0, 1.0) for mode in (only or [])), *evidence]
+    record = None if compare_dir is None else compare_dir / f"{run_files.COMPARISON}.json"
+    if record is None or not record.is_file():
+        return [*(ModeEvidence(mode) for mode in not_compared), *evidence]
     data = json.loads(record.read_text())
     skipped_there = {mode: reason for mode, reason in data.get("skipped", {}).items() if mode not in skipped}
     evidence += [ModeEvidence(mode, skipped=reason) for mode, reason in skipped_there.items()]
@@ -345,66 +385,3 @@ def mode_evidence(compare_dir: Path, skipped: dict[str, str], only: Optional[lis
             row.get("eval_loss_delta"), row.get("eval_loss_delta_interval"), row.get("seeds") or 0,
             row.get("peak_memory_mib")))
     return evidence
-
-
-def write_advice(out_dir: Path, cfg: DictConfig, advice: Advice, evidence: list[ModeEvidence],
-                 gradients: Optional[GradientEvidence], run_overrides: list[str], console: Any,
-                 partial: Optional[str], facts: dict[str, str]) -> None:
-    """advice.json (the advice and its evidence), advice.md, and the experiment config that runs the advice."""
-    config = out_dir / f"{cfg.advise.name}.yaml"
-    job = compose_job("train", [*run_overrides, *advice.overrides()], with_hydra=True)
-    io.atomic_write_text(config, defaults_of_a_job("train", dict(job.hydra.runtime.choices))
-                         + OmegaConf.to_yaml(without_hydra_node(job)))
-    record = {"kind": "advise", "advice": advice.to_json(), "partial": partial,
-              "evidence": [vars(e) for e in evidence],
-              "gradients": None if gradients is None else vars(gradients),
-              "overrides": run_overrides, "config": config.name, "facts": facts}
-    io.write_json(out_dir / f"{run_files.ADVICE}.json", record)
-    say_advice(out_dir, advice, evidence, partial, config, console, facts)
-
-
-def say_advice(out_dir: Path, advice: Advice, evidence: list[ModeEvidence], partial: Optional[str], config: Path,
-               console: Any, facts: dict[str, str]) -> None:
-    """advice.md (the machine and the model, then the advice, with its plot where modes were compared), and the
-    advice's lines on the console (which said the machine and the model as it measured them)."""
-    lines = advice_lines(advice, partial, config, out_dir)
-    image = speed_plot(out_dir, advice, evidence)
-    header = "".join(f"{what}: {text}\n\n" for what, text in facts.items())
-    io.atomic_write_text(out_dir / f"{run_files.ADVICE}.md", "# ampctl advise\n\n" + header + "\n".join(
-        f"- {line}" if i else line for i, line in enumerate(lines)) + "\n"
-        + (f"\n![{image.stem}]({image.name})\n" if image is not None else ""))
-    for line in lines:
-        console.print(line, soft_wrap=True)
-
-
-def speed_plot(out_dir: Path, advice: Advice, evidence: list[ModeEvidence]) -> Optional[Path]:
-    from ampctl.reports import plots
-
-    points = [{"mode": e.mode, "speedup": e.speedup, "speedup_low": e.speedup_low, "speedup_high": e.speedup_high,
-               "delta": e.eval_loss_delta, "delta_interval": e.eval_loss_delta_interval}
-              for e in evidence if e.speedup is not None and e.skipped is None and e.failed is None]
-    if len(points) < 2:
-        return None
-    return plots.speed_and_accuracy(points, advice.mode, out_dir / "advice.png",
-                                    f"ampctl advise (goal={advice.goal}): {' '.join(advice.overrides())}")
-
-
-def rerender(out_dir: Path, console: Any) -> None:
-    """`ampctl report` on an advice's directory: advice.md, its plot and its lines again, from advice.json."""
-    record = json.loads((out_dir / f"{run_files.ADVICE}.json").read_text())
-    evidence = [ModeEvidence(**e) for e in record["evidence"]]
-    say_advice(out_dir, Advice(**record["advice"]), evidence, record.get("partial"), out_dir / record["config"],
-               console, record.get("facts", {}))
-
-
-def advice_lines(advice: Advice, partial: Optional[str], config: Path, out_dir: Path) -> list[str]:
-    lines = [f"advice (goal={advice.goal}): precision={advice.precision}"
-             + (f" with {' '.join(advice.overrides()[1:])}" if len(advice.overrides()) > 1 else "")]
-    if partial:
-        lines.append(f"partial: {partial}")
-    lines += [f"why: {reason}" for reason in advice.reasons]
-    lines += [f"not {mode}: {why}" for mode, why in advice.rejected.items()]
-    lines += [f"note: {note}" for note in advice.notes]
-    lines.append(f"run it: ampctl train -cd {out_dir} -cn {config.stem}   (the evidence: inspect/, compare/, "
-                 "advice.json, advice.png)")
-    return lines

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -63,10 +64,13 @@ class Inspection:
     precision: Optional[tables.ReportTable] = None  # the resolved precision of every layer
     blocks: Optional[tables.ReportTable] = None  # block-scaled layers: what their scales saturate and flush
     fp8: Optional[tables.ReportTable] = None  # plain Linear layers: what FP8's tensorwise scale would flush
+    stopped_early: bool = False  # its deadline came before its last step (the steps recorded: len(run_scales))
 
 
-def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None) -> Inspection:
-    """cfg.inspect.steps training steps with range hooks on every leaf module; phase(what) after each part."""
+def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None,
+                deadline: Optional[float] = None) -> Inspection:
+    """cfg.inspect.steps training steps with range hooks on every leaf module; phase(what) after each part. A step
+    is not started past the deadline (time.monotonic()), the first excepted."""
     policy = check_config(cfg)
     recipe = build_recipe(cfg.recipe)
     with policy:
@@ -92,10 +96,11 @@ def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: Non
             recorder.record_weights()
             run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), n, recipe, policy,
                       StepSettings.of(cfg.train), before_step=note_the_scale,
-                      after_step=lambda done: phase(f"recorded step {done}/{n}"))
+                      after_step=lambda done: phase(f"recorded step {done}/{n}"),
+                      enough=lambda: deadline is not None and time.monotonic() > deadline)
     half = str(policy.dtype).removeprefix("torch.") if policy.uses_half else "float32"
     return Inspection(recorder, study, run_scales, half, precision_table(policy.layer_rows), blocks.table(),
-                      fp8.table())
+                      fp8.table(), stopped_early=len(run_scales) < n)
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -202,21 +207,27 @@ def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
     return merged
 
 
-def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
+def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str], deadline: Optional[float] = None) -> int:
+    """The inspection, its tables, files and plots; returns the steps it recorded (fewer than inspect.steps where
+    the deadline, time.monotonic(), came first)."""
     console = tables.make_console()
     console.print(f"ampctl inspect: {io.count_of(cfg.inspect.steps, 'step')} of precision={cfg.precision.name} with range hooks "
                   f"on every leaf module -> {out_dir}")
-    inspection = inspect_run(cfg, Phases(console))
+    inspection = inspect_run(cfg, Phases(console), deadline)
+    steps = len(inspection.run_scales)
+    if inspection.stopped_early:
+        console.print(f"  stopped after {io.count_of(steps, 'step')} of {cfg.inspect.steps}: its deadline came")
     out_dir.mkdir(parents=True, exist_ok=True)
     device = next(iter(inspection.recorder.stats.values())).histogram.device
     kind = "activation_grad" if _merged(inspection, "activation_grad") is not None else "weight_grad"
     plotted = _merged(inspection, kind)
     histogram = {"kind": kind, "log2_low": LOG2_LOW, "total": int(plotted.total),
                  "counts": plotted.histogram.cpu().tolist()}
-    context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {io.count_of(cfg.inspect.steps, 'step')}"
+    context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {io.count_of(steps, 'step')}"
     InspectReport(layer_table(inspection), summary_table(inspection), histogram, inspection.study_scale,
                   inspection.run_scales, overrides, tables.machine_info([{"device": device.type}]), context,
                   [t for t in (inspection.precision, inspection.blocks, inspection.fp8) if t is not None]).write(out_dir, console)
+    return steps
 
 
 @dataclass

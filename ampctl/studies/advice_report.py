@@ -1,0 +1,85 @@
+"""What `ampctl advise` writes from its advice: advice.json (the advice and its evidence), advice.md with its plot,
+the config that runs the advice, and its lines on the console and in advise.log; `ampctl report` writes them again
+from advice.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from ampctl import io, run_files
+from ampctl.conf.composing import compose_job, defaults_of_a_job, without_hydra_node
+from ampctl.studies.advice import Advice, GradientEvidence, ModeEvidence
+
+EVIDENCE_DIRS = ("calibration", "inspect", "compare")  # what the advice cites, where it exists
+log = logging.getLogger("ampctl.studies.advise")  # advise.log (Hydra's job logging)
+
+
+def write_advice(out_dir: Path, cfg: DictConfig, advice: Advice, evidence: list[ModeEvidence],
+                 gradients: Optional[GradientEvidence], run_overrides: list[str], console: Any,
+                 partial: Optional[str], facts: dict[str, str]) -> None:
+    """advice.json (the advice and its evidence), advice.md, and the experiment config that runs the advice."""
+    config = out_dir / f"{cfg.advise.name}.yaml"
+    job = compose_job("train", [*run_overrides, *advice.overrides()], with_hydra=True)
+    io.atomic_write_text(config, defaults_of_a_job("train", dict(job.hydra.runtime.choices))
+                         + OmegaConf.to_yaml(without_hydra_node(job)))
+    record = {"kind": "advise", "advice": advice.to_json(), "partial": partial,
+              "evidence": [vars(e) for e in evidence],
+              "gradients": None if gradients is None else vars(gradients),
+              "overrides": run_overrides, "config": config.name, "facts": facts}
+    io.write_json(out_dir / f"{run_files.ADVICE}.json", record)
+    say_advice(out_dir, advice, evidence, partial, config, console, facts)
+
+
+def say_advice(out_dir: Path, advice: Advice, evidence: list[ModeEvidence], partial: Optional[str], config: Path,
+               console: Any, facts: dict[str, str]) -> None:
+    """advice.md (the machine and the model, then the advice, with its plot where modes were compared), and the
+    advice's lines on the console (which said the machine and the model as it measured them)."""
+    image = speed_plot(out_dir, advice, evidence)
+    lines = advice_lines(advice, partial, config, out_dir)
+    header = "".join(f"{what}: {text}\n\n" for what, text in facts.items())
+    io.atomic_write_text(out_dir / f"{run_files.ADVICE}.md", "# ampctl advise\n\n" + header + "\n".join(
+        f"- {line}" if i else line for i, line in enumerate(lines)) + "\n"
+        + (f"\n![{image.stem}]({image.name})\n" if image is not None else ""))
+    for line in lines:
+        console.print(line, soft_wrap=True)
+        log.info(line)
+
+
+def speed_plot(out_dir: Path, advice: Advice, evidence: list[ModeEvidence]) -> Optional[Path]:
+    from ampctl.reports import plots
+
+    points = [{"mode": e.mode, "speedup": e.speedup, "speedup_low": e.speedup_low, "speedup_high": e.speedup_high,
+               "delta": e.eval_loss_delta, "delta_interval": e.eval_loss_delta_interval}
+              for e in evidence if e.speedup is not None and e.skipped is None and e.failed is None]
+    if len(points) < 2:
+        return None
+    return plots.speed_and_accuracy(points, advice.mode, out_dir / "advice.png",
+                                    f"ampctl advise (goal={advice.goal}): {' '.join(advice.overrides())}")
+
+
+def rerender(out_dir: Path, console: Any) -> None:
+    """`ampctl report` on an advice's directory: advice.md, its plot and its lines again, from advice.json."""
+    record = json.loads((out_dir / f"{run_files.ADVICE}.json").read_text())
+    evidence = [ModeEvidence(**e) for e in record["evidence"]]
+    say_advice(out_dir, Advice(**record["advice"]), evidence, record.get("partial"), out_dir / record["config"],
+               console, record.get("facts", {}))
+
+
+def advice_lines(advice: Advice, partial: Optional[str], config: Path, out_dir: Path) -> list[str]:
+    lines = [f"advice (goal={advice.goal}): precision={advice.precision}"
+             + (f" with {' '.join(advice.overrides()[1:])}" if len(advice.overrides()) > 1 else "")]
+    if partial:
+        lines.append(f"partial: {partial}")
+    lines += [f"why: {reason}" for reason in advice.reasons]
+    lines += [f"not {mode}: {why}" for mode, why in advice.rejected.items()]
+    lines += [f"note: {note}" for note in advice.notes]
+    evidence = [name + "/" for name in EVIDENCE_DIRS if (out_dir / name).is_dir()] + sorted(
+        p.name + "/" for p in out_dir.glob("inspect_*") if p.is_dir()) + [
+        name for name in (f"{run_files.ADVICE}.json", "advice.png") if (out_dir / name).is_file()]
+    lines.append(f"run it: ampctl train -cd {out_dir} -cn {config.stem}   (the evidence: {', '.join(evidence)})")
+    return lines
