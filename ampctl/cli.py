@@ -131,6 +131,10 @@ def dispatch(args: list[str]) -> None:
         put_config_dir_on_path(rest)
         try:
             refuse_a_config_that_is_not_ampctls(command, command, rest)
+            if command == "train":
+                from ampctl.commands.sweep_resume import with_the_sweep_to_continue
+
+                sys.argv = ["ampctl", *with_the_sweep_to_continue(rest)]
         except UsageError as exc:
             print_error(f"ampctl {command}: error: {exc}")
             sys.exit(USAGE_EXIT_CODE)

@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ampctl.conf.composing import compose_job, without_hydra_node
 from ampctl.conf.messages import one_line
 from ampctl.conf.schema import APP_SCHEMAS, ParallelKind, validate
-from ampctl.conf.sweeps import base_overrides, planned_jobs, sweep_overrides
+from ampctl.conf.sweeps import SWEEP_RECORD, SweepIdentity, base_overrides, planned_jobs, sweep_overrides
 from ampctl.conf.typed import typed_config
 from ampctl.errors import CommandLineRefused, UsageError
 from ampctl.processes import is_main_process, torchrun_world_size
@@ -222,24 +222,28 @@ class CheckEveryJob(Callback):
                 refuse_numbers_for_booleans(cfg, job)
             from ampctl.runner.ownership import refuse_another_sweeps_directory
 
-            refuse_another_sweeps_directory(config.hydra.sweep.dir, cfg.get("resume"))
+            refuse_another_sweeps_directory(config.hydra.sweep.dir, cfg.get("resume"), SweepIdentity.of(config))
         except UsageError as exc:
             raise CommandLineRefused(exc) from None
 
 
 class KeepEarlierJobsHydraFiles(Callback):
-    """A sweep resumed with resume=auto: Hydra writes every job's .hydra/ files before the job starts, over those
-    of the job's earlier attempt (a finished job's record would then say resume=auto). They are read when the
-    sweep starts and put back as each job starts: a kept job is untouched; a continued one records its
-    resumed config itself (runner/recorder.py)."""
+    """A sweep resumed with resume=auto: Hydra writes the sweep's multirun.yaml when it launches, and every job's
+    .hydra/ files before the job starts, over those of the earlier attempt (a finished job's record would then say
+    resume=auto). They are read when the sweep starts and put back: the sweep's record as its first job starts, a
+    job's as it starts (a kept job is untouched; a continued one records its resumed config itself,
+    runner/recorder.py)."""
 
     def __init__(self) -> None:
         self.earlier: dict[Path, dict[str, bytes]] = {}
+        self.sweep_record: Optional[tuple[Path, bytes]] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if "resume=auto" not in task_overrides(config.hydra) or not sweep_dir.is_dir():
             return
+        if (sweep_dir / SWEEP_RECORD).is_file():
+            self.sweep_record = (sweep_dir / SWEEP_RECORD, (sweep_dir / SWEEP_RECORD).read_bytes())
         for hydra_dir in sweep_dir.glob("*/.hydra"):
             self.earlier[hydra_dir.parent.resolve()] = {p.name: p.read_bytes() for p in hydra_dir.iterdir()
                                                         if p.is_file()}
@@ -247,6 +251,9 @@ class KeepEarlierJobsHydraFiles(Callback):
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         from ampctl import io
 
+        if self.sweep_record is not None:
+            io.atomic_write_bytes(*self.sweep_record)
+            self.sweep_record = None
         job_dir = Path(config.hydra.runtime.output_dir).resolve()
         for name, data in self.earlier.get(job_dir, {}).items():
             io.atomic_write_bytes(job_dir / ".hydra" / name, data)

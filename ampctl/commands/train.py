@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 
 from ampctl import io, run_files
 from ampctl.commands.checks import job_of
+from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import (
     USAGE_EXIT_CODE,
     WRITE_FAILED_EXIT_CODE,
@@ -55,7 +56,10 @@ def train(cfg: DictConfig) -> Optional[float]:
             sys.exit(exc.exit_code)
         where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
         lines = [f"ampctl train: interrupted at step {exc.step} by {signal.Signals(exc.signum).name}; {where}"]
-        if exc.checkpoint:
+        sweep = the_sweeps_command(hydra_cfg) if multirun else None
+        if sweep is not None:  # a sweep's job continues with its sweep
+            lines.append(f"continue the sweep with: {sweep}")
+        elif exc.checkpoint:
             lines.append(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}")
             preempt = cfg.train.preempt_signal
             if cfg.train.slurm_requeue and preempt is not None and exc.signum == signal.Signals[preempt.value]:
@@ -69,7 +73,9 @@ def train(cfg: DictConfig) -> Optional[float]:
     except KeyboardInterrupt as exc:  # a signal outside the loop: building, compiling, loading data, the summary
         if is_main_process():
             remove_if_only_hydra_files(run_dir)
-            where = (f"outside the training loop; continue with: {continue_command(run_dir)}" if run_dir.is_dir()
+            sweep = the_sweeps_command(hydra_cfg) if multirun else None
+            where = (f"outside the training loop; continue the sweep with: {sweep}" if sweep is not None else
+                     f"outside the training loop; continue with: {continue_command(run_dir)}" if run_dir.is_dir()
                      else "before the first step; nothing recorded")
             print(f"\nampctl train: interrupted ({signal_name(exc)}) {where}", file=sys.stderr)
         sys.exit(exit_code(exc))
@@ -113,6 +119,13 @@ def set_aside_failure(run_dir: Path) -> None:
     error = run_dir / run_files.ERROR
     if error.is_file():
         error.rename(error.with_name(f"{run_files.ERROR}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}"))
+
+
+def the_sweeps_command(hydra_cfg: DictConfig) -> Optional[str]:
+    """The command that continues the sweep this job is part of (from the sweep's multirun.yaml)."""
+    sweep_dir = Path(hydra_cfg.sweep.dir)
+    identity = SweepIdentity.recorded(sweep_dir)
+    return identity.command(sweep_dir) if identity is not None else None
 
 
 def continue_command(run_dir: Path) -> str:

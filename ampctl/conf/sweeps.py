@@ -7,6 +7,8 @@ Nevergrad) chooses its jobs as it goes.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -47,3 +49,56 @@ def planned_jobs(config: DictConfig) -> Optional[list[list[str]]]:
     if OmegaConf.select(config, "hydra.sweeper._target_") != BASIC_SWEEPER:
         return None
     return expand(sweep_overrides(config))
+
+
+# --- a sweep's identity, and the command that continues it --------------------------------------------------------
+
+SWEEP_RECORD = "multirun.yaml"  # Hydra's record of the sweep's config in its directory (the launcher writes it)
+
+
+def apart_from_resume(overrides: list[str]) -> list[str]:
+    """A sweep's overrides as they identify it: all but resume=, which says how it starts, not what it runs."""
+    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "resume"]
+
+
+@dataclass(frozen=True)
+class SweepIdentity:
+    """What makes two command lines the same sweep: the primary config (and -cd directory) and the overrides,
+    resume= apart (their order does not matter)."""
+
+    config_name: str
+    config_dir: Optional[str]
+    overrides: tuple[str, ...] = field(compare=False)  # as typed
+    matched: tuple[str, ...] = ()  # what two sweeps are compared on: the overrides in any order
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "matched", tuple(sorted(self.overrides)))
+
+    @classmethod
+    def of(cls, config: DictConfig) -> "SweepIdentity":
+        """From a multirun's config with its hydra node (the one Hydra records as multirun.yaml)."""
+        hydra = config.hydra
+        task = [str(o) for o in OmegaConf.to_container(hydra.overrides.task, resolve=False)]  # type: ignore[union-attr]
+        sources = OmegaConf.to_container(hydra.runtime.config_sources, resolve=False) or []
+        config_dir = next((s["path"] for s in sources if s.get("provider") == "command-line"), None)  # type: ignore[union-attr]
+        return cls(str(hydra.job.config_name), config_dir, tuple(apart_from_resume(task)))
+
+    @classmethod
+    def recorded(cls, sweep_dir: Path) -> Optional["SweepIdentity"]:
+        """The identity of the sweep recorded in sweep_dir; None where there is none (or it cannot be read)."""
+        try:
+            return cls.of(OmegaConf.load(sweep_dir / SWEEP_RECORD))  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - not a sweep's record: no identity to match
+            return None
+
+    def words(self) -> str:
+        return " ".join(self.overrides) or "(no overrides)"
+
+    def command(self, sweep_dir: Path) -> str:
+        """The command that continues this sweep in sweep_dir: its own command line, with resume=auto."""
+        import shlex
+
+        flags = [*(["-cd", self.config_dir] if self.config_dir else []),
+                 *(["-cn", self.config_name] if self.config_name != "train" else [])]
+        return shlex.join(["ampctl", "train", "-m", *flags, *self.overrides, "resume=auto",
+                           f"hydra.sweep.dir={sweep_dir}"])

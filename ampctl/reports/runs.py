@@ -40,17 +40,24 @@ class RunRecord:
 
     @property
     def unfinished(self) -> Optional[str]:
-        """Why a run without a summary has none, when not an error: it is running, or it was interrupted."""
+        """Why a run without a summary has none, when not an error: it is running, or it was interrupted (and how
+        it continues)."""
+        where = self.unfinished_where
+        if where is None or self.running_pid is not None:
+            return where
+        if not self.metrics:
+            return f"{where}: nothing to continue (run it again)"
+        if not self.has_checkpoint:
+            return f"{where}, before its first checkpoint: nothing to continue (run it again)"
+        return f"{where}; continue it with: ampctl train resume={self.path}"
+
+    @property
+    def unfinished_where(self) -> Optional[str]:
+        """`interrupted at step 12`, `running (pid 7), at step 3`; None for a run that ended."""
         if self.summary is not None or (self.path / run_files.ERROR).is_file():
             return None
         at = f"at step {self.metrics[-1]['step']}" if self.metrics else "before its first step"
-        if self.running_pid is not None:
-            return f"running (pid {self.running_pid}), {at}"
-        if not self.metrics:
-            return "interrupted before its first step: nothing to continue (run it again)"
-        if not self.has_checkpoint:
-            return f"interrupted {at}, before its first checkpoint: nothing to continue (run it again)"
-        return f"interrupted {at}; continue it with: ampctl train resume={self.path}"
+        return f"running (pid {self.running_pid}), {at}" if self.running_pid is not None else f"interrupted {at}"
 
     @property
     def has_checkpoint(self) -> bool:

@@ -14,7 +14,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io
-from ampctl.conf.sweeps import planned_jobs
+from ampctl.conf.sweeps import SweepIdentity, planned_jobs
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs
 
@@ -37,6 +37,10 @@ class SweepReport(Callback):
         trials = OmegaConf.select(config, "hydra.sweeper.n_trials")
         self.total_jobs = len(jobs) if jobs is not None else int(trials or 0)
         self.started = time.perf_counter()
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        how_many = io.count_of(self.total_jobs, "job") if self.total_jobs else "its jobs"
+        print(f"ampctl sweep: {how_many} in {sweep_dir}; if it stops, continue it with: "
+              f"{SweepIdentity.of(config).command(sweep_dir)}", flush=True)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or not self.total_jobs:
@@ -59,7 +63,8 @@ class SweepReport(Callback):
 def write_sweep_report(sweep_dir: Path, console=None) -> int:
     """Table, sweep.csv, sweep.json, report.md and plots for a multirun directory. Returns the failed count."""
     runs = find_runs(sweep_dir)
-    table = tables.sweep_table(runs)
+    identity = SweepIdentity.recorded(sweep_dir)
+    table = tables.sweep_table(runs, identity.command(sweep_dir) if identity is not None else None)
     keys = tables.swept_keys(runs)
     labels = [(f"#{run.job}: " + " ".join(io.readable_override(f"{k}={run.override_values().get(k)}") for k in keys),
                run) for run in runs]

@@ -108,16 +108,21 @@ def rate_key(summary: dict) -> str:
     return "tokens_per_s" if "tokens_per_s" in summary else "samples_per_s"
 
 
+NOT_SWEPT = ("resume",)  # how a job started (a continued sweep's jobs say resume=auto), not what it ran
+
+
 def swept_keys(runs: Sequence[RunRecord]) -> list[str]:
     """The override keys whose value differs between jobs, in the order they were given."""
     keys: list[str] = []
     for run in runs:
-        keys += [k for k in run.override_values() if k not in keys]
+        keys += [k for k in run.override_values() if k not in keys and k not in NOT_SWEPT]
     return [k for k in keys if len({run.override_values().get(k) for run in runs}) > 1]
 
 
-def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
-    keys = swept_keys(runs) or sorted({k for run in runs for k in run.override_values()})
+def sweep_table(runs: Sequence[RunRecord], continue_with: Optional[str] = None) -> ReportTable:
+    """One row per job. continue_with: the command that continues the sweep, said once for its interrupted jobs
+    (each job of a sweep continues with the sweep, not on its own)."""
+    keys = swept_keys(runs) or sorted({k for run in runs for k in run.override_values() if k not in NOT_SWEPT})
     # one throughput column per unit the jobs report (a sweep over recipes can hold both)
     rates = [key for key in RATES if any(not run.failed and key in run.summary for run in runs)]
     # the held-out metrics of the jobs' last evaluations (train.eval_every), as the jobs recorded them
@@ -133,7 +138,13 @@ def sweep_table(runs: Sequence[RunRecord]) -> ReportTable:
         s = run.summary
         rows.append([run.job, *values, "ok", s["final_loss"], *(s.get("eval", {}).get(k) for k in held_out),
                      s["skipped_total"], s["final_loss_scale"], *(s.get(key) for key in rates), s.get("mfu")])
-    notes = [f"job #{run.job} {run.status}: {run.why_not_ok}" for run in runs if run.failed]
+    interrupted = [run for run in runs if run.status == "interrupted"]
+    notes = []
+    for run in (run for run in runs if run.failed):
+        why = (run.unfinished_where if continue_with and run in interrupted else run.why_not_ok) or ""
+        notes.append(f"job #{run.job} {why}" if why.startswith(run.status) else f"job #{run.job} {run.status}: {why}")
+    if continue_with and interrupted:
+        notes.append(f"continue the sweep with: {continue_with}")
     formats = {**{k: io.readable_value for k in keys},  # the files keep the value a sweeper drew, whole
                "final_loss": lambda v: f"{v:.4f}", "final_loss_scale": io.scale_label, "mfu": lambda v: f"{v:.1%}",
                **{key: (lambda v: f"{v:,.0f}") for key in rates},

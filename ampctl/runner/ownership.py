@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from ampctl import io, run_files
+from ampctl.conf.sweeps import SWEEP_RECORD, SweepIdentity
 from ampctl.errors import UsageError
 from ampctl.reports.runs import holder_pid
 from ampctl.runner import checkpoint_files
@@ -107,20 +108,29 @@ def refuse_another_commands_directory(command: str, out_dir: str) -> None:
                          "into a directory of its own, never over earlier results; choose another hydra.run.dir")
 
 
-def refuse_another_sweeps_directory(sweep_dir: str, resume: Optional[str]) -> None:
+def refuse_another_sweeps_directory(sweep_dir: str, resume: Optional[str], identity: SweepIdentity) -> None:
     """A multirun into a sweep directory that holds another sweep (or anything else) would write its jobs
     beside (or into) the other's: refused before Hydra's sweeper creates or writes anything. A sweep with
-    resume=auto continues its own: finished jobs kept, the others resumed (commands/train.py)."""
+    resume=auto continues its own, the same sweep (its config and overrides, resume= apart): finished jobs
+    kept, the others resumed (commands/train.py)."""
     path = _a_directory("hydra.sweep.dir", sweep_dir, "sweep's jobs")
     held = what_it_holds(path)
     if not held:
         return
-    if resume == "auto" and (path / "multirun.yaml").is_file():
-        return
+    if resume == "auto" and (path / SWEEP_RECORD).is_file():
+        theirs = SweepIdentity.recorded(path)
+        if theirs == identity:
+            return
+        raise UsageError(
+            f"hydra.sweep.dir={sweep_dir} holds another sweep ("
+            + (f"{theirs.words()}" + (f", -cn {theirs.config_name}" if theirs.config_name != identity.config_name
+                                      else "") if theirs is not None else f"its {SWEEP_RECORD} cannot be read")
+            + f"), not this one ({identity.words()}): resume=auto continues only the same sweep; choose another "
+            "hydra.sweep.dir" + (f", or continue that one with: {theirs.command(path)}" if theirs is not None else ""))
     jobs = [p for p in path.iterdir() if p.is_dir() and (run_records(p) or (p / run_files.IDENTITY).is_file())]
     raise UsageError(f"hydra.sweep.dir={sweep_dir} already holds "
                      + (f"a sweep ({len(jobs)} job directories with records): continue it with resume=auto, or "
-                        "choose another hydra.sweep.dir" if (path / "multirun.yaml").is_file() else
+                        "choose another hydra.sweep.dir" if (path / SWEEP_RECORD).is_file() else
                         f"files of its own ({_listed(held)}): choose another hydra.sweep.dir"))
 
 
