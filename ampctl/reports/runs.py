@@ -45,11 +45,12 @@ class RunRecord:
         where = self.unfinished_where
         if where is None or self.running_pid is not None:
             return where
-        if not self.metrics:
-            return f"{where}: nothing to continue (run it again)"
-        if not self.has_checkpoint:
-            return f"{where}, before its first checkpoint: nothing to continue (run it again)"
-        return f"{where}; continue it with: ampctl train resume={self.path}"
+        if self.has_checkpoint:
+            return f"{where}; continue it with: ampctl train resume={self.path}"
+        first = "" if not self.metrics else ", before its first checkpoint"
+        if (self.path / run_files.IDENTITY).is_file():  # its own config is in its identity: it starts over with it
+            return f"{where}{first}; start it over with: ampctl train resume=auto hydra.run.dir={self.path}"
+        return f"{where}{first}: nothing to continue (run it again)"
 
     @property
     def unfinished_where(self) -> Optional[str]:

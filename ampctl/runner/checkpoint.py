@@ -155,6 +155,8 @@ def resolve_resume(target: str, run_dir: Path) -> Optional[Found]:
     if path.is_file() or is_checkpoint(path):
         payload = load(path, mmap=True)
         owner = run_identity.read(run_dir_of(path))
+        if owner is None:
+            refuse_without_identity(run_dir_of(path), payload)
         why = owner.disowns(payload) if owner else None
         if why:
             raise UsageError(f"resume={target}: {why}; a checkpoint continues only its own run")
@@ -176,6 +178,8 @@ def _newest_good(candidates: list[Path], run_dir: Path, what: str) -> Optional[F
         except UsageError as exc:
             failures.append(str(exc))
             continue
+        if owner is None:
+            refuse_without_identity(run_dir, payload)
         why = owner.disowns(payload) if owner else None
         if why:
             failures.append(f"checkpoint {str(path)!r}: {why}")
@@ -184,6 +188,18 @@ def _newest_good(candidates: list[Path], run_dir: Path, what: str) -> Optional[F
     if failures:
         raise UsageError(f"{what}: no checkpoint passes its check: {'; '.join(failures)}")
     return None
+
+
+def refuse_without_identity(run_dir: Path, payload: dict[str, Any]) -> None:
+    """A directory without identity.json resumes from its checkpoints only if it is a run made before identities
+    (checkpoints without a run id). One whose checkpoints carry a run id lost its identity (removed, or a run
+    copied in without it): it cannot tell its own checkpoints and config from another run's, and is refused."""
+    run_id = payload.get("run_id")
+    if run_id is not None:
+        raise UsageError(
+            f"{run_dir} holds checkpoints of run {str(run_id)[:8]} but not its {run_files.IDENTITY} (removed or lost): "
+            "without it a resume cannot tell the run's own checkpoints and config from another run's; restore "
+            f"{run_files.IDENTITY}, or start a new run in another hydra.run.dir")
 
 
 def run_dir_of(checkpoint: Path) -> Path:

@@ -86,8 +86,18 @@ def refuse_another_runs_directory(run_dir: str, resume: Optional[str]) -> None:
     if not held:
         return
     if continues_here(resume, path):
-        if (path / run_files.IDENTITY).is_file() or run_records(path):
+        if (path / run_files.IDENTITY).is_file():
             return
+        records = run_records(path)
+        if records and not list_checkpoints(path):
+            # identity.json is written before a run's first record: records without it are a damaged run (or
+            # one made before identities and killed before its first checkpoint), with nothing to continue
+            raise UsageError(f"hydra.run.dir={run_dir} holds a run's records ({_listed(records)}) but neither its "
+                             f"{run_files.IDENTITY} nor a checkpoint: there is nothing to continue it from, and a "
+                             "resume would train another run among its records; start a new run in another "
+                             "hydra.run.dir")
+        if records:
+            return  # its checkpoints decide: a run made before identities, or one that lost it (runner/checkpoint)
         raise UsageError(f"hydra.run.dir={run_dir} holds no ampctl train run to resume ({_listed(held)}): "
                          "choose the run's own directory, or a new one")
     raise UsageError(f"hydra.run.dir={run_dir} already holds "

@@ -100,6 +100,59 @@ def test_a_checkpoint_with_its_checksum_deleted_and_a_bit_flipped_is_never_loade
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004.pt'} at step 4" in out
 
 
+def test_a_run_without_its_identity_is_refused_whatever_else_it_holds(tmp_path):
+    """identity.json is written before a run's first record: a directory with records and no identity lost it, and
+    a resume there could not tell the run's own checkpoints and config from another's. (a) killed before its first
+    checkpoint: resume=auto trained the default GPT among the mlp's rows; (b) another run's checkpoint copied in:
+    it resumed from it; (c) its own checkpoints: it resumed under a newly minted run id. Each is refused in one
+    line and leaves the directory as it was."""
+    killed = start_a_long_run(tmp_path / "a", rows=2)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    main_run = cli("train", *MLP, "train.steps=6", "train.checkpoint_every=3", "hydra.run.dir=A", cwd=tmp_path)
+    other = cli("train", *MLP, "train.steps=2", "train.seed=4", "train.checkpoint_every=100", "hydra.run.dir=B",
+                cwd=tmp_path)
+    assert main_run.returncode == 0 and other.returncode == 0, main_run.stderr + other.stderr
+    for path in (tmp_path / "B" / "checkpoints").glob("*"):
+        path.unlink()
+    for path in (tmp_path / "A" / "checkpoints").glob("step_00000006.pt*"):
+        shutil.copy(path, tmp_path / "B" / "checkpoints")  # (b): B now holds only A's checkpoint
+    shutil.copytree(tmp_path / "A", tmp_path / "C")  # (c): A's own records and checkpoints
+    for run in ("a", "B", "C"):
+        (tmp_path / run / "identity.json").unlink()
+    for run, named in (("a", "holds a run's records (metrics.jsonl) but neither its identity.json nor a checkpoint"),
+                       ("B", "holds checkpoints of run "), ("C", "holds checkpoints of run ")):
+        before = snapshot(tmp_path / run)
+        for resume in ("resume=auto", f"resume={tmp_path / run}"):
+            refused = cli("train", "train.steps=8", resume, f"hydra.run.dir={tmp_path / run}", cwd=tmp_path)
+            assert named in one_line_refusal(refused, "train"), (run, refused.stderr)
+            assert snapshot(tmp_path / run) == before, run
+    assert "but not its identity.json (removed or lost)" in refused.stderr
+    # a checkpoint of it named as a file is refused the same way
+    refused = cli("train", f"resume={tmp_path / 'C' / 'checkpoints' / 'step_00000006.pt'}", "train.steps=8",
+                  "hydra.run.dir=D", cwd=tmp_path)
+    assert "holds checkpoints of run " in one_line_refusal(refused, "train") and not (tmp_path / "D").exists()
+
+
+def test_a_run_made_before_identities_resumes_from_its_checkpoints(tmp_path, capsys, restore_argv):
+    """Its checkpoints carry no run id (the payload of a run made before identities): resume=auto takes them."""
+    import torch
+
+    run_dir = tmp_path / "old"
+    main(["train", *MLP, "train.steps=4", "train.checkpoint_every=4", f"hydra.run.dir={run_dir}"])
+    checkpoint = run_dir / "checkpoints" / "step_00000004.pt"
+    payload = torch.load(checkpoint, weights_only=True)
+    del payload["run_id"], payload["config_hash"]
+    torch.save(payload, checkpoint)
+    (run_dir / "checkpoints" / "step_00000004.pt.sha256").write_text(
+        __import__("hashlib").sha256(checkpoint.read_bytes()).hexdigest() + "  step_00000004.pt\n")
+    (run_dir / "identity.json").unlink()
+    capsys.readouterr()
+    main(["train", *MLP, "train.steps=6", f"hydra.run.dir={run_dir}", "resume=auto"])
+    assert f"resumed from {checkpoint} at step 4" in capsys.readouterr().out
+    assert steps(run_dir / "metrics.jsonl") == list(range(1, 7))
+
+
 # --- 3. resume=auto restores the run's own config, checkpoint or not ---------------------------------------
 
 

@@ -111,8 +111,10 @@ def test_a_second_run_into_a_directory_in_use_is_refused_and_a_killed_run_leaves
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     interrupted = report(run_dir)
-    assert interrupted.returncode == 0 and f"interrupted at step {steps(metrics)[-1]}; continue it with: ampctl " \
-        f"train resume={run_dir}" in interrupted.stdout, interrupted
+    # killed before its first checkpoint: it starts over, with its own config (its identity's)
+    assert interrupted.returncode == 0 and f"interrupted at step {steps(metrics)[-1]}, before its first " \
+        f"checkpoint; start it over with: ampctl train resume=auto hydra.run.dir={run_dir}" in \
+        " ".join(interrupted.stdout.split()), interrupted
     assert not {"run.csv", "run.json", "report.md"} & {p.name for p in run_dir.iterdir()}
     # the kernel freed the lock with the process: the run continues at once (from its rows: no checkpoint yet)
     after_kill = ampctl("train.steps=3", "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path)
