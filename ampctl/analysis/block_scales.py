@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ampctl.engine.precision.layers import LayerRow, display_name
+from ampctl.engine.precision.layers import LayerRow, display_name, legend
 from ampctl.engine.precision.mx_emulated import BlockFormat, MXLinear, block_outcomes
 from ampctl.reports import tables
 from ampctl.reports.tables import fraction_cell
@@ -89,5 +89,6 @@ def styled_blocks(columns: list[str], rows: list[list[Any]]) -> tables.ReportTab
 def precision_table(rows: list[LayerRow]) -> tables.ReportTable:
     """The resolved precision of every layer (layers.table), as a report table."""
     return tables.ReportTable(PRECISION_TITLE, PRECISION_COLUMNS,
-                              [[display_name(r), r.type, r.compute, r.weights, r.converter, r.rule] for r in rows])
+                              [[display_name(r), r.type, r.compute, r.weights, r.converter, r.rule] for r in rows],
+                              notes=legend(r.compute for r in rows))
 

@@ -42,6 +42,7 @@ from ampctl.analysis.numerics import (
 )
 from ampctl.analysis.ranges import GRADIENT_KINDS, KINDS, RangeRecorder
 from ampctl.engine.build import build_state, check_config
+from ampctl.engine.precision.layers import legend
 from ampctl.engine.loop import StepSettings, batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
@@ -281,7 +282,8 @@ class InspectReport:
                                   [list(r.values()) for r in summary_rows], data.get("summary_notes", []),
                                   data["study_scale"])
         also = [make(list(data[key][0]), [list(r.values()) for r in data[key]])
-                for key, make in (("precision_layers", lambda c, r: tables.ReportTable(PRECISION_TITLE, c, r)),
+                for key, make in (("precision_layers", lambda c, r: tables.ReportTable(
+                    PRECISION_TITLE, c, r, notes=legend(row[c.index("compute")] for row in r))),
                                   ("block_scales", styled_blocks),
                                   ("fp8_tensorwise", lambda c, r: styled_operands(fp8_tensorwise.TITLE, c, r,
                                                                                   fp8_tensorwise.NOTE)))

@@ -109,3 +109,12 @@ def test_fp8_trains_its_large_linears_on_fp8_tensor_cores(tmp_path):
     _, fp8 = train(tmp_path / "fp8", "device=cuda", "precision=fp8", "train.compile=true", *shape, base=QUIET)
     assert fp8[-1]["loss"] < fp8[0]["loss"] - 1.0
     assert abs(fp8[-1]["loss"] - bf16[-1]["loss"]) < 0.1, (fp8[-1]["loss"], bf16[-1]["loss"])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "O2"])
+def test_the_layer_table_says_what_forward_hooks_see_on_cuda(precision):
+    """On CUDA autocast runs layer_norm and group_norm in fp32 (its fp32 list), unlike a CPU: the table says each
+    layer as the GPU runs it."""
+    from tests.integration.test_layer_rules import check_the_layer_table_against_hooks
+
+    check_the_layer_table_against_hooks(precision, "device=cuda")

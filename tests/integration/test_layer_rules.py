@@ -65,7 +65,7 @@ def test_a_dtype_hook_proves_each_matmuls_dtype_and_the_table_says_the_same(prec
     for name, dtype in seen.items():
         assert by_name[name].compute == str(dtype).removeprefix("torch.")
     assert by_name["0"].rule == "rules[0]" and by_name[HEAD].rule == "rules[1]" and by_name["3"].rule == "mode"
-    assert by_name["1"].compute == "float32"  # a LayerNorm: autocast runs it in fp32 anyway
+    assert by_name["1"].compute == "as input"  # a LayerNorm: on a CPU autocast leaves layer_norm in its input's dtype
 
 
 def test_a_bf16_rule_under_fp32_runs_that_layer_in_bf16_and_returns_fp32():
@@ -135,6 +135,10 @@ def test_a_format_rule_converts_one_layer_under_another_mode():
      "unconverted or a format: "),
     ("bf16", "[{run_in:fp32}]", "precision.rules[].match=None is not allowed: expected a glob over layer names, or a "
      "type"),
+    ("fp16", "[{type:LayerNorm,run_in:bf16}]",  # on a CPU layer_norm is on neither of autocast's lists
+     "precision.rules[0] (type=LayerNorm run_in=bf16): torch.autocast on cpu runs none of the layers it decides in "
+     "bfloat16 (1 (LayerNorm: as input), 4 (LayerNorm: as input), 7 (LayerNorm: as input); as input: autocast leaves "
+     "that op in the dtype it is given), so the rule would change nothing; run_in=fp32 makes them fp32"),
 ])
 def test_a_rule_that_cannot_be_honoured_is_refused_in_one_line(tmp_path, restore_argv, capsys, precision, rules,
                                                                message):
@@ -156,7 +160,7 @@ def test_the_start_lines_show_the_resolved_table(tmp_path, restore_argv, capsys)
     table = [line.split(" - ", 1)[1].strip() for line in log.splitlines() if " - " in line][1:9]
     assert table[0].split() == ["layer", "type", "compute", "weights", "converter", "rule"]
     assert table[1].split() == ["0", "Linear", "float32", "float32", "-", "rules[0]"]
-    assert table[2].split() == ["*", "x3", "LayerNorm", "float32", "float32", "-", "mode"]
+    assert table[2].split() == ["*", "x3", "LayerNorm", "as", "input", "float32", "-", "mode"]
     assert table[3].split() == ["*", "x2", "Linear", "bfloat16", "float32", "-", "mode"]
     assert table[4].split() == ["9", "Linear", "float32", "float32", "-", "rules[1]"]
 
@@ -201,3 +205,74 @@ def test_a_ruled_model_is_honest_under_print_and_deepcopy():
             clone[int(HEAD)].bias.zero_()
         assert torch.equal(clone(x), torch.zeros(4, 10)) and not torch.equal(model(x), torch.zeros(4, 10))
     assert set(clone.state_dict()) == set(model.state_dict())
+
+
+class LayerZoo(nn.Module):
+    """One of each layer type autocast treats differently on some device: matmuls and convolutions, the norms, a
+    PReLU, a GRU, an embedding, each fed what the layer before gives it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.lin = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+        self.rms = nn.RMSNorm(8)
+        self.conv = nn.Conv1d(8, 8, 1)
+        self.gn = nn.GroupNorm(2, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.inorm = nn.InstanceNorm1d(8, affine=True)
+        self.prelu = nn.PReLU()
+        self.gru = nn.GRU(8, 8, batch_first=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.rms(self.ln(self.lin(self.embed(tokens))))
+        h = self.inorm(self.bn(self.gn(self.conv(h.unsqueeze(-1).expand(-1, -1, 4)))))
+        out, _ = self.gru(self.prelu(h.mean(-1)).unsqueeze(1))
+        return self.head(out[:, 0])
+
+
+ZOO_MODES = [("fp32",), ("bf16",), ("fp16",), ("O1",), ("O2",), ("O3",), ("fp8_emulated",), ("mxfp8",),
+             ("bf16", "precision.rules=[{type:norm,run_in:fp32}]"),
+             ("fp16", "precision.rules=[{match:head,run_in:bf16},{match:conv,run_in:fp32}]"),
+             ("O2", "precision.rules=[{type:norm,run_in:fp32},{match:head,run_in:fp32}]")]
+
+
+@pytest.mark.parametrize("overrides", ZOO_MODES, ids=lambda o: " ".join(o))
+def test_the_layer_table_says_what_forward_hooks_see_in_every_mode(overrides):
+    check_the_layer_table_against_hooks(*overrides)
+
+
+def check_the_layer_table_against_hooks(*overrides: str) -> None:
+    """Each row of the resolved table against a forward hook on each of its layers, in one forward of the prepared
+    model: a dtype is the layer's output dtype; `as input` is the dtype it was given (a norm on a CPU after a
+    half layer is half, after an fp32 one fp32). Hooks go first, before ampctl's own casts around O2's layers."""
+    cfg, policy, recipe = build(f"precision={overrides[0]}", *overrides[1:])
+    seen: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+
+    def record(name: str):
+        def hook(module, args, out):
+            given = next((a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+            seen[name] = (given, (out[0] if isinstance(out, tuple) else out).dtype)
+        return hook
+
+    with policy:
+        model = policy.prepare_model(LayerZoo())
+        for name, module in model.named_modules():
+            if name:
+                module.register_forward_hook(record(name), prepend=True)
+        with policy.autocast():
+            model(torch.tensor([1, 2, 3], device=policy.device))
+    checked = 0
+    for row in policy.layer_rows:
+        for name in row.names:
+            given, out = seen[name]
+            module = model.get_submodule(name)
+            if row.converter != "-" or getattr(module, "ampctl_outputs_fp32", False):
+                continue  # a converted layer's format; a ruled layer whose outputs return to fp32 (tested above)
+            if row.compute == "as input":
+                assert out == given, (name, row, seen[name])
+            else:
+                assert str(out).removeprefix("torch.") == row.compute, (name, row, seen[name])
+            checked += 1
+    assert checked >= 8, policy.layer_rows

@@ -21,7 +21,7 @@ import difflib
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -29,14 +29,12 @@ from torch import nn
 from ampctl.conf.messages import did_you_mean
 from ampctl.conf.schema import LAYER_DTYPES, UNCONVERTED, LayerRule, PrecisionConfig
 from ampctl.engine import devices
-from ampctl.engine.precision import converters
+from ampctl.engine.precision import autocast_ops, converters
 from ampctl.engine.precision.half import cast_floats, is_norm_layer
 from ampctl.errors import UsageError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SHORT = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# The modules whose math torch.autocast runs in its low-precision dtype (its "lower_precision_fp" ops)
-AUTOCAST_CASTS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.MultiheadAttention, nn.RNNBase)
 
 
 def rule_text(rule: LayerRule) -> str:
@@ -111,7 +109,7 @@ def plan(model: nn.Module, precision: PrecisionConfig, converter: Optional[conve
         decided[fqn] = own[fqn] if fqn in own else decided.get(_parent(fqn)) if fqn else None
     layer_plan = LayerPlan(rules, decided, own, {})
     layer_plan.converted = _conversions(layer_plan, modules, owners, converter, device)
-    _check_effects(layer_plan, modules, owners, hits)
+    _check_effects(layer_plan, modules, owners, hits, device)
     if converter is not None:
         converter.check_converted([f for f, (c, _) in layer_plan.converted.items() if c is converter],
                                   sum(isinstance(m, nn.Linear) for m in modules.values()))
@@ -119,10 +117,21 @@ def plan(model: nn.Module, precision: PrecisionConfig, converter: Optional[conve
 
 
 def _check_effects(layer_plan: LayerPlan, modules: dict[str, nn.Module], owners: dict[str, type],
-                   hits: list[list[str]]) -> None:
-    """Refuse a format or unconverted rule that decides no Linear layer: it would change nothing."""
+                   hits: list[list[str]], device: torch.device) -> None:
+    """Refuse a rule that would change nothing: a format or unconverted rule that decides no Linear layer, a bf16 or
+    fp16 rule that decides no layer autocast runs in a low-precision type on this device (a norm on a CPU runs in
+    its input's dtype whatever autocast's)."""
     for index, rule in enumerate(layer_plan.rules):
         decides = [f for f in modules if layer_plan.decided[f] == index]
+        if rule.run_in in DTYPES and rule.run_in != "fp32":
+            kinds = {f: autocast_ops.under_autocast(modules[f], device.type, DTYPES[rule.run_in]) for f in decides}
+            if not {autocast_ops.LOWER, autocast_ops.PER_OP} & set(kinds.values()):
+                shown = ", ".join(f"{f} ({type(modules[f]).__name__}: {kinds[f]})" for f in decides[:3])
+                raise UsageError(f"{describe_rule(index, rule)}: torch.autocast on {device.type} runs none of the "
+                                 f"layers it decides in {SHORT[DTYPES[rule.run_in]]} ({shown}"
+                                 f"{' and more' if len(decides) > 3 else ''}; as input: autocast leaves that op in "
+                                 "the dtype it is given), so the rule would change nothing; run_in=fp32 makes them "
+                                 "fp32")
         if rule.run_in in owners and not any(f in layer_plan.converted for f in decides):
             raise UsageError(f"{describe_rule(index, rule)}: {rule.run_in} converts nn.Linear layers, and none of the "
                              f"layers it matches is or holds one ({_names(hits[index])})")
@@ -279,7 +288,8 @@ class LayerRow:
     names: list[str] = field(default_factory=list)  # the layers' own names
 
 
-def table(model: nn.Module, layer_plan: LayerPlan, precision: PrecisionConfig) -> list[LayerRow]:
+def table(model: nn.Module, layer_plan: LayerPlan, precision: PrecisionConfig, device: torch.device
+          ) -> list[LayerRow]:
     """The resolved precision of every layer that holds parameters or that a rule names, layers that differ only
     in their index (blocks.0.attn, blocks.1.attn) folded into one row (blocks.*.attn x2)."""
     rows: dict[tuple, LayerRow] = {}  # in the order each kind of row first appears
@@ -290,7 +300,7 @@ def table(model: nn.Module, layer_plan: LayerPlan, precision: PrecisionConfig) -
         index = layer_plan.decided.get(fqn)
         converted = layer_plan.converted.get(fqn)
         row = LayerRow(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", fqn), type(module).__name__,
-                       _compute(module, layer_plan.run_in(fqn), converted, precision), _weights(module),
+                       _compute(module, layer_plan.run_in(fqn), converted, precision, device), _weights(module),
                        f"{converted[0].name}" if converted else "-",
                        "mode" if index is None else f"rules[{index}]", names=[fqn])
         key = (row.layer, row.type, row.compute, row.weights, row.converter, row.rule)
@@ -303,14 +313,17 @@ def table(model: nn.Module, layer_plan: LayerPlan, precision: PrecisionConfig) -
 
 
 def _compute(module: nn.Module, run_in: Optional[str], converted: Optional[tuple[converters.Converter, str]],
-             precision: PrecisionConfig) -> str:
+             precision: PrecisionConfig, device: torch.device) -> str:
+    """What the module computes in, as autocast on this device type decides it (autocast_ops): its dtype, float32,
+    `as input` (an op autocast leaves alone: a norm on a CPU) or `per op` (a type of its own)."""
     if converted is not None:
         return converted[1] + (" (emulated)" if converted[0].emulated else "")
-    if run_in in DTYPES:
-        return SHORT[DTYPES[run_in]]
-    if precision.autocast:
-        low = isinstance(module, AUTOCAST_CASTS) and not is_norm_layer(module)
-        return precision.dtype.name if low else "float32"
+    if run_in == "fp32":
+        return "float32"  # autocast off and its inputs cast to fp32 (layers.PrecisionScope, half.py under O2/O3)
+    low = DTYPES[run_in] if run_in in DTYPES else getattr(torch, precision.dtype.name) if precision.autocast else None
+    if low is not None:
+        what = autocast_ops.under_autocast(module, device.type, low)
+        return {autocast_ops.LOWER: SHORT[low], autocast_ops.FP32: "float32"}.get(what, what)
     if precision.cast_model:
         return _weights(module)
     return "tf32" if precision.tf32 else "float32"
@@ -333,9 +346,19 @@ def display_name(row: LayerRow) -> str:
 
 
 def render(rows: list[LayerRow]) -> list[str]:
-    """The table as aligned text lines (the start line's, in the console and train.log)."""
+    """The table as aligned text lines (the start line's, in the console and train.log), and what its words mean."""
     header = ("layer", "type", "compute", "weights", "converter", "rule")
     cells = [header] + [(display_name(r), r.type, r.compute, r.weights, r.converter,
                          r.rule) for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells] + \
+        legend(r.compute for r in rows)
+
+
+def legend(computes: Iterable[str]) -> list[str]:
+    """What `as input` and `per op` mean, where the table's compute column says them."""
+    said = set(computes)
+    return ([f"{autocast_ops.AS_INPUT}: torch.autocast on this device leaves the op in the dtype it is given (the "
+             "previous layer's output)"] if autocast_ops.AS_INPUT in said else []) + \
+        ([f"{autocast_ops.PER_OP}: a layer type of its own; autocast decides each op its forward calls"]
+         if autocast_ops.PER_OP in said else [])

@@ -147,7 +147,7 @@ class PrecisionPolicy:
                                self.device)
         else:
             layers.open_scopes(model, plan, self.device, self.precision.autocast)
-        self.layer_rows = layers.table(model, plan, self.precision)
+        self.layer_rows = layers.table(model, plan, self.precision, self.device)
         return model
 
     def converts_layers(self) -> bool:
