@@ -33,6 +33,10 @@ class ReportTable:
     # columns of the files only (an interval's bounds): the displayed cell of another column shows them
     file_only: frozenset[str] = frozenset()
     cells: dict[str, Callable[[dict[str, Any]], str]] = field(default_factory=dict)  # column -> cell from its row
+    # the columns a terminal shows (None: every shown one), a cell of its own allowed (in cells); and the line that
+    # says where the others are
+    screen: Optional[list[str]] = None
+    screen_note: str = ""
 
     def as_dicts(self) -> list[dict[str, Any]]:
         return [dict(zip(self.columns, row)) for row in self.rows]
@@ -41,13 +45,15 @@ class ReportTable:
     def shown(self) -> list[str]:
         return [c for c in self.columns if c not in self.file_only]
 
-    def display_headers(self) -> list[str]:
-        return [self.headers.get(c, c) for c in self.shown]
+    def display_headers(self, columns: Optional[list[str]] = None) -> list[str]:
+        return [self.headers.get(c, c) for c in columns or self.shown]
 
-    def display_rows(self) -> list[list[str]]:
-        return [[self._cell(c, row) for c in self.shown] for row in self.as_dicts()]
+    def display_rows(self, columns: Optional[list[str]] = None) -> list[list[str]]:
+        return [[self._cell(c, row) for c in columns or self.shown] for row in self.as_dicts()]
 
     def _cell(self, column: str, row: dict[str, Any]) -> str:
+        if column not in row:  # a column of the screen's own
+            return self.cells[column](row)
         value = row[column]
         if value is None:
             return fmt(None)
@@ -177,17 +183,22 @@ def make_console() -> Console:
 
 
 def print_table(table: ReportTable, console: Optional[Console] = None) -> None:
+    """The table on the console: its screen columns where it has them (the files hold every column)."""
     console = console or make_console()
+    columns = table.screen or table.shown
     rich_table = Table(title=table.title)
-    for column, header in zip(table.shown, table.display_headers()):
-        rich_table.add_column(header, justify="left" if column in ("precision", "status", "job", "key", "kind", "layer") else "right")
-    for row, cells in zip(table.rows, table.display_rows()):
+    for column, header in zip(columns, table.display_headers(columns)):
+        rich_table.add_column(header, justify="left" if column in LEFT_ALIGNED else "right")
+    for row, cells in zip(table.rows, table.display_rows(columns)):
         status = dict(zip(table.columns, row)).get("status", "ok")
         style = {"ok": None, "failed": "red"}.get(status, "yellow")
         rich_table.add_row(*cells, style=style)
     console.print(rich_table)
-    for note in table.notes:
+    for note in table.notes + ([table.screen_note] if table.screen and table.screen_note else []):
         console.print(f"  {note}")
+
+
+LEFT_ALIGNED = ("precision", "status", "job", "key", "kind", "layer", "speed", "held_out")
 
 
 def markdown(table: ReportTable) -> str:

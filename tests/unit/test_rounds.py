@@ -99,3 +99,31 @@ def test_the_table_gives_each_modes_rounds_and_the_speedup_of_paired_rounds(tmp_
     assert table["bf16"]["samples_per_s"] == pytest.approx(32e3 / 5.0)
     assert table["bf16"]["speed_verdict"].startswith("bf16 2.00x faster than fp32 (2.00-2.20")
     assert table["bf16"]["loss_delta"] == pytest.approx(0.01)
+
+
+def test_the_terminal_shows_the_columns_that_decide_whole_at_80_columns(tmp_path):
+    """mode, speed with its interval and verdict, held-out parity, skipped, final scale: nothing cut at 80 columns
+    (the longest labels: a compiled, checkpointed mode; a mode that did not finish); the files keep every column."""
+    import io as text_io
+
+    from rich.console import Console
+
+    from ampctl.reports.tables import print_table
+
+    spans = rounds.windows(2, 12, 5)
+    fp32_ms, half_ms = [99.0, 99.0] + [10.0] * 10, [99.0, 99.0] + [8.13, 7.0, 8.0, 7.5, 8.2, 7.9, 8.1, 7.7, 8.0, 7.6]
+    runs = [("fp32", [run_with(tmp_path, "fp32", fp32_ms, 1.0)]),
+            ("fp16+compile+ac", [run_with(tmp_path, "fp16+compile+ac", half_ms, 1.0)]),
+            ("bf16", [RunRecord(tmp_path / "bf16", None, [{"step": 3}])])]
+    table = comparison_table(runs, {"mxfp4": "emulated, by design"}, spans)
+    out = text_io.StringIO()
+    print_table(table, Console(file=out, width=80))
+    lines = out.getvalue().splitlines()
+    head = next(i for i, line in enumerate(lines) if "mode" in line)
+    assert all(len(line) <= 80 for line in lines) and "…" not in "".join(lines[:head + 8])
+    shown = "".join(lines[head:head + 8])
+    for cell in ("speed against fp32", "fp16+compile+ac", "interrupted", "skipped", "baseline", "faster", "1.32× (1.27-1.43×)"):
+        assert cell in shown, (cell, out.getvalue())
+    assert "every column (step ms, samples/s, MFU, peak memory, losses) in report.md and comparison.csv" in \
+        " ".join(out.getvalue().split())
+    assert {"step_time_ms", "samples_per_s", "peak_memory_mib", "speedup_low"} <= set(table.columns)
