@@ -20,6 +20,7 @@ from torch import nn
 
 from ampctl.conf.messages import instantiation_error
 from ampctl.errors import ConfigError, UsageError
+from ampctl.recipes.libraries import torchvision_mismatch, torchvision_mismatch_in
 
 
 @runtime_checkable
@@ -56,6 +57,8 @@ def build_recipe(cfg: DictConfig) -> Recipe:
         cause = exc.__cause__
         if isinstance(cause, UsageError):
             raise cause from None
+        if torchvision_mismatch_in(exc):  # a model library imported torchvision as the recipe was made
+            raise UsageError(f"recipe._target_={target!r}: {torchvision_mismatch()}") from None
         reason = instantiation_error(exc)
         while cause is not None and cause.__cause__ is not None:
             cause = cause.__cause__

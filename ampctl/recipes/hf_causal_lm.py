@@ -25,7 +25,7 @@ from torch import nn
 from ampctl.conf.messages import did_you_mean
 from ampctl.errors import ConfigError, UsageError
 from ampctl.recipes.base import plain_dict, require_positive
-from ampctl.recipes.libraries import import_library
+from ampctl.recipes.libraries import import_library, library_calls
 from ampctl.recipes.metrics import classification_sums
 from ampctl.recipes.text import (
     BYTE_VOCAB_SIZE,
@@ -46,8 +46,11 @@ SPECIAL_TOKENS = ("pad_token_id", "bos_token_id", "eos_token_id")
 WELL_KNOWN_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "opt", "gpt_neox")
 
 
+RECIPE = "recipe=hf_causal_lm"
+
+
 def import_transformers() -> Any:
-    return import_library("transformers", "recipe=hf_causal_lm", extra="transformers")
+    return import_library("transformers", RECIPE, extra="transformers")
 
 
 def causal_lm_types() -> list[str]:
@@ -135,6 +138,10 @@ class HFCausalLMRecipe:
     batch_size: int = 16
 
     def __post_init__(self) -> None:
+        with library_calls(RECIPE):
+            self._check()
+
+    def _check(self) -> None:
         self.config = plain_dict(self.config)
         transformers = import_transformers()
         types = causal_lm_types()
@@ -201,8 +208,9 @@ class HFCausalLMRecipe:
     def build_model(self) -> nn.Module:
         transformers = import_transformers()
         try:
-            return transformers.AutoModelForCausalLM.from_config(self.model_config,
-                                                                 attn_implementation=self.attn_implementation)
+            with library_calls(RECIPE):
+                return transformers.AutoModelForCausalLM.from_config(self.model_config,
+                                                                     attn_implementation=self.attn_implementation)
         except ValueError as exc:  # a size the architecture cannot take
             raise UsageError(f"recipe.model_type={self.model_type}: {_root_cause(exc)}") from None
 

@@ -8,11 +8,12 @@ line that matches them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 from importlib import metadata
 from types import ModuleType
-from typing import Optional
+from typing import Iterator, Optional
 
 from ampctl.errors import UsageError
 
@@ -28,9 +29,35 @@ def import_library(name: str, recipe: str, extra: Optional[str] = None) -> Modul
         install = f"pip install 'ampctl[{extra}]'" if extra else f"pip install {name}"
         raise UsageError(f"{recipe}: the {name} package is not installed; {install}") from None
     except RuntimeError as exc:
-        if "torchvision::" not in str(exc):
+        if not torchvision_mismatch_in(exc):
             raise
         raise UsageError(f"{recipe}: {torchvision_mismatch()}") from None
+
+
+@contextlib.contextmanager
+def library_calls(recipe: str) -> Iterator[None]:
+    """Calls into a model library (building a model, a config): a torchvision built for another torch, wherever it
+    surfaces (transformers imports it lazily, deep in a model class, and wraps the error in its own), is the one
+    line import_library says."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except Exception as exc:
+        if torchvision_mismatch_in(exc):
+            raise UsageError(f"{recipe}: {torchvision_mismatch()}") from None
+        raise
+
+
+def torchvision_mismatch_in(exc: BaseException) -> bool:
+    """Whether exc, or an error it was raised from or during, is torchvision's missing compiled operator."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if "torchvision::" in str(exc) and "does not exist" in str(exc):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
 
 
 def torchvision_mismatch() -> str:
@@ -43,8 +70,9 @@ def torchvision_mismatch() -> str:
     index = f" --index-url https://download.pytorch.org/whl/{build}" if build else ""
     return (f"torchvision {vision_version} does not match torch {torch_version}"
             + (f" (it was built for {built_for})" if built_for else "")
-            + f": its compiled operators are missing (operator torchvision::nms); install the torchvision of this "
-              f"torch: pip install {matching_torchvision(release)}{index}")
+            + f": its compiled operators are missing (operator torchvision::nms); replace it with the torchvision "
+              f"built for this torch (the same version number can be another build, which a plain pip install "
+              f"keeps): pip install --force-reinstall --no-deps {matching_torchvision(release)}{index}")
 
 
 def matching_torchvision(torch_release: str) -> str:

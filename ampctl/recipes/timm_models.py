@@ -28,7 +28,7 @@ from ampctl.recipes.images import (
     synthetic_batches,
     synthetic_eval_batches,
 )
-from ampctl.recipes.libraries import import_library
+from ampctl.recipes.libraries import import_library, library_calls
 from ampctl.recipes.metrics import classification_sums
 
 DATASETS = ("synthetic", "imagefolder")
@@ -112,7 +112,8 @@ class TimmRecipe:
         return self._pretrained_cfg.to_dict() if self._pretrained_cfg is not None else {}
 
     def build_model(self) -> nn.Module:
-        model = self._create()
+        with library_calls("recipe=timm"):
+            model = self._create()
         if self.checkpoint is not None:
             self._load_checkpoint(model)
         if self._nhwc():  # convolutions in NHWC: cuDNN's and oneDNN's fastest half-precision kernels

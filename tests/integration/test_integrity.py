@@ -478,18 +478,27 @@ def test_bad_values_are_one_line_exit_2_and_leave_nothing(tmp_path, args, named)
     assert not (tmp_path / "run").exists()
 
 
-def test_a_torchvision_for_another_torch_is_one_line_naming_both_versions(tmp_path):
-    """As after `pip install '.[models]'` beside a CPU-only torch from PyTorch's index: timm's import fails in
-    torchvision's operators. Simulated by a timm that fails the same way, first on the path."""
-    (tmp_path / "broken" / "timm").mkdir(parents=True)
-    (tmp_path / "broken" / "timm" / "__init__.py").write_text(
+@pytest.mark.parametrize("command", [
+    ["train", "recipe=timm", "train.steps=1"], ["train", "recipe=resnet", "train.steps=1"],
+    ["train", "recipe=hf_causal_lm", "recipe.model_type=llama", "train.steps=1"],  # transformers imports it lazily
+    ["inspect", "recipe=hf_causal_lm", "recipe.model_type=qwen2", "+recipe.config.num_hidden_layers=2",
+     "inspect.steps=1"],  # the README's line: deep in a model class, wrapped in transformers' own error
+])
+def test_a_torchvision_for_another_torch_is_the_same_one_line_on_every_path(tmp_path, command):
+    """As after `pip install '.[models]'` beside a CPU-only torch from PyTorch's index: torchvision's compiled
+    operators are missing, which surfaces wherever a library first imports it. Simulated by a torchvision that fails
+    the same way, first on the path. The fix it names replaces the installed torchvision even where its version
+    number is the right one (another build): --force-reinstall, and --no-deps to leave torch as it is."""
+    (tmp_path / "broken" / "torchvision").mkdir(parents=True)
+    (tmp_path / "broken" / "torchvision" / "__init__.py").write_text(
         'raise RuntimeError("operator torchvision::nms does not exist")\n')
-    refused = subprocess.run([sys.executable, "-m", "ampctl", "train", "recipe=timm", "train.steps=1",
-                              f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, cwd=tmp_path,
-                             timeout=300, env={**os.environ, "PYTHONPATH": f"{tmp_path / 'broken'}:{REPO}"})
-    line = one_line_refusal(refused, "train")
-    assert "recipe=timm: torchvision " in line and " does not match torch " in line
-    assert "pip install 'torchvision==0." in line and not (tmp_path / "run").exists()
+    refused = subprocess.run([sys.executable, "-m", "ampctl", *command, f"hydra.run.dir={tmp_path / 'run'}"],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                             env={**os.environ, "PYTHONPATH": f"{tmp_path / 'broken'}:{REPO}"})
+    line = one_line_refusal(refused, command[0])
+    recipe = command[1]
+    assert f"{recipe}: torchvision " in line and " does not match torch " in line, line
+    assert "pip install --force-reinstall --no-deps 'torchvision==0." in line and not (tmp_path / "run").exists()
 
 
 def test_a_config_that_is_not_ampctls_is_refused_before_it_touches_a_run(tmp_path):

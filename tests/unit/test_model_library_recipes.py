@@ -204,8 +204,9 @@ def test_a_torchvision_built_for_another_torch_is_one_line_naming_both_and_the_f
         import_library("timm", "recipe=timm", extra="timm")
     assert str(refused.value) == (
         "recipe=timm: torchvision 0.29.1 does not match torch 2.13.0+cpu (it was built for torch>=2.14.0): its "
-        "compiled operators are missing (operator torchvision::nms); install the torchvision of this torch: "
-        "pip install 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu")
+        "compiled operators are missing (operator torchvision::nms); replace it with the torchvision built for this "
+        "torch (the same version number can be another build, which a plain pip install keeps): pip install "
+        "--force-reinstall --no-deps 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu")
 
 
 def test_a_library_that_is_not_installed_names_its_extra(monkeypatch):
