@@ -8,8 +8,9 @@ torch's build decides), so it is measured, in a way a busy machine cannot fool:
 - fp32 and each half type in alternating rounds whose order rotates, so that load falls on all of them alike;
 - each type's best trial over a time floor: load makes a trial slower, never faster;
 - each trial's share of the cores (its CPU time over its wall time and threads): a probe whose best fp32 trial
-  had less than BUSY_SHARE of them was measured on a busy machine; its ratios stand (load fell on every type
+  had less than BUSY_SHARE of them was measured on a busy machine; its verdicts stand (load fell on every type
   alike) but its rates are no peak, and it is measured again later (BUSY_RETRY_S);
+- a slow type's slowdown is said as a bound its rounds support (`more than 20x`): load moves the point figure;
 - a half type the CPU has instructions for that measures slow is measured again, longer, and never described
   as lacking them;
 - a half type many times slower than fp32 on a small screening matmul (DECISIVE) is decided there: seconds of
@@ -148,7 +149,7 @@ class CpuSpeed:
                         f"{torch.__version__} did not use here")
         else:
             hardware = f"measured; no {instructions_wanted(dtype)}"
-        return f"{dtype} matmuls run {speed.relative_time:.0f}x slower than fp32 on this CPU ({hardware})"
+        return f"{dtype} matmuls run {slowdown_words(speed)} than fp32 on this CPU ({hardware})"
 
     def describe(self) -> list[str]:
         """One line per half type, for `ampctl list`."""
@@ -164,7 +165,8 @@ class CpuSpeed:
         lines.append(f"measured {self.measured_at} in {self.seconds:.1f} s of trials"
                      + (f", {self.attempts} attempts" if self.attempts > 1 else "")
                      + (f"; the machine was busy (the probe got {self.speeds[FP32].core_share:.0%} of its cores): "
-                        "the ratios stand, the rates are no peak" if self.busy else ""))
+                        "the rates are no peak, and a slow type's ratio may read low (load falls on fp32's trials "
+                        "too); the verdicts stand" if self.busy else ""))
         return lines
 
     def to_json(self) -> dict:
@@ -185,6 +187,19 @@ class CpuSpeed:
                        int(data["attempts"]), float(data["seconds"]))
         except (KeyError, TypeError, ValueError):
             return None
+
+
+BOUNDS = (1.5, 2, 3, 5, 10, 20, 50, 100, 200, 500)  # what a slowdown is said to exceed
+
+
+def slowdown_words(speed: DtypeSpeed) -> str:
+    """A slow type's slowdown as a bound its rounds support: `more than 20x slower`, the largest of BOUNDS under
+    their lower quartile. A point figure moves with the load (a slow type read 13-21x on a busy machine and ~60x on
+    a quiet one); the bound holds on both."""
+    bound = max((b for b in BOUNDS if b <= speed.spread[0]), default=None)
+    if bound is None:
+        return f"{speed.relative_time:.2g}x slower ({speed.spread[0]:.2g}-{speed.spread[1]:.2g})"
+    return f"more than {bound:g}x slower"
 
 
 # --- measuring ------------------------------------------------------------------------------------------------

@@ -102,3 +102,25 @@ def test_on_a_cpu_a_batch_made_in_the_loops_thread_is_its_own_cost_not_a_wait(tm
     assert "waited for their batches" in capsys.readouterr().out
     rows = [json.loads(line) for line in (slept / "metrics.jsonl").read_text().splitlines()]
     assert all(row["data_idle_ms"] >= 0.9 * 50.0 for row in rows)  # asleep: idle, all of it
+
+
+def test_a_busy_machine_preempting_the_loop_is_not_taken_for_a_wait_on_data(tmp_path, restore_argv, capsys):
+    """The same batches made in the loop's thread while other processes hold every core (a busy machine): the loop's
+    thread is preempted in next() as in the rest of the step, and that is the machine's, not a pipeline's."""
+    import os
+    import subprocess
+    import sys
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        run = tmp_path / "run"
+        main(["train", *MLP, "recipe=mlp", "recipe._target_=tests.slow_data_recipe.BusyDataRecipe",
+              "+recipe.data_work_s=0.03", "train.steps=14", f"hydra.run.dir={run}"])
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert "waited for their batches" not in capsys.readouterr().out
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    idle = sorted(row["data_idle_ms"] / row["data_ms"] for row in rows)
+    assert idle[len(idle) // 2] < 0.1, idle  # the median step's
