@@ -11,6 +11,7 @@ import importlib
 import io
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
@@ -47,7 +48,7 @@ def print_help() -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     from ampctl.processes import die_with_parent
-    from ampctl.runner.interrupt import exit_code, raise_on_signals, signal_name
+    from ampctl.runner.interrupt import exit_at_once_on_another_signal, exit_code, raise_on_signals, signal_name
 
     die_with_parent()  # a comparison's mode, when the comparison is gone
     raise_on_signals()  # SIGTERM, SIGHUP, SIGUSR1/2 outside a training loop: one line, as Ctrl-C
@@ -64,6 +65,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except KeyboardInterrupt as exc:
         # Ctrl-C (or another stop signal) before a command could stop gracefully (importing torch, composing,
         # Hydra making the run directory: run_hydra_app removes that): nothing was recorded
+        exit_at_once_on_another_signal(getattr(exc, "signum", signal.SIGINT))
         print(f"\nampctl: interrupted ({signal_name(exc)}) before anything was recorded", file=sys.stderr)
         sys.exit(exit_code(exc))
     except SystemExit as exc:

@@ -17,6 +17,12 @@ class BrokenRecipe:
             raise ValueError("vocab file 'data/vocab.txt' not found")
         self.mistake = mistake
         self.samples_per_batch, self.tokens_per_batch = batch_size, None
+        if mistake == "string_samples":  # read from a config file as text
+            self.samples_per_batch = str(batch_size)
+        if mistake == "zero_samples":
+            self.samples_per_batch = 0
+        if mistake == "int_blocks":
+            self.activation_checkpoint_blocks = lambda model: 5
 
     def build_model(self) -> Any:
         if self.mistake == "slow_build":  # not a mistake: a build long enough to press Ctrl-C during it
@@ -25,7 +31,12 @@ class BrokenRecipe:
             return [nn.Linear(4, 1)]
         return nn.Linear(4, 1)
 
-    def batches(self, device: torch.device, seed: int) -> Iterator[Any]:
+    def batches(self, device: torch.device, seed: int) -> Any:
+        if self.mistake == "int_batches":
+            return 42
+        return self._batches(device, seed)
+
+    def _batches(self, device: torch.device, seed: int) -> Iterator[Any]:
         gen = torch.Generator(device=device).manual_seed(seed)
         count = 3 if self.mistake == "finite_batches" else None
         while count is None or count > 0:

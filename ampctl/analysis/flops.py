@@ -23,6 +23,7 @@ from ampctl import io
 from ampctl.engine import cpu_speed, devices
 from ampctl.engine.parallel import unsharded
 from ampctl.engine.precision import converters
+from ampctl.recipes.base import building_model
 from ampctl.recipes.gpt import VOCAB_SIZE, GPTRecipe
 from ampctl.recipes.mlp import MLPRecipe
 
@@ -57,7 +58,7 @@ def model_flops_per_step(recipe: Any, batch: Any, grad_accum_steps: int) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.device("meta"):
+    with torch.device("meta"), building_model(recipe):
         model = recipe.build_model()
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, sdpa_kernel(SDPBackend.MATH):
         fake_batch = io.map_tensors(batch, lambda t: fake.from_tensor(torch.empty_like(t, device="meta")))

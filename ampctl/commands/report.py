@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ampctl import run_files
-from ampctl.errors import USAGE_EXIT_CODE, UsageError
+from ampctl.errors import USAGE_EXIT_CODE, WRITE_FAILED_EXIT_CODE, UsageError, write_refused
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs, is_run_dir, load_run, row_problems
 from ampctl.reports.sweep import write_sweep_report
@@ -39,10 +39,10 @@ def render(path: Path) -> int:
             _render_unfinished(run, console)
             return 0
         table = tables.single_run_table(run)
+        tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
         images = tables.run_images([(run.name, run)], path)
         machine = tables.machine_info([run.summary] if run.summary else [])
         tables.write_files(table, path, "run", machine, images, {"kind": "run"})
-        tables.print_table(table, console)
         console.print(f"wrote run.csv, run.json, report.md and plots in {path}")
         return int(run.failed)
     if (path / "multirun.yaml").is_file() or find_runs(path):
@@ -87,12 +87,19 @@ def main() -> None:
         print(USAGE)
         return
     if len(args) != 1:
-        print(f"ampctl report: error: expected one PATH, got {len(args)} arguments\n{USAGE}", file=sys.stderr)
+        print(f"ampctl report: error: expected one PATH (a run, multirun, compare, memory or inspect directory), "
+              f"got {len(args)} arguments", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
     try:
         failed = render(Path(args[0]))
     except UsageError as exc:
         print(f"ampctl report: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
+    except OSError as exc:
+        if not write_refused(exc):
+            raise
+        print(f"ampctl report: error: cannot write {exc.filename}: {exc.strerror}; the report's files were not "
+              "written (what is on the screen is the report)", file=sys.stderr)
+        sys.exit(WRITE_FAILED_EXIT_CODE)
     if failed:
         sys.exit(1)

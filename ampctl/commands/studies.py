@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 from pathlib import Path
 from typing import Iterator
 
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.runner.interrupt import Interrupted, exit_code, signal_name
+from ampctl.runner.interrupt import Interrupted, exit_at_once_on_another_signal, exit_code, signal_name
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
 
@@ -24,6 +25,7 @@ def refused_in_one_line(command: str, out_dir: Path, interrupted_means: str = ""
         print(f"ampctl {command}: error: {exc}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
     except (KeyboardInterrupt, Interrupted) as exc:  # Interrupted: a run the study trained itself stopped
+        exit_at_once_on_another_signal(getattr(exc, "signum", signal.SIGINT))
         remove_if_only_hydra_files(out_dir)
         if out_dir.is_dir():
             print(f"\nampctl {command}: interrupted ({signal_name(exc)}); what was measured until then is in "

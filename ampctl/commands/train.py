@@ -28,7 +28,7 @@ from ampctl.errors import (
     write_refused,
 )
 from ampctl.processes import is_main_process, torchrun_world_size
-from ampctl.runner.interrupt import Interrupted, exit_code, signal_name
+from ampctl.runner.interrupt import Interrupted, exit_at_once_on_another_signal, exit_code, signal_name
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def train(cfg: DictConfig) -> Optional[float]:
 
         summary = run_training(cfg, run_dir, choices=job.choices, resume=job.resume)
     except Interrupted as exc:
+        exit_at_once_on_another_signal(exc.signum)
         if not is_main_process():
             sys.exit(exc.exit_code)
         where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
@@ -71,6 +72,7 @@ def train(cfg: DictConfig) -> Optional[float]:
             log.warning(line)  # train.log (Hydra's job logging writes the file only)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt as exc:  # a signal outside the loop: building, compiling, loading data, the summary
+        exit_at_once_on_another_signal(getattr(exc, "signum", signal.SIGINT))
         if is_main_process():
             remove_if_only_hydra_files(run_dir)
             sweep = the_sweeps_command(hydra_cfg) if multirun else None

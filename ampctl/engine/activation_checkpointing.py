@@ -12,6 +12,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ampctl.errors import UsageError
+from ampctl.recipes.base import checked_blocks
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -29,7 +30,7 @@ def require_checkpoint_blocks(recipe: Any, recipe_name: str) -> None:
 def apply_activation_checkpointing(model: nn.Module, recipe: Any, recipe_name: str) -> int:
     """Checkpoint every block the recipe's activation_checkpoint_blocks(model) returns; the number wrapped."""
     require_checkpoint_blocks(recipe, recipe_name)
-    blocks = list(recipe.activation_checkpoint_blocks(model))
+    blocks = checked_blocks(recipe.activation_checkpoint_blocks(model), recipe)
     if not blocks:  # a model whose structure the recipe could not read (a timm model without block groups)
         raise UsageError(f"train.activation_checkpointing=true: recipe {recipe_name} found no blocks to checkpoint "
                          "in this model; run without it")

@@ -23,7 +23,7 @@ from ampctl.engine.optim import (
 )
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import build_scaler
-from ampctl.recipes.base import Recipe, checked_model
+from ampctl.recipes.base import Recipe, building_model, checked_model
 
 
 def check_config(cfg: DictConfig) -> PrecisionPolicy:
@@ -45,7 +45,9 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
     the optimizer sees its parameters), then its optimizer, loss scaler and lr schedule."""
     parallel = parallel or parallelism.Parallel()
     torch.manual_seed(cfg.train.seed)
-    model = policy.prepare_model(checked_model(recipe.build_model(), recipe))
+    with building_model(recipe):
+        model = recipe.build_model()
+    model = policy.prepare_model(checked_model(model, recipe))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, recipe, cfg.recipe._target_.rsplit(".", 1)[-1])
     blocks = list(getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(model))

@@ -25,7 +25,7 @@ from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import LossScaler
 from ampctl.engine.telemetry import Telemetry
 from ampctl.errors import UsageError
-from ampctl.recipes.base import Recipe, checked_loss, recipe_name
+from ampctl.recipes.base import Recipe, checked_batches, checked_loss, recipe_errors, recipe_name
 
 
 def grad_norm_(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
@@ -202,7 +202,7 @@ def fit(
 
 def batch_stream(recipe: Recipe, device: torch.device, seed: int, position: int = 0) -> BatchStream:
     """The recipe's batches for `seed`, past the first `position` (a resumed run continues the same stream)."""
-    batches = iter(recipe.batches(device, seed))
+    batches = checked_batches(recipe.batches(device, seed), recipe)
     for _ in range(position):
         next(batches)
     return BatchStream(batches)
@@ -234,7 +234,8 @@ def run_steps(
             break
         before_step()
         start = time.perf_counter()
-        train_step(state, batches, recipe, policy, settings, telemetry)
+        with recipe_errors(recipe):
+            train_step(state, batches, recipe, policy, settings, telemetry)
         if timed:
             if policy.device.type == "cuda":
                 torch.cuda.synchronize(policy.device)

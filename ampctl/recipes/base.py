@@ -73,7 +73,33 @@ def build_recipe(cfg: DictConfig) -> Recipe:
             "a recipe needs samples_per_batch, tokens_per_batch, build_model(), batches(device, seed) "
             "and loss(model, batch) (see docs/models.md, 'Add your own recipe')"
         )
+    for name, optional in (("samples_per_batch", False), ("tokens_per_batch", True)):
+        value = getattr(recipe, name)
+        if not (optional and value is None) and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise UsageError(f"recipe._target_={target!r}: {name} is {_what(value)}; the protocol needs an integer "
+                             f">= 1 (the {name.split('_')[0]} in one batch)" + (", or None" if optional else ""))
     return recipe
+
+
+def checked_batches(batches: Any, recipe: Recipe) -> Iterator[Any]:
+    """batches(device, seed)'s result as an iterator (a list is one too: it ends, which the loop says when)."""
+    try:
+        return iter(batches)
+    except TypeError:
+        raise UsageError(f"recipe {recipe_name(recipe)}: batches(device, seed) returned {_what(batches)}; the protocol "
+                         "needs an endless iterator of batches (a generator that yields them)") from None
+
+
+def checked_blocks(blocks: Any, recipe: Recipe) -> list[nn.Module]:
+    """activation_checkpoint_blocks(model)'s result as a list of modules."""
+    try:
+        found = list(blocks)
+    except TypeError:
+        found = None
+    if found is None or not all(isinstance(block, nn.Module) for block in found):
+        raise UsageError(f"recipe {recipe_name(recipe)}: activation_checkpoint_blocks(model) returned {_what(blocks)}; "
+                         "the protocol needs a list of the model's torch.nn.Module blocks")
+    return found
 
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
@@ -110,6 +136,26 @@ def _first_line(exc: BaseException) -> str:
 def recipe_name(recipe: Any) -> str:
     cls = type(getattr(recipe, "_recipe", recipe))  # the recipe itself, not a rank's view of it
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@contextlib.contextmanager
+def building_model(recipe: Recipe) -> Iterator[None]:
+    """Around recipe.build_model(): a model whose tensors cannot exist at all (a size option far too large: the
+    storage size overflows, or the allocator refuses it) is the recipe's config, said in one line naming its
+    largest size option."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if not (isinstance(exc, torch.OutOfMemoryError) or "Storage size calculation overflowed" in text
+                or "can't allocate memory" in text):
+            raise
+        sizes = sorted(((value, key) for key, value in vars(getattr(recipe, "_recipe", recipe)).items()
+                        if isinstance(value, int) and not isinstance(value, bool) and not key.startswith("_")
+                        and key not in ("samples_per_batch", "tokens_per_batch")), reverse=True)
+        largest = f"; its largest size option: recipe.{sizes[0][1]}={sizes[0][0]}" if sizes else ""
+        raise UsageError(f"recipe {recipe_name(recipe)}: its model cannot be built, its tensors are too large to "
+                         f"allocate ({text}){largest}") from None
 
 
 def checked_model(model: Any, recipe: Recipe) -> nn.Module:
@@ -167,6 +213,11 @@ def recipe_error(exc: BaseException, recipe: Recipe) -> Optional[UsageError]:
     one line naming the recipe's function, its file and line, the error and what the protocol passes it. None
     for other errors, and for ampctl's own recipes, whose errors are bugs with a traceback."""
     cls = type(getattr(recipe, "_recipe", recipe))
+    if isinstance(exc, ValueError) and "more than 1 value per channel when training" in str(exc):
+        # any recipe's (a built-in's too): its batch or input size, not its code
+        return UsageError(f"recipe {recipe_name(recipe)}: a BatchNorm layer got one value per channel "
+                          f"({_first_line(exc)}), which it cannot normalize in training; raise recipe.batch_size "
+                          f"(now {getattr(recipe, 'samples_per_batch', '?')} a batch) or the input size")
     if not isinstance(exc, (TypeError, ValueError, AttributeError, KeyError, IndexError)) or \
             cls.__module__.startswith("ampctl."):
         return None

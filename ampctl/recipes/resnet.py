@@ -46,6 +46,14 @@ class ResNetRecipe:
         if self.data not in DATASETS:
             raise ConfigError("recipe.data", self.data, " | ".join(DATASETS))
         require_positive(self, "batch_size", "image_size")
+        last = self.image_size
+        for _ in range(5):  # the stem's and four stages' stride-2 layers, each rounding up
+            last = -(-last // 2)
+        if self.batch_size * last * last < 2:
+            raise UsageError(f"recipe.image_size={self.image_size} with recipe.batch_size={self.batch_size}: "
+                             f"ResNet's last stage would hold one value per channel ({self.image_size} px halved five "
+                             "times), which BatchNorm cannot normalize in training; raise recipe.image_size above 32 "
+                             "or recipe.batch_size to 2 or more")
         if self.num_classes is None:
             self.num_classes = 10 if self.data == "cifar10" else 1000
         elif self.num_classes < 2:

@@ -65,13 +65,13 @@ def write_sweep_report(sweep_dir: Path, console=None) -> int:
     runs = find_runs(sweep_dir)
     identity = SweepIdentity.recorded(sweep_dir)
     table = tables.sweep_table(runs, identity.command(sweep_dir) if identity is not None else None)
+    console = console or tables.make_console()
+    tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
     keys = tables.swept_keys(runs)
     labels = [(f"#{run.job}: " + " ".join(io.readable_override(f"{k}={run.override_values().get(k)}") for k in keys),
                run) for run in runs]
     images = tables.run_images([(label, run) for label, run in labels if not run.failed], sweep_dir)
     machine = tables.machine_info([run.summary for run in runs if run.summary])
     tables.write_files(table, sweep_dir, "sweep", machine, images, {"kind": "multirun"})
-    console = console or tables.make_console()
-    tables.print_table(table, console)
     console.print(f"wrote sweep.csv, sweep.json, report.md and plots in {sweep_dir}")
     return sum(run.failed for run in runs)

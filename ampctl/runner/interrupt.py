@@ -12,6 +12,8 @@ removed (Signalled, raised by the handlers ampctl's entry point installs: ampctl
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import signal
 import sys
@@ -80,9 +82,9 @@ class StopOnSignal:
     def requested(self) -> bool:
         return self.signum is not None
 
-    def _handle(self, signum: int, _frame: Optional[FrameType]) -> None:
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signum is not None:
-            os._exit(128 + signum)  # second signal: now, without unwinding (nothing half-written survives)
+            exit_at_once(signum, frame)
         self.signum = signum
         if self._announce:
             print(f"\nampctl: {signal.Signals(signum).name}: stopping {self._announce} and writing a checkpoint "
@@ -98,4 +100,42 @@ class StopOnSignal:
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
+            # a run that stopped on a signal goes on only to say so and leave: another signal ends it at once
+            stopping = self.requested and signum in self.signals
+            signal.signal(signum, exit_at_once if stopping else handler)  # type: ignore[arg-type]
+
+
+def exit_at_once(signum: int, _frame: Optional[FrameType] = None) -> None:
+    """A second stop signal: one line, then exit now without unwinding (every checkpoint on disk is whole: each is
+    written to a temporary name and renamed)."""
+    os.write(2, f"\nampctl: {signal.Signals(signum).name} again: exiting at once (the checkpoints on disk are "
+                f"whole)\n".encode())
+    os._exit(128 + signum)
+
+
+_LEAVING_WITH: list[int] = []  # the exit code of a command that stopped on a signal and is leaving
+
+
+def exit_at_once_on_another_signal(signum: int) -> None:
+    """After a stop signal (signum) was handled: another one while ampctl says so and leaves ends it at once, with
+    its line, instead of interrupting the exit halfway; and the exit skips the interpreter's teardown (torch's takes
+    seconds, after Python has put the default handlers back, where a second Ctrl-C killed it without a word).
+    Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for each in (*STOP_SIGNALS, *PREEMPT_SIGNALS):
+        signal.signal(each, exit_at_once)
+    if not _LEAVING_WITH:
+        atexit.register(_leave_now)
+    _LEAVING_WITH[:] = [128 + signum]
+
+
+def _leave_now() -> None:
+    """The last exit handler of a command that stopped on a signal: its files flushed, it leaves at once."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(_LEAVING_WITH[0])

@@ -77,10 +77,31 @@ def continues_here(resume: Optional[str], run_dir: Path) -> bool:
     return owner.resolve() == run_dir.resolve()
 
 
+# The names a run keeps as directories; every other name of its own is a file
+RUN_OWN_DIRECTORIES = frozenset({run_files.CHECKPOINTS, run_files.HYDRA})
+
+
+def refuse_damaged_names(run_dir: Path) -> None:
+    """A name the run keeps as a directory that is a file there (checkpoints/), or one it keeps as a file that is a
+    directory (.ampctl.lock, metrics.jsonl): the directory is not the run's as it wrote it, and writing into it would
+    fail half-way. Refused before anything is moved or written."""
+    for name in sorted(RUN_OWN_NAMES - {"profile", "wandb"}):
+        path = run_dir / name
+        if not (path.exists() or path.is_symlink()):
+            continue
+        want_dir = name in RUN_OWN_DIRECTORIES
+        if path.is_dir() != want_dir:
+            what, kept = ("a file", "a directory") if want_dir else ("a directory", "a file")
+            raise UsageError(f"hydra.run.dir={run_dir}: {name} is {what}, where an ampctl run keeps {kept}: the run "
+                             "directory is damaged; move it aside or choose another hydra.run.dir (nothing in it was "
+                             "changed)")
+
+
 def refuse_another_runs_directory(run_dir: str, resume: Optional[str]) -> None:
     """Checked before Hydra creates or writes into the run directory (its .hydra/ would be overwritten): a new
     run (resume unset or empty) only into a directory of its own; a resume only into the run it continues."""
     path = _a_directory("hydra.run.dir", run_dir, "run's records")
+    refuse_damaged_names(path)
     refuse_a_directory_in_use(path)
     held = what_it_holds(path)
     if not held:

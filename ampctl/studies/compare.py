@@ -258,12 +258,12 @@ def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, 
     directories = {mode: [comparison.run_dir(out_dir, mode, seed, per_seed) for seed in seeds] for mode in modes}
     runs = [(mode, [load_run(d) for d in dirs if d.is_dir()]) for mode, dirs in directories.items()]
     table = comparison.comparison_table(runs, skipped, spans)
+    tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
     images = comparison.comparison_images(runs, table, out_dir)
     machine = tables.machine_info([run.summary for _, records in runs for run in records if run.summary])
     extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides,
              "rounds": [list(span) for span in spans] if spans else None, "seeds": seeds, "per_seed": per_seed}
     files = tables.write_files(table, out_dir, run_files.COMPARISON, machine, images, extra)
-    tables.print_table(table, console)
     console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
     return sum(run.failed for _, records in runs for run in records)
 

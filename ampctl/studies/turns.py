@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from ampctl import run_files
 from ampctl.processes import child_environment
-from ampctl.runner.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS
+from ampctl.runner.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS, exit_at_once_on_another_signal
 from ampctl.runner.pauses import PAUSE_AFTER_ENV, PAUSE_FD_ENV
 
 
@@ -206,6 +206,8 @@ def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Calla
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if received and not out_of_time:  # stopping: another signal while the comparison is written ends it at once
+            exit_at_once_on_another_signal(received[0])
         for process in processes:
             process.close()
     return [p.run for p in processes]

@@ -257,6 +257,28 @@ def rows(path: Path) -> int:
     return path.read_text().count("\n") if path.is_file() else 0
 
 
+@pytest.mark.parametrize("when", ["starting", "training"])
+@pytest.mark.parametrize("gap_s", [0.0, 0.05])
+def test_two_ctrl_c_in_quick_succession_exit_130_with_their_lines_and_no_traceback(tmp_path, when, gap_s):
+    """A second Ctrl-C while the first is handled (it printed a traceback now and then, or killed the process
+    without a word in the interpreter's teardown): each signal says its line, and the exit code is 130."""
+    run_dir = tmp_path / "run"
+    process = popen("train", *QUICK, "train.steps=100000", "train.checkpoint_every=5", f"hydra.run.dir={run_dir}",
+                    cwd=tmp_path)
+    if when == "starting":
+        time.sleep(1.0)
+    else:
+        wait_for(lambda: rows(run_dir / "metrics.jsonl") >= 8)
+    process.send_signal(signal.SIGINT)
+    time.sleep(gap_s)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "Traceback" not in stderr, stderr[-3000:]
+    said = stderr.strip().splitlines()[-1]
+    assert said.startswith(("ampctl: interrupted (SIGINT)", "ampctl train: interrupted", "continue with: ",
+                            "ampctl: SIGINT again: exiting at once")), stderr
+
+
 def test_preempt_signal_null_ignores_sigusr1_and_sigterm_still_stops_with_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     process = popen("train", *QUICK, "train.steps=100000", "train.preempt_signal=null", f"hydra.run.dir={run_dir}",
@@ -471,11 +493,65 @@ def test_a_run_whose_every_step_was_skipped_says_so(tmp_path, capsys, restore_ar
     (["precision.rules=[{match:'9'}]"], "precision.rules[0].run_in: required, and not given"),
     (["precision.rules={match:'9'}"], "precision.rules: expected a list"),
     (["precision=O2", "precision.keep_norm_fp32=false"], "precision.keep_norm_fp32: replaced by the per-layer rule"),
+    # sizes torch cannot build or train (issue 35)
+    (["recipe.in_features=9223372036854775807"], "its model cannot be built, its tensors are too large to allocate "
+     "(Storage size calculation overflowed with sizes=[32, 9223372036854775807]); its largest size option: "
+     "recipe.in_features=9223372036854775807"),
 ])
 def test_bad_values_are_one_line_exit_2_and_leave_nothing(tmp_path, args, named):
     refused = cli("train", *MLP, "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}", *args, cwd=tmp_path)
     assert named in one_line_refusal(refused, "train")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command,named", [
+    (["train", "recipe=resnet", "recipe.data=synthetic", "recipe.image_size=1", "recipe.batch_size=1"],
+     "recipe.image_size=1 with recipe.batch_size=1: ResNet's last stage would hold one value per channel"),
+    (["train", "recipe=timm", "recipe.model=resnet18", "recipe.image_size=32", "recipe.batch_size=1"],
+     "a BatchNorm layer got one value per channel (Expected more than 1 value per channel when training"),
+    (["inspect", "recipe=timm", "recipe.model=resnet18", "recipe.image_size=32", "recipe.batch_size=1"],
+     "a BatchNorm layer got one value per channel"),
+])
+def test_a_batch_norm_given_one_value_per_channel_is_one_line(tmp_path, command, named):
+    refused = cli(*command, "device=cpu", "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert named in one_line_refusal(refused, command[0])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage,named", [
+    (lambda run: (shutil.rmtree(run / "checkpoints"), (run / "checkpoints").write_text("x")),
+     "checkpoints is a file, where an ampctl run keeps a directory: the run directory is damaged"),
+    (lambda run: (run / ".ampctl.lock").mkdir(), ".ampctl.lock is a directory, where an ampctl run keeps a file"),
+])
+def test_a_run_directory_whose_own_names_are_the_wrong_kind_is_refused_and_left_as_it_is(tmp_path, damage, named):
+    """checkpoints/ replaced by a file (it failed in mkdir after setting the rows aside), the lock a directory."""
+    run = tmp_path / "run"
+    assert cli("train", *MLP, "train.steps=4", "train.checkpoint_every=2", f"hydra.run.dir={run}",
+               cwd=tmp_path).returncode == 0
+    damage(run)
+    before = snapshot(run)
+    refused = cli("train", *MLP, "train.steps=6", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert named in one_line_refusal(refused, "train")
+    assert snapshot(run) == before and (run / ".ampctl.lock").is_dir() == ("lock" in named)
+
+
+def test_report_on_a_directory_it_cannot_write_shows_the_report_and_says_so(tmp_path):
+    """A finished run in a directory that refuses writes (made immutable: root ignores permission bits): the table
+    on the screen, one line naming the file it could not write, exit 74, no traceback."""
+    run = tmp_path / "run"
+    assert cli("train", *MLP, "train.steps=2", f"hydra.run.dir={run}", cwd=tmp_path).returncode == 0
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(run)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not available here")
+    else:
+        run.chmod(0o555)
+    try:
+        shown = cli("report", str(run), cwd=tmp_path)
+    finally:
+        subprocess.run(["chattr", "-i", str(run)], capture_output=True) if os.geteuid() == 0 else run.chmod(0o755)
+    assert shown.returncode == 74 and "Traceback" not in shown.stderr, shown.stderr
+    assert shown.stderr.startswith("ampctl report: error: cannot write ") and shown.stderr.count("\n") == 1
+    assert "final_loss" in shown.stdout and not (run / "run.csv").exists()
 
 
 @pytest.mark.parametrize("command", [

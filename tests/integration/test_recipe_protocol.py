@@ -27,18 +27,26 @@ MODEL_CALL = SOURCE.read_text().splitlines().index("        out = model(x)") + 1
     ("finite_batches", "batches(device, seed) ended after step 3; the protocol needs an endless iterator"),
     ("raises_in_init", f"recipe._target_='{RECIPE}' could not be instantiated: ValueError: vocab file "
                        "'data/vocab.txt' not found"),
+    ("string_samples", "samples_per_batch is a str ('8'); the protocol needs an integer >= 1 (the samples in one "
+                       "batch)"),
+    ("zero_samples", "samples_per_batch is an int (0); the protocol needs an integer >= 1 (the samples in one batch)"),
+    ("int_batches", "batches(device, seed) returned an int (42); the protocol needs an endless iterator"),
+    ("int_blocks", "activation_checkpoint_blocks(model) returned an int (5); the protocol needs a list of the "
+                   "model's torch.nn.Module blocks"),
 ])
 def test_a_recipe_that_breaks_the_protocol_is_one_line(tmp_path, restore_argv, capsys, mistake, message):
     run_dir = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "recipe=mlp", "recipe.batch_size=8", "device=cpu", "train.steps=5", "train.console=quiet",
-              f"recipe._target_={RECIPE}",
-              f"+recipe.mistake={mistake}", f"hydra.run.dir={run_dir}"])
+              f"recipe._target_={RECIPE}", f"+recipe.mistake={mistake}", f"hydra.run.dir={run_dir}",
+              *(["train.activation_checkpointing=true"] if mistake == "int_blocks" else [])])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
-    if mistake != "raises_in_init":
+    if mistake not in ("raises_in_init", "string_samples", "zero_samples"):
         assert f"recipe {RECIPE}: " in err
+    else:
+        assert mistake == "raises_in_init" or f"recipe._target_='{RECIPE}': " in err
     if mistake == "finite_batches":  # found at step 4: the steps that ran are recorded (step 1's row shows at once)
         assert not (run_dir / "summary.json").exists() and (run_dir / "metrics.jsonl").read_text().count("\n") == 1
     else:  # found before anything ran: nothing is left
