@@ -104,6 +104,12 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
     from ampctl.errors import UsageError
     from ampctl.runner.ownership import remove_if_only_hydra_files
 
+    if isinstance(overrides, (str, bytes)):  # "recipe=mlp" would be read as the overrides r, e, c, ...
+        raise UsageError(f"overrides={overrides!r}: expected a list of overrides, e.g. [{overrides!r}]")
+    flags = [o for o in overrides if str(o).startswith("-")]
+    if flags:  # -m, -cd, --cfg: the command line's flags, not overrides
+        raise UsageError(f"{flags[0]!r}: ampctl.{command}() takes overrides only (key=value); a sweep (-m) is the "
+                         f"command line's, config_dir= and config_name= are -cd and -cn")
     overrides = [*overrides, *([f"hydra.run.dir={out}"] if out is not None else [])]
     if config_dir is not None:
         if not Path(config_dir).is_dir():

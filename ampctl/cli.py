@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ampctl.errors import USAGE_EXIT_CODE, CommandLineRefused, UsageError, print_error, write_refused
+from ampctl.errors import (
+    USAGE_EXIT_CODE,
+    WRITE_FAILED_EXIT_CODE,
+    CommandLineRefused,
+    UsageError,
+    print_error,
+    write_refused,
+)
 
 # command -> (module, function, one-line description)
 COMMANDS = {
@@ -132,6 +139,7 @@ def dispatch(args: list[str]) -> None:
 
         put_config_dir_on_path(rest)
         try:
+            refuse_bad_hydra_flags(rest)
             refuse_a_config_that_is_not_ampctls(command, command, rest)
             if command == "train":
                 from ampctl.commands.sweep_resume import with_the_sweep_to_continue
@@ -149,6 +157,24 @@ def dispatch(args: list[str]) -> None:
         exit_worker()
 
 
+# Hydra's flags whose value is one of a few: argparse would answer a wrong one with its whole usage block
+HYDRA_FLAG_CHOICES = {"cfg": ("job", "hydra", "all"),
+                      "info": ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")}
+
+
+def refuse_bad_hydra_flags(args: list[str]) -> None:
+    """`--cfg jobz`: one line naming the flag, its value and the choices."""
+    from ampctl.commands.compose import hydra_flags
+
+    flags, _ = hydra_flags(args)
+    for name, choices in HYDRA_FLAG_CHOICES.items():
+        value = flags.get(name)
+        if value and value not in choices:
+            close = difflib.get_close_matches(value, choices, n=1)
+            raise UsageError(f"--{name} {value}: no such choice{f' (did you mean {close[0]}?)' if close else ''}; "
+                             f"choose one of {', '.join(choices)}")
+
+
 def run_hydra_app(command: str, entry) -> None:
     """Run a command's @hydra.main. What fails before its task function runs — composing the config, the
     check of every job of a sweep — is the user's command line: one line, exit 2. Hydra prints such errors
@@ -157,7 +183,7 @@ def run_hydra_app(command: str, entry) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from ampctl.conf.messages import key_under_null_node, one_line, yaml_error
+    from ampctl.conf.messages import key_under_null_node, one_line, unparsable_override, yaml_error
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from ampctl.commands import checks
@@ -180,8 +206,13 @@ def run_hydra_app(command: str, entry) -> None:
     except (UsageError, HydraException, OmegaConfBaseException, AssertionError, ValueError) as exc:
         if raised_in(exc, entry.__wrapped__):
             raise  # an error inside a job is not the command line's: the job reported it, or it is a bug
+        refused = write_refused_in(exc)
+        if refused is not None:  # Hydra could not open the run's log in it (logging's "Unable to configure handler")
+            print_error(f"ampctl {command}: error: cannot write {refused.filename}: {refused.strerror}; the run "
+                        "directory refuses writes (read-only, full): nothing was changed in it")
+            sys.exit(WRITE_FAILED_EXIT_CODE)
         message = str(exc) if isinstance(exc, UsageError) else (
-            key_under_null_node(sys.argv[1:]) or one_line(exc))
+            key_under_null_node(sys.argv[1:]) or unparsable_override(sys.argv[1:], exc) or one_line(exc))
         print_error(f"ampctl {command}: error: {message}")
         sys.exit(USAGE_EXIT_CODE)
     except yaml.YAMLError as exc:  # a config file under -cd that is not YAML
@@ -220,7 +251,24 @@ def job_config_with_its_defaults(command: str) -> Iterator[None]:
     config_dir = flags.get("config_dir")
     with composed(flags.get("config_name") or command, overrides, Path(config_dir) if config_dir else None) as cfg:
         head = defaults_of_a_job(command, dict(cfg.hydra.runtime.choices))
+        # its values too, as a run would check them (train.steps=-1), before the dump is shown as loadable
+        from ampctl.commands.checks import typed
+        from ampctl.conf.composing import without_hydra_node
+        from ampctl.conf.schema import validate
+
+        validate(typed(command, without_hydra_node(cfg)))
     sys.stdout.write(head + printed.getvalue())
+
+
+def write_refused_in(exc: BaseException) -> Optional[OSError]:
+    """The write the machine refused that exc was raised from or during, if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if write_refused(exc):
+            return exc  # type: ignore[return-value]
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return None
 
 
 def raised_in(exc: BaseException, function) -> bool:

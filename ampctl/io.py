@@ -110,6 +110,11 @@ def si_prefixed(value: float) -> tuple[str, str]:
     return f"{rounded:.3g}", ""
 
 
+def milliseconds(ms: float) -> str:
+    """A duration in ms as people read it: 3 significant digits, whole ms from 100 up (1,630 ms, not 1.63e+03)."""
+    return f"{ms:,.0f}" if abs(ms) >= 100 else f"{ms:.3g}"
+
+
 def format_bytes(n: Optional[float], decimals: int = 2) -> str:
     """1,536 -> '1.50 KiB' (binary units); None -> '-'."""
     if n is None:

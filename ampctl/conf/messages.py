@@ -60,8 +60,10 @@ def _shipped_options(group: str) -> list[str]:
 
 
 def did_you_mean(word: str, choices: list[str], prefix: str = "") -> str:
-    """' (did you mean X?)' for the closest of choices (difflib's ratio >= 0.6), or nothing."""
-    close = difflib.get_close_matches(word, choices, n=1)
+    """' (did you mean X?)' for the one choice that differs only in case (FP16: fp16), else the closest of choices
+    (difflib's ratio >= 0.6), or nothing."""
+    same = [c for c in choices if c.lower() == word.lower() and c != word]
+    close = same or difflib.get_close_matches(word, choices, n=1)
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
@@ -148,15 +150,38 @@ def _owner(node: str) -> str:
 def key_under_null_node(overrides: list[str]) -> Optional[str]:
     """OmegaConf asserts, without naming the key, when an override sets a key under a node that is null in
     the composed config: precision.fp8_emulated.margin=2 under precision=fp32. Which override, and the fix."""
+    chosen = {value for key, _, value in (o.lstrip("+~").partition("=") for o in overrides) if key == "precision"}
     for override in overrides:
         parts = override.split("=", 1)[0].lstrip("+~").split(".")
-        if len(parts) >= 3 and parts[0] == "precision" and parts[1] in mode_option_nodes():
+        if (len(parts) >= 3 and parts[0] == "precision" and parts[1] in mode_option_nodes()
+                and not chosen & set(mode_option_nodes()[parts[1]])):  # its mode chosen: the value is what is wrong
             node = ".".join(parts[:2])
             return (f"{override}: {node}.* are the options of {_owner(node)} only; "
                     f"choose it on the same command line ({_owners(node)[0]} {override})")
         if len(parts) >= 3 and parts[0] == "logger" and parts[1] not in _chosen_loggers(overrides):
             return (f"{override}: logger.{parts[1]}.* are the options of logger={parts[1]}, which is not chosen; "
                     f"choose it on the same command line (logger={parts[1]} {override}, or logger=[...,{parts[1]}])")
+    return None
+
+
+def unparsable_override(args: list[str], exc: BaseException) -> Optional[str]:
+    """Hydra's grammar error (`no viable alternative at input '[{match:...}'`) names the text, not the override:
+    the override it could not parse, then Hydra's reason."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    if not isinstance(exc, HydraException):
+        return None
+    parser = OverridesParser.create()
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            parser.parse_override(arg)
+        except HydraException:
+            key = arg.split("=", 1)[0]
+            return (f"{key}: its value cannot be parsed ({one_line(exc)}): a list or dict needs its closing bracket, "
+                    "and the whole override quotes in a shell")
     return None
 
 

@@ -18,7 +18,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 from torch import nn
 
-from ampctl.conf.messages import instantiation_error
+from ampctl.conf.messages import did_you_mean, instantiation_error
 from ampctl.errors import ConfigError, UsageError
 from ampctl.recipes.libraries import torchvision_mismatch, torchvision_mismatch_in
 
@@ -50,6 +50,7 @@ class Recipe(Protocol):
 def build_recipe(cfg: DictConfig) -> Recipe:
     """Instantiate the recipe named by cfg._target_ and check it follows the protocol."""
     target = cfg.get("_target_")
+    check_field_names(cfg, target)
     check_field_types(cfg, target)
     try:
         recipe = instantiate(cfg)
@@ -103,6 +104,23 @@ def checked_blocks(blocks: Any, recipe: Recipe) -> list[nn.Module]:
 
 
 _KINDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def check_field_names(cfg: DictConfig, target: Any) -> None:
+    """Every key of the recipe's config one its callable takes (a dataclass's fields, a function's arguments,
+    unless it takes **kwargs): a typo in a recipe YAML of one's own (`hiden: 32`) is one line with the closest name,
+    not the constructor's TypeError."""
+    try:
+        taken = list(inspect.signature(get_object(str(target))).parameters.values())
+    except Exception:  # noqa: BLE001 - an unimportable target is reported by its instantiation
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken):
+        return
+    names = [p.name for p in taken if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    for key in cfg:
+        if not str(key).startswith("_") and key not in names:
+            raise UsageError(f"recipe.{key}: {str(target).rsplit('.', 1)[-1]} takes no such option"
+                             f"{did_you_mean(str(key), names, 'recipe.')}; it takes {', '.join(names)}")
 
 
 def check_field_types(cfg: DictConfig, target: Any) -> None:

@@ -16,6 +16,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from ampctl.io import milliseconds
+
 CONFIDENCE = 0.9  # the interval's coverage, at least
 # A mode whose slowest round's median is this many times its fastest one's was measured on a busy machine: on a
 # quiet one the rounds of a mode agree within a few percent.
@@ -119,6 +121,6 @@ def busy_rounds(by_mode: dict[str, Sequence[Optional[float]]]) -> Optional[str]:
     if worst is None:
         return None
     mode, disagreement, low, high = worst
-    return (f"the rounds disagree beyond the usual spread ({mode}'s round medians {low:.3g}-{high:.3g} ms, "
+    return (f"the rounds disagree beyond the usual spread ({mode}'s round medians {milliseconds(low)}-{milliseconds(high)} ms, "
             f"{disagreement:.2f}x apart): the machine was busy while it measured; the intervals are wide for it; "
             "run again when it is quiet, or raise compare.rounds")

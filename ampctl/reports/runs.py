@@ -14,6 +14,8 @@ from ampctl.errors import UsageError
 # summary.json's measured figures: null there stands for a non-finite value (JSON has no NaN), read back as NaN
 SUMMARY_FIGURES = ("final_loss", "tail_loss", "final_loss_scale", "median_step_time_ms", "samples_per_s",
                    "tokens_per_s")
+# what every summary ampctl writes holds, and the reports read (runner/run.py)
+SUMMARY_REQUIRED = ("steps", "final_loss", "skipped_total", "final_loss_scale", "median_step_time_ms")
 
 
 @dataclass
@@ -150,6 +152,9 @@ def read_summary(path: Path) -> Optional[dict]:
         summary = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(summary, dict) or not isinstance(summary.get("steps"), int):
             raise ValueError("not an object with an integer 'steps'")
+        missing = [key for key in SUMMARY_REQUIRED if key not in summary]
+        if missing:
+            raise ValueError(f"it lacks {', '.join(missing)}")
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"{path} is not a whole summary ({exc}); the run's rows are in metrics.jsonl") from None
     summary.update({k: float("nan") for k in SUMMARY_FIGURES if k in summary and summary[k] is None})

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from ampctl import io, run_files
 from ampctl.errors import UsageError
 from ampctl.runner import checkpoint_files
-from ampctl.runner.checkpoint_files import checkpoint_path
+from ampctl.runner.checkpoint_files import checkpoint_path, checkpoint_step
 
 BEST_DIR = "best"
 INDEX = "best.json"
@@ -24,6 +25,13 @@ INDEX = "best.json"
 
 def best_folder(run_dir: Path) -> Path:
     return run_dir / run_files.CHECKPOINTS / BEST_DIR
+
+
+def _readable(index: Path) -> bool:
+    try:
+        return isinstance(json.loads(index.read_text(encoding="utf-8"))["checkpoints"], list)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def read_index(run_dir: Path) -> list[dict[str, Any]]:
@@ -55,9 +63,36 @@ def set_aside_after(run_dir: Path, step: int, folder: Path) -> int:
 
 
 class BestCheckpoints:
-    def __init__(self, run_dir: Path, k: int, monitor: str, direction: str) -> None:
+    def __init__(self, run_dir: Path, k: int, monitor: str, direction: str, repair: bool = True) -> None:
+        """repair: an index that cannot be read is set aside and rebuilt (by one process: rank 0)."""
         self.run_dir, self.k, self.monitor, self.direction = run_dir, k, monitor, direction
         self.entries = read_index(run_dir)  # a resumed run goes on ranking its timeline's evaluations
+        self.repaired: Optional[str] = None  # what was said of an index that could not be read
+        index = best_folder(run_dir) / INDEX
+        if repair and index.is_file() and not _readable(index):
+            self.entries = self._ranked_from_evaluations()
+            aside = index.with_name(f"{INDEX}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+            index.rename(aside)
+            write_index(run_dir, monitor, direction, self.entries)
+            self.repaired = (f"{index} could not be read (garbled): set aside as {aside.name}, and the best "
+                             f"checkpoints ranked again from {run_files.EVALS} "
+                             f"({len(self.entries)} of the files in {best_folder(run_dir).name}/)")
+
+    def _ranked_from_evaluations(self) -> list[dict[str, Any]]:
+        """The best checkpoints on disk, each with its evaluation's monitored value (evals.jsonl), best first."""
+        values: dict[int, float] = {}
+        path = self.run_dir / run_files.EVALS
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []:
+            try:
+                row = json.loads(line)
+                values[int(row["step"])] = float(row[f"eval/{self.monitor}"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        entries = [{"step": step, "value": values[step], "file": file.name}
+                   for file in best_folder(self.run_dir).glob("step_*.pt")
+                   if (step := checkpoint_step(file)) in values and math.isfinite(values[step])]
+        entries.sort(key=lambda e: (e["value"] if self.direction == "min" else -e["value"], e["step"]))
+        return entries[:self.k]
 
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.direction == "min" else a > b

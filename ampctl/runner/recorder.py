@@ -130,15 +130,27 @@ class Recorder:
         io.write_json(self.run_dir / run_files.SUMMARY, summary)
         if self.trackers is not None:
             self.trackers.finish(summary)
-        story = self.scale_story.summary() if self.scale_story is not None else None
+        story = self.scale_story.summary(summary.get("final_loss_scale")) if self.scale_story is not None else None
         if story is not None:
             self.echo(story)
         self.echo(final_line(summary, self.run_dir))
-        if summary.get("steps") and summary.get("skipped_total") == summary["steps"]:
-            self.echo(f"warning: every step was skipped ({summary['steps']} of {summary['steps']}: the gradients were "
-                      "never finite at the loss scale): the weights never changed; lower scaler.init_scale, or see "
-                      "`ampctl inspect` for where the values overflow")
         return summary
+
+    def every_step_skipped(self, summary: dict[str, Any]) -> Optional[str]:
+        """Why a run whose every step was skipped learned nothing, or None: its loss itself was not finite (the
+        forward pass, which no loss scale reaches), or its gradients never were at the loss scale."""
+        steps = summary.get("steps")
+        if not steps or summary.get("skipped_total") != steps:
+            return None
+        told = f"every step was skipped ({steps} of {steps}) and the weights never changed: "
+        story = self.scale_story
+        if story is not None and story.skipped and story.nonfinite_losses == story.skipped:
+            return told + ("the loss itself was not finite at every step, before any loss scaling, which no loss "
+                           "scale absorbs: the forward pass overflows (see `ampctl inspect` for activations beyond "
+                           "the format's range; precision.rules can keep those layers in fp32) or the data holds "
+                           "NaN or inf")
+        return told + ("the gradients were never finite at the loss scale: lower scaler.init_scale, or see `ampctl "
+                       "inspect` for where the values overflow")
 
 
 class NoRecorder(Recorder):

@@ -133,10 +133,14 @@ class TrainingRun:
                 with CompileWatch(lambda: self.state.step + 1, enabled=cfg.train.compile) as self.compiling:
                     best = self._fit()
             # inside: the summary is written while the run directory is held, and ends the trackers' runs
-            return recorder.write_summary(lambda: {
+            summary = recorder.write_summary(lambda: {
                 **self.summary(),
                 **evaluating.summary_of(recorder.run_dir),
                 **({"eval_best": best.best()} if best is not None and best.best() else {})})
+        learned_nothing = recorder.every_step_skipped(summary)
+        if learned_nothing is not None:  # recorded whole, and said as the failure it is (exit 1)
+            raise RunStopped(learned_nothing)
+        return summary
 
     def _rank_recipe(self) -> Recipe:
         """The recipe as this process sees it: built for the global batch, this rank's slice of it."""
@@ -299,8 +303,10 @@ class Checkpointer:
         self.cfg, self.choices, self.state, self.telemetry = cfg, run.choices, state, run.telemetry
         train = cfg.train
         self.best = (BestCheckpoints(recorder.run_dir, train.save_top_k, train.monitor,
-                                     train.monitor_mode or MONITOR_MODES[train.monitor])
+                                     train.monitor_mode or MONITOR_MODES[train.monitor], repair=run.parallel.is_main)
                      if train.save_top_k else None)
+        if self.best is not None and self.best.repaired:
+            recorder.echo(f"warning: {self.best.repaired}")
         self.recorder, self.peak, self.parallel = recorder, peak, run.parallel
         self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, run.compiling, peak.device.type)
         self.saved_at = time.monotonic()

@@ -9,6 +9,7 @@ its log interval. A run without a scaler (a scale of 1, no skips) tells nothing.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 from ampctl.engine.telemetry import StepRecord
@@ -26,6 +27,7 @@ class ScaleStory:
         self.first: Optional[StepRecord] = None
         self.lowest = float("inf")
         self.skipped = self.backoffs = self.growths = 0
+        self.nonfinite_losses = 0  # skipped steps whose loss itself was not finite (the forward pass's, unscaled)
         self.first_skip: Optional[int] = None
         self.told = 0
 
@@ -49,6 +51,7 @@ class ScaleStory:
             self._tell_burst(r.loss_scale)
         if r.skipped:
             self.skipped += 1
+            self.nonfinite_losses += not math.isfinite(r.loss)
             self.first_skip = self.first_skip or r.step
             self.burst = (self.burst[0] if self.burst else r, r)
         if not r.skipped and (prev is None or prev.skipped or r.loss_scale != prev.loss_scale):
@@ -83,17 +86,22 @@ class ScaleStory:
         if self.burst is not None:
             self._tell_burst(None)
 
-    def summary(self) -> Optional[str]:
-        """One line of the whole story, or None for a run that never scaled its loss."""
+    def summary(self, final_scale: Optional[float] = None) -> Optional[str]:
+        """One line of the whole story, or None for a run that never scaled its loss. final_scale: the scale after
+        the last step's update (the summary's), which no record holds: a skip on the last step backs off there."""
         first, last = self.first, self.previous
         if first is None or last is None or (self.skipped == 0 and first.loss_scale == last.loss_scale == 1):
             return None
-        if first.loss_scale == last.loss_scale and self.lowest == first.loss_scale:
+        end = last.loss_scale if final_scale is None else final_scale
+        backoffs = self.backoffs + (end < last.loss_scale)
+        growths = self.growths + (end > last.loss_scale)
+        lowest_seen = min(self.lowest, end)
+        if first.loss_scale == end and lowest_seen == first.loss_scale:
             scales = f"{scale_label(first.loss_scale)} throughout"
         else:
-            lowest = self.lowest < min(first.loss_scale, last.loss_scale)
-            scales = (f"{scale_label(first.loss_scale)} -> {scale_label(last.loss_scale)}"
-                      + (f" (lowest {scale_label(self.lowest)})" if lowest else ""))
+            lowest = lowest_seen < min(first.loss_scale, end)
+            scales = (f"{scale_label(first.loss_scale)} -> {scale_label(end)}"
+                      + (f" (lowest {scale_label(lowest_seen)})" if lowest else ""))
         skips = (f"{self.skipped:,} skipped (first at step {self.first_skip})" if self.skipped else "no step skipped")
-        changes = [count_of(n, what) for n, what in ((self.backoffs, "backoff"), (self.growths, "growth")) if n]
+        changes = [count_of(n, what) for n, what in ((backoffs, "backoff"), (growths, "growth")) if n]
         return f"loss scale {scales}: {skips}" + (f", {', '.join(changes)}" if changes else "")

@@ -313,7 +313,7 @@ def model_facts(calibration: dict, inspect_dir: Optional[Path]) -> str:
                   + ", ".join(f"{n} {name}" for name, n in types.most_common(4)) + (", ..." if len(types) > 4 else "")
                   + ")")
     return (f"{''.join(parameters)} parameters" + (f", {flop[0]} {flop[1]}FLOP a step" if flops else "") + layers
-            + f"; fp32 steps {calibration['median_step_time_ms']:.3g} ms here" + (f" ({mfu:.1%} MFU)" if mfu else ""))
+            + f"; fp32 steps {io.milliseconds(calibration['median_step_time_ms'])} ms here" + (f" ({mfu:.1%} MFU)" if mfu else ""))
 
 
 def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_overrides: list[str], out_dir: Path,

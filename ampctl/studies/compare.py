@@ -285,7 +285,7 @@ def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console
         figures = []
         for run in runs:
             (ms,) = rounds_stats.round_medians(load_rows(run.run_dir), [spans[r - 1]])
-            figures.append(f"{run.label} {'-' if ms is None else f'{ms:.3g}'} ms")
+            figures.append(f"{run.label} {'-' if ms is None else io.milliseconds(ms)} ms")
         say(f"{prefix}round {r}/{len(spans)}: median step {', '.join(figures)}")
         progress.update(overall, description=f"round {min(r + 1, len(spans))}/{len(spans)}")
 

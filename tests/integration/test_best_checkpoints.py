@@ -100,3 +100,16 @@ def test_bad_evaluation_settings_are_one_line(tmp_path, restore_argv, capsys, ar
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing recorded
+
+
+def test_a_garbled_index_is_said_set_aside_and_ranked_again_from_the_evaluations(tmp_path):
+    """best.json garbled on disk: it was rebuilt without a word (its ranking lost); now said, kept beside, and the
+    best checkpoints on disk ranked again from evals.jsonl, as an independent ranking of those rows gives."""
+    common = [*BEST, "train.save_top_k=3", "train.checkpoint_every=10", "recipe.hidden=16"]
+    train(tmp_path, "train.steps=20", *common)
+    (tmp_path / "checkpoints" / "best" / "best.json").write_bytes(b"\x00{garbled")
+    train(tmp_path, "train.steps=30", *common, "resume=auto")
+    out = (tmp_path / "train.log").read_text()
+    assert "best.json could not be read (garbled): set aside as best.json.set-aside-" in out
+    assert list((tmp_path / "checkpoints" / "best").glob("best.json.set-aside-*"))
+    assert [e["step"] for e in index(tmp_path)["checkpoints"]] == expected_best(evals(tmp_path), "eval/loss", 3, False)

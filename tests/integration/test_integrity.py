@@ -460,10 +460,22 @@ def test_report_on_a_damaged_record_is_one_line(tmp_path, capsys, restore_argv, 
     assert exit_info.value.code == 2 and err.count("\n") == 1 and named in err, err
 
 
-def test_a_run_whose_every_step_was_skipped_says_so(tmp_path, capsys, restore_argv):
-    main(["train", *MLP, "precision=fp16", "scaler.init_scale=1e38", "scaler.backoff_factor=0.9999",
-          "guard.max_consecutive_skips=null", "train.steps=3", f"hydra.run.dir={tmp_path / 'run'}"])
-    assert "warning: every step was skipped (3 of 3" in capsys.readouterr().out
+def test_a_run_whose_every_step_was_skipped_says_so_and_why_and_fails(tmp_path, capsys, restore_argv):
+    """Recorded whole (its summary), then said as the failure it is (exit 1): gradients never finite at the scale,
+    or (a NaN loss at every step, which an fp16 run once blamed on the loss scale, exit 0) the loss itself."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *MLP, "precision=fp16", "scaler.init_scale=1e38", "scaler.backoff_factor=0.9999",
+              "guard.max_consecutive_skips=null", "train.steps=3", f"hydra.run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "stopped: every step was skipped (3 of 3)" in err
+    assert "the gradients were never finite at the loss scale" in err
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["skipped_total"] == 3
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "device=cpu", "train.console=quiet", "precision=fp16", "train.steps=3",
+              "recipe._target_=tests.broken_recipes.BrokenRecipe", "+recipe.mistake=nan_loss",
+              f"hydra.run.dir={tmp_path / 'nan'}"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and "the loss itself was not finite at every step, before any loss scaling" in err
 
 
 # --- 8. no tracebacks ----------------------------------------------------------------------------------------
@@ -547,11 +559,16 @@ def test_report_on_a_directory_it_cannot_write_shows_the_report_and_says_so(tmp_
         run.chmod(0o555)
     try:
         shown = cli("report", str(run), cwd=tmp_path)
+        (run / "train.log").unlink() if os.geteuid() != 0 else None
+        resumed = cli("train", *MLP, "train.steps=4", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
     finally:
         subprocess.run(["chattr", "-i", str(run)], capture_output=True) if os.geteuid() == 0 else run.chmod(0o755)
     assert shown.returncode == 74 and "Traceback" not in shown.stderr, shown.stderr
     assert shown.stderr.startswith("ampctl report: error: cannot write ") and shown.stderr.count("\n") == 1
     assert "final_loss" in shown.stdout and not (run / "run.csv").exists()
+    # a resume into it: one line naming what could not be written (it said Hydra's "Unable to configure handler")
+    assert resumed.returncode == 74 and resumed.stderr.startswith("ampctl train: error: cannot write "), resumed.stderr
+    assert resumed.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("command", [

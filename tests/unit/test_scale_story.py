@@ -64,3 +64,14 @@ def test_a_scale_that_moves_every_step_says_the_first_lines_then_where_the_rest_
     lines, summary = told([2.0**k for k in range(1, 200)], set())
     assert len(lines) == MAX_EVENT_LINES + 1 and "metrics.jsonl has every step" in lines[-1]
     assert summary.endswith("no step skipped, 198 growths")
+
+
+def test_a_skip_on_the_last_step_counts_its_backoff_from_the_final_scale():
+    """The issue's case: 4 skips, the last on the last step, whose backoff no record holds (it happens in the
+    update after it): the summary's final scale says it; 4 skipped, 4 backoffs, ending where the run ended."""
+    story = ScaleStory(lambda line: None)
+    story.write(records([2**16, 2**15, 2**14, 2**14, 2**13], {1, 2, 3, 5}))
+    story.close()
+    assert story.summary() == "loss scale 2^16 -> 2^13: 4 skipped (first at step 1), 3 backoffs"  # records alone
+    assert story.summary(final_scale=2**12) == "loss scale 2^16 -> 2^12: 4 skipped (first at step 1), 4 backoffs"
+    assert story.summary(final_scale=2**13) == "loss scale 2^16 -> 2^13: 4 skipped (first at step 1), 3 backoffs"
