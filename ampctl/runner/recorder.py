@@ -134,23 +134,29 @@ class Recorder:
         if story is not None:
             self.echo(story)
         self.echo(final_line(summary, self.run_dir))
+        if self.every_step_skipped(summary) and self.every_loss_nonfinite() is None:
+            steps = summary["steps"]
+            self.echo(f"warning: every step was skipped ({steps} of {steps}: the gradients were never finite at the "
+                      "loss scale): the weights never changed; lower scaler.init_scale, or see `ampctl inspect` for "
+                      "where the values overflow")
         return summary
 
-    def every_step_skipped(self, summary: dict[str, Any]) -> Optional[str]:
-        """Why a run whose every step was skipped learned nothing, or None: its loss itself was not finite (the
-        forward pass, which no loss scale reaches), or its gradients never were at the loss scale."""
+    @staticmethod
+    def every_step_skipped(summary: dict[str, Any]) -> bool:
         steps = summary.get("steps")
-        if not steps or summary.get("skipped_total") != steps:
-            return None
-        told = f"every step was skipped ({steps} of {steps}) and the weights never changed: "
+        return bool(steps) and summary.get("skipped_total") == steps
+
+    def every_loss_nonfinite(self) -> Optional[str]:
+        """Why a run whose every step was skipped for a non-finite loss failed, or None: the loss itself (the forward
+        pass, before any scaling) is what no loss scale reaches, so backing off never helps; its gradients not
+        finite at the scale is the scale's to fix (a warning)."""
         story = self.scale_story
-        if story is not None and story.skipped and story.nonfinite_losses == story.skipped:
-            return told + ("the loss itself was not finite at every step, before any loss scaling, which no loss "
-                           "scale absorbs: the forward pass overflows (see `ampctl inspect` for activations beyond "
-                           "the format's range; precision.rules can keep those layers in fp32) or the data holds "
-                           "NaN or inf")
-        return told + ("the gradients were never finite at the loss scale: lower scaler.init_scale, or see `ampctl "
-                       "inspect` for where the values overflow")
+        if story is None or not story.skipped or story.nonfinite_losses != story.skipped:
+            return None
+        return (f"every step was skipped ({story.skipped} of {story.skipped}) and the weights never changed: the loss "
+                "itself was not finite at every step, before any loss scaling, which no loss scale absorbs: the "
+                "forward pass overflows (see `ampctl inspect` for activations beyond the format's range; "
+                "precision.rules can keep those layers in fp32) or the data holds NaN or inf")
 
 
 class NoRecorder(Recorder):

@@ -137,7 +137,7 @@ class TrainingRun:
                 **self.summary(),
                 **evaluating.summary_of(recorder.run_dir),
                 **({"eval_best": best.best()} if best is not None and best.best() else {})})
-        learned_nothing = recorder.every_step_skipped(summary)
+        learned_nothing = recorder.every_loss_nonfinite() if recorder.every_step_skipped(summary) else None
         if learned_nothing is not None:  # recorded whole, and said as the failure it is (exit 1)
             raise RunStopped(learned_nothing)
         return summary
