@@ -55,7 +55,7 @@ def print_help() -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     from ampctl.processes import die_with_parent
-    from ampctl.runner.interrupt import exit_at_once_on_another_signal, exit_code, raise_on_signals, signal_name
+    from ampctl.interrupt import exit_at_once_on_another_signal, exit_code, raise_on_signals, signal_name
 
     die_with_parent()  # a comparison's mode, when the comparison is gone
     raise_on_signals()  # SIGTERM, SIGHUP, SIGUSR1/2 outside a training loop: one line, as Ctrl-C

@@ -3,6 +3,8 @@ the recipe member and what the protocol needs."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any, Iterator
 
@@ -27,6 +29,12 @@ class BrokenRecipe:
     def build_model(self) -> Any:
         if self.mistake == "slow_build":  # not a mistake: a build long enough to press Ctrl-C during it
             time.sleep(60)
+        if self.mistake == "swallows_a_signal":  # a library that catches the KeyboardInterrupt (an optional import)
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(30)
+            except BaseException:  # noqa: BLE001 - what the library does
+                pass
         if self.mistake == "not_a_module":
             return [nn.Linear(4, 1)]
         return nn.Linear(4, 1)

@@ -14,12 +14,14 @@ the CPU is measured again, and an MFU above 100% is never reported.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
 from ampctl import io
+from ampctl.interrupt import raise_swallowed_signal, signal_raised
 from ampctl.engine import cpu_speed, devices
 from ampctl.engine.parallel import unsharded
 from ampctl.engine.precision import converters
@@ -46,6 +48,11 @@ class Peak:
     source: str  # what the figure is: the datasheet row, or the measured matmul; why there is none
 
 
+# A Ctrl-C inside the counter's optional import of triton comes out as an ImportError, and torch's line about a
+# missing triton would come before the command's own
+logging.getLogger("torch.utils.flop_counter").addFilter(lambda _record: not signal_raised())
+
+
 def model_flops_per_step(recipe: Any, batch: Any, grad_accum_steps: int) -> int:
     """Forward + backward FLOPs of the recipe's model and loss on one optimizer step of this process.
 
@@ -56,8 +63,10 @@ def model_flops_per_step(recipe: Any, batch: Any, grad_accum_steps: int) -> int:
     # recipes are counted by formula
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from torch.utils.flop_counter import FlopCounterMode
 
+    raise_swallowed_signal()  # the counter imports triton where it can: a Ctrl-C inside that import is lost there
     with torch.device("meta"), building_model(recipe):
         model = recipe.build_model()
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, sdpa_kernel(SDPBackend.MATH):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.runner.interrupt import Interrupted, exit_at_once_on_another_signal, exit_code, signal_name
+from ampctl.interrupt import Interrupted, exit_at_once_on_another_signal, exit_code, signal_name
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
 

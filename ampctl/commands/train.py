@@ -28,7 +28,7 @@ from ampctl.errors import (
     write_refused,
 )
 from ampctl.processes import is_main_process, torchrun_world_size
-from ampctl.runner.interrupt import Interrupted, exit_at_once_on_another_signal, exit_code, signal_name
+from ampctl.interrupt import Interrupted, exit_at_once_on_another_signal, exit_code, signal_name
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
 log = logging.getLogger(__name__)

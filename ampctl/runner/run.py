@@ -34,7 +34,7 @@ from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
 from ampctl.runner.evaluating import RunEvaluation
 from ampctl.runner.guards import Guard, GuardStop
-from ampctl.runner.interrupt import Interrupted, StopOnSignal
+from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.runner.pauses import Pauses
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 from ampctl import run_files
 from ampctl.processes import child_environment
-from ampctl.runner.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS, exit_at_once_on_another_signal
+from ampctl.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS, exit_at_once_on_another_signal
 from ampctl.runner.pauses import PAUSE_AFTER_ENV, PAUSE_FD_ENV
 
 

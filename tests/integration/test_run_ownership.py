@@ -157,6 +157,17 @@ def test_a_run_dir_that_cannot_be_created_is_one_line_exit_2(tmp_path):
     assert refused.stderr.endswith("; choose a writable hydra.run.dir (or hydra.sweep.dir)\n")
 
 
+def test_a_ctrl_c_that_a_library_swallows_still_ends_the_run_before_its_first_step(tmp_path):
+    """A Ctrl-C while a C extension is imported comes out as an ImportError, and a library importing it
+    optionally goes on (torch's FLOP counter and triton): the run went on as if never stopped."""
+    run_dir = tmp_path / "run"
+    swallowed = ampctl(f"hydra.run.dir={run_dir}", "recipe._target_=tests.broken_recipes.BrokenRecipe",
+                       "+recipe.mistake=swallows_a_signal", cwd=REPO)
+    assert swallowed.returncode == 130, swallowed.stderr
+    assert swallowed.stderr.strip() == "ampctl train: interrupted (SIGINT) before the first step; nothing recorded"
+    assert not run_dir.exists()
+
+
 @pytest.mark.parametrize("after_hydra_s", [0.0, 1.0])  # as Hydra makes the run dir; while the model builds
 def test_ctrl_c_before_the_first_step_exits_130_and_leaves_no_run_dir(tmp_path, after_hydra_s):
     run_dir = tmp_path / "run"

@@ -141,11 +141,13 @@ def test_run_records_are_strict_json(tmp_path):
     from ampctl import io
     from ampctl.reports.runs import load_run
 
-    summary = {"final_loss": float("nan"), "tail_loss": float("inf"), "steps": 3, "nested": [float("-inf"), 1.5]}
+    whole = {"skipped_total": 0, "final_loss_scale": 65536.0, "median_step_time_ms": 1.5}  # what report requires
+    summary = {"final_loss": float("nan"), "tail_loss": float("inf"), "steps": 3, "nested": [float("-inf"), 1.5],
+               **whole}
     io.write_json(tmp_path / "summary.json", summary)
     text = (tmp_path / "summary.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
-    assert json.loads(text) == {"final_loss": None, "tail_loss": None, "steps": 3, "nested": [None, 1.5]}
+    assert json.loads(text) == {"final_loss": None, "tail_loss": None, "steps": 3, "nested": [None, 1.5], **whole}
     back = load_run(tmp_path).summary
     assert math.isnan(back["final_loss"]) and back["steps"] == 3  # read back as the number it stood for
 

@@ -42,7 +42,7 @@ def test_no_module_shadows_the_standard_library():
 
 # Bottom to top; a package imports only from its own layer and those below (function-level imports included).
 LAYERS = (
-    ("ampctl.errors", "ampctl.io", "ampctl.processes", "ampctl.run_files", "ampctl.conf", "ampctl.__init__",
+    ("ampctl.errors", "ampctl.io", "ampctl.processes", "ampctl.interrupt", "ampctl.run_files", "ampctl.conf", "ampctl.__init__",
      "ampctl.__version__"),
     ("ampctl.recipes",),
     ("ampctl.engine",),

@@ -54,15 +54,33 @@ def exit_code(exc: BaseException) -> int:
     return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
+_RAISED: list[int] = []  # the stop signals raised as Signalled outside the loop (each ends the command)
+
+
 def raise_on_signals() -> None:
-    """Every stop or preemption signal raises Signalled (Ctrl-C's KeyboardInterrupt already does): a command
-    killed before (or after) its loop says so in one line instead of vanishing. Main thread only."""
+    """Every stop or preemption signal raises Signalled (a KeyboardInterrupt, as Ctrl-C's): a command killed
+    before (or after) its loop says so in one line instead of vanishing. Main thread only."""
     def raise_signalled(signum: int, _frame: Optional[FrameType]) -> None:
+        _RAISED.append(signum)
         raise Signalled(signum)
 
     if threading.current_thread() is threading.main_thread():
-        for signum in (*STOP_SIGNALS[1:], *PREEMPT_SIGNALS):
+        for signum in (*STOP_SIGNALS, *PREEMPT_SIGNALS):
             signal.signal(signum, raise_signalled)
+
+
+def raise_swallowed_signal() -> None:
+    """Raise again a stop signal whose exception never reached ampctl: the command would carry on as if it had
+    not been stopped. A signal that lands while a C extension is initialised comes out of the import as an
+    ImportError, which a library importing it optionally takes for a missing package (torch's FLOP counter
+    importing triton). Blocking the signals meanwhile does not help: torch's threads would take them. Every
+    Signalled that reaches ampctl ends the command, so one recorded in a command still running was swallowed."""
+    if _RAISED:
+        raise Signalled(_RAISED[-1])
+
+
+def signal_raised() -> bool:
+    return bool(_RAISED)
 
 
 class StopOnSignal:
@@ -91,6 +109,7 @@ class StopOnSignal:
                   "(again to exit at once)", file=sys.stderr, flush=True)
 
     def __enter__(self) -> "StopOnSignal":
+        raise_swallowed_signal()  # a stop before the loop: it ends the run before its first step
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
