@@ -3,7 +3,9 @@
 From Python: ampctl.train(overrides), ampctl.compare(...), ampctl.inspect(...), ampctl.memory(...), each
 returning an ampctl.Result (run_dir, summary); see ampctl/api.py."""
 
-__version__ = "0.1.0"
+from importlib.metadata import version
+
+__version__ = version("ampctl")  # pyproject.toml's, the one place it is written
 
 API = ("train", "compare", "inspect", "memory", "Result")
 __all__ = [*API, "__version__"]

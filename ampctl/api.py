@@ -118,7 +118,8 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
         put_config_dir_on_path(["-cd", str(config_dir)])
     with contextlib.ExitStack() as hydra:
         try:
-            cfg = hydra.enter_context(composed(config_name, overrides, None if config_dir is None else Path(config_dir)))
+            given_dir = None if config_dir is None else Path(config_dir)
+            cfg = hydra.enter_context(composed(config_name, overrides, given_dir))
         except Exception as exc:  # Hydra's and OmegaConf's multi-line errors, as the command line's one line
             raise UsageError(one_line(exc)) from None
         job = check_single_run(command, cfg)

@@ -28,12 +28,18 @@ from ampctl.errors import (
 # command -> (module, function, one-line description)
 COMMANDS = {
     "train": ("ampctl.commands.train", "train", "train a recipe under a precision mode (a Hydra app: try --help)"),
-    "compare": ("ampctl.commands.compare", "compare", "the same run under several precision modes, one table and report"),
-    "memory": ("ampctl.commands.memory", "memory", "estimated memory per part next to the measured peak, per precision mode"),
-    "inspect": ("ampctl.commands.inspect_ranges", "inspect", "where values fall against fp16, bf16 and FP8 ranges, per layer"),
-    "advise": ("ampctl.commands.advise", "advise", "the precision mode for this model on this machine, with the evidence"),
-    "report": ("ampctl.commands.report", "main", "the table, files and plots of a run, multirun or compare directory, again"),
-    "list": ("ampctl.commands.list", "main", "list precision modes, scalers, recipes and optimizers, and what runs here"),
+    "compare": ("ampctl.commands.compare", "compare",
+                "the same run under several precision modes, one table and report"),
+    "memory": ("ampctl.commands.memory", "memory",
+               "estimated memory per part next to the measured peak, per precision mode"),
+    "inspect": ("ampctl.commands.inspect_ranges", "inspect",
+                "where values fall against fp16, bf16 and FP8 ranges, per layer"),
+    "advise": ("ampctl.commands.advise", "advise",
+               "the precision mode for this model on this machine, with the evidence"),
+    "report": ("ampctl.commands.report", "main",
+               "the table, files and plots of a run, multirun or compare directory, again"),
+    "list": ("ampctl.commands.list", "main",
+             "list precision modes, scalers, recipes and optimizers, and what runs here"),
     "init": ("ampctl.commands.init", "main", "write an editable experiment config and recipe of your own"),
 }
 
@@ -54,8 +60,8 @@ def print_help() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from ampctl.processes import die_with_parent
     from ampctl.interrupt import exit_at_once_on_another_signal, exit_code, raise_on_signals, signal_name
+    from ampctl.processes import die_with_parent
 
     die_with_parent()  # a comparison's mode, when the comparison is gone
     raise_on_signals()  # SIGTERM, SIGHUP, SIGUSR1/2 outside a training loop: one line, as Ctrl-C
@@ -105,9 +111,9 @@ def dispatch(args: list[str]) -> None:
         print_help()
         return
     if args[0] in ("-V", "--version"):
-        from ampctl import __version__
+        from importlib.metadata import version
 
-        print(f"ampctl {__version__}")
+        print(f"ampctl {version('ampctl')}")  # not ampctl.__version__: the package imports the Python API
         return
     command, rest = args[0], args[1:]
     if command in ("-sc", "--shell-completion"):

@@ -262,8 +262,9 @@ def integrity_cases() -> list[Case]:
     cases.append(Case("train -m hydra.sweep.dir=''", ["train", "-m", *TINY, "train.seed=1,2", "hydra.sweep.dir="]))
     cases.append(Case("train -m into a run", ["train", "-m", *TINY, "train.seed=1,2", "hydra.sweep.dir=run"]))
     # the Python API: twice into one directory, the current directory, a missing config dir
-    api = ("import sys, ampctl\ntry:\n    ampctl.{fn}({args!r}, {where}=r'{dir}')\nexcept ampctl.errors.UsageError as e:"
-           "\n    print(f'ampctl api: error: {{e}}', file=sys.stderr); sys.exit(2)")
+    api = ("import sys, ampctl\ntry:\n    ampctl.{fn}({args!r}, {where}=r'{dir}')\n"
+           "except ampctl.errors.UsageError as e:\n"
+           "    print(f'ampctl api: error: {{e}}', file=sys.stderr); sys.exit(2)")
     for fn, where in (("train", "run_dir"), ("inspect", "out_dir")):
         for target in ("run", ""):
             script = api.format(fn=fn, args=COMMAND_TINY[fn], where=where, dir=target)
@@ -300,7 +301,8 @@ def damaging(damage: str) -> Callable[[Path], None]:
         if damage == "copied":
             other = cwd / "other"
             subprocess.run([sys.executable, "-m", "ampctl", "train", *TINY, "train.steps=7", "train.seed=9",
-                            f"hydra.run.dir={other}"], capture_output=True, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)})
+                            f"hydra.run.dir={other}"], capture_output=True, cwd=cwd,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
             for path in (other / "checkpoints").glob("step_00000007.pt*"):
                 shutil.copy(path, run / "checkpoints")
             shutil.rmtree(other)
@@ -390,8 +392,9 @@ def resumes_every_step_once(cwd: Path, result: subprocess.CompletedProcess) -> O
     steps = steps_of(cwd / "new")
     if result.returncode == 0:
         return "the signal came after the run's end: the case measured nothing"
-    return None if steps == list(range(1, SIGNALLED_STEPS + 1)) else f"data: steps after the resume: {len(steps)} rows, " \
-                                                      f"{len(set(steps))} distinct"
+    if steps == list(range(1, SIGNALLED_STEPS + 1)):
+        return None
+    return f"data: steps after the resume: {len(steps)} rows, {len(set(steps))} distinct"
 
 
 def report_names(damage: str) -> Callable[[Path, subprocess.CompletedProcess], Optional[str]]:

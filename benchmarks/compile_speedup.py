@@ -30,7 +30,8 @@ def main() -> None:
     args = parser.parse_args()
     register_configs()
     print(f"{'precision':<10}{'eager ms':>10}{'compiled ms':>13}{'speedup':>9}{'compile s':>11}   ({args.recipe}, "
-          f"{args.rounds} rounds x {args.steps_per_round} steps, alternating; mode {args.mode}; after {args.warmup_steps} warm-up steps)")
+          f"{args.rounds} rounds x {args.steps_per_round} steps, alternating; mode {args.mode}; "
+          f"after {args.warmup_steps} warm-up steps)")
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         for precision in args.precisions.split(","):
             base = [*RECIPES[args.recipe], f"precision={precision}", f"device={args.device}",

@@ -153,8 +153,9 @@ def main() -> None:
     register_configs()
     dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     clip = None if args.clip == "none" else float(args.clip)
-    print(f"{'precision':<10}{'ampctl ms':>12}{'hand ms':>12}{'overhead':>10}{'per step':>11}   ({args.recipe}, {args.rounds} rounds x "
-          f"{args.steps_per_round} steps each, alternating; clip {args.clip}; {'compiled' if args.compile else 'eager'}; "
+    print(f"{'precision':<10}{'ampctl ms':>12}{'hand ms':>12}{'overhead':>10}{'per step':>11}   "
+          f"({args.recipe}, {args.rounds} rounds x {args.steps_per_round} steps each, alternating; clip {args.clip}; "
+          f"{'compiled' if args.compile else 'eager'}; "
           f"after {args.warmup_steps} warm-up steps)")
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         for precision in args.precisions.split(","):

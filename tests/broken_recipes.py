@@ -50,7 +50,8 @@ class BrokenRecipe:
         while count is None or count > 0:
             count = None if count is None else count - 1
             x = torch.randn(self.samples_per_batch, 4, generator=gen, device=device)
-            yield [x.tolist(), x.sum(1, keepdim=True).tolist()] if self.mistake == "list_batches" else (x, x.sum(1, keepdim=True))
+            y = x.sum(1, keepdim=True)
+            yield [x.tolist(), y.tolist()] if self.mistake == "list_batches" else (x, y)
 
     def loss(self, model: nn.Module, batch: Any) -> Any:
         x, y = batch

@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from ampctl import io
-from ampctl.interrupt import raise_swallowed_signal, signal_raised
 from ampctl.engine import cpu_speed, devices
 from ampctl.engine.parallel import unsharded
 from ampctl.engine.precision import converters
+from ampctl.interrupt import raise_swallowed_signal, signal_raised
 from ampctl.recipes.base import building_model
 from ampctl.recipes.gpt import VOCAB_SIZE, GPTRecipe
 from ampctl.recipes.mlp import MLPRecipe
@@ -57,13 +57,12 @@ def model_flops_per_step(recipe: Any, batch: Any, grad_accum_steps: int) -> int:
     """Forward + backward FLOPs of the recipe's model and loss on one optimizer step of this process.
 
     The model is built on the meta device, the batch is fake: libraries that check a tensor's values on the host
-    (transformers' masks) know fake tensors and skip the check, where a meta tensor's .item() raises. Attention in its math form: the
-    counter knows the fused CUDA kernels but not the CPU's, which would count as nothing."""
+    (transformers' masks) know fake tensors and skip the check, where a meta tensor's .item() raises. Attention
+    in its math form: the counter knows the fused CUDA kernels but not the CPU's, which would count as nothing."""
     # here, not with the module: the counter imports Triton where it is installed (0.15 s), and the built-in
     # recipes are counted by formula
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from torch.utils.flop_counter import FlopCounterMode
 
     raise_swallowed_signal()  # the counter imports triton where it can: a Ctrl-C inside that import is lost there

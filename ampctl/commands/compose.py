@@ -64,7 +64,8 @@ def put_config_dir_on_path(args: list[str]) -> None:
 
 # Hydra's flags that take a value, and those that take none: what is left of a command line is its overrides
 _FLAGS_WITH_VALUE = {"-cd": "config_dir", "--config-dir": "config_dir", "-cn": "config_name",
-                     "--config-name": "config_name", "-c": "cfg", "--cfg": "cfg", "-p": "package", "--package": "package",
+                     "--config-name": "config_name", "-c": "cfg", "--cfg": "cfg",
+                     "-p": "package", "--package": "package",
                      "--info": "info", "-sc": "shell_completion", "--shell-completion": "shell_completion",
                      "--experimental-rerun": "rerun", "-cp": "config_path", "--config-path": "config_path"}
 _FLAGS = {"-m": "multirun", "--multirun": "multirun", "--resolve": "resolve", "-h": "help", "--help": "help",

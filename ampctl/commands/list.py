@@ -98,7 +98,8 @@ def main() -> None:
     for column in ("precision", "description", "default scaler", "runs here"):
         table.add_column(column)
     composed = {option: loader.load_configuration(config_name="train", overrides=[f"precision={option}"],
-                                                  run_mode=RunMode.RUN) for option in loader.get_group_options("precision")}
+                                                  run_mode=RunMode.RUN)
+                for option in loader.get_group_options("precision")}
     for option, cfg in sorted(composed.items(), key=lambda item: precision_sort_key(item[0], item[1].precision)):
         precision = cfg.precision
         try:

@@ -27,8 +27,8 @@ from ampctl.errors import (
     print_error,
     write_refused,
 )
-from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.interrupt import Interrupted, exit_at_once_on_another_signal, exit_code, signal_name
+from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ def train(cfg: DictConfig) -> Optional[float]:
         if multirun and cfg.resume == "auto":
             kept = finished_job(run_dir, cfg.train.steps)
             if kept is not None:
-                print(f"ampctl train: job in {run_dir} finished earlier ({io.count_of(cfg.train.steps, 'step')}): kept as it is")
+                steps = io.count_of(cfg.train.steps, "step")
+                print(f"ampctl train: job in {run_dir} finished earlier ({steps}): kept as it is")
                 return kept.get("final_loss")
             set_aside_failure(run_dir)
         from ampctl.runner.run import run_training  # torch: imported by a run, not by --help or completion

@@ -154,7 +154,8 @@ class LayerRule:
     qualified name and/or by type, and what they run in. The first rule that matches a layer decides it; a layer
     no rule matches runs as its parent does; a rule on a container decides everything inside it."""
 
-    run_in: str = MISSING  # fp32 | bf16 | fp16 | unconverted | a converter's format: fp8_emulated, mxfp8, mxfp4, nvfp4, fp8
+    # fp32 | bf16 | fp16 | unconverted | a converter's format: fp8_emulated, mxfp8, mxfp4, nvfp4, fp8
+    run_in: str = MISSING
     match: Optional[str] = None  # a glob over qualified module names: head, blocks.0.*, blocks.*.attn.qkv
     type: Optional[str] = None  # a glob over the class names of the module and its bases (LayerNorm, *Embedding);
     # `norm`: every normalization layer (torch's, and leaf modules named like them: LlamaRMSNorm, T5LayerNorm)
@@ -218,15 +219,20 @@ class StaticScalerConfig:
         require(loss_scale_ok(self.scale), "scaler.scale", self.scale, LOSS_SCALE_ALLOWED)
 
 
+# torch.amp.GradScaler's defaults: the one place ampctl writes them
+GRADSCALER_INIT_SCALE = 2.0**16
+GRADSCALER_GROWTH_INTERVAL = 2000
+
+
 @dataclass
 class DynamicScalerConfig:
     """torch.amp.GradScaler's arguments, same names and defaults, plus optional bounds."""
 
     kind: str = "dynamic"
-    init_scale: float = 65536.0
+    init_scale: float = GRADSCALER_INIT_SCALE
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    growth_interval: int = GRADSCALER_GROWTH_INTERVAL
     enabled: bool = True
     min_scale: Optional[float] = None
     max_scale: Optional[float] = None
@@ -346,7 +352,8 @@ class TrainConfig:
 
 @dataclass
 class TelemetryConfig:
-    ranges_every: Optional[int] = None  # every N steps, record per-layer value ranges into ranges.jsonl (ampctl inspect's)
+    # every N steps, record per-layer value ranges into ranges.jsonl (ampctl inspect's)
+    ranges_every: Optional[int] = None
     # on a CPU, measure peak memory with torch's memory profiler over the build and steps 1-2 (well under 1 s);
     # on CUDA the allocator's peak is always read, for free
     profile_cpu_memory: bool = safe_to_change(True)
@@ -564,8 +571,8 @@ class AdviseConfig:
 
 def budget_seconds(text: str) -> Optional[float]:
     """'1h30m' -> 5400.0; None when it is no duration (a positive one of h, min or m, s)."""
-    match = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)\s*h)?\s*(?:(\d+(?:\.\d+)?)\s*(?:min|m))?\s*(?:(\d+(?:\.\d+)?)\s*s)?\s*",
-                         str(text))
+    number = r"(\d+(?:\.\d+)?)"
+    match = re.fullmatch(rf"\s*(?:{number}\s*h)?\s*(?:{number}\s*(?:min|m))?\s*(?:{number}\s*s)?\s*", str(text))
     if match is None or not any(match.groups()):
         return None
     hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())

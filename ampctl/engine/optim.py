@@ -25,7 +25,8 @@ from ampctl.conf.schema import Schedule
 from ampctl.errors import UnsupportedError, UsageError
 
 
-def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter],
+                    device: torch.device) -> torch.optim.Optimizer:
     """Instantiate the `_partial_` optimizer config over params. Fused optimizers get a device tensor lr."""
     target = cfg.get("_target_")
     if str(target).startswith("bitsandbytes."):
@@ -37,7 +38,8 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter], devic
         hint = ""
         if str(target).startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
             hint = "; bitsandbytes is not installed: pip install 'ampctl[adam8bit]'"
-        raise UsageError(f"optimizer._target_={target!r} could not be instantiated: {instantiation_error(exc)}{hint}") from None
+        raise UsageError(f"optimizer._target_={target!r} could not be instantiated: "
+                         f"{instantiation_error(exc)}{hint}") from None
     if not callable(factory):
         raise UsageError(f"optimizer._target_={target!r} must be a callable taking params (set _partial_: true)")
     params = list(params)
@@ -71,7 +73,8 @@ def prime_fused_sgd_momentum(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         if group.get("fused") and group["momentum"] != 0:
             for p in group["params"]:
-                optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+                buffer = torch.zeros_like(p, memory_format=torch.preserve_format)
+                optimizer.state[p].setdefault("momentum_buffer", buffer)
 
 
 def check_optimizer_with_scaler(optimizer_cfg: DictConfig, scaler_can_skip: bool) -> None:

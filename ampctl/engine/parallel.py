@@ -137,7 +137,8 @@ class DDPParallel(Parallel):
     def wrap(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         from torch.nn.parallel import DistributedDataParallel
 
-        self._ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self._ddp = DistributedDataParallel(model, device_ids=device_ids)
 
     def training_model(self, model: nn.Module) -> nn.Module:
         assert self._ddp is not None, "wrap() the model first"

@@ -116,7 +116,8 @@ def check_field_names(cfg: DictConfig, target: Any) -> None:
         return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken):
         return
-    names = [p.name for p in taken if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = [p.name for p in taken if p.kind in by_name]
     for key in cfg:
         if not str(key).startswith("_") and key not in names:
             raise UsageError(f"recipe.{key}: {str(target).rsplit('.', 1)[-1]} takes no such option"
@@ -193,12 +194,14 @@ def checked_loss(loss: Any, recipe: Recipe) -> torch.Tensor:
                                                            if isinstance(loss, torch.Tensor) and loss.ndim else "")
     else:
         need = "a loss computed from the model's output (this one has no grad: under torch.no_grad, or detached?)"
-    raise UsageError(f"recipe {recipe_name(recipe)}: loss(model, batch) returned {_what(loss)}; the protocol needs {need}")
+    raise UsageError(f"recipe {recipe_name(recipe)}: loss(model, batch) returned {_what(loss)}; the protocol "
+                     f"needs {need}")
 
 
 def _what(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}" + ("" if value.requires_grad else " without grad")
+        grad = "" if value.requires_grad else " without grad"
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}{grad}"
     if value is None:
         return "None"
     name = type(value).__name__

@@ -166,7 +166,8 @@ class HFCausalLMRecipe:
         self._config_class = config_class
         tokens = tokenize(self.tokenizer, self.corpus, self.max_corpus_bytes)
         check_corpus_length(self.corpus, tokens.numel(), self.block_size,
-                            unit="bytes" if self.tokenizer is None else "tokens", max_corpus_bytes=self.max_corpus_bytes)
+                            unit="bytes" if self.tokenizer is None else "tokens",
+                            max_corpus_bytes=self.max_corpus_bytes)
         self.model_config = self._build_config()
         positions = getattr(self.model_config, "max_position_embeddings", None)
         if isinstance(positions, int) and positions < self.block_size:

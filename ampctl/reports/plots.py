@@ -32,8 +32,8 @@ def run_context(runs: Sequence[tuple[str, RunRecord]]) -> str:
     steps = max((r["step"] for _, run in runs for r in run.metrics[-1:]), default=0)
     devices = list(dict.fromkeys(f"{s['device_name']} ({s['device']})" if s.get("device") == "cpu" else
                                  str(s["device_name"]) for s in summaries if s.get("device_name")))
-    parts = [f"recipe={'/'.join(recipes)}" if recipes else "", ", ".join(modes), io.count_of(steps, "step") if steps else "",
-             ", ".join(devices)]
+    parts = [f"recipe={'/'.join(recipes)}" if recipes else "", ", ".join(modes),
+             io.count_of(steps, "step") if steps else "", ", ".join(devices)]
     return " · ".join(p for p in parts if p)
 
 
@@ -101,8 +101,8 @@ def seed_band_curves(runs: Sequence[tuple[str, Sequence[RunRecord]]], path: Path
 
     curves = {mode: by_step(records) for mode, records in runs}
     against = curves.get(baseline) if baseline is not None and len(runs) > 1 else None
-    fig, axes = pyplot().subplots(2 if against else 1, 1, figsize=(9, 7 if against else 4.5), sharex=True, squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 2]} if against else None)
+    fig, axes = pyplot().subplots(2 if against else 1, 1, figsize=(9, 7 if against else 4.5), sharex=True,
+                                  squeeze=False, gridspec_kw={"height_ratios": [3, 2]} if against else None)
     top = axes[0][0]
     for i, (mode, (steps, mean, low, high)) in enumerate(curves.items()):
         seeds = len(dict(runs)[mode])
@@ -163,8 +163,8 @@ def loss_scale_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: 
                           linestyle=LINESTYLES[i % len(LINESTYLES)])
         skipped = [r for r in run.metrics if r["skipped"]]
         if skipped:
-            ax.scatter([r["step"] for r in skipped], [r["loss_scale"] for r in skipped], marker="x", color=line.get_color(),
-                       label=f"{label}: {len(skipped)} skipped", zorder=3)
+            ax.scatter([r["step"] for r in skipped], [r["loss_scale"] for r in skipped], marker="x",
+                       color=line.get_color(), label=f"{label}: {len(skipped)} skipped", zorder=3)
     ax.set_yscale("log", base=2)
     ax.set(xlabel="step", ylabel="loss scale (log2)", title=f"{title}\n{run_context(scaled)}")
     ax.grid(alpha=0.3)

@@ -121,6 +121,7 @@ def busy_rounds(by_mode: dict[str, Sequence[Optional[float]]]) -> Optional[str]:
     if worst is None:
         return None
     mode, disagreement, low, high = worst
-    return (f"the rounds disagree beyond the usual spread ({mode}'s round medians {milliseconds(low)}-{milliseconds(high)} ms, "
+    return (f"the rounds disagree beyond the usual spread ({mode}'s round medians "
+            f"{milliseconds(low)}-{milliseconds(high)} ms, "
             f"{disagreement:.2f}x apart): the machine was busy while it measured; the intervals are wide for it; "
             "run again when it is quiet, or raise compare.rounds")

@@ -162,8 +162,8 @@ def read_summary(path: Path) -> Optional[dict]:
 
 
 # the figures of a row (engine/telemetry.py's StepRecord): numbers, or null where a step has none
-NUMERIC_FIELDS = ("loss", "loss_scale", "skipped_total", "grad_norm", "lr", "step_time_ms", "samples_per_s", "tokens_per_s",
-                  "tflops", "mfu", "data_ms")
+NUMERIC_FIELDS = ("loss", "loss_scale", "skipped_total", "grad_norm", "lr", "step_time_ms", "samples_per_s",
+                  "tokens_per_s", "tflops", "mfu", "data_ms")
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -55,8 +55,9 @@ class Guard:
             else:
                 self.streak = 0
             if self.stop_at_min_scale and r.skipped and r.loss_scale <= self.min_scale * (1 + 1e-6):  # type: ignore[operator]
-                return GuardTrip(r.step, f"step {r.step} overflowed at the minimum loss scale "
-                                         f"(scaler.min_scale={self.min_scale:g}): the scale cannot back off further"), warnings
+                trip = GuardTrip(r.step, f"step {r.step} overflowed at the minimum loss scale "
+                                         f"(scaler.min_scale={self.min_scale:g}): the scale cannot back off further")
+                return trip, warnings
             if self.max_skips is not None and self.streak >= self.max_skips:
                 return GuardTrip(self.streak_start or r.step, f"{self.streak} consecutive skipped steps "
                                  f"({self.streak_start}..{r.step}), loss scale now {r.loss_scale:g}: the run is "

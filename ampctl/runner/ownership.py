@@ -27,7 +27,8 @@ LEFTOVERS = frozenset({run_files.HYDRA, *run_files.COMMAND_LOGS, run_files.LOCK}
 
 
 # Every name a run writes at the top of its directory: a tracker's files may be none of these
-RUN_OWN_NAMES = frozenset({*run_files.RECORDS, *LEFTOVERS, run_files.IDENTITY, run_files.CHECKPOINTS, "profile", "wandb"})
+RUN_OWN_NAMES = frozenset({*run_files.RECORDS, *LEFTOVERS, run_files.IDENTITY, run_files.CHECKPOINTS, "profile",
+                           "wandb"})
 
 
 def run_records(run_dir: Path) -> list[str]:

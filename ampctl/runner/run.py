@@ -27,6 +27,7 @@ from ampctl.engine.precision import layers
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped, UsageError
+from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.recipes.base import Recipe, build_recipe, recipe_errors, recipe_title
 from ampctl.runner import checkpoint, evaluating
 from ampctl.runner.best_checkpoints import BestCheckpoints
@@ -34,7 +35,6 @@ from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
 from ampctl.runner.evaluating import RunEvaluation
 from ampctl.runner.guards import Guard, GuardStop
-from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.runner.pauses import Pauses
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder
@@ -237,7 +237,8 @@ class TrainingRun:
 
     def summary(self) -> dict:
         """summary.json: what ran, where, and the figures of its metrics.jsonl."""
-        cfg, policy, state, compiling, run_dir = self.cfg, self.policy, self.state, self.compiling, self.recorder.run_dir
+        cfg, policy, state, compiling = self.cfg, self.policy, self.state, self.compiling
+        run_dir = self.recorder.run_dir
         device = policy.device
         recipe_name = self.choices.get("recipe", type(self.recipe).__name__)
         # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says; nor are the
@@ -311,7 +312,8 @@ class Checkpointer:
         self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, run.compiling, peak.device.type)
         self.saved_at = time.monotonic()
         scaler = state.scaler
-        self.guard = Guard(cfg.guard, scaler.can_skip, cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None)
+        min_scale = cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None
+        self.guard = Guard(cfg.guard, scaler.can_skip, min_scale)
         self.writer = checkpoint.writer(cfg, recorder.run_dir, state)
         self.sharded = cfg.distributed.checkpoint_format is CheckpointFormat.sharded
         self.last: Optional[Path] = None

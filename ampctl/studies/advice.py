@@ -22,12 +22,12 @@ from typing import Any, Optional, Sequence
 
 from ampctl import io
 from ampctl.analysis.numerics import FP16, largest_safe_scale
+from ampctl.conf.schema import GRADSCALER_GROWTH_INTERVAL, GRADSCALER_INIT_SCALE
 from ampctl.io import scale_label
 from ampctl.studies import variants
 
 BASELINE = "fp32"
 SCALED_MODES = ("fp16", "O1", "O2", "O3")  # fp16 compute: a loss scaler, and fp16's range, matter
-GRADSCALER_INIT = 2.0**16
 SAME_PEAK = 0.02  # goal=memory: peaks within 2% of each other are the same to a user (the faster wins)
 MAX_INIT_SCALE = 2.0**24  # a start above this buys nothing the scaler's growth would not
 
@@ -260,19 +260,21 @@ def _scaler(prepared: Preparation, gradients: GradientEvidence) -> None:
     if math.isfinite(safe):
         init = min(safe, MAX_INIT_SCALE)
         prepared.scaler["init_scale"] = init
-        if init < GRADSCALER_INIT:
-            at_default = gradients.max_gradient * GRADSCALER_INIT
+        if init < GRADSCALER_INIT_SCALE:
+            at_default = gradients.max_gradient * GRADSCALER_INIT_SCALE
             what = ("overflows fp16" if at_default > FP16.max else
                     f"leaves less than a factor 2 below fp16's max ({at_default:.4g} of {FP16.max:g})")
             prepared.reasons.append(
                 f"scaler.init_scale={scale_label(init)}: the largest gradient measured ({gradients.max_gradient:.3g}) "
-                f"{what} at GradScaler's 2^16; {scale_label(init)} keeps it finite with a factor 2 to spare")
-        elif init > GRADSCALER_INIT:
+                f"{what} at GradScaler's {scale_label(GRADSCALER_INIT_SCALE)}; {scale_label(init)} keeps it finite "
+                "with a factor 2 to spare")
+        elif init > GRADSCALER_INIT_SCALE:
             prepared.reasons.append(
-                f"scaler.init_scale={scale_label(init)}: at GradScaler's 2^16, fp16 flushes "
+                f"scaler.init_scale={scale_label(init)}: at GradScaler's {scale_label(GRADSCALER_INIT_SCALE)}, fp16 "
+                f"flushes "
                 f"{gradients.flushed_in_fp16:.2%} of the activation gradients to zero; {scale_label(init)} still "
                 f"keeps the largest ({gradients.max_gradient:.3g}) finite with a factor 2 to spare")
-    prepared.scaler["growth_interval"] = 2000
+    prepared.scaler["growth_interval"] = GRADSCALER_GROWTH_INTERVAL
     prepared.reasons.append("scaler.growth_interval=2000 (GradScaler's): from a start the gradients measured allow, "
                             "growth only probes upward, and each probe that overflows costs a skipped step")
 

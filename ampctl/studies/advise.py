@@ -34,6 +34,7 @@ from ampctl.reports import tables
 from ampctl.reports.comparison import baseline_of
 from ampctl.studies import variants
 from ampctl.studies.advice import GradientEvidence, LayerLoss, ModeEvidence, Preparation, decide, prepare
+from ampctl.studies.advice_report import write_advice
 from ampctl.studies.budget import (
     CALIBRATION_STEPS,
     COMPILED_MIN_STEPS,
@@ -49,7 +50,6 @@ from ampctl.studies.budget import (
     size_comparison,
 )
 from ampctl.studies.compare import CompareInterrupted, ModePlan, plan_modes, run_compare, split_overrides
-from ampctl.studies.advice_report import write_advice
 from ampctl.studies.inspect_ranges import run_inspect
 
 OWN_KEYS = ("advise.", "compare.", "inspect.")  # advise's settings: not the runs'
@@ -313,7 +313,8 @@ def model_facts(calibration: dict, inspect_dir: Optional[Path]) -> str:
                   + ", ".join(f"{n} {name}" for name, n in types.most_common(4)) + (", ..." if len(types) > 4 else "")
                   + ")")
     return (f"{''.join(parameters)} parameters" + (f", {flop[0]} {flop[1]}FLOP a step" if flops else "") + layers
-            + f"; fp32 steps {io.milliseconds(calibration['median_step_time_ms'])} ms here" + (f" ({mfu:.1%} MFU)" if mfu else ""))
+            + f"; fp32 steps {io.milliseconds(calibration['median_step_time_ms'])} ms here"
+            + (f" ({mfu:.1%} MFU)" if mfu else ""))
 
 
 def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_overrides: list[str], out_dir: Path,

@@ -41,9 +41,10 @@ from ampctl.analysis.numerics import (
     largest_safe_scale,
 )
 from ampctl.analysis.ranges import GRADIENT_KINDS, KINDS, RangeRecorder
+from ampctl.conf.schema import GRADSCALER_INIT_SCALE
 from ampctl.engine.build import build_state, check_config
-from ampctl.engine.precision.layers import legend
 from ampctl.engine.loop import StepSettings, batch_stream, run_steps
+from ampctl.engine.precision.layers import legend
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
@@ -53,7 +54,6 @@ from ampctl.reports.tables import fraction_cell
 SUMMARY_TITLE, LAYERS_TITLE = "value ranges by tensor kind, all layers", "value ranges per layer"
 ALSO_KEYS = {PRECISION_TITLE: "precision_layers", BLOCKS_TITLE: "block_scales",
              fp8_tensorwise.TITLE: "fp8_tensorwise"}  # their rows' keys in ranges.json
-GRADSCALER_DEFAULT_SCALE = 2.0**16  # torch.amp.GradScaler's init_scale: the scale studied for unscaled modes
 
 
 @dataclass
@@ -79,7 +79,8 @@ def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: Non
         scaled_mode = state.scaler.can_skip
         study = cfg.inspect.loss_scale
         if study is None:
-            study = float(state.scaler.current_scale()) if scaled_mode else GRADSCALER_DEFAULT_SCALE
+            # unscaled modes: GradScaler's
+            study = float(state.scaler.current_scale()) if scaled_mode else GRADSCALER_INIT_SCALE
         recorder = RangeRecorder(state.model, policy.device, study)
         run_scales: list[float] = []
 
@@ -212,8 +213,8 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str], deadline: 
     """The inspection, its tables, files and plots; returns the steps it recorded (fewer than inspect.steps where
     the deadline, time.monotonic(), came first)."""
     console = tables.make_console()
-    console.print(f"ampctl inspect: {io.count_of(cfg.inspect.steps, 'step')} of precision={cfg.precision.name} with range hooks "
-                  f"on every leaf module -> {out_dir}")
+    console.print(f"ampctl inspect: {io.count_of(cfg.inspect.steps, 'step')} of precision={cfg.precision.name} with "
+                  f"range hooks on every leaf module -> {out_dir}")
     inspection = inspect_run(cfg, Phases(console), deadline)
     steps = len(inspection.run_scales)
     if inspection.stopped_early:
@@ -227,7 +228,8 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str], deadline: 
     context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {io.count_of(steps, 'step')}"
     InspectReport(layer_table(inspection), summary_table(inspection), histogram, inspection.study_scale,
                   inspection.run_scales, overrides, tables.machine_info([{"device": device.type}]), context,
-                  [t for t in (inspection.precision, inspection.blocks, inspection.fp8) if t is not None]).write(out_dir, console)
+                  [t for t in (inspection.precision, inspection.blocks, inspection.fp8) if t is not None]
+                  ).write(out_dir, console)
     return steps
 
 

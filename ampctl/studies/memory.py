@@ -81,7 +81,8 @@ def plan(cfg: DictConfig, task_overrides: list[str]) -> list[tuple[str, list[str
         options = GlobalHydra.instance().config_loader().get_group_options("precision")
         for name in names:
             if name not in options:
-                raise UsageError(f"memory.precisions: {name!r} is not a precision mode; choose from {', '.join(options)}")
+                raise UsageError(f"memory.precisions: {name!r} is not a precision mode; choose from "
+                                 f"{', '.join(options)}")
         if not names or len(set(names)) != len(names):
             raise UsageError(f"memory.precisions={names}: give one or more distinct precision modes")
     checkpointing = ([cfg.train.activation_checkpointing] if cfg.memory.activation_checkpointing is None
@@ -92,7 +93,8 @@ def plan(cfg: DictConfig, task_overrides: list[str]) -> list[tuple[str, list[str
     for name in names:
         for ac in checkpointing:
             label = variants.label(name, False, ac, both_compiled=False, both_checkpointed=len(checkpointing) > 1)
-            rows.append((label, [*run_overrides, f"precision={name}", f"train.activation_checkpointing={str(ac).lower()}"]))
+            checkpointing = f"train.activation_checkpointing={str(ac).lower()}"
+            rows.append((label, [*run_overrides, f"precision={name}", checkpointing]))
     return rows
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ampctl import run_files
-from ampctl.processes import child_environment
 from ampctl.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS, exit_at_once_on_another_signal
+from ampctl.processes import child_environment
 from ampctl.runner.pauses import PAUSE_AFTER_ENV, PAUSE_FD_ENV
 
 

@@ -59,7 +59,8 @@ def test_advise_writes_the_evidence_and_a_config_that_runs_and_agrees_with_an_in
         check = ampctl("compare", *SMALL, "train.steps=60", "compare.seeds=3",
                        f"compare.precisions=[{','.join(compared)}]", "hydra.run.dir=independent", cwd=tmp_path)
         assert check.returncode == 0, check.stderr[-3000:]
-        rows = {r["precision"]: r for r in json.loads((tmp_path / "independent" / "comparison.json").read_text())["rows"]}
+        comparison = json.loads((tmp_path / "independent" / "comparison.json").read_text())
+        rows = {r["precision"]: r for r in comparison["rows"]}
         if advice["mode"] != "fp32":  # not slower than fp32 there, and not differing from it
             row = rows[advice["mode"]]
             assert row["speedup_high"] >= 1.0 and row["parity"] != "differs", row

@@ -89,7 +89,8 @@ def test_a_monitor_the_recipe_does_not_give_is_one_line_and_nothing_is_recorded(
     (["train.eval_every=0"], "train.eval_every=0 is not allowed: expected an integer >= 1, or null"),
     (["train.eval_every=5", "train.eval_batches=0"], "train.eval_batches=0 is not allowed: expected an integer >= 1"),
     (["precision=fp8_emulated", "train.eval_every=5", "train.eval_fp32=true"],
-     "train.eval_fp32=true with precision=fp8_emulated: its converted layers compute in their format whatever autocast says"),
+     "train.eval_fp32=true with precision=fp8_emulated: its converted layers compute in their format whatever autocast "
+     "says"),
     (["precision=bf16", "precision.rules=[{match:'0',run_in:mxfp8}]", "train.eval_every=5", "train.eval_fp32=true"],
      "train.eval_fp32=true with precision=bf16: its converted layers compute in their format whatever autocast says"),
 ])

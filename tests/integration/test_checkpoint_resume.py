@@ -22,8 +22,9 @@ from ampctl.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 # fp16 with overflows and regrowth, so the scaler state (scale and growth tracker) matters for exactness.
-RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=256", "recipe.batch_size=64", "precision=fp16", "scaler.init_scale=1e9",
-       "scaler.growth_interval=7", "train.steps=60", "train.checkpoint_every=10", "train.log_every=5",
+RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=256", "recipe.batch_size=64", "precision=fp16",
+       "scaler.init_scale=1e9", "scaler.growth_interval=7", "train.steps=60", "train.checkpoint_every=10",
+       "train.log_every=5",
        "train.console=plain", "telemetry.profile_cpu_memory=false"]  # the memory timeline is not under test here
 COMPARED = ("step", "loss", "loss_scale", "skipped", "skipped_total", "grad_norm", "lr")
 
@@ -272,7 +273,8 @@ def expected_lr(applied: int, total: int, cfg: dict) -> float:
     train, base = cfg["train"], cfg["optimizer"]["lr"]
     warm = min(1.0, (applied + 1) / train["lr_warmup_steps"])
     progress = min(1.0, max(0.0, (applied - train["lr_warmup_steps"]) / max(1, total - train["lr_warmup_steps"])))
-    return base * warm * (train["min_lr_ratio"] + (1 - train["min_lr_ratio"]) * 0.5 * (1 + math.cos(math.pi * progress)))
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return base * warm * (train["min_lr_ratio"] + (1 - train["min_lr_ratio"]) * cosine)
 
 
 def test_resume_allows_more_steps_and_says_what_happens_to_the_lr_schedule(tmp_path, capsys, restore_argv):

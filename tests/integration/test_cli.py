@@ -101,7 +101,8 @@ def test_cfg_job_prints_the_config_without_training(tmp_path, restore_argv, caps
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["precision=fp61"], f"precision=fp61: no such precision (did you mean fp16?); choose one of {', '.join(PRECISION_MODES)}"),
+        (["precision=fp61"], f"precision=fp61: no such precision (did you mean fp16?); choose one of "
+                             f"{', '.join(PRECISION_MODES)}"),
         (["precision=fp16", "scaler.growth_factor=1"], "scaler.growth_factor=1.0 is not allowed"),
         (["precision=fp16", "scaler.backoff_factor=1.5"], "scaler.backoff_factor=1.5 is not allowed"),
         (["precision=fp16", "scaler.growth_interval=0"], "scaler.growth_interval=0 is not allowed"),
@@ -164,7 +165,8 @@ def test_malformed_yaml_under_cd_is_one_line_with_file_line_and_column(tmp_path,
         main(["train", "-cd", str(conf), *args, f"hydra.run.dir={tmp_path / 'run'}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"ampctl train: error: malformed YAML in {conf}/") and message in err, err
+    assert err.count("\n") == 1 and message in err, err
+    assert err.startswith(f"ampctl train: error: malformed YAML in {conf}/"), err
     assert not (tmp_path / "run").exists()
 
 
@@ -181,7 +183,8 @@ def test_unknown_command_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["trian"])
     assert exit_info.value.code == 2
-    assert f"unknown command 'trian'; did you mean 'train'? choose one of: {', '.join(COMMANDS)}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"unknown command 'trian'; did you mean 'train'? choose one of: {', '.join(COMMANDS)}" in err
     assert "train, compare, memory, inspect, advise, report, list" in ", ".join(COMMANDS)
 
 

@@ -63,7 +63,8 @@ def test_compare_writes_table_csv_json_report_and_plots(comparison):
 
 def test_compare_runs_every_mode_on_the_same_batches(comparison):
     """With the same seed and batches the first step's loss is the same in every mode (before any update)."""
-    first = [json.loads((comparison / m / "metrics.jsonl").read_text().splitlines()[0])["loss"] for m in ("fp32", "bf16")]
+    first = [json.loads((comparison / m / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+             for m in ("fp32", "bf16")]
     assert first[0] == pytest.approx(first[1], abs=2e-2)
 
 
@@ -196,8 +197,9 @@ def test_compare_runs_by_default_only_the_modes_that_are_fast_here(monkeypatch, 
         assert [p.mode for p in plans] == expected
         assert skipped["fp16"].startswith("float16 matmuls run more than 20x slower than fp32 on this CPU")
         if bf16 > 1:
-            assert skipped["bf16"].startswith("bfloat16 matmuls run more than 10x slower than fp32 on this CPU (measured; no "
-                                              "AVX512-BF16 or AMX-BF16); name it in compare.precisions to run it")
+            assert skipped["bf16"].startswith("bfloat16 matmuls run more than 10x slower than fp32 on this CPU "
+                                              "(measured; no AVX512-BF16 or AMX-BF16); name it in compare.precisions "
+                                              "to run it")
         named = compose(config_name="compare", overrides=["device=cpu", "compare.precisions=[fp32,bf16]"])
         assert [p.mode for p in plan_modes(named, ["device=cpu"])[0]] == ["fp32", "bf16"]
 
@@ -231,7 +233,8 @@ def test_ctrl_c_during_compare_stops_the_running_mode_with_a_checkpoint_and_writ
     assert (out / "fp32" / "checkpoints" / f"step_{step:08d}.pt").is_file()  # stopped gracefully at its step
     rows = {row["precision"]: row for row in read_csv(out / "comparison.csv")}
     assert rows["fp32"]["status"] == "interrupted" and rows["bf16"]["status"] == "skipped"
-    assert f"fp32 interrupted: interrupted at step {step}; continue it with: ampctl train resume={out / 'fp32'}" in stdout
+    continue_line = f"continue it with: ampctl train resume={out / 'fp32'}"
+    assert f"fp32 interrupted: interrupted at step {step}; {continue_line}" in stdout
     assert "bf16 skipped: not run: the comparison was interrupted (SIGINT) before it started" in stdout
 
 

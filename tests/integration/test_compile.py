@@ -57,7 +57,8 @@ def test_a_compiled_runs_checkpoint_resumes_eagerly(tmp_path, restore_argv, caps
 
 
 def test_steps_that_recompile_are_named_and_left_out_of_the_timings(tmp_path, restore_argv, capsys):
-    summary = run(tmp_path / "run", "device=cpu", "recipe=mlp", "recipe._target_=tests.shape_changing_recipe.ShapeChangingRecipe",
+    summary = run(tmp_path / "run", "device=cpu", "recipe=mlp",
+                  "recipe._target_=tests.shape_changing_recipe.ShapeChangingRecipe",
                   "recipe.hidden=32", "recipe.batch_size=16", "train.steps=6", "train.log_every=3",
                   "train.console=plain", "telemetry.profile_cpu_memory=false", "train.compile=true",
                   "train.timing_warmup_steps=0")

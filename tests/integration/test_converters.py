@@ -82,7 +82,8 @@ def test_its_refusal_is_one_line_naming_the_mode(halving, tmp_path, restore_argv
         main(["train", "-cd", str(halving), *QUIET, *MLP, "precision=halved", f"hydra.run.dir={tmp_path / 'run'}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.splitlines() == ["ampctl train: error: precision=halved needs a halving unit: `ampctl list` says which modes run here"], err
+    assert err.splitlines() == ["ampctl train: error: precision=halved needs a halving unit: `ampctl list` says which "
+                                "modes run here"], err
     assert not (tmp_path / "run").exists()
 
 

@@ -22,7 +22,8 @@ def bf16_losses(tmp_path_factory):
 
 @pytest.mark.parametrize("scaling", ["current", "delayed", "blockwise precision.fp8_emulated.format=e4m3"])
 def test_an_emulated_fp8_gpt_trains_within_a_tolerance_of_bf16(tmp_path, bf16_losses, scaling):
-    _, rows = train(tmp_path, *GPT, "precision=fp8_emulated", *f"precision.fp8_emulated.scaling={scaling}".split(), base=QUIET)
+    scaling_args = f"precision.fp8_emulated.scaling={scaling}".split()
+    _, rows = train(tmp_path, *GPT, "precision=fp8_emulated", *scaling_args, base=QUIET)
     losses = [r["loss"] for r in rows]
     assert losses[-1] < losses[0] - 1.0  # it learns
     assert abs(losses[-1] - bf16_losses[-1]) < 0.05, (losses[-1], bf16_losses[-1])
@@ -55,7 +56,8 @@ def test_blockwise_scaling_in_the_hybrid_format_is_refused(tmp_path, restore_arg
 
 
 def test_delayed_scaling_resumes_exactly_because_its_amax_history_is_checkpointed(tmp_path):
-    args = [*GPT, "precision=fp8_emulated", "precision.fp8_emulated.scaling=delayed", "precision.fp8_emulated.amax_history_len=4",
+    args = [*GPT, "precision=fp8_emulated", "precision.fp8_emulated.scaling=delayed",
+            "precision.fp8_emulated.amax_history_len=4",
             "train.steps=8", "train.lr_schedule=constant"]
     _, whole = train(tmp_path / "whole", *args, base=QUIET)
     train(tmp_path / "resumed", *args, "train.steps=4", base=QUIET)

@@ -42,7 +42,8 @@ def test_fp8_is_refused_without_fp8_tensor_cores_in_one_line(tmp_path, restore_a
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise"])
 def test_a_torchao_fp8_gpt_trains_within_a_tolerance_of_bf16(tmp_path, fp8_tensor_cores, recipe_name):
     _, bf16 = train(tmp_path / "bf16", *GPT, "precision=bf16", base=QUIET)
-    _, fp8 = train(tmp_path / "fp8", *GPT, *EVERY_LINEAR, f"precision.fp8_torchao.recipe_name={recipe_name}", base=QUIET)
+    recipe_arg = f"precision.fp8_torchao.recipe_name={recipe_name}"
+    _, fp8 = train(tmp_path / "fp8", *GPT, *EVERY_LINEAR, recipe_arg, base=QUIET)
     losses = [r["loss"] for r in fp8]
     assert losses[-1] < losses[0] - 1.0  # it learns
     assert abs(losses[-1] - bf16[-1]["loss"]) < 0.05, (losses[-1], bf16[-1]["loss"])

@@ -1,4 +1,5 @@
-"""Golden behaviour: ampctl's recorded losses and loss scales equal the canonical torch.amp loop's, run for run (whole training runs: integration tier)."""
+"""Golden behaviour: ampctl's recorded losses and loss scales equal the canonical torch.amp loop's, run for run
+(whole training runs: integration tier)."""
 
 from __future__ import annotations
 

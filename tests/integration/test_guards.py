@@ -78,8 +78,9 @@ def test_on_nonfinite_warn_trains_on(tmp_path, conf_dir, capsys, restore_argv):
 
 def test_an_overflow_at_min_scale_stops_the_run(tmp_path, capsys, restore_argv):
     run = tmp_path / "run"
-    err = stopped(capsys, ["train", "recipe=mlp", "precision=fp16", "scaler.init_scale=1e30", "scaler.backoff_factor=0.01",
-                           "scaler.min_scale=1e26", "train.steps=40", "train.log_every=2", *QUIET,
+    err = stopped(capsys, ["train", "recipe=mlp", "precision=fp16", "scaler.init_scale=1e30",
+                           "scaler.backoff_factor=0.01", "scaler.min_scale=1e26", "train.steps=40",
+                           "train.log_every=2", *QUIET,
                            f"hydra.run.dir={run}"])
     assert "step 3 overflowed at the minimum loss scale (scaler.min_scale=1e+26)" in err
     assert json.loads((run / "diagnosis.json").read_text())["loss_scale"] == pytest.approx(1e26, rel=1e-6)

@@ -84,7 +84,8 @@ def test_cfg_job_output_loads_back_as_a_primary_config(tmp_path):
     again = ampctl("train", "-cd", ".", "-cn", "x", "--cfg", "job", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert yaml.safe_load(again.stdout) == yaml.safe_load(dumped.stdout)
-    assert dumped.stdout.startswith("# ampctl's composed train config") and "  - override precision: bf16\n" in dumped.stdout
+    assert dumped.stdout.startswith("# ampctl's composed train config")
+    assert "  - override precision: bf16\n" in dumped.stdout
     trained = ampctl("train", "-cd", ".", "-cn", "x", "train.steps=1", "train.console=plain", cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr
     [run] = (tmp_path / "outputs").glob("*/*")
@@ -104,7 +105,8 @@ def test_a_key_added_with_plus_is_refused_like_any_unknown_key(tmp_path, multiru
     result = ampctl("train", *sweep, *QUICK, "+train.stepz=5", "hydra.run.dir=run", "hydra.sweep.dir=sweep",
                     cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.startswith("ampctl train: error: train.stepz: no such key (did you mean train.steps?); allowed: steps, ")
+    assert result.stderr.startswith("ampctl train: error: train.stepz: no such key (did you mean train.steps?); "
+                                    "allowed: steps, ")
     assert len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "run").exists() and not (tmp_path / "sweep").exists()
 
@@ -134,7 +136,8 @@ def test_a_sweeper_plugin_chooses_the_jobs(tmp_path):
                     cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "Best parameters: {'optimizer.lr':" in result.stderr + result.stdout
-    lrs = [yaml.safe_load(p.read_text())["optimizer"]["lr"] for p in sorted((tmp_path / "sweep").glob("*/.hydra/config.yaml"))]
+    configs = sorted((tmp_path / "sweep").glob("*/.hydra/config.yaml"))
+    lrs = [yaml.safe_load(p.read_text())["optimizer"]["lr"] for p in configs]
     assert len(lrs) == 3 and len(set(lrs)) == 3 and all(1e-4 <= lr <= 1e-2 for lr in lrs)
     assert (tmp_path / "sweep" / "sweep.csv").is_file()  # ampctl's sweep table, as after the basic sweeper
 

@@ -16,7 +16,8 @@ GPT = ["device=cpu", "recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2", "re
 MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "inspect.steps=2"]
 
 
-@pytest.mark.parametrize("args", [GPT, [*MLP, "precision=fp16", "scaler.init_scale=1024"]], ids=["gpt-fp32", "mlp-fp16"])
+@pytest.mark.parametrize("args", [GPT, [*MLP, "precision=fp16", "scaler.init_scale=1024"]],
+                         ids=["gpt-fp32", "mlp-fp16"])
 def test_inspect_writes_its_table_and_plots(tmp_path, restore_argv, capsys, args):
     out = tmp_path / "inspect"
     main(["inspect", *args, f"hydra.run.dir={out}"])

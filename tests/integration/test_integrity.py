@@ -500,7 +500,8 @@ def test_a_run_whose_every_step_was_skipped_says_so_and_why_and_fails(tmp_path, 
      "precision.mx.* are the options of precision=mxfp4, mxfp8 or nvfp4 only"),
     (["precision.converter=nope"], "precision.converter=nope: no such converter"),
     (["precision.rules=[{match:'9',run_in:fp32}"], "no viable alternative at input"),
-    (["precision.rules=[{match:'9',run_in:fp32,extra:1}]"], "precision.rules[].extra: no such key; allowed: run_in, match, type"),
+    (["precision.rules=[{match:'9',run_in:fp32,extra:1}]"], "precision.rules[].extra: no such key; allowed: run_in, "
+                                                            "match, type"),
     (["precision.rules=[{match:'9'}]"], "precision.rules[0].run_in: required, and not given"),
     (["precision.rules={match:'9'}"], "precision.rules: expected a list"),
     (["precision=O2", "precision.keep_norm_fp32=false"], "precision.keep_norm_fp32: replaced by the per-layer rule"),
@@ -703,7 +704,8 @@ def test_a_vocabulary_smaller_than_the_corpus_is_refused(tmp_path):
     pytest.importorskip("transformers")
     refused = cli("train", "device=cpu", "recipe=hf_causal_lm", "+recipe.config.vocab_size=10", "train.steps=1",
                   f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert "recipe.config.vocab_size=10 is not allowed: expected an integer >= 256" in one_line_refusal(refused, "train")
+    line = one_line_refusal(refused, "train")
+    assert "recipe.config.vocab_size=10 is not allowed: expected an integer >= 256" in line
     assert not (tmp_path / "run").exists()
 
 

@@ -113,7 +113,8 @@ def test_a_format_rule_converts_one_layer_under_another_mode():
     ("bf16", "[{match:haed,run_in:fp32}]",
      "precision.rules[0] (match=haed run_in=fp32) matches no layer of this model; the closest layer names:"),
     ("bf16", "[{type:LayerNom,run_in:fp32}]",
-     "precision.rules[0] (type=LayerNom run_in=fp32) matches no layer of this model; the closest layer types: LayerNorm"),
+     "precision.rules[0] (type=LayerNom run_in=fp32) matches no layer of this model; the closest layer types: "
+     "LayerNorm"),
     ("bf16", f"[{{type:Linear,run_in:fp32}},{{match:'{HEAD}',run_in:bf16}}]",
      f"precision.rules[1] (match={HEAD} run_in=bf16) contradicts precision.rules[0] (type=Linear run_in=fp32), which "
      f"matches every layer it matches first ({HEAD})"),
@@ -166,7 +167,8 @@ def test_the_start_lines_show_the_resolved_table(tmp_path, restore_argv, capsys)
 
 
 def test_a_format_rule_under_a_plain_mode_labels_the_runs_speed_as_an_emulations(tmp_path):
-    summary, _ = train(tmp_path, "precision=fp32", "train.steps=2", f"precision.rules=[{{match:'{HEAD}',run_in:mxfp4}}]")
+    rule = f"precision.rules=[{{match:'{HEAD}',run_in:mxfp4}}]"
+    summary, _ = train(tmp_path, "precision=fp32", "train.steps=2", rule)
     assert summary["emulated"] is True and summary["converter"] is None
 
 

@@ -65,7 +65,8 @@ def test_a_half_mode_slower_than_fp32_on_this_cpu_warns_at_start(monkeypatch, tm
 
     use_simulated(monkeypatch, bf16, fp16, AVX512_BF16 if bf16 < 1 else frozenset())
     lines: list[str] = []
-    run_training(compose_cfg(*FAST, f"precision={precision}", "device=cpu", "train.steps=1"), tmp_path, echo=lines.append)
+    cfg = compose_cfg(*FAST, f"precision={precision}", "device=cpu", "train.steps=1")
+    run_training(cfg, tmp_path, echo=lines.append)
     slow = [line for line in lines if "slower than fp32" in line]
     assert (slow and warning in slow[0]) if warning else not slow
 

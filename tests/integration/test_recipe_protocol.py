@@ -17,13 +17,15 @@ MODEL_CALL = SOURCE.read_text().splitlines().index("        out = model(x)") + 1
 @pytest.mark.parametrize("mistake,message", [
     ("vector_loss", "loss(model, batch) returned a torch.float32 tensor of shape (8, 1); the protocol needs a "
                     "scalar (0-dim) floating-point tensor: reduce it, e.g. .mean()"),
-    ("integer_loss", "loss(model, batch) returned an int (3); the protocol needs a scalar (0-dim) floating-point tensor"),
+    ("integer_loss", "loss(model, batch) returned an int (3); the protocol needs a scalar (0-dim) floating-point "
+                     "tensor"),
     ("none_loss", "loss(model, batch) returned None; the protocol needs a scalar (0-dim) floating-point tensor"),
     ("detached_loss", "loss(model, batch) returned a torch.float32 tensor of shape () without grad; the protocol "
                       "needs a loss computed from the model's output (this one has no grad"),
     ("not_a_module", "build_model() returned a list; the protocol needs a torch.nn.Module"),
     ("list_batches", "loss() raised TypeError: linear(): argument 'input' (position 1) must be Tensor, not list "
-                     f"(broken_recipes.py:{MODEL_CALL}); loss(model, batch) gets one batch exactly as batches() yielded it"),
+                     f"(broken_recipes.py:{MODEL_CALL}); loss(model, batch) gets one batch exactly as batches() "
+                     f"yielded it"),
     ("finite_batches", "batches(device, seed) ended after step 3; the protocol needs an endless iterator"),
     ("raises_in_init", f"recipe._target_='{RECIPE}' could not be instantiated: ValueError: vocab file "
                        "'data/vocab.txt' not found"),

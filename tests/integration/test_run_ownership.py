@@ -56,8 +56,8 @@ def test_a_new_run_into_a_directory_that_holds_a_run_is_refused_and_touches_noth
     assert first.returncode == 0, first.stderr
     before = snapshot(tmp_path / "run")
     assert {"metrics.jsonl", "summary.json", ".hydra/config.yaml"} <= set(before)
-    refused = "ampctl train: error: hydra.run.dir=run already holds a run (checkpoints/, identity.json, metrics.jsonl, " \
-              "summary.json): continue it with resume=auto, or choose another hydra.run.dir\n"
+    refused = "ampctl train: error: hydra.run.dir=run already holds a run (checkpoints/, identity.json, " \
+              "metrics.jsonl, summary.json): continue it with resume=auto, or choose another hydra.run.dir\n"
     # `resume=` (empty) means "no resume": a new run, refused the same
     for new_run in (["train.steps=4", "train.seed=5"], ["train.steps=3", "resume="], ["train.steps=3", "resume=null"]):
         second = ampctl(*new_run, "hydra.run.dir=run", cwd=tmp_path)

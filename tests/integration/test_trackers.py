@@ -169,8 +169,8 @@ def test_every_tracker_holds_every_evaluation_across_a_resume(tmp_path, restore_
 
 def test_each_sink_spells_a_non_finite_value_by_its_documented_rule(tmp_path):
     """A skipped step's grad norm, inf or NaN: metrics.jsonl null (strict JSON); the CSV Python's `inf`/`nan`;
-    TensorBoard the float itself (as W&B, which logs what it is given); MLflow keeps NaN and leaves an infinity out of its step, since its
-    SQL store would turn it into 1.8e308 (docs/runs.md)."""
+    TensorBoard the float itself (as W&B, which logs what it is given); MLflow keeps NaN and leaves an infinity out
+    of its step, since its SQL store would turn it into 1.8e308 (docs/runs.md)."""
     from omegaconf import OmegaConf
 
     from ampctl.conf.schema import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig

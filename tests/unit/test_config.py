@@ -236,7 +236,8 @@ def test_a_key_the_schema_lacks_is_refused_even_when_added_with_plus():
 
     cfg = compose_cfg("+train.stepz=5")  # Hydra's `+` adds the key past the struct flag
     assert cfg.train.stepz == 5
-    with pytest.raises(UsageError, match=r"^train.stepz: no such key \(did you mean train.steps\?\); allowed: steps, grad_accum_steps, "):
+    with pytest.raises(UsageError, match=r"^train.stepz: no such key \(did you mean train.steps\?\); allowed: steps, "
+                                         r"grad_accum_steps, "):
         typed_config(cfg)
 
 

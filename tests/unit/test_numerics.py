@@ -50,7 +50,8 @@ def boundary_values() -> torch.Tensor:
     for f in FORMATS:
         for v in (f.zero_up_to, f.subnormal_below, f.overflow_from, f.min_normal, f.min_subnormal, f.max):
             center = torch.tensor(v, dtype=torch.float32)
-            edges += [center, torch.nextafter(center, torch.tensor(0.0)), torch.nextafter(center, torch.tensor(math.inf))]
+            edges += [center, torch.nextafter(center, torch.tensor(0.0)),
+                      torch.nextafter(center, torch.tensor(math.inf))]
     x = torch.stack(edges)
     return torch.cat([x, -x, torch.tensor([0.0, math.inf, -math.inf, math.nan])])
 
@@ -64,7 +65,8 @@ def test_format_ranges_are_the_formats_torch_computes_with():
     assert (FMT["fp16"].max, FMT["fp16"].min_normal, FMT["fp16"].min_subnormal) == (65504.0, 2.0**-14, 2.0**-24)
     assert FMT["bf16"].min_normal == 2.0**-126 and FMT["bf16"].min_subnormal == 2.0**-133
     assert (FMT["fp8_e4m3"].max, FMT["fp8_e4m3"].min_normal, FMT["fp8_e4m3"].min_subnormal) == (448.0, 2.0**-6, 2.0**-9)
-    assert (FMT["fp8_e5m2"].max, FMT["fp8_e5m2"].min_normal, FMT["fp8_e5m2"].min_subnormal) == (57344.0, 2.0**-14, 2.0**-16)
+    e5m2 = FMT["fp8_e5m2"]
+    assert (e5m2.max, e5m2.min_normal, e5m2.min_subnormal) == (57344.0, 2.0**-14, 2.0**-16)
     assert (FMT["fp16"].overflow_from, FMT["fp16"].overflow_at_tie) == (65520.0, True)
     assert (FMT["fp8_e4m3"].overflow_from, FMT["fp8_e4m3"].overflow_at_tie) == (464.0, False)
 

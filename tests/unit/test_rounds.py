@@ -122,7 +122,8 @@ def test_the_terminal_shows_the_columns_that_decide_whole_at_80_columns(tmp_path
     head = next(i for i, line in enumerate(lines) if "mode" in line)
     assert all(len(line) <= 80 for line in lines) and "…" not in "".join(lines[:head + 8])
     shown = "".join(lines[head:head + 8])
-    for cell in ("speed against fp32", "fp16+compile+ac", "interrupted", "skipped", "baseline", "faster", "1.32× (1.27-1.43×)"):
+    for cell in ("speed against fp32", "fp16+compile+ac", "interrupted", "skipped", "baseline", "faster",
+                 "1.32× (1.27-1.43×)"):
         assert cell in shown, (cell, out.getvalue())
     assert "every column (step ms, samples/s, MFU, peak memory, losses) in report.md and comparison.csv" in \
         " ".join(out.getvalue().split())

@@ -64,7 +64,8 @@ def test_report_on_a_record_that_is_not_whole_is_one_line_exit_2(tmp_path, capsy
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"ampctl report: error: {run_dir}"), err
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["metrics.jsonl"] + (["summary.json"] if summary else []))
+    expected = ["metrics.jsonl"] + (["summary.json"] if summary else [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
 
 
 def test_the_run_reads_past_a_garbled_row_and_sets_it_aside_keeping_every_valid_row(tmp_path):
@@ -86,4 +87,5 @@ def test_split_rows_sets_aside_the_rows_after_a_step_in_a_free_name(tmp_path):
     assert said == "metrics.jsonl: 2 rows after step 4 set aside in metrics.jsonl.set-aside-x-2"
     assert [r["step"] for r in read_rows(path)] == [1, 2, 3, 4]
     assert (tmp_path / "metrics.jsonl.set-aside-x").read_text() == "an earlier one\n"  # never overwritten
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl.set-aside-x-2").read_text().splitlines()] == [5, 6]
+    set_aside = (tmp_path / "metrics.jsonl.set-aside-x-2").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in set_aside] == [5, 6]

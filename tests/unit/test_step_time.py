@@ -55,7 +55,8 @@ def test_a_cpu_window_is_accounted_for_to_the_microsecond_and_data_is_the_time_t
     assert result.ms_per_step[p.DATA] >= 20.0
     assert result.ms_per_step[p.DATA] == pytest.approx(result.data_host_ms, rel=0.01)
     assert result.ms_per_step[p.MATMUL] > 0 and result.ms_per_step[p.OPTIMIZER] > 0
-    assert next(t for t in result.top if t.name == "aten::mm").calls_per_step == 5  # 2 forward, 3 backward (x needs no grad)
+    # 2 forward, 3 backward (x needs no grad)
+    assert next(t for t in result.top if t.name == "aten::mm").calls_per_step == 5
 
 
 class _Device(Enum):

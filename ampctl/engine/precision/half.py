@@ -13,8 +13,8 @@ from torch import nn
 
 from ampctl import io
 
-# Normalization layers (a rule's type=norm; kept and run in fp32 under O2 by its default rule): their statistics are where half precision loses
-# the most (Apex kept BatchNorm; transformers need LayerNorm too).
+# Normalization layers (a rule's type=norm; kept and run in fp32 under O2 by its default rule): their statistics
+# are where half precision loses the most (Apex kept BatchNorm; transformers need LayerNorm too).
 NORM_LAYERS: tuple[type[nn.Module], ...] = tuple(
     t
     for t in (

@@ -55,7 +55,8 @@ class PrecisionPolicy:
             where = devices.device_name(dev) if dev.type == "cuda" else "a CPU"
             raise UnsupportedError(
                 f"precision={s.name} needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or "
-                f"newer); this run is on {where}: use precision=fp32{_bf16_if_fast(dev, ', or precision=bf16 for a faster mode')}"
+                f"newer); this run is on {where}: use precision=fp32"
+                f"{_bf16_if_fast(dev, ', or precision=bf16 for a faster mode')}"
             )
         if self.converter is not None and (reason := self.converter.unsupported_reason()):
             emulation = self.converter.emulation
