@@ -49,7 +49,7 @@ def train(overrides: Sequence[str] = (), *, run_dir: Optional[PathLike] = None,
     from ampctl.runner.run import run_training
 
     with _command("train", config_name, overrides, run_dir, config_dir) as (job, _hydra_cfg, out):
-        summary = run_training(job.cfg, out, choices=job.choices, resume=job.resume)
+        summary = run_training(job)
     return Result(Path(summary["run_dir"]), summary)
 
 

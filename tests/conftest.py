@@ -21,6 +21,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from ampctl.conf.schema import register_configs
+from ampctl.runner.plan import plan_run
 from ampctl.runner.run import run_training
 
 register_configs()
@@ -49,7 +50,7 @@ def _composed(overrides: tuple[str, ...]):
 def train(tmp_path: Path, *overrides: str, base: list[str] = FAST) -> tuple[dict, list[dict]]:
     """Run ampctl's training in-process; return (summary, metrics rows)."""
     cfg = compose_cfg(*base, *overrides)
-    summary = run_training(cfg, tmp_path, echo=lambda _msg: None)
+    summary = run_training(plan_run(cfg, tmp_path), echo=lambda _msg: None)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return summary, rows
 

@@ -28,7 +28,7 @@ from ampctl.errors import CommandLineRefused, UsageError
 from ampctl.processes import is_main_process, torchrun_world_size
 
 if TYPE_CHECKING:
-    from ampctl.runner.resume import Resume
+    from ampctl.runner.plan import RunPlan
 
 
 def refuse_distributed(cfg: DictConfig, command: str) -> None:
@@ -38,6 +38,7 @@ def refuse_distributed(cfg: DictConfig, command: str) -> None:
 
 
 def check_train(cfg: DictConfig) -> None:
+    """A sweep's job, checked before the first starts (each is planned again as it starts: runner/plan.py)."""
     from ampctl.engine.build import check_config
     from ampctl.runner.trackers import check_loggers
 
@@ -136,27 +137,26 @@ def main_run_dir(hydra_cfg: DictConfig) -> Path:
 
 @dataclass
 class Job:
-    """A single run as it will run, once checked: its config (a resumed run's own), its group choices and, for
-    train, where it starts (the checkpoint resolved, checked and loaded once, then handed to the run)."""
+    """A study command's job as it will run, once checked: its config and its group choices. (A training run's
+    is a RunPlan, runner/plan.py, which holds both too.)"""
 
     cfg: DictConfig
     choices: dict[str, str]
-    resume: Optional["Resume"] = None
 
 
-def train_run(cfg: DictConfig, hydra_cfg: DictConfig) -> Job:
-    """`ampctl train`'s job: a resumed run's own config and choices, with the changes the command line names,
-    and its checkpoint (runner/resume.py); UsageError for a change that is not safe."""
-    from ampctl.runner.resume import plan
+def train_run(cfg: DictConfig, hydra_cfg: DictConfig) -> "RunPlan":
+    """`ampctl train`'s run, planned: a resumed run's own config and choices, with the changes the command line
+    names, its checkpoint, its policy and trackers checked (runner/plan.py); UsageError for what it refuses."""
+    from ampctl.runner.plan import plan_run
 
-    return Job(*plan(cfg, dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg), main_run_dir(hydra_cfg),
-                     torchrun_world_size()))
+    return plan_run(cfg, main_run_dir(hydra_cfg), dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg),
+                    torchrun_world_size())
 
 
-def check_single_run(command: str, config: DictConfig) -> Job:
+def check_single_run(command: str, config: DictConfig) -> "Job | RunPlan":
     """A single run's check (its config with the hydra node, as Hydra or the Python API composed it), before
     anything is written: its values, and that its output directory is its own. Returns the job as it will run
-    (a resumed run's own config, and its checkpoint). UsageError when refused."""
+    (for train, its plan: a resumed run's own config, its checkpoint, its policy). UsageError when refused."""
     from ampctl.runner.ownership import refuse_another_commands_directory, refuse_another_runs_directory
 
     cfg = typed(command, without_hydra_node(config))
@@ -164,10 +164,9 @@ def check_single_run(command: str, config: DictConfig) -> Job:
     if command == "train":
         if is_main_process():  # the other ranks record nothing (run.dir=.)
             refuse_another_runs_directory(config.hydra.run.dir, cfg.resume)
-        job = train_run(cfg, config.hydra)  # a refused resume, refused before Hydra writes
-    else:
-        refuse_another_commands_directory(command, config.hydra.run.dir)
-        job = Job(cfg, dict(config.hydra.runtime.choices))
+        return train_run(cfg, config.hydra)  # a refused resume, refused before Hydra writes
+    refuse_another_commands_directory(command, config.hydra.run.dir)
+    job = Job(cfg, dict(config.hydra.runtime.choices))
     CHECKS[command](job.cfg)
     return job
 
@@ -177,7 +176,7 @@ class PlannedRun:
     """The single run Hydra is about to start, as its check left it."""
 
     run_dir: Path
-    job: Job
+    job: "Job | RunPlan"
 
 
 # Set once a single run passed its check: the task function takes its job from here instead of resolving a
@@ -186,7 +185,7 @@ class PlannedRun:
 planned: Optional[PlannedRun] = None
 
 
-def job_of(command: str, cfg: DictConfig, hydra_cfg: DictConfig) -> Job:
+def job_of(command: str, cfg: DictConfig, hydra_cfg: DictConfig) -> "Job | RunPlan":
     """In a command's task function: the job its check planned for this run, or, for a sweep's job (checked
     with the others before the first started), the job as this one runs it."""
     global planned

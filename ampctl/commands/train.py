@@ -51,7 +51,7 @@ def train(cfg: DictConfig) -> Optional[float]:
             set_aside_failure(run_dir)
         from ampctl.runner.run import run_training  # torch: imported by a run, not by --help or completion
 
-        summary = run_training(cfg, run_dir, choices=job.choices, resume=job.resume)
+        summary = run_training(job)
     except Interrupted as exc:
         exit_at_once_on_another_signal(exc.signum)
         if not is_main_process():

@@ -20,7 +20,7 @@ from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.schema import MONITOR_MODES, CheckpointFormat, scaler_is_active
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
-from ampctl.engine.build import build_state, check_config
+from ampctl.engine.build import build_state
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.loop import FitHooks, StepSettings, TrainState, fit
 from ampctl.engine.precision import layers
@@ -36,6 +36,7 @@ from ampctl.runner.diagnose import replay
 from ampctl.runner.evaluating import RunEvaluation
 from ampctl.runner.guards import Guard, GuardStop
 from ampctl.runner.pauses import Pauses
+from ampctl.runner.plan import RunPlan
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder
 from ampctl.runner.resume import Resume
@@ -43,14 +44,10 @@ from ampctl.runner.speed_warnings import SpeedWarnings
 from ampctl.runner.watchdog import Watchdog
 
 
-def run_training(
-    cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None, echo: Callable[[str], None] = say,
-    resume: Optional[Resume] = None,
-) -> dict:
-    """Train as cfg says, recording into run_dir (the checkpoint's run dir when resuming from another), from
-    `resume` (where the command's check resolved cfg.resume: runner/resume.py's plan), or from where cfg.resume
-    says. Returns the summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
-    policy = check_config(cfg)
+def run_training(plan: RunPlan, echo: Callable[[str], None] = say) -> dict:
+    """Train as planned (runner/plan.py: checked there, not again), recording into plan.run_dir. Returns the
+    summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
+    cfg, policy = plan.cfg, plan.policy
     parallel = parallelism.start(cfg, policy.device, policy.dtype if policy.precision.autocast else None)
     try:
         mine = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -58,9 +55,7 @@ def run_training(
             raise UsageError(f"rank {parallel.rank} resolved a different config than rank 0 (resume={cfg.resume}): "
                              "every rank must see the same run directory and checkpoints")
         try:
-            run_dir = parallel.main_value(run_dir)
-            resume = resume or Resume.find(cfg, run_dir, parallel.world_size)
-            summary = TrainingRun(cfg, choices or {}, echo, policy, parallel, resume).train()
+            summary = TrainingRun(cfg, plan.choices, echo, policy, parallel, plan.resume).train()
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             what = devices.out_of_memory(exc)
             if what is None:

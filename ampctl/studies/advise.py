@@ -286,6 +286,7 @@ def _machine(cfg: DictConfig) -> str:
 def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> dict:
     """The summary of a short fp32 run of the recipe (its own record, under the advice's): the step's time here,
     the model's parameters and FLOPs; with train.compile=true, the compile time."""
+    from ampctl.runner.plan import plan_run
     from ampctl.runner.run import run_training
 
     cfg = compose_job("train", [*run_overrides, "precision=fp32", f"train.steps={CALIBRATION_STEPS}",
@@ -293,7 +294,7 @@ def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> dict:
     train_log = logging.getLogger("ampctl.train")
     propagates, train_log.propagate = train_log.propagate, False  # its lines go to its own train.log only
     try:
-        summary = run_training(cfg, run_dir, echo=lambda _line: None)
+        summary = run_training(plan_run(cfg, run_dir), echo=lambda _line: None)
     finally:
         train_log.propagate = propagates
     return summary

@@ -42,11 +42,12 @@ def test_fp32_is_true_fp32_and_global_flags_are_restored(tmp_path):
      (["precision=bf16", "scaler=static", "scaler.scale=1024"], "a loss scaler is rarely needed")],
 )
 def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
+    from ampctl.runner.plan import plan_run
     from ampctl.runner.run import run_training
     from tests.conftest import FAST, compose_cfg
 
     lines: list[str] = []
-    run_training(compose_cfg(*FAST, *overrides, "train.steps=2"), tmp_path, echo=lines.append)
+    run_training(plan_run(compose_cfg(*FAST, *overrides, "train.steps=2"), tmp_path), echo=lines.append)
     warnings = [line for line in lines if line.startswith("warning:") and "slower than fp32" not in line]
     assert len(warnings) == 1 and warning in warnings[0]
 
@@ -60,23 +61,25 @@ def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
     ("bf16", 0.5, 30.0, None),
 ])
 def test_a_half_mode_slower_than_fp32_on_this_cpu_warns_at_start(monkeypatch, tmp_path, precision, bf16, fp16, warning):
+    from ampctl.runner.plan import plan_run
     from ampctl.runner.run import run_training
     from tests.conftest import FAST, compose_cfg
 
     use_simulated(monkeypatch, bf16, fp16, AVX512_BF16 if bf16 < 1 else frozenset())
     lines: list[str] = []
     cfg = compose_cfg(*FAST, f"precision={precision}", "device=cpu", "train.steps=1")
-    run_training(cfg, tmp_path, echo=lines.append)
+    run_training(plan_run(cfg, tmp_path), echo=lines.append)
     slow = [line for line in lines if "slower than fp32" in line]
     assert (slow and warning in slow[0]) if warning else not slow
 
 
 def test_the_resolved_options_are_printed_at_start(tmp_path):
+    from ampctl.runner.plan import plan_run
     from ampctl.runner.run import run_training
     from tests.conftest import FAST, compose_cfg
 
     lines: list[str] = []
-    run_training(compose_cfg(*FAST, "precision=O2", "train.steps=1"), tmp_path, echo=lines.append)
+    run_training(plan_run(compose_cfg(*FAST, "precision=O2", "train.steps=1"), tmp_path), echo=lines.append)
     assert lines[0].startswith("Selected precision=O2: autocast=off, model_weights=float16, "
                                "master_weights=float32, rules=[type=norm run_in=fp32], tf32=off, loss_scale=dynamic")
 

@@ -81,7 +81,7 @@ class Trackers:
 
     def __init__(self, logger: DictConfig, cfg: DictConfig, run_dir: Path, resumed_at: Optional[int],
                  start_after_steps: int = 0) -> None:
-        check_loggers(logger)
+        # logger was checked with the run's plan (runner/plan.py)
         self.run_dir, self.cfg = run_dir, cfg
         # nothing is imported or created here: each tracker does both in start()
         ids = self._ids() if resumed_at is not None else {}

@@ -1,0 +1,47 @@
+"""A training run planned once, before anything is written: what `run_training` is handed and checks no more.
+
+The plan is made where the run's config is known as it will run: by the command's check before Hydra creates the
+run directory (commands/checks.py), by a sweep's job as it starts, by the Python API, and by the studies that
+train (advise's calibration)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from omegaconf import DictConfig
+
+from ampctl.engine.build import check_config
+from ampctl.engine.precision.policy import PrecisionPolicy
+from ampctl.runner import resume as resuming
+from ampctl.runner.resume import Resume
+from ampctl.runner.trackers import check_loggers
+
+
+@dataclass
+class RunPlan:
+    """One training run as it will run: its config (a resumed run's own, with the safe changes the command line
+    names), its config group choices, its precision policy (checked against the device), and where it starts
+    (resume: the checkpoint, checked and loaded, and the run directory it records into). Its trackers are
+    checked (installed, their own refusals)."""
+
+    cfg: DictConfig
+    choices: dict[str, str]
+    policy: PrecisionPolicy
+    resume: Resume
+
+    @property
+    def run_dir(self) -> Path:
+        """The directory the run records into: the checkpoint's own when it resumes another run's."""
+        return self.resume.run_dir
+
+
+def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None,
+             overrides: Sequence[str] = (), world_size: int = 1) -> RunPlan:
+    """The run cfg describes, into run_dir, planned: where cfg.resume continues (its config, with the keys
+    `overrides` name taken from cfg), its policy, its trackers. UsageError for what the run would refuse."""
+    cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
+    policy = check_config(cfg)
+    check_loggers(cfg.logger)
+    return RunPlan(cfg, choices, policy, resume)
