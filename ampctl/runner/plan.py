@@ -38,10 +38,15 @@ class RunPlan:
 
 
 def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] = None,
-             overrides: Sequence[str] = (), world_size: int = 1) -> RunPlan:
-    """The run cfg describes, into run_dir, planned: where cfg.resume continues (its config, with the keys
-    `overrides` name taken from cfg), its policy, its trackers. UsageError for what the run would refuse."""
-    cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
+             overrides: Optional[Sequence[str]] = None, world_size: int = 1) -> RunPlan:
+    """The run cfg describes, into run_dir, planned: where cfg.resume continues, its policy, its trackers.
+    UsageError for what the run would refuse. With the command line's overrides, a resumed run takes its own
+    config, with the keys they name taken from cfg (runner/resume.py's plan); without (a config made in Python),
+    cfg is the run's config as it is."""
+    if overrides is None:
+        resume = Resume.find(cfg, run_dir, world_size)
+    else:
+        cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
     policy = check_config(cfg)
     check_loggers(cfg.logger)
-    return RunPlan(cfg, choices, policy, resume)
+    return RunPlan(cfg, dict(choices or {}), policy, resume)

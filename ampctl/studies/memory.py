@@ -93,8 +93,8 @@ def plan(cfg: DictConfig, task_overrides: list[str]) -> list[tuple[str, list[str
     for name in names:
         for ac in checkpointing:
             label = variants.label(name, False, ac, both_compiled=False, both_checkpointed=len(checkpointing) > 1)
-            checkpointing = f"train.activation_checkpointing={str(ac).lower()}"
-            rows.append((label, [*run_overrides, f"precision={name}", checkpointing]))
+            ac_override = f"train.activation_checkpointing={str(ac).lower()}"
+            rows.append((label, [*run_overrides, f"precision={name}", ac_override]))
     return rows
 
 
