@@ -11,19 +11,12 @@ import importlib
 import io
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ampctl.errors import (
-    USAGE_EXIT_CODE,
-    WRITE_FAILED_EXIT_CODE,
-    CommandLineRefused,
-    UsageError,
-    print_error,
-    write_refused,
-)
+from ampctl.commands.outcomes import leave, refuse
+from ampctl.errors import CommandLineRefused, UsageError, write_refused
 
 # command -> (module, function, one-line description)
 COMMANDS = {
@@ -60,7 +53,7 @@ def print_help() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from ampctl.interrupt import exit_at_once_on_another_signal, exit_code, raise_on_signals, signal_name
+    from ampctl.interrupt import raise_on_signals, signal_name
     from ampctl.processes import die_with_parent
 
     die_with_parent()  # a comparison's mode, when the comparison is gone
@@ -78,9 +71,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     except KeyboardInterrupt as exc:
         # Ctrl-C (or another stop signal) before a command could stop gracefully (importing torch, composing,
         # Hydra making the run directory: run_hydra_app removes that): nothing was recorded
-        exit_at_once_on_another_signal(getattr(exc, "signum", signal.SIGINT))
-        print(f"\nampctl: interrupted ({signal_name(exc)}) before anything was recorded", file=sys.stderr)
-        sys.exit(exit_code(exc))
+        leave(exc, [f"\nampctl: interrupted ({signal_name(exc)}) before anything was recorded"])
     except SystemExit as exc:
         # rich handles a closed pipe itself: stdout to /dev/null, then SystemExit(1). The same case as above
         # (told apart from a failed run whose output the user sent to /dev/null).
@@ -123,8 +114,8 @@ def dispatch(args: list[str]) -> None:
     if command not in COMMANDS:
         close = difflib.get_close_matches(command, COMMANDS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        print(f"ampctl: unknown command {command!r}; {hint}choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
+        line = f"ampctl: unknown command {command!r}; {hint}choose one of: {', '.join(COMMANDS)}"
+        leave(UsageError(line), [line])
 
     from ampctl.conf.schema import register_configs
 
@@ -152,8 +143,7 @@ def dispatch(args: list[str]) -> None:
 
                 sys.argv = ["ampctl", *with_the_sweep_to_continue(rest)]
         except UsageError as exc:
-            print_error(f"ampctl {command}: error: {exc}")
-            sys.exit(USAGE_EXIT_CODE)
+            refuse(command, str(exc))
         run_hydra_app(command, entry)
     else:
         entry()
@@ -207,37 +197,30 @@ def run_hydra_app(command: str, entry) -> None:
                 remove_if_only_hydra_files(checks.planned.run_dir)
         raise
     except CommandLineRefused as exc:
-        print_error(f"ampctl {command}: error: {exc}")
-        sys.exit(USAGE_EXIT_CODE)
+        refuse(command, str(exc))
     except (UsageError, HydraException, OmegaConfBaseException, AssertionError, ValueError) as exc:
         if raised_in(exc, entry.__wrapped__):
             raise  # an error inside a job is not the command line's: the job reported it, or it is a bug
         refused = write_refused_in(exc)
         if refused is not None:  # Hydra could not open the run's log in it (logging's "Unable to configure handler")
-            print_error(f"ampctl {command}: error: cannot write {refused.filename}: {refused.strerror}; the run "
-                        "directory refuses writes (read-only, full): nothing was changed in it")
-            sys.exit(WRITE_FAILED_EXIT_CODE)
-        message = str(exc) if isinstance(exc, UsageError) else (
-            key_under_null_node(sys.argv[1:]) or unparsable_override(sys.argv[1:], exc) or one_line(exc))
-        print_error(f"ampctl {command}: error: {message}")
-        sys.exit(USAGE_EXIT_CODE)
+            leave(refused, [f"ampctl {command}: error: cannot write {refused.filename}: {refused.strerror}; the run "
+                            "directory refuses writes (read-only, full): nothing was changed in it"])
+        refuse(command, str(exc) if isinstance(exc, UsageError) else (
+            key_under_null_node(sys.argv[1:]) or unparsable_override(sys.argv[1:], exc) or one_line(exc)))
     except yaml.YAMLError as exc:  # a config file under -cd that is not YAML
         if raised_in(exc, entry.__wrapped__):
             raise
-        print_error(f"ampctl {command}: error: {yaml_error(exc)}")
-        sys.exit(USAGE_EXIT_CODE)
+        refuse(command, yaml_error(exc))
     except RecursionError:  # Hydra composing a config that includes itself
-        print_error(f"ampctl {command}: error: the config's defaults include themselves (a config that names "
-                    "itself, directly or through others, in its defaults list): remove the cycle")
-        sys.exit(USAGE_EXIT_CODE)
+        refuse(command, "the config's defaults include themselves (a config that names itself, directly or through "
+                        "others, in its defaults list): remove the cycle")
     except OSError as exc:  # after Hydra's: its MissingConfigException is an OSError
         cannot_create = exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST) and exc.filename is not None
         if not (write_refused(exc) or cannot_create) or raised_in(exc, entry.__wrapped__):
             raise
         # Hydra could not create the run directory or write its .hydra/ files: the directory the user chose
-        print_error(f"ampctl {command}: error: cannot write {exc.filename}: {exc.strerror}; choose a writable "
-                    "hydra.run.dir (or hydra.sweep.dir)")
-        sys.exit(USAGE_EXIT_CODE)
+        refuse(command, f"cannot write {exc.filename}: {exc.strerror}; choose a writable hydra.run.dir (or "
+                        "hydra.sweep.dir)")
 
 
 @contextlib.contextmanager

@@ -3,33 +3,31 @@
 from __future__ import annotations
 
 import contextlib
-import signal
-import sys
 from pathlib import Path
 from typing import Iterator
 
-from ampctl.errors import USAGE_EXIT_CODE, UsageError
-from ampctl.interrupt import Interrupted, exit_at_once_on_another_signal, exit_code, signal_name
-from ampctl.runner.ownership import remove_if_only_hydra_files
+from ampctl.commands.outcomes import leave
+from ampctl.errors import UsageError
+from ampctl.interrupt import Interrupted, signal_name
 
 
 @contextlib.contextmanager
 def refused_in_one_line(command: str, out_dir: Path, interrupted_means: str = "") -> Iterator[None]:
     """A study's refusal: one line, exit code 2, and its directory gone if it holds only Hydra's files. A stop
     signal the study did not handle itself: one line that says whether anything was measured (and where), the
-    directory gone if nothing was; interrupted_means: what the command adds when something was."""
+    directory gone if nothing was; interrupted_means: what the command adds when something was. (Exit codes and
+    clean-up: commands/outcomes.py.)"""
     try:
         yield
     except UsageError as exc:
-        remove_if_only_hydra_files(out_dir)
-        print(f"ampctl {command}: error: {exc}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
+        leave(exc, [f"ampctl {command}: error: {exc}"], out_dir)
     except (KeyboardInterrupt, Interrupted) as exc:  # Interrupted: a run the study trained itself stopped
-        exit_at_once_on_another_signal(getattr(exc, "signum", signal.SIGINT))
-        remove_if_only_hydra_files(out_dir)
-        if out_dir.is_dir():
-            print(f"\nampctl {command}: interrupted ({signal_name(exc)}); what was measured until then is in "
-                  f"{out_dir}{interrupted_means}", file=sys.stderr)
-        else:
-            print(f"\nampctl {command}: interrupted ({signal_name(exc)}) before anything was recorded", file=sys.stderr)
-        sys.exit(exit_code(exc))
+        name = signal_name(exc)
+
+        def said() -> list[str]:  # after the clean-up: whether the directory is still there says what was measured
+            if out_dir.is_dir():
+                return [f"\nampctl {command}: interrupted ({name}); what was measured until then is in "
+                        f"{out_dir}{interrupted_means}"]
+            return [f"\nampctl {command}: interrupted ({name}) before anything was recorded"]
+
+        leave(exc, said, out_dir)

@@ -18,16 +18,10 @@ from omegaconf import DictConfig
 
 from ampctl import io, run_files
 from ampctl.commands.checks import job_of
+from ampctl.commands.outcomes import ENDINGS, Outcome, leave, outcome_of
 from ampctl.conf.sweeps import SweepIdentity
-from ampctl.errors import (
-    USAGE_EXIT_CODE,
-    WRITE_FAILED_EXIT_CODE,
-    RunStopped,
-    UsageError,
-    print_error,
-    write_refused,
-)
-from ampctl.interrupt import Interrupted, exit_at_once_on_another_signal, exit_code, signal_name
+from ampctl.errors import RunStopped, UsageError
+from ampctl.interrupt import Interrupted, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
@@ -52,61 +46,59 @@ def train(cfg: DictConfig) -> Optional[float]:
         from ampctl.runner.run import run_training  # torch: imported by a run, not by --help or completion
 
         summary = run_training(job)
-    except Interrupted as exc:
-        exit_at_once_on_another_signal(exc.signum)
-        if not is_main_process():
-            sys.exit(exc.exit_code)
-        where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
-        lines = [f"ampctl train: interrupted at step {exc.step} by {signal.Signals(exc.signum).name}; {where}"]
-        sweep = the_sweeps_command(hydra_cfg) if multirun else None
-        if sweep is not None:  # a sweep's job continues with its sweep
-            lines.append(f"continue the sweep with: {sweep}")
-        elif exc.checkpoint:
-            lines.append(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}")
-            preempt = cfg.train.preempt_signal
-            if cfg.train.slurm_requeue and preempt is not None and exc.signum == signal.Signals[preempt.value]:
-                from ampctl.runner.requeue import requeue
-
-                lines += [line for line in [requeue()] if line]
-        for line in lines:
-            print(line, file=sys.stderr)
-            log.warning(line)  # train.log (Hydra's job logging writes the file only)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt as exc:  # a signal outside the loop: building, compiling, loading data, the summary
-        exit_at_once_on_another_signal(getattr(exc, "signum", signal.SIGINT))
-        if is_main_process():
-            remove_if_only_hydra_files(run_dir)
-            sweep = the_sweeps_command(hydra_cfg) if multirun else None
-            where = (f"outside the training loop; continue the sweep with: {sweep}" if sweep is not None else
-                     f"outside the training loop; continue with: {continue_command(run_dir)}" if run_dir.is_dir()
-                     else "before the first step; nothing recorded")
-            print(f"\nampctl train: interrupted ({signal_name(exc)}) {where}", file=sys.stderr)
-        sys.exit(exit_code(exc))
-    except RunStopped as exc:
-        if multirun:
-            return record_failed_job(run_dir, exc)
-        print_error(f"ampctl train: stopped: {exc}")
-        log.error(f"stopped: {exc}")
-        sys.exit(1)
-    except UsageError as exc:
-        if multirun:
-            return record_failed_job(run_dir, exc)
-        if is_main_process():
-            remove_if_only_hydra_files(run_dir)
-        print_error(f"ampctl train: error: {exc}")
-        sys.exit(USAGE_EXIT_CODE)
-    except Exception as exc:  # noqa: BLE001 - in a sweep one job's crash must not end the others
-        if multirun:
-            log.exception("job failed")
-            return record_failed_job(run_dir, exc)
-        if write_refused(exc):  # a full disk, a read-only directory: the machine's answer, not a bug
-            print_error(f"ampctl train: error: cannot write {exc.filename}: {exc.strerror}; the checkpoints "  # type: ignore[attr-defined]
-                        "written before it are whole (resume=auto continues from the newest once it can write)")
-            sys.exit(WRITE_FAILED_EXIT_CODE)
-        raise
+    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every way a run ends: outcomes.ENDINGS
+        return ended(exc, cfg, run_dir, hydra_cfg, multirun)
     if Path(summary["run_dir"]) != run_dir and is_main_process():
         remove_if_only_hydra_files(run_dir)  # resumed into the checkpoint's own run dir
     return summary.get("final_loss")
+
+
+def ended(exc: BaseException, cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig, multirun: bool) -> float:
+    """The run ended with exc: in a sweep, a failure the table lets the sweep go on past is recorded and the next
+    job runs (its objective NaN); otherwise the command leaves with its lines, as outcomes.ENDINGS says."""
+    outcome = outcome_of(exc)
+    if multirun and ENDINGS[outcome].sweep_goes_on:
+        if outcome is Outcome.BUG:
+            log.exception("job failed")
+        return record_failed_job(run_dir, exc)
+    sweep = the_sweeps_command(hydra_cfg) if multirun else None
+    if outcome is Outcome.STOPPED_BY_SIGNAL:
+        leave(exc, interrupted_lines(exc, cfg, sweep) if is_main_process() else [], log=log.warning)
+    if outcome is Outcome.SIGNALLED:  # outside the loop: building, compiling, loading data, the summary
+        name = signal_name(exc)
+
+        def said() -> list[str]:  # after the clean-up: whether the run dir is still there says what continues
+            where = (f"outside the training loop; continue the sweep with: {sweep}" if sweep is not None else
+                     f"outside the training loop; continue with: {continue_command(run_dir)}" if run_dir.is_dir()
+                     else "before the first step; nothing recorded")
+            return [f"\nampctl train: interrupted ({name}) {where}"]
+
+        leave(exc, said, run_dir)
+    if outcome is Outcome.RUN_STOPPED:
+        leave(exc, [f"ampctl train: stopped: {exc}"], log=log.error)
+    if outcome is Outcome.REFUSED:
+        leave(exc, [f"ampctl train: error: {exc}"], run_dir)
+    if outcome is Outcome.WRITE_REFUSED:  # a full disk, a read-only directory: the machine's answer, not a bug
+        leave(exc, [f"ampctl train: error: cannot write {exc.filename}: {exc.strerror}; the checkpoints "  # type: ignore[attr-defined]
+                    "written before it are whole (resume=auto continues from the newest once it can write)"])
+    raise exc
+
+
+def interrupted_lines(exc: Interrupted, cfg: DictConfig, sweep: Optional[str]) -> list[str]:
+    """What a run stopped by a signal says: where it stopped, and how it continues (its sweep's command, or its
+    own; under SLURM with the preemption signal, the requeue)."""
+    where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
+    lines = [f"ampctl train: interrupted at step {exc.step} by {signal.Signals(exc.signum).name}; {where}"]
+    if sweep is not None:  # a sweep's job continues with its sweep
+        lines.append(f"continue the sweep with: {sweep}")
+    elif exc.checkpoint:
+        lines.append(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}")
+        preempt = cfg.train.preempt_signal
+        if cfg.train.slurm_requeue and preempt is not None and exc.signum == signal.Signals[preempt.value]:
+            from ampctl.runner.requeue import requeue
+
+            lines += [line for line in [requeue()] if line]
+    return lines
 
 
 def finished_job(run_dir: Path, steps: int) -> Optional[dict]:

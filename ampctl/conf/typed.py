@@ -8,7 +8,8 @@ import dataclasses
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl.conf.messages import did_you_mean
-from ampctl.conf.schema import SCALER_SCHEMAS, AmpctlConfig
+from ampctl.conf.precision_schema import SCALER_SCHEMAS
+from ampctl.conf.schema import AmpctlConfig
 from ampctl.errors import ConfigError, UsageError
 
 

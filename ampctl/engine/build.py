@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl.conf.schema import scaler_is_active, validate
+from ampctl.conf.precision_schema import scaler_is_active
+from ampctl.conf.schema import validate
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.activation_checkpointing import apply_activation_checkpointing

@@ -208,31 +208,30 @@ def batch_stream(recipe: Recipe, device: torch.device, seed: int, position: int 
     return BatchStream(batches)
 
 
-def run_steps(
-    state: TrainState,
-    batches: Iterator[Any],
-    n: int,
-    recipe: Recipe,
-    policy: PrecisionPolicy,
-    settings: StepSettings = StepSettings(),
-    *,
-    before_step: Callable[[], None] = lambda: None,
-    after_step: Callable[[int], None] = lambda done: None,
-    timed: bool = False,
-    enough: Callable[[], bool] = lambda: False,
-) -> list[float]:
-    """n optimizer steps outside a training run (inspect, memory, the memory probe, diagnose): the step fit()
-    takes, its records kept on the device where nobody reads them. With timed, each step's wall time in ms
-    (synchronized with the device: these are measurements, not a training run). after_step(k) after the k-th
+@dataclass
+class StepsHooks:
+    """What a study does around run_steps' steps: before_step() before each; after_step(k) after the k-th
     (progress for the commands that wait on these steps); enough(), asked before every step but the first, ends
     them early (a deadline)."""
+
+    before_step: Callable[[], None] = lambda: None
+    after_step: Callable[[int], None] = lambda done: None
+    enough: Callable[[], bool] = lambda: False
+
+
+def run_steps(state: TrainState, batches: Iterator[Any], n: int, recipe: Recipe, policy: PrecisionPolicy,
+              settings: StepSettings = StepSettings(), hooks: StepsHooks = StepsHooks(), timed: bool = False,
+              ) -> list[float]:
+    """n optimizer steps outside a training run (inspect, memory, the memory probe, diagnose): the step fit()
+    takes, its records kept on the device where nobody reads them. With timed, each step's wall time in ms
+    (synchronized with the device: these are measurements, not a training run)."""
     telemetry = Telemetry(policy.device, max(n, 1), recipe.samples_per_batch, None, [])
     state.model.train()
     times = []
     for done in range(1, n + 1):
-        if done > 1 and enough():
+        if done > 1 and hooks.enough():
             break
-        before_step()
+        hooks.before_step()
         start = time.perf_counter()
         with recipe_errors(recipe):
             train_step(state, batches, recipe, policy, settings, telemetry)
@@ -240,5 +239,5 @@ def run_steps(
             if policy.device.type == "cuda":
                 torch.cuda.synchronize(policy.device)
             times.append((time.perf_counter() - start) * 1e3)
-        after_step(done)
+        hooks.after_step(done)
     return times

@@ -288,13 +288,13 @@ def comparison_images(runs: Sequence[ModeRuns], table: ReportTable, out_dir: Pat
             out_dir / "held_out.png", "held-out loss of each run's last evaluation (dots: seeds)", context))
     if ok:
         unit = next(c for c in table.columns if c in RATES)
-        images.append(plots.throughput_memory_bars(
-            [r["precision"] for r in ok],
-            [Interval(r[unit], r[unit] * r["step_time_ms"] / r["step_time_ms_high"],
-                      r[unit] * r["step_time_ms"] / r["step_time_ms_low"]) if r["step_time_ms_low"] else
-             Interval(r[unit], r[unit], r[unit]) for r in ok],
-            [Interval(r["speedup"], r["speedup_low"], r["speedup_high"]) for r in ok],
-            [r["peak_memory_mib"] for r in ok], [r["memory_ratio"] for r in ok], RATES[unit], baseline,
-            out_dir / "throughput_memory.png", context,
-        ))
+        modes = [plots.ModeBars(
+            r["precision"],
+            Interval(r[unit], r[unit] * r["step_time_ms"] / r["step_time_ms_high"],
+                     r[unit] * r["step_time_ms"] / r["step_time_ms_low"]) if r["step_time_ms_low"] else
+            Interval(r[unit], r[unit], r[unit]),
+            Interval(r["speedup"], r["speedup_low"], r["speedup_high"]), r["peak_memory_mib"], r["memory_ratio"])
+            for r in ok]
+        images.append(plots.throughput_memory_bars(modes, RATES[unit], baseline, out_dir / "throughput_memory.png",
+                                                   context))
     return images

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from ampctl import io
 from ampctl.reports.runs import RunRecord
@@ -173,17 +173,20 @@ def loss_scale_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: 
     return save_figure(fig, path)
 
 
-def throughput_memory_bars(
-    labels: Sequence[str],
-    throughput: Sequence[Any],  # Interval: the median of the rounds and their range
-    speedup: Sequence[Any],  # Interval: the median ratio and its interval
-    memory_mib: Sequence[Optional[float]],  # None: not measured (a compiled run on a CPU)
-    memory_ratio: Sequence[Optional[float]],
-    throughput_unit: str,
-    baseline: str,
-    path: Path,
-    context: str = "",
-) -> Path:
+class ModeBars(NamedTuple):
+    """One mode's bars in compare's throughput and memory plot."""
+
+    label: str
+    throughput: Any  # an Interval: the median of the rounds and their range
+    speedup: Any  # an Interval: the median ratio and its interval
+    memory_mib: Optional[float]  # None: not measured (a compiled run on a CPU)
+    memory_ratio: Optional[float]
+
+
+def throughput_memory_bars(modes: Sequence[ModeBars], throughput_unit: str, baseline: str, path: Path,
+                           context: str = "") -> Path:
+    labels, throughput, speedup = [m.label for m in modes], [m.throughput for m in modes], [m.speedup for m in modes]
+    memory_mib, memory_ratio = [m.memory_mib for m in modes], [m.memory_ratio for m in modes]
     fig, (left, right) = pyplot().subplots(1, 2, figsize=(10, 4.4))
     rates = [t.value for t in throughput]
     error = [[t.value - t.low for t in throughput], [t.high - t.value for t in throughput]]

@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl import run_files
 from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
-from ampctl.conf.schema import MONITOR_MODES, CheckpointFormat, scaler_is_active
+from ampctl.conf.precision_schema import scaler_is_active
+from ampctl.conf.schema import MONITOR_MODES, CheckpointFormat
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state

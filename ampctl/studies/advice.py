@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 from ampctl import io
 from ampctl.analysis.numerics import FP16, largest_safe_scale
-from ampctl.conf.schema import GRADSCALER_GROWTH_INTERVAL, GRADSCALER_INIT_SCALE
+from ampctl.conf.precision_schema import GRADSCALER_GROWTH_INTERVAL, GRADSCALER_INIT_SCALE
 from ampctl.io import scale_label
 from ampctl.studies import variants
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,10 +20,22 @@ EVIDENCE_DIRS = ("calibration", "inspect", "compare")  # what the advice cites, 
 log = logging.getLogger("ampctl.studies.advise")  # advise.log (Hydra's job logging)
 
 
-def write_advice(out_dir: Path, cfg: DictConfig, advice: Advice, evidence: list[ModeEvidence],
-                 gradients: Optional[GradientEvidence], run_overrides: list[str], console: Any,
-                 partial: Optional[str], facts: dict[str, str]) -> None:
+@dataclass
+class Findings:
+    """The advice with what it stands on: each mode's evidence, the fp32 inspection's gradients, the machine and
+    the model (facts), and why it is partial where it is."""
+
+    advice: Advice
+    evidence: list[ModeEvidence]
+    gradients: Optional[GradientEvidence]
+    facts: dict[str, str]
+    partial: Optional[str] = None
+
+
+def write_advice(out_dir: Path, cfg: DictConfig, findings: Findings, run_overrides: list[str], console: Any) -> None:
     """advice.json (the advice and its evidence), advice.md, and the experiment config that runs the advice."""
+    advice, evidence, gradients, facts, partial = (findings.advice, findings.evidence, findings.gradients,
+                                                   findings.facts, findings.partial)
     config = out_dir / f"{cfg.advise.name}.yaml"
     job = compose_job("train", [*run_overrides, *advice.overrides()], with_hydra=True)
     io.atomic_write_text(config, defaults_of_a_job("train", dict(job.hydra.runtime.choices))

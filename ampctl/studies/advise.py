@@ -16,25 +16,25 @@ was measured, said to be partial.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
-from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ampctl import io, run_files
+from ampctl import io
 from ampctl.conf.composing import compose_job
-from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS, budget_seconds
+from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS, budget_seconds
 from ampctl.engine import cpu_speed
 from ampctl.errors import UsageError
 from ampctl.reports import tables
 from ampctl.reports.comparison import baseline_of
 from ampctl.studies import variants
-from ampctl.studies.advice import GradientEvidence, LayerLoss, ModeEvidence, Preparation, decide, prepare
-from ampctl.studies.advice_report import write_advice
+from ampctl.studies.advice import GradientEvidence, Preparation, decide, prepare
+from ampctl.studies.advice_report import Findings, write_advice
+from ampctl.studies.advise_evidence import gradient_evidence, layer_losses, mode_evidence, model_facts
 from ampctl.studies.budget import (
     CALIBRATION_STEPS,
     COMPILED_MIN_STEPS,
@@ -44,6 +44,7 @@ from ampctl.studies.budget import (
     PLANNED_SHARE,
     BudgetClock,
     Candidate,
+    ComparisonSize,
     inspected_steps,
     minutes,
     seconds_since_start,
@@ -58,11 +59,69 @@ CANDIDATES = (*DEFAULT_COMPARE_PRECISIONS, "fp8", "mxfp8", "nvfp4", "mxfp4")
 log = logging.getLogger(__name__)  # advise.log (Hydra's job logging): every line advise says
 
 
+@dataclass
+class Advising:
+    """What every phase of one advise shares: its config (the comparison's ways and seeds as they are decided),
+    the runs' overrides, its directory, the clock, the notes for the advice, and its voice (say: the terminal and
+    advise.log). step_s: fp32's step here, once calibrated."""
+
+    cfg: DictConfig
+    run_overrides: list[str]
+    out_dir: Path
+    clock: BudgetClock
+    console: Any
+    notes: list[str] = field(default_factory=list)
+    step_s: float = 0.0
+
+    def say(self, text: str, clocked: bool = True) -> None:
+        line = self.clock.line(text) if clocked else text
+        self.console.print(line, soft_wrap=True, highlight=False)
+        log.info(line)
+
+
 def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> None:
-    console = tables.make_console()
     budget = budget_seconds(cfg.advise.budget)
     assert budget is not None  # the schema refused anything else
-    clock = BudgetClock(budget, seconds_since_start())
+    advising = Advising(cfg, runs_overrides(task_overrides), out_dir, BudgetClock(budget, seconds_since_start()),
+                        tables.make_console())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ends = time.strftime("%H:%M:%S", time.localtime(time.time() + advising.clock.left()))
+    advising.say(f"ampctl advise: goal={cfg.advise.goal.value}, budget {cfg.advise.budget} from its start: ends by "
+                 f"{ends}, plus up to {MARGIN_S:.0f} s to stop its runs and write the reports -> {out_dir}",
+                 clocked=False)
+    facts = {"machine": _machine(cfg)}
+    advising.say(f"  the machine: {facts['machine']}", clocked=False)
+    advising.say(f"calibration: {CALIBRATION_STEPS} steps of fp32, to size each phase to the budget")
+    calibration = _calibrate(advising.run_overrides, out_dir / "calibration")
+    advising.step_s = float(calibration["median_step_time_ms"]) / 1e3
+    inspected = _inspect(advising, out_dir / "inspect", "fp32")
+    gradients = gradient_evidence(out_dir / "inspect") if inspected else None
+    facts["model"] = model_facts(calibration, out_dir / "inspect" if inspected else None)
+    advising.say(f"the model: {facts['model']}")
+    compile_measured = _compile_is_candidate(advising.cfg, advising.run_overrides, advising.notes)
+    advising.cfg = _with_variants(advising.cfg, advising.run_overrides, advising.notes, compile_measured)
+    plans, skipped = plan_modes(advising.cfg, advising.run_overrides, CANDIDATES)
+    prepared = _prepare(advising, plans, skipped, gradients)
+    compile_s = 0.0
+    if compile_measured:
+        plans, compile_s = _with_compile_where_it_fits(advising, plans)
+    size = size_comparison([_candidate(p, plans) for p in plans], advising.step_s,
+                           PLANNED_SHARE * advising.clock.left(), advising.cfg.compare.seeds, compile_s)
+    skipped.update(size.dropped)
+    plans = [_sized(_prepared_plan(p, prepared), size.steps) for p in plans if p.mode in size.kept]
+    interrupted = _compare(advising, size, plans, skipped, config_dir)
+    evidence = mode_evidence(out_dir / "compare" if size.runs else None, skipped, size.kept)
+    advice = decide(evidence, prepared, advising.cfg.advise.goal.value, advising.notes)
+    advising.say("the advice, from what was measured:")
+    findings = Findings(advice, evidence, gradients, facts, _partial(interrupted))
+    write_advice(out_dir, advising.cfg, findings, advising.run_overrides, advising.console)
+    if interrupted is not None and not interrupted.out_of_time:
+        raise interrupted
+
+
+def runs_overrides(task_overrides: list[str]) -> list[str]:
+    """The command line's overrides that go to advise's runs (advise's, compare's and inspect's own settings
+    apart); refused: a resume (its runs are new ones) and a precision (advise chooses it)."""
     run_overrides = [o for o in task_overrides if not o.lstrip("+~").startswith(OWN_KEYS)]
     for override in run_overrides:
         key = override.lstrip("+~").split("=", 1)[0]
@@ -72,64 +131,34 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
         if key == "precision" or key.startswith("precision."):
             raise UsageError(f"{override!r}: ampctl advise chooses the precision mode (from those that run at speed "
                              "here); to choose its candidates yourself, compare.precisions=[fp32,bf16,...]")
-    split_overrides(run_overrides)  # refuses resume= (its runs are new ones)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    split_overrides(run_overrides)
+    return run_overrides
 
-    def say(text: str, clocked: bool = True) -> None:
-        line = clock.line(text) if clocked else text
-        console.print(line, soft_wrap=True, highlight=False)
-        log.info(line)
 
-    ends = time.strftime("%H:%M:%S", time.localtime(time.time() + clock.left()))
-    say(f"ampctl advise: goal={cfg.advise.goal.value}, budget {cfg.advise.budget} from its start: ends by {ends}, "
-        f"plus up to {MARGIN_S:.0f} s to stop its runs and write the reports -> {out_dir}", clocked=False)
-    facts = {"machine": _machine(cfg)}
-    say(f"  the machine: {facts['machine']}", clocked=False)
-    notes: list[str] = []
-    say(f"calibration: {CALIBRATION_STEPS} steps of fp32, to size each phase to the budget")
-    calibration = _calibrate(run_overrides, out_dir / "calibration")
-    step_s = float(calibration["median_step_time_ms"]) / 1e3
-    inspected = _inspect(cfg, run_overrides, out_dir / "inspect", "fp32", step_s, clock, notes, say)
-    gradients = gradient_evidence(out_dir / "inspect") if inspected else None
-    facts["model"] = model_facts(calibration, out_dir / "inspect" if inspected else None)
-    say(f"the model: {facts['model']}")
-    compile_measured = _compile_is_candidate(cfg, run_overrides, notes)
-    cfg = _with_variants(cfg, run_overrides, notes, compile_measured)
-    plans, skipped = plan_modes(cfg, run_overrides, CANDIDATES)
-    prepared = _prepare(cfg, plans, skipped, gradients, run_overrides, out_dir, step_s, clock, notes, say)
-    compile_s = 0.0
-    if compile_measured:
-        plans, compile_s = _with_compile_where_it_fits(cfg, plans, run_overrides, out_dir, step_s, clock, notes, say)
-    size = size_comparison([_candidate(p, plans) for p in plans], step_s, PLANNED_SHARE * clock.left(),
-                           cfg.compare.seeds, compile_s)
-    skipped.update(size.dropped)
-    plans = [_sized(_prepared_plan(p, prepared), size.steps) for p in plans if p.mode in size.kept]
-    interrupted: Optional[CompareInterrupted] = None
-    if size.runs:
-        if size.fewer_seeds:
-            notes.append(f"compare: {size.fewer_seeds} in advise.budget={cfg.advise.budget}")
-        cfg = _with_seeds(cfg, size.seeds)
-        say(f"compare {', '.join(size.kept)} x {io.count_of(size.seeds, 'seed')} x {io.count_of(size.steps, 'step')} "
-            f"in {io.count_of(cfg.compare.rounds, 'round')}: about {size.estimate_s / 60:.1f} min, done near "
-            f"{time.strftime('%H:%M', time.localtime(time.time() + size.estimate_s))}")
-        try:
-            run_compare(cfg, out_dir / "compare", [*run_overrides, f"train.steps={size.steps}"], config_dir,
-                        planned=(plans, skipped), deadline=clock.deadline())
-        except CompareInterrupted as exc:
-            interrupted = exc
-    else:
+def _compare(advising: Advising, size: ComparisonSize, plans: list[ModePlan], skipped: dict[str, str],
+             config_dir: Optional[str]) -> Optional[CompareInterrupted]:
+    """The comparison as sized (its seeds into advising.cfg), stopped at the budget's end; not run, with a note of why,
+    where nothing but fp32 fits. Returns how it was interrupted, if it was."""
+    if not size.runs:
         why = ("fp32 is the only candidate that runs here" if not size.dropped else
-               f"fp32 and one other mode do not fit the {minutes(clock.left())} left of advise.budget="
-               f"{cfg.advise.budget}")
-        say(f"compare: not run: {why} (each mode's reason below)")
-        notes.append(f"no comparison: {why}; the advice is fp32 by default, not by measurement")
-    evidence = mode_evidence(out_dir / "compare" if size.runs else None, skipped, size.kept)
-    advice = decide(evidence, prepared, cfg.advise.goal.value, notes)
-    partial = _partial(interrupted)
-    say("the advice, from what was measured:")
-    write_advice(out_dir, cfg, advice, evidence, gradients, run_overrides, console, partial, facts)
-    if interrupted is not None and not interrupted.out_of_time:
-        raise interrupted
+               f"fp32 and one other mode do not fit the {minutes(advising.clock.left())} left of advise.budget="
+               f"{advising.cfg.advise.budget}")
+        advising.say(f"compare: not run: {why} (each mode's reason below)")
+        advising.notes.append(f"no comparison: {why}; the advice is fp32 by default, not by measurement")
+        return None
+    if size.fewer_seeds:
+        advising.notes.append(f"compare: {size.fewer_seeds} in advise.budget={advising.cfg.advise.budget}")
+    advising.cfg = _with_seeds(advising.cfg, size.seeds)
+    done_near = time.strftime('%H:%M', time.localtime(time.time() + size.estimate_s))
+    advising.say(f"compare {', '.join(size.kept)} x {io.count_of(size.seeds, 'seed')} x "
+                 f"{io.count_of(size.steps, 'step')} in {io.count_of(advising.cfg.compare.rounds, 'round')}: about "
+                 f"{size.estimate_s / 60:.1f} min, done near {done_near}")
+    try:
+        run_compare(advising.cfg, advising.out_dir / "compare", [*advising.run_overrides, f"train.steps={size.steps}"],
+                    config_dir, planned=(plans, skipped), deadline=advising.clock.deadline())
+    except CompareInterrupted as exc:
+        return exc
+    return None
 
 
 def _candidate(plan: ModePlan, plans: list[ModePlan]) -> Candidate:
@@ -159,23 +188,25 @@ def _with_seeds(cfg: DictConfig, seeds: int) -> DictConfig:
     return out
 
 
-def _inspect(cfg: DictConfig, run_overrides: list[str], out_dir: Path, mode: str, step_s: float,
-             clock: BudgetClock, notes: list[str], say: Callable[[str], None], relative: float = 1.0) -> int:
+def _inspect(advising: Advising, out_dir: Path, mode: str, relative: float = 1.0) -> int:
     """An inspection in `mode` with the steps that fit its share of what is left (inspect.steps at most), stopped
     between steps at the end of that share; none where one step does not fit (said as a note). Returns its steps."""
+    cfg, run_overrides, clock, step_s = advising.cfg, advising.run_overrides, advising.clock, advising.step_s
     seconds = INSPECT_SHARE * clock.left()
     steps = inspected_steps(cfg.inspect.steps, step_s, seconds, relative)
     what = "where fp32's values fall against each format" if mode == "fp32" else \
         "what its format loses of each converted layer"
     if steps == 0:
-        say(f"inspect in {mode}: not run: one inspected step (~{INSPECTED_STEP_COST * relative * step_s:.0f} s here) "
-            f"does not fit its share of the {minutes(clock.left())} left")
-        notes.append(f"inspect in {mode}: not run in advise.budget={cfg.advise.budget}: one inspected step "
-                     f"(~{INSPECTED_STEP_COST:.0f}x a plain one) would not fit; "
-                     + ("the loss-scaling modes are compared with GradScaler's own settings" if mode == "fp32" else
-                        "it is compared with every layer converted"))
+        one_step_s = INSPECTED_STEP_COST * relative * step_s
+        advising.say(f"inspect in {mode}: not run: one inspected step (~{one_step_s:.0f} s here) does not fit its "
+                     f"share of the {minutes(clock.left())} left")
+        advising.notes.append(
+            f"inspect in {mode}: not run in advise.budget={cfg.advise.budget}: one inspected step "
+            f"(~{INSPECTED_STEP_COST:.0f}x a plain one) would not fit; "
+            + ("the loss-scaling modes are compared with GradScaler's own settings" if mode == "fp32" else
+               "it is compared with every layer converted"))
         return 0
-    say(f"inspect in {mode}: {what}, {io.count_of(steps, 'step')}")
+    advising.say(f"inspect in {mode}: {what}, {io.count_of(steps, 'step')}")
     inspect_cfg = compose_job("advise", [*run_overrides, f"precision={mode}", f"inspect.steps={steps}"])
     return run_inspect(inspect_cfg, out_dir, [*run_overrides, f"precision={mode}"], clock.deadline(INSPECT_SHARE))
 
@@ -223,12 +254,12 @@ def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str], 
     return out
 
 
-def _prepare(cfg: DictConfig, plans: list[ModePlan], skipped: dict[str, str], gradients: Optional[GradientEvidence],
-             run_overrides: list[str], out_dir: Path, step_s: float, clock: BudgetClock, notes: list[str],
-             say: Callable[[str], None]) -> dict[str, Preparation]:
+def _prepare(advising: Advising, plans: list[ModePlan], skipped: dict[str, str],
+             gradients: Optional[GradientEvidence]) -> dict[str, Preparation]:
     """Each mode's settings before it is compared (advice.prepare): scaled modes from the fp32 inspection's
     gradients; converted modes (FP8, MX) from an inspection in that mode, which counts what their format loses
     of each converted layer (where it fits the budget). A mode not worth comparing moves to skipped."""
+    cfg, run_overrides = advising.cfg, advising.run_overrides
     prepared: dict[str, Preparation] = {}
     for plan in {variants.parse(p.mode).mode: p for p in plans}.values():
         mode = variants.parse(plan.mode).mode
@@ -236,9 +267,9 @@ def _prepare(cfg: DictConfig, plans: list[ModePlan], skipped: dict[str, str], gr
         precision = OmegaConf.to_container(mode_cfg.precision, resolve=True, enum_to_str=True)
         own_rules = [{k: v for k, v in rule.items() if v is not None} for rule in precision.get("rules") or []]
         losses, measured_by = None, ""
-        if mode_cfg.precision.converter is not None and _inspect(
-                cfg, run_overrides, out_dir / f"inspect_{mode}", mode, step_s, clock, notes, say, _relative_time(plan)):
-            losses, measured_by = layer_losses(out_dir / f"inspect_{mode}", mode)
+        inspect_dir = advising.out_dir / f"inspect_{mode}"
+        if mode_cfg.precision.converter is not None and _inspect(advising, inspect_dir, mode, _relative_time(plan)):
+            losses, measured_by = layer_losses(inspect_dir, mode)
         prepared[mode] = prepare(mode, gradients, losses, own_rules, cfg.advise.layer_loss_limit, measured_by)
         if prepared[mode].refused is not None:
             skipped[mode] = prepared[mode].refused
@@ -251,25 +282,6 @@ def _prepared_plan(plan: ModePlan, prepared: dict[str, Preparation]) -> ModePlan
     if preparation is None:
         return plan
     return dataclasses.replace(plan, overrides=[*plan.overrides, *preparation.overrides()])
-
-
-def layer_losses(inspect_dir: Path, mode: str) -> tuple[Optional[list[LayerLoss]], str]:
-    """Per converted layer, the operand its format loses most of (saturated + flushed), from an inspection in that
-    mode: its block-scale table (MX) or its FP8 tensorwise table."""
-    data = json.loads((inspect_dir / f"{run_files.INSPECTION}.json").read_text())
-    for key, measured_by in (("block_scales", f"{mode} (by its block scales)"),
-                             ("fp8_tensorwise", f"{mode} (by its tensorwise scale)")):
-        rows = data.get(key)
-        if rows:
-            return [_worst_operand(row) for row in rows], measured_by
-    return None, ""
-
-
-def _worst_operand(row: dict) -> LayerLoss:
-    shares = {role: (row.get(f"{role}_saturated") or 0.0) + (row.get(f"{role}_flushed") or 0.0)
-              for role in ("activation", "weight", "gradient")}
-    role = max(shares, key=shares.__getitem__)
-    return LayerLoss(row["layer"], role, shares[role])
 
 
 def _machine(cfg: DictConfig) -> str:
@@ -300,30 +312,11 @@ def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> dict:
     return summary
 
 
-def model_facts(calibration: dict, inspect_dir: Optional[Path]) -> str:
-    """The model in a line: parameters and FLOPs (the calibration run's), its leaf layers by type (inspect's, where
-    it ran)."""
-    flops = calibration.get("model_flops_per_step")
-    mfu = calibration.get("mfu")
-    parameters, flop = io.si_prefixed(calibration["parameters"]), io.si_prefixed(flops or 0)
-    layers = ""
-    if inspect_dir is not None:
-        rows = json.loads((inspect_dir / f"{run_files.INSPECTION}.json").read_text())["rows"]
-        types = Counter(dict((r["layer"], r.get("type", "?")) for r in rows).values())
-        layers = (f"; {io.count_of(sum(types.values()), 'leaf layer')} ("
-                  + ", ".join(f"{n} {name}" for name, n in types.most_common(4)) + (", ..." if len(types) > 4 else "")
-                  + ")")
-    return (f"{''.join(parameters)} parameters" + (f", {flop[0]} {flop[1]}FLOP a step" if flops else "") + layers
-            + f"; fp32 steps {io.milliseconds(calibration['median_step_time_ms'])} ms here"
-            + (f" ({mfu:.1%} MFU)" if mfu else ""))
-
-
-def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_overrides: list[str], out_dir: Path,
-                                step_s: float, clock: BudgetClock, notes: list[str], say: Callable[[str], None],
-                                ) -> tuple[list[ModePlan], float]:
+def _with_compile_where_it_fits(advising: Advising, plans: list[ModePlan]) -> tuple[list[ModePlan], float]:
     """The compiled plans kept where the budget leaves each run COMPILED_MIN_STEPS after compiling (its time
     measured by a compiled calibration run, taken only where the steps would fit without any compile time);
     advise.compile=true, whatever the budget. Returns the plans and the compile time."""
+    cfg, clock, step_s = advising.cfg, advising.clock, advising.step_s
     forced = cfg.advise.compile is True
 
     def every_plan_fits(compile_s: float) -> bool:
@@ -333,15 +326,15 @@ def _with_compile_where_it_fits(cfg: DictConfig, plans: list[ModePlan], run_over
 
     compile_s = None
     if forced or every_plan_fits(0.0):
-        say("calibration: fp32 compiled, for the compile time")
-        compile_s = float(_calibrate(run_overrides, out_dir / "calibration_compiled", "train.compile=true")
-                          ["compile_s"] or 0.0)
+        advising.say("calibration: fp32 compiled, for the compile time")
+        compiled = _calibrate(advising.run_overrides, advising.out_dir / "calibration_compiled", "train.compile=true")
+        compile_s = float(compiled["compile_s"] or 0.0)
     if forced or (compile_s is not None and every_plan_fits(compile_s)):
         return plans, compile_s or 0.0
     cost = "" if compile_s is None else f"compiling each run (~{compile_s:.0f} s here) and "
-    notes.append(f"torch.compile: not measured: {cost}running every mode both ways would leave fewer than "
-                 f"{COMPILED_MIN_STEPS} steps a run in advise.budget={cfg.advise.budget}; advise.compile=true or a "
-                 "longer budget measures it")
+    advising.notes.append(f"torch.compile: not measured: {cost}running every mode both ways would leave fewer "
+                          f"than {COMPILED_MIN_STEPS} steps a run in advise.budget={cfg.advise.budget}; "
+                          "advise.compile=true or a longer budget measures it")
     return [p for p in plans if not variants.parse(p.mode).compiled], 0.0
 
 
@@ -351,39 +344,3 @@ def _relative_time(plan: Any) -> float:
     return cpu_speed.measured().relative_time(plan.half)
 
 
-def gradient_evidence(inspect_dir: Path) -> Optional[GradientEvidence]:
-    """From ranges.json: the largest true gradient, what fp16 flushes at 2^16, the layers whose activations
-    exceed fp16's range."""
-    data = json.loads((inspect_dir / f"{run_files.INSPECTION}.json").read_text())
-    summary = {row["kind"]: row for row in data["summary"]}
-    grads = [summary[k]["max_abs"] for k in ("activation_grad", "weight_grad") if k in summary]
-    if not grads:
-        return None
-    overflowing = tuple(dict.fromkeys(r["layer"] for r in data["rows"]
-                                      if r["kind"] == "activation" and (r.get("fp16_overflow") or 0) > 0))
-    flushed = summary.get("activation_grad", {}).get("fp16_to_zero_scaled") or 0.0
-    return GradientEvidence(max(grads), flushed, overflowing)
-
-
-def mode_evidence(compare_dir: Optional[Path], skipped: dict[str, str], not_compared: list[str] = ()
-                  ) -> list[ModeEvidence]:
-    """Every mode's row of comparison.json, and the modes compare did not run (with its reason). Without a
-    comparison (compare_dir None), the modes that would have been compared, with nothing measured."""
-    evidence = [ModeEvidence(mode, skipped=reason) for mode, reason in skipped.items()]
-    record = None if compare_dir is None else compare_dir / f"{run_files.COMPARISON}.json"
-    if record is None or not record.is_file():
-        return [*(ModeEvidence(mode) for mode in not_compared), *evidence]
-    data = json.loads(record.read_text())
-    skipped_there = {mode: reason for mode, reason in data.get("skipped", {}).items() if mode not in skipped}
-    evidence += [ModeEvidence(mode, skipped=reason) for mode, reason in skipped_there.items()]
-    for row in data["rows"]:
-        if row["precision"] in skipped or row["precision"] in skipped_there:
-            continue
-        if row.get("status") != "ok":
-            evidence.append(ModeEvidence(row["precision"], failed=str(row.get("status"))))
-            continue
-        evidence.append(ModeEvidence(
-            row["precision"], row.get("speedup"), row.get("speedup_low"), row.get("speedup_high"), row.get("parity"),
-            row.get("eval_loss_delta"), row.get("eval_loss_delta_interval"), row.get("seeds") or 0,
-            row.get("peak_memory_mib")))
-    return evidence

@@ -31,7 +31,7 @@ from rich.progress import (
 
 from ampctl import io, run_files
 from ampctl.conf.composing import compose_job
-from ampctl.conf.schema import DEFAULT_COMPARE_PRECISIONS
+from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine import cpu_speed
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import check_config

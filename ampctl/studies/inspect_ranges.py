@@ -41,9 +41,9 @@ from ampctl.analysis.numerics import (
     largest_safe_scale,
 )
 from ampctl.analysis.ranges import GRADIENT_KINDS, KINDS, RangeRecorder
-from ampctl.conf.schema import GRADSCALER_INIT_SCALE
+from ampctl.conf.precision_schema import GRADSCALER_INIT_SCALE
 from ampctl.engine.build import build_state, check_config
-from ampctl.engine.loop import StepSettings, batch_stream, run_steps
+from ampctl.engine.loop import StepSettings, StepsHooks, batch_stream, run_steps
 from ampctl.engine.precision.layers import legend
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
@@ -96,10 +96,10 @@ def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: Non
         fp8 = fp8_tensorwise.TensorwiseFp8Recorder(state.model)
         with recorder, blocks, fp8:
             recorder.record_weights()
+            hooks = StepsHooks(before_step=note_the_scale, after_step=lambda done: phase(f"recorded step {done}/{n}"),
+                               enough=lambda: deadline is not None and time.monotonic() > deadline)
             run_steps(state, batch_stream(recipe, policy.device, cfg.train.seed), n, recipe, policy,
-                      StepSettings.of(cfg.train), before_step=note_the_scale,
-                      after_step=lambda done: phase(f"recorded step {done}/{n}"),
-                      enough=lambda: deadline is not None and time.monotonic() > deadline)
+                      StepSettings.of(cfg.train), hooks)
     half = str(policy.dtype).removeprefix("torch.") if policy.uses_half else "float32"
     return Inspection(recorder, study, run_scales, half, precision_table(policy.layer_rows), blocks.table(),
                       fp8.table(), stopped_early=len(run_scales) < n)

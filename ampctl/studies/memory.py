@@ -36,7 +36,7 @@ from ampctl.analysis.memory.model import (
 from ampctl.conf.composing import compose_job
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import build_state, check_config
-from ampctl.engine.loop import StepSettings, batch_stream, run_steps
+from ampctl.engine.loop import StepSettings, StepsHooks, batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.processes import child_environment
 from ampctl.recipes.base import build_recipe
@@ -100,8 +100,8 @@ def plan(cfg: DictConfig, task_overrides: list[str]) -> list[tuple[str, list[str
 
 def _steps(state, recipe, batches: Iterator[Any], policy, cfg: DictConfig, n: int,
            after_step: Callable[[int], None]) -> list[float]:
-    return run_steps(state, batches, n, recipe, policy, StepSettings.of(cfg.train), timed=True,
-                     after_step=after_step)
+    return run_steps(state, batches, n, recipe, policy, StepSettings.of(cfg.train), StepsHooks(after_step=after_step),
+                     timed=True)
 
 
 def _recipe_with_batch(cfg: DictConfig, batch_size: int):

@@ -14,6 +14,7 @@ the runs to forward to). A deadline, where one is given, stops them the same way
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -21,7 +22,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ampctl import run_files
 from ampctl.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS, exit_at_once_on_another_signal
@@ -138,79 +139,100 @@ def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Calla
     started: all of them, unless a signal or the deadline (time.monotonic()) stopped the comparison (each run's
     stopped_by and out_of_time say so). on_progress(steps done by all runs), on_round(r) after round r (1-based),
     on_finished(run) as each ends."""
-    processes: list[TurnProcess] = []
-    received: list[int] = []
-    out_of_time: list[bool] = []
-    stops = (*STOP_SIGNALS, *PREEMPT_SIGNALS)
-
-    def forward(signum: int, _frame: object) -> None:
-        received.append(signum)
-        for process in processes:
-            process.catch_up(received)
-
-    def catch_up(process: TurnProcess) -> None:
-        # the signals that came while it was being started, when forward() could not reach it yet; with them
-        # blocked meanwhile, so that one arriving now is not sent twice
-        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-        try:
-            process.catch_up(received)
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
-
-    def tick() -> None:
-        on_progress(sum(p.run.steps_done() for p in processes))
-        if deadline is not None and not received and time.monotonic() > deadline:
-            out_of_time.append(True)
-            signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-            try:
-                forward(signal.SIGTERM, None)
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
-
-    def turn(process: TurnProcess) -> bool:
-        """Until it pauses (False) or ends (True)."""
-        return process.wait(tick) is None
-
-    def to_the_end(process: TurnProcess) -> None:
-        while process.wait(tick) is not None:  # a run let go may still say it pauses, then goes on
-            pass
-        _finish(process, received, on_finished, bool(out_of_time))
-
-    previous = {signum: signal.signal(signum, forward) for signum in stops}
+    turns = Turns(pause_after, on_progress, on_round, on_finished, deadline)
+    previous = {signum: signal.signal(signum, turns.forward) for signum in Turns.STOPS}
     try:
-        for run in runs:  # each runs its warm-up (or, with one round, everything), then waits
-            if received:
-                break
-            processes.append(TurnProcess(run, pause_after))
-            catch_up(processes[-1])
-            if turn(processes[-1]):
-                _finish(processes[-1], received, on_finished, bool(out_of_time))
-        for r in range(len(pause_after)):
-            order = processes[r % len(processes):] + processes[:r % len(processes)] if processes else []
-            ended = []
-            for process in order:
-                if process.alive and not received:
-                    process.go()
-                    if turn(process):
-                        ended.append(process)
-            if not received:
-                on_round(r + 1)
-            for process in ended:  # said after the round they ended in
-                _finish(process, received, on_finished, bool(out_of_time))
-        for process in processes:  # ended already, or let go after a signal
-            to_the_end(process)
+        turns.start(runs)
+        turns.take_rounds()
+        turns.wait_for_the_ends()
     except BaseException:
-        for process in processes:
+        for process in turns.processes:
             process.kill()
         raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if received and not out_of_time:  # stopping: another signal while the comparison is written ends it at once
-            exit_at_once_on_another_signal(received[0])
-        for process in processes:
+        if turns.received and not turns.out_of_time:
+            exit_at_once_on_another_signal(turns.received[0])  # stopping: another signal while it is written
+        for process in turns.processes:
             process.close()
-    return [p.run for p in processes]
+    return [p.run for p in turns.processes]
+
+
+class Turns:
+    """The runs of one comparison taking turns (run_in_turns): the processes started, the stop signals received
+    (each forwarded to every run), and whether the deadline passed."""
+
+    STOPS = (*STOP_SIGNALS, *PREEMPT_SIGNALS)
+
+    def __init__(self, pause_after: list[int], on_progress: Callable[[int], None], on_round: Callable[[int], None],
+                 on_finished: Callable[[TurnRun], None], deadline: Optional[float]) -> None:
+        self.pause_after, self.deadline = pause_after, deadline
+        self.on_progress, self.on_round, self.on_finished = on_progress, on_round, on_finished
+        self.processes: list[TurnProcess] = []
+        self.received: list[int] = []
+        self.out_of_time = False
+
+    def forward(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+        for process in self.processes:
+            process.catch_up(self.received)
+
+    @contextlib.contextmanager
+    def signals_held(self) -> Iterator[None]:
+        """The stop signals wait (in this thread) until the block ends: a run is not sent one twice."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.STOPS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.STOPS)
+
+    def tick(self) -> None:
+        self.on_progress(sum(p.run.steps_done() for p in self.processes))
+        if self.deadline is not None and not self.received and time.monotonic() > self.deadline:
+            self.out_of_time = True
+            with self.signals_held():
+                self.forward(signal.SIGTERM, None)
+
+    def turn(self, process: TurnProcess) -> bool:
+        """Until it pauses (False) or ends (True)."""
+        return process.wait(self.tick) is None
+
+    def finish(self, process: TurnProcess) -> None:
+        _finish(process, self.received, self.on_finished, self.out_of_time)
+
+    def start(self, runs: list[TurnRun]) -> None:
+        """Each runs its warm-up (or, with one round, everything), then waits."""
+        for run in runs:
+            if self.received:
+                break
+            self.processes.append(TurnProcess(run, self.pause_after))
+            with self.signals_held():  # those that came while it was being started, which forward() could not reach
+                self.processes[-1].catch_up(self.received)
+            if self.turn(self.processes[-1]):
+                self.finish(self.processes[-1])
+
+    def take_rounds(self) -> None:
+        """Each round starts one run further (the order rotates): no mode always runs right after the same one."""
+        processes = self.processes
+        for r in range(len(self.pause_after)):
+            order = processes[r % len(processes):] + processes[:r % len(processes)] if processes else []
+            ended = []
+            for process in order:
+                if process.alive and not self.received:
+                    process.go()
+                    if self.turn(process):
+                        ended.append(process)
+            if not self.received:
+                self.on_round(r + 1)
+            for process in ended:  # said after the round they ended in
+                self.finish(process)
+
+    def wait_for_the_ends(self) -> None:
+        for process in self.processes:  # ended already, or let go after a signal
+            while process.wait(self.tick) is not None:  # a run let go may still say it pauses, then goes on
+                pass
+            self.finish(process)
 
 
 def _finish(process: TurnProcess, received: list[int], on_finished: Callable[[TurnRun], None],

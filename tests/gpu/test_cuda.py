@@ -11,7 +11,7 @@ from ampctl.engine.loop import StepSettings, train_step
 from ampctl.engine.precision import fp32_math
 from ampctl.engine.telemetry import Telemetry
 from tests.conftest import QUIET, build, train
-from tests.integration.test_golden_amp import GOLDEN, canonical_loop
+from tests.support.golden import GOLDEN, canonical_loop
 
 pytestmark = pytest.mark.gpu
 
@@ -115,6 +115,6 @@ def test_fp8_trains_its_large_linears_on_fp8_tensor_cores(tmp_path):
 def test_the_layer_table_says_what_forward_hooks_see_on_cuda(precision):
     """On CUDA autocast runs layer_norm and group_norm in fp32 (its fp32 list), unlike a CPU: the table says each
     layer as the GPU runs it."""
-    from tests.integration.test_layer_rules import check_the_layer_table_against_hooks
+    from tests.support.layer_zoo import check_the_layer_table_against_hooks
 
     check_the_layer_table_against_hooks(precision, "device=cuda")

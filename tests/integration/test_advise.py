@@ -130,7 +130,7 @@ def test_an_fp8_modes_layer_losses_come_from_its_converted_layers(tmp_path):
     """The FP8 path of advise's preparation on a CPU: an inspection in an FP8 mode (fp8_emulated here, whose layers
     are the converter's) records the tensorwise table on exactly its converted Linear layers, and layer_losses
     reads each one's worst operand from it."""
-    from ampctl.studies.advise import layer_losses
+    from ampctl.studies.advise_evidence import layer_losses
 
     inspected = ampctl("inspect", "device=cpu", "recipe=mlp", "precision=fp8_emulated", "inspect.steps=1",
                        "hydra.run.dir=inspect", cwd=tmp_path)
@@ -188,7 +188,7 @@ def test_activation_checkpointing_is_measured_only_for_memory_and_a_recipe_with_
         assert checkpointing is None and "not chosen by advise" in notes[0]
 
 
-SLOW = ["device=cpu", "recipe=mlp", "recipe._target_=tests.slow_data_recipe.SlowStepRecipe", "recipe.hidden=32",
+SLOW = ["device=cpu", "recipe=mlp", "recipe._target_=tests.support.slow_data_recipe.SlowStepRecipe", "recipe.hidden=32",
         "recipe.batch_size=16", "telemetry.profile_cpu_memory=false", "advise.compile=false"]
 
 

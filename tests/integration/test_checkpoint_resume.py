@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ampctl.cli import main
+from tests.support.runs import flip_a_bit, rows
 
 REPO = Path(__file__).resolve().parents[2]
 # fp16 with overflows and regrowth, so the scaler state (scale and growth tracker) matters for exactness.
@@ -26,16 +27,11 @@ RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=256", "recipe.batch_size=64", 
        "scaler.init_scale=1e9", "scaler.growth_interval=7", "train.steps=60", "train.checkpoint_every=10",
        "train.log_every=5",
        "train.console=plain", "telemetry.profile_cpu_memory=false"]  # the memory timeline is not under test here
-COMPARED = ("step", "loss", "loss_scale", "skipped", "skipped_total", "grad_norm", "lr")
 
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "ampctl", "train", *RUN, *extra, f"hydra.run.dir={run_dir}"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [{k: r[k] for k in COMPARED} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -152,12 +148,6 @@ def stopped_run(tmp_path, restore_argv) -> Path:
     run_dir = tmp_path / "run"
     main(["train", *RUN, "train.steps=20", "train.console=quiet", f"hydra.run.dir={run_dir}"])
     return run_dir
-
-
-def flip_a_bit(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10  # in the middle of the tensors' bytes: torch.load alone would not notice
-    path.write_bytes(bytes(data))
 
 
 def test_each_checkpoint_has_a_checksum_that_sha256sum_checks(stopped_run):

@@ -189,7 +189,7 @@ def test_compare_runs_by_default_only_the_modes_that_are_fast_here(monkeypatch, 
     from hydra import compose, initialize_config_module
 
     from ampctl.studies.compare import plan_modes
-    from tests.simulated_cpu import AVX2_ONLY, AVX512_BF16, use_simulated
+    from tests.support.simulated_cpu import AVX2_ONLY, AVX512_BF16, use_simulated
 
     use_simulated(monkeypatch, bf16, 30.0, AVX512_BF16 if bf16 < 1 else AVX2_ONLY)
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
@@ -242,11 +242,11 @@ def test_a_failed_mode_shows_the_childs_own_error_line(tmp_path, restore_argv, c
     out = tmp_path / "cmp"
     with pytest.raises(SystemExit):
         main(["compare", *TINY, "compare.precisions=[fp32]", "compare.warmup_steps=0", "compare.rounds=1",
-              "recipe._target_=tests.broken_recipes.BrokenRecipe",
+              "recipe._target_=tests.support.broken_recipes.BrokenRecipe",
               "+recipe.mistake=finite_batches", f"hydra.run.dir={out}"])
     printed = capsys.readouterr().out
-    assert ("fp32 failed: error: recipe tests.broken_recipes.BrokenRecipe: batches(device, seed) ended after step "
-            "3; the protocol needs an endless iterator") in " ".join(printed.split()), printed
+    assert ("fp32 failed: error: recipe tests.support.broken_recipes.BrokenRecipe: batches(device, seed) ended "
+            "after step 3; the protocol needs an endless iterator") in " ".join(printed.split()), printed
 
 
 def steps_by_process(log: Path) -> list[tuple[int, int, float, float]]:
@@ -260,7 +260,7 @@ def test_the_modes_take_turns_one_at_a_time_in_rounds_whose_order_rotates(tmp_pa
     mode's window while the others wait, in the order fp32 bf16 O0, then bf16 O0 fp32, and so on; no two steps of
     different modes ever overlap in time."""
     log, out = tmp_path / "steps.log", tmp_path / "cmp"
-    main(["compare", *TINY, "recipe._target_=tests.turns_recipe.TurnsRecipe", f"+recipe.step_log={log}",
+    main(["compare", *TINY, "recipe._target_=tests.support.turns_recipe.TurnsRecipe", f"+recipe.step_log={log}",
           "train.steps=14", "compare.warmup_steps=2", "compare.rounds=4", "compare.precisions=[fp32,bf16,O0]",
           f"hydra.run.dir={out}"])
     steps = steps_by_process(log)
@@ -285,7 +285,7 @@ def test_the_modes_take_turns_one_at_a_time_in_rounds_whose_order_rotates(tmp_pa
 def test_a_mode_that_fails_mid_rounds_leaves_the_others_taking_their_turns(tmp_path, restore_argv, capsys):
     out, log = tmp_path / "cmp", tmp_path / "steps.log"
     with pytest.raises(SystemExit) as exit_info:
-        main(["compare", *TINY, "recipe._target_=tests.turns_recipe.TurnsRecipe", f"+recipe.step_log={log}",
+        main(["compare", *TINY, "recipe._target_=tests.support.turns_recipe.TurnsRecipe", f"+recipe.step_log={log}",
               "+recipe.fail_half_at=7", "train.steps=14", "compare.warmup_steps=2", "compare.rounds=4",
               "compare.precisions=[fp32,bf16]", f"hydra.run.dir={out}"])
     assert exit_info.value.code == 1

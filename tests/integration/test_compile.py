@@ -58,7 +58,7 @@ def test_a_compiled_runs_checkpoint_resumes_eagerly(tmp_path, restore_argv, caps
 
 def test_steps_that_recompile_are_named_and_left_out_of_the_timings(tmp_path, restore_argv, capsys):
     summary = run(tmp_path / "run", "device=cpu", "recipe=mlp",
-                  "recipe._target_=tests.shape_changing_recipe.ShapeChangingRecipe",
+                  "recipe._target_=tests.support.shape_changing_recipe.ShapeChangingRecipe",
                   "recipe.hidden=32", "recipe.batch_size=16", "train.steps=6", "train.log_every=3",
                   "train.console=plain", "telemetry.profile_cpu_memory=false", "train.compile=true",
                   "train.timing_warmup_steps=0")
@@ -93,7 +93,7 @@ def test_fp8_without_compile_is_warned_about():
 def test_fsdp_shards_compiled_blocks_and_trains_as_eager_fsdp(tmp_path):
     """Compiled blocks (activation checkpointing inside), then fully_shard on them: two ranks train as the
     eager sharded job does."""
-    from tests.integration.test_distributed import torchrun
+    from tests.support.runs import torchrun
 
     args = [*TINY_GPT, "distributed=fsdp", "train.activation_checkpointing=true"]
     eager = torchrun(tmp_path / "eager", *args)

@@ -14,21 +14,13 @@ from pathlib import Path
 import pytest
 
 from ampctl.cli import main
+from tests.support.runs import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "train.steps=12", "train.log_every=4",
        "train.console=plain", "train.lr_warmup_steps=0",
        "telemetry.profile_cpu_memory=false"]  # the memory timeline, not under test here, costs ~9 s a torchrun
 COMPARED = ("step", "loss", "loss_scale", "skipped")
-
-
-def torchrun(run_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-         "-m", "ampctl", "train", *args, f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, timeout=300, cwd=run_dir.parent, env=env,
-    )
 
 
 def single(run_dir: Path, *args: str) -> None:
@@ -61,7 +53,7 @@ def test_two_ranks_of_batch_b_train_as_one_process_of_batch_2b(tmp_path, restore
 def test_an_inf_on_one_rank_makes_every_rank_skip(tmp_path, kind):
     """DDP: the all-reduce carries the inf to every rank. FSDP: each rank sees only its shard of the
     gradients, so the scaler all-reduces its found-inf."""
-    recipe = ["recipe._target_=tests.rank_fault_recipe.RankFaultRecipe", "+recipe.fault_step=3"]
+    recipe = ["recipe._target_=tests.support.rank_fault_recipe.RankFaultRecipe", "+recipe.fault_step=3"]
     result = torchrun(tmp_path / "ddp", *MLP, *recipe, "precision=fp16", "recipe.batch_size=16", f"distributed={kind}")
     assert result.returncode == 0, result.stderr
     skipped = [r["step"] for r in rows(tmp_path / "ddp") if r["skipped"]]
@@ -71,7 +63,7 @@ def test_an_inf_on_one_rank_makes_every_rank_skip(tmp_path, kind):
 
 
 def test_a_failure_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
-    recipe = ["recipe._target_=tests.rank_fault_recipe.RankFaultRecipe", "+recipe.fault=crash"]
+    recipe = ["recipe._target_=tests.support.rank_fault_recipe.RankFaultRecipe", "+recipe.fault=crash"]
     result = torchrun(tmp_path / "ddp", *MLP, *recipe, "precision=bf16", "recipe.batch_size=16",
                       "distributed=ddp", "distributed.timeout_s=30")
     assert result.returncode != 0

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from ampctl.recipes.mlp import MLPRecipe
 from tests.conftest import QUIET, train
-from tests.integration.test_golden_amp import GOLDEN, STEPS, canonical_loop
+from tests.support.golden import GOLDEN, STEPS, canonical_loop
 
 EVAL = ["train.eval_every=4", "train.eval_batches=3", "train.eval_fp32=true"]
 
@@ -76,8 +76,8 @@ def _fp32_loop():
 
 @pytest.mark.parametrize("overrides", [
     ["recipe=mlp", "recipe.norm=batchnorm", "recipe.hidden=32", "recipe.batch_size=16", "precision=bf16"],
-    ["recipe=gpt", "recipe._target_=tests.eval_recipes.RandomEvalGPT", "recipe.dropout=0.2", "recipe.d_model=32",
-     "recipe.n_layers=2", "recipe.n_heads=2", "recipe.block_size=32", "recipe.batch_size=4",
+    ["recipe=gpt", "recipe._target_=tests.support.eval_recipes.RandomEvalGPT", "recipe.dropout=0.2",
+     "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2", "recipe.block_size=32", "recipe.batch_size=4",
      "recipe.max_corpus_bytes=100000", "precision=fp16"],
     ["recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "precision=fp8_emulated",
      "precision.fp8_emulated.scaling=delayed"],

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ampctl.cli import main
-from ampctl.conf.schema import Fp8TorchaoConfig
+from ampctl.conf.precision_schema import Fp8TorchaoConfig
 from ampctl.engine.precision import fp8_torchao
 from tests.conftest import QUIET, train
 

@@ -18,7 +18,7 @@ def conf_dir(tmp_path) -> Path:
     recipe_dir = tmp_path / "conf" / "recipe"
     recipe_dir.mkdir(parents=True)
     (recipe_dir / "exploding.yaml").write_text(
-        "# 'amplifier' blows up from step 5 on\n_target_: tests.exploding_recipe.ExplodingRecipe\n"
+        "# 'amplifier' blows up from step 5 on\n_target_: tests.support.exploding_recipe.ExplodingRecipe\n"
         "factor: 1000.0\ninput_gain: 100.0\n"
     )
     return tmp_path / "conf"

@@ -46,7 +46,7 @@ def test_a_runs_flops_tflops_and_mfu_follow_from_its_matmuls(tmp_path, restore_a
 
 def test_a_recipe_the_counter_cannot_trace_has_no_mfu_and_says_why(tmp_path, restore_argv):
     """A loss that reads a value back (.item()) cannot run on shapes alone: no figure, and the run goes on."""
-    main(["train", *MLP, "recipe._target_=tests.broken_recipes.BrokenRecipe", "+recipe.mistake=item_in_loss",
+    main(["train", *MLP, "recipe._target_=tests.support.broken_recipes.BrokenRecipe", "+recipe.mistake=item_in_loss",
           f"hydra.run.dir={tmp_path / 'run'}"])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["model_flops_per_step"] is None and summary["mfu"] is None

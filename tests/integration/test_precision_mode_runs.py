@@ -6,8 +6,8 @@ import pytest
 
 from ampctl.engine.precision import fp32_math
 from tests.conftest import build, train
-from tests.simulated_cpu import AVX512_BF16, use_simulated
-from tests.unit.test_precision_modes import MODES
+from tests.support.configs import MODES
+from tests.support.simulated_cpu import AVX512_BF16, use_simulated
 
 
 @pytest.mark.parametrize("overrides", MODES, ids=lambda o: " ".join(x.split("=")[1] for x in o))

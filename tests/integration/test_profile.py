@@ -15,7 +15,7 @@ from ampctl.runner.speed_warnings import DATA_WAIT_SHARE
 MLP = ["device=cpu", "recipe.in_features=64", "recipe.hidden=32", "recipe.depth=2", "recipe.num_classes=10",
        "recipe.batch_size=16", "train.log_every=4", "train.console=plain", "telemetry.profile_cpu_memory=false",
        "train.timing_warmup_steps=2"]
-SLOW = ["recipe=mlp", "recipe._target_=tests.slow_data_recipe.SlowDataRecipe", "+recipe.data_delay_s=0.05"]
+SLOW = ["recipe=mlp", "recipe._target_=tests.support.slow_data_recipe.SlowDataRecipe", "+recipe.data_delay_s=0.05"]
 
 
 def test_a_profiled_run_writes_the_trace_of_its_window_and_a_breakdown_that_adds_up(tmp_path, restore_argv, capsys):
@@ -92,7 +92,7 @@ def test_on_a_cpu_a_batch_made_in_the_loops_thread_is_its_own_cost_not_a_wait(tm
     """30 ms of the thread's own CPU work per batch (most of each step): data_ms has it, the idle part is ~0, and
     no warning says the run waits on its data; a batch that sleeps as long (a pipeline behind) is said to."""
     run = tmp_path / "run"
-    main(["train", *MLP, "recipe=mlp", "recipe._target_=tests.slow_data_recipe.BusyDataRecipe",
+    main(["train", *MLP, "recipe=mlp", "recipe._target_=tests.support.slow_data_recipe.BusyDataRecipe",
           "+recipe.data_work_s=0.03", "train.steps=14", f"hydra.run.dir={run}"])
     assert "waited for their batches" not in capsys.readouterr().out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -114,7 +114,7 @@ def test_a_busy_machine_preempting_the_loop_is_not_taken_for_a_wait_on_data(tmp_
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
         run = tmp_path / "run"
-        main(["train", *MLP, "recipe=mlp", "recipe._target_=tests.slow_data_recipe.BusyDataRecipe",
+        main(["train", *MLP, "recipe=mlp", "recipe._target_=tests.support.slow_data_recipe.BusyDataRecipe",
               "+recipe.data_work_s=0.03", "train.steps=14", f"hydra.run.dir={run}"])
     finally:
         for hog in hogs:

@@ -1,5 +1,5 @@
 """A user recipe that breaks the protocol ends in one line naming the recipe member and what the protocol
-needs, exit 2, no run directory left (each mistake as a new user would make it; tests/broken_recipes.py)."""
+needs, exit 2, no run directory left (each mistake as a new user would make it; tests/support/broken_recipes.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from ampctl.cli import main
 
-RECIPE = "tests.broken_recipes.BrokenRecipe"
-SOURCE = Path(__file__).resolve().parents[1] / "broken_recipes.py"
+RECIPE = "tests.support.broken_recipes.BrokenRecipe"
+SOURCE = Path(__file__).resolve().parents[1] / "support" / "broken_recipes.py"
 MODEL_CALL = SOURCE.read_text().splitlines().index("        out = model(x)") + 1  # where a list batch fails
 
 

@@ -7,7 +7,7 @@ import torch
 
 from ampctl.errors import UsageError
 from tests.conftest import QUIET, train
-from tests.unit.test_recipes import TINY_GPT
+from tests.support.configs import TINY_GPT
 
 
 @pytest.mark.parametrize("precision", ["bf16", "O2"])

@@ -4,7 +4,6 @@ checkpoint starts clean, the killed run's rows set aside. Real processes, a real
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
@@ -15,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.runs import QUICK, snapshot, start_a_long_run, steps
+
 REPO = Path(__file__).resolve().parents[2]
-QUICK = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "train.console=quiet", "telemetry.profile_cpu_memory=false",
-         "train.log_every=1"]
 
 
 def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -28,27 +27,6 @@ def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def report(run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ampctl", "report", str(run_dir)], capture_output=True, text=True,
                           timeout=300)
-
-
-def start_a_long_run(run_dir: Path, rows: int) -> subprocess.Popen:
-    """`ampctl train` for 100000 steps into run_dir, returned once it has written `rows` metrics rows."""
-    process = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
-                                f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 240
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= rows):
-        assert process.poll() is None and time.monotonic() < deadline, "the run ended before writing rows"
-        time.sleep(0.01)
-    return process
-
-
-def snapshot(run_dir: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
-
-
-def steps(path: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
 def test_a_new_run_into_a_directory_that_holds_a_run_is_refused_and_touches_nothing(tmp_path):
@@ -161,7 +139,7 @@ def test_a_ctrl_c_that_a_library_swallows_still_ends_the_run_before_its_first_st
     """A Ctrl-C while a C extension is imported comes out as an ImportError, and a library importing it
     optionally goes on (torch's FLOP counter and triton): the run went on as if never stopped."""
     run_dir = tmp_path / "run"
-    swallowed = ampctl(f"hydra.run.dir={run_dir}", "recipe._target_=tests.broken_recipes.BrokenRecipe",
+    swallowed = ampctl(f"hydra.run.dir={run_dir}", "recipe._target_=tests.support.broken_recipes.BrokenRecipe",
                        "+recipe.mistake=swallows_a_signal", cwd=REPO)
     assert swallowed.returncode == 130, swallowed.stderr
     assert swallowed.stderr.strip() == "ampctl train: interrupted (SIGINT) before the first step; nothing recorded"
@@ -172,7 +150,8 @@ def test_a_ctrl_c_that_a_library_swallows_still_ends_the_run_before_its_first_st
 def test_ctrl_c_before_the_first_step_exits_130_and_leaves_no_run_dir(tmp_path, after_hydra_s):
     run_dir = tmp_path / "run"
     process = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, f"hydra.run.dir={run_dir}",
-                                "recipe._target_=tests.broken_recipes.BrokenRecipe", "+recipe.mistake=slow_build"],
+                                "recipe._target_=tests.support.broken_recipes.BrokenRecipe",
+                                "+recipe.mistake=slow_build"],
                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not (run_dir / ".hydra" / "config.yaml").exists():

@@ -16,8 +16,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ampctl.cli import main
-from tests.integration.test_checkpoint_resume import flip_a_bit, rows
-from tests.integration.test_distributed import torchrun
+from tests.support.runs import flip_a_bit, rows, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 # fp16 with overflows and regrowth: the model, optimizer and scaler states all matter for exactness

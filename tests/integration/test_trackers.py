@@ -1,6 +1,6 @@
 """Experiment trackers end to end: a real fp16 run with skipped steps and a growing loss scale, logged to csv,
 TensorBoard, W&B (offline) and MLflow (a local SQLite store) at once, then resumed. What each tracker holds
-is read back with its own reader (tests/tracker_readers.py) and compared with the run's metrics.jsonl, step
+is read back with its own reader (tests/support/tracker_readers.py) and compared with the run's metrics.jsonl, step
 by step: every step once, every metric, the config and the summary."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from ampctl import run_files
 from ampctl.cli import main
 from ampctl.runner import trackers
-from tests import tracker_readers
+from tests.support import tracker_readers
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
@@ -110,7 +110,8 @@ def test_a_run_a_guard_stops_ends_its_tracker_runs_as_failed_with_every_recorded
     steps the run recorded, and MLflow's run is FAILED, not left RUNNING."""
     conf = tmp_path / "conf" / "recipe"
     conf.mkdir(parents=True)
-    (conf / "exploding.yaml").write_text("# blows up from step 5\n_target_: tests.exploding_recipe.ExplodingRecipe\n"
+    (conf / "exploding.yaml").write_text("# blows up from step 5\n"
+                                         "_target_: tests.support.exploding_recipe.ExplodingRecipe\n"
                                          "factor: 1.0e36\ninput_gain: 1.0e4\n")
     run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(SystemExit) as exit_info:
@@ -173,7 +174,7 @@ def test_each_sink_spells_a_non_finite_value_by_its_documented_rule(tmp_path):
     of its step, since its SQL store would turn it into 1.8e308 (docs/runs.md)."""
     from omegaconf import OmegaConf
 
-    from ampctl.conf.schema import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig
+    from ampctl.conf.logger_schema import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig
     from ampctl.engine.telemetry import StepRecord
     from ampctl.runner.trackers.csv_tracker import CsvTracker
     from ampctl.runner.trackers.mlflow_tracker import MlflowTracker

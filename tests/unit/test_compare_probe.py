@@ -8,7 +8,7 @@ import pytest
 
 from ampctl.engine import cpu_speed
 from ampctl.studies.compare import ModePlan, recheck_cpu_probe
-from tests.simulated_cpu import AVX2_ONLY, AVX512_BF16, simulated
+from tests.support.simulated_cpu import AVX2_ONLY, AVX512_BF16, simulated
 
 PLANS = [ModePlan("fp32", [], 10), ModePlan("bf16", [], 10, "cpu", "bfloat16")]
 

@@ -219,7 +219,8 @@ def test_the_composed_defaults_are_the_schemas():
 def test_the_range_checks_live_in_the_schema_dataclasses():
     """One place for a range: the dataclass refuses a bad value however it is built (Hydra, a test, a user's
     script), with the same one line that `ampctl train` prints."""
-    from ampctl.conf.schema import DynamicScalerConfig, Fp8EmulatedConfig, Fp8Scaling, TrainConfig
+    from ampctl.conf.precision_schema import DynamicScalerConfig, Fp8EmulatedConfig, Fp8Scaling
+    from ampctl.conf.schema import TrainConfig
     from ampctl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^train.steps=0 is not allowed: expected an integer >= 1$"):
@@ -248,7 +249,7 @@ def test_the_tracker_table_is_the_schemas_loggers_and_their_yamls_and_extras():
     import typing
     from importlib import metadata
 
-    from ampctl.conf.schema import LoggerConfig
+    from ampctl.conf.logger_schema import LoggerConfig
     from ampctl.runner.trackers import TRACKERS
 
     hints = typing.get_type_hints(LoggerConfig)

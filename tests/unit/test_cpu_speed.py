@@ -11,7 +11,7 @@ import torch
 
 from ampctl.analysis import flops
 from ampctl.engine import cpu_speed
-from tests.simulated_cpu import AVX2_ONLY, AVX512_BF16, SimulatedCpu, always, bursts, simulated
+from tests.support.simulated_cpu import AVX2_ONLY, AVX512_BF16, SimulatedCpu, always, bursts, simulated
 
 
 def probe_shape_trials(cpu: SimulatedCpu, dtype: str) -> int:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.conf.schema import Fp8EmulatedConfig, Fp8Format, Fp8Scaling
+from ampctl.conf.precision_schema import Fp8EmulatedConfig, Fp8Format, Fp8Scaling
 from ampctl.engine.precision.fp8_emulated import (
     E4M3,
     E5M2,

@@ -52,7 +52,7 @@ def test_the_recorder_counts_each_linears_input_weight_and_output_gradient():
 
 
 def test_in_an_fp8_mode_only_the_converted_layers_are_recorded():
-    from ampctl.conf.schema import Fp8EmulatedConfig
+    from ampctl.conf.precision_schema import Fp8EmulatedConfig
     from ampctl.engine.precision.fp8_emulated import Fp8EmulatedLinear
 
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))

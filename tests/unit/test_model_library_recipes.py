@@ -95,7 +95,7 @@ def test_hf_blocks_are_the_models_no_split_modules(transformers, model_type, blo
 def test_o2_keeps_library_norms_in_fp32(transformers):
     """LlamaRMSNorm is transformers' own class, not torch's: O2's rule type=norm keeps it (and timm's RmsNorm) fp32
     all the same."""
-    from ampctl.conf.schema import LayerRule
+    from ampctl.conf.precision_schema import LayerRule
     from ampctl.engine.precision.half import cast_model_to_half
     from ampctl.engine.precision.layers import matches
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.conf.schema import MXElements, MXEmulatedConfig, MXFormat, MXScaleMode
+from ampctl.conf.precision_schema import MXElements, MXEmulatedConfig, MXFormat, MXScaleMode
 from ampctl.engine.precision.mx_emulated import (
     ELEMENTS,
     BlockFormat,

@@ -11,20 +11,7 @@ from ampctl.engine.precision import fp32_math
 from ampctl.engine.precision.half import FP32MasterWeights
 from ampctl.errors import UnsupportedError
 from tests.conftest import build
-from tests.simulated_cpu import AVX512_BF16, use_simulated
-
-MODES = [
-    ["precision=fp32"],
-    ["precision=O0"],
-    ["precision=fp16"],
-    ["precision=O1"],
-    ["precision=bf16"],
-    ["precision=O2"],
-    ["precision=O3"],
-    ["precision=O1", "precision.dtype=bfloat16"],
-    ["precision=O2", "precision.dtype=bfloat16"],
-    ["precision=O3", "precision.dtype=bfloat16"],
-]
+from tests.support.simulated_cpu import AVX512_BF16, use_simulated
 
 
 def layout(*overrides: str):

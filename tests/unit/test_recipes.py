@@ -8,9 +8,6 @@ import torch
 from ampctl.errors import UsageError
 from ampctl.recipes.gpt import GPTRecipe
 
-TINY_GPT = ["recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2", "recipe.block_size=32",
-            "recipe.batch_size=8", "recipe.max_corpus_bytes=200000"]
-
 
 def test_gpt_corpus_defaults_to_the_stdlib_and_is_deterministic():
     a, b = GPTRecipe(max_corpus_bytes=10_000), GPTRecipe(max_corpus_bytes=10_000)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampctl.conf.schema import AmaxAlgo, Fp8EmulatedConfig, Fp8Format, Fp8Scaling
+from ampctl.conf.precision_schema import AmaxAlgo, Fp8EmulatedConfig, Fp8Format, Fp8Scaling
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
 
 E4M3 = torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else None

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ampctl.conf.schema import Fp8TorchaoConfig
+from ampctl.conf.precision_schema import Fp8TorchaoConfig
 from ampctl.engine import devices
 from ampctl.engine.precision.converters import Converter, register_converter
 from ampctl.errors import UsageError

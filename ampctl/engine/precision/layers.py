@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ampctl.conf.messages import did_you_mean
-from ampctl.conf.schema import LAYER_DTYPES, UNCONVERTED, LayerRule, PrecisionConfig
+from ampctl.conf.precision_schema import LAYER_DTYPES, UNCONVERTED, LayerRule, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import autocast_ops, converters
 from ampctl.engine.precision.half import cast_floats, is_norm_layer

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampctl.conf.schema import MXElements, MXEmulatedConfig, MXFormat, MXScaleMode
+from ampctl.conf.precision_schema import MXElements, MXEmulatedConfig, MXFormat, MXScaleMode
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
 
 E8M0_BIAS = 127

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from ampctl.conf.schema import Dtype, PrecisionConfig
+from ampctl.conf.precision_schema import Dtype, PrecisionConfig
 from ampctl.engine import cpu_speed, devices
 from ampctl.engine.precision import converters, fp32_math, layers
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half

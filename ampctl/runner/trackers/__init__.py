@@ -19,8 +19,8 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from ampctl import io, run_files
+from ampctl.conf.logger_schema import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig, WandbLoggerConfig
 from ampctl.conf.messages import one_line
-from ampctl.conf.schema import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig, WandbLoggerConfig
 from ampctl.engine.telemetry import StepRecord
 from ampctl.errors import UsageError
 from ampctl.runner.trackers.base import METRICS, Tracker

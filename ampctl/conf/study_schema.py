@@ -1,0 +1,99 @@
+"""The schemas of the study commands' own settings (compare.*, memory.*, inspect.*, advise.*): types, defaults and
+range checks (see conf/schema.py, which stores each command's primary config)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from ampctl.conf.checks import require
+
+
+@dataclass
+class CompareConfig:
+    # null: every mode this device runs at speed among DEFAULT_COMPARE_PRECISIONS
+    precisions: Optional[list[str]] = None
+    warmup_steps: int = 10  # steps left out of each mode's timings
+    # the modes take turns in this many rounds after the warm-up (each a window of steps of every mode, one mode at
+    # a time): each mode's step time is the median of its rounds, its speedup has an interval; 1: one after another
+    rounds: int = 5
+    # each mode trains with this many seeds (train.seed, +1, ...): accuracy parity with fp32 is judged against the
+    # seed-to-seed noise (reports/parity.py); the seeds' rounds all count in the timings
+    seeds: int = 1
+    # [false,true]: each mode without and with activation checkpointing (rows "bf16", "bf16+ac")
+    activation_checkpointing: Optional[list[bool]] = None
+    # [false,true]: each mode eager and compiled (rows "bf16", "bf16+compile"); null: [train.compile], one
+    # setting for every mode, so that no mode is credited with compile's gain
+    compile: Optional[list[bool]] = None
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 0, "compare.warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(self.rounds >= 1, "compare.rounds", self.rounds, "an integer >= 1")
+        require(self.seeds >= 1, "compare.seeds", self.seeds, "an integer >= 1")
+
+
+# The modes `ampctl compare` runs when compare.precisions is null (those the device can run).
+DEFAULT_COMPARE_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "O2")
+
+
+@dataclass
+class MemoryConfig:
+    precisions: Optional[list[str]] = None  # null: the run's own precision= only
+    activation_checkpointing: Optional[list[bool]] = None  # e.g. [false,true]; null: train.activation_checkpointing
+    budget: Optional[str] = None  # e.g. 80GB or 16GiB: the largest batch that fits, per mode
+    steps: int = 2  # measured steps; the first allocates the optimizer's states
+    timed_steps: int = 3  # more steps after the measured ones, timed (activation checkpointing's cost)
+    search: Optional[bool] = None  # verify the batch estimate with real steps; null: on CUDA
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "memory.steps", self.steps, "an integer >= 1")
+        require(self.timed_steps >= 0, "memory.timed_steps", self.timed_steps, "an integer >= 0")
+
+
+@dataclass
+class InspectConfig:
+    steps: int = 3  # training steps recorded
+    loss_scale: Optional[float] = None  # the loss scale studied; null: the mode's scaler's, else 65536
+
+    def __post_init__(self) -> None:
+        require(self.steps >= 1, "inspect.steps", self.steps, "an integer >= 1")
+
+
+class AdviseGoal(Enum):
+    speed = "speed"  # the fastest mode whose accuracy matches fp32's
+    memory = "memory"  # the mode with the smallest peak whose accuracy matches fp32's
+    accuracy = "accuracy"  # fp32's numbers: the others as alternatives, with what they would cost
+
+
+@dataclass
+class AdviseConfig:
+    budget: str = "10min"  # the time advise may take in all: 90s, 10min, 1h30m
+    goal: AdviseGoal = AdviseGoal.speed
+    name: str = "advised"  # the experiment config it writes: <run dir>/<name>.yaml
+    # torch.compile measured (each mode eager and compiled): null, where the budget leaves each run enough steps
+    # after the compile time the calibration measured; true, always; false, never
+    compile: Optional[bool] = None
+    # FP8 and MX modes: a layer whose format loses more than this share of an operand's values (saturated or
+    # flushed to zero, as inspect counts them in that mode) stays unconverted
+    layer_loss_limit: float = 0.02
+
+    def __post_init__(self) -> None:
+        require(budget_seconds(self.budget) is not None, "advise.budget", self.budget,
+                "a duration such as 90s, 10min, 1h or 1h30m")
+        require(0.0 <= self.layer_loss_limit < 1.0, "advise.layer_loss_limit", self.layer_loss_limit,
+                "a share of values from 0 to below 1 (0.02: 2%)")
+        require(bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.name)), "advise.name", self.name,
+                "a config name: letters, digits and _")
+
+
+def budget_seconds(text: str) -> Optional[float]:
+    """'1h30m' -> 5400.0; None when it is no duration (a positive one of h, min or m, s)."""
+    number = r"(\d+(?:\.\d+)?)"
+    match = re.fullmatch(rf"\s*(?:{number}\s*h)?\s*(?:{number}\s*(?:min|m))?\s*(?:{number}\s*s)?\s*", str(text))
+    if match is None or not any(match.groups()):
+        return None
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    return total if total > 0 else None

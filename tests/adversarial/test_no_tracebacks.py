@@ -1,0 +1,159 @@
+"""Bad values, broken inputs and broken installs are one line naming the bad value and what is allowed, exit 2, no
+traceback, nothing left behind. (The adversarial suite: real processes where a kill or a signal is the point.)"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import ampctl
+from ampctl.cli import main
+from tests.support.adversarial import MLP, REPO, cli, one_line_refusal
+from tests.support.runs import snapshot
+
+# --- no tracebacks ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,named", [
+    (["recipe.hidden=2.5"], "recipe.hidden=2.5 is not allowed: expected an integer"),
+    (["recipe.hidden=abc"], "recipe.hidden='abc' is not allowed: expected an integer"),
+    (["recipe.batch_size=1e11"], "recipe.batch_size=100000000000.0 is not allowed: expected an integer"),
+    (["recipe.norm=batchnorm", "recipe.batch_size=1"], "recipe.batch_size=1 is not allowed"),
+    (["+optimizer.foo=1"], "optimizer.foo: torch.optim.AdamW takes no argument 'foo'; it takes lr, betas"),
+    (["optimizer._target_=os.getcwd"], "takes no arguments: it must name a torch.optim.Optimizer"),
+    (["optimizer.fused=maybe"], "optimizer.fused='maybe' is not allowed: expected true, false or null"),
+    (["telemetry.profile_cpu_memory=2"], "telemetry.profile_cpu_memory=2 is not allowed: expected true or false"),
+    (["train.steps=${oops}"], "Interpolation key 'oops' not found"),
+    (["+experiment=x"], "To choose experiment=x from a config group of your own, put it in DIR/experiment/x.yaml"),
+    (["hydra.run.dir=/proc/ampctl-test/run"], "cannot write /proc/ampctl-test"),
+    # precision per layer and the microscaling formats (issue 26)
+    (["precision=mxfp4", "precision.mx.elements=e5m2"], "precision.mx.elements='e5m2' is not allowed: expected e4m3"),
+    (["precision=nvfp4", "precision.mx.scale_mode=rceil"], "precision.mx.scale_mode='rceil' is not allowed"),
+    (["precision=mxfp8", "precision.mx.scale_mode=round"], "precision.mx.scale_mode"),
+    (["precision=bf16", "precision.mx.scale_mode=rceil"],
+     "precision.mx.* are the options of precision=mxfp4, mxfp8 or nvfp4 only"),
+    (["precision.converter=nope"], "precision.converter=nope: no such converter"),
+    (["precision.rules=[{match:'9',run_in:fp32}"], "no viable alternative at input"),
+    (["precision.rules=[{match:'9',run_in:fp32,extra:1}]"], "precision.rules[].extra: no such key; allowed: run_in, "
+                                                            "match, type"),
+    (["precision.rules=[{match:'9'}]"], "precision.rules[0].run_in: required, and not given"),
+    (["precision.rules={match:'9'}"], "precision.rules: expected a list"),
+    (["precision=O2", "precision.keep_norm_fp32=false"], "precision.keep_norm_fp32: replaced by the per-layer rule"),
+    # sizes torch cannot build or train (issue 35)
+    (["recipe.in_features=9223372036854775807"], "its model cannot be built, its tensors are too large to allocate "
+     "(Storage size calculation overflowed with sizes=[32, 9223372036854775807]); its largest size option: "
+     "recipe.in_features=9223372036854775807"),
+])
+def test_bad_values_are_one_line_exit_2_and_leave_nothing(tmp_path, args, named):
+    refused = cli("train", *MLP, "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}", *args, cwd=tmp_path)
+    assert named in one_line_refusal(refused, "train")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command,named", [
+    (["train", "recipe=resnet", "recipe.data=synthetic", "recipe.image_size=1", "recipe.batch_size=1"],
+     "recipe.image_size=1 with recipe.batch_size=1: ResNet's last stage would hold one value per channel"),
+    (["train", "recipe=timm", "recipe.model=resnet18", "recipe.image_size=32", "recipe.batch_size=1"],
+     "a BatchNorm layer got one value per channel (Expected more than 1 value per channel when training"),
+    (["inspect", "recipe=timm", "recipe.model=resnet18", "recipe.image_size=32", "recipe.batch_size=1"],
+     "a BatchNorm layer got one value per channel"),
+])
+def test_a_batch_norm_given_one_value_per_channel_is_one_line(tmp_path, command, named):
+    refused = cli(*command, "device=cpu", "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert named in one_line_refusal(refused, command[0])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage,named", [
+    (lambda run: (shutil.rmtree(run / "checkpoints"), (run / "checkpoints").write_text("x")),
+     "checkpoints is a file, where an ampctl run keeps a directory: the run directory is damaged"),
+    (lambda run: (run / ".ampctl.lock").mkdir(), ".ampctl.lock is a directory, where an ampctl run keeps a file"),
+])
+def test_a_run_directory_whose_own_names_are_the_wrong_kind_is_refused_and_left_as_it_is(tmp_path, damage, named):
+    """checkpoints/ replaced by a file (it failed in mkdir after setting the rows aside), the lock a directory."""
+    run = tmp_path / "run"
+    assert cli("train", *MLP, "train.steps=4", "train.checkpoint_every=2", f"hydra.run.dir={run}",
+               cwd=tmp_path).returncode == 0
+    damage(run)
+    before = snapshot(run)
+    refused = cli("train", *MLP, "train.steps=6", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
+    assert named in one_line_refusal(refused, "train")
+    assert snapshot(run) == before and (run / ".ampctl.lock").is_dir() == ("lock" in named)
+
+
+def test_report_on_a_directory_it_cannot_write_shows_the_report_and_says_so(tmp_path):
+    """A finished run in a directory that refuses writes (made immutable: root ignores permission bits): the table
+    on the screen, one line naming the file it could not write, exit 74, no traceback."""
+    run = tmp_path / "run"
+    assert cli("train", *MLP, "train.steps=2", f"hydra.run.dir={run}", cwd=tmp_path).returncode == 0
+    if os.geteuid() == 0:
+        if subprocess.run(["chattr", "+i", str(run)], capture_output=True).returncode != 0:
+            pytest.skip("chattr +i is not available here")
+    else:
+        run.chmod(0o555)
+    try:
+        shown = cli("report", str(run), cwd=tmp_path)
+        (run / "train.log").unlink() if os.geteuid() != 0 else None
+        resumed = cli("train", *MLP, "train.steps=4", "resume=auto", f"hydra.run.dir={run}", cwd=tmp_path)
+    finally:
+        subprocess.run(["chattr", "-i", str(run)], capture_output=True) if os.geteuid() == 0 else run.chmod(0o755)
+    assert shown.returncode == 74 and "Traceback" not in shown.stderr, shown.stderr
+    assert shown.stderr.startswith("ampctl report: error: cannot write ") and shown.stderr.count("\n") == 1
+    assert "final_loss" in shown.stdout and not (run / "run.csv").exists()
+    # a resume into it: one line naming what could not be written (it said Hydra's "Unable to configure handler")
+    assert resumed.returncode == 74 and resumed.stderr.startswith("ampctl train: error: cannot write "), resumed.stderr
+    assert resumed.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [
+    ["train", "recipe=timm", "train.steps=1"], ["train", "recipe=resnet", "train.steps=1"],
+    ["train", "recipe=hf_causal_lm", "recipe.model_type=llama", "train.steps=1"],  # transformers imports it lazily
+    ["inspect", "recipe=hf_causal_lm", "recipe.model_type=qwen2", "+recipe.config.num_hidden_layers=2",
+     "inspect.steps=1"],  # the README's line: deep in a model class, wrapped in transformers' own error
+])
+def test_a_torchvision_for_another_torch_is_the_same_one_line_on_every_path(tmp_path, command):
+    """As after `pip install '.[models]'` beside a CPU-only torch from PyTorch's index: torchvision's compiled
+    operators are missing, which surfaces wherever a library first imports it. Simulated by a torchvision that fails
+    the same way, first on the path. The fix it names replaces the installed torchvision even where its version
+    number is the right one (another build): --force-reinstall, and --no-deps to leave torch as it is."""
+    (tmp_path / "broken" / "torchvision").mkdir(parents=True)
+    (tmp_path / "broken" / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    refused = subprocess.run([sys.executable, "-m", "ampctl", *command, f"hydra.run.dir={tmp_path / 'run'}"],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                             env={**os.environ, "PYTHONPATH": f"{tmp_path / 'broken'}:{REPO}"})
+    line = one_line_refusal(refused, command[0])
+    recipe = command[1]
+    assert f"{recipe}: torchvision " in line and " does not match torch " in line, line
+    assert "pip install --force-reinstall --no-deps 'torchvision==0." in line and not (tmp_path / "run").exists()
+
+
+def test_a_config_that_is_not_ampctls_is_refused_before_it_touches_a_run(tmp_path):
+    """A --cfg job dump from before it wrote its defaults list (or any primary config without `- train`) would
+    run without ampctl's callbacks: it overwrote an earlier run's metrics.jsonl. Refused in one line."""
+    first = ampctl.train([*MLP, "train.steps=3"], run_dir=tmp_path / "run")
+    before = snapshot(first.run_dir)
+    dump = cli("train", *MLP, "train.steps=2", "--cfg", "job", cwd=tmp_path)
+    assert dump.returncode == 0, dump.stderr
+    (tmp_path / "old.yaml").write_text(dump.stdout.split("  - _self_\n", 1)[1])  # the values, no defaults list
+    refused = cli("train", "-cd", str(tmp_path), "-cn", "old", f"hydra.run.dir={first.run_dir}", cwd=tmp_path)
+    assert "-cn old: the config does not start from ampctl's train config" in one_line_refusal(refused, "train")
+    assert snapshot(first.run_dir) == before
+
+
+def test_a_config_that_includes_itself_is_one_line(tmp_path):
+    (tmp_path / "self.yaml").write_text("defaults:\n  - self\n")
+    refused = cli("train", "-cd", str(tmp_path), "-cn", "self", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert "defaults include themselves" in one_line_refusal(refused, "train")
+
+
+def test_init_next_to_a_file_in_its_way_writes_nothing(tmp_path, capsys, restore_argv):
+    (tmp_path / "recipe").write_text("mine")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["init", "x", "--dir", str(tmp_path)])
+    assert exit_info.value.code == 2 and "(nothing was written)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe"]

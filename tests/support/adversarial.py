@@ -1,0 +1,43 @@
+"""What the adversarial suite (tests/adversarial/) shares: ampctl in a process of its own, its one-line refusal,
+waiting on a condition, a file's row count."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.support.runs import REPO
+
+MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.console=quiet",
+       "telemetry.profile_cpu_memory=false", "train.log_every=1"]
+
+
+def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ampctl", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def one_line_refusal(result: subprocess.CompletedProcess, command: str) -> str:
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"ampctl {command}: error: "), result.stderr
+    return result.stderr
+
+
+def wait_for(condition, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def popen(*args: str, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ampctl", *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def row_count(path: Path) -> int:
+    return path.read_text().count("\n") if path.is_file() else 0

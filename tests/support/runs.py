@@ -1,0 +1,58 @@
+"""Starting and reading runs from a test: a long run to signal or kill, torchrun jobs, a run directory's bytes
+and rows, a bit flipped in a checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+QUICK = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "train.console=quiet", "telemetry.profile_cpu_memory=false",
+         "train.log_every=1"]
+
+
+def start_a_long_run(run_dir: Path, rows: int) -> subprocess.Popen:
+    """`ampctl train` for 100000 steps into run_dir, returned once it has written `rows` metrics rows."""
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
+                                f"hydra.run.dir={run_dir}"], cwd=run_dir.parent, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= rows):
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before writing rows"
+        time.sleep(0.01)
+    return process
+
+
+def snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def torchrun(run_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         "-m", "ampctl", "train", *args, f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, cwd=run_dir.parent, env=env,
+    )
+
+
+COMPARED = ("step", "loss", "loss_scale", "skipped", "skipped_total", "grad_norm", "lr")
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [{k: r[k] for k in COMPARED} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # in the middle of the tensors' bytes: torch.load alone would not notice
+    path.write_bytes(bytes(data))

@@ -1,0 +1,79 @@
+"""How every command ends, as one table (commands/outcomes.py): each outcome's exit code, its clean-up, and
+whether a sweep goes on past it; and leave() doing what the table says."""
+
+from __future__ import annotations
+
+import errno
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampctl.commands.outcomes import ENDINGS, Outcome, exit_code_of, outcome_of
+from ampctl.errors import CommandLineRefused, RunStopped, UsageError
+from ampctl.interrupt import Interrupted, Signalled
+
+REPO = Path(__file__).resolve().parents[2]
+
+# (what ended the command, its outcome, exit code, a directory with only Hydra's files removed, a sweep goes on)
+TABLE = [
+    (UsageError("train.steps=-1 is not allowed"), Outcome.REFUSED, 2, True, True),
+    (CommandLineRefused(UsageError("a job of the sweep")), Outcome.REFUSED, 2, True, True),
+    (OSError(errno.ENOSPC, "No space left on device", "run/metrics.jsonl"), Outcome.WRITE_REFUSED, 74, False, True),
+    (OSError(errno.EROFS, "Read-only file system", "run/train.log"), Outcome.WRITE_REFUSED, 74, False, True),
+    (Interrupted(signal.SIGINT, 12, "run/checkpoints/step_00000012.pt"), Outcome.STOPPED_BY_SIGNAL, 130, True, False),
+    (Interrupted(signal.SIGTERM, 3, None), Outcome.STOPPED_BY_SIGNAL, 143, True, False),
+    (Interrupted(signal.SIGUSR1, 3, None), Outcome.STOPPED_BY_SIGNAL, 138, True, False),
+    (KeyboardInterrupt(), Outcome.SIGNALLED, 130, True, False),
+    (Signalled(signal.SIGHUP), Outcome.SIGNALLED, 129, True, False),
+    (RunStopped("every step was skipped"), Outcome.RUN_STOPPED, 1, False, True),
+    (OSError(errno.ENOENT, "No such file or directory", "data/x.png"), Outcome.BUG, 1, False, True),
+    (RuntimeError("a bug"), Outcome.BUG, 1, False, True),
+]
+
+
+@pytest.mark.parametrize("exc, outcome, code, removes, sweep_goes_on", TABLE, ids=lambda v: type(v).__name__)
+def test_every_outcome_has_its_exit_code_clean_up_and_sweep_rule(exc, outcome, code, removes, sweep_goes_on):
+    assert outcome_of(exc) is outcome
+    assert exit_code_of(exc) == code
+    assert ENDINGS[outcome].removes_an_empty_run_dir is removes
+    assert ENDINGS[outcome].sweep_goes_on is sweep_goes_on
+
+
+def test_the_table_covers_every_outcome():
+    assert set(ENDINGS) == set(Outcome) == {row[1] for row in TABLE}
+
+
+@pytest.mark.parametrize("holds_a_record", [False, True])
+def test_leave_removes_a_directory_that_holds_only_hydras_files_says_its_lines_and_exits(tmp_path, holds_a_record):
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("a: 1\n")
+    if holds_a_record:
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    script = ("import sys; from pathlib import Path; from ampctl.commands.outcomes import leave; "
+              "from ampctl.errors import UsageError; "
+              f"run_dir = Path({str(run_dir)!r}); "
+              "leave(UsageError('x'), lambda: ['still there: %s' % run_dir.is_dir()], run_dir)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == f"still there: {holds_a_record}\n"  # the lines are made after the clean-up
+    assert run_dir.is_dir() is holds_a_record
+
+
+def test_leave_after_a_signal_exits_with_128_plus_its_number(tmp_path):
+    script = ("import signal; from ampctl.commands.outcomes import leave; from ampctl.interrupt import Signalled; "
+              "leave(Signalled(signal.SIGTERM), ['ampctl: interrupted (SIGTERM)'])")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert (done.returncode, done.stderr) == (143, "ampctl: interrupted (SIGTERM)\n")
+
+
+def test_leave_is_what_every_front_end_exits_through():
+    """No front end writes an exit code of its own: cli.py, the train command and the studies leave through the
+    table (sys.exit(0) for a closed pipe and --help aside)."""
+    for module in ("ampctl/cli.py", "ampctl/commands/train.py", "ampctl/commands/studies.py"):
+        text = (REPO / module).read_text()
+        assert "USAGE_EXIT_CODE" not in text and "WRITE_FAILED_EXIT_CODE" not in text, module
+        assert "sys.exit(exit_code" not in text and "sys.exit(exc" not in text, module
