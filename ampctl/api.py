@@ -98,7 +98,7 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
     anything is written). The directory gets Hydra's .hydra/ files (config, overrides), which reports read. A
     refused call leaves no directory, as on the command line (a run that recorded steps keeps them)."""
     from ampctl.commands.checks import check_single_run, task_overrides
-    from ampctl.commands.compose import composed, put_config_dir_on_path
+    from ampctl.commands.hydra_internals import composed, put_config_dir_on_path
     from ampctl.conf.composing import without_hydra_node
     from ampctl.conf.messages import one_line
     from ampctl.errors import UsageError

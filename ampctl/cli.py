@@ -132,7 +132,7 @@ def dispatch(args: list[str]) -> None:
     # argv[0] is the program's name for Hydra: the shell-completion script it writes registers `ampctl`
     sys.argv = ["ampctl", *rest]
     if hasattr(entry, "__wrapped__"):  # a @hydra.main app (its primary config is named as the command)
-        from ampctl.commands.compose import put_config_dir_on_path, refuse_a_config_that_is_not_ampctls
+        from ampctl.commands.hydra_internals import put_config_dir_on_path, refuse_a_config_that_is_not_ampctls
 
         put_config_dir_on_path(rest)
         try:
@@ -160,7 +160,7 @@ HYDRA_FLAG_CHOICES = {"cfg": ("job", "hydra", "all"),
 
 def refuse_bad_hydra_flags(args: list[str]) -> None:
     """`--cfg jobz`: one line naming the flag, its value and the choices."""
-    from ampctl.commands.compose import hydra_flags
+    from ampctl.commands.hydra_internals import hydra_flags
 
     flags, _ = hydra_flags(args)
     for name, choices in HYDRA_FLAG_CHOICES.items():
@@ -227,7 +227,7 @@ def run_hydra_app(command: str, entry) -> None:
 def job_config_with_its_defaults(command: str) -> Iterator[None]:
     """`--cfg job`: Hydra prints the job's config; ampctl puts the defaults list it was composed from before it, so
     that the dump loads again as an ampctl config (`-cd DIR -cn NAME`: ampctl's checks, run directory, logging)."""
-    from ampctl.commands.compose import composed, hydra_flags
+    from ampctl.commands.hydra_internals import composed, hydra_flags
     from ampctl.conf.composing import defaults_of_a_job
 
     flags, overrides = hydra_flags(sys.argv[1:])

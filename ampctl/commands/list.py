@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ampctl.commands.compose import config_loader
+from ampctl.commands.hydra_internals import config_loader
 from ampctl.engine import cpu_speed, devices
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import OneLineArgumentParser, UsageError

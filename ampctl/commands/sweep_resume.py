@@ -15,7 +15,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from ampctl.commands.compose import composed, hydra_flags
+from ampctl.commands.hydra_internals import composed, hydra_flags
 from ampctl.conf.sweeps import SWEEP_RECORD, SweepIdentity, apart_from_resume, base_overrides
 from ampctl.errors import UsageError
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig
 
-from ampctl.conf.checks import LOSS_SCALE_ALLOWED, loss_scale_ok, require, yaml_text
+from ampctl.conf.value_checks import LOSS_SCALE_ALLOWED, loss_scale_ok, require, yaml_text
 
 
 class Dtype(Enum):

@@ -21,10 +21,10 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from ampctl.conf.checks import positive_finite, require
 from ampctl.conf.logger_schema import LoggerConfig
 from ampctl.conf.precision_schema import SCALER_SCHEMAS, PrecisionConfig
 from ampctl.conf.study_schema import AdviseConfig, CompareConfig, InspectConfig, MemoryConfig
+from ampctl.conf.value_checks import positive_finite, require
 from ampctl.errors import UsageError
 
 

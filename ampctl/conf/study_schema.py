@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from ampctl.conf.checks import require
+from ampctl.conf.value_checks import require
 
 
 @dataclass

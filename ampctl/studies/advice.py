@@ -24,7 +24,7 @@ from ampctl import io
 from ampctl.analysis.numerics import FP16, largest_safe_scale
 from ampctl.conf.precision_schema import GRADSCALER_GROWTH_INTERVAL, GRADSCALER_INIT_SCALE
 from ampctl.io import scale_label
-from ampctl.studies import variants
+from ampctl.studies import row_labels
 
 BASELINE = "fp32"
 SCALED_MODES = ("fp16", "O1", "O2", "O3")  # fp16 compute: a loss scaler, and fp16's range, matter
@@ -151,11 +151,11 @@ class Advice:
 
     @property
     def precision(self) -> str:
-        return variants.parse(self.mode).mode
+        return row_labels.parse(self.mode).mode
 
     def overrides(self) -> list[str]:
         """The command line that runs the advice."""
-        variant = variants.parse(self.mode)
+        variant = row_labels.parse(self.mode)
         return [f"precision={variant.mode}", *variant.overrides(), *Preparation(self.scaler, self.rules).overrides()]
 
     def to_json(self) -> dict[str, Any]:
@@ -184,11 +184,11 @@ def decide(modes: list[ModeEvidence], prepared: Optional[dict[str, Preparation]]
     else:
         chosen, reasons = _choose(goal, baseline, matching, rejected)
     for label in rejected:
-        summary = getattr(prepared.get(variants.parse(label).mode), "summary", "")
+        summary = getattr(prepared.get(row_labels.parse(label).mode), "summary", "")
         if summary and label not in {m.mode for m in modes if m.skipped is not None}:
             rejected[label] += f" (as advise would set it: {summary})"
     advice = Advice(chosen, goal, reasons, rejected, notes=list(notes))
-    preparation = prepared.get(variants.parse(chosen).mode)
+    preparation = prepared.get(row_labels.parse(chosen).mode)
     if preparation is not None:
         advice.scaler, advice.rules = dict(preparation.scaler), list(preparation.rules)
         advice.reasons += preparation.reasons

@@ -31,7 +31,7 @@ from ampctl.engine import cpu_speed
 from ampctl.errors import UsageError
 from ampctl.reports import tables
 from ampctl.reports.comparison import baseline_of
-from ampctl.studies import variants
+from ampctl.studies import row_labels
 from ampctl.studies.advice import GradientEvidence, Preparation, decide, prepare
 from ampctl.studies.advice_report import Findings, write_advice
 from ampctl.studies.advise_evidence import gradient_evidence, layer_losses, mode_evidence, model_facts
@@ -162,7 +162,7 @@ def _compare(advising: Advising, size: ComparisonSize, plans: list[ModePlan], sk
 
 
 def _candidate(plan: ModePlan, plans: list[ModePlan]) -> Candidate:
-    return Candidate(plan.mode, _relative_time(plan), variants.parse(plan.mode).compiled,
+    return Candidate(plan.mode, _relative_time(plan), row_labels.parse(plan.mode).compiled,
                      plan.mode == baseline_of([p.mode for p in plans]))
 
 
@@ -261,8 +261,8 @@ def _prepare(advising: Advising, plans: list[ModePlan], skipped: dict[str, str],
     of each converted layer (where it fits the budget). A mode not worth comparing moves to skipped."""
     cfg, run_overrides = advising.cfg, advising.run_overrides
     prepared: dict[str, Preparation] = {}
-    for plan in {variants.parse(p.mode).mode: p for p in plans}.values():
-        mode = variants.parse(plan.mode).mode
+    for plan in {row_labels.parse(p.mode).mode: p for p in plans}.values():
+        mode = row_labels.parse(plan.mode).mode
         mode_cfg = compose_job("advise", [*run_overrides, f"precision={mode}"])
         precision = OmegaConf.to_container(mode_cfg.precision, resolve=True, enum_to_str=True)
         own_rules = [{k: v for k, v in rule.items() if v is not None} for rule in precision.get("rules") or []]
@@ -273,12 +273,12 @@ def _prepare(advising: Advising, plans: list[ModePlan], skipped: dict[str, str],
         prepared[mode] = prepare(mode, gradients, losses, own_rules, cfg.advise.layer_loss_limit, measured_by)
         if prepared[mode].refused is not None:
             skipped[mode] = prepared[mode].refused
-    plans[:] = [p for p in plans if variants.parse(p.mode).mode not in skipped]
+    plans[:] = [p for p in plans if row_labels.parse(p.mode).mode not in skipped]
     return prepared
 
 
 def _prepared_plan(plan: ModePlan, prepared: dict[str, Preparation]) -> ModePlan:
-    preparation = prepared.get(variants.parse(plan.mode).mode)
+    preparation = prepared.get(row_labels.parse(plan.mode).mode)
     if preparation is None:
         return plan
     return dataclasses.replace(plan, overrides=[*plan.overrides, *preparation.overrides()])
@@ -335,7 +335,7 @@ def _with_compile_where_it_fits(advising: Advising, plans: list[ModePlan]) -> tu
     advising.notes.append(f"torch.compile: not measured: {cost}running every mode both ways would leave fewer "
                           f"than {COMPILED_MIN_STEPS} steps a run in advise.budget={cfg.advise.budget}; "
                           "advise.compile=true or a longer budget measures it")
-    return [p for p in plans if not variants.parse(p.mode).compiled], 0.0
+    return [p for p in plans if not row_labels.parse(p.mode).compiled], 0.0
 
 
 def _relative_time(plan: Any) -> float:

@@ -42,7 +42,7 @@ from ampctl.recipes.base import build_recipe
 from ampctl.reports import comparison, tables
 from ampctl.reports import rounds as rounds_stats
 from ampctl.reports.runs import load_run
-from ampctl.studies import variants
+from ampctl.studies import row_labels
 from ampctl.studies.turns import TurnRun, run_in_turns
 
 
@@ -114,7 +114,7 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
             continue
         for compiled in compiling:
             for ac in checkpointing:
-                label = variants.label(name, compiled, ac, both_compiled=len(compiling) > 1,
+                label = row_labels.label(name, compiled, ac, both_compiled=len(compiling) > 1,
                                        both_checkpointed=len(checkpointing) > 1)
                 plans.append(ModePlan(label, [*overrides, f"train.activation_checkpointing={str(ac).lower()}",
                                               f"train.compile={str(compiled).lower()}"], mode_cfg.train.steps,

@@ -42,7 +42,7 @@ from ampctl.processes import child_environment
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
-from ampctl.studies import variants
+from ampctl.studies import row_labels
 
 SEARCH_PROBES = 10  # real-step probes of the batch search, at most
 
@@ -92,7 +92,7 @@ def plan(cfg: DictConfig, task_overrides: list[str]) -> list[tuple[str, list[str
     rows = []
     for name in names:
         for ac in checkpointing:
-            label = variants.label(name, False, ac, both_compiled=False, both_checkpointed=len(checkpointing) > 1)
+            label = row_labels.label(name, False, ac, both_compiled=False, both_checkpointed=len(checkpointing) > 1)
             ac_override = f"train.activation_checkpointing={str(ac).lower()}"
             rows.append((label, [*run_overrides, f"precision={name}", ac_override]))
     return rows

@@ -1,5 +1,7 @@
 """A command's config composed outside a Hydra app (ampctl list, the Python API), exactly as the app would
-compose it: ampctl's configs, with a `-cd` directory first, as Hydra puts a command line's config dir."""
+compose it: ampctl's configs, with a `-cd` directory first, as Hydra puts a command line's config dir. The one
+module that reaches into Hydra's private API (hydra._internal): its public compose API covers everything else,
+but not the precedence of a user's `-cd` directory."""
 
 from __future__ import annotations
 
