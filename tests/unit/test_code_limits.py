@@ -5,6 +5,7 @@ code instead of raising the limit."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import ampctl
@@ -13,9 +14,15 @@ PACKAGE = Path(ampctl.__file__).parent
 MAX_FUNCTION_LINES, MAX_PARAMETERS, MAX_MODULE_LINES = 60, 8, 400
 
 
+@functools.cache
+def modules() -> dict[Path, ast.Module]:
+    """Every module of the package, parsed once for all the checks."""
+    return {path: ast.parse(path.read_text()) for path in sorted(PACKAGE.rglob("*.py"))}
+
+
 def functions():
-    for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for path, tree in modules().items():
+        for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 yield path.relative_to(PACKAGE), node
 
@@ -42,8 +49,8 @@ def test_no_module_is_over_400_lines():
 
 def test_hydras_private_api_is_imported_by_one_module():
     importers = set()
-    for path in PACKAGE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+    for path, tree in modules().items():
+        for node in ast.walk(tree):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(name.startswith("hydra._internal") for name in names):
