@@ -61,6 +61,10 @@ def apart_from_resume(overrides: list[str]) -> list[str]:
     return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != "resume"]
 
 
+# Hydra overrides its continue command sets itself (the sweep's directory) or Hydra adds (the mode)
+PLACED_BY_THE_COMMAND = ("hydra.sweep.dir=", "hydra.run.dir=", "hydra.mode=")
+
+
 @dataclass(frozen=True)
 class SweepIdentity:
     """What makes two command lines the same sweep: the primary config (and -cd directory) and the overrides,
@@ -70,6 +74,9 @@ class SweepIdentity:
     config_dir: Optional[str]
     overrides: tuple[str, ...] = field(compare=False)  # as typed
     matched: tuple[str, ...] = ()  # what two sweeps are compared on: the overrides in any order
+    # Hydra's own overrides that say how it ran (hydra/launcher=submitit_slurm, hydra.launcher.*): its continue
+    # command keeps them; not compared (a sweep may go on under another launcher)
+    launch: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "matched", tuple(sorted(self.overrides)))
@@ -81,7 +88,9 @@ class SweepIdentity:
         task = [str(o) for o in OmegaConf.to_container(hydra.overrides.task, resolve=False)]  # type: ignore[union-attr]
         sources = OmegaConf.to_container(hydra.runtime.config_sources, resolve=False) or []
         config_dir = next((s["path"] for s in sources if s.get("provider") == "command-line"), None)  # type: ignore[union-attr]
-        return cls(str(hydra.job.config_name), config_dir, tuple(apart_from_resume(task)))
+        given = [str(o) for o in OmegaConf.to_container(hydra.overrides.hydra, resolve=False) or []]  # type: ignore[union-attr]
+        launch = tuple(o for o in given if not o.startswith(PLACED_BY_THE_COMMAND))
+        return cls(str(hydra.job.config_name), config_dir, tuple(apart_from_resume(task)), launch=launch)
 
     @classmethod
     def recorded(cls, sweep_dir: Path) -> Optional["SweepIdentity"]:
@@ -100,5 +109,5 @@ class SweepIdentity:
 
         flags = [*(["-cd", self.config_dir] if self.config_dir else []),
                  *(["-cn", self.config_name] if self.config_name != "train" else [])]
-        return shlex.join(["ampctl", "train", "-m", *flags, *self.overrides, "resume=auto",
+        return shlex.join(["ampctl", "train", "-m", *flags, *self.launch, *self.overrides, "resume=auto",
                            f"hydra.sweep.dir={sweep_dir}"])

@@ -96,3 +96,18 @@ def test_another_sweep_is_not_taken_for_the_resume_of_a_finished_one(tmp_path):
     same = ampctl("train", "-m", *QUICK, "train.seed=0,1", "train.steps=2", "resume=auto", "hydra.sweep.dir=sw",
                   cwd=tmp_path)  # the same sweep, its overrides in another order: kept as it is
     assert same.returncode == 0 and same.stdout.count("finished earlier") == 2, same.stderr[-3000:]
+
+
+def test_the_continue_command_keeps_how_the_sweep_was_launched(tmp_path):
+    """A sweep on a launcher of Hydra's (hydra/launcher=submitit_slurm, its hydra.launcher.* settings) continues
+    on it: the continue command keeps Hydra's own overrides, the sweep directory and mode apart."""
+    launched = ["train", "-m", "hydra/launcher=basic", "hydra.job.chdir=false", *QUICK, "train.steps=2",
+                "train.seed=1,2", "hydra.sweep.dir=sw"]
+    first = ampctl(*launched, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    command = (f"ampctl train -m hydra/launcher=basic hydra.job.chdir=false {' '.join(QUICK)} train.steps=2 "
+               "train.seed=1,2 resume=auto hydra.sweep.dir=sw")
+    assert f"ampctl sweep: 2 jobs in sw; if it stops, continue it with: {command}" in first.stdout
+    again = ampctl(*command.split()[1:], cwd=tmp_path)  # the command as printed
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("finished earlier (2 steps): kept as it is") == 2
