@@ -66,7 +66,9 @@ def raise_on_signals() -> None:
 
     if threading.current_thread() is threading.main_thread():
         for signum in (*STOP_SIGNALS, *PREEMPT_SIGNALS):
-            signal.signal(signum, raise_signalled)
+            # one ignored when ampctl started stays ignored: nohup's SIGHUP, a shell's SIGINT to a background job
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                signal.signal(signum, raise_signalled)
 
 
 def raise_swallowed_signal() -> None:

@@ -77,3 +77,17 @@ def test_leave_is_what_every_front_end_exits_through():
         text = (REPO / module).read_text()
         assert "USAGE_EXIT_CODE" not in text and "WRITE_FAILED_EXIT_CODE" not in text, module
         assert "sys.exit(exit_code" not in text and "sys.exit(exc" not in text, module
+
+
+def test_a_signal_ignored_when_ampctl_starts_stays_ignored_outside_the_loop():
+    """nohup ignores SIGHUP, a shell ignores SIGINT for its background jobs: ampctl's handlers do not undo that."""
+    script = ("import signal; from ampctl.interrupt import raise_on_signals; raise_on_signals(); "
+              "print(*(signal.getsignal(s) is signal.SIG_IGN for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)))")
+
+    def ignore_int_and_hup() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60,
+                          preexec_fn=ignore_int_and_hup)
+    assert done.stdout.split() == ["True", "True", "False"], done.stderr
