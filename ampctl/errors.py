@@ -41,7 +41,14 @@ class ConfigError(UsageError):
 
 
 class UnsupportedError(UsageError):
-    """A combination this device or torch build cannot honour. Refused, never silently downgraded."""
+    """A combination this device or torch build cannot honour. Refused, never silently downgraded.
+
+    if_bf16_is_fast: words that add precision=bf16 to the alternatives the refusal names, where bf16 runs at speed
+    on this device. The engine that refuses does not measure the machine; the check above it does and adds them."""
+
+    def __init__(self, message: str, if_bf16_is_fast: str = "") -> None:
+        super().__init__(message)
+        self.if_bf16_is_fast = if_bf16_is_fast
 
 
 class RunStopped(Exception):

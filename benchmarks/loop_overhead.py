@@ -22,10 +22,11 @@ import torch
 from hydra import compose, initialize_config_module
 
 from ampctl.conf.schema import register_configs
-from ampctl.engine.build import build_state, check_config
+from ampctl.engine.build import build_state
 from ampctl.engine.loop import StepSettings, batch_stream, train_step
 from ampctl.engine.telemetry import Telemetry
 from ampctl.recipes.base import build_recipe
+from ampctl.runner.plan import check_config
 
 RECIPES = {
     # step time dominated by matmuls, small enough for a 2-core CPU

@@ -81,8 +81,8 @@ def cpu_only_subprocesses(request, monkeypatch):
 
 def build(*overrides: str):
     """(cfg, policy, recipe) for driving train_step by hand; use `with policy:` around the steps."""
-    from ampctl.engine.build import check_config
     from ampctl.recipes.base import build_recipe
+    from ampctl.runner.plan import check_config
 
     cfg = compose_cfg(*FAST, *overrides)
     return cfg, check_config(cfg), build_recipe(cfg.recipe)

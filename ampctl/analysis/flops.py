@@ -8,7 +8,7 @@ the same work. One step = grad_accum_steps micro-batches of this process's batch
 
 MFU = achieved FLOP/s of one device / that device's dense peak for the dtype its matmuls run in. Peaks of
 NVIDIA GPUs come from their datasheets (dense, no sparsity); on a CPU the peak is the best rate of the CPU probe
-(engine/cpu_speed.py, the figures every other use reads too). A run faster than its peak contradicts the probe:
+(analysis/cpu_speed.py, the figures every other use reads too). A run faster than its peak contradicts the probe:
 the CPU is measured again, and an MFU above 100% is never reported.
 """
 
@@ -21,7 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from ampctl import io
-from ampctl.engine import cpu_speed, devices
+from ampctl.analysis import cpu_speed
+from ampctl.engine import devices
 from ampctl.engine.parallel import unsharded
 from ampctl.engine.precision import converters
 from ampctl.interrupt import raise_swallowed_signal, signal_raised

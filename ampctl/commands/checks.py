@@ -39,7 +39,7 @@ def refuse_distributed(cfg: DictConfig, command: str) -> None:
 
 def check_train(cfg: DictConfig) -> None:
     """A sweep's job, checked before the first starts (each is planned again as it starts: runner/plan.py)."""
-    from ampctl.engine.build import check_config
+    from ampctl.runner.plan import check_config
     from ampctl.runner.trackers import check_loggers
 
     check_config(cfg)

@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ampctl.analysis import cpu_speed, mode_advice
 from ampctl.commands.hydra_internals import config_loader
-from ampctl.engine import cpu_speed, devices
+from ampctl.engine import devices
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import OneLineArgumentParser, UsageError
 
@@ -105,7 +106,7 @@ def main() -> None:
         try:
             policy = PrecisionPolicy(OmegaConf.to_object(precision), device)
             policy.check()
-            slow = policy.slow_here()
+            slow = mode_advice.slow_here(policy)
             runs = f"[yellow]yes, slowly[/]: {slow}" if slow else "[green]yes[/]"
         except UsageError as exc:
             runs = f"[red]no[/]: {str(exc).split(';')[0].split(': ', 1)[-1]}"

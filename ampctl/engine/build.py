@@ -1,16 +1,13 @@
-"""The policy and the training state from a validated config: what train, inspect, memory, diagnose and the
-benchmarks share. Refusals come first (check_config), before anything is built."""
+"""The training state from a checked config and its policy (runner/plan.py's check_config): what train, inspect,
+memory, diagnose and the benchmarks share."""
 
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from ampctl.conf.precision_schema import scaler_is_active
-from ampctl.conf.schema import validate
-from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.activation_checkpointing import apply_activation_checkpointing
 from ampctl.engine.compilation import compile_model
@@ -18,26 +15,11 @@ from ampctl.engine.loop import TrainState
 from ampctl.engine.optim import (
     LRSchedule,
     build_optimizer,
-    check_optimizer_arguments,
-    check_optimizer_with_scaler,
     prime_fused_sgd_momentum,
 )
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import build_scaler
 from ampctl.recipes.base import Recipe, building_model, checked_model
-
-
-def check_config(cfg: DictConfig) -> PrecisionPolicy:
-    """Everything that can be refused before building anything: ranges, then what the device can do."""
-    validate(cfg)
-    parallelism.check(cfg)
-    device = parallelism.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind)
-    policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
-    policy.check()
-    check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
-    check_optimizer_arguments(cfg.optimizer)
-    return policy
-
 
 
 def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,

@@ -47,6 +47,22 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# the cpuinfo flags that give each half type's dot products in hardware, as people name them
+HALF_INSTRUCTIONS = {
+    "bfloat16": {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"},
+    "float16": {"avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"},
+}
+
+
+def instructions_for(dtype: str, flags: frozenset[str]) -> list[str]:
+    """The instruction sets this CPU reports for dtype's dot products (names, e.g. ["AVX512-BF16"])."""
+    return [label for flag, label in HALF_INSTRUCTIONS[dtype].items() if flag in flags]
+
+
+def instructions_wanted(dtype: str) -> str:
+    return " or ".join(HALF_INSTRUCTIONS[dtype].values())
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ampctl import io
-from ampctl.engine import cpu_speed, devices
+from ampctl.engine import devices
 from ampctl.reports import plots
 from ampctl.reports.runs import RunRecord
 
@@ -97,7 +97,7 @@ def machine_info(summaries: Sequence[dict]) -> dict[str, Any]:
         "cpu_model": devices.cpu_model(),
         "cpu_amx_bf16": "amx_bf16" in flags,
         "cpu_avx512_bf16": "avx512_bf16" in flags,
-        "cpu_fp16_hardware": bool(cpu_speed.instructions_for("float16", flags)),
+        "cpu_fp16_hardware": bool(devices.instructions_for("float16", flags)),
         "cuda_tf32": torch.cuda.is_available() and devices.has_tf32(torch.device("cuda")),
         "cuda_bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported(),
     }

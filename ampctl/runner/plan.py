@@ -10,9 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from ampctl.engine.build import check_config
+from ampctl.analysis import mode_advice
+from ampctl.conf.precision_schema import scaler_is_active
+from ampctl.conf.schema import validate
+from ampctl.engine import devices
+from ampctl.engine import parallel as parallelism
+from ampctl.engine.optim import check_optimizer_arguments, check_optimizer_with_scaler
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.runner import resume as resuming
 from ampctl.runner.resume import Resume
@@ -50,3 +55,16 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     policy = check_config(cfg)
     check_loggers(cfg.logger)
     return RunPlan(cfg, dict(choices or {}), policy, resume)
+
+
+def check_config(cfg: DictConfig) -> PrecisionPolicy:
+    """Everything that can be refused before building anything: ranges, then what the device can do. The policy
+    it returns is what engine/build.py's build_state builds with."""
+    validate(cfg)
+    parallelism.check(cfg)
+    device = parallelism.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind)
+    policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
+    mode_advice.check(policy)
+    check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
+    check_optimizer_arguments(cfg.optimizer)
+    return policy

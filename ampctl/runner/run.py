@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import run_files
-from ampctl.analysis import flops
+from ampctl.analysis import flops, mode_advice
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.precision_schema import scaler_is_active
 from ampctl.conf.schema import MONITOR_MODES, CheckpointFormat
@@ -172,8 +172,8 @@ class TrainingRun:
             echo(f"resume=auto: no checkpoint in {self.recorder.run_dir} yet, starting from step 0")
             for path in self.recorder.set_aside_rows_without_checkpoint():
                 echo(f"resume=auto: rows of a run that left no checkpoint set aside in {path.name}")
-        for message in (policy.combination_warnings(scaler_is_active(cfg.scaler))
-                        + policy.speed_warnings(cfg.train.compile)):
+        for message in (mode_advice.combination_warnings(policy, scaler_is_active(cfg.scaler))
+                        + mode_advice.speed_warnings(policy, cfg.train.compile)):
             echo(f"warning: {message}")
 
     def _telemetry(self) -> Telemetry:

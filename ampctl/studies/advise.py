@@ -25,9 +25,9 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ampctl import io
+from ampctl.analysis import cpu_speed
 from ampctl.conf.composing import compose_job
 from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS, budget_seconds
-from ampctl.engine import cpu_speed
 from ampctl.errors import UsageError
 from ampctl.reports import tables
 from ampctl.reports.comparison import baseline_of

@@ -30,11 +30,10 @@ from rich.progress import (
 )
 
 from ampctl import io, run_files
+from ampctl.analysis import cpu_speed, mode_advice
 from ampctl.conf.composing import compose_job
 from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS
-from ampctl.engine import cpu_speed
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
-from ampctl.engine.build import check_config
 from ampctl.engine.evaluation import held_out_unavailable
 from ampctl.engine.telemetry import read_metrics
 from ampctl.errors import UnsupportedError, UsageError
@@ -42,6 +41,7 @@ from ampctl.recipes.base import build_recipe
 from ampctl.reports import comparison, tables
 from ampctl.reports import rounds as rounds_stats
 from ampctl.reports.runs import load_run
+from ampctl.runner.plan import check_config
 from ampctl.studies import row_labels
 from ampctl.studies.turns import TurnRun, run_in_turns
 
@@ -108,7 +108,7 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
         except UnsupportedError as exc:
             skipped[name] = str(exc).split("; ")[0].removeprefix(f"precision={name} ")
             continue
-        slow = policy.slow_here()
+        slow = mode_advice.slow_here(policy)
         if not explicit and slow:
             skipped[name] = f"{slow}; name it in compare.precisions to run it"
             continue

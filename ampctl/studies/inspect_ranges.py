@@ -42,7 +42,7 @@ from ampctl.analysis.numerics import (
 )
 from ampctl.analysis.ranges import GRADIENT_KINDS, KINDS, RangeRecorder
 from ampctl.conf.precision_schema import GRADSCALER_INIT_SCALE
-from ampctl.engine.build import build_state, check_config
+from ampctl.engine.build import build_state
 from ampctl.engine.loop import StepSettings, StepsHooks, batch_stream, run_steps
 from ampctl.engine.precision.layers import legend
 from ampctl.errors import UsageError
@@ -50,6 +50,7 @@ from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
 from ampctl.reports.tables import fraction_cell
+from ampctl.runner.plan import check_config
 
 SUMMARY_TITLE, LAYERS_TITLE = "value ranges by tensor kind, all layers", "value ranges per layer"
 ALSO_KEYS = {PRECISION_TITLE: "precision_layers", BLOCKS_TITLE: "block_scales",

@@ -35,13 +35,14 @@ from ampctl.analysis.memory.model import (
 )
 from ampctl.conf.composing import compose_job
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
-from ampctl.engine.build import build_state, check_config
+from ampctl.engine.build import build_state
 from ampctl.engine.loop import StepSettings, StepsHooks, batch_stream, run_steps
 from ampctl.errors import UsageError
 from ampctl.processes import child_environment
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
+from ampctl.runner.plan import check_config
 from ampctl.studies import row_labels
 
 SEARCH_PROBES = 10  # real-step probes of the batch search, at most
@@ -173,7 +174,7 @@ def find_batch(result: ModeMemory, overrides: list[str], config_dir: Optional[st
 def _fits(overrides: list[str], config_dir: Optional[str], batch_size: int, budget: int) -> tuple[bool, Optional[int]]:
     """Two real steps at this batch size, in a fresh process: does the peak stay within the budget (and
     the device)? Returns (fits, measured peak or None when out of device memory)."""
-    command = [sys.executable, "-m", "ampctl.analysis.memory.probe", str(batch_size),
+    command = [sys.executable, "-m", "ampctl.studies.memory_probe", str(batch_size),
                *(["--config-dir", config_dir] if config_dir else []), *overrides]
     child = subprocess.run(command, capture_output=True, text=True, env=child_environment())
     lines = child.stdout.strip().splitlines()

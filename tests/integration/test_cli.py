@@ -203,7 +203,8 @@ def test_console_script_help_and_list():
 def test_list_remeasure_measures_the_cpu_into_a_fresh_cache_and_every_line_agrees_with_it(tmp_path):
     """The bottom lines are the probe's figures; the table's "runs here" column and a run's start warning say the
     same of each half type (one set of figures), and a CPU with the instructions is never said to lack them."""
-    from ampctl.engine import cpu_speed
+    from ampctl.analysis import cpu_speed
+    from ampctl.engine import devices
 
     env = {"XDG_CACHE_HOME": str(tmp_path), "COLUMNS": "400"}  # one table row a line
     result = ampctl("list", "--remeasure", "device=cpu", env=env)
@@ -223,7 +224,7 @@ def test_list_remeasure_measures_the_cpu_into_a_fresh_cache_and_every_line_agree
         assert (warned and why in warned[0]) if why else not warned
         (row,) = [line for line in result.stdout.splitlines() if line.startswith(f"│ {mode} ")]
         assert ("yes, slowly" in row) == (why is not None) and (why is None or why in row)
-        for flag, label in cpu_speed.HALF_INSTRUCTIONS[dtype].items():
+        for flag, label in devices.HALF_INSTRUCTIONS[dtype].items():
             assert (f"{label}: yes" in out or f"{label} and" in out) if flag in speed.flags else True
             assert not (flag in speed.flags and f"no {label}" in out)
 

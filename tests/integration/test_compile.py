@@ -83,11 +83,12 @@ def test_fp8_without_compile_is_warned_about():
     import torch
     from omegaconf import OmegaConf
 
+    from ampctl.analysis import mode_advice
     from ampctl.engine.precision.policy import PrecisionPolicy
     from tests.conftest import compose_cfg
 
     policy = PrecisionPolicy(OmegaConf.to_object(compose_cfg("precision=fp8").precision), torch.device("cpu"))
-    assert "add train.compile=true" in policy.speed_warnings(compiled=False)[0]
+    assert "add train.compile=true" in mode_advice.speed_warnings(policy, compiled=False)[0]
 
 
 def test_fsdp_shards_compiled_blocks_and_trains_as_eager_fsdp(tmp_path):

@@ -76,7 +76,7 @@ def test_a_probe_of_the_batch_search_reports_its_peak_from_its_own_process():
     import sys
 
     small, large = (
-        json.loads(subprocess.run([sys.executable, "-m", "ampctl.analysis.memory.probe", str(batch), *HEAVY[:-1]],
+        json.loads(subprocess.run([sys.executable, "-m", "ampctl.studies.memory_probe", str(batch), *HEAVY[:-1]],
                                   capture_output=True, text=True, check=True).stdout.splitlines()[-1])["peak"]
         for batch in (2, 8)
     )
@@ -142,9 +142,10 @@ def test_the_allocators_peak_is_the_timelines_less_the_memory_it_did_not_allocat
     fp32 and under bf16 autocast: the timeline's total is the allocator's peak plus the corpus, a tensor over a
     Python buffer the allocator never allocated (the timeline counts tensors by their shapes)."""
     from ampctl.analysis.memory.measure import measure_peak
-    from ampctl.engine.build import build_state, check_config
+    from ampctl.engine.build import build_state
     from ampctl.engine.loop import run_steps
     from ampctl.recipes.base import build_recipe
+    from ampctl.runner.plan import check_config
     from tests.conftest import QUIET, compose_cfg
 
     sizes = ["recipe.d_model=64", "recipe.n_layers=2", "recipe.block_size=64", "recipe.batch_size=4"]

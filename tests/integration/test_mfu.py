@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from ampctl.analysis import cpu_speed
 from ampctl.cli import main
-from ampctl.engine import cpu_speed
 
 MLP = ["device=cpu", "recipe=mlp", "recipe.in_features=64", "recipe.hidden=32", "recipe.depth=3",
        "recipe.num_classes=10", "recipe.batch_size=16", "recipe.norm=none", "train.steps=6", "train.log_every=3",

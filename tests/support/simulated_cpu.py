@@ -1,4 +1,4 @@
-"""Simulated CPUs for the probe (engine/cpu_speed.py): matmul times from a machine's true rates, slowed by load
+"""Simulated CPUs for the probe (analysis/cpu_speed.py): matmul times from a machine's true rates, slowed by load
 the way a busy machine slows them (a trial can only get slower, and gets a smaller share of the cores)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from ampctl.engine import cpu_speed
+from ampctl.analysis import cpu_speed
 
 AVX512_BF16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
 AVX2_ONLY = frozenset({"avx2", "fma"})

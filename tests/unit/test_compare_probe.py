@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ampctl.engine import cpu_speed
+from ampctl.analysis import cpu_speed
 from ampctl.studies.compare import ModePlan, recheck_cpu_probe
 from tests.support.simulated_cpu import AVX2_ONLY, AVX512_BF16, simulated
 

@@ -9,8 +9,7 @@ import json
 import pytest
 import torch
 
-from ampctl.analysis import flops
-from ampctl.engine import cpu_speed
+from ampctl.analysis import cpu_speed, flops
 from tests.support.simulated_cpu import AVX2_ONLY, AVX512_BF16, SimulatedCpu, always, bursts, simulated
 
 

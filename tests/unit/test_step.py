@@ -103,8 +103,8 @@ def test_gradients_that_become_non_finite_when_unscaled_skip_the_step(scaler, fu
 
 
 def test_fused_sgd_with_dampening_under_a_loss_scaler_is_refused():
-    from ampctl.engine.build import check_config
     from ampctl.errors import UsageError
+    from ampctl.runner.plan import check_config
     from tests.conftest import FAST, compose_cfg
 
     cfg = compose_cfg(*FAST, "precision=fp16", "optimizer=sgd", "+optimizer.dampening=0.1")

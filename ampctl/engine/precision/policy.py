@@ -15,20 +15,12 @@ import torch
 from torch import nn
 
 from ampctl.conf.precision_schema import Dtype, PrecisionConfig
-from ampctl.engine import cpu_speed, devices
+from ampctl.engine import devices
 from ampctl.engine.precision import converters, fp32_math, layers
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
 from ampctl.errors import UnsupportedError, UsageError
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
-
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _bf16_if_fast(device: torch.device, advice: str) -> str:
-    """advice, where bf16 is a faster mode on this device; "" where it is not (a CPU that emulates bf16)."""
-    return advice if devices.has_native_bf16(device) and cpu_speed.half_runs_at_speed(device, torch.bfloat16) else ""
 
 
 class PrecisionPolicy:
@@ -55,15 +47,15 @@ class PrecisionPolicy:
             where = devices.device_name(dev) if dev.type == "cuda" else "a CPU"
             raise UnsupportedError(
                 f"precision={s.name} needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or "
-                f"newer); this run is on {where}: use precision=fp32"
-                f"{_bf16_if_fast(dev, ', or precision=bf16 for a faster mode')}"
+                f"newer); this run is on {where}: use precision=fp32",
+                if_bf16_is_fast=", or precision=bf16 for a faster mode",
             )
         if self.converter is not None and (reason := self.converter.unsupported_reason()):
             emulation = self.converter.emulation
-            instead = (f"use precision={emulation} to study its numerics on this machine"
-                       f"{_bf16_if_fast(dev, ', or precision=bf16 for speed')}" if emulation
+            instead = (f"use precision={emulation} to study its numerics on this machine" if emulation
                        else "`ampctl list` says which modes run here")
-            raise UnsupportedError(f"precision={s.name} {reason}: {instead}")
+            raise UnsupportedError(f"precision={s.name} {reason}: {instead}",
+                                   if_bf16_is_fast=", or precision=bf16 for speed" if emulation else "")
         if not self.uses_half:
             return
         if self.dtype == torch.bfloat16 and not devices.has_native_bf16(dev):
@@ -76,48 +68,6 @@ class PrecisionPolicy:
                 f"precision={s.name}: torch {torch.__version__} has no {dev.type} autocast for "
                 f"{str(self.dtype).removeprefix('torch.')}; use precision=bf16, or upgrade torch"
             )
-
-    def combination_warnings(self, scaler_active: bool) -> list[str]:
-        """Legal but suspicious pairings of this mode with a loss scaler (scaler_active: it scales and skips;
-        scaler=none and a disabled dynamic scaler are the same here): warned once, not refused."""
-        s = self.precision
-        if self.uses_half and self.dtype == torch.bfloat16 and scaler_active:
-            return [
-                f"precision={s.name} runs in bfloat16, which has fp32's exponent range: a loss scaler "
-                "is rarely needed there (scaler=none is the usual choice)"
-            ]
-        if self.uses_half and self.dtype == torch.float16 and not scaler_active:
-            return [
-                f"precision={s.name} runs in float16 without loss scaling: small gradients will underflow to "
-                "zero (scaler=dynamic is the usual choice)"
-            ]
-        if not scaler_active and any(rule.run_in == "fp16" for rule in s.rules):
-            return ["precision.rules keep layers in fp16 without loss scaling: their small gradients will underflow "
-                    "to zero (scaler=dynamic is the usual choice)"]
-        return []
-
-    def slow_here(self) -> Optional[str]:
-        """Why this legal mode runs much slower than fp32 on this device, in a few words; None if it does not."""
-        dev = self.device
-        if self.converter is not None and (why := self.converter.slow_here()):
-            return why
-        if dev.type == "cpu" and self.uses_half:
-            return cpu_speed.measured().why_slow(_short(self.dtype))
-        return None
-
-    def speed_warnings(self, compiled: bool) -> list[str]:
-        """Legal runs that will be much slower than the user likely expects."""
-        s, dev = self.precision, self.device
-        if self.converter is not None and (said := self.converter.speed_warnings(compiled)):
-            return [f"precision={s.name} {warning}" for warning in said]
-        why = self.slow_here()
-        if why is None or self.converter is not None:
-            return []
-        other = torch.float16 if self.dtype == torch.bfloat16 else torch.bfloat16
-        instead = ("precision=bf16 is fast here" if other == torch.bfloat16 and cpu_speed.half_runs_at_speed(dev, other)
-                   else "precision=fp32 is the fastest mode on this CPU")
-        return [f"precision={s.name} on {devices.cpu_model()}: {why}: expect it to run many times slower than fp32; "
-                f"{instead}"]
 
     # --- the run ----------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 or measurement left in the caching allocator (cached blocks, fragmentation, a failed step's tensors) can
 decide whether this batch fits.
 
-    python -m ampctl.analysis.memory.probe BATCH_SIZE [--config-dir DIR] [overrides ...]
+    python -m ampctl.studies.memory_probe BATCH_SIZE [--config-dir DIR] [overrides ...]
 
 Builds the run of `ampctl memory <overrides> recipe.batch_size=BATCH_SIZE`, takes two training steps and
 prints one JSON line: {"peak": bytes} or {"out_of_memory": true}.
@@ -27,11 +27,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     die_with_parent()
     from ampctl.analysis.memory.measure import measure_peak
     from ampctl.conf.schema import register_configs
-    from ampctl.engine.build import build_state, check_config
+    from ampctl.engine.build import build_state
     from ampctl.engine.loop import StepSettings, batch_stream, run_steps
     from ampctl.recipes.base import build_recipe
+    from ampctl.runner.plan import check_config
 
-    parser = argparse.ArgumentParser(prog="python -m ampctl.analysis.memory.probe")
+    parser = argparse.ArgumentParser(prog="python -m ampctl.studies.memory_probe")
     parser.add_argument("batch_size", type=int)
     parser.add_argument("--config-dir")
     parser.add_argument("overrides", nargs="*")

@@ -37,6 +37,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ampctl.engine import devices
+from ampctl.engine.devices import instructions_for, instructions_wanted
 
 FP32, HALF_TYPES = "float32", ("bfloat16", "float16")
 # a half type "runs at speed" when its autocast matmul takes at most this many times fp32's time; measured figures
@@ -51,12 +52,6 @@ MIN_ROUNDS, FLOOR_S, CAP_S = 7, 1.0, 10.0  # per attempt: rounds, seconds of tri
 ATTEMPTS = 3  # a half type with instructions that measures slow: measured up to this many times in all
 PROBE_VERSION = 2  # figures of an older probe (one 256x256 matmul, medians, not interleaved) are not read
 
-# the cpuinfo flags that give each half type's dot products in hardware, as people name them
-HALF_INSTRUCTIONS = {
-    "bfloat16": {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"},
-    "float16": {"avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"},
-}
-
 BUSY_SHARE, BUSY_RETRY_S = 0.8, 600.0
 
 Shape = tuple[int, int, int]
@@ -69,15 +64,6 @@ class Trial:
 
 
 Timer = Callable[[Shape, str], Trial]  # one warm matmul of this shape in this dtype
-
-
-def instructions_for(dtype: str, flags: frozenset[str]) -> list[str]:
-    """The instruction sets this CPU reports for dtype's dot products (names, e.g. ["AVX512-BF16"])."""
-    return [label for flag, label in HALF_INSTRUCTIONS[dtype].items() if flag in flags]
-
-
-def instructions_wanted(dtype: str) -> str:
-    return " or ".join(HALF_INSTRUCTIONS[dtype].values())
 
 
 @dataclass(frozen=True)
@@ -355,12 +341,6 @@ def measured(remeasure: bool = False) -> CpuSpeed:
             cached = None  # a busy machine's figures are kept a while, then measured again
         _measured[key] = cached or _measure_and_keep(path, key)
     return _measured[key]
-
-
-def half_runs_at_speed(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether compute in this half type is not much slower than fp32 on device: always on CUDA (refusals cover
-    what a GPU lacks), on a CPU as measured."""
-    return device.type != "cpu" or measured().runs_at_speed(str(dtype).removeprefix("torch."))
 
 
 def _age_s(speed: CpuSpeed) -> float:
