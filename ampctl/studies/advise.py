@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ampctl import io
 from ampctl.analysis import cpu_speed
 from ampctl.conf.composing import compose_job
 from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS, budget_seconds
+from ampctl.engine.precision import converters
 from ampctl.errors import UsageError
 from ampctl.reports import tables
 from ampctl.reports.comparison import baseline_of
@@ -54,9 +56,27 @@ from ampctl.studies.compare import CompareInterrupted, ModePlan, plan_modes, run
 from ampctl.studies.inspect_ranges import run_inspect
 
 OWN_KEYS = ("advise.", "compare.", "inspect.")  # advise's settings: not the runs'
-# the modes advise considers: those compare runs by default, and the converted formats where they run at speed
-CANDIDATES = (*DEFAULT_COMPARE_PRECISIONS, "fp8", "mxfp8", "nvfp4", "mxfp4")
 log = logging.getLogger(__name__)  # advise.log (Hydra's job logging): every line advise says
+
+
+def candidate_modes() -> tuple[str, ...]:
+    """The modes advise weighs: those compare runs by default, then every mode whose YAML names a registered
+    converter (FP8, MX, a plug-in's), less the modes that only emulate another (precision=fp8_emulated studies
+    fp8's numerics where fp8 cannot run: never the faster or the smaller choice). Each where it runs at speed."""
+    registered = converters.registered()
+    emulations = {cls.emulation for cls in registered.values() if cls.emulation}
+    options = GlobalHydra.instance().config_loader().get_group_options("precision")
+    converted = [option for option in options if option not in (*DEFAULT_COMPARE_PRECISIONS, *emulations)
+                 and _converter_named(option) in registered]
+    return (*DEFAULT_COMPARE_PRECISIONS, *converted)
+
+
+def _converter_named(option: str) -> Optional[str]:
+    """The converter precision=option's YAML names (None: a flag-driven mode, or a YAML that does not compose)."""
+    try:
+        return compose_job("train", [f"precision={option}"]).precision.converter
+    except UsageError:
+        return None
 
 
 @dataclass
@@ -100,7 +120,7 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     advising.say(f"the model: {facts['model']}")
     compile_measured = _compile_is_candidate(advising.cfg, advising.run_overrides, advising.notes)
     advising.cfg = _with_variants(advising.cfg, advising.run_overrides, advising.notes, compile_measured)
-    plans, skipped = plan_modes(advising.cfg, advising.run_overrides, CANDIDATES)
+    plans, skipped = plan_modes(advising.cfg, advising.run_overrides, candidate_modes())
     prepared = _prepare(advising, plans, skipped, gradients)
     compile_s = 0.0
     if compile_measured:

@@ -168,3 +168,16 @@ def test_an_emulated_formats_speed_is_labelled_as_the_emulations(tmp_path, resto
     assert "(an emulation's speed, not the format's)" in done[0]
     main(["train", *QUIET, *MLP, "precision=bf16", f"hydra.run.dir={tmp_path / 'bf16'}"])
     assert json.loads((tmp_path / "bf16" / "summary.json").read_text())["emulated"] is False
+
+
+def test_advise_weighs_every_converter_mode_but_the_emulations(halving):
+    """advise's candidates come from the registry: a converter's mode is one without a list to extend; the mode
+    that only emulates another (fp8_emulated for fp8) is not weighed."""
+    from ampctl.commands.hydra_internals import composed
+    from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS
+    from ampctl.studies.advise import candidate_modes
+
+    with composed("advise", [], config_dir=halving):
+        candidates = candidate_modes()
+    assert candidates[:len(DEFAULT_COMPARE_PRECISIONS)] == DEFAULT_COMPARE_PRECISIONS
+    assert set(candidates[len(DEFAULT_COMPARE_PRECISIONS):]) == {"fp8", "mxfp8", "mxfp4", "nvfp4", "halved"}
