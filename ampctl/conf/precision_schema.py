@@ -56,7 +56,7 @@ class Fp8EmulatedConfig:
                 "e4m3 with scaling=blockwise (DeepSeek-V3's fine-grained scaling is E4M3 only)")
 
 
-class Float8RecipeName(str, Enum):  # a str too: the FP8 code compares it with its names
+class Float8RecipeName(Enum):
     tensorwise = "tensorwise"
     rowwise = "rowwise"
 
@@ -71,18 +71,18 @@ class Fp8TorchaoConfig:
     filter_fqns: list[str] = field(default_factory=list)  # keep Linear layers whose name contains one of these in bf16
 
 
-class MXFormat(str, Enum):  # a str too: the MX code compares it with its names
+class MXFormat(Enum):
     mxfp8 = "mxfp8"  # OCP MX: 8-bit elements (E4M3 or E5M2), blocks of 32, E8M0 scales
     mxfp4 = "mxfp4"  # OCP MX: E2M1 elements, blocks of 32, E8M0 scales
     nvfp4 = "nvfp4"  # NVIDIA: E2M1 elements, blocks of 16, E4M3 scales and an fp32 per-tensor scale
 
 
-class MXElements(str, Enum):
+class MXElements(Enum):
     e4m3 = "e4m3"
     e5m2 = "e5m2"
 
 
-class MXScaleMode(str, Enum):  # torchao's ScaleCalculationMode: how an E8M0 scale is rounded from a block's amax
+class MXScaleMode(Enum):  # torchao's ScaleCalculationMode: how an E8M0 scale is rounded from a block's amax
     floor = "floor"  # the OCP MX v1.0 specification's rule
     rceil = "rceil"  # NVIDIA's (cuBLAS, Transformer Engine)
     ceil = "ceil"

@@ -235,14 +235,14 @@ class _MXLinear(torch.autograd.Function):
 
 def block_formats(config: MXEmulatedConfig, fmt: str) -> tuple[BlockFormat, BlockFormat]:
     """(activations and weights, gradients) of a layer computing in fmt (mxfp8, mxfp4, nvfp4)."""
-    if fmt == MXFormat.nvfp4:
+    if fmt == MXFormat.nvfp4.value:
         nv = BlockFormat(ELEMENTS["e2m1"], 16, "e4m3", per_tensor_scale=config.per_tensor_scale)
         return nv, nv
-    if fmt == MXFormat.mxfp4:
+    if fmt == MXFormat.mxfp4.value:
         fp4 = BlockFormat(ELEMENTS["e2m1"], 32, "e8m0", config.scale_mode)
         return fp4, fp4
-    elements = config.elements.value if fmt == config.format else MXElements.e4m3.value
-    grads = config.grad_elements.value if fmt == config.format else MXElements.e4m3.value
+    elements = config.elements.value if fmt == config.format.value else MXElements.e4m3.value
+    grads = config.grad_elements.value if fmt == config.format.value else MXElements.e4m3.value
     return (BlockFormat(ELEMENTS[elements], 32, "e8m0", config.scale_mode),
             BlockFormat(ELEMENTS[grads], 32, "e8m0", config.scale_mode))
 
