@@ -42,3 +42,8 @@ COMPARISON, MEMORY, INSPECTION, ADVICE = "comparison", "memory", "ranges", "advi
 STUDY_RECORDS = tuple(f"{stem}.json" for stem in (ADVICE, COMPARISON, MEMORY, INSPECTION))
 
 COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log", "advise.log")  # each command's log, by its name
+# What a command that recorded nothing leaves (Hydra's own files, its log, the lock): a directory holding only
+# these is free for a new run, and is removed when a run is refused (commands/train.py)
+LEFTOVERS = frozenset({HYDRA, *COMMAND_LOGS, LOCK})
+# Every name a run writes at the top of its directory: a tracker's files may be none of these
+RUN_OWN_NAMES = frozenset({*RECORDS, *LEFTOVERS, IDENTITY, CHECKPOINTS, "profile", "wandb"})

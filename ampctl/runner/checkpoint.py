@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -24,7 +24,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl import run_files
 from ampctl.conf.schema import CheckpointFormat
-from ampctl.engine.loop import TrainState
 from ampctl.errors import UsageError
 from ampctl.runner import identity as run_identity
 from ampctl.runner import sharded_checkpoint
@@ -36,9 +35,13 @@ from ampctl.runner.checkpoint_files import (
     is_sharded,
     list_checkpoints,
     prune,
+    run_dir_of,
     save_atomic,
 )
 from ampctl.runner.identity import SAFE_TO_CHANGE, RunIdentity, flatten
+
+if TYPE_CHECKING:  # annotations only: the state's class is the engine's
+    from ampctl.engine.loop import TrainState
 
 FORMAT_VERSION = 1
 
@@ -200,14 +203,6 @@ def refuse_without_identity(run_dir: Path, payload: dict[str, Any]) -> None:
             f"{run_dir} holds checkpoints of run {str(run_id)[:8]} but not its {run_files.IDENTITY} (removed or lost): "
             "without it a resume cannot tell the run's own checkpoints and config from another run's; restore "
             f"{run_files.IDENTITY}, or start a new run in another hydra.run.dir")
-
-
-def run_dir_of(checkpoint: Path) -> Path:
-    """The run directory a checkpoint belongs to: the nearest above it with the run's identity (a checkpoint set
-    aside sits deeper), else the one its checkpoints/ folder is in (a run made before identities)."""
-    path = checkpoint.resolve()
-    owner = next((d for d in path.parents if (d / run_files.IDENTITY).is_file()), None)
-    return owner or path.parent.parent
 
 
 def load(path: Path, mmap: bool = False) -> dict[str, Any]:

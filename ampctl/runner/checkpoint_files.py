@@ -171,3 +171,11 @@ def cached_sha256(path: Path) -> str:
 @functools.lru_cache(maxsize=64)
 def _sha256(path: str, _mtime_ns: int, _size: int) -> str:
     return file_sha256(Path(path))
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    """The run directory a checkpoint belongs to: the nearest above it with the run's identity (a checkpoint set
+    aside sits deeper), else the one its checkpoints/ folder is in (a run made before identities)."""
+    path = checkpoint.resolve()
+    owner = next((d for d in path.parents if (d / run_files.IDENTITY).is_file()), None)
+    return owner or path.parent.parent

@@ -18,17 +18,8 @@ from ampctl.errors import UsageError
 from ampctl.reports.runs import holder_pid
 from ampctl.runner import checkpoint_files
 from ampctl.runner.best_checkpoints import read_index, set_aside_after
-from ampctl.runner.checkpoint_files import checkpoint_step, is_checkpoint, list_checkpoints
+from ampctl.runner.checkpoint_files import checkpoint_step, is_checkpoint, list_checkpoints, run_dir_of
 from ampctl.runner.identity import created_here
-
-# What a command that recorded nothing leaves (Hydra's own files, its log, the lock): a directory holding only
-# these is free for a new run, and is removed when a run is refused (commands/train.py)
-LEFTOVERS = frozenset({run_files.HYDRA, *run_files.COMMAND_LOGS, run_files.LOCK})
-
-
-# Every name a run writes at the top of its directory: a tracker's files may be none of these
-RUN_OWN_NAMES = frozenset({*run_files.RECORDS, *LEFTOVERS, run_files.IDENTITY, run_files.CHECKPOINTS, "profile",
-                           "wandb"})
 
 
 def run_records(run_dir: Path) -> list[str]:
@@ -40,7 +31,8 @@ def run_records(run_dir: Path) -> list[str]:
 
 
 def is_leftover(path: Path) -> bool:
-    return path.name in LEFTOVERS or (path.name == run_files.METRICS and path.is_file() and not path.stat().st_size)
+    empty_metrics = path.name == run_files.METRICS and path.is_file() and not path.stat().st_size
+    return path.name in run_files.LEFTOVERS or empty_metrics
 
 
 def what_it_holds(directory: Path) -> list[str]:
@@ -71,8 +63,6 @@ def continues_here(resume: Optional[str], run_dir: Path) -> bool:
         return False
     if resume == "auto":
         return True
-    from ampctl.runner.checkpoint import run_dir_of
-
     target = Path(resume).expanduser()
     owner = run_dir_of(target) if target.is_file() or is_checkpoint(target) else target
     return owner.resolve() == run_dir.resolve()
@@ -86,7 +76,7 @@ def refuse_damaged_names(run_dir: Path) -> None:
     """A name the run keeps as a directory that is a file there (checkpoints/), or one it keeps as a file that is a
     directory (.ampctl.lock, metrics.jsonl): the directory is not the run's as it wrote it, and writing into it would
     fail half-way. Refused before anything is moved or written."""
-    for name in sorted(RUN_OWN_NAMES - {"profile", "wandb"}):
+    for name in sorted(run_files.RUN_OWN_NAMES - {"profile", "wandb"}):
         path = run_dir / name
         if not (path.exists() or path.is_symlink()):
             continue

@@ -7,17 +7,19 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io, run_files
-from ampctl.engine.loop import TrainState
 from ampctl.engine.telemetry import JsonlSink, Sink
 from ampctl.runner import checkpoint_files, identity
 from ampctl.runner.console import make_console_sink
 from ampctl.runner.identity import RunIdentity
 from ampctl.runner.scale_story import ScaleStory
+
+if TYPE_CHECKING:  # annotations only: the state's class is the engine's
+    from ampctl.engine.loop import TrainState
 
 log = logging.getLogger("ampctl.train")
 

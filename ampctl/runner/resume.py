@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -19,9 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl.conf.schema import Schedule
 from ampctl.conf.typed import typed_config
-from ampctl.engine.loop import TrainState
 from ampctl.engine.optim import lr_factor
-from ampctl.runner import checkpoint, identity
+from ampctl.runner import checkpoint, checkpoint_files, identity
+
+if TYPE_CHECKING:  # annotations only: the state's class is the engine's
+    from ampctl.engine.loop import TrainState
 
 
 def named_keys(overrides: list[str]) -> list[str]:
@@ -85,7 +87,7 @@ class Resume:
         payload = found.payload
         changes = (checkpoint.config_changes(payload["config"], cfg) + _schedule_change(payload, cfg)
                    + _world_size_change(payload, cfg, world_size))
-        return cls(checkpoint.run_dir_of(found.path), found.path, payload, changes, found.passed_over)
+        return cls(checkpoint_files.run_dir_of(found.path), found.path, payload, changes, found.passed_over)
 
     def restore(self, state: TrainState) -> None:
         if self.payload:

@@ -21,15 +21,17 @@ import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from ampctl import io
-from ampctl.engine.loop import TrainState
 from ampctl.errors import WRITE_REFUSED_ERRNOS
 from ampctl.runner import checkpoint_files
+
+if TYPE_CHECKING:  # annotations only: the state's class is the engine's
+    from ampctl.engine.loop import TrainState
 
 STATE_FILE = "state.pt"
 MANIFEST = "SHA256SUMS"

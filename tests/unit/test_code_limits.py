@@ -1,6 +1,6 @@
 """The size limits the house keeps (issue 36): no function over 60 lines or with more than 8 parameters, no module
-over 400 lines, and Hydra's private API reached from one module only. A change that crosses one splits the
-code instead of raising the limit."""
+over 400 lines, no import chain over 11 modules, and Hydra's private API reached from one module only. A change
+that crosses one splits the code instead of raising the limit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import ampctl
 
 PACKAGE = Path(ampctl.__file__).parent
-MAX_FUNCTION_LINES, MAX_PARAMETERS, MAX_MODULE_LINES = 60, 8, 400
+MAX_FUNCTION_LINES, MAX_PARAMETERS, MAX_MODULE_LINES, MAX_IMPORT_CHAIN = 60, 8, 400, 11
 
 
 @functools.cache
@@ -56,3 +56,50 @@ def test_hydras_private_api_is_imported_by_one_module():
             if any(name.startswith("hydra._internal") for name in names):
                 importers.add(str(path.relative_to(PACKAGE)))
     assert importers == {"commands/hydra_internals.py"}
+
+
+def runtime_imports(tree: ast.Module) -> list[ast.AST]:
+    """Every import a module runs, function-level ones included; those under `if TYPE_CHECKING:` (annotations
+    only) are not run."""
+    found: list[ast.AST] = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING":
+            return
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module name -> the package's modules it imports when run (a package by its __init__)."""
+    names = {".".join(["ampctl", *path.relative_to(PACKAGE).with_suffix("").parts]).removesuffix(".__init__"): path
+             for path in modules()}
+    graph = {}
+    for name, path in names.items():
+        imported = set()
+        for node in runtime_imports(modules()[path]):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif node.module:
+                imported.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in names
+                                else node.module for alias in node.names)
+        graph[name] = {m for m in imported if m in names and m != name}
+    return graph
+
+
+def test_no_import_chain_is_longer_than_11_modules():
+    """From the front door (ampctl's __init__, which imports the API on first use) to the bottom: the longest
+    chain of modules each importing the next. Cycles are test_layers.py's; a chain is counted without them."""
+    graph = import_graph()
+
+    @functools.cache
+    def longest(name: str) -> tuple[str, ...]:
+        return (name, *max((longest(m) for m in graph[name]), key=len, default=()))
+
+    chain = max((longest(name) for name in graph), key=len)
+    assert len(chain) <= MAX_IMPORT_CHAIN, " -> ".join(chain)

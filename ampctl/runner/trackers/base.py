@@ -20,13 +20,11 @@ METRICS = tuple(f.name for f in fields(StepRecord) if f.name != "step")
 
 def inside_the_run(key: str, value: str) -> None:
     """A tracker's path: relative, inside the run directory, and none of the run's own records."""
-    from ampctl.runner.ownership import RUN_OWN_NAMES
-
-    parts = PurePath(value).parts
+    parts, own = PurePath(value).parts, run_files.RUN_OWN_NAMES
     if not str(value).strip() or PurePath(value).is_absolute() or ".." in parts or \
-            parts[0] in RUN_OWN_NAMES | {run_files.TRACKER_IDS}:
+            parts[0] in own | {run_files.TRACKER_IDS}:
         raise UsageError(f"{key}={value!r} is not allowed: expected a path inside the run directory (relative, "
-                         f"no '..') that is none of the run's own records ({', '.join(sorted(RUN_OWN_NAMES))}); "
+                         f"no '..') that is none of the run's own records ({', '.join(sorted(own))}); "
                          "a tracker writes only its own files, inside the run it records")
 
 
