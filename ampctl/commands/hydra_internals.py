@@ -1,7 +1,7 @@
 """A command's config composed outside a Hydra app (ampctl list, the Python API), exactly as the app would
-compose it: ampctl's configs, with a `-cd` directory first, as Hydra puts a command line's config dir. The one
-module that reaches into Hydra's private API (hydra._internal): its public compose API covers everything else,
-but not the precedence of a user's `-cd` directory."""
+compose it: ampctl's configs, and a `-cd` directory where Hydra puts a command line's config dir. The one module
+that reaches into Hydra's private API (hydra._internal): its public compose API covers everything else, but not
+a `-cd` directory beside an app's configs (tests/integration/test_hydra_behaviours.py pins that the two agree)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,18 @@ from omegaconf import DictConfig
 
 
 def config_loader(config_dir: Optional[Path]):
-    """Hydra's config loader over pkg://ampctl.conf, with config_dir first (Hydra prepends a command line's
-    config dir to the app's search path). Hydra's own class: Hydra has no public API for a loader."""
+    """Hydra's config loader over pkg://ampctl.conf with config_dir where Hydra's app puts a command line's
+    `-cd`: after the app's own configs, before the structured schemas (hydra/_internal/utils.py, run_hydra). So a
+    user's file named like one of ampctl's does not replace it, in the app and here alike (pinned in
+    tests/integration/test_hydra_behaviours.py). Hydra's own class: Hydra has no public API for a loader."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
 
     search_path = create_config_search_path("pkg://ampctl.conf")
     if config_dir is not None:
-        search_path.prepend("command-line", f"file://{Path(config_dir).resolve()}")
+        search_path.prepend("command-line", f"file://{Path(config_dir).resolve()}",
+                            anchor=SearchPathQuery(provider="schema"))
     return ConfigLoaderImpl(config_search_path=search_path)
 
 

@@ -4,6 +4,7 @@ typos refused. Each failed before ampctl stopped re-implementing Hydra's composi
 
 from __future__ import annotations
 
+import importlib.resources
 import importlib.util
 import json
 import os
@@ -155,3 +156,32 @@ def test_an_experiment_group_of_ones_own_is_chosen_with_plus(tmp_path):
     config = yaml.safe_load((tmp_path / "run" / ".hydra" / "config.yaml").read_text())
     assert config["precision"]["name"] == "fp16" and config["recipe"]["_target_"].endswith("MLPRecipe")
     assert config["train"]["steps"] == 3 and config["scaler"]["growth_interval"] == 100
+
+
+def test_the_private_composition_agrees_with_hydras_own_app(tmp_path):
+    """commands/hydra_internals.py composes outside a Hydra app (the Python API, `ampctl list`) through Hydra's
+    private classes, for the one thing the public compose API lacks: a `-cd` directory ahead of ampctl's configs.
+    Pinned against Hydra's own app on this Hydra version: the composed job is the one `ampctl train -cd DIR --cfg
+    job` prints, with a user's precision/bf16.yaml beside ampctl's (Hydra's app keeps ampctl's: a `-cd` directory
+    comes after the app's own configs) and a mode of their own."""
+    from omegaconf import OmegaConf
+
+    from ampctl.commands.hydra_internals import composed
+    from ampctl.conf.composing import without_hydra_node
+
+    conf = tmp_path / "conf"
+    (conf / "precision").mkdir(parents=True)
+    ampctls = (importlib.resources.files("ampctl.conf") / "precision" / "bf16.yaml").read_text()
+    (conf / "precision" / "bf16.yaml").write_text(ampctls.replace("description:", "description: MINE"))
+    (conf / "precision" / "mine.yaml").write_text(ampctls.replace("name: bf16", "name: mine"))
+    for mode in ("bf16", "mine"):
+        args = [*QUICK, f"precision={mode}", "train.seed=5"]
+        with composed("train", args, config_dir=conf) as cfg:
+            ours = OmegaConf.to_container(without_hydra_node(cfg), enum_to_str=True)
+            assert cfg.hydra.runtime.choices.precision == mode
+        app = ampctl("train", "-cd", str(conf), *args, "--cfg", "job", cwd=tmp_path)
+        assert app.returncode == 0, app.stderr
+        printed = yaml.safe_load(app.stdout)
+        printed.pop("defaults")  # ampctl's dump names its choices, so that it loads back as a primary config
+        assert ours == printed, mode
+        assert ours["precision"]["name"] == mode and not ours["precision"]["description"].startswith("MINE")
