@@ -2,7 +2,8 @@
 
 Every YAML in ampctl/conf/ extends one of the schemas stored here (``defaults: [/schema_<group>[_<kind>]@_here_]``):
 the run's (train.*, telemetry.*, distributed.*, guard.*) are defined in this module, a precision mode's and its
-scaler's in precision_schema.py, the trackers' in logger_schema.py, the studies' own in study_schema.py;
+scaler's in precision_schema.py, the studies' own in study_schema.py (a tracker's options are its class's:
+runner/trackers/);
 so that a typo'd key or a wrong type is rejected by OmegaConf at compose time. The dataclasses' defaults are the
 only ones: a YAML states what differs from them and nothing else (tests/unit/test_config.py checks every
 file). Ranges and cross-field rules are each schema's __post_init__; :func:`validate` runs them all (through
@@ -16,12 +17,11 @@ import math
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from ampctl.conf.logger_schema import LoggerConfig
 from ampctl.conf.precision_schema import SCALER_SCHEMAS, PrecisionConfig
 from ampctl.conf.study_schema import AdviseConfig, CompareConfig, InspectConfig, MemoryConfig
 from ampctl.conf.value_checks import positive_finite, require
@@ -215,7 +215,9 @@ class AmpctlConfig:
     recipe: Any = MISSING
     optimizer: Any = MISSING
     distributed: DistributedConfig = safe_to_change(MISSING)
-    logger: LoggerConfig = safe_to_change(default_factory=LoggerConfig)
+    # experiment trackers, any number at once (`logger=[tensorboard,csv]`): each ampctl/conf/logger/<name>.yaml
+    # adds its `_target_` node (runner/trackers/), typed there by its class's options
+    logger: Dict[str, Any] = safe_to_change(default_factory=dict)
     # a run dir or checkpoint file to continue from; "auto": this run dir's newest
     resume: Optional[str] = safe_to_change(None)
 
@@ -352,7 +354,8 @@ def safe_to_change_keys(schema: type = AmpctlConfig, prefix: str = "") -> tuple[
     for f in dataclasses.fields(schema):
         node = dataclasses.is_dataclass(hints[f.name])
         if f.metadata.get("safe_to_change"):
-            keys.append(f"{prefix}{f.name}{'.' if node else ''}")
+            open_node = typing.get_origin(hints[f.name]) is dict  # logger: its trackers' nodes
+            keys.append(f"{prefix}{f.name}{'.' if node or open_node else ''}")
         elif node:
             keys += safe_to_change_keys(hints[f.name], f"{prefix}{f.name}.")
     return tuple(keys)

@@ -6,9 +6,9 @@ train (advise's calibration)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,6 +35,7 @@ class RunPlan:
     choices: dict[str, str]
     policy: PrecisionPolicy
     resume: Resume
+    trackers: dict[str, Any] = field(default_factory=dict)  # logger's, checked: {name: (class, typed options)}
 
     @property
     def run_dir(self) -> Path:
@@ -53,8 +54,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     else:
         cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
     policy = check_config(cfg)
-    check_loggers(cfg.logger)
-    return RunPlan(cfg, dict(choices or {}), policy, resume)
+    return RunPlan(cfg, dict(choices or {}), policy, resume, check_loggers(cfg.logger))
 
 
 def check_config(cfg: DictConfig) -> PrecisionPolicy:

@@ -83,14 +83,16 @@ class Recorder:
 
         return set_aside_rows_without_checkpoint(self.run_dir)
 
-    def start_trackers(self, cfg: DictConfig, resumed_at: Optional[int], after_steps: int) -> None:
-        """The experiment trackers cfg.logger names, started with the resolved config after this process's
-        first `after_steps` steps (the CPU memory profiler's window: runner/trackers/ says why)."""
-        if not any(cfg.logger.get(name) is not None for name in cfg.logger):
+    def start_trackers(self, chosen: dict[str, Any], cfg: DictConfig, resumed_at: Optional[int],
+                       after_steps: int) -> None:
+        """The experiment trackers the plan checked ({name: (class, typed options)}), started with the resolved
+        config after this process's first `after_steps` steps (the CPU memory profiler's window: runner/trackers/
+        says why)."""
+        if not chosen:
             return
         from ampctl.runner.trackers import Trackers
 
-        self.trackers = Trackers(cfg.logger, cfg, self.run_dir, resumed_at, after_steps)
+        self.trackers = Trackers(chosen, cfg, self.run_dir, resumed_at, after_steps)
 
     def sinks(self, console_mode: Any, total_steps: int, tokens: bool,
               peak_memory: Callable[[], Optional[int]]) -> list[Sink]:

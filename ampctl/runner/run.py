@@ -25,7 +25,6 @@ from ampctl.engine.build import build_state
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.loop import FitHooks, StepSettings, TrainState, fit
 from ampctl.engine.precision import layers
-from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, StopOnSignal
@@ -40,7 +39,6 @@ from ampctl.runner.pauses import Pauses
 from ampctl.runner.plan import RunPlan
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder
-from ampctl.runner.resume import Resume
 from ampctl.runner.speed_warnings import SpeedWarnings
 from ampctl.runner.watchdog import Watchdog
 
@@ -56,7 +54,7 @@ def run_training(plan: RunPlan, echo: Callable[[str], None] = say) -> dict:
             raise UsageError(f"rank {parallel.rank} resolved a different config than rank 0 (resume={cfg.resume}): "
                              "every rank must see the same run directory and checkpoints")
         try:
-            summary = TrainingRun(cfg, plan.choices, echo, policy, parallel, plan.resume).train()
+            summary = TrainingRun(plan, echo, parallel).train()
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             what = devices.out_of_memory(exc)
             if what is None:
@@ -79,11 +77,11 @@ class TrainingRun:
     profiler: StepProfiler
     compiling: CompileWatch
 
-    def __init__(self, cfg: DictConfig, choices: dict[str, str], echo: Callable[[str], None],
-                 policy: PrecisionPolicy, parallel: parallelism.Parallel, resume: Resume) -> None:
-        self.cfg, self.choices, self.policy, self.parallel = cfg, choices, policy, parallel
+    def __init__(self, plan: RunPlan, echo: Callable[[str], None], parallel: parallelism.Parallel) -> None:
+        cfg, policy = plan.cfg, plan.policy
+        self.plan, self.cfg, self.choices, self.policy, self.parallel = plan, cfg, plan.choices, policy, parallel
         self.settings = StepSettings.of(cfg.train)
-        self.resume = resume
+        self.resume = plan.resume
         self.recorder = Recorder(self.resume.run_dir, echo) if parallel.is_main else NoRecorder(self.resume.run_dir)
         self.recipe = self._rank_recipe()
         self.peak = TrainingPeak(policy.device)
@@ -117,7 +115,7 @@ class TrainingRun:
                 self.announce()
                 recorder.identity = self.parallel.main_value(recorder.claim(cfg, self.choices))  # before any record
                 # the trackers reached (and a resumed run's tracker ids read) before anything is set aside or written
-                recorder.start_trackers(cfg, resume.step, after_steps=self.peak.untimed_steps)
+                recorder.start_trackers(self.plan.trackers, cfg, resume.step, after_steps=self.peak.untimed_steps)
                 recorder.open(resume.step)
                 if cfg.resume:
                     recorder.record_config(cfg)

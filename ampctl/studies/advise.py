@@ -63,20 +63,21 @@ def candidate_modes() -> tuple[str, ...]:
     """The modes advise weighs: those compare runs by default, then every mode whose YAML names a registered
     converter (FP8, MX, a plug-in's), less the modes that only emulate another (precision=fp8_emulated studies
     fp8's numerics where fp8 cannot run: never the faster or the smaller choice). Each where it runs at speed."""
-    registered = converters.registered()
-    emulations = {cls.emulation for cls in registered.values() if cls.emulation}
+    emulations = {cls.emulation for cls in converters.registered().values() if cls.emulation}
     options = GlobalHydra.instance().config_loader().get_group_options("precision")
     converted = [option for option in options if option not in (*DEFAULT_COMPARE_PRECISIONS, *emulations)
-                 and _converter_named(option) in registered]
+                 and _names_a_converter(option)]
     return (*DEFAULT_COMPARE_PRECISIONS, *converted)
 
 
-def _converter_named(option: str) -> Optional[str]:
-    """The converter precision=option's YAML names (None: a flag-driven mode, or a YAML that does not compose)."""
+def _names_a_converter(option: str) -> bool:
+    """Whether precision=option's YAML names a converter that exists (not a flag-driven mode, nor a YAML that does
+    not compose or names none)."""
     try:
-        return compose_job("train", [f"precision={option}"]).precision.converter
+        name = compose_job("train", [f"precision={option}"]).precision.converter
+        return name is not None and converters.converter_class(name) is not None
     except UsageError:
-        return None
+        return False
 
 
 @dataclass

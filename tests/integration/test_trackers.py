@@ -6,7 +6,6 @@ by step: every step once, every metric, the config and the summary."""
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import math
 
@@ -95,8 +94,9 @@ def test_every_tracker_holds_every_steps_record_the_config_and_the_summary_acros
 
 def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path, capsys, restore_argv,
                                                                          monkeypatch):
-    monkeypatch.setitem(trackers.TRACKERS, "wandb",
-                        dataclasses.replace(trackers.TRACKERS["wandb"], package="wandb_is_not_installed_here"))
+    from ampctl.runner.trackers.wandb_tracker import WandbTracker
+
+    monkeypatch.setattr(WandbTracker, "package", "wandb_is_not_installed_here")
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "device=cpu", "recipe=mlp", "train.steps=2", "logger=[csv,wandb]",
               f"hydra.run.dir={tmp_path / 'run'}"])
@@ -174,11 +174,10 @@ def test_each_sink_spells_a_non_finite_value_by_its_documented_rule(tmp_path):
     of its step, since its SQL store would turn it into 1.8e308 (docs/runs.md)."""
     from omegaconf import OmegaConf
 
-    from ampctl.conf.logger_schema import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig
     from ampctl.engine.telemetry import StepRecord
-    from ampctl.runner.trackers.csv_tracker import CsvTracker
-    from ampctl.runner.trackers.mlflow_tracker import MlflowTracker
-    from ampctl.runner.trackers.tensorboard_tracker import TensorBoardTracker
+    from ampctl.runner.trackers.csv_tracker import CsvOptions, CsvTracker
+    from ampctl.runner.trackers.mlflow_tracker import MlflowOptions, MlflowTracker
+    from ampctl.runner.trackers.tensorboard_tracker import TensorBoardOptions, TensorBoardTracker
 
     def record(step: int, grad_norm: float) -> StepRecord:
         return StepRecord(step=step, loss=1.0, loss_scale=2.0**16, skipped=not math.isfinite(grad_norm),
@@ -187,14 +186,14 @@ def test_each_sink_spells_a_non_finite_value_by_its_documented_rule(tmp_path):
     records = [record(1, 2.0), record(2, float("inf")), record(3, float("nan")), record(4, 3.0)]
     assert [json.loads(r.to_json())["grad_norm"] for r in records] == [2.0, None, None, 3.0]
 
-    csv_tracker = CsvTracker(OmegaConf.structured(CsvLoggerConfig), tmp_path, None, None)
+    csv_tracker = CsvTracker(OmegaConf.structured(CsvOptions), tmp_path, None, None)
     csv_tracker.start(OmegaConf.create({}))
     csv_tracker.write(records)
     csv_tracker.fail()
     with (tmp_path / "metrics.csv").open(newline="") as f:
         assert [row["grad_norm"] for row in csv.DictReader(f)] == ["2.0", "inf", "nan", "3.0"]
 
-    tensorboard = TensorBoardTracker(OmegaConf.structured(TensorBoardLoggerConfig), tmp_path, None, None)
+    tensorboard = TensorBoardTracker(OmegaConf.structured(TensorBoardOptions), tmp_path, None, None)
     tensorboard.start(OmegaConf.create({}))
     tensorboard.write(records)
     tensorboard.fail()
@@ -202,7 +201,7 @@ def test_each_sink_spells_a_non_finite_value_by_its_documented_rule(tmp_path):
     assert scalars[1] == 2.0 and scalars[2] == float("inf") and math.isnan(scalars[3]) and scalars[4] == 3.0
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    tracker = MlflowTracker(OmegaConf.structured(MlflowLoggerConfig(tracking_uri=uri)), tmp_path, None, None)
+    tracker = MlflowTracker(OmegaConf.structured(MlflowOptions(tracking_uri=uri)), tmp_path, None, None)
     tracker.connect()
     tracker.start(OmegaConf.create({"train": {"steps": 4}}))
     tracker.write(records)

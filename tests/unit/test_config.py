@@ -242,23 +242,25 @@ def test_a_key_the_schema_lacks_is_refused_even_when_added_with_plus():
         typed_config(cfg)
 
 
-def test_the_tracker_table_is_the_schemas_loggers_and_their_yamls_and_extras():
-    """runner/trackers' TRACKERS is the one list: LoggerConfig has a node of each one's options and no other,
-    each has ampctl/conf/logger/<name>.yaml, and each package's extra is in pyproject.toml."""
+@pytest.mark.parametrize("name", [p.stem for p in sorted((CONF / "logger").iterdir()) if p.name.endswith(".yaml")])
+def test_a_trackers_yaml_names_its_class_with_every_option_at_its_default_and_its_extra_exists(name):
+    """A tracker is its module and its YAML: the YAML's node names the Tracker subclass (`_target_`) and lists its
+    options dataclass's every field at its default (an open node has only the keys its YAML names); the extra the
+    class names is one pyproject.toml declares."""
     import dataclasses
-    import typing
     from importlib import metadata
 
-    from ampctl.conf.logger_schema import LoggerConfig
-    from ampctl.runner.trackers import TRACKERS
+    from omegaconf import OmegaConf
 
-    hints = typing.get_type_hints(LoggerConfig)
-    assert {f.name: typing.get_args(hints[f.name])[0] for f in dataclasses.fields(LoggerConfig)} == {
-        name: kind.options for name, kind in TRACKERS.items()}
-    assert sorted(p.name for p in (CONF / "logger").iterdir() if p.name.endswith(".yaml")) == sorted(
-        f"{name}.yaml" for name in TRACKERS)
-    extras = metadata.metadata("ampctl").get_all("Provides-Extra")
-    assert all(kind.extra in extras for kind in TRACKERS.values() if kind.package is not None)
+    from ampctl.runner.trackers import tracker_class
+
+    node = OmegaConf.load(CONF / "logger" / f"{name}.yaml")[name]
+    cls = tracker_class(name, node)
+    defaults = OmegaConf.to_container(OmegaConf.structured(cls.options_type), enum_to_str=True)
+    assert {k: v for k, v in OmegaConf.to_container(node).items() if k != "_target_"} == defaults
+    assert [f.name for f in dataclasses.fields(cls.options_type)] == [k for k in node if k != "_target_"]
+    if cls.package is not None:
+        assert cls.extra in metadata.metadata("ampctl").get_all("Provides-Extra")
 
 
 def test_the_keys_a_resume_may_change_are_the_schemas_marked_fields():

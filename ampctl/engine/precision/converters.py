@@ -7,8 +7,9 @@ model converters. Its formats (what a per-layer rule may ask for: `run_in: mxfp4
 a mode or format is named: the policy's refusals and start line, `ampctl list`, the layer table, messages.
 
 The built-in converters are listed by module below and imported when first looked up (a run that uses none
-imports none); converters of other packages register through the `ampctl.converters` entry-point group, or
-by importing their module before ampctl composes the config (a test does that).
+imports none); converters of other packages register through the `ampctl.converters` entry-point group; one's
+own, in a module beside one's configs, is named in its mode's YAML by its dotted path (`converter:
+my_fp4.Fp4Converter`), or registered by importing its module before ampctl composes the config (a test does that).
 """
 
 from __future__ import annotations
@@ -142,14 +143,30 @@ def registered() -> dict[str, type[Converter]]:
 
 
 def converter_class(name: str) -> type[Converter]:
-    """The converter registered under name; a UsageError naming the registered ones otherwise."""
+    """The converter registered under name, or the Converter subclass a dotted path names (`my_fp4.Fp4Converter`:
+    a module of one's own beside one's configs, which `-cd` makes importable); a UsageError naming the registered
+    ones otherwise."""
     if name in BUILT_IN and name not in _REGISTRY:
         importlib.import_module(BUILT_IN[name])
+    if name not in _REGISTRY and "." in name:
+        return _imported(name)
     if name not in _REGISTRY:
         names = sorted(registered())
         raise UsageError(f"precision.converter={name}: no such converter{did_you_mean(name, names)}; registered: "
                          f"{', '.join(names)} (a package adds one through the {ENTRY_POINT_GROUP!r} entry points)")
     return _REGISTRY[name]
+
+
+def _imported(path: str) -> type[Converter]:
+    module, _, attr = path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"precision.converter={path}: cannot be imported: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Converter)):
+        raise UsageError(f"precision.converter={path}: not a Converter subclass "
+                         "(ampctl.engine.precision.converters.Converter)")
+    return register_converter(cls)
 
 
 def format_owners() -> dict[str, type[Converter]]:

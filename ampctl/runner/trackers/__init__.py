@@ -3,71 +3,89 @@ already has, on log steps, when they have come back from the device anyway (a tr
 device), plus the resolved config at start and the summary at the end.
 
 Each tracker speaks its library's own API (one module each beside this one): torch.utils.tensorboard's
-SummaryWriter, wandb.init/log/summary, MLflow's client (params, metrics, tags, run status). The optional
-packages are imported only when chosen; a missing one is refused before the run starts, naming the extra that
-installs it. TRACKERS is the one list of them.
+SummaryWriter, wandb.init/log/summary, MLflow's client (params, metrics, tags, run status). A tracker is a
+`_target_` node, as recipes and optimizers are: ampctl/conf/logger/<name>.yaml names its Tracker subclass, whose
+class attributes say its options (typed here), its package and the extra that installs it. The optional
+packages are imported only when chosen; a missing one is refused before the run starts, naming the extra.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from ampctl import io, run_files
-from ampctl.conf.logger_schema import CsvLoggerConfig, MlflowLoggerConfig, TensorBoardLoggerConfig, WandbLoggerConfig
 from ampctl.conf.messages import one_line
 from ampctl.engine.telemetry import StepRecord
 from ampctl.errors import UsageError
 from ampctl.runner.trackers.base import METRICS, Tracker
-from ampctl.runner.trackers.csv_tracker import CsvTracker
-from ampctl.runner.trackers.mlflow_tracker import MlflowTracker
-from ampctl.runner.trackers.tensorboard_tracker import TensorBoardTracker
-from ampctl.runner.trackers.wandb_tracker import WandbTracker
 
-__all__ = ["METRICS", "TRACKERS", "Trackers", "check_loggers", "chosen"]
-
-
-@dataclass(frozen=True)
-class TrackerKind:
-    """One tracker: the logger option that chooses it (ampctl/conf/logger/<name>.yaml turns on LoggerConfig.<name>),
-    its options' schema, the sink that speaks its library, and the package it needs with the ampctl extra that
-    installs it (none for the standard library's csv)."""
-
-    name: str
-    options: type
-    sink: type[Tracker]
-    package: Optional[str] = None
-    extra: Optional[str] = None
-
-
-TRACKERS: dict[str, TrackerKind] = {kind.name: kind for kind in (
-    TrackerKind("csv", CsvLoggerConfig, CsvTracker),
-    TrackerKind("tensorboard", TensorBoardLoggerConfig, TensorBoardTracker, "tensorboard", "tensorboard"),
-    TrackerKind("wandb", WandbLoggerConfig, WandbTracker, "wandb", "wandb"),
-    TrackerKind("mlflow", MlflowLoggerConfig, MlflowTracker, "mlflow", "mlflow"),
-)}
+__all__ = ["METRICS", "Tracker", "Trackers", "check_loggers", "chosen", "tracker_class"]
 
 
 def chosen(logger: DictConfig) -> list[str]:
-    return [name for name in TRACKERS if logger.get(name) is not None]
+    """The trackers the run records to (a null node: one an older run's config had off)."""
+    return [str(name) for name, node in logger.items() if node is not None]
 
 
-def check_loggers(logger: DictConfig) -> None:
-    """Refuse, in one line before anything is written: a tracker whose package is not installed; what a
-    tracker's own check refuses (a file outside its run directory or over one of the run's own records: a
-    tracker writes only its own files, inside the run it records; wandb online without a key)."""
+def _target(name: str, node: DictConfig) -> str:
+    """The node's `_target_`; a run recorded before trackers were `_target_` nodes names ampctl's of that name."""
+    target = node.get("_target_")
+    shipped = resources.files("ampctl.conf").joinpath("logger", f"{name}.yaml")
+    if target is None and shipped.is_file():
+        target = OmegaConf.create(shipped.read_text(encoding="utf-8"))[name]["_target_"]
+    if target is None:
+        raise UsageError(f"logger.{name}: names no tracker; its node needs _target_: a Tracker subclass (as "
+                         "ampctl/conf/logger/*.yaml have)")
+    return str(target)
+
+
+def tracker_class(name: str, node: DictConfig) -> type[Tracker]:
+    """The Tracker subclass logger.<name> names (UsageError: one that cannot be imported or is no tracker)."""
+    target = _target(name, node)
+    try:
+        cls = get_class(target)
+    except Exception as exc:  # noqa: BLE001 - any failure to import it is the same mistake: one line
+        raise UsageError(f"logger.{name}._target_={target!r} cannot be imported: {one_line(exc)}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Tracker) and hasattr(cls, "options_type")):
+        raise UsageError(f"logger.{name}._target_={target!r} is not a tracker: a subclass of "
+                         "ampctl.runner.trackers.Tracker with its options_type")
+    return cls
+
+
+def typed_options(name: str, node: DictConfig, cls: type[Tracker]) -> DictConfig:
+    """logger.<name>'s options typed by the tracker's options dataclass (a key it lacks, a wrong type: one line)."""
+    values = {key: value for key, value in node.items() if key != "_target_"}
+    try:
+        typed = OmegaConf.merge({"logger": {name: OmegaConf.structured(cls.options_type)}},
+                                {"logger": {name: values}})
+    except OmegaConfBaseException as exc:
+        raise UsageError(one_line(exc)) from None
+    return typed.logger[name]
+
+
+def check_loggers(logger: DictConfig) -> dict[str, tuple[type[Tracker], DictConfig]]:
+    """Each chosen tracker's class and typed options. Refused, in one line before anything is written: a tracker
+    whose package is not installed; what a tracker's own check refuses (a file outside its run directory or over
+    one of the run's own records: a tracker writes only its own files, inside the run it records; wandb online
+    without a key)."""
+    trackers = {}
     for name in chosen(logger):
-        kind = TRACKERS[name]
-        if kind.package is not None and importlib.util.find_spec(kind.package) is None:
-            raise UsageError(f"logger={name}: the {kind.package} package is not installed; "
-                             f"pip install 'ampctl[{kind.extra}]'")
-    for name in chosen(logger):
-        TRACKERS[name].sink.check(logger[name])
+        cls = tracker_class(name, logger[name])
+        if cls.package is not None and importlib.util.find_spec(cls.package) is None:
+            raise UsageError(f"logger={name}: the {cls.package} package is not installed; "
+                             f"pip install 'ampctl[{cls.extra}]'")
+        trackers[name] = (cls, typed_options(name, logger[name], cls))
+    for cls, options in trackers.values():
+        cls.check(options)
+    return trackers
 
 
 class Trackers:
@@ -79,14 +97,14 @@ class Trackers:
     background threads inside that window made a 12-step run take minutes. Records of those steps wait here
     and are written when the trackers start."""
 
-    def __init__(self, logger: DictConfig, cfg: DictConfig, run_dir: Path, resumed_at: Optional[int],
-                 start_after_steps: int = 0) -> None:
-        # logger was checked with the run's plan (runner/plan.py)
+    def __init__(self, chosen: dict[str, tuple[type[Tracker], DictConfig]], cfg: DictConfig, run_dir: Path,
+                 resumed_at: Optional[int], start_after_steps: int = 0) -> None:
         self.run_dir, self.cfg = run_dir, cfg
-        # nothing is imported or created here: each tracker does both in start()
+        # chosen: checked with the run's plan (runner/plan.py's check_loggers), not again. Nothing of a tracker's
+        # library is imported or created here: each tracker does both in start()
         ids = self._ids() if resumed_at is not None else {}
         self.by_name: dict[str, Tracker] = {
-            name: TRACKERS[name].sink(logger[name], run_dir, resumed_at, ids.get(name)) for name in chosen(logger)}
+            name: cls(options, run_dir, resumed_at, ids.get(name)) for name, (cls, options) in chosen.items()}
         self.trackers = list(self.by_name.values())
         for name, tracker in self.by_name.items():  # before the first record: one that cannot start is refused now
             try:

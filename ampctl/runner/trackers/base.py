@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import fields
 from pathlib import Path, PurePath
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -69,11 +69,18 @@ def eval_values(row: dict[str, Any]) -> dict[str, float]:
 
 
 class Tracker:
-    """Made from its options (its node of LoggerConfig), the run directory, the step a resumed run continues
-    from and the id of the tracker run it continues (trackers.json). connect() before the run records anything,
-    start(config) once, write(records) on log steps, flush() when the loop ends, then finish(summary) when the
+    """A tracker is this class's subclass in a module of its own and ampctl/conf/logger/<name>.yaml, whose node
+    names it (`_target_`) with every option at its default; `logger=<name>` chooses it.
+
+    Made from its options (its logger.<name> node, typed by options_type), the run directory, the step a resumed
+    run continues from and the id of the tracker run it continues (trackers.json). connect() before the run records
+    anything, start(config) once, write(records) on log steps, flush() when the loop ends, then finish(summary) when the
     run succeeds or fail() when it does not: either ends the tracker's run. run_id: the id a resumed run
     continues its tracker run under (wandb's, MLflow's), once started; None for a tracker without one."""
+
+    options_type: ClassVar[type]  # its options' dataclass: the keys of its YAML node, their types and defaults
+    package: ClassVar[Optional[str]] = None  # the package its library comes in (None: the standard library's)
+    extra: ClassVar[Optional[str]] = None  # the ampctl extra that installs the package
 
     def __init__(self, options: DictConfig, run_dir: Path, resumed_at: Optional[int], run_id: Optional[str]) -> None:
         self.options, self.run_dir, self.resumed_at, self.run_id = options, run_dir, resumed_at, run_id

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -13,11 +14,17 @@ from ampctl.engine.telemetry import StepRecord
 from ampctl.runner.trackers.base import METRICS, Tracker, eval_values, inside_the_run
 
 
+@dataclass
+class CsvOptions:
+    file: str = "metrics.csv"  # in the run directory: every step's record, numbers only, units in the column names
+
+
 class CsvTracker(Tracker):
     """Every step's record as a CSV row. A resumed run keeps the rows up to the step it resumes at (the rows
     of steps it runs again are replaced)."""
 
     COLUMNS = ("step", *METRICS)
+    options_type = CsvOptions
 
     def __init__(self, options: DictConfig, run_dir: Path, resumed_at: Optional[int], run_id: Optional[str]) -> None:
         super().__init__(options, run_dir, resumed_at, run_id)

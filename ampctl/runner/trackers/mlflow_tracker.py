@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,9 +18,18 @@ from ampctl.engine.telemetry import StepRecord
 from ampctl.runner.trackers.base import Tracker, eval_values, flat_config, metric_values, summary_numbers
 
 
+@dataclass
+class MlflowOptions:
+    tracking_uri: Optional[str] = None  # null: MLflow's own (MLFLOW_TRACKING_URI, else its local default)
+    experiment: str = "ampctl"
+    run_name: Optional[str] = None  # null: the run directory's name
+
+
 class MlflowTracker(Tracker):
     """An MLflow run: the config as params, every step's record as metrics, the summary as metrics and tags,
     the run's status at the end. Resumed under the same run id."""
+
+    options_type, package, extra = MlflowOptions, "mlflow", "mlflow"
 
     def __init__(self, options: DictConfig, run_dir: Path, resumed_at: Optional[int], run_id: Optional[str]) -> None:
         super().__init__(options, run_dir, resumed_at, run_id)

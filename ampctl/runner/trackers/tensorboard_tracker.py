@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,9 +19,16 @@ from ampctl.runner.trackers.base import (
 )
 
 
+@dataclass
+class TensorBoardOptions:
+    log_dir: str = "tensorboard"  # inside the run directory (relative): a tracker writes only its own run's files
+
+
 class TensorBoardTracker(Tracker):
     """Scalars per step (train/loss, train/loss_scale, ...), the config as text, the summary as HParams (so
     that the runs of a sweep line up in TensorBoard's HParams dashboard)."""
+
+    options_type, package, extra = TensorBoardOptions, "tensorboard", "tensorboard"
 
     def __init__(self, options: DictConfig, run_dir: Path, resumed_at: Optional[int], run_id: Optional[str]) -> None:
         super().__init__(options, run_dir, resumed_at, run_id)

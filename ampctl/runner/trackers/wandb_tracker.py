@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -14,8 +16,25 @@ from ampctl.errors import UsageError
 from ampctl.runner.trackers.base import Tracker, eval_values, metric_values
 
 
+class WandbMode(Enum):
+    online = "online"
+    offline = "offline"  # written under the run directory; `wandb sync` uploads it later
+    disabled = "disabled"
+
+
+@dataclass
+class WandbOptions:
+    project: str = "ampctl"
+    entity: Optional[str] = None  # null: the logged-in user's default
+    mode: Optional[WandbMode] = None  # null: wandb's own choice (WANDB_MODE, else online)
+    name: Optional[str] = None  # null: the run directory's name
+    tags: list[str] = field(default_factory=list)
+
+
 class WandbTracker(Tracker):
     """A wandb run in the run directory (its files under wandb/), resumed under the same id."""
+
+    options_type, package, extra = WandbOptions, "wandb", "wandb"
 
     def __init__(self, options: DictConfig, run_dir: Path, resumed_at: Optional[int], run_id: Optional[str]) -> None:
         super().__init__(options, run_dir, resumed_at, run_id)
