@@ -25,7 +25,7 @@ from ampctl.engine.build import build_state
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.loop import FitHooks, StepSettings, TrainState, fit
 from ampctl.engine.precision import layers
-from ampctl.engine.telemetry import Telemetry, read_metrics, summarize
+from ampctl.engine.telemetry import StepRecord, Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.recipes.base import Recipe, build_recipe, recipe_errors, recipe_title
@@ -188,7 +188,7 @@ class TrainingRun:
         """fit() with the checkpointer, the evaluations, the guards, the value-range log, the profiler and a stop
         on SIGINT/SIGTERM. Returns the run's best checkpoints (train.save_top_k), if it keeps them."""
         cfg, state, telemetry, recorder, parallel = self.cfg, self.state, self.telemetry, self.recorder, self.parallel
-        checkpointer = Checkpointer(self)
+        checks, checkpointer = LogStepChecks(self), Checkpointer(self)
         pauses = Pauses.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
         watchdog = Watchdog(recorder.run_dir, recorder.echo, cfg.train.hang_after_s if parallel.is_main else None)
 
@@ -197,6 +197,8 @@ class TrainingRun:
             self.profiler.step()  # first: a profiled step ends where its timer mark is, before a checkpoint
             evaluated = (self.evaluation(state.step, state.model, telemetry, self.compiling, recorder)
                          if self.evaluation is not None and self.evaluation.due(state.step, last) else None)
+            self.peak.after_step()
+            checks(telemetry.take_fresh())  # non-empty on log steps, when values came back from the device
             checkpointer(last, evaluated)
             if pauses is not None and not last:
                 with watchdog.pause():
@@ -288,13 +290,34 @@ def _first_profiled_step(cfg: DictConfig, start_step: int, memory_steps: int) ->
     return first
 
 
-class Checkpointer:
-    """After every step: the guards on log steps (when values came back from the device anyway), then a
-    checkpoint every train.checkpoint_every steps, on the first log step train.checkpoint_every_s seconds
-    after the last checkpoint (ranks agree there), and at the last step."""
+class LogStepChecks:
+    """On log steps, with the records that came back from the device anyway: the guards (a stop raises
+    GuardStop), then what makes the run slower than it should be (recompiles, a wait on data), as warnings."""
 
     def __init__(self, run: TrainingRun) -> None:
-        cfg, state, recorder, peak = run.cfg, run.state, run.recorder, run.peak
+        cfg, scaler = run.cfg, run.state.scaler
+        min_scale = cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None
+        self.guard = Guard(cfg.guard, scaler.can_skip, min_scale)
+        self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, run.compiling, run.peak.device.type)
+        self.echo = run.recorder.echo
+
+    def __call__(self, fresh: list[StepRecord]) -> None:
+        if not fresh:
+            return
+        trip, warnings = self.guard.check(fresh)
+        for message in warnings + self.speed.check(fresh):
+            self.echo(f"warning: {message}")
+        if trip:
+            raise GuardStop(trip)
+
+
+class Checkpointer:
+    """After every step: a checkpoint every train.checkpoint_every steps, on the first log step
+    train.checkpoint_every_s seconds after the last checkpoint (ranks agree there), and at the last step; and
+    with train.save_top_k, the best by the monitored evaluation."""
+
+    def __init__(self, run: TrainingRun) -> None:
+        cfg, state, recorder = run.cfg, run.state, run.recorder
         self.cfg, self.choices, self.state, self.telemetry = cfg, run.choices, state, run.telemetry
         train = cfg.train
         self.best = (BestCheckpoints(recorder.run_dir, train.save_top_k, train.monitor,
@@ -302,26 +325,14 @@ class Checkpointer:
                      if train.save_top_k else None)
         if self.best is not None and self.best.repaired:
             recorder.echo(f"warning: {self.best.repaired}")
-        self.recorder, self.peak, self.parallel = recorder, peak, run.parallel
-        self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, run.compiling, peak.device.type)
+        self.recorder, self.parallel = recorder, run.parallel
         self.saved_at = time.monotonic()
-        scaler = state.scaler
-        min_scale = cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None
-        self.guard = Guard(cfg.guard, scaler.can_skip, min_scale)
         self.writer = checkpoint.writer(cfg, recorder.run_dir, state)
         self.sharded = cfg.distributed.checkpoint_format is CheckpointFormat.sharded
         self.last: Optional[Path] = None
 
     def __call__(self, last: bool, evaluated: Optional[dict] = None) -> None:
         """evaluated: the evaluation after this step, if there was one (it may earn a place among the best)."""
-        self.peak.after_step()
-        fresh = self.telemetry.take_fresh()  # non-empty on log steps, when values came back from the device
-        if fresh:
-            trip, warnings = self.guard.check(fresh)
-            for message in warnings + self.speed.check(fresh):
-                self.recorder.echo(f"warning: {message}")
-            if trip:
-                raise GuardStop(trip)
         if last or self._due(self.state.step):
             self.telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
             self.last = self.writer.save(self._payload())  # an async save is complete by close()
