@@ -18,9 +18,8 @@ from typing import Any, Optional, Sequence
 
 from ampctl import io
 from ampctl.reports import parity as parity_stats
-from ampctl.reports import plots
-from ampctl.reports import rounds as rounds_stats
-from ampctl.reports.rounds import Interval
+from ampctl.reports import plots, round_stats
+from ampctl.reports.round_stats import Interval
 from ampctl.reports.runs import RunRecord
 from ampctl.reports.tables import RATES, ReportTable, rate_key, ratio, signed
 
@@ -45,12 +44,12 @@ class ModeTiming:
     @property
     def step_ms(self) -> Optional[Interval]:
         measured = [v for v in self.round_ms if v is not None]
-        return rounds_stats.spread(measured) if measured else None
+        return round_stats.spread(measured) if measured else None
 
     @property
     def rate(self) -> Optional[float]:
         measured = [v for v in self.round_rate if v is not None]
-        return rounds_stats.spread(measured).value if measured else None
+        return round_stats.spread(measured).value if measured else None
 
 
 def mode_timing(runs: Sequence[RunRecord], spans: Optional[Sequence[Span]]) -> ModeTiming:
@@ -63,8 +62,8 @@ def mode_timing(runs: Sequence[RunRecord], spans: Optional[Sequence[Span]]) -> M
             timing.round_ms.append(s.get("median_step_time_ms"))
             timing.round_rate.append(s.get(rate_key(s)))
             continue
-        timing.round_ms += rounds_stats.round_medians(run.metrics, spans)
-        timing.round_rate += rounds_stats.round_medians(run.metrics, spans, rate_key(s))
+        timing.round_ms += round_stats.round_medians(run.metrics, spans)
+        timing.round_rate += round_stats.round_medians(run.metrics, spans, rate_key(s))
     return timing
 
 
@@ -174,7 +173,7 @@ def _mode_row(mode: str, records: Sequence[RunRecord], baseline: str, base: Sequ
     summaries, base_summaries = [r.summary for r in records], [r.summary for r in base]
     timing = timings[mode]
     speed = (Interval(1.0, 1.0, 1.0) if mode == baseline
-             else rounds_stats.speedup(timings[baseline].round_ms, timing.round_ms))
+             else round_stats.speedup(timings[baseline].round_ms, timing.round_ms))
     memory, base_memory = summaries[0].get("peak_memory_bytes"), base_summaries[0].get("peak_memory_bytes")
     row: dict[str, Any] = {
         "precision": mode, "status": "ok", "seeds": len(records), "compiled": summaries[0].get("compiled", False),
@@ -194,7 +193,7 @@ def _mode_row(mode: str, records: Sequence[RunRecord], baseline: str, base: Sequ
     if mode != baseline:
         # an emulated format's verdict is about the emulation: its name says so where the claim is made
         label = f"{mode} (emulated)" if summaries[0].get("emulated") else mode
-        row["speed_verdict"] = rounds_stats.verdict(label, baseline, speed, n_rounds)
+        row["speed_verdict"] = round_stats.verdict(label, baseline, speed, n_rounds)
         words.append(row["speed_verdict"])
     for metric in metrics:
         values = [held_out(r, metric) for r in records]
@@ -231,12 +230,12 @@ def _timing_notes(spans: Optional[Sequence[Span]], seeds: int, baseline: Optiona
     n = len(spans) * seeds
     each_seed = f" in each of {seeds} seeds" if seeds > 1 else ""
     speedup = (f"; speedup is the median of its round-by-round ratios to {baseline}, with a "
-               f"{rounds_stats.coverage(n):.0%} interval" if baseline else "; no speedup: no mode to compare with "
+               f"{round_stats.coverage(n):.0%} interval" if baseline else "; no speedup: no mode to compare with "
                "finished")
     notes = [f"timings: {len(spans)} rounds of steps {first}-{last}{each_seed} (each mode's window of about "
              f"{spans[0][1] - spans[0][0] + 1} steps a round, in turns, its first step left out); step ms is the "
              f"median of a mode's {n} rounds (their range in brackets){speedup}."]
-    busy = rounds_stats.busy_rounds({mode: t.round_ms for mode, t in timings.items()})
+    busy = round_stats.busy_rounds({mode: t.round_ms for mode, t in timings.items()})
     return notes + ([f"warning: {busy}."] if busy else [])
 
 

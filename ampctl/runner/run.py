@@ -35,10 +35,10 @@ from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
 from ampctl.runner.evaluating import RunEvaluation
 from ampctl.runner.guards import Guard, GuardStop
-from ampctl.runner.pauses import Pauses
 from ampctl.runner.plan import RunPlan
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder
+from ampctl.runner.round_windows import RoundWindows
 from ampctl.runner.speed_warnings import SpeedWarnings
 from ampctl.runner.watchdog import Watchdog
 
@@ -189,7 +189,7 @@ class TrainingRun:
         on SIGINT/SIGTERM. Returns the run's best checkpoints (train.save_top_k), if it keeps them."""
         cfg, state, telemetry, recorder, parallel = self.cfg, self.state, self.telemetry, self.recorder, self.parallel
         checks, checkpointer = LogStepChecks(self), Checkpointer(self)
-        pauses = Pauses.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
+        windows = RoundWindows.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
         watchdog = Watchdog(recorder.run_dir, recorder.echo, cfg.train.hang_after_s if parallel.is_main else None)
 
         def after_step(last: bool) -> None:
@@ -200,9 +200,9 @@ class TrainingRun:
             self.peak.after_step()
             checks(telemetry.take_fresh())  # non-empty on log steps, when values came back from the device
             checkpointer(last, evaluated)
-            if pauses is not None and not last:
+            if windows is not None and not last:
                 with watchdog.pause():
-                    pauses.after_step(state.step, telemetry)
+                    windows.after_step(state.step, telemetry)
             watchdog.bookkeeping_done()
 
         ranges_log = recorder.ranges_log(state, self.policy.device, cfg.telemetry.ranges_every)

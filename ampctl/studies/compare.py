@@ -2,8 +2,8 @@
 
 Each mode trains in its own `ampctl train` process, so that no mode inherits another's allocator caches,
 compiled kernels or peak-memory high-water mark; its run directory is a subfolder of the comparison's. After
-the warm-up (compare.warmup_steps) the modes take turns in compare.rounds rounds (studies/turns.py), so that
-their timings are taken side by side and a speedup has an interval (reports/rounds.py).
+the warm-up (compare.warmup_steps) the modes take turns in compare.rounds rounds (studies/rounds.py), so that
+their timings are taken side by side and a speedup has an interval (reports/round_stats.py).
 """
 
 from __future__ import annotations
@@ -38,12 +38,11 @@ from ampctl.engine.evaluation import held_out_unavailable
 from ampctl.engine.telemetry import read_metrics
 from ampctl.errors import UnsupportedError, UsageError
 from ampctl.recipes.base import build_recipe
-from ampctl.reports import comparison, tables
-from ampctl.reports import rounds as rounds_stats
+from ampctl.reports import comparison, round_stats, tables
 from ampctl.reports.runs import load_run
 from ampctl.runner.plan import check_config
 from ampctl.studies import row_labels
-from ampctl.studies.turns import TurnRun, run_in_turns
+from ampctl.studies.rounds import RoundRun, run_in_rounds
 
 
 @dataclass
@@ -146,7 +145,7 @@ def round_spans(cfg: DictConfig, steps: int) -> list[tuple[int, int]]:
             f"compare.rounds={n}: each round needs 2 steps or more after compare.warmup_steps={warmup} (its first is "
             f"left out), and train.steps={steps} leaves {max(steps - warmup, 0)}: raise train.steps to "
             f"{warmup + 2 * n} or more, or lower compare.rounds")
-    return rounds_stats.windows(warmup, steps, n)
+    return round_stats.windows(warmup, steps, n)
 
 
 def evaluation_overrides(cfg: DictConfig, steps: int) -> tuple[list[str], Optional[str]]:
@@ -182,7 +181,7 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
         console.print(f"  skipped {mode}: {reason}", soft_wrap=True)
     if no_evaluation:
         console.print(f"  no held-out evaluation: {no_evaluation}", soft_wrap=True)
-    started: list[TurnRun] = []
+    started: list[RoundRun] = []
     interrupted, ran_seeds, seed_s = None, [], 0.0
     for seed in seeds:
         if deadline is not None and ran_seeds and time.monotonic() + seed_s > deadline:
@@ -196,7 +195,7 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
             run_dir = comparison.run_dir(out_dir, plan.mode, seed, len(seeds) > 1)
             command = child_command(plan, run_dir, cfg.compare.warmup_steps, config_dir,
                                     [*evaluation, f"train.seed={seed}"])
-            runs.append(TurnRun(plan.mode, command, run_dir, plan.steps))
+            runs.append(RoundRun(plan.mode, command, run_dir, plan.steps))
         started += run_with_progress(runs, spans, console, f"seed {seed}: " if len(seeds) > 1 else "", deadline)
         seed_s = time.monotonic() - seed_started
         interrupted = next((run for run in started if run.stopped_by is not None), None)
@@ -268,9 +267,9 @@ def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, 
     return sum(run.failed for _, records in runs for run in records)
 
 
-def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console: Console,
-                      prefix: str = "", deadline: Optional[float] = None) -> list[TurnRun]:
-    """run_in_turns with a progress bar over every mode's steps (or plain lines off a terminal): a line as each
+def run_with_progress(runs: list[RoundRun], spans: list[tuple[int, int]], console: Console,
+                      prefix: str = "", deadline: Optional[float] = None) -> list[RoundRun]:
+    """run_in_rounds with a progress bar over every mode's steps (or plain lines off a terminal): a line as each
     round ends, with each mode's median step time in it, and as each mode ends."""
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
@@ -279,17 +278,17 @@ def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console
     )
     say = progress.console.print if console.is_terminal else (lambda text: print(text, flush=True))
     overall = progress.add_task("compare", total=sum(run.steps for run in runs))
-    pause_after = [first - 1 for first, _ in spans] if len(spans) > 1 else []
+    round_ends = [first - 1 for first, _ in spans] if len(spans) > 1 else []
 
     def on_round(r: int) -> None:
         figures = []
         for run in runs:
-            (ms,) = rounds_stats.round_medians(load_rows(run.run_dir), [spans[r - 1]])
+            (ms,) = round_stats.round_medians(load_rows(run.run_dir), [spans[r - 1]])
             figures.append(f"{run.label} {'-' if ms is None else io.milliseconds(ms)} ms")
         say(f"{prefix}round {r}/{len(spans)}: median step {', '.join(figures)}")
         progress.update(overall, description=f"round {min(r + 1, len(spans))}/{len(spans)}")
 
-    def on_finished(run: TurnRun) -> None:
+    def on_finished(run: RoundRun) -> None:
         record = load_run(run.run_dir) if run.error is None or run.stopped_by is not None else None
         if record is not None and record.failed:
             why = record.why_not_ok or ""
@@ -302,9 +301,9 @@ def run_with_progress(runs: list[TurnRun], spans: list[tuple[int, int]], console
 
     if not console.is_terminal:
         print(f"{prefix}training {io.count_of(len(runs), 'mode')} x {io.count_of(runs[0].steps, 'step')}"
-              + (f" in {io.count_of(len(spans), 'round')}" if pause_after else ""), flush=True)
+              + (f" in {io.count_of(len(spans), 'round')}" if round_ends else ""), flush=True)
     with progress:
-        started = run_in_turns(runs, pause_after, lambda done: progress.update(overall, completed=done),
+        started = run_in_rounds(runs, round_ends, lambda done: progress.update(overall, completed=done),
                                on_round, on_finished, deadline)
     for run in started:
         if run.error and run.stopped_by is None:  # a mode refused before its first step left no directory

@@ -61,7 +61,7 @@ class SlowStepRecipe(MLPRecipe):
 
     def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if next(model.parameters()).device.type != "meta":  # not the FLOP count at start
-            from ampctl.runner.pauses import PAUSE_AFTER_ENV
+            from ampctl.runner.round_windows import ROUND_ENDS_ENV
 
-            time.sleep(self.step_s + (self.in_turns_s if os.environ.get(PAUSE_AFTER_ENV) else 0.0))
+            time.sleep(self.step_s + (self.in_turns_s if os.environ.get(ROUND_ENDS_ENV) else 0.0))
         return super().loss(model, batch)

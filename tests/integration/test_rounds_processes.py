@@ -1,4 +1,4 @@
-"""compare's turns (studies/turns.py) with real child processes that speak the pause protocol of runner/pauses.py:
+"""compare's rounds (studies/rounds.py) with real child processes that speak runner/round_windows.py's protocol:
 a stop signal reaches every run, one being started included, exactly once, and a deadline stops them as SIGTERM
 does. The children are small scripts (a step is a sleep), so that the races are cheap to set up exactly."""
 
@@ -11,10 +11,10 @@ import threading
 import time
 from pathlib import Path
 
-from ampctl.studies import turns
-from ampctl.studies.turns import TurnRun, run_in_turns
+from ampctl.studies import rounds
+from ampctl.studies.rounds import RoundRun, run_in_rounds
 
-# A run that pauses where compare asks (AMPCTL_PAUSE_AFTER, said on AMPCTL_PAUSE_FD, waiting for a line on stdin;
+# A run that pauses where compare asks (AMPCTL_ROUND_ENDS, said on AMPCTL_ROUND_FD, waiting for a line on stdin;
 # end of input: go on alone) and counts the stop signals it gets in signals.txt: the first stops it after its
 # step; it never ends on its own within the test.
 CHILD = r"""
@@ -27,8 +27,8 @@ def stop(signum, frame):
     (run_dir / "signals.txt").write_text(" ".join(signal.Signals(s).name for s in received))
 for signum in (signal.SIGINT, signal.SIGTERM):
     signal.signal(signum, stop)
-after = {int(s) for s in os.environ.get("AMPCTL_PAUSE_AFTER", "").split(",") if s}
-fd = int(os.environ.get("AMPCTL_PAUSE_FD", "-1"))
+after = {int(s) for s in os.environ.get("AMPCTL_ROUND_ENDS", "").split(",") if s}
+fd = int(os.environ.get("AMPCTL_ROUND_FD", "-1"))
 step = 0
 while not received:
     time.sleep(0.01)
@@ -43,20 +43,20 @@ time.sleep(0.2)  # a second signal arriving now would be counted
 """
 
 
-def runs(tmp_path: Path, n: int) -> list[TurnRun]:
+def runs(tmp_path: Path, n: int) -> list[RoundRun]:
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    return [TurnRun(f"mode{i}", [sys.executable, str(script), str(tmp_path / f"mode{i}")], tmp_path / f"mode{i}",
+    return [RoundRun(f"mode{i}", [sys.executable, str(script), str(tmp_path / f"mode{i}")], tmp_path / f"mode{i}",
                     10**6) for i in range(n)]
 
 
-def run_with_a_watchdog(started: list[TurnRun], *args, **kwargs) -> float:
-    """run_in_turns, its children killed after 60 s (a hang ends as a failure, not a stuck suite). Its seconds."""
+def run_with_a_watchdog(started: list[RoundRun], *args, **kwargs) -> float:
+    """run_in_rounds, its children killed after 60 s (a hang ends as a failure, not a stuck suite). Its seconds."""
     watchdog = threading.Timer(60, lambda: [os.system(f"pkill -9 -f {run.command[1]}") for run in started[:1]])
     watchdog.start()
     began = time.monotonic()
     try:
-        started[:] = run_in_turns(*args, **kwargs)
+        started[:] = run_in_rounds(*args, **kwargs)
     finally:
         watchdog.cancel()
     return time.monotonic() - began
@@ -65,16 +65,16 @@ def run_with_a_watchdog(started: list[TurnRun], *args, **kwargs) -> float:
 def test_a_stop_signal_that_comes_while_a_run_is_being_started_reaches_it_once(tmp_path, monkeypatch):
     """SIGTERM delivered inside the start of the second run, after its process exists but before it is among the runs
     to forward to (the window in which compare hung: the run warmed up, paused for its turn and waited forever)."""
-    start = turns.TurnProcess.__init__
+    start = rounds.RoundProcess.__init__
 
     def start_then_signal(self, run, pause_after):
         start(self, run, pause_after)
         if run.label == "mode1":
-            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, before run_in_turns holds this process
+            os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, before run_in_rounds holds this process
 
-    monkeypatch.setattr(turns.TurnProcess, "__init__", start_then_signal)
+    monkeypatch.setattr(rounds.RoundProcess, "__init__", start_then_signal)
     planned = runs(tmp_path, 3)
-    started: list[TurnRun] = [planned[0]]
+    started: list[RoundRun] = [planned[0]]
     seconds = run_with_a_watchdog(started, planned, [5, 10], lambda done: None, lambda r: None, lambda run: None)
     assert seconds < 30, "a run started as the signal came was never released"
     assert [run.label for run in started] == ["mode0", "mode1"]  # mode2 is not started after the signal
@@ -89,7 +89,7 @@ def test_a_stop_signal_that_comes_while_a_run_is_being_started_reaches_it_once(t
 
 def test_a_deadline_stops_every_run_as_sigterm_does(tmp_path):
     planned = runs(tmp_path, 2)
-    started: list[TurnRun] = [planned[0]]
+    started: list[RoundRun] = [planned[0]]
     seconds = run_with_a_watchdog(started, planned, [5, 10**5], lambda done: None, lambda r: None,
                                   lambda run: None, deadline=time.monotonic() + 3)
     assert seconds < 30

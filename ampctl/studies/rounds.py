@@ -2,9 +2,9 @@
 
 Every run is its own `ampctl train` process (no run inherits another's allocator caches, compiled kernels or
 peak-memory high-water mark). They start one after another, each runs its warm-up and waits; then, round after
-round, each runs its window of steps while the others wait (runner/pauses.py is the other side), in an order that
-rotates from round to round. Exactly one computes at any time, so load from elsewhere falls on all of them alike.
-With one round nobody waits: each run trains whole, one after the other.
+round, each runs its window of steps while the others wait (runner/round_windows.py is the other side), in an
+order that rotates from round to round. Exactly one computes at any time, so load from elsewhere falls on all of
+them alike. With one round nobody waits: each run trains whole, one after the other.
 
 Ctrl-C (or SIGTERM) reaches every run once, forwarded from here, and the waiting ones are let go: each finishes
 its step and writes a checkpoint (waited for, never killed); a second Ctrl-C ends them at once, as `ampctl train`
@@ -27,7 +27,7 @@ from typing import Callable, Iterator, Optional
 from ampctl import run_files
 from ampctl.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS, exit_at_once_on_another_signal
 from ampctl.processes import child_environment
-from ampctl.runner.pauses import PAUSE_AFTER_ENV, PAUSE_FD_ENV
+from ampctl.runner.round_windows import ROUND_ENDS_ENV, ROUND_FD_ENV
 
 
 def child_log(run_dir: Path) -> Path:
@@ -39,7 +39,7 @@ POLL_S = 0.5  # how often progress is read from the runs' metrics.jsonl while wa
 
 
 @dataclass
-class TurnRun:
+class RoundRun:
     label: str  # the comparison's row: "bf16", "bf16+compile"
     command: list[str]
     run_dir: Path
@@ -55,16 +55,16 @@ class TurnRun:
         return metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
 
 
-class TurnProcess:
+class RoundProcess:
     """One run's process: started with its pause steps, told to go, waited for until it pauses or ends."""
 
-    def __init__(self, run: TurnRun, pause_after: list[int]) -> None:
+    def __init__(self, run: RoundRun, round_ends: list[int]) -> None:
         self.run = run
         run.run_dir.mkdir(parents=True, exist_ok=True)
         self._read_fd, write_fd = os.pipe()
         env = child_environment()  # dies with this process, even on kill -9 (ampctl/processes.py)
-        if pause_after:
-            env.update({PAUSE_AFTER_ENV: ",".join(map(str, pause_after)), PAUSE_FD_ENV: str(write_fd)})
+        if round_ends:
+            env.update({ROUND_ENDS_ENV: ",".join(map(str, round_ends)), ROUND_FD_ENV: str(write_fd)})
         self._log = child_log(run.run_dir).open("w")
         run.started_at = time.perf_counter()
         # its own session: a Ctrl-C at the terminal reaches it once, forwarded from here
@@ -132,44 +132,44 @@ class TurnProcess:
         self._log.close()
 
 
-def run_in_turns(runs: list[TurnRun], pause_after: list[int], on_progress: Callable[[int], None],
-                 on_round: Callable[[int], None], on_finished: Callable[[TurnRun], None],
-                 deadline: Optional[float] = None) -> list[TurnRun]:
-    """Start every run, let them take turns through len(pause_after) rounds, wait for their ends. Returns the runs
+def run_in_rounds(runs: list[RoundRun], round_ends: list[int], on_progress: Callable[[int], None],
+                 on_round: Callable[[int], None], on_finished: Callable[[RoundRun], None],
+                 deadline: Optional[float] = None) -> list[RoundRun]:
+    """Start every run, let them take turns through len(round_ends) rounds, wait for their ends. Returns the runs
     started: all of them, unless a signal or the deadline (time.monotonic()) stopped the comparison (each run's
     stopped_by and out_of_time say so). on_progress(steps done by all runs), on_round(r) after round r (1-based),
     on_finished(run) as each ends."""
-    turns = Turns(pause_after, on_progress, on_round, on_finished, deadline)
-    previous = {signum: signal.signal(signum, turns.forward) for signum in Turns.STOPS}
+    rounds = Rounds(round_ends, on_progress, on_round, on_finished, deadline)
+    previous = {signum: signal.signal(signum, rounds.forward) for signum in Rounds.STOPS}
     try:
-        turns.start(runs)
-        turns.take_rounds()
-        turns.wait_for_the_ends()
+        rounds.start(runs)
+        rounds.take_rounds()
+        rounds.wait_for_the_ends()
     except BaseException:
-        for process in turns.processes:
+        for process in rounds.processes:
             process.kill()
         raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if turns.received and not turns.out_of_time:
-            exit_at_once_on_another_signal(turns.received[0])  # stopping: another signal while it is written
-        for process in turns.processes:
+        if rounds.received and not rounds.out_of_time:
+            exit_at_once_on_another_signal(rounds.received[0])  # stopping: another signal while it is written
+        for process in rounds.processes:
             process.close()
-    return [p.run for p in turns.processes]
+    return [p.run for p in rounds.processes]
 
 
-class Turns:
-    """The runs of one comparison taking turns (run_in_turns): the processes started, the stop signals received
+class Rounds:
+    """The runs of one comparison taking turns (run_in_rounds): the processes started, the stop signals received
     (each forwarded to every run), and whether the deadline passed."""
 
     STOPS = (*STOP_SIGNALS, *PREEMPT_SIGNALS)
 
-    def __init__(self, pause_after: list[int], on_progress: Callable[[int], None], on_round: Callable[[int], None],
-                 on_finished: Callable[[TurnRun], None], deadline: Optional[float]) -> None:
-        self.pause_after, self.deadline = pause_after, deadline
+    def __init__(self, round_ends: list[int], on_progress: Callable[[int], None], on_round: Callable[[int], None],
+                 on_finished: Callable[[RoundRun], None], deadline: Optional[float]) -> None:
+        self.round_ends, self.deadline = round_ends, deadline
         self.on_progress, self.on_round, self.on_finished = on_progress, on_round, on_finished
-        self.processes: list[TurnProcess] = []
+        self.processes: list[RoundProcess] = []
         self.received: list[int] = []
         self.out_of_time = False
 
@@ -194,19 +194,19 @@ class Turns:
             with self.signals_held():
                 self.forward(signal.SIGTERM, None)
 
-    def turn(self, process: TurnProcess) -> bool:
+    def turn(self, process: RoundProcess) -> bool:
         """Until it pauses (False) or ends (True)."""
         return process.wait(self.tick) is None
 
-    def finish(self, process: TurnProcess) -> None:
+    def finish(self, process: RoundProcess) -> None:
         _finish(process, self.received, self.on_finished, self.out_of_time)
 
-    def start(self, runs: list[TurnRun]) -> None:
+    def start(self, runs: list[RoundRun]) -> None:
         """Each runs its warm-up (or, with one round, everything), then waits."""
         for run in runs:
             if self.received:
                 break
-            self.processes.append(TurnProcess(run, self.pause_after))
+            self.processes.append(RoundProcess(run, self.round_ends))
             with self.signals_held():  # those that came while it was being started, which forward() could not reach
                 self.processes[-1].catch_up(self.received)
             if self.turn(self.processes[-1]):
@@ -215,7 +215,7 @@ class Turns:
     def take_rounds(self) -> None:
         """Each round starts one run further (the order rotates): no mode always runs right after the same one."""
         processes = self.processes
-        for r in range(len(self.pause_after)):
+        for r in range(len(self.round_ends)):
             order = processes[r % len(processes):] + processes[:r % len(processes)] if processes else []
             ended = []
             for process in order:
@@ -235,7 +235,7 @@ class Turns:
             self.finish(process)
 
 
-def _finish(process: TurnProcess, received: list[int], on_finished: Callable[[TurnRun], None],
+def _finish(process: RoundProcess, received: list[int], on_finished: Callable[[RoundRun], None],
             out_of_time: bool) -> None:
     run = process.run
     if run.finished:

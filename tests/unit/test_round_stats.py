@@ -1,4 +1,4 @@
-"""Timings in alternating rounds (reports/rounds.py) and the comparison table built on them, against independent
+"""Timings in alternating rounds (reports/round_stats.py) and the comparison table built on them, against independent
 computations: the windows by hand, the interval's coverage by enumerating every outcome, the ratios by hand."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ampctl.reports import rounds
+from ampctl.reports import round_stats as rounds
 from ampctl.reports.comparison import comparison_table
 from ampctl.reports.runs import RunRecord
 
