@@ -187,7 +187,8 @@ class NoRecorder(Recorder):
     def set_aside_rows_without_checkpoint(self) -> list[Path]:
         return []
 
-    def start_trackers(self, cfg: DictConfig, resumed_at: Optional[int], after_steps: int) -> None:
+    def start_trackers(self, chosen: dict[str, Any], cfg: DictConfig, resumed_at: Optional[int],
+                       after_steps: int) -> None:
         pass
 
     def sinks(self, *_args: Any) -> list[Sink]:
