@@ -210,6 +210,16 @@ def _mode_row(mode: str, records: Sequence[RunRecord], baseline: str, base: Sequ
     return row, words
 
 
+def _rate_interval(row: dict[str, Any], unit: str) -> Interval:
+    """The mode's throughput with the range of its rounds, scaled from its step times' range. Clamped to hold the
+    median: where the median round is the slowest (or the fastest), rate * ms / ms_high is the rate up to an ulp,
+    and an ulp above it is a negative error bar (matplotlib refuses one)."""
+    rate, ms, low_ms, high_ms = row[unit], row["step_time_ms"], row["step_time_ms_low"], row["step_time_ms_high"]
+    if not low_ms:
+        return Interval(rate, rate, rate)
+    return Interval(rate, min(rate, rate * ms / high_ms), max(rate, rate * ms / low_ms))
+
+
 def _triple(interval: Optional[Interval]) -> list[Optional[float]]:
     return [None] * 3 if interval is None else [interval.value, interval.low, interval.high]
 
@@ -287,13 +297,10 @@ def comparison_images(runs: Sequence[ModeRuns], table: ReportTable, out_dir: Pat
             out_dir / "held_out.png", "held-out loss of each run's last evaluation (dots: seeds)", context))
     if ok:
         unit = next(c for c in table.columns if c in RATES)
-        modes = [plots.ModeBars(
-            r["precision"],
-            Interval(r[unit], r[unit] * r["step_time_ms"] / r["step_time_ms_high"],
-                     r[unit] * r["step_time_ms"] / r["step_time_ms_low"]) if r["step_time_ms_low"] else
-            Interval(r[unit], r[unit], r[unit]),
-            Interval(r["speedup"], r["speedup_low"], r["speedup_high"]), r["peak_memory_mib"], r["memory_ratio"])
-            for r in ok]
+        modes = [plots.ModeBars(r["precision"], _rate_interval(r, unit),
+                                Interval(r["speedup"], r["speedup_low"], r["speedup_high"]), r["peak_memory_mib"],
+                                r["memory_ratio"])
+                 for r in ok]
         images.append(plots.throughput_memory_bars(modes, RATES[unit], baseline, out_dir / "throughput_memory.png",
                                                    context))
     return images

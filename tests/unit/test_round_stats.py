@@ -128,3 +128,15 @@ def test_the_terminal_shows_the_columns_that_decide_whole_at_80_columns(tmp_path
     assert "every column (step ms, samples/s, MFU, peak memory, losses) in report.md and comparison.csv" in \
         " ".join(out.getvalue().split())
     assert {"step_time_ms", "samples_per_s", "peak_memory_mib", "speedup_low"} <= set(table.columns)
+
+
+def test_a_throughput_whose_median_round_is_the_slowest_has_no_negative_error_bar():
+    """rate * ms / ms_high with ms == ms_high is the rate up to an ulp: 3811.638132207252 * 0.3103947297759582 /
+    0.3103947297759582 is an ulp above it, which matplotlib refused as a negative error (a comparison under load)."""
+    from ampctl.reports.comparison import _rate_interval
+
+    rate, ms = 3811.638132207252, 0.3103947297759582
+    assert rate * ms / ms > rate  # the ulp this guards against
+    row = {"samples_per_s": rate, "step_time_ms": ms, "step_time_ms_low": ms * 0.9, "step_time_ms_high": ms}
+    interval = _rate_interval(row, "samples_per_s")
+    assert interval.low <= interval.value == rate <= interval.high
