@@ -1,6 +1,7 @@
 """A run directory belongs to one run (issue 13): a new run into a directory that holds a run is refused and
 touches nothing; an empty hydra.run.dir is refused; resume=auto after a run killed before its first
-checkpoint starts clean, the killed run's rows set aside. Real processes, a real kill -9."""
+checkpoint starts clean, the killed run's rows set aside. The runs that are killed, signalled or limited are real
+processes (a real kill -9); the others run in this process (tests/support/in_process.py)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,22 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.in_process import run_ampctl
 from tests.support.runs import QUICK, snapshot, start_a_long_run, steps
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+def ampctl(*args: str, cwd: Path, real_process: bool = False) -> subprocess.CompletedProcess:
+    """`ampctl train` with args; in this process (tests/support/in_process.py) unless real_process."""
+    if not real_process:
+        return run_ampctl("train", *QUICK, *args, cwd=cwd)
     return subprocess.run([sys.executable, "-m", "ampctl", "train", *QUICK, *args], capture_output=True, text=True,
                           cwd=cwd, timeout=300)
 
 
 def report(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ampctl", "report", str(run_dir)], capture_output=True, text=True,
-                          timeout=300)
+    return run_ampctl("report", str(run_dir))
 
 
 def test_a_new_run_into_a_directory_that_holds_a_run_is_refused_and_touches_nothing(tmp_path):
@@ -140,7 +144,7 @@ def test_a_ctrl_c_that_a_library_swallows_still_ends_the_run_before_its_first_st
     optionally goes on (torch's FLOP counter and triton): the run went on as if never stopped."""
     run_dir = tmp_path / "run"
     swallowed = ampctl(f"hydra.run.dir={run_dir}", "recipe._target_=tests.support.broken_recipes.BrokenRecipe",
-                       "+recipe.mistake=swallows_a_signal", cwd=REPO)
+                       "+recipe.mistake=swallows_a_signal", cwd=REPO, real_process=True)
     assert swallowed.returncode == 130, swallowed.stderr
     assert swallowed.stderr.strip() == "ampctl train: interrupted (SIGINT) before the first step; nothing recorded"
     assert not run_dir.exists()

@@ -1,4 +1,5 @@
-"""A killed sweep continues as docs/runs.md says: the same command plus resume=auto, in real processes. The sweep
+"""A killed sweep continues as docs/runs.md says: the same command plus resume=auto (the sweep stopped is a real
+process; the commands after it run in this one). The sweep
 names its directory and the command that continues it when it starts and when it is stopped; resume=auto without
 hydra.sweep.dir finds the newest unfinished sweep of the same command; only the same sweep is continued in a
 sweep directory; the sweep's own record is kept, and its table gains no `resume` column."""
@@ -13,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.in_process import run_ampctl
+
 REPO = Path(__file__).resolve().parents[2]
 QUICK = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.console=quiet",
          "telemetry.profile_cpu_memory=false"]
@@ -20,8 +23,8 @@ SWEEP = ["train", "-m", *QUICK, "train.steps=300", "train.checkpoint_every=25", 
 
 
 def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ampctl", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    """In this process (tests/support/in_process.py); the processes a launcher starts see the test recipes."""
+    return run_ampctl(*args, cwd=cwd, env={"PYTHONPATH": str(REPO)})
 
 
 def steps(metrics: Path) -> list[int]:

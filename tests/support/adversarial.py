@@ -1,4 +1,4 @@
-"""What the adversarial suite (tests/adversarial/) shares: ampctl in a process of its own, its one-line refusal,
+"""What the adversarial suite (tests/adversarial/) shares: ampctl as a user runs it, its one-line refusal,
 waiting on a condition, a file's row count."""
 
 from __future__ import annotations
@@ -9,13 +9,18 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.in_process import run_ampctl
 from tests.support.runs import REPO
 
 MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.console=quiet",
        "telemetry.profile_cpu_memory=false", "train.log_every=1"]
 
 
-def cli(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli(*args: str, cwd: Path, timeout: float = 300, real_process: bool = False) -> subprocess.CompletedProcess:
+    """`ampctl *args` as a user runs it: its exit code, stdout and stderr. In this process (tests/support/
+    in_process.py: what the command does, without a fresh interpreter's ~4 s of imports) unless real_process."""
+    if not real_process:
+        return run_ampctl(*args, cwd=cwd)
     return subprocess.run([sys.executable, "-m", "ampctl", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
 
