@@ -14,6 +14,7 @@ from typing import Optional
 import pytest
 
 from ampctl.cli import COMMANDS, main
+from tests.support.in_process import run_ampctl
 
 FAST = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=6", "train.log_every=3",
         "train.console=plain"]
@@ -375,19 +376,19 @@ def test_init_from_a_built_in_recipe_copies_it_to_run_as_the_original_does(tmp_p
     the new name; run as written, the copy trains exactly as the built-in does (same losses on the CPU), and its
     FLOPs, counted by the counter now (the model may have been edited), equal the built-in's formula."""
     exp = tmp_path / "exp"
-    made = ampctl("init", "mine", "--from", source, "--dir", str(exp), cwd=tmp_path)
+    made = run_ampctl("init", "mine", "--from", source, "--dir", str(exp), cwd=tmp_path)
     assert made.returncode == 0, made.stderr
     source_module = {"gpt2": "gpt", "mlp": "mlp"}[source]
     copied = (exp / "mine_recipe.py").read_text()
     assert copied.endswith((REPO / "ampctl" / "recipes" / f"{source_module}.py").read_text())
     common = ["device=cpu", "train.steps=4", "train.console=quiet", "telemetry.profile_cpu_memory=false", *shape]
     for args, run in ((["-cd", str(exp), "-cn", "mine"], "copy"), ([f"recipe={source}"], "built_in")):
-        result = ampctl("train", *args, *common, f"hydra.run.dir={tmp_path / run}", cwd=tmp_path)
+        result = run_ampctl("train", *args, *common, f"hydra.run.dir={tmp_path / run}", cwd=tmp_path)
         assert result.returncode == 0, result.stderr
     assert [r["loss"] for r in rows(tmp_path / "copy")] == [r["loss"] for r in rows(tmp_path / "built_in")]
     copy, built_in = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("copy", "built_in"))
     assert copy["model_flops_source"].startswith("torch.utils.flop_counter")
     assert built_in["model_flops_source"].startswith(f"{source_module}_flops")
     assert copy["model_flops_per_step"] == built_in["model_flops_per_step"]
-    refused = ampctl("init", "other", "--from", "gtp", "--dir", str(exp), cwd=tmp_path)
+    refused = run_ampctl("init", "other", "--from", "gtp", "--dir", str(exp), cwd=tmp_path)
     assert refused.returncode == 2 and "--from gtp: no such built-in recipe (did you mean gpt?)" in refused.stderr

@@ -30,6 +30,7 @@ def run_ampctl(*args: str, cwd: Optional[Path] = None, env: Optional[dict[str, s
 
     saved_cwd, saved_env, saved_argv, saved_path = os.getcwd(), dict(os.environ), sys.argv[:], sys.path[:]
     saved_handlers = {signum: signal.getsignal(signum) for signum in _SIGNALS}
+    saved_modules = set(sys.modules)
     out, err = io.StringIO(), io.StringIO()
     code = 0
     try:
@@ -55,6 +56,7 @@ def run_ampctl(*args: str, cwd: Optional[Path] = None, env: Optional[dict[str, s
         sys.argv, sys.path[:] = saved_argv, saved_path
         for signum, handler in saved_handlers.items():
             signal.signal(signum, handler)
+        _forget_modules_of_experiment_dirs(set(sys.modules) - saved_modules)
     return subprocess.CompletedProcess(["ampctl", *args], code, out.getvalue(), err.getvalue())
 
 
@@ -69,3 +71,13 @@ def _forget_a_signal_exit() -> None:
         atexit.unregister(interrupt._leave_now)
         interrupt._LEAVING_WITH.clear()
     interrupt._RAISED.clear()
+
+
+def _forget_modules_of_experiment_dirs(added: set[str]) -> None:
+    """A module a run imported from an experiment directory (`-cd DIR`'s my_recipe.py) is that directory's: the
+    next run, from another directory, imports its own module of that name, as its own process would."""
+    ours = (str(Path(__file__).resolve().parents[2]), sys.prefix, sys.base_prefix)
+    for name in added:
+        where = getattr(sys.modules.get(name), "__file__", None) or ""
+        if where and not where.startswith(ours):
+            del sys.modules[name]
