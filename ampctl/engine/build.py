@@ -30,7 +30,7 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
     torch.manual_seed(cfg.train.seed)
     with building_model(recipe):
         model = recipe.build_model()
-    model = policy.prepare_model(checked_model(model, recipe))
+    model = policy.convert_module(checked_model(model, recipe))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, recipe, cfg.recipe._target_.rsplit(".", 1)[-1])
     blocks = list(getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(model))

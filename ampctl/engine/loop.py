@@ -148,7 +148,7 @@ def train_step(
             raise UsageError(f"recipe {recipe_name(recipe)}: batches(device, seed) ended after step {state.step}; "
                              "the protocol needs an endless iterator (loop over the data again: epochs)")
         with state.parallel.grad_sync(last_micro_batch=micro == grad_accum_steps - 1):
-            with policy.autocast():
+            with policy.forward_context():
                 loss = checked_loss(recipe.loss(model, batch), recipe)
             # backward outside autocast, as torch.amp recommends; the loss is averaged over micro-batches (a
             # division by 1 would cost two kernels a step for nothing)

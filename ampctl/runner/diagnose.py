@@ -113,7 +113,7 @@ def replay(
             # full backward hooks warn on a first layer whose input needs no grad: expected here
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(accum):
-                with policy.autocast():
+                with policy.forward_context():
                     loss = recipe.loss(state.model, next(batches))
                 losses.append(float(loss.detach()))
                 state.scaler.scale(loss / accum).backward()

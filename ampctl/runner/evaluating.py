@@ -61,7 +61,7 @@ class RunEvaluation:
         """train.monitor is among the recipe's metrics: one held-out batch evaluated at start (the model is not
         changed by it), so that a wrong name is refused before the run records anything."""
         one = Evaluator(self.evaluator.recipe, self.policy.device, batches=1)
-        names = one.evaluate(model, self.policy.autocast())
+        names = one.evaluate(model, self.policy.forward_context())
         if monitor not in names:
             raise UsageError(f"train.monitor={monitor}: the recipe's evaluation gives no such metric; it gives "
                              f"{', '.join(sorted(names))}")
@@ -76,7 +76,7 @@ class RunEvaluation:
         began = time.perf_counter()
         with compiling.outside_steps():
             row: dict[str, Any] = {"step": step}
-            row.update(_prefixed(PREFIX, self.evaluator.evaluate(model, self.policy.autocast())))
+            row.update(_prefixed(PREFIX, self.evaluator.evaluate(model, self.policy.forward_context())))
             if self.fp32:
                 fp32_model = fp32_copy(model) if self.policy.precision.cast_model else model
                 row.update(_prefixed(FP32_PREFIX, self.evaluator.evaluate(

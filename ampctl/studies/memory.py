@@ -118,7 +118,7 @@ def _checkpointed_blocks(cfg: DictConfig, recipe: Any, model: torch.nn.Module) -
 def _count_activations(state, recipe, policy, cfg: DictConfig) -> int:
     counter = SavedTensorCounter(state.model)
     batch = next(recipe.batches(policy.device, cfg.train.seed))
-    with counter.counting(_checkpointed_blocks(cfg, recipe, state.model)), policy.autocast():
+    with counter.counting(_checkpointed_blocks(cfg, recipe, state.model)), policy.forward_context():
         loss = recipe.loss(state.model, batch)
     del loss
     return counter.bytes

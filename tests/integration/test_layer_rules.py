@@ -53,7 +53,7 @@ def linear_output_dtypes(*overrides: str) -> tuple[dict[str, torch.dtype], list[
         for name, module in state.model.named_modules():
             if isinstance(module, nn.Linear):
                 module.register_forward_hook(lambda m, a, out, name=name: seen.__setitem__(name, out.dtype))
-        with policy.autocast():
+        with policy.forward_context():
             recipe.loss(state.model, next(recipe.batches(policy.device, 0)))
     return seen, policy.layer_rows
 

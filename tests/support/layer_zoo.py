@@ -48,11 +48,11 @@ def check_the_layer_table_against_hooks(*overrides: str) -> None:
         return hook
 
     with policy:
-        model = policy.prepare_model(LayerZoo())
+        model = policy.convert_module(LayerZoo())
         for name, module in model.named_modules():
             if name:
                 module.register_forward_hook(record(name), prepend=True)
-        with policy.autocast():
+        with policy.forward_context():
             model(torch.tensor([1, 2, 3], device=policy.device))
     checked = 0
     for row in policy.layer_rows:

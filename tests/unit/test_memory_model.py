@@ -58,7 +58,7 @@ def test_gradient_bytes_are_the_most_that_a_real_step_holds_at_once(precision):
         everything = list(state.model.parameters()) + list(state.weights.optimizer_params)
         alive = lambda: sum(p.grad.numel() * p.grad.element_size()  # noqa: E731
                             for p in {id(p): p for p in everything}.values() if p.grad is not None)
-        with policy.autocast():
+        with policy.forward_context():
             loss = recipe.loss(state.model, next(recipe.batches(policy.device, 0)))
         state.scaler.scale(loss).backward()
         after_backward = alive()

@@ -24,7 +24,10 @@ TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtyp
 
 
 class PrecisionPolicy:
-    """Context manager for a run: sets the global matmul flags on enter and restores them on exit."""
+    """A mode's behaviour, in the verbs of Lightning Fabric's Precision where they exist (convert_module,
+    forward_context), and its refusals (check). A context manager for a run: sets the global matmul flags on enter
+    and restores them on exit. What a mode means for speed on this machine is said above the engine
+    (analysis/mode_advice.py)."""
 
     def __init__(self, precision: PrecisionConfig, device: torch.device) -> None:
         """precision: the mode's config as its schema dataclass (OmegaConf.to_object of cfg.precision)."""
@@ -34,7 +37,7 @@ class PrecisionPolicy:
         self.device = device
         self._saved_flags: Optional[dict[str, Any]] = None
         self.converter = converter_of(precision, device)  # None in the flag-driven modes
-        self.layer_plan: Optional[layers.LayerPlan] = None  # the rules matched against the model (prepare_model)
+        self.layer_plan: Optional[layers.LayerPlan] = None  # the rules matched against the model (convert_module)
         self.layer_rows: list[layers.LayerRow] = []  # the resolved precision of every layer
         self._linears = 0
 
@@ -81,14 +84,16 @@ class PrecisionPolicy:
         fp32_math.restore(self._saved_flags)
         self._saved_flags = None
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """Always a context manager; "off" is enabled=False, so the loop has no branch."""
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """The forward pass's autocast (Fabric's Precision.forward_context). Always a context manager; "off" is
+        enabled=False, so the loop has no branch."""
         dtype = self.dtype if self.precision.autocast else torch.bfloat16  # dtype is unused when disabled
         return torch.autocast(self.device.type, dtype=dtype, enabled=self.precision.autocast)
 
-    def prepare_model(self, model: nn.Module) -> nn.Module:
+    def convert_module(self, model: nn.Module) -> nn.Module:
         """Move the model to the device and apply the mode's converters and per-layer rules (layers.py): the
-        converters' layer swaps (FP8, MX), then the half cast of O2/O3 (half.py) or the rules' dtype scopes."""
+        converters' layer swaps (FP8, MX), then the half cast of O2/O3 (half.py) or the rules' dtype scopes (as
+        Fabric's Precision.convert_module)."""
         model.to(self.device)
         self.layer_plan = plan = layers.plan(model, self.precision, self.converter, self.device)
         self._linears = sum(isinstance(m, nn.Linear) for m in model.modules())
