@@ -139,3 +139,18 @@ def test_a_run_recorded_before_trackers_named_their_class_continues_with_ampctls
 
     chosen = check_loggers(OmegaConf.create({"csv": {"file": "m.csv"}, "wandb": None}))
     assert list(chosen) == ["csv"] and chosen["csv"][0] is CsvTracker and chosen["csv"][1].file == "m.csv"
+
+
+def test_a_tracker_of_ones_own_whose_package_is_missing_names_the_package(experiment_dir, tmp_path, restore_argv,
+                                                                          capsys, monkeypatch):
+    import sys
+
+    sys.path.insert(0, str(experiment_dir))
+    from my_tracker import JsonLinesTracker
+
+    monkeypatch.setattr(JsonLinesTracker, "package", "jsonlines_is_not_installed_here", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "-cd", str(experiment_dir), *QUIET, *MLP, "logger=mine", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
+    assert capsys.readouterr().err == ("ampctl train: error: logger=mine: the jsonlines_is_not_installed_here package "
+                                       "is not installed; pip install 'jsonlines_is_not_installed_here'\n")

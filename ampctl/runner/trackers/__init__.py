@@ -80,8 +80,8 @@ def check_loggers(logger: DictConfig) -> dict[str, tuple[type[Tracker], DictConf
     for name in chosen(logger):
         cls = tracker_class(name, logger[name])
         if cls.package is not None and importlib.util.find_spec(cls.package) is None:
-            raise UsageError(f"logger={name}: the {cls.package} package is not installed; "
-                             f"pip install 'ampctl[{cls.extra}]'")
+            install = f"ampctl[{cls.extra}]" if cls.extra else cls.package  # a tracker of one's own: its package
+            raise UsageError(f"logger={name}: the {cls.package} package is not installed; pip install '{install}'")
         trackers[name] = (cls, typed_options(name, logger[name], cls))
     for cls, options in trackers.values():
         cls.check(options)
