@@ -13,8 +13,10 @@ import yaml
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
-# Option nodes' names before the rename.
-RENAMED_KEYS = {"precision.fp8": "precision.fp8_emulated", "precision.float8": "precision.fp8_torchao"}
+# The nodes that held a built-in converter's options before each mode's converter took its options at
+# precision.options, and the modes they belong to.
+RENAMED_KEYS = {"precision.fp8": "fp8_emulated", "precision.fp8_emulated": "fp8_emulated", "precision.float8": "fp8",
+                "precision.fp8_torchao": "fp8", "precision.mx": "mxfp8, mxfp4 or nvfp4"}
 # Keys that became something else, and what to write instead.
 REPLACED_KEYS = {"precision.keep_norm_fp32": "replaced by the per-layer rule {type: norm, run_in: fp32}, O2's default "
                  "(precision.rules=[] runs the norms in half; docs/precision.md)"}
@@ -28,8 +30,8 @@ def one_line(exc: BaseException) -> str:
                 if err.full_key in REPLACED_KEYS:
                     return f"{err.full_key}: {REPLACED_KEYS[err.full_key]}"
                 if err.full_key in RENAMED_KEYS:
-                    new = RENAMED_KEYS[err.full_key]
-                    return f"{err.full_key}: renamed; set {new}.* (the options of {_owner(new)})"
+                    return (f"{err.full_key}: renamed; set precision.options.* (the options of "
+                            f"precision={RENAMED_KEYS[err.full_key]})")
                 full_key = _in_list(err) + err.full_key
                 parent, _, key = full_key.rpartition(".")
                 close = did_you_mean(key, _keys(err), prefix=f"{parent}." if parent else "")
@@ -126,38 +128,40 @@ def _missing_plugin(group: str, option: str, installed: list[str]) -> str:
 
 
 @functools.cache
-def mode_option_nodes() -> dict[str, list[str]]:
-    """The nodes of PrecisionConfig that only some modes set (null in the others: a converter's options), and the
-    modes that set them, as the shipped ampctl/conf/precision/*.yaml do."""
-    nodes: dict[str, list[str]] = {}
+def mode_options() -> dict[str, dict]:
+    """Each shipped converter mode's precision.options (its converter's options, every one at the mode's default),
+    by mode, as ampctl/conf/precision/*.yaml set them."""
+    modes: dict[str, dict] = {}
     for option in _shipped_options("precision"):
         text = resources.files("ampctl.conf").joinpath("precision", f"{option}.yaml").read_text(encoding="utf-8")
-        for key, value in (yaml.safe_load(text) or {}).items():
-            if isinstance(value, dict):
-                nodes.setdefault(key, []).append(option)
-    return nodes
+        options = (yaml.safe_load(text) or {}).get("options")
+        if isinstance(options, dict):
+            modes[option] = options
+    return modes
 
 
-def _owners(node: str) -> list[str]:
-    return [f"precision={mode}" for mode in mode_option_nodes()[node.split(".")[1]]]
-
-
-def _owner(node: str) -> str:
-    modes = mode_option_nodes()[node.split(".")[1]]
-    return f"precision={modes[0]}" if len(modes) == 1 else f"precision={', '.join(modes[:-1])} or {modes[-1]}"
+def _either(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def key_under_null_node(overrides: list[str]) -> Optional[str]:
     """OmegaConf asserts, without naming the key, when an override sets a key under a node that is null in
-    the composed config: precision.fp8_emulated.margin=2 under precision=fp32. Which override, and the fix."""
+    the composed config: precision.options.margin=2 under precision=fp32. Which override, and the fix."""
     chosen = {value for key, _, value in (o.lstrip("+~").partition("=") for o in overrides) if key == "precision"}
     for override in overrides:
         parts = override.split("=", 1)[0].lstrip("+~").split(".")
-        if (len(parts) >= 3 and parts[0] == "precision" and parts[1] in mode_option_nodes()
-                and not chosen & set(mode_option_nodes()[parts[1]])):  # its mode chosen: the value is what is wrong
-            node = ".".join(parts[:2])
-            return (f"{override}: {node}.* are the options of {_owner(node)} only; "
-                    f"choose it on the same command line ({_owners(node)[0]} {override})")
+        if len(parts) >= 3 and parts[:2] == ["precision", "options"]:
+            modes = mode_options()
+            owners = [mode for mode, options in modes.items() if parts[2] in options]
+            if chosen & set(owners) or chosen - set(_shipped_options("precision")):
+                continue  # its mode chosen (the value is what is wrong), or a mode of one's own (its YAML knows)
+            if not owners:
+                every = sorted({key for options in modes.values() for key in options})
+                return (f"{override}: no converter mode has the option precision.options.{parts[2]}"
+                        f"{did_you_mean(parts[2], every, 'precision.options.')}; the converter modes are "
+                        f"precision={_either(list(modes))}")
+            return (f"{override}: precision.options.{parts[2]} is an option of precision={_either(owners)} only; "
+                    f"choose it on the same command line (precision={owners[0]} {override})")
         if len(parts) >= 3 and parts[0] == "logger" and parts[1] not in _chosen_loggers(overrides):
             return (f"{override}: logger.{parts[1]}.* are the options of logger={parts[1]}, which is not chosen; "
                     f"choose it on the same command line (logger={parts[1]} {override}, or logger=[...,{parts[1]}])")

@@ -20,95 +20,6 @@ class Dtype(Enum):
     bfloat16 = "bfloat16"
 
 
-class Fp8Scaling(Enum):
-    current = "current"
-    delayed = "delayed"
-    blockwise = "blockwise"
-
-
-class Fp8Format(Enum):
-    hybrid = "hybrid"
-    e4m3 = "e4m3"
-
-
-class AmaxAlgo(Enum):
-    max = "max"
-    most_recent = "most_recent"
-
-
-@dataclass
-class Fp8EmulatedConfig:
-    """Emulated FP8 for every Linear's matmul inputs (ampctl/engine/precision/fp8_emulated.py)."""
-
-    # current (per tensor, this step) | delayed (amax history, TE) | blockwise (DeepSeek-V3, e4m3 only)
-    scaling: Fp8Scaling = Fp8Scaling.current
-    format: Fp8Format = Fp8Format.hybrid  # hybrid: e4m3 forward, e5m2 gradients | e4m3
-    amax_history_len: int = 16  # delayed scaling
-    amax_compute_algo: AmaxAlgo = AmaxAlgo.max  # delayed scaling: max | most_recent
-    margin: int = 0  # scales map amax to the format's max / 2^margin
-
-    def __post_init__(self) -> None:
-        require(self.amax_history_len >= 1, "precision.fp8_emulated.amax_history_len", self.amax_history_len,
-                "an integer >= 1")
-        require(self.margin >= 0, "precision.fp8_emulated.margin", self.margin, "an integer >= 0")
-        require(not (self.scaling is Fp8Scaling.blockwise and self.format is Fp8Format.hybrid),
-                "precision.fp8_emulated.format", self.format.name,
-                "e4m3 with scaling=blockwise (DeepSeek-V3's fine-grained scaling is E4M3 only)")
-
-
-class Float8RecipeName(Enum):
-    tensorwise = "tensorwise"
-    rowwise = "rowwise"
-
-
-@dataclass
-class Fp8TorchaoConfig:
-    """Real FP8 through torchao's float8 training (ampctl/engine/precision/fp8_torchao.py)."""
-
-    # tensorwise: one scale per tensor | rowwise: one per row (more accurate, slower)
-    recipe_name: Float8RecipeName = Float8RecipeName.tensorwise
-    auto_filter_small_kn: bool = True  # keep Linear layers too small to gain from FP8 in bf16 (torchao's heuristics)
-    filter_fqns: list[str] = field(default_factory=list)  # keep Linear layers whose name contains one of these in bf16
-
-
-class MXFormat(Enum):
-    mxfp8 = "mxfp8"  # OCP MX: 8-bit elements (E4M3 or E5M2), blocks of 32, E8M0 scales
-    mxfp4 = "mxfp4"  # OCP MX: E2M1 elements, blocks of 32, E8M0 scales
-    nvfp4 = "nvfp4"  # NVIDIA: E2M1 elements, blocks of 16, E4M3 scales and an fp32 per-tensor scale
-
-
-class MXElements(Enum):
-    e4m3 = "e4m3"
-    e5m2 = "e5m2"
-
-
-class MXScaleMode(Enum):  # torchao's ScaleCalculationMode: how an E8M0 scale is rounded from a block's amax
-    floor = "floor"  # the OCP MX v1.0 specification's rule
-    rceil = "rceil"  # NVIDIA's (cuBLAS, Transformer Engine)
-    ceil = "ceil"
-    even = "even"
-
-
-@dataclass
-class MXEmulatedConfig:
-    """The emulated microscaling formats of Linear layers (ampctl/engine/precision/mx_emulated.py)."""
-
-    format: MXFormat = MXFormat.mxfp8
-    elements: MXElements = MXElements.e4m3  # mxfp8: the elements of activations and weights
-    grad_elements: MXElements = MXElements.e4m3  # mxfp8: the elements of gradients (e5m2: more range, less precision)
-    scale_mode: MXScaleMode = MXScaleMode.floor  # mxfp8, mxfp4: how each block's E8M0 scale is rounded
-    per_tensor_scale: bool = True  # nvfp4: the second-level fp32 scale from each tensor's amax
-
-    def __post_init__(self) -> None:
-        if self.format != MXFormat.mxfp8:
-            for key in ("elements", "grad_elements"):
-                require(getattr(self, key) == MXElements.e4m3, f"precision.mx.{key}", getattr(self, key).name,
-                        f"e4m3 (the default) with format={self.format.name}, whose elements are E2M1")
-        if self.format == MXFormat.nvfp4:
-            require(self.scale_mode == MXScaleMode.floor, "precision.mx.scale_mode", self.scale_mode.name,
-                    "floor (the default) with format=nvfp4, whose block scales are E4M3, not E8M0")
-
-
 LAYER_DTYPES = ("fp32", "bf16", "fp16")  # what a rule may keep a layer's math in, besides a converter's formats
 UNCONVERTED = "unconverted"  # a rule's run_in that leaves its layers out of the mode's converter
 
@@ -141,13 +52,13 @@ class PrecisionConfig:
     cast_model: bool = False  # O2/O3: the model's weights are stored in `dtype`
     master_weights: bool = False  # O2: the optimizer steps on fp32 copies of the half weights
     tf32: bool = False  # TF32 for matmul and cuDNN convolutions; false means explicitly off
-    # The model converter of a converter-style mode (ampctl/engine/precision/converters.py), by its registered
-    # name; its options are the node named by the converter (fp8_emulated, fp8_torchao, mx), or `options`.
+    # The model converter of a converter-style mode (ampctl/engine/precision/converters.py): its registered name,
+    # or its dotted path (a module of one's own beside one's configs).
     converter: Optional[str] = None
-    options: Optional[dict[str, Any]] = None  # the options of a converter registered by another package
-    fp8_emulated: Optional[Fp8EmulatedConfig] = None  # precision=fp8_emulated: FP8 inputs for every nn.Linear
-    fp8_torchao: Optional[Fp8TorchaoConfig] = None  # precision=fp8: torchao's FP8 matmuls for large nn.Linear layers
-    mx: Optional[MXEmulatedConfig] = None  # precision=mxfp8, mxfp4, nvfp4: emulated microscaling Linear layers
+    # The converter's options: the keys of its options dataclass (Converter.options_type, beside the converter),
+    # each at its default in the mode's YAML so that a command line sets one without `+`; typed by the converter
+    # when the run is planned.
+    options: Optional[dict[str, Any]] = None
     rules: list[LayerRule] = field(default_factory=list)  # per-layer precision, first match wins (O2: norms in fp32)
 
     def __post_init__(self) -> None:
@@ -162,12 +73,6 @@ class PrecisionConfig:
                 "false unless cast_model=true (fp32 weights are already their own masters)")
         require(not (self.tf32 and half), "precision.tf32", self.tf32,
                 "false for half-precision modes (tf32 is its own mode: precision=tf32)")
-        if self.fp8_torchao is not None:
-            require(self.fp8_emulated is None, "precision.fp8_emulated", "set",
-                    "unset with precision.fp8_torchao (emulated or real FP8, not both)")
-            require(self.autocast and self.dtype == Dtype.bfloat16, "precision.dtype", self.dtype.name,
-                    "bfloat16 with autocast=true under precision.fp8_torchao (torchao's FP8 layers run inside bf16 "
-                    "autocast)")
 
 
 @dataclass

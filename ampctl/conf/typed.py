@@ -4,6 +4,7 @@ the schema dataclasses so that every node is typed and a key the schema lacks is
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -11,6 +12,23 @@ from ampctl.conf.messages import did_you_mean
 from ampctl.conf.precision_schema import SCALER_SCHEMAS
 from ampctl.conf.schema import AmpctlConfig
 from ampctl.errors import ConfigError, UsageError
+
+# The nodes that held a built-in converter's options before precision.options did (a run recorded then resumes).
+FORMER_OPTION_NODES = ("fp8_emulated", "fp8_torchao", "mx")
+
+
+def as_recorded_now(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run's recorded config (a checkpoint's, identity.json's) in today's schema: a converter's options recorded
+    under the node of its own that a built-in converter had then are its precision.options."""
+    precision = saved.get("precision")
+    if not isinstance(precision, dict) or not any(key in precision for key in FORMER_OPTION_NODES):
+        return saved
+    precision = dict(precision)
+    for key in FORMER_OPTION_NODES:
+        value = precision.pop(key, None)
+        if value is not None:
+            precision["options"] = value
+    return {**saved, "precision": precision}
 
 
 def typed_config(cfg: DictConfig, schema: type = AmpctlConfig) -> DictConfig:

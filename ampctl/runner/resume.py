@@ -18,7 +18,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl.conf.schema import Schedule
-from ampctl.conf.typed import typed_config
+from ampctl.conf.typed import as_recorded_now, typed_config
 from ampctl.engine.optim import lr_factor
 from ampctl.runner import checkpoint, checkpoint_files, identity
 
@@ -53,6 +53,7 @@ def plan(cfg: DictConfig, choices: dict[str, str], overrides: list[str], run_dir
     if found is None and own is None:
         return cfg, choices, Resume(run_dir)
     saved_config, saved_choices = (found.config, found.choices) if found is not None else (own.config, own.choices)
+    saved_config = as_recorded_now(saved_config)
     names = named_keys(overrides)
     resumed = OmegaConf.create(saved_config)
     for name in names:

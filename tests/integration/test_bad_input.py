@@ -68,16 +68,18 @@ def test_an_unknown_resnet_arch(tmp_path, capsys, restore_argv):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["precision.fp8_emulated.margin=2"],
-     "precision.fp8_emulated.margin=2: precision.fp8_emulated.* are the options of precision=fp8_emulated only; "
-     "choose it on the same command line (precision=fp8_emulated precision.fp8_emulated.margin=2)"),
-    (["precision=bf16", "precision.fp8_torchao.recipe_name=rowwise"],
-     "precision.fp8_torchao.recipe_name=rowwise: precision.fp8_torchao.* are the options of precision=fp8 only"),
-    # the names before the rename (precision.fp8 was the emulation's, precision.float8 torchao's)
+    (["precision.options.margin=2"],
+     "precision.options.margin=2: precision.options.margin is an option of precision=fp8_emulated only; "
+     "choose it on the same command line (precision=fp8_emulated precision.options.margin=2)"),
+    (["precision=bf16", "precision.options.recipe_name=rowwise"],
+     "precision.options.recipe_name=rowwise: precision.options.recipe_name is an option of precision=fp8 only"),
+    # the nodes before precision.options (precision.fp8 was the emulation's, precision.float8 torchao's)
     (["precision=fp8_emulated", "precision.fp8.margin=2"],
-     "precision.fp8: renamed; set precision.fp8_emulated.* (the options of precision=fp8_emulated)"),
+     "precision.fp8: renamed; set precision.options.* (the options of precision=fp8_emulated)"),
     (["precision.float8.compile=false"],
-     "precision.float8: renamed; set precision.fp8_torchao.* (the options of precision=fp8)"),
+     "precision.float8: renamed; set precision.options.* (the options of precision=fp8)"),
+    (["precision=mxfp4", "precision.mx.scale_mode=rceil"],
+     "precision.mx: renamed; set precision.options.* (the options of precision=mxfp8, mxfp4 or nvfp4)"),
 ])
 def test_a_mode_option_under_a_mode_without_it(tmp_path, capsys, restore_argv, args, message):
     """OmegaConf asserts on a key under a null node; the user sees which mode owns the option."""

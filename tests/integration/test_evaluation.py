@@ -80,7 +80,7 @@ def _fp32_loop():
      "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2", "recipe.block_size=32", "recipe.batch_size=4",
      "recipe.max_corpus_bytes=100000", "precision=fp16"],
     ["recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "precision=fp8_emulated",
-     "precision.fp8_emulated.scaling=delayed"],
+     "precision.options.scaling=delayed"],
     ["recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "precision=O2"],
 ], ids=["batchnorm", "dropout", "fp8-delayed-amax", "O2"])
 def test_evaluation_never_changes_training(tmp_path, overrides):

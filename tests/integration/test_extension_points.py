@@ -51,24 +51,45 @@ mine:
 """
 
 CONVERTER_MODULE = '''
+from dataclasses import dataclass
+from enum import Enum
+
 import torch
 from torch import nn
 
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
 
 
+class RoundTo(Enum):
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass
+class RoundingOptions:
+    round_to: RoundTo = RoundTo.bfloat16
+
+
 class RoundedLinear(ConvertedLinear):
+    def __init__(self, *args, round_to, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.round_to = getattr(torch, round_to.value)
+
     def forward(self, x):
-        return nn.functional.linear(x, self.weight.to(torch.bfloat16).float(), self.bias)
+        return nn.functional.linear(x, self.weight.to(self.round_to).float(), self.bias)
 
 
 @register_converter
 class RoundingConverter(Converter):
     name = "rounding"
     formats = ("rounded",)
+    options_type = RoundingOptions
 
     def convert(self, module, fqn, fmt):
-        return RoundedLinear.from_linear(module)
+        return RoundedLinear.from_linear(module, round_to=self.options.round_to)
+
+    def describe(self):
+        return f"converter=rounding round_to={self.options.round_to.value}"
 '''
 CONVERTER_YAML = """# Rounded: Linear weights rounded to bf16 in the forward (a test's converter).
 defaults:
@@ -79,6 +100,8 @@ defaults:
 name: rounded
 description: Linear weights rounded to bf16 (a test converter)
 converter: my_converter.RoundingConverter
+options:
+  round_to: bfloat16
 """
 
 
@@ -125,9 +148,19 @@ def test_a_trackers_options_are_typed_by_its_class(experiment_dir, tmp_path, res
 
 def test_a_converter_of_ones_own_is_its_module_and_its_yaml(experiment_dir, tmp_path, restore_argv):
     run = tmp_path / "run"
-    main(["train", "-cd", str(experiment_dir), *QUIET, *MLP, "precision=rounded", f"hydra.run.dir={run}"])
+    main(["train", "-cd", str(experiment_dir), *QUIET, *MLP, "precision=rounded", "precision.options.round_to=float16",
+          f"hydra.run.dir={run}"])
     log = (run / "train.log").read_text()
-    assert "Selected precision=rounded: converter=rounding, converted=4 of 4 Linear layers" in log, log
+    assert "Selected precision=rounded: converter=rounding round_to=float16, converted=4 of 4 Linear layers" in log
+
+
+def test_a_converters_options_are_typed_by_its_class(experiment_dir, tmp_path, restore_argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "-cd", str(experiment_dir), *QUIET, *MLP, "precision=rounded", "precision.options.round_to=int8",
+              f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
+    assert capsys.readouterr().err == ("ampctl train: error: precision.options.round_to='int8' is not allowed: "
+                                       "expected one of bfloat16, float16\n")
 
 
 def test_a_run_recorded_before_trackers_named_their_class_continues_with_ampctls_tracker_of_that_name():

@@ -20,9 +20,9 @@ def bf16_losses(tmp_path_factory):
     return [r["loss"] for r in rows]
 
 
-@pytest.mark.parametrize("scaling", ["current", "delayed", "blockwise precision.fp8_emulated.format=e4m3"])
+@pytest.mark.parametrize("scaling", ["current", "delayed", "blockwise precision.options.format=e4m3"])
 def test_an_emulated_fp8_gpt_trains_within_a_tolerance_of_bf16(tmp_path, bf16_losses, scaling):
-    scaling_args = f"precision.fp8_emulated.scaling={scaling}".split()
+    scaling_args = f"precision.options.scaling={scaling}".split()
     _, rows = train(tmp_path, *GPT, "precision=fp8_emulated", *scaling_args, base=QUIET)
     losses = [r["loss"] for r in rows]
     assert losses[-1] < losses[0] - 1.0  # it learns
@@ -31,7 +31,7 @@ def test_an_emulated_fp8_gpt_trains_within_a_tolerance_of_bf16(tmp_path, bf16_lo
 
 # The tolerance each format is held to, from the loss after 30 steps (measured on this GPT: bf16 4.084, mxfp8
 # 4.094, mxfp8 e5m2-gradients/rceil 4.088, nvfp4 4.099, mxfp4 4.132): FP4 with power-of-two scales is the coarsest.
-MX_TOLERANCE = {"mxfp8": 0.03, "mxfp8 precision.mx.grad_elements=e5m2 precision.mx.scale_mode=rceil": 0.03,
+MX_TOLERANCE = {"mxfp8": 0.03, "mxfp8 precision.options.grad_elements=e5m2 precision.options.scale_mode=rceil": 0.03,
                 "nvfp4": 0.05, "mxfp4": 0.1}
 
 
@@ -47,17 +47,17 @@ def test_an_emulated_microscaling_gpt_trains_within_a_tolerance_of_bf16(tmp_path
 
 def test_blockwise_scaling_in_the_hybrid_format_is_refused(tmp_path, restore_argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "precision=fp8_emulated", "precision.fp8_emulated.scaling=blockwise", "device=cpu",
+        main(["train", "precision=fp8_emulated", "precision.options.scaling=blockwise", "device=cpu",
               f"hydra.run.dir={tmp_path / 'run'}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "precision.fp8_emulated.format='hybrid' is not allowed: expected e4m3 with scaling=blockwise" in err
+    assert "precision.options.format='hybrid' is not allowed: expected e4m3 with scaling=blockwise" in err
     assert err.count("\n") == 1
 
 
 def test_delayed_scaling_resumes_exactly_because_its_amax_history_is_checkpointed(tmp_path):
-    args = [*GPT, "precision=fp8_emulated", "precision.fp8_emulated.scaling=delayed",
-            "precision.fp8_emulated.amax_history_len=4",
+    args = [*GPT, "precision=fp8_emulated", "precision.options.scaling=delayed",
+            "precision.options.amax_history_len=4",
             "train.steps=8", "train.lr_schedule=constant"]
     _, whole = train(tmp_path / "whole", *args, base=QUIET)
     train(tmp_path / "resumed", *args, "train.steps=4", base=QUIET)

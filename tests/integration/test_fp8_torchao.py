@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from ampctl.cli import main
-from ampctl.conf.precision_schema import Fp8TorchaoConfig
 from ampctl.engine.precision import fp8_torchao
 from tests.conftest import QUIET, train
 
@@ -20,7 +19,7 @@ GPT = ["recipe=gpt", "recipe.d_model=64", "recipe.n_layers=2", "recipe.n_heads=2
        "recipe.batch_size=8", "recipe.max_corpus_bytes=200000", "train.steps=30"]
 # The tiny gpt's layers are far below torchao's size thresholds: convert them all; eager (train.compile's default:
 # minutes of compiling for a test of the numerics).
-EVERY_LINEAR = ["precision=fp8", "precision.fp8_torchao.auto_filter_small_kn=false"]
+EVERY_LINEAR = ["precision=fp8", "precision.options.auto_filter_small_kn=false"]
 
 
 @pytest.fixture
@@ -42,7 +41,7 @@ def test_fp8_is_refused_without_fp8_tensor_cores_in_one_line(tmp_path, restore_a
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise"])
 def test_a_torchao_fp8_gpt_trains_within_a_tolerance_of_bf16(tmp_path, fp8_tensor_cores, recipe_name):
     _, bf16 = train(tmp_path / "bf16", *GPT, "precision=bf16", base=QUIET)
-    recipe_arg = f"precision.fp8_torchao.recipe_name={recipe_name}"
+    recipe_arg = f"precision.options.recipe_name={recipe_name}"
     _, fp8 = train(tmp_path / "fp8", *GPT, *EVERY_LINEAR, recipe_arg, base=QUIET)
     losses = [r["loss"] for r in fp8]
     assert losses[-1] < losses[0] - 1.0  # it learns
@@ -56,13 +55,15 @@ def test_the_size_filter_keeps_small_and_named_layers_in_bf16():
     model.add_module("square", nn.Linear(1024, 1024))  # K <= 4096 and N <= 1024: slower in FP8
     model.add_module("odd", nn.Linear(1000, 2048))  # K not a multiple of 16: no FP8 matmul
     model.add_module("head", nn.Linear(1024, 2048))  # named in filter_fqns
-    converter = fp8_torchao.TorchaoFp8Converter(Fp8TorchaoConfig(filter_fqns=["head"]), torch.device("cpu"))
+    converter = fp8_torchao.TorchaoFp8Converter(
+        fp8_torchao.Fp8TorchaoOptions(filter_fqns=["head"]), torch.device("cpu"))
     assert wanted(converter, model) == ["up"]
     converter.convert_model(model, {"up": "fp8"})
     assert [type(m).__name__ for m in model] == ["Float8Linear", "Linear", "Linear", "Linear"]
     # without the size heuristics, every layer the FP8 matmul accepts, less the named ones
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(30, 32))
-    converter = fp8_torchao.TorchaoFp8Converter(Fp8TorchaoConfig(auto_filter_small_kn=False), torch.device("cpu"))
+    converter = fp8_torchao.TorchaoFp8Converter(
+        fp8_torchao.Fp8TorchaoOptions(auto_filter_small_kn=False), torch.device("cpu"))
     assert wanted(converter, model) == ["0"]
 
 

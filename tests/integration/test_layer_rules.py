@@ -176,11 +176,10 @@ def test_a_format_rule_under_a_plain_mode_labels_the_runs_speed_as_an_emulations
 def test_an_mx_layer_inside_a_compiled_autocast_model_trains():
     """Inductor's CPU codegen (torch 2.14) fails to fuse the incoming half gradient's cast with its two blockings:
     such a layer runs outside the compiled graph (this shape failed with an AssertionError in try_loop_split)."""
-    from ampctl.conf.precision_schema import MXEmulatedConfig, MXFormat
-    from ampctl.engine.precision.mx_emulated import MXLinear
+    from ampctl.engine.precision.mx_emulated import MXEmulatedOptions, MXFormat, MXLinear
 
     torch.manual_seed(0)
-    model = nn.Sequential(MXLinear.from_linear(nn.Linear(256, 768), config=MXEmulatedConfig(format=MXFormat.nvfp4),
+    model = nn.Sequential(MXLinear.from_linear(nn.Linear(256, 768), config=MXEmulatedOptions(format=MXFormat.nvfp4),
                                                fmt="nvfp4"), nn.Linear(768, 8))
     x = torch.randn(8, 64, 256, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

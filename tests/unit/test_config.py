@@ -197,7 +197,8 @@ def test_a_yaml_states_only_what_differs_from_its_schema():
     for path in paths:
         schema = _schema_of(path)
         data = yaml.safe_load(CONF.joinpath(path).read_text()) or {}
-        for key, value in _leaves({k: v for k, v in data.items() if k not in ("defaults", "hydra")}):
+        # precision.options is open: a converter mode's YAML lists every option (the test below)
+        for key, value in _leaves({k: v for k, v in data.items() if k not in ("defaults", "hydra", "options")}):
             default = _schema_default(schema, key)
             default = getattr(default, "value", default)  # an Enum's YAML spelling
             if value == default and not (isinstance(value, dict) and not value):
@@ -219,16 +220,17 @@ def test_the_composed_defaults_are_the_schemas():
 def test_the_range_checks_live_in_the_schema_dataclasses():
     """One place for a range: the dataclass refuses a bad value however it is built (Hydra, a test, a user's
     script), with the same one line that `ampctl train` prints."""
-    from ampctl.conf.precision_schema import DynamicScalerConfig, Fp8EmulatedConfig, Fp8Scaling
+    from ampctl.conf.precision_schema import DynamicScalerConfig
     from ampctl.conf.schema import TrainConfig
+    from ampctl.engine.precision.fp8_emulated import Fp8EmulatedOptions, Fp8Scaling
     from ampctl.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"^train.steps=0 is not allowed: expected an integer >= 1$"):
         TrainConfig(steps=0)
     with pytest.raises(ConfigError, match=r"^scaler.init_scale=8.0 is not allowed: expected a value within"):
         DynamicScalerConfig(init_scale=8.0, min_scale=16.0)
-    with pytest.raises(ConfigError, match=r"^precision.fp8_emulated.format='hybrid'"):
-        Fp8EmulatedConfig(scaling=Fp8Scaling.blockwise)
+    with pytest.raises(ConfigError, match=r"^precision.options.format='hybrid'"):
+        Fp8EmulatedOptions(scaling=Fp8Scaling.blockwise)
 
 
 def test_a_key_the_schema_lacks_is_refused_even_when_added_with_plus():
@@ -261,6 +263,39 @@ def test_a_trackers_yaml_names_its_class_with_every_option_at_its_default_and_it
     assert [f.name for f in dataclasses.fields(cls.options_type)] == [k for k in node if k != "_target_"]
     if cls.package is not None:
         assert cls.extra in metadata.metadata("ampctl").get_all("Provides-Extra")
+
+
+CONVERTER_MODES = [name for name in yaml_files("precision")
+                   if "converter" in yaml.safe_load(CONF.joinpath("precision", name).read_text())]
+
+
+@pytest.mark.parametrize("name", CONVERTER_MODES)
+def test_a_converter_modes_yaml_lists_its_converters_every_option_at_its_default(name):
+    """A converter mode is its converter's module and its YAML: precision.options lists every field of the
+    converter's options dataclass (an open node has only the keys its YAML names), each at the dataclass's default
+    but for what the mode itself is (mxfp4's format)."""
+    from ampctl.engine.precision import converters
+
+    data = yaml.safe_load(CONF.joinpath("precision", name).read_text())
+    cls = converters.converter_class(data["converter"])
+    defaults = OmegaConf.to_container(OmegaConf.structured(cls.options_type), enum_to_str=True)
+    assert set(data["options"]) == set(defaults)
+    differs = {key for key in defaults if data["options"][key] != defaults[key]}
+    assert differs <= {"format"} and all(data["options"]["format"] == data["name"] for _ in differs)
+
+
+def test_a_run_recorded_with_a_converters_own_options_node_is_read_with_them_as_precision_options():
+    """Before precision.options, each built-in converter's options had a node of their own (fp8_emulated, mx,
+    fp8_torchao; the others null): a run recorded then resumes with its options where they are now."""
+    from ampctl.conf.typed import as_recorded_now, typed_config
+
+    recorded = OmegaConf.to_container(compose_cfg("precision=mxfp4"))
+    recorded["precision"] = {**{k: v for k, v in recorded["precision"].items() if k != "options"},
+                             "fp8_emulated": None, "fp8_torchao": None, "mx": {**recorded["precision"]["options"]}}
+    now = as_recorded_now(recorded)
+    assert now["precision"]["options"]["format"] == "mxfp4" and "mx" not in now["precision"]
+    assert "mx" in recorded["precision"]  # the record read, not changed
+    assert typed_config(OmegaConf.create(now)).precision.options.scale_mode == "floor"
 
 
 def test_the_keys_a_resume_may_change_are_the_schemas_marked_fields():

@@ -7,12 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.conf.precision_schema import Fp8EmulatedConfig, Fp8Format, Fp8Scaling
 from ampctl.engine.precision.fp8_emulated import (
     E4M3,
     E5M2,
     DelayedScaling,
     Fp8EmulatedLinear,
+    Fp8EmulatedOptions,
+    Fp8Format,
+    Fp8Scaling,
     quantize_tensorwise,
     quantize_tiles,
     relative_error_bound,
@@ -156,7 +158,7 @@ def test_blockwise_weight_gradient_quantizes_along_tokens():
     """Forward tiles run along the reduction dimension K; the weight gradient reduces over tokens, so its
     operands are quantized again in 128x1 tiles (Transformer Engine's columnwise usage)."""
     torch.manual_seed(0)
-    layer = Fp8EmulatedLinear.from_linear(nn.Linear(64, 32), config=Fp8EmulatedConfig(
+    layer = Fp8EmulatedLinear.from_linear(nn.Linear(64, 32), config=Fp8EmulatedOptions(
         scaling=Fp8Scaling.blockwise, format=Fp8Format.e4m3))
     x = torch.randn(256, 64) * torch.logspace(-3, 3, 256)[:, None]  # token magnitudes vary: tiles matter
     x.requires_grad_(True)
@@ -174,7 +176,7 @@ def test_gradients_flow_through_the_quantizers(scaling):
     torch.manual_seed(0)
     reference = nn.Linear(128, 64)
     fmt = Fp8Format.e4m3 if scaling == "blockwise" else Fp8Format.hybrid  # blockwise is e4m3 only
-    emulated = Fp8EmulatedLinear(128, 64, config=Fp8EmulatedConfig(scaling=Fp8Scaling(scaling), format=fmt))
+    emulated = Fp8EmulatedLinear(128, 64, config=Fp8EmulatedOptions(scaling=Fp8Scaling(scaling), format=fmt))
     emulated.load_state_dict(reference.state_dict(), strict=False)  # delayed scaling's buffers start afresh
     x = torch.randn(32, 128)
     for model in (reference, emulated):

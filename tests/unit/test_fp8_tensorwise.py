@@ -52,11 +52,10 @@ def test_the_recorder_counts_each_linears_input_weight_and_output_gradient():
 
 
 def test_in_an_fp8_mode_only_the_converted_layers_are_recorded():
-    from ampctl.conf.precision_schema import Fp8EmulatedConfig
-    from ampctl.engine.precision.fp8_emulated import Fp8EmulatedLinear
+    from ampctl.engine.precision.fp8_emulated import Fp8EmulatedLinear, Fp8EmulatedOptions
 
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
-    model[1] = Fp8EmulatedLinear.from_linear(model[1], config=Fp8EmulatedConfig())
+    model[1] = Fp8EmulatedLinear.from_linear(model[1], config=Fp8EmulatedOptions())
     assert [name for name, _ in TensorwiseFp8Recorder(model).layers] == ["1"]
     assert [name for name, _ in TensorwiseFp8Recorder(nn.Sequential(nn.Linear(2, 2))).layers] == ["0"]
 

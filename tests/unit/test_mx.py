@@ -9,11 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.conf.precision_schema import MXElements, MXEmulatedConfig, MXFormat, MXScaleMode
 from ampctl.engine.precision.mx_emulated import (
     ELEMENTS,
     BlockFormat,
+    MXElements,
+    MXEmulatedOptions,
+    MXFormat,
     MXLinear,
+    MXScaleMode,
     block_formats,
     e8m0_value,
     fake_quantize,
@@ -140,7 +143,7 @@ def reference_mm(a: torch.Tensor, b_t: torch.Tensor, fa: BlockFormat, fb: BlockF
 def test_the_three_matmuls_block_along_their_reduction_dimension():
     """torchao's mx_mm layout: forward along K; grad input along N; grad weight along the tokens."""
     torch.manual_seed(0)
-    config = MXEmulatedConfig(format=MXFormat.mxfp8, grad_elements=MXElements.e5m2)
+    config = MXEmulatedOptions(format=MXFormat.mxfp8, grad_elements=MXElements.e5m2)
     layer = MXLinear.from_linear(nn.Linear(64, 96), config=config, fmt="mxfp8")
     x = (torch.randn(128, 64) * torch.logspace(-3, 3, 128)[:, None]).requires_grad_(True)
     g = torch.randn(128, 96) * torch.logspace(2, -2, 128)[:, None]
@@ -160,7 +163,7 @@ def test_the_quantization_error_is_within_the_formats_precision(fmt):
     of the element (2^-4 for E4M3, 2^-2 for E2M1), plus the E4M3 block scale's own rounding for NVFP4."""
     torch.manual_seed(0)
     x = (1 + torch.rand(64, 64)) * 2.0 ** torch.randint(-8, 8, (64, 1)).float()
-    forward, _ = block_formats(MXEmulatedConfig(format=MXFormat(fmt), scale_mode=MXScaleMode.floor
+    forward, _ = block_formats(MXEmulatedOptions(format=MXFormat(fmt), scale_mode=MXScaleMode.floor
                                                 if fmt == "nvfp4" else MXScaleMode.rceil), fmt)
     error = ((fake_quantize(x, forward) - x).abs() / x.abs()).max().item()
     bound = {"mxfp8": 2.0**-4, "mxfp4": 2.0**-2, "nvfp4": 2.0**-2 * (1 + 2.0**-4) + 2.0**-4}[fmt]
@@ -172,7 +175,7 @@ def test_the_specs_floor_scale_clips_a_block_whose_amax_mantissa_exceeds_the_ele
     block's largest value saturates (the known cost of floor, which rceil avoids)."""
     x = torch.full((1, 32), 0.5)
     x[0, 0] = 1.9
-    floor, rceil = (block_formats(MXEmulatedConfig(scale_mode=mode), "mxfp8")[0]
+    floor, rceil = (block_formats(MXEmulatedOptions(scale_mode=mode), "mxfp8")[0]
                     for mode in (MXScaleMode.floor, MXScaleMode.rceil))
     assert fake_quantize(x, floor)[0, 0].item() == 448 / 256
     assert fake_quantize(x, rceil)[0, 0].item() == pytest.approx(1.9, rel=2.0**-4)

@@ -38,19 +38,20 @@ class Converter:
     """What a converter-style precision mode does, in the verbs the policy calls.
 
     Subclasses set the class attributes and override the methods that differ from these defaults. One
-    instance serves a run: built from the mode's options (the dataclass at precision.<options_key>, or its
-    defaults when the mode is another one and a per-layer rule asks for one of this converter's formats).
+    instance serves a run: made from the mode's options (precision.options as an options_type, or its defaults
+    when the mode is another one and a per-layer rule asks for one of this converter's formats).
     """
 
     name: ClassVar[str]  # the registry's key, and the YAML's `converter:` value
-    options_key: ClassVar[Optional[str]] = None  # the PrecisionConfig field that holds its options, if any
-    options_type: ClassVar[Optional[type]] = None  # their dataclass (its defaults serve a rule's format)
+    options_type: ClassVar[Optional[type]] = None  # its options' dataclass: precision.options's keys, their types and
+    # defaults (the defaults serve a rule that asks for one of its formats under another mode)
     formats: ClassVar[tuple[str, ...]]  # the formats it computes in, as per-layer rules and the table name them
     matmul_dtype: ClassVar[str] = "float32"  # the matmul dtype whose peak FLOPs its layers run at (flops.py)
     emulated: ClassVar[bool] = False  # its speed is not the format's speed (said wherever a speed is shown)
     emulation: ClassVar[Optional[str]] = None  # the mode that studies its numerics where it cannot run
     shards_with_fsdp: ClassVar[bool] = True  # its layers can be sharded by distributed=fsdp
     checkpoint_state: ClassVar[str] = "nothing beyond the model's weights"  # what its layers add to checkpoints
+    runs_inside_autocast: ClassVar[Optional[str]] = None  # the autocast dtype its layers need around them, if any
 
     def __init__(self, options: Any, device: torch.device) -> None:
         self.options = options if options is not None or self.options_type is None else self.options_type()

@@ -22,14 +22,53 @@ A margin (fp8.margin) maps amax to the format's max divided by 2^margin, as TE's
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampctl.conf.precision_schema import AmaxAlgo, Fp8EmulatedConfig, Fp8Format, Fp8Scaling
+from ampctl.conf.value_checks import require
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
+
+
+class Fp8Scaling(Enum):
+    current = "current"
+    delayed = "delayed"
+    blockwise = "blockwise"
+
+
+class Fp8Format(Enum):
+    hybrid = "hybrid"
+    e4m3 = "e4m3"
+
+
+class AmaxAlgo(Enum):
+    max = "max"
+    most_recent = "most_recent"
+
+
+@dataclass
+class Fp8EmulatedOptions:
+    """Emulated FP8 for every Linear's matmul inputs (ampctl/engine/precision/fp8_emulated.py)."""
+
+    # current (per tensor, this step) | delayed (amax history, TE) | blockwise (DeepSeek-V3, e4m3 only)
+    scaling: Fp8Scaling = Fp8Scaling.current
+    format: Fp8Format = Fp8Format.hybrid  # hybrid: e4m3 forward, e5m2 gradients | e4m3
+    amax_history_len: int = 16  # delayed scaling
+    amax_compute_algo: AmaxAlgo = AmaxAlgo.max  # delayed scaling: max | most_recent
+    margin: int = 0  # scales map amax to the format's max / 2^margin
+
+    def __post_init__(self) -> None:
+        require(self.amax_history_len >= 1, "precision.options.amax_history_len", self.amax_history_len,
+                "an integer >= 1")
+        require(self.margin >= 0, "precision.options.margin", self.margin, "an integer >= 0")
+        require(not (self.scaling is Fp8Scaling.blockwise and self.format is Fp8Format.hybrid),
+                "precision.options.format", self.format.name,
+                "e4m3 with scaling=blockwise (DeepSeek-V3's fine-grained scaling is E4M3 only)")
+
 
 E4M3 = torch.float8_e4m3fn if hasattr(torch, "float8_e4m3fn") else None
 E5M2 = torch.float8_e5m2 if hasattr(torch, "float8_e5m2") else None
@@ -38,7 +77,7 @@ AMAX_EPS = 1e-12  # torchao's floor on an amax: a tiny or all-zero tensor gets a
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-def backward_dtype(config: Fp8EmulatedConfig) -> torch.dtype:
+def backward_dtype(config: Fp8EmulatedOptions) -> torch.dtype:
     """The gradients' FP8 type: e5m2 in the hybrid format, e4m3 otherwise (blockwise is e4m3 only)."""
     return E5M2 if config.format is Fp8Format.hybrid and config.scaling is not Fp8Scaling.blockwise else E4M3
 
@@ -133,7 +172,7 @@ class Fp8Quantizers:
     """The quantizers of one Linear layer: its activations, weight and output gradient, each in the layout
     of the matmul it enters (a tensor-wide scale serves every layout)."""
 
-    def __init__(self, layer: nn.Linear, config: Fp8EmulatedConfig) -> None:
+    def __init__(self, layer: nn.Linear, config: Fp8EmulatedOptions) -> None:
         self.config = config
         self.delayed = {role: DelayedScaling(layer, role, config.amax_history_len, config.amax_compute_algo)
                         for role in ("x", "w", "grad")} if config.scaling is Fp8Scaling.delayed else {}
@@ -168,7 +207,7 @@ class Fp8EmulatedLinear(ConvertedLinear):
     so they are in its state_dict."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None, *, config: Fp8EmulatedConfig) -> None:
+                 dtype: Any = None, *, config: Fp8EmulatedOptions) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         self.config = config
         self.setup()
@@ -190,8 +229,7 @@ class Fp8EmulatedConverter(Converter):
     """precision=fp8_emulated: every nn.Linear becomes an Fp8EmulatedLinear."""
 
     name = "fp8_emulated"
-    options_key = "fp8_emulated"
-    options_type = Fp8EmulatedConfig
+    options_type = Fp8EmulatedOptions
     formats = ("fp8_emulated",)
     emulated = True
     checkpoint_state = "delayed scaling's amax histories and scales, as buffers of each converted layer"

@@ -15,15 +15,32 @@ torchtitan does; the rest stay bf16. This is the only module that imports torcha
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ampctl.conf.precision_schema import Fp8TorchaoConfig
 from ampctl.engine import devices
 from ampctl.engine.precision.converters import Converter, register_converter
 from ampctl.errors import UsageError
+
+
+class Float8RecipeName(Enum):
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
+@dataclass
+class Fp8TorchaoOptions:
+    """Real FP8 through torchao's float8 training (ampctl/engine/precision/fp8_torchao.py)."""
+
+    # tensorwise: one scale per tensor | rowwise: one per row (more accurate, slower)
+    recipe_name: Float8RecipeName = Float8RecipeName.tensorwise
+    auto_filter_small_kn: bool = True  # keep Linear layers too small to gain from FP8 in bf16 (torchao's heuristics)
+    filter_fqns: list[str] = field(default_factory=list)  # keep Linear layers whose name contains one of these in bf16
+
 
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell
 # torchao's auto filter skips a Linear (weight N x K) in these cases; said to the user when nothing is left.
@@ -51,7 +68,7 @@ def unsupported_reason(device: torch.device) -> str | None:
     return None
 
 
-def module_filter(config: Fp8TorchaoConfig) -> Callable[[nn.Module, str], bool]:
+def module_filter(config: Fp8TorchaoOptions) -> Callable[[nn.Module, str], bool]:
     """Which nn.Linear layers become Float8Linear: torchao's own size heuristics, or every layer whose
     dimensions the FP8 matmul accepts (multiples of 16), less the named ones either way."""
     if config.auto_filter_small_kn:
@@ -73,11 +90,11 @@ class TorchaoFp8Converter(Converter):
     """precision=fp8: torchao's Float8Linear for the Linear layers its size filter expects to gain."""
 
     name = "fp8_torchao"
-    options_key = "fp8_torchao"
-    options_type = Fp8TorchaoConfig
+    options_type = Fp8TorchaoOptions
     formats = ("fp8",)
     matmul_dtype = "float8"
     emulation = "fp8_emulated"
+    runs_inside_autocast = "bfloat16"  # Float8Linear casts its input to the autocast dtype
     shards_with_fsdp = False  # ampctl does not yet all-gather torchao's FP8 weights
 
     def unsupported_reason(self) -> str | None:
@@ -112,11 +129,11 @@ class TorchaoFp8Converter(Converter):
                 "FP8 runs slower than bf16; add train.compile=true"]
 
 
-def nothing_converted_message(config: Fp8TorchaoConfig, linears: int) -> str:
+def nothing_converted_message(config: Fp8TorchaoOptions, linears: int) -> str:
     name = config.recipe_name.value
     why = (f"torchao's {name} size filter keeps layers with {AUTO_FILTER_RULE[name]} in bf16, being slower in FP8"
            if config.auto_filter_small_kn
-           else "none has dimensions that are multiples of 16, or all are named in precision.fp8_torchao.filter_fqns")
+           else "none has dimensions that are multiples of 16, or all are named in precision.options.filter_fqns")
     return (f"precision=fp8 would convert none of this model's {linears} nn.Linear layers to FP8: {why}; "
-            "use precision=bf16 for this model, or precision.fp8_torchao.auto_filter_small_kn=false to convert them "
+            "use precision=bf16 for this model, or precision.options.auto_filter_small_kn=false to convert them "
             "anyway")

@@ -27,14 +27,54 @@ amax unchanged (torchao refuses such shapes; real kernels pad too).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampctl.conf.precision_schema import MXElements, MXEmulatedConfig, MXFormat, MXScaleMode
+from ampctl.conf.value_checks import require
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
+
+
+class MXFormat(Enum):
+    mxfp8 = "mxfp8"  # OCP MX: 8-bit elements (E4M3 or E5M2), blocks of 32, E8M0 scales
+    mxfp4 = "mxfp4"  # OCP MX: E2M1 elements, blocks of 32, E8M0 scales
+    nvfp4 = "nvfp4"  # NVIDIA: E2M1 elements, blocks of 16, E4M3 scales and an fp32 per-tensor scale
+
+
+class MXElements(Enum):
+    e4m3 = "e4m3"
+    e5m2 = "e5m2"
+
+
+class MXScaleMode(Enum):  # torchao's ScaleCalculationMode: how an E8M0 scale is rounded from a block's amax
+    floor = "floor"  # the OCP MX v1.0 specification's rule
+    rceil = "rceil"  # NVIDIA's (cuBLAS, Transformer Engine)
+    ceil = "ceil"
+    even = "even"
+
+
+@dataclass
+class MXEmulatedOptions:
+    """The emulated microscaling formats of Linear layers (ampctl/engine/precision/mx_emulated.py)."""
+
+    format: MXFormat = MXFormat.mxfp8
+    elements: MXElements = MXElements.e4m3  # mxfp8: the elements of activations and weights
+    grad_elements: MXElements = MXElements.e4m3  # mxfp8: the elements of gradients (e5m2: more range, less precision)
+    scale_mode: MXScaleMode = MXScaleMode.floor  # mxfp8, mxfp4: how each block's E8M0 scale is rounded
+    per_tensor_scale: bool = True  # nvfp4: the second-level fp32 scale from each tensor's amax
+
+    def __post_init__(self) -> None:
+        if self.format != MXFormat.mxfp8:
+            for key in ("elements", "grad_elements"):
+                require(getattr(self, key) == MXElements.e4m3, f"precision.options.{key}", getattr(self, key).name,
+                        f"e4m3 (the default) with format={self.format.name}, whose elements are E2M1")
+        if self.format == MXFormat.nvfp4:
+            require(self.scale_mode == MXScaleMode.floor, "precision.options.scale_mode", self.scale_mode.name,
+                    "floor (the default) with format=nvfp4, whose block scales are E4M3, not E8M0")
+
 
 E8M0_BIAS = 127
 E8M0_NAN = 255
@@ -233,7 +273,7 @@ class _MXLinear(torch.autograd.Function):
         return grad_x.reshape(ctx.x_shape), grad_w, grad_b, None
 
 
-def block_formats(config: MXEmulatedConfig, fmt: str) -> tuple[BlockFormat, BlockFormat]:
+def block_formats(config: MXEmulatedOptions, fmt: str) -> tuple[BlockFormat, BlockFormat]:
     """(activations and weights, gradients) of a layer computing in fmt (mxfp8, mxfp4, nvfp4)."""
     if fmt == MXFormat.nvfp4.value:
         nv = BlockFormat(ELEMENTS["e2m1"], 16, "e4m3", per_tensor_scale=config.per_tensor_scale)
@@ -251,7 +291,7 @@ class MXLinear(ConvertedLinear):
     """An nn.Linear whose three matmuls take emulated MX or NVFP4 inputs."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None, *, config: MXEmulatedConfig, fmt: str) -> None:
+                 dtype: Any = None, *, config: MXEmulatedOptions, fmt: str) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         self.config, self.fmt = config, fmt
         self.forward_format, self.grad_format = block_formats(config, fmt)
@@ -291,8 +331,7 @@ class MXEmulatedConverter(Converter):
     """precision=mxfp8, mxfp4, nvfp4: every nn.Linear becomes an MXLinear."""
 
     name = "mx_emulated"
-    options_key = "mx"
-    options_type = MXEmulatedConfig
+    options_type = MXEmulatedOptions
     formats = ("mxfp8", "mxfp4", "nvfp4")
     emulated = True
 

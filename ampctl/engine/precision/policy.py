@@ -12,13 +12,15 @@ import contextlib
 from typing import Any, Optional
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
+from ampctl.conf.options import typed_options
 from ampctl.conf.precision_schema import Dtype, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import converters, fp32_math, layers
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
-from ampctl.errors import UnsupportedError, UsageError
+from ampctl.errors import ConfigError, UnsupportedError
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
 
@@ -147,14 +149,17 @@ class PrecisionPolicy:
 
 
 def converter_of(precision: PrecisionConfig, device: torch.device) -> Optional[converters.Converter]:
-    """The mode's converter, built from its options (None in the flag-driven modes)."""
+    """The mode's converter, made from precision.options typed by its options dataclass (None in the flag-driven
+    modes). A converter whose layers run inside autocast refuses a mode without it."""
     if precision.converter is None:
         return None
     cls = converters.converter_class(precision.converter)
-    options = getattr(precision, cls.options_key) if cls.options_key else None
-    if isinstance(options, dict) and cls.options_type is not None:  # a plug-in's options, under precision.options
-        try:
-            options = cls.options_type(**options)
-        except TypeError as err:
-            raise UsageError(f"precision.{cls.options_key}: {err} (the options of converter {cls.name})") from None
-    return cls(options, device)
+    needs = cls.runs_inside_autocast
+    if needs is not None and not (precision.autocast and precision.dtype.value == needs):
+        raise ConfigError("precision.dtype", precision.dtype.name,
+                          f"{needs} with autocast=true under converter={cls.name} (its layers run inside {needs} "
+                          "autocast)")
+    if cls.options_type is None:
+        return cls(None, device)
+    options = typed_options("precision.options", precision.options or {}, cls.options_type)
+    return cls(OmegaConf.to_object(options), device)

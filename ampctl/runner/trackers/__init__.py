@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from ampctl import io, run_files
 from ampctl.conf.messages import one_line
+from ampctl.conf.options import typed_options
 from ampctl.engine.telemetry import StepRecord
 from ampctl.errors import UsageError
 from ampctl.runner.trackers.base import METRICS, Tracker
@@ -60,17 +60,6 @@ def tracker_class(name: str, node: DictConfig) -> type[Tracker]:
     return cls
 
 
-def typed_options(name: str, node: DictConfig, cls: type[Tracker]) -> DictConfig:
-    """logger.<name>'s options typed by the tracker's options dataclass (a key it lacks, a wrong type: one line)."""
-    values = {key: value for key, value in node.items() if key != "_target_"}
-    try:
-        typed = OmegaConf.merge({"logger": {name: OmegaConf.structured(cls.options_type)}},
-                                {"logger": {name: values}})
-    except OmegaConfBaseException as exc:
-        raise UsageError(one_line(exc)) from None
-    return typed.logger[name]
-
-
 def check_loggers(logger: DictConfig) -> dict[str, tuple[type[Tracker], DictConfig]]:
     """Each chosen tracker's class and typed options. Refused, in one line before anything is written: a tracker
     whose package is not installed; what a tracker's own check refuses (a file outside its run directory or over
@@ -82,7 +71,8 @@ def check_loggers(logger: DictConfig) -> dict[str, tuple[type[Tracker], DictConf
         if cls.package is not None and importlib.util.find_spec(cls.package) is None:
             install = f"ampctl[{cls.extra}]" if cls.extra else cls.package  # a tracker of one's own: its package
             raise UsageError(f"logger={name}: the {cls.package} package is not installed; pip install '{install}'")
-        trackers[name] = (cls, typed_options(name, logger[name], cls))
+        values = {key: value for key, value in logger[name].items() if key != "_target_"}
+        trackers[name] = (cls, typed_options(f"logger.{name}", values, cls.options_type))
     for cls, options in trackers.values():
         cls.check(options)
     return trackers
