@@ -5,13 +5,19 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import re
 from importlib import resources
 from typing import Optional
 
 import yaml
-from omegaconf import DictConfig
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
+from hydra.errors import MissingConfigException
+from omegaconf import BooleanNode, DictConfig, EnumNode, FloatNode, IntegerNode, StringNode
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 # The nodes that held a built-in converter's options before each mode's converter took its options at
 # precision.options, and the modes they belong to.
@@ -41,17 +47,18 @@ def one_line(exc: BaseException) -> str:
                 return f"{err.full_key}: required, and not given"
             if "Cannot merge DictConfig with ListConfig" in msg or "Cannot merge ListConfig with DictConfig" in msg:
                 return f"{err.full_key}: expected a list ([...]), as the schema's {err.full_key} is"
-            return _type_error(err.full_key, msg) or f"{err.full_key}: {msg}"
-    text = str(exc).strip()
-    missing = re.search(r"Could not (?:find|load) '(.+)/([^/']+)'", text)
-    if missing:
-        group, option = missing.groups()
+            return _type_error(err) or f"{err.full_key}: {msg}"
+    missing = next((err for err in _chain(exc) if isinstance(err, MissingConfigException)
+                    and err.missing_cfg_file and "/" in err.missing_cfg_file), None)
+    if missing is not None:
+        group, _, option = missing.missing_cfg_file.rpartition("/")
         # Hydra lists the options when one was chosen, not for a list (logger=[csv,nope]): ampctl's own then
-        options = re.findall(r"^\t(\S+)$", text, flags=re.MULTILINE) or _shipped_options(group)
+        options = list(missing.options or []) or _shipped_options(group)
         if group in ("hydra/sweeper", "hydra/launcher"):
             return _missing_plugin(group, option, options)
         allowed = f"; choose one of {', '.join(options)}" if options else ""
         return f"{group}={option}: no such {group}{did_you_mean(option, options)}{allowed}"
+    text = str(exc).strip()
     text = text.replace(", set env var HYDRA_FULL_ERROR=1 to see chained exception.", "")
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
@@ -198,22 +205,19 @@ def _chosen_loggers(overrides: list[str]) -> set[str]:
     return chosen
 
 
-_TYPE_NAMES = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+_EXPECTED = {IntegerNode: "an integer", FloatNode: "a number", BooleanNode: "true or false", StringNode: "a string"}
 
 
-def _type_error(key: str, msg: str) -> Optional[str]:
-    """OmegaConf's conversion messages as `key=value is not allowed: expected ...`."""
-    conversion = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", msg)
-    if conversion:
-        value, type_name = conversion.groups()
-        return f"{key}={value!r} is not allowed: expected {_TYPE_NAMES.get(type_name, type_name)}"
-    boolean = re.match(r"Value '(.*)' is not a valid bool", msg)
-    if boolean:
-        return f"{key}={boolean.group(1)!r} is not allowed: expected true or false"
-    choice = re.match(r"Invalid value '(.*)', expected one of \[(.*)\]", msg)
-    if choice:
-        return f"{key}={choice.group(1)!r} is not allowed: expected one of {choice.group(2)}"
-    return None
+def _type_error(err: OmegaConfBaseException) -> Optional[str]:
+    """A value the schema's node cannot take, as `key=value is not allowed: expected ...`, from the node's type."""
+    node = getattr(err, "child_node", None)
+    if not isinstance(err, ValidationError) or node is None:
+        return None
+    if isinstance(node, EnumNode):
+        expected: Optional[str] = "one of " + ", ".join(member.name for member in node.enum_type)
+    else:
+        expected = _EXPECTED.get(type(node))
+    return f"{err.full_key}={err.value!r} is not allowed: expected {expected}" if expected else None
 
 
 def _allowed_keys(err: OmegaConfBaseException) -> str:
