@@ -117,6 +117,13 @@ def dispatch(args: list[str]) -> None:
         line = f"ampctl: unknown command {command!r}; {hint}choose one of: {', '.join(COMMANDS)}"
         leave(UsageError(line), [line])
 
+    if os.environ.get("AMPCTL_ASSUME_CPU"):  # a test's kind of CPU (analysis/cpu_speed.py): refused before anything
+        from ampctl.analysis.cpu_speed import check_assumed
+
+        try:
+            check_assumed()
+        except UsageError as exc:
+            refuse(command, str(exc))
     from ampctl.conf.schema import register_configs
 
     register_configs(command)

@@ -18,6 +18,11 @@ torch's build decides), so it is measured, in a way a busy machine cannot fool:
 Measured once per machine (CPU, instruction sets, torch, threads), kept in ~/.cache/ampctl/cpu_speed.json (one
 process measures at a time, under a lock; the others wait and read), and measured again on demand (`ampctl list
 --remeasure`) or when a run contradicts it (a run faster than the peak).
+
+`AMPCTL_ASSUME_CPU=<kind>` answers as another kind of CPU would (ASSUMED_CPUS: its instruction sets and its half
+types' matmul times against fp32, as measured on such machines), with this CPU's fp32 as measured: what ampctl
+decides from the figures (list, warnings, compare's modes, advise's candidates) is then that CPU's, while the runs
+compute on this one. The test suite runs under each kind so that no expectation is one CPU's.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -38,6 +43,7 @@ import torch
 
 from ampctl.engine import devices
 from ampctl.engine.devices import instructions_for, instructions_wanted
+from ampctl.errors import UsageError
 
 FP32, HALF_TYPES = "float32", ("bfloat16", "float16")
 # a half type "runs at speed" when its autocast matmul takes at most this many times fp32's time; measured figures
@@ -53,6 +59,16 @@ ATTEMPTS = 3  # a half type with instructions that measures slow: measured up to
 PROBE_VERSION = 2  # figures of an older probe (one 256x256 matmul, medians, not interleaved) are not read
 
 BUSY_SHARE, BUSY_RETRY_S = 0.8, 600.0
+
+ASSUME_ENV = "AMPCTL_ASSUME_CPU"
+# kind -> (its instruction flags, each half type's autocast matmul time over fp32's), from the probe on such CPUs
+ASSUMED_CPUS: dict[str, tuple[frozenset[str], dict[str, float]]] = {
+    "avx2": (frozenset({"avx2", "fma"}), {"bfloat16": 30.0, "float16": 80.0}),  # EPYC Rome/Milan: both converted
+    "avx512_bf16": (frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}),  # EPYC Genoa: bf16 at speed, fp16 not
+                    {"bfloat16": 0.45, "float16": 60.0}),
+    "amx": (frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"}),
+            {"bfloat16": 0.2, "float16": 0.25}),  # Xeon Sapphire Rapids and later: both at speed
+}
 
 Shape = tuple[int, int, int]
 
@@ -97,6 +113,7 @@ class CpuSpeed:
     measured_at: str  # ISO time
     attempts: int
     seconds: float  # of trials
+    assumed: Optional[str] = None  # the kind of CPU AMPCTL_ASSUME_CPU named (its half types are that CPU's)
 
     @property
     def busy(self) -> bool:
@@ -153,6 +170,8 @@ class CpuSpeed:
                      + (f"; the machine was busy (the probe got {self.speeds[FP32].core_share:.0%} of its cores): "
                         "the rates are no peak, and a slow type's ratio may read low (load falls on fp32's trials "
                         "too); the verdicts stand" if self.busy else ""))
+        if self.assumed is not None:
+            lines.append(f"assumed: {ASSUME_ENV}={self.assumed} (its half types' figures, not this CPU's)")
         return lines
 
     def to_json(self) -> dict:
@@ -330,7 +349,29 @@ _measured: dict[str, CpuSpeed] = {}  # this process's figures, by machine key
 
 def measured(remeasure: bool = False) -> CpuSpeed:
     """This CPU's figures: this process's, the cache's, or measured now (and kept) when there are none or when
-    remeasure is asked."""
+    remeasure is asked; another kind's half types where AMPCTL_ASSUME_CPU names one."""
+    kind = os.environ.get(ASSUME_ENV)
+    return _measured_here(remeasure) if not kind else assumed(kind, _measured_here(remeasure))
+
+
+def check_assumed() -> None:
+    """Refuse an AMPCTL_ASSUME_CPU that names no kind of ASSUMED_CPUS (UsageError)."""
+    kind = os.environ.get(ASSUME_ENV)
+    if kind and kind not in ASSUMED_CPUS:
+        raise UsageError(f"{ASSUME_ENV}={kind}: no such kind of CPU; choose one of {', '.join(ASSUMED_CPUS)}")
+
+
+def assumed(kind: str, here: CpuSpeed) -> CpuSpeed:
+    """The figures of a CPU of this kind (ASSUMED_CPUS) whose fp32 is this one's (here: as measured)."""
+    check_assumed()
+    flags, relative = ASSUMED_CPUS[kind]
+    fp32 = here.speeds[FP32]
+    speeds = {FP32: fp32, **{dtype: replace(fp32, dtype=dtype, tflops=fp32.tflops / ratio, relative_time=ratio,
+                                            spread=(ratio, ratio)) for dtype, ratio in relative.items()}}
+    return CpuSpeed(speeds, flags, here.threads, here.measured_at, here.attempts, here.seconds, assumed=kind)
+
+
+def _measured_here(remeasure: bool) -> CpuSpeed:
     key = machine_key()
     if key in _measured and not remeasure:
         return _measured[key]

@@ -132,8 +132,9 @@ def main() -> None:
             console.print(f"run one with: ampctl train -cd {args.config_dir} -cn NAME", soft_wrap=True)
     if device.type == "cpu":
         speed = cpu_speed.measured()
-        console.print(f"This CPU ({devices.cpu_model()}), as measured (the figures behind the table above, the start "
-                      f"warnings, compare's default modes and MFU; {cpu_speed.cache_path()}; again with --remeasure):",
-                      soft_wrap=True)
+        mixed = f", with the half types of an assumed {speed.assumed} CPU" if speed.assumed else ""
+        console.print(f"This CPU ({devices.cpu_model()}{mixed}), as measured (the figures behind the table above, the "
+                      f"start warnings, compare's default modes and MFU; {cpu_speed.cache_path()}; again with "
+                      "--remeasure):", soft_wrap=True)
         for line in speed.describe():
             console.print(f"  {escape(line)}", soft_wrap=True)

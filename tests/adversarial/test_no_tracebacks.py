@@ -160,3 +160,14 @@ def test_init_next_to_a_file_in_its_way_writes_nothing(tmp_path, capsys, restore
         main(["init", "x", "--dir", str(tmp_path)])
     assert exit_info.value.code == 2 and "(nothing was written)" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe"]
+
+
+@pytest.mark.parametrize("command", [["list"], ["train", *MLP]])
+def test_an_assumed_cpu_of_no_known_kind_is_one_line_before_anything_runs(tmp_path, command):
+    from tests.support.in_process import run_ampctl
+
+    refused = run_ampctl(*command, "hydra.run.dir=run" if command[0] == "train" else "device=cpu", cwd=tmp_path,
+                         env={"AMPCTL_ASSUME_CPU": "m1"})
+    assert "AMPCTL_ASSUME_CPU=m1: no such kind of CPU; choose one of avx2, avx512_bf16, amx" in one_line_refusal(
+        refused, command[0])
+    assert not (tmp_path / "run").exists()

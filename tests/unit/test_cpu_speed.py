@@ -171,3 +171,30 @@ def test_a_slow_types_slowdown_is_a_bound_that_holds_busy_or_quiet():
         for dtype, truth in (("bfloat16", 16.0), ("float16", 78.0)):
             said = float(re.search(r"more than ([\d.]+)x slower", loaded.why_slow(dtype)).group(1))
             assert cpu_speed.SLOW_FACTOR <= said < truth, (seed, dtype, loaded.why_slow(dtype))
+
+
+@pytest.mark.parametrize("kind", list(cpu_speed.ASSUMED_CPUS))
+def test_an_assumed_kind_of_cpu_keeps_this_cpus_fp32_and_takes_that_kinds_half_types(fresh_cache, monkeypatch,
+                                                                                        kind):
+    """AMPCTL_ASSUME_CPU: what is decided from the figures is that kind's (verdicts, instructions, peaks as its
+    ratios to this CPU's fp32), and nothing of it reaches the cache, which keeps this CPU's own measurement."""
+    here = cpu_speed.measured()
+    monkeypatch.setenv(cpu_speed.ASSUME_ENV, kind)
+    speed = cpu_speed.measured()
+    flags, relative = cpu_speed.ASSUMED_CPUS[kind]
+    assert speed.assumed == kind and speed.flags == flags and speed.speeds["float32"] == here.speeds["float32"]
+    for dtype, ratio in relative.items():
+        assert speed.relative_time(dtype) == ratio and speed.runs_at_speed(dtype) == (ratio <= cpu_speed.SLOW_FACTOR)
+        assert speed.peak_tflops(dtype) == (here.speeds["float32"].tflops / ratio if ratio <= 1.5 else None)
+    assert speed.describe()[-1] == f"assumed: AMPCTL_ASSUME_CPU={kind} (its half types' figures, not this CPU's)"
+    cached = json.loads(cpu_speed.cache_path().read_text())
+    assert len(fresh_cache) == 1 and list(cached) == [cpu_speed.machine_key()]
+    assert cpu_speed.CpuSpeed.from_json(cached[cpu_speed.machine_key()]) == here
+
+
+def test_an_assumed_cpu_of_no_known_kind_is_refused(fresh_cache, monkeypatch):
+    from ampctl.errors import UsageError
+
+    monkeypatch.setenv(cpu_speed.ASSUME_ENV, "m1")
+    with pytest.raises(UsageError, match=r"^AMPCTL_ASSUME_CPU=m1: no such kind of CPU; choose one of avx2, "):
+        cpu_speed.measured()
