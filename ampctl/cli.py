@@ -117,13 +117,7 @@ def dispatch(args: list[str]) -> None:
         line = f"ampctl: unknown command {command!r}; {hint}choose one of: {', '.join(COMMANDS)}"
         leave(UsageError(line), [line])
 
-    if os.environ.get("AMPCTL_ASSUME_CPU"):  # a test's kind of CPU (analysis/cpu_speed.py): refused before anything
-        from ampctl.analysis.cpu_speed import check_assumed
-
-        try:
-            check_assumed()
-        except UsageError as exc:
-            refuse(command, str(exc))
+    refuse_an_unknown_assumed_cpu(command)
     from ampctl.conf.schema import register_configs
 
     register_configs(command)
@@ -158,6 +152,16 @@ def dispatch(args: list[str]) -> None:
         from ampctl.processes import exit_worker
 
         exit_worker()
+
+
+def refuse_an_unknown_assumed_cpu(command: str) -> None:
+    """AMPCTL_ASSUME_CPU (analysis/cpu_speed.py) naming no kind of CPU: one line before the command runs."""
+    from ampctl.analysis.assumed_cpus import check_assumed
+
+    try:
+        check_assumed()
+    except UsageError as exc:
+        refuse(command, str(exc))
 
 
 # Hydra's flags whose value is one of a few: argparse would answer a wrong one with its whole usage block

@@ -41,9 +41,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from ampctl.analysis.assumed_cpus import ASSUME_ENV, ASSUMED_CPUS, check_assumed
 from ampctl.engine import devices
 from ampctl.engine.devices import instructions_for, instructions_wanted
-from ampctl.errors import UsageError
 
 FP32, HALF_TYPES = "float32", ("bfloat16", "float16")
 # a half type "runs at speed" when its autocast matmul takes at most this many times fp32's time; measured figures
@@ -59,16 +59,6 @@ ATTEMPTS = 3  # a half type with instructions that measures slow: measured up to
 PROBE_VERSION = 2  # figures of an older probe (one 256x256 matmul, medians, not interleaved) are not read
 
 BUSY_SHARE, BUSY_RETRY_S = 0.8, 600.0
-
-ASSUME_ENV = "AMPCTL_ASSUME_CPU"
-# kind -> (its instruction flags, each half type's autocast matmul time over fp32's), from the probe on such CPUs
-ASSUMED_CPUS: dict[str, tuple[frozenset[str], dict[str, float]]] = {
-    "avx2": (frozenset({"avx2", "fma"}), {"bfloat16": 30.0, "float16": 80.0}),  # EPYC Rome/Milan: both converted
-    "avx512_bf16": (frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}),  # EPYC Genoa: bf16 at speed, fp16 not
-                    {"bfloat16": 0.45, "float16": 60.0}),
-    "amx": (frozenset({"avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16"}),
-            {"bfloat16": 0.2, "float16": 0.25}),  # Xeon Sapphire Rapids and later: both at speed
-}
 
 Shape = tuple[int, int, int]
 
@@ -352,13 +342,6 @@ def measured(remeasure: bool = False) -> CpuSpeed:
     remeasure is asked; another kind's half types where AMPCTL_ASSUME_CPU names one."""
     kind = os.environ.get(ASSUME_ENV)
     return _measured_here(remeasure) if not kind else assumed(kind, _measured_here(remeasure))
-
-
-def check_assumed() -> None:
-    """Refuse an AMPCTL_ASSUME_CPU that names no kind of ASSUMED_CPUS (UsageError)."""
-    kind = os.environ.get(ASSUME_ENV)
-    if kind and kind not in ASSUMED_CPUS:
-        raise UsageError(f"{ASSUME_ENV}={kind}: no such kind of CPU; choose one of {', '.join(ASSUMED_CPUS)}")
 
 
 def assumed(kind: str, here: CpuSpeed) -> CpuSpeed:
