@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "compare.rounds=2",
          "compare.warmup_steps=2", "telemetry.profile_cpu_memory=false"]
@@ -112,9 +114,12 @@ def test_advise_on_the_gpt_compares_a_converted_format_as_advised_and_its_config
     beyond = sorted(layer for layer, share in lost.items() if share > LIMIT)
     record = json.loads((out / "advice.json").read_text())
     evidence = {e["mode"]: e for e in record["evidence"]}
+    # a machine much busier than at the calibration leaves no time for the comparison: advise says so (the claim
+    # about the unconverted layers is then not checked here: skipped at the end, after the config is run)
+    crowded_out = "not compared in the budget" in (evidence["mxfp8"]["skipped"] or "")
     if len(beyond) == len(lost):
         assert "nothing would be left to run in it" in evidence["mxfp8"]["skipped"]
-    else:
+    elif not crowded_out:
         config = yaml.safe_load((out / "compare" / "mxfp8" / "seed_0" / ".hydra" / "config.yaml").read_text())
         unconverted = sorted(r["match"] for r in config["precision"]["rules"] if r["run_in"] == "unconverted")
         assert unconverted == beyond and evidence["mxfp8"]["failed"] is None
@@ -124,6 +129,8 @@ def test_advise_on_the_gpt_compares_a_converted_format_as_advised_and_its_config
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["precision_choice"] == record["advice"]["mode"] and summary["recipe"] == "gpt"
+    if crowded_out:
+        pytest.skip(f"the machine was too busy for the comparison to fit advise.budget=60s: {evidence['mxfp8']}")
 
 
 def test_an_fp8_modes_layer_losses_come_from_its_converted_layers(tmp_path):
