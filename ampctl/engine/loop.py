@@ -212,20 +212,22 @@ def batch_stream(recipe: Recipe, device: torch.device, seed: int, position: int 
 class StepsHooks:
     """What a study does around run_steps' steps: before_step() before each; after_step(k) after the k-th
     (progress for the commands that wait on these steps); enough(), asked before every step but the first, ends
-    them early (a deadline)."""
+    them early (a deadline); records, a telemetry each step is recorded into and ended on, as fit() does (its
+    sinks get the records; none: they stay on the device where nobody reads them)."""
 
     before_step: Callable[[], None] = lambda: None
     after_step: Callable[[int], None] = lambda done: None
     enough: Callable[[], bool] = lambda: False
+    records: Optional[Telemetry] = None
 
 
 def run_steps(state: TrainState, batches: Iterator[Any], n: int, recipe: Recipe, policy: PrecisionPolicy,
               settings: StepSettings = StepSettings(), hooks: StepsHooks = StepsHooks(), timed: bool = False,
               ) -> list[float]:
-    """n optimizer steps outside a training run (inspect, memory, the memory probe, diagnose): the step fit()
-    takes, its records kept on the device where nobody reads them. With timed, each step's wall time in ms
-    (synchronized with the device: these are measurements, not a training run)."""
-    telemetry = Telemetry(policy.device, max(n, 1), recipe.samples_per_batch, None, [])
+    """n optimizer steps outside a training run (inspect, memory, the memory probe, diagnose, tests): the step
+    fit() takes, recorded where hooks.records says. With timed, each step's wall time in ms (synchronized with
+    the device: these are measurements, not a training run)."""
+    telemetry = hooks.records or Telemetry(policy.device, max(n, 1), recipe.samples_per_batch, None, [])
     state.model.train()
     times = []
     for done in range(1, n + 1):
@@ -239,5 +241,7 @@ def run_steps(state: TrainState, batches: Iterator[Any], n: int, recipe: Recipe,
             if policy.device.type == "cuda":
                 torch.cuda.synchronize(policy.device)
             times.append((time.perf_counter() - start) * 1e3)
+        if hooks.records is not None:
+            telemetry.end_step(last=done == n)
         hooks.after_step(done)
     return times

@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from ampctl.engine.build import build_state
-from ampctl.engine.loop import StepSettings, train_step
+from ampctl.engine.loop import StepSettings, StepsHooks
+from ampctl.engine.loop import run_steps as engine_steps
 from ampctl.engine.scaler import AmpGradScaler
 from ampctl.engine.telemetry import ListSink, Telemetry
 from tests.conftest import build
 
 
 def run_steps(state, policy, recipe, batches, steps=1, accum=1, clip=None):
+    """The engine's steps on these batches, and the records of each (as a run's sinks get them)."""
     sink = ListSink()
     telemetry = Telemetry(policy.device, max(steps, 1), recipe.samples_per_batch, None, [sink])
-    for step in range(steps):
-        train_step(state, batches, recipe, policy, StepSettings(accum, clip), telemetry)
-        telemetry.end_step(last=step == steps - 1)
+    engine_steps(state, batches, steps, recipe, policy, StepSettings(accum, clip), StepsHooks(records=telemetry))
     return sink.records
 
 
