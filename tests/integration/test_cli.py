@@ -213,6 +213,8 @@ def test_list_remeasure_measures_the_cpu_into_a_fresh_cache_and_every_line_agree
     cached = json.loads((tmp_path / "ampctl" / "cpu_speed.json").read_text())
     (figures,) = cached.values()
     speed = cpu_speed.CpuSpeed.from_json(figures)
+    if os.environ.get(cpu_speed.ASSUME_ENV):  # the suite run as on another kind of CPU: what ampctl says is its
+        speed = cpu_speed.assumed(os.environ[cpu_speed.ASSUME_ENV], speed)
     out = " ".join(result.stdout.split())
     for line in speed.describe():
         assert " ".join(line.split()) in out
