@@ -87,6 +87,16 @@ def test_its_refusal_is_one_line_naming_the_mode(halving, tmp_path, restore_argv
     assert not (tmp_path / "run").exists()
 
 
+def test_options_given_to_a_converter_that_takes_none_are_refused(halving, tmp_path, restore_argv, capsys):
+    (halving / "precision" / "halved_by.yaml").write_text(MODE_YAML.replace("name: halved", "name: halved_by")
+                                                         + "options:\n  factor: 3\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "-cd", str(halving), *QUIET, *MLP, "precision=halved_by", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert exit_info.value.code == 2 and not (tmp_path / "run").exists()
+    assert capsys.readouterr().err == ("ampctl train: error: precision.options: converter halving takes no options (it "
+                                       "names no options_type); given: factor\n")
+
+
 def test_an_unknown_converter_is_named_with_the_registered_ones(tmp_path, restore_argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *QUIET, *MLP, "precision=fp32", "precision.converter=fp8_emulatd",

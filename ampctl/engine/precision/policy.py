@@ -20,7 +20,7 @@ from ampctl.conf.precision_schema import Dtype, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import converters, fp32_math, layers
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
-from ampctl.errors import ConfigError, UnsupportedError
+from ampctl.errors import ConfigError, UnsupportedError, UsageError
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
 
@@ -160,6 +160,9 @@ def converter_of(precision: PrecisionConfig, device: torch.device) -> Optional[c
                           f"{needs} with autocast=true under converter={cls.name} (its layers run inside {needs} "
                           "autocast)")
     if cls.options_type is None:
+        if precision.options:  # options a converter does not read would be silently ignored
+            raise UsageError(f"precision.options: converter {cls.name} takes no options (it names no options_type); "
+                             f"given: {', '.join(precision.options)}")
         return cls(None, device)
     options = typed_options("precision.options", precision.options or {}, cls.options_type)
     return cls(OmegaConf.to_object(options), device)
