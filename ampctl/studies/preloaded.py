@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import multiprocessing
 import os
 import runpy
@@ -139,6 +140,11 @@ def _child_main(target: tuple[str, str], args: list[str], env: dict[str, str], c
     for signum in _STOPS:
         signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
+    # The server received the descriptors as the lowest free numbers, which may be 0-2 (the server closed its
+    # stdin; its other standard streams are whatever the command that started it had): lift them all above 2
+    # before any becomes a standard stream, or one would be overwritten by another.
+    stdin, stdout, stderr = (None if fd is None else _above_standard_streams(fd) for fd in (stdin, stdout, stderr))
+    fds_in_env = {name: _above_standard_streams(fd) for name, fd in fds_in_env.items()}
     _as_standard_streams(stdin, stdout, stderr)
     os.environ.clear()
     os.environ.update(env)
@@ -174,13 +180,23 @@ def _let_the_server_go() -> None:
         server._forkserver_alive_fd = None
 
 
+def _above_standard_streams(fd: int) -> int:
+    """The descriptor as one numbered 3 or more (a copy; the original closed), inheritable as it was."""
+    if fd > 2:
+        return fd
+    lifted = fcntl.fcntl(fd, fcntl.F_DUPFD, 3)
+    os.close(fd)
+    return lifted
+
+
 def _as_standard_streams(stdin: Optional[int], stdout: Optional[int], stderr: Optional[int]) -> None:
     if stdin is None:  # multiprocessing closed the server's
-        stdin = os.open(os.devnull, os.O_RDONLY)
+        stdin = _above_standard_streams(os.open(os.devnull, os.O_RDONLY))
     for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
-        if fd is not None and fd != target:
+        if fd is not None:
             os.dup2(fd, target)
-            os.close(fd)
+    for fd in {stdin, stdout, stderr} - {None}:
+        os.close(fd)
     sys.stdin = sys.__stdin__ = open(0, "r", closefd=False)  # type: ignore[misc]
     sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)  # type: ignore[misc]
     sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # type: ignore[misc]

@@ -109,3 +109,22 @@ def test_a_stop_signal_to_the_whole_process_group_leaves_the_server_serving(tmp_
 
 def _parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_descriptors_the_server_received_as_0_1_or_2_are_lifted_before_the_standard_streams_are_set():
+    """The server closed its stdin, and the command that started it may have had any of its standard streams
+    closed: it receives a child's descriptors as the lowest free numbers. Each is moved above 2 (the same file)."""
+    from ampctl.studies.preloaded import _above_standard_streams
+
+    read, write = os.pipe()
+    saved = os.dup(0)
+    try:
+        os.dup2(read, 0)
+        lifted = _above_standard_streams(0)
+        assert lifted > 2 and os.fstat(lifted).st_ino == os.fstat(read).st_ino
+        assert _above_standard_streams(write) == write  # above 2 already: itself
+        os.close(lifted)
+    finally:
+        os.dup2(saved, 0)
+        for fd in (saved, read, write):
+            os.close(fd)
