@@ -53,7 +53,7 @@ def print_help() -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from ampctl.interrupt import raise_on_signals, signal_name
+    from ampctl.interrupt import interrupts_surfaced, raise_on_signals, signal_name
     from ampctl.processes import die_with_parent
 
     die_with_parent()  # a comparison's mode, when the comparison is gone
@@ -61,7 +61,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     devnull_from_the_start = stdout_is_devnull()
     quiet_library_deprecations()
     try:
-        dispatch(sys.argv[1:] if argv is None else list(argv))
+        with interrupts_surfaced():
+            dispatch(sys.argv[1:] if argv is None else list(argv))
         sys.stdout.flush()  # inside the try: a reader that stopped early is seen here, not at exit
     except BrokenPipeError:
         # `ampctl list | head -1`: the reader has what it wanted; not an error. Python's own flush at exit
@@ -194,9 +195,11 @@ def run_hydra_app(command: str, entry) -> None:
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from ampctl.commands import checks
+    from ampctl.interrupt import interrupts_surfaced
 
     try:
-        with job_config_with_its_defaults(command):
+        # a stop signal that broke off composing is the signal, not a refusal of the command line
+        with job_config_with_its_defaults(command), interrupts_surfaced():
             entry()  # raises SystemExit when the run fails
     except KeyboardInterrupt:
         # between Hydra making the run directory and the task function taking over: it holds only Hydra's files

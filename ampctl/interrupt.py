@@ -13,13 +13,14 @@ removed (Signalled, raised by the handlers ampctl's entry point installs: ampctl
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
 from types import FrameType
-from typing import Optional
+from typing import Iterator, Optional
 
 
 class Interrupted(Exception):
@@ -69,6 +70,33 @@ def raise_on_signals() -> None:
             # one ignored when ampctl started stays ignored: nohup's SIGHUP, a shell's SIGINT to a background job
             if signal.getsignal(signum) is not signal.SIG_IGN:
                 signal.signal(signum, raise_signalled)
+
+
+def interrupt_behind(exc: BaseException) -> Optional[KeyboardInterrupt]:
+    """The stop signal an exception comes from, or None. A KeyboardInterrupt (or Signalled) that lands inside a
+    library's clean-up can leave an object half-updated, and the clean-up then fails with an error of its own whose
+    context is the interrupt (Ctrl-C while Hydra composed: OmegaConf's flag_override restoring the flags of a node
+    still being built raised AttributeError). That error is the signal's: it ends the command as the signal does."""
+    seen: set[int] = set()
+    link: Optional[BaseException] = exc
+    while link is not None and id(link) not in seen:
+        if isinstance(link, KeyboardInterrupt):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ if link.__cause__ is not None else link.__context__
+    return None
+
+
+@contextlib.contextmanager
+def interrupts_surfaced() -> Iterator[None]:
+    """An error raised because a stop signal broke off what was running comes out as that signal's interrupt."""
+    try:
+        yield
+    except Exception as exc:
+        interrupt = interrupt_behind(exc)
+        if interrupt is None:
+            raise
+        raise interrupt.with_traceback(None) from None
 
 
 def raise_swallowed_signal() -> None:

@@ -22,7 +22,7 @@ from ampctl.errors import (
     print_error,
     write_refused,
 )
-from ampctl.interrupt import Interrupted, exit_at_once_on_another_signal
+from ampctl.interrupt import Interrupted, exit_at_once_on_another_signal, interrupt_behind
 
 
 class Outcome(enum.Enum):
@@ -52,11 +52,12 @@ ENDINGS: dict[Outcome, Ending] = {
 
 
 def outcome_of(exc: BaseException) -> Outcome:
-    if isinstance(exc, (UsageError, CommandLineRefused)):
+    if isinstance(exc, (UsageError, CommandLineRefused)) and interrupt_behind(exc) is None:
         return Outcome.REFUSED
     if isinstance(exc, Interrupted):
         return Outcome.STOPPED_BY_SIGNAL
-    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C, and interrupt.Signalled for the other stop signals
+    # Ctrl-C, interrupt.Signalled for the other stop signals, and an error such a signal caused
+    if interrupt_behind(exc) is not None:
         return Outcome.SIGNALLED
     if isinstance(exc, RunStopped):
         return Outcome.RUN_STOPPED
@@ -71,7 +72,7 @@ def ending_of(exc: BaseException) -> Ending:
 
 def exit_code_of(exc: BaseException) -> int:
     code = ending_of(exc).exit_code
-    return code if code is not None else 128 + getattr(exc, "signum", signal.SIGINT)
+    return code if code is not None else 128 + getattr(interrupt_behind(exc) or exc, "signum", signal.SIGINT)
 
 
 Lines = Union[Sequence[str], Callable[[], Sequence[str]]]

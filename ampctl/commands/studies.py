@@ -8,7 +8,7 @@ from typing import Iterator
 
 from ampctl.commands.outcomes import leave
 from ampctl.errors import UsageError
-from ampctl.interrupt import Interrupted, signal_name
+from ampctl.interrupt import Interrupted, interrupts_surfaced, signal_name
 
 
 @contextlib.contextmanager
@@ -18,7 +18,8 @@ def refused_in_one_line(command: str, out_dir: Path, interrupted_means: str = ""
     directory gone if nothing was; interrupted_means: what the command adds when something was. (Exit codes and
     clean-up: commands/outcomes.py.)"""
     try:
-        yield
+        with interrupts_surfaced():
+            yield
     except UsageError as exc:
         leave(exc, [f"ampctl {command}: error: {exc}"], out_dir)
     except (KeyboardInterrupt, Interrupted) as exc:  # Interrupted: a run the study trained itself stopped

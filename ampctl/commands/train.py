@@ -21,7 +21,7 @@ from ampctl.commands.checks import job_of
 from ampctl.commands.outcomes import ENDINGS, Outcome, leave, outcome_of
 from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import RunStopped, UsageError
-from ampctl.interrupt import Interrupted, signal_name
+from ampctl.interrupt import Interrupted, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
@@ -56,6 +56,7 @@ def train(cfg: DictConfig) -> Optional[float]:
 def ended(exc: BaseException, cfg: DictConfig, run_dir: Path, hydra_cfg: DictConfig, multirun: bool) -> float:
     """The run ended with exc: in a sweep, a failure the table lets the sweep go on past is recorded and the next
     job runs (its objective NaN); otherwise the command leaves with its lines, as outcomes.ENDINGS says."""
+    exc = interrupt_behind(exc) or exc  # an error a stop signal caused is that signal
     outcome = outcome_of(exc)
     if multirun and ENDINGS[outcome].sweep_goes_on:
         if outcome is Outcome.BUG:

@@ -44,5 +44,16 @@ def popen(*args: str, cwd: Path) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
+def handles(process: subprocess.Popen, signum: int) -> bool:
+    """Whether the process has a handler of its own for signum (Linux: /proc's SigCgt mask). Python handles only
+    SIGINT by itself, so a handled SIGHUP means ampctl's entry point has set its handlers."""
+    try:
+        status = Path(f"/proc/{process.pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) >> (signum - 1) & 1)
+
+
 def row_count(path: Path) -> int:
     return path.read_text().count("\n") if path.is_file() else 0

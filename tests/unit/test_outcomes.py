@@ -17,6 +17,18 @@ from ampctl.interrupt import Interrupted, Signalled
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+def raised_while_handling(interrupt: BaseException, error: Exception) -> Exception:
+    """error as a library's clean-up raises it after a stop signal broke it off (its __context__ the interrupt)."""
+    try:
+        try:
+            raise interrupt
+        except BaseException:
+            raise error
+    except Exception as exc:
+        return exc
+
+
 # (what ended the command, its outcome, exit code, a directory with only Hydra's files removed, a sweep goes on)
 TABLE = [
     (UsageError("train.steps=-1 is not allowed"), Outcome.REFUSED, 2, True, True),
@@ -28,6 +40,12 @@ TABLE = [
     (Interrupted(signal.SIGUSR1, 3, None), Outcome.STOPPED_BY_SIGNAL, 138, True, False),
     (KeyboardInterrupt(), Outcome.SIGNALLED, 130, True, False),
     (Signalled(signal.SIGHUP), Outcome.SIGNALLED, 129, True, False),
+    # Ctrl-C while Hydra composed: OmegaConf's clean-up of a half-built node failed (CI, 2026-11-26)
+    (raised_while_handling(KeyboardInterrupt(), AttributeError("'NoneType' object has no attribute "
+                                                               "'_invalidate_flags_cache'")),
+     Outcome.SIGNALLED, 130, True, False),
+    (raised_while_handling(Signalled(signal.SIGTERM), UsageError("a half-read value")), Outcome.SIGNALLED, 143, True,
+     False),
     (RunStopped("every step was skipped"), Outcome.RUN_STOPPED, 1, False, True),
     (OSError(errno.ENOENT, "No such file or directory", "data/x.png"), Outcome.BUG, 1, False, True),
     (RuntimeError("a bug"), Outcome.BUG, 1, False, True),
@@ -91,3 +109,31 @@ def test_a_signal_ignored_when_ampctl_starts_stays_ignored_outside_the_loop():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60,
                           preexec_fn=ignore_int_and_hup)
     assert done.stdout.split() == ["True", "True", "False"], done.stderr
+
+
+def test_an_error_a_stop_signal_caused_leaves_the_command_line_as_that_signal():
+    """The router meets the error (not the interrupt) when a library's clean-up fails after Ctrl-C: it still says
+    the one line of an interrupted command and exits 128 + the signal, with no traceback."""
+    script = ("import signal; from ampctl import cli; from ampctl.interrupt import Signalled\n"
+              "def composing(_args):\n"
+              "    try:\n"
+              "        raise Signalled(signal.SIGHUP)\n"
+              "    except BaseException:\n"
+              "        raise AttributeError('half-built node')\n"
+              "cli.dispatch = composing\n"
+              "cli.main(['train'])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert (done.returncode, done.stderr.strip()) == (129, "ampctl: interrupted (SIGHUP) before anything was "
+                                                           "recorded"), done.stderr
+
+
+def test_an_error_without_a_signal_behind_it_is_not_taken_for_one():
+    from ampctl.interrupt import interrupt_behind, interrupts_surfaced
+
+    error = raised_while_handling(ValueError("first"), RuntimeError("second"))
+    assert interrupt_behind(error) is None
+    with pytest.raises(RuntimeError), interrupts_surfaced():
+        raise error
+    with pytest.raises(Signalled) as surfaced, interrupts_surfaced():
+        raise raised_while_handling(Signalled(signal.SIGTERM), OSError("cleanup"))
+    assert surfaced.value.signum == signal.SIGTERM
