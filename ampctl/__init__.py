@@ -3,9 +3,7 @@
 From Python: ampctl.train(overrides), ampctl.compare(...), ampctl.inspect(...), ampctl.memory(...), each
 returning an ampctl.Result (run_dir, summary); see ampctl/api.py."""
 
-from importlib.metadata import version
-
-__version__ = version("ampctl")  # pyproject.toml's, the one place it is written
+from ampctl.version import VERSION as __version__
 
 API = ("train", "compare", "inspect", "memory", "Result")
 __all__ = [*API, "__version__"]

@@ -103,9 +103,9 @@ def dispatch(args: list[str]) -> None:
         print_help()
         return
     if args[0] in ("-V", "--version"):
-        from importlib.metadata import version
+        from ampctl.version import VERSION
 
-        print(f"ampctl {version('ampctl')}")  # not ampctl.__version__: the package imports the Python API
+        print(f"ampctl {VERSION}")
         return
     command, rest = args[0], args[1:]
     if command in ("-sc", "--shell-completion"):

@@ -16,7 +16,11 @@
 #   bash benchmarks/gpu_suite.sh                      # every stage (about 35 minutes on an H100)
 #   bash benchmarks/gpu_suite.sh env compile fp8      # the stages named, in that order
 #
-# Writes logs, and a tarball of the run directories, to $OUT (or outputs/gpu_suite).
+# Writes logs, and a tarball of the run directories, to $OUT (or outputs/gpu_suite). On the GPU image (torch 2.11,
+# no Hydra, no registry): here `bash ../shared/device/wheelhouse.sh torchao==0.17.0` (torchao's release for torch
+# 2.11), carry .whl, and there `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+# export PYTHONPATH=$PWD:/tmp/site` before this script. The budget a lease had in 2026-11: 15 minutes, of which a
+# start takes 1-2; `env compile fp8 tests profile` took 4 minutes, `env launch fp8_wide tests` 7.
 set -uo pipefail
 out=${OUT:-outputs/gpu_suite}
 runs=outputs/gpu
@@ -59,7 +63,9 @@ stage_fp8_wide() {
 }
 
 stage_tests() {
-  timeout 240 $py -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$out/pytest_gpu.log"
+  # the whole log comes back: a failure's traceback is what the next lease needs
+  timeout 240 $py -m pytest -q -p no:cacheprovider --tb=short -rfs -m gpu tests > "$out/pytest_gpu.log" 2>&1
+  tail -15 "$out/pytest_gpu.log"
 }
 
 stage_profile() {
@@ -86,7 +92,8 @@ stage_overhead() {
 }
 
 stage_suite() {
-  timeout 600 $py -m pytest -q -p no:cacheprovider tests 2>&1 | tail -25 | tee "$out/pytest.log"
+  timeout 600 $py -m pytest -q -p no:cacheprovider --tb=short -rfs tests > "$out/pytest.log" 2>&1
+  tail -25 "$out/pytest.log"
 }
 
 for stage in "${stages[@]}"; do

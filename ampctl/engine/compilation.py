@@ -20,7 +20,11 @@ import logging
 import time
 from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
+
+# torch.compile's modes that capture CUDA graphs (Inductor's cudagraph trees); max-autotune-no-cudagraphs does not
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def compile_model(model: nn.Module, blocks: list[nn.Module], mode: str, profiled: bool = False) -> int:
@@ -37,7 +41,18 @@ def compile_model(model: nn.Module, blocks: list[nn.Module], mode: str, profiled
     regions = blocks or [model]
     for region in regions:
         region.compile(mode=mode)
+    if mode in CUDA_GRAPH_MODES:
+        model.register_forward_pre_hook(_a_new_step_of_cuda_graphs)
     return len(regions)
+
+
+def _a_new_step_of_cuda_graphs(_module: nn.Module, _args: Any) -> None:
+    """Each forward of the model begins a new step of the CUDA graphs: the graphs replay into the same output
+    buffers, and without this mark the cudagraph trees cannot tell a new step (a train step after an evaluation's
+    forwards under no_grad, each compiled block's output read by the next) from a reuse of outputs still alive
+    ("accessing tensor output of CUDAGraphs that has been overwritten by a subsequent run": an H100, GPT-2 with
+    compile_mode=reduce-overhead, at its first evaluation). torch's advice: mark before each model invocation."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 class CompileWatch:

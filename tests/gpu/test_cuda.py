@@ -118,3 +118,21 @@ def test_the_layer_table_says_what_forward_hooks_see_on_cuda(precision):
     from tests.support.layer_zoo import check_the_layer_table_against_hooks
 
     check_the_layer_table_against_hooks(precision, "device=cuda")
+
+
+def test_cuda_graphs_train_and_evaluate_a_compiled_gpt(tmp_path):
+    """compile_mode=reduce-overhead (CUDA graphs) through training steps and evaluations: on an H100 it failed at
+    the first evaluation ("accessing tensor output of CUDAGraphs that has been overwritten") until each forward of
+    the model began a new CUDA-graph step; its losses follow the eager run's."""
+    import json
+
+    from tests.conftest import QUIET
+    from tests.support.configs import TINY_GPT
+
+    args = ["device=cuda", "precision=bf16", *TINY_GPT, "train.steps=12", "train.eval_every=4"]
+    _, eager = train(tmp_path / "eager", *args, base=QUIET)
+    _, graphed = train(tmp_path / "graphed", *args, "train.compile=true", "train.compile_mode=reduce-overhead",
+                       base=QUIET)
+    assert [r["loss"] for r in graphed] == pytest.approx([r["loss"] for r in eager], rel=2e-2)
+    evals = [json.loads(line) for line in (tmp_path / "graphed" / "evals.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in evals] == [4, 8, 12]
