@@ -14,7 +14,17 @@ import time
 import pytest
 
 from ampctl.cli import main
-from tests.support.adversarial import MLP, REPO, cli, handles, one_line_refusal, popen, row_count, wait_for
+from tests.support.adversarial import (
+    MLP,
+    REPO,
+    cli,
+    handles,
+    neither_ignores_nor_blocks,
+    one_line_refusal,
+    popen,
+    row_count,
+    wait_for,
+)
 from tests.support.runs import QUICK, steps
 
 # --- signals outside the training loop ---------------------------------------------------------------------
@@ -32,6 +42,7 @@ def test_two_ctrl_c_in_quick_succession_exit_130_with_their_lines_and_no_traceba
                     cwd=tmp_path)
     if when == "starting":
         wait_for(lambda: handles(process, signal.SIGHUP) or process.poll() is not None, timeout=120)
+        neither_ignores_nor_blocks(process, signal.SIGINT)
     else:
         wait_for(lambda: row_count(run_dir / "metrics.jsonl") >= 8)
     process.send_signal(signal.SIGINT)

@@ -44,15 +44,31 @@ def popen(*args: str, cwd: Path) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
-def handles(process: subprocess.Popen, signum: int) -> bool:
-    """Whether the process has a handler of its own for signum (Linux: /proc's SigCgt mask). Python handles only
-    SIGINT by itself, so a handled SIGHUP means ampctl's entry point has set its handlers."""
+def signal_mask(process: subprocess.Popen, which: str) -> int:
+    """One of /proc's signal masks of a process (Linux): SigCgt (handled), SigIgn (ignored), SigBlk (blocked); 0
+    once it is gone."""
     try:
         status = Path(f"/proc/{process.pid}/status").read_text()
     except FileNotFoundError:
-        return False
-    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:")).split()[1]
-    return bool(int(caught, 16) >> (signum - 1) & 1)
+        return 0
+    return int(next(line for line in status.splitlines() if line.startswith(f"{which}:")).split()[1], 16)
+
+
+def handles(process: subprocess.Popen, signum: int) -> bool:
+    """Whether the process has a handler of its own for signum. Python handles only SIGINT by itself, so a handled
+    SIGHUP means ampctl's entry point has set its handlers."""
+    return bool(signal_mask(process, "SigCgt") >> (signum - 1) & 1)
+
+
+def neither_ignores_nor_blocks(process: subprocess.Popen, signum: int) -> None:
+    """A signal the test sends must reach the process: one ignored or blocked at its start came from this process
+    (a child inherits both), and the test would wait on a process that never saw it."""
+    import signal
+
+    for which in ("SigIgn", "SigBlk"):
+        assert not signal_mask(process, which) >> (signum - 1) & 1, (
+            f"{signal.Signals(signum).name} in the child's {which}; this process: handler "
+            f"{signal.getsignal(signum)}, blocked {signal.pthread_sigmask(signal.SIG_BLOCK, [])}")
 
 
 def row_count(path: Path) -> int:
