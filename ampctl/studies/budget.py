@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 CALIBRATION_STEPS = 8  # fp32 steps (2 of them warm-up) that time the step here
-PROCESS_START_S = 8.0  # a mode's process: imports, build, the first steps (measured here: 5-8 s on 2 cores)
+PROCESS_START_S = 8.0  # a mode's process: imports, build, the first steps (5-8 s on 2 cores when each was a fresh
+# interpreter; forked from the preloaded server, ~1.5 s after the server's ~6 s once: an overestimate now, kept
+# until advise's tests are sized to the smaller figure)
 MIN_STEPS, MAX_STEPS = 30, 2000  # a compared run's steps: fewer give neither an interval nor a held-out verdict
 MIN_SEEDS = 2  # parity with fp32 is judged against seed-to-seed noise: one seed decides nothing
 COMPILED_MIN_STEPS = 2 * MIN_STEPS  # compile is measured only where each run keeps at least this many steps

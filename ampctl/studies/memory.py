@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import IO, Any, Callable, Iterator, Optional
 
 import torch
 from hydra.core.global_hydra import GlobalHydra
@@ -44,6 +44,7 @@ from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
 from ampctl.runner.plan import check_config
 from ampctl.studies import row_labels
+from ampctl.studies.preloaded import PreloadedProcess
 
 SEARCH_PROBES = 10  # real-step probes of the batch search, at most
 
@@ -176,15 +177,23 @@ def _fits(overrides: list[str], config_dir: Optional[str], batch_size: int, budg
     the device)? Returns (fits, measured peak or None when out of device memory)."""
     command = [sys.executable, "-m", "ampctl.studies.memory_probe", str(batch_size),
                *(["--config-dir", config_dir] if config_dir else []), *overrides]
-    child = subprocess.run(command, capture_output=True, text=True, env=child_environment())
-    lines = child.stdout.strip().splitlines()
-    if child.returncode != 0 or not lines:
-        errors = [line for line in child.stderr.splitlines() if line.strip()]
-        raise ProbeFailed(errors[-1] if errors else f"exit code {child.returncode}")
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        returncode = PreloadedProcess(command, env=child_environment(), stdout=out.fileno(),
+                                      stderr=err.fileno()).wait()
+        stdout, stderr = (_read(stream) for stream in (out, err))
+    lines = stdout.strip().splitlines()
+    if returncode != 0 or not lines:
+        errors = [line for line in stderr.splitlines() if line.strip()]
+        raise ProbeFailed(errors[-1] if errors else f"exit code {returncode}")
     answer = json.loads(lines[-1])
     if answer.get("out_of_memory"):
         return False, None
     return answer["peak"] <= budget, answer["peak"]
+
+
+def _read(stream: IO[bytes]) -> str:
+    stream.seek(0)
+    return stream.read().decode(errors="replace")
 
 
 def search_batch(overrides: list[str], config_dir: Optional[str], budget: int, start: int, log: list[str]) -> int:

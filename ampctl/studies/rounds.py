@@ -1,7 +1,8 @@
 """The runs of a comparison as processes that take turns (compare.rounds).
 
-Every run is its own `ampctl train` process (no run inherits another's allocator caches, compiled kernels or
-peak-memory high-water mark). They start one after another, each runs its warm-up and waits; then, round after
+Every run is its own `ampctl train` process, forked from a server that has imported torch and ampctl already
+(studies/preloaded.py): no run inherits another's allocator caches, compiled kernels or peak-memory high-water
+mark. They start one after another, each runs its warm-up and waits; then, round after
 round, each runs its window of steps while the others wait (runner/round_windows.py is the other side), in an
 order that rotates from round to round. Exactly one computes at any time, so load from elsewhere falls on all of
 them alike. With one round nobody waits: each run trains whole, one after the other.
@@ -18,7 +19,6 @@ import contextlib
 import os
 import select
 import signal
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ from ampctl import run_files
 from ampctl.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS, exit_at_once_on_another_signal
 from ampctl.processes import child_environment
 from ampctl.runner.round_windows import ROUND_ENDS_ENV, ROUND_FD_ENV
+from ampctl.studies.preloaded import PreloadedProcess
 
 
 def child_log(run_dir: Path) -> Path:
@@ -62,16 +63,22 @@ class RoundProcess:
         self.run = run
         run.run_dir.mkdir(parents=True, exist_ok=True)
         self._read_fd, write_fd = os.pipe()
+        stdin_read, stdin_write = os.pipe()
         env = child_environment()  # dies with this process, even on kill -9 (ampctl/processes.py)
         if round_ends:
-            env.update({ROUND_ENDS_ENV: ",".join(map(str, round_ends)), ROUND_FD_ENV: str(write_fd)})
+            env[ROUND_ENDS_ENV] = ",".join(map(str, round_ends))
         self._log = child_log(run.run_dir).open("w")
         run.started_at = time.perf_counter()
-        # its own session: a Ctrl-C at the terminal reaches it once, forwarded from here
-        self.process = subprocess.Popen(run.command, stdin=subprocess.PIPE, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                        pass_fds=(write_fd,))
-        os.close(write_fd)
+        # forked from the preloaded server, in a session of its own: a Ctrl-C at the terminal reaches it once,
+        # forwarded from here
+        try:
+            self.process = PreloadedProcess(run.command, env=env, stdin=stdin_read, stdout=self._log.fileno(),
+                                            stderr=self._log.fileno(),
+                                            fds_in_env={ROUND_FD_ENV: write_fd} if round_ends else {})
+        finally:
+            os.close(write_fd)
+            os.close(stdin_read)
+        self.stdin = os.fdopen(stdin_write, "wb")
         self._buffer = b""
         self.sent = 0  # how many of the stop signals received so far it was sent
 
@@ -100,15 +107,15 @@ class RoundProcess:
 
     def go(self) -> None:
         try:
-            self.process.stdin.write(b"go\n")  # type: ignore[union-attr]
-            self.process.stdin.flush()  # type: ignore[union-attr]
+            self.stdin.write(b"go\n")
+            self.stdin.flush()
         except (BrokenPipeError, ValueError):  # it ended, or was let go already
             pass
 
     def let_go(self) -> None:
         """No more waiting: it runs on to its end (or to the stop it was asked for)."""
         try:
-            self.process.stdin.close()  # type: ignore[union-attr]
+            self.stdin.close()
         except BrokenPipeError:
             pass
 
@@ -129,6 +136,8 @@ class RoundProcess:
 
     def close(self) -> None:
         os.close(self._read_fd)
+        with contextlib.suppress(BrokenPipeError):
+            self.stdin.close()
         self._log.close()
 
 

@@ -4,6 +4,7 @@ does. The children are small scripts (a step is a sleep), so that the races are 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -21,6 +22,7 @@ CHILD = r"""
 import os, signal, sys, time
 from pathlib import Path
 run_dir = Path(sys.argv[1])
+(run_dir / "pid").write_text(str(os.getpid()))
 received = []
 def stop(signum, frame):
     received.append(signum)
@@ -50,9 +52,16 @@ def runs(tmp_path: Path, n: int) -> list[RoundRun]:
                     10**6) for i in range(n)]
 
 
+def kill_the_children(runs: list[RoundRun]) -> None:
+    """Each child by the pid it wrote (forked from the preloaded server, its command line is the server's)."""
+    for run in runs:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((run.run_dir / "pid").read_text()), signal.SIGKILL)
+
+
 def run_with_a_watchdog(started: list[RoundRun], *args, **kwargs) -> float:
     """run_in_rounds, its children killed after 60 s (a hang ends as a failure, not a stuck suite). Its seconds."""
-    watchdog = threading.Timer(60, lambda: [os.system(f"pkill -9 -f {run.command[1]}") for run in started[:1]])
+    watchdog = threading.Timer(60, kill_the_children, (args[0],))
     watchdog.start()
     began = time.monotonic()
     try:
