@@ -153,8 +153,8 @@ def _child_main(target: tuple[str, str], args: list[str], env: dict[str, str], c
                 stdout: Optional[int], stderr: Optional[int], fds_in_env: dict[str, int]) -> None:
     """In the child: become the exec'd process the command names, run it, leave as its interpreter would."""
     os.setsid()  # a session of its own: the terminal's Ctrl-C reaches it once, forwarded by the command
-    for signum in _STOPS:
-        signal.signal(signum, signal.SIG_DFL)
+    for signum in _STOPS:  # as an interpreter starts: Ctrl-C raises KeyboardInterrupt, the others end it
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
     # The server received the descriptors as the lowest free numbers, which may be 0-2 (the server closed its
     # stdin; its other standard streams are whatever the command that started it had): lift them all above 2

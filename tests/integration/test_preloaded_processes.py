@@ -26,7 +26,8 @@ if what == "describe":
     stops = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
     print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "env": os.environ.get("ONLY_HERE"),
                       "own_session": os.getsid(0) == os.getpid(),
-                      "defaults": [signal.getsignal(s) == signal.SIG_DFL for s in stops],
+                      "defaults": [signal.getsignal(s) == signal.SIG_DFL for s in stops]
+                                  + [signal.getsignal(signal.SIGINT) is signal.default_int_handler],
                       "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
                       "stdin": sys.stdin.readline()}))
     print("to stderr", file=sys.stderr)
