@@ -74,15 +74,17 @@ class PreloadedProcess:
 
     def __init__(self, command: Sequence[str], *, env: Mapping[str, str], stdin: Optional[int] = None,
                  stdout: Optional[int] = None, stderr: Optional[int] = None,
-                 fds_in_env: Mapping[str, int] = {}) -> None:
+                 fds_in_env: Mapping[str, int] = {}, cwd: Optional[os.PathLike | str] = None) -> None:
         """command as it would be exec'd; stdin/stdout/stderr: descriptors of this process the child gets as its
         own 0/1/2 (None: /dev/null for stdin, this process's for the others); fds_in_env: a descriptor the child
-        gets too, its number in the child in the named environment variable."""
+        gets too, its number in the child in the named environment variable; cwd: its working directory (None:
+        this process's)."""
         _ensure_server()
         target, args = _runnable(command)
+        workdir = os.fspath(cwd) if cwd is not None else os.getcwd()
         self._process = _CONTEXT.Process(
             target=_child_main, name=" ".join(command[1:3]),
-            args=(target, args, dict(env), os.getcwd(), _Inherited.of(stdin), _Inherited.of(stdout),
+            args=(target, args, dict(env), workdir, _Inherited.of(stdin), _Inherited.of(stdout),
                   _Inherited.of(stderr), {name: _Inherited(fd) for name, fd in fds_in_env.items()}))
         with _no_main_module():
             self._process.start()

@@ -11,7 +11,6 @@ import re
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import pytest
 import torch
 
 from ampctl.cli import main
-from tests.support.runs import flip_a_bit, rows
+from tests.support.runs import ForkedAmpctl, flip_a_bit, rows
 
 REPO = Path(__file__).resolve().parents[2]
 # fp16 with overflows and regrowth, so the scaler state (scale and growth tracker) matters for exactness.
@@ -29,9 +28,8 @@ RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=256", "recipe.batch_size=64", 
        "train.console=plain", "telemetry.profile_cpu_memory=false"]  # the memory timeline is not under test here
 
 
-def start(run_dir: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ampctl", "train", *RUN, *extra, f"hydra.run.dir={run_dir}"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(run_dir: Path, *extra: str) -> ForkedAmpctl:
+    return ForkedAmpctl("train", *RUN, *extra, f"hydra.run.dir={run_dir}", cwd=REPO)
 
 
 def final_weights(run_dir: Path) -> dict:
