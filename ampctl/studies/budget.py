@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 CALIBRATION_STEPS = 8  # fp32 steps (2 of them warm-up) that time the step here
-PROCESS_START_S = 8.0  # a mode's process: imports, build, the first steps (5-8 s on 2 cores when each was a fresh
-# interpreter; forked from the preloaded server, ~1.5 s after the server's ~6 s once: an overestimate now, kept
-# until advise's tests are sized to the smaller figure)
+# The comparison's runs are forked from a server that imports torch and ampctl once (studies/preloaded.py),
+# measured here on 2 cores: the server and its first run of the mlp 6.0 s, each later run 0.7-0.9 s to the end of
+# its first steps (a fresh interpreter: 6.8 s). Both rounded up for bigger recipes' builds.
+SERVER_START_S = 7.0  # once per comparison: the server's imports
+PROCESS_START_S = 2.0  # each run's process: forked, its build and first steps
 MIN_STEPS, MAX_STEPS = 30, 2000  # a compared run's steps: fewer give neither an interval nor a held-out verdict
 MIN_SEEDS = 2  # parity with fp32 is judged against seed-to-seed noise: one seed decides nothing
 COMPILED_MIN_STEPS = 2 * MIN_STEPS  # compile is measured only where each run keeps at least this many steps
@@ -104,9 +106,10 @@ class ComparisonSize:
 
 def estimate(candidates: Sequence[Candidate], step_s: float, seeds: int, compile_s: float = 0.0,
              seconds: Optional[float] = None, steps: Optional[int] = None) -> tuple[int, float]:
-    """The steps a run takes so that the comparison fits `seconds` (or the given steps), and its seconds: per seed,
-    each run's process start and compile, then every run's steps (its step `relative` times fp32's)."""
-    fixed_s = seeds * sum(PROCESS_START_S + (compile_s if c.compiled else 0.0) for c in candidates)
+    """The steps a run takes so that the comparison fits `seconds` (or the given steps), and its seconds: the
+    process server's start, then per seed each run's process start and compile, then every run's steps (its step
+    `relative` times fp32's)."""
+    fixed_s = SERVER_START_S + seeds * sum(PROCESS_START_S + (compile_s if c.compiled else 0.0) for c in candidates)
     per_step_s = seeds * sum(c.relative for c in candidates) * step_s
     if steps is None:
         assert seconds is not None

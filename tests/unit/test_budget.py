@@ -11,6 +11,7 @@ from ampctl.studies.budget import (
     INSPECTED_STEP_COST,
     MIN_STEPS,
     PROCESS_START_S,
+    SERVER_START_S,
     BudgetClock,
     Candidate,
     estimate,
@@ -42,10 +43,11 @@ def test_on_a_quiet_machine_the_same_modes_fit_with_every_seed():
 
 def test_fewer_seeds_come_before_fewer_modes_and_fp32_is_never_dropped():
     candidates = [FP32, Candidate("O0", 1.0)]
-    # 3 seeds need 3 x (2 x 8 s + 2 x 30 x 0.2 s) = 84 s; 2 seeds 56 s
-    size = size_comparison(candidates, step_s=0.2, seconds=60, seeds=3)
+    # the server's start, then per seed two runs' starts and MIN_STEPS steps of 0.2 s each
+    three_seeds_s, two_seeds_s = (SERVER_START_S + n * 2 * (PROCESS_START_S + MIN_STEPS * 0.2) for n in (3, 2))
+    size = size_comparison(candidates, step_s=0.2, seconds=(two_seeds_s + three_seeds_s) / 2, seeds=3)
     assert size.kept == ["fp32", "O0"] and size.seeds == 2 and "2 seeds of compare.seeds=3" in size.fewer_seeds
-    size = size_comparison(candidates, step_s=0.2, seconds=40, seeds=3)
+    size = size_comparison(candidates, step_s=0.2, seconds=two_seeds_s - 1, seeds=3)
     assert size.kept == ["fp32"] and not size.runs and list(size.dropped) == ["O0"]
     # the costliest goes first: the compiled run, whose compile time is paid in every seed
     three = [FP32, Candidate("bf16", 1.0), Candidate("fp32+compile", 1.0, compiled=True)]
@@ -70,7 +72,7 @@ def test_the_estimate_counts_every_process_start_compile_and_step():
     candidates = [FP32, Candidate("bf16", 2.0), Candidate("bf16+compile", 1.5, compiled=True)]
     steps, seconds = estimate(candidates, step_s=0.1, seeds=2, compile_s=10.0, steps=50)
     assert steps == 50
-    assert seconds == 2 * (3 * PROCESS_START_S + 10.0) + 2 * 50 * (1.0 + 2.0 + 1.5) * 0.1
+    assert seconds == SERVER_START_S + 2 * (3 * PROCESS_START_S + 10.0) + 2 * 50 * (1.0 + 2.0 + 1.5) * 0.1
 
 
 def test_the_inspection_takes_the_steps_that_fit_and_none_where_one_does_not():
