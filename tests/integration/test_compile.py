@@ -9,8 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from ampctl.cli import main
+from ampctl.engine.compilation import CUDA_GRAPH_MODES, compile_model
 
 TINY_GPT = ["device=cpu", "recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2", "recipe.n_heads=2",
             "recipe.block_size=32", "recipe.batch_size=4", "recipe.max_corpus_bytes=100000", "train.steps=8",
@@ -104,3 +107,19 @@ def test_fsdp_shards_compiled_blocks_and_trains_as_eager_fsdp(tmp_path):
     assert [r["loss"] for r in rows(tmp_path / "compiled")] == pytest.approx(
         [r["loss"] for r in rows(tmp_path / "eager")], rel=1e-3)
     assert json.loads((tmp_path / "compiled" / "summary.json").read_text())["compile_s"] > 0
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
+def test_a_cuda_graph_mode_marks_a_step_before_each_forward_of_the_model(monkeypatch, mode):
+    """compile_model's CUDA-graph steps, counted by the calls torch receives (no compilation runs: the block
+    compiled is never called). Here, not in tests/unit: Module.compile imports Dynamo (2-4 s)."""
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(len(marks)))
+    model = nn.Sequential(nn.Linear(2, 2))
+    unused_block = nn.Linear(1, 1)  # compiled lazily and never called: no compilation in this test
+    assert compile_model(model, [unused_block], mode) == 1
+    for _ in range(3):
+        model(torch.ones(1, 2))
+    with torch.no_grad():  # an evaluation's forward begins a step too
+        model(torch.ones(1, 2))
+    assert len(marks) == (4 if mode in CUDA_GRAPH_MODES else 0)
