@@ -290,12 +290,20 @@ def block_formats(config: MXEmulatedOptions, fmt: str) -> tuple[BlockFormat, Blo
 class MXLinear(ConvertedLinear):
     """An nn.Linear whose three matmuls take emulated MX or NVFP4 inputs."""
 
+    # Under autocast, inductor's CPU code generation (torch 2.14) fuses the half-to-fp32 cast of the incoming
+    # gradient with its two blockings (along N and, transposed, along M) and fails in its loop split (an
+    # AssertionError in try_loop_split). Such a layer runs eagerly inside a compiled model: a graph break around
+    # it, the rest compiled. Made when the first layer is, not at import: `ampctl list` would import Dynamo (~2 s).
+    _outside_compile: Optional[Callable[["MXLinear", torch.Tensor], torch.Tensor]] = None
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
                  dtype: Any = None, *, config: MXEmulatedOptions, fmt: str) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         self.config, self.fmt = config, fmt
         self.forward_format, self.grad_format = block_formats(config, fmt)
         self.observers: list[Callable[[str, torch.Tensor, BlockFormat], None]] = []  # ampctl inspect's
+        if MXLinear._outside_compile is None:  # made with the first layer: torch.compiler.disable imports Dynamo
+            MXLinear._outside_compile = staticmethod(torch.compiler.disable(_mx_linear))
 
     def observe(self, role: str, matrix: torch.Tensor, fmt: BlockFormat) -> None:
         """Show an operand about to be quantized to the observers (none outside an inspection)."""
@@ -304,7 +312,7 @@ class MXLinear(ConvertedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_autocast_enabled(x.device.type):  # a rule's MX layer inside an autocast mode
-            return _outside_compile(self, x)
+            return self._outside_compile(self, x)
         return _mx_linear(self, x)
 
     def extra_repr(self) -> str:
@@ -319,11 +327,6 @@ def _mx_linear(layer: MXLinear, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast(x.device.type, enabled=False):  # the emulation's matmuls are fp32 under any mode
         return _MXLinear.apply(x, layer.weight, layer.bias, layer).to(x.dtype)
 
-
-# Under autocast, inductor's CPU code generation (torch 2.14) fuses the half-to-fp32 cast of the incoming gradient
-# with its two blockings (along N and, transposed, along M) and fails in its loop split (an AssertionError in
-# try_loop_split). Such a layer runs eagerly inside a compiled model: a graph break around it, the rest compiled.
-_outside_compile = torch.compiler.disable(_mx_linear)
 
 
 @register_converter
