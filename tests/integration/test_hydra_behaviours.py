@@ -1,6 +1,8 @@
-"""What a Hydra user relies on, through `ampctl <command>` as a user types it (real processes): shell
-completion, a primary config of their own (-cd/-cn), sweeper plugins, `--cfg job` loaded back, and `+key`
-typos refused. Each failed before ampctl stopped re-implementing Hydra's composition (issue 12)."""
+"""What a Hydra user relies on, through `ampctl <command>` as a user types it: shell completion (bash calling the
+installed script), a primary config of their own (-cd/-cn), sweeper plugins, `--cfg job` loaded back, and `+key`
+typos refused. Each failed before ampctl stopped re-implementing Hydra's composition (issue 12). The commands run
+in this process (tests/support/in_process.py): what Hydra composes is under test here, not the process; the
+console script's own start is tested in test_cli.py."""
 
 from __future__ import annotations
 
@@ -16,14 +18,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.in_process import run_ampctl
+
 BIN = Path(sys.executable).parent  # the environment's `ampctl` script, as the README's install puts it
 QUICK = ["recipe=mlp", "recipe.hidden=32", "train.steps=2", "device=cpu", "train.console=quiet",
          "telemetry.profile_cpu_memory=false"]
 
 
-def ampctl(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "ampctl"), *args], capture_output=True, text=True, cwd=cwd, timeout=300,
-                          env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", **(env or {})})
+def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return run_ampctl(*args, cwd=cwd)
 
 
 def summaries(root: Path) -> list[dict]:
