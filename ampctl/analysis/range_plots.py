@@ -66,12 +66,14 @@ def underflow_heatmap(layer_table, path: Path, context: str = "") -> Path:
     grid = [[(by_key.get((layer, k)) or {}).get(f"{fmt}_to_zero", float("nan")) for k, fmt in columns]
             for layer in layers]
     fig, ax = pyplot().subplots(figsize=(max(6, 0.55 * len(columns) + 3), max(3, 0.28 * len(layers) + 1.5)))
-    image = ax.imshow(grid, aspect="auto", cmap="magma_r", vmin=0, vmax=max(1e-6, max(
+    import matplotlib
+
+    cmap = matplotlib.colormaps["magma_r"].with_extremes(bad="lightgrey")  # NaN: a layer without that kind of tensor
+    image = ax.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=max(1e-6, max(
         (v for row in grid for v in row if v == v), default=1e-6)))
     ax.set_xticks(range(len(columns)), [f"{k.replace('activation', 'act').replace('weight', 'w')}\n{f}"
                                         for k, f in columns], fontsize=7)
     ax.set_yticks(range(len(layers)), [row_label(layer, types[layer]) for layer in layers], fontsize=7)
-    image.cmap.set_bad("lightgrey")  # NaN cells: a layer without that kind of tensor
     empty = any(v != v for row in grid for v in row)
     ax.set_title("fraction of values flushed to zero in each format (no loss scale)"
                  + (f"\n{context}" if context else ""), fontsize=9)
