@@ -21,12 +21,13 @@ SMALL = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16",
 
 
 def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A command in a fresh interpreter: for the budget's tests, whose budget counts from the process's start."""
     return subprocess.run([sys.executable, "-m", "ampctl", *args], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
 
 
 def test_advise_writes_the_evidence_and_a_config_that_runs_and_agrees_with_an_independent_compare(tmp_path):
-    advised = ampctl("advise", *SMALL, "advise.budget=30s", "hydra.run.dir=advice", cwd=tmp_path)
+    advised = run_ampctl("advise", *SMALL, "advise.budget=30s", "hydra.run.dir=advice", cwd=tmp_path)
     assert advised.returncode == 0, advised.stderr[-3000:]
     out = tmp_path / "advice"
     record = json.loads((out / "advice.json").read_text())
@@ -61,7 +62,7 @@ def test_advise_writes_the_evidence_and_a_config_that_runs_and_agrees_with_an_in
     assert (out / "advice.png").is_file() == (len(compared) > 1) and ("advice.png" in written) == (len(compared) > 1)
 
     if len(compared) > 1:
-        check = ampctl("compare", *SMALL, "train.steps=60", "compare.seeds=3",
+        check = run_ampctl("compare", *SMALL, "train.steps=60", "compare.seeds=3",
                        f"compare.precisions=[{','.join(compared)}]", "hydra.run.dir=independent", cwd=tmp_path)
         assert check.returncode == 0, check.stderr[-3000:]
         comparison = json.loads((tmp_path / "independent" / "comparison.json").read_text())
@@ -107,7 +108,7 @@ def test_advise_on_the_gpt_compares_a_converted_format_as_advised_and_its_config
     unconverted; the written config runs."""
     import yaml
 
-    advised = ampctl("advise", *TINY_GPT, "compare.precisions=[fp32,mxfp8]", "compare.seeds=2", "advise.budget=45s",
+    advised = run_ampctl("advise", *TINY_GPT, "compare.precisions=[fp32,mxfp8]", "compare.seeds=2", "advise.budget=45s",
                      "advise.compile=false", f"advise.layer_loss_limit={LIMIT}", "hydra.run.dir=advice", cwd=tmp_path)
     assert advised.returncode == 0, advised.stderr[-3000:]
     out = tmp_path / "advice"
@@ -143,7 +144,7 @@ def test_an_fp8_modes_layer_losses_come_from_its_converted_layers(tmp_path):
     reads each one's worst operand from it."""
     from ampctl.studies.advise_evidence import layer_losses
 
-    inspected = ampctl("inspect", "device=cpu", "recipe=mlp", "precision=fp8_emulated", "inspect.steps=1",
+    inspected = run_ampctl("inspect", "device=cpu", "recipe=mlp", "precision=fp8_emulated", "inspect.steps=1",
                        "hydra.run.dir=inspect", cwd=tmp_path)
     assert inspected.returncode == 0, inspected.stderr[-3000:]
     rows = json.loads((tmp_path / "inspect" / "ranges.json").read_text())["fp8_tensorwise"]
