@@ -25,7 +25,7 @@ from tests.support.adversarial import (
     row_count,
     wait_for,
 )
-from tests.support.runs import QUICK, steps
+from tests.support.runs import QUICK, ForkedAmpctl, steps
 
 # --- signals outside the training loop ---------------------------------------------------------------------
 
@@ -38,8 +38,9 @@ def test_two_ctrl_c_in_quick_succession_exit_130_with_their_lines_and_no_traceba
     the first lands once ampctl handles signals, at whatever point of its start that is (composing, importing
     torch, building), never before Python itself has started (a wait of a fixed second was sometimes that)."""
     run_dir = tmp_path / "run"
-    process = popen("train", *QUICK, "train.steps=100000", "train.checkpoint_every=5", f"hydra.run.dir={run_dir}",
-                    cwd=tmp_path)
+    args = ["train", *QUICK, "train.steps=100000", "train.checkpoint_every=5", f"hydra.run.dir={run_dir}"]
+    # its start is under test when starting; in its loop, a process forked from the preloaded server will do
+    process = popen(*args, cwd=tmp_path) if when == "starting" else ForkedAmpctl(*args, cwd=tmp_path)
     if when == "starting":
         wait_for(lambda: handles(process, signal.SIGHUP) or process.poll() is not None, timeout=120)
         neither_ignores_nor_blocks(process, signal.SIGINT)
@@ -57,8 +58,8 @@ def test_two_ctrl_c_in_quick_succession_exit_130_with_their_lines_and_no_traceba
 
 def test_preempt_signal_null_ignores_sigusr1_and_sigterm_still_stops_with_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    process = popen("train", *QUICK, "train.steps=100000", "train.preempt_signal=null", f"hydra.run.dir={run_dir}",
-                    cwd=tmp_path)
+    process = ForkedAmpctl("train", *QUICK, "train.steps=100000", "train.preempt_signal=null",
+                           f"hydra.run.dir={run_dir}", cwd=tmp_path)
     wait_for(lambda: row_count(run_dir / "metrics.jsonl") >= 2)
     process.send_signal(signal.SIGUSR1)
     seen = row_count(run_dir / "metrics.jsonl")
@@ -73,9 +74,9 @@ def test_preempt_signal_null_ignores_sigusr1_and_sigterm_still_stops_with_a_chec
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP])
 def test_a_signal_before_the_first_step_is_one_line_and_leaves_no_run_dir(tmp_path, signum):
     run_dir = tmp_path / "run"
-    process = popen("train", *QUICK, f"hydra.run.dir={run_dir}",
-                    "recipe._target_=tests.support.broken_recipes.BrokenRecipe", "+recipe.mistake=slow_build",
-                    cwd=tmp_path)
+    process = ForkedAmpctl("train", *QUICK, f"hydra.run.dir={run_dir}",
+                           "recipe._target_=tests.support.broken_recipes.BrokenRecipe", "+recipe.mistake=slow_build",
+                           cwd=tmp_path)
     wait_for(lambda: (run_dir / ".hydra" / "config.yaml").exists())
     process.send_signal(signum)
     _, err = process.communicate(timeout=120)
@@ -135,9 +136,7 @@ def test_the_preemption_signal_in_a_slurm_job_requeues_it_after_the_checkpoint(t
     (bin_dir / "scontrol").chmod(0o755)
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242"}
-    process = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000",
-                                f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = ForkedAmpctl("train", *QUICK, "train.steps=100000", f"hydra.run.dir={run_dir}", cwd=tmp_path, env=env)
     wait_for(lambda: row_count(run_dir / "metrics.jsonl") >= 2)
     process.send_signal(signal.SIGUSR1)
     _, err = process.communicate(timeout=120)
@@ -145,9 +144,8 @@ def test_the_preemption_signal_in_a_slurm_job_requeues_it_after_the_checkpoint(t
     assert calls.read_text() == "requeue 4242\n"
     assert "requeued SLURM job 4242: it continues this run with resume=auto" in err
     # SIGTERM (a cancel, not the preemption warning) does not requeue
-    resumed = subprocess.Popen([sys.executable, "-m", "ampctl", "train", *QUICK, "train.steps=100000", "resume=auto",
-                                f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    resumed = ForkedAmpctl("train", *QUICK, "train.steps=100000", "resume=auto", f"hydra.run.dir={run_dir}",
+                           cwd=tmp_path, env=env)
     done_rows = row_count(run_dir / "metrics.jsonl")
     wait_for(lambda: row_count(run_dir / "metrics.jsonl") >= done_rows + 2)
     resumed.send_signal(signal.SIGTERM)

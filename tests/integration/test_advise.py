@@ -21,13 +21,13 @@ SMALL = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16",
 
 
 def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """A command in a fresh interpreter: for the budget's tests, whose budget counts from the process's start."""
+    """`ampctl advise` in a process of its own: its budget counts from its process's start (studies/budget.py)."""
     return subprocess.run([sys.executable, "-m", "ampctl", *args], capture_output=True, text=True, cwd=cwd,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
 
 
 def test_advise_writes_the_evidence_and_a_config_that_runs_and_agrees_with_an_independent_compare(tmp_path):
-    advised = run_ampctl("advise", *SMALL, "advise.budget=30s", "hydra.run.dir=advice", cwd=tmp_path)
+    advised = ampctl("advise", *SMALL, "advise.budget=30s", "hydra.run.dir=advice", cwd=tmp_path)
     assert advised.returncode == 0, advised.stderr[-3000:]
     out = tmp_path / "advice"
     record = json.loads((out / "advice.json").read_text())
@@ -108,7 +108,7 @@ def test_advise_on_the_gpt_compares_a_converted_format_as_advised_and_its_config
     unconverted; the written config runs."""
     import yaml
 
-    advised = run_ampctl("advise", *TINY_GPT, "compare.precisions=[fp32,mxfp8]", "compare.seeds=2", "advise.budget=45s",
+    advised = ampctl("advise", *TINY_GPT, "compare.precisions=[fp32,mxfp8]", "compare.seeds=2", "advise.budget=45s",
                      "advise.compile=false", f"advise.layer_loss_limit={LIMIT}", "hydra.run.dir=advice", cwd=tmp_path)
     assert advised.returncode == 0, advised.stderr[-3000:]
     out = tmp_path / "advice"

@@ -24,12 +24,13 @@ class ForkedAmpctl:
     start, which then takes ~1.5 s to the first step instead of a fresh interpreter's ~7 s. What Popen offers
     such a test: pid, poll, wait, send_signal, returncode, communicate. Tests of a process's start use Popen."""
 
-    def __init__(self, *args: str, cwd: Path) -> None:
+    def __init__(self, *args: str, cwd: Path, env: Optional[dict[str, str]] = None) -> None:
+        """env: the child's environment (default: this process's, with the repository on PYTHONPATH)."""
         from ampctl.studies.preloaded import PreloadedProcess
 
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self._process = PreloadedProcess([sys.executable, "-m", "ampctl", *args], cwd=cwd,
-                                         env={**os.environ, "PYTHONPATH": str(REPO)},
+                                         env=env if env is not None else {**os.environ, "PYTHONPATH": str(REPO)},
                                          stdout=self._out.fileno(), stderr=self._err.fileno())
         self.pid = self._process.pid
 
