@@ -63,6 +63,9 @@ def restore_argv():
 
 
 def pytest_collection_modifyitems(config, items):
+    # The slow tests first: pytest-xdist hands the first tests out in turn, so each worker starts on its share of
+    # them and the suite ends on short ones, not on one worker's minute-long test while the other waits.
+    items.sort(key=lambda item: "slow" not in item.keywords)  # stable: otherwise in the order collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

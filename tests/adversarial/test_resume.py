@@ -131,6 +131,7 @@ def test_resume_auto_after_a_kill_before_the_first_checkpoint_trains_the_runs_ow
 # --- a sweep resumes -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_resumes_keeping_finished_jobs_and_continuing_the_killed_one(tmp_path):
     sweep = ["train", "-m", *QUICK, "train.steps=400", "train.checkpoint_every=50", "train.seed=1,2,3",
              f"hydra.sweep.dir={tmp_path / 'sw'}"]

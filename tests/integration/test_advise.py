@@ -26,6 +26,7 @@ def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
 
 
+@pytest.mark.slow
 def test_advise_writes_the_evidence_and_a_config_that_runs_and_agrees_with_an_independent_compare(tmp_path):
     advised = ampctl("advise", *SMALL, "advise.budget=30s", "hydra.run.dir=advice", cwd=tmp_path)
     assert advised.returncode == 0, advised.stderr[-3000:]
@@ -75,6 +76,7 @@ def test_advise_writes_the_evidence_and_a_config_that_runs_and_agrees_with_an_in
                         and r["speedup_low"] > 1.25 and r["parity"] == "matches"], rows
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_the_comparison_leaves_the_advice_of_what_was_measured(tmp_path):
     import signal
 
@@ -102,6 +104,7 @@ TINY_GPT = ["device=cpu", "recipe=gpt", "recipe.d_model=32", "recipe.n_layers=2"
 LIMIT = 0.0105  # below the default 2%: the tiny gpt's layers lose 0.8-1.2% to MXFP8's block scales, some beyond it
 
 
+@pytest.mark.slow
 def test_advise_on_the_gpt_compares_a_converted_format_as_advised_and_its_config_runs(tmp_path):
     """MXFP8 named as a candidate: advise inspects the gpt in MXFP8, and the layers whose block scales lose more than
     LIMIT of an operand (read here from that inspection's own table) are exactly the ones its compared runs leave
@@ -206,6 +209,7 @@ SLOW = ["device=cpu", "recipe=mlp", "recipe._target_=tests.support.slow_data_rec
         "recipe.batch_size=16", "telemetry.profile_cpu_memory=false", "advise.compile=false"]
 
 
+@pytest.mark.slow
 def test_advise_keeps_to_its_budget_on_a_machine_that_gets_busy_after_its_calibration(tmp_path):
     """A recipe slowed on purpose: 0.1 s a step when advise calibrates, 1 s more in the comparison's rounds (the
     machine got busy). Each phase is sized from the calibration (an inspected step of ~2.5 s leaves room for one or
@@ -231,6 +235,7 @@ def test_advise_keeps_to_its_budget_on_a_machine_that_gets_busy_after_its_calibr
         (out / "advise.log").read_text()
 
 
+@pytest.mark.slow
 def test_advise_skips_what_cannot_fit_and_cites_only_what_it_wrote(tmp_path):
     """0.4 s a step and a 50 s budget: one inspected step (~10 s) does not fit a quarter of what is left, nor do
     fp32 and O0 over 2 seeds of 30 steps: both are skipped, each with a note; nothing cites compare/ or advice.png."""

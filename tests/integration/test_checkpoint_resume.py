@@ -80,6 +80,7 @@ def test_kill_9_at_random_points_then_resume_is_bitwise_identical(tmp_path, refe
     assert_same_run(reference, run_dir)
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_whole(tmp_path, restore_argv):
     # a model large enough that writing a checkpoint takes a while, and one every other step
     big = ["recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint_every=2", "train.steps=40"]
@@ -295,6 +296,7 @@ def test_bad_resume_targets(tmp_path, capsys, restore_argv, target, message):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_a_second_sigint_exits_at_once_and_corrupts_nothing(tmp_path, restore_argv):
     run_dir = tmp_path / "run"
     child = start(run_dir, "recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint_every=2", "train.steps=40")

@@ -201,6 +201,7 @@ def test_console_script_help_and_list():
         assert name in result.stdout
 
 
+@pytest.mark.slow
 def test_list_remeasure_measures_the_cpu_into_a_fresh_cache_and_every_line_agrees_with_it(tmp_path):
     """The bottom lines are the probe's figures; the table's "runs here" column and a run's start warning say the
     same of each half type (one set of figures), and a CPU with the instructions is never said to lack them."""

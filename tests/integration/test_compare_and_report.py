@@ -222,6 +222,7 @@ def interrupt_compare(out: Path, *args: str, rows_before: int) -> str:
     return stdout
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_compare_stops_the_running_mode_with_a_checkpoint_and_writes_the_partial_comparison(tmp_path):
     """SIGINT to compare reaches the running mode once (forwarded, never SIGKILL): it stops after its step with a
     checkpoint; the modes run so far are compared, the others listed as not run; exit 130."""
@@ -295,6 +296,7 @@ def test_a_mode_that_fails_mid_rounds_leaves_the_others_taking_their_turns(tmp_p
     assert "bf16 failed: RuntimeError: half precision failed at step 7" in " ".join(capsys.readouterr().out.split())
 
 
+@pytest.mark.slow
 def test_ctrl_c_between_turns_stops_every_mode_with_a_checkpoint(tmp_path):
     """A SIGINT while one mode computes and the other waits for its turn: both stop after their step with a
     checkpoint, both are interrupted in the comparison, exit 130, no traceback."""
@@ -307,6 +309,7 @@ def test_ctrl_c_between_turns_stops_every_mode_with_a_checkpoint(tmp_path):
         assert rows[mode]["status"] == "interrupted"
 
 
+@pytest.mark.slow
 def test_compare_with_seeds_pairs_the_runs_and_judges_parity_against_seed_noise(tmp_path, restore_argv):
     """Three seeds per mode: each mode's held-out loss is the mean of its runs' own last evaluations, the
     difference the mean of the paired differences (the same seed's runs), the parity verdict follows from them;

@@ -94,6 +94,7 @@ def test_fp8_without_compile_is_warned_about():
     assert "add train.compile=true" in mode_advice.speed_warnings(policy, compiled=False)[0]
 
 
+@pytest.mark.slow
 def test_fsdp_shards_compiled_blocks_and_trains_as_eager_fsdp(tmp_path):
     """Compiled blocks (activation checkpointing inside), then fully_shard on them: two ranks train as the
     eager sharded job does."""

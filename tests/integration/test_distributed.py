@@ -31,6 +31,7 @@ def rows(run_dir: Path) -> list[dict]:
     return [{k: r[k] for k in COMPARED} for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,precision,accum", [("ddp", "fp16", 2), ("ddp", "bf16", 1), ("fsdp", "fp32", 2)])
 def test_two_ranks_of_batch_b_train_as_one_process_of_batch_2b(tmp_path, restore_argv, kind, precision, accum):
     args = [*MLP, f"precision={precision}", f"train.grad_accum_steps={accum}",
@@ -49,6 +50,7 @@ def test_two_ranks_of_batch_b_train_as_one_process_of_batch_2b(tmp_path, restore
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp", "one"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_an_inf_on_one_rank_makes_every_rank_skip(tmp_path, kind):
     """DDP: the all-reduce carries the inf to every rank. FSDP: each rank sees only its shard of the
@@ -62,6 +64,7 @@ def test_an_inf_on_one_rank_makes_every_rank_skip(tmp_path, kind):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_failure_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
     recipe = ["recipe._target_=tests.support.rank_fault_recipe.RankFaultRecipe", "+recipe.fault=crash"]
     result = torchrun(tmp_path / "ddp", *MLP, *recipe, "precision=bf16", "recipe.batch_size=16",
@@ -77,6 +80,7 @@ GPT = ["device=cpu", "recipe=gpt", "recipe.d_model=64", "recipe.n_layers=2", "re
        "telemetry.profile_cpu_memory=false"]  # the memory timeline of a sharded bf16 gpt costs a minute here
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     [*MLP, "distributed=ddp", "precision=fp16", "recipe.batch_size=16", "scaler.init_scale=1e9",
      "scaler.growth_interval=3"],
@@ -116,6 +120,7 @@ def test_a_usage_error_under_torchrun_is_printed_once_and_names_fsdp(tmp_path):
             "integer recipe.batch_size") in result.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_stops_every_rank_at_a_log_step_with_a_checkpoint(tmp_path):
     """torchrun forwards SIGTERM to its workers; they agree to stop at the next log step, write one checkpoint
     and exit 143; rank 0 says once how to continue (torchrun itself then reports the signal and exits 1)."""
@@ -138,6 +143,7 @@ def test_sigterm_to_torchrun_stops_every_rank_at_a_log_step_with_a_checkpoint(tm
     assert json.loads(metrics.read_text().splitlines()[-1])["step"] == step
 
 
+@pytest.mark.slow
 def test_a_resume_on_another_number_of_ranks_says_how_the_global_batch_changes(tmp_path, restore_argv):
     run_dir = tmp_path / "run"
     single(run_dir, *MLP, "recipe.batch_size=16", "train.steps=6")

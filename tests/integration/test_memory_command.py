@@ -15,6 +15,7 @@ HEAVY = ["device=cpu", "recipe=gpt", "recipe.d_model=64", "recipe.n_layers=4", "
          "recipe.block_size=256", "recipe.batch_size=8", "recipe.max_corpus_bytes=300000", "memory.timed_steps=1"]
 
 
+@pytest.mark.slow
 def test_memory_shows_the_activation_saving_of_bf16_and_of_checkpointing(tmp_path, restore_argv, capsys):
     out = tmp_path / "memory"
     main(["memory", *HEAVY, "memory.precisions=[fp32,bf16]", "memory.activation_checkpointing=[false,true]",
@@ -71,6 +72,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, 
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_probe_of_the_batch_search_reports_its_peak_from_its_own_process():
     import subprocess
     import sys

@@ -103,6 +103,7 @@ FSDP = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "recipe.batch_size=16", 
         "distributed=fsdp", "telemetry.profile_cpu_memory=false"]
 
 
+@pytest.mark.slow
 def test_fsdp_writes_one_shard_per_rank_equal_to_the_gathered_state_and_resumes_on_one_process(
         tmp_path, restore_argv):
     """Two ranks save asynchronously, each its own shard; torch's own converter reads the checkpoint back and

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.support.in_process import run_ampctl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +48,7 @@ def stop_in_the_second_job(cwd: Path, *args: str) -> tuple[str, str]:
     return stdout, stderr
 
 
+@pytest.mark.slow
 def test_the_same_command_plus_resume_auto_continues_the_newest_unfinished_sweep(tmp_path):
     stdout, stderr = stop_in_the_second_job(tmp_path)
     [sweep] = tmp_path.glob("multirun/*/*")  # Hydra's default: multirun/<date>/<time>
