@@ -65,9 +65,9 @@ def underflow_heatmap(layer_table, path: Path, context: str = "") -> Path:
     by_key = {(r["layer"], r["kind"]): r for r in rows}
     grid = [[(by_key.get((layer, k)) or {}).get(f"{fmt}_to_zero", float("nan")) for k, fmt in columns]
             for layer in layers]
-    fig, ax = pyplot().subplots(figsize=(max(6, 0.55 * len(columns) + 3), max(3, 0.28 * len(layers) + 1.5)))
-    import matplotlib
+    import matplotlib  # here, as pyplot() is: a command that draws nothing never imports it
 
+    fig, ax = pyplot().subplots(figsize=(max(6, 0.55 * len(columns) + 3), max(3, 0.28 * len(layers) + 1.5)))
     cmap = matplotlib.colormaps["magma_r"].with_extremes(bad="lightgrey")  # NaN: a layer without that kind of tensor
     image = ax.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=max(1e-6, max(
         (v for row in grid for v in row if v == v), default=1e-6)))

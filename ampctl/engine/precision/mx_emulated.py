@@ -302,7 +302,7 @@ class MXLinear(ConvertedLinear):
         self.config, self.fmt = config, fmt
         self.forward_format, self.grad_format = block_formats(config, fmt)
         self.observers: list[Callable[[str, torch.Tensor, BlockFormat], None]] = []  # ampctl inspect's
-        if MXLinear._outside_compile is None:  # made with the first layer: torch.compiler.disable imports Dynamo
+        if MXLinear._outside_compile is None:
             MXLinear._outside_compile = staticmethod(torch.compiler.disable(_mx_linear))
 
     def observe(self, role: str, matrix: torch.Tensor, fmt: BlockFormat) -> None:
