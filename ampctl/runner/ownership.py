@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -46,11 +47,18 @@ def _listed(names: list[str]) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
+# scheme://: a URL (s3://, gs://, memory://, file://), which pathlib would take for a relative path ("s3:/bucket")
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def _a_directory(key: str, value: str, what: str) -> Path:
-    """The directory a key names, refused when it is empty (the current directory) or names a file."""
+    """The directory a key names, refused when it is empty (the current directory), a URL or names a file."""
     if not str(value).strip():
         raise UsageError(f"{key}='' is not allowed: expected a directory of its own for this {what} (the current "
                          "directory is not one)")
+    if _URL.match(str(value)):
+        raise UsageError(f"{key}={value} is a URL: expected a local directory (or one on a file system every node "
+                         f"mounts) for this {what}; ampctl writes and renames its files there")
     path = Path(value).expanduser()
     if path.exists() and not path.is_dir():
         raise UsageError(f"{key}={value} is a file, not a directory: choose a directory for this {what}")
