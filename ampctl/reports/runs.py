@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import IO, Optional
 
 from ampctl import run_files
 from ampctl.errors import UsageError
@@ -190,6 +191,23 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
+# flock() where the file system has no locks: Lustre mounted without -o flock (ENOLCK), some FUSE and NFS set-ups
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def flock_run_dir(handle: IO, flags: int, run_dir: Path) -> None:
+    """fcntl.flock on run_dir's lock file; UsageError, in one line, where its file system cannot lock: the lock is
+    what keeps a second run out of a running one's directory, and ampctl does not run without it."""
+    try:
+        fcntl.flock(handle, flags)
+    except OSError as exc:
+        if exc.errno not in _NO_LOCKS:
+            raise
+        raise UsageError(f"hydra.run.dir={run_dir}: its file system refuses file locks (flock: {exc.strerror}), "
+                         "which keep a second run out of a running one's directory: choose a run directory on a "
+                         "file system with locks (Lustre: mount with -o flock)") from None
+
+
 def holder_pid(run_dir: Path) -> Optional[int]:
     """The pid of the ampctl run holding run_dir's lock now, or None (a killed run's lock is free)."""
     lock = run_dir / run_files.LOCK
@@ -197,7 +215,7 @@ def holder_pid(run_dir: Path) -> Optional[int]:
         return None
     with open(lock) as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            flock_run_dir(handle, fcntl.LOCK_SH | fcntl.LOCK_NB, run_dir)
         except BlockingIOError:
             try:
                 return int(lock.read_text().strip())

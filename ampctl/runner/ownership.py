@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 from ampctl import io, run_files
 from ampctl.conf.sweeps import SWEEP_RECORD, SweepIdentity
 from ampctl.errors import UsageError
-from ampctl.reports.runs import holder_pid
+from ampctl.reports.runs import flock_run_dir, holder_pid
 from ampctl.runner import checkpoint_files
 from ampctl.runner.best_checkpoints import read_index, set_aside_after
 from ampctl.runner.checkpoint_files import checkpoint_step, is_checkpoint, list_checkpoints, run_dir_of
@@ -186,7 +186,7 @@ def holding(run_dir: Path) -> Iterator[None]:
     handle = open(run_dir / run_files.LOCK, "a+")
     try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flock_run_dir(handle, fcntl.LOCK_EX | fcntl.LOCK_NB, run_dir)
         except BlockingIOError:
             raise _in_use(run_dir, holder_pid(run_dir)) from None
         handle.seek(0)

@@ -112,3 +112,26 @@ def test_a_run_directory_that_is_a_file_is_refused(tmp_path):
         refused = cli(command, *MLP, "hydra.run.dir=afile", cwd=tmp_path)
         assert "hydra.run.dir=afile is a file" in one_line_refusal(refused, command)
     assert (tmp_path / "afile").read_text() == "mine"
+
+
+def test_a_file_system_without_locks_is_one_line_and_nothing_is_written(tmp_path, monkeypatch):
+    """Lustre mounted without -o flock answers flock() with ENOLCK: one line naming the run directory and the
+    mount option, exit 2, before Hydra writes anything; the CPU probe's cache then measures without its lock."""
+    import errno
+    import fcntl
+
+    def no_locks(handle, flags):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / ".ampctl.lock").write_text("")  # a killed run's lock file: read before the run starts
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    refused = cli("train", *MLP, "train.steps=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert "its file system refuses file locks (flock: No locks available)" in one_line_refusal(refused, "train")
+    assert "-o flock" in refused.stderr and [p.name for p in run_dir.iterdir()] == [".ampctl.lock"]
+    (run_dir / ".ampctl.lock").unlink()
+    run_dir.rmdir()
+    fresh = cli("train", *MLP, "train.steps=1", f"hydra.run.dir={run_dir}", cwd=tmp_path)  # locked once it runs
+    assert "its file system refuses file locks" in one_line_refusal(fresh, "train")
+    assert not run_dir.exists()  # Hydra's files, written before the lock was taken, removed with it
