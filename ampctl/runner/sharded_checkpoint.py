@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ampctl import io
-from ampctl.errors import WRITE_REFUSED_ERRNOS
+from ampctl.errors import WRITE_REFUSED_ERRNOS, UsageError
 from ampctl.runner import checkpoint_files
 
 if TYPE_CHECKING:  # annotations only: the state's class is the engine's
@@ -112,6 +112,11 @@ class ShardedWriter:
 
     def _finish(self, tmp: Path, final: Path) -> None:
         """Rank 0, once every shard is on disk: the checksums, the rename, the pruning of old checkpoints."""
+        try:
+            refuse_missing_shards(tmp)
+        except UsageError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
         lines = "".join(f"{checkpoint_files.file_sha256(p)}  {p.name}\n" for p in files)
         io.atomic_write_text(tmp / MANIFEST, lines)
@@ -165,6 +170,25 @@ def _refused_write(exc: BaseException) -> Optional[OSError]:
                 return seen
             seen = seen.__cause__ or seen.__context__
     return None
+
+
+def refuse_missing_shards(folder: Path) -> None:
+    """Every file DCP's metadata names, whole, in the folder rank 0 sees: each rank wrote its shard into the run
+    directory as its own node sees it, so on disks local to each node rank 0 holds only its node's shards, and a
+    checkpoint declared whole there would fail only when a resume reads it. UsageError, naming what is missing."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ends: dict[str, int] = {}  # storage file -> the bytes its shards need
+    for info in FileSystemReader(str(folder)).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    missing = sorted(name for name, end in ends.items()
+                     if not (folder / name).is_file() or (folder / name).stat().st_size < end)
+    if missing:
+        raise UsageError(f"the checkpoint {folder.name.removesuffix('.tmp')} lacks {', '.join(missing[:3])}"
+                         f"{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} that other ranks wrote: "
+                         f"the run directory {folder.parent.parent} is not on storage every node shares (each node "
+                         "wrote its shards to its own disk); give hydra.run.dir on a shared file system "
+                         "(docs/distributed.md)")
 
 
 def verify(folder: Path) -> Optional[str]:

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ampctl.cli import main
-from tests.support.runs import flip_a_bit, rows, torchrun
+from tests.support.runs import flip_a_bit, rows, torchrun, torchrun_on_two_nodes
 
 REPO = Path(__file__).resolve().parents[2]
 # fp16 with overflows and regrowth: the model, optimizer and scaler states all matter for exactness
@@ -132,3 +132,33 @@ def test_fsdp_writes_one_shard_per_rank_equal_to_the_gathered_state_and_resumes_
     resumed = [json.loads(line) for line in (tmp_path / "sharded" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == list(range(1, 9))
     assert rows(tmp_path / "sharded")[4:] == rows(tmp_path / "full")[4:]
+
+
+TWO_NODES = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=8", "train.steps=4",
+             "train.checkpoint_every=2", "train.log_every=2", "train.console=plain", "distributed=ddp",
+             "distributed.checkpoint_format=sharded", "telemetry.profile_cpu_memory=false"]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_shared_storage_write_whole_checkpoints_and_on_local_disks_are_refused(tmp_path):
+    """Two torchrun agents (--nnodes=2, c10d on 127.0.0.1). One run directory both nodes see: every checkpoint
+    holds both ranks' shards and checks. A directory of each node's own (a node-local disk): rank 0 sees only its
+    own shard, so the first checkpoint is refused in one line instead of being declared whole without rank 1's."""
+    shared = tmp_path / "shared" / "run"
+    shared.parent.mkdir()
+    whole = torchrun_on_two_nodes((shared, shared), *TWO_NODES)
+    assert [a.returncode for a in whole] == [0, 0], whole[0].stderr[-3000:] + whole[1].stderr[-3000:]
+    newest = shared / "checkpoints" / "step_00000004.dcp"
+    assert {"__0_0.distcp", "__1_0.distcp"} <= {p.name for p in newest.iterdir()}
+    assert subprocess.run(["sha256sum", "-c", "SHA256SUMS"], cwd=newest, capture_output=True).returncode == 0
+
+    local = (tmp_path / "node0" / "run", tmp_path / "node1" / "run")
+    for run_dir in local:
+        run_dir.parent.mkdir()
+    halves = torchrun_on_two_nodes(local, *TWO_NODES)
+    assert all(a.returncode != 0 for a in halves)
+    said = [line for a in halves for line in a.stderr.splitlines() if "is not on storage every node shares" in line]
+    assert len(said) == 1 and "lacks __1_0.distcp that other ranks wrote" in said[0], halves[0].stderr[-3000:]
+    # ampctl's one line; the traceback around it is torchrun's own (its ChildFailedError)
+    assert "ampctl train: error: the checkpoint step_00000002.dcp lacks" in said[0]
+    assert not list((local[0] / "checkpoints").glob("step_*")), "no checkpoint of rank 0's shard alone"

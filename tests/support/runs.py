@@ -88,6 +88,26 @@ def torchrun(run_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedP
     )
 
 
+def torchrun_on_two_nodes(run_dirs: tuple[Path, Path], *args: str) -> list[subprocess.CompletedProcess]:
+    """One job over two "nodes" on this machine: two torchrun agents (--nnodes=2, one process each) meeting at a
+    c10d rendezvous on 127.0.0.1, as two hosts of a cluster would, each running the same command with the run
+    directory its node sees (the same path on shared storage; two paths: disks local to each node)."""
+    import socket
+
+    with socket.socket() as probe:  # a free port for the rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=ampctl-test-{port}", "-m", "ampctl", "train", *args,
+         f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=run_dir.parent, env=env) for run_dir in run_dirs]
+    outputs = [agent.communicate(timeout=300) for agent in agents]
+    return [subprocess.CompletedProcess(agent.args, agent.returncode, out, err)
+            for agent, (out, err) in zip(agents, outputs)]
+
+
 COMPARED = ("step", "loss", "loss_scale", "skipped", "skipped_total", "grad_norm", "lr")
 
 
