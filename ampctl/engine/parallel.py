@@ -117,6 +117,17 @@ class Parallel:
         pass
 
 
+def init_process_group(backend: str, timeout: datetime.timedelta) -> None:
+    """torch's env:// process group, its store's keys under torchrun's attempt number. torchrun's agent keeps one
+    store across `--max-restarts`, and a restarted group read the failed attempt's addresses from it: gloo's
+    connect was refused or hung until the timeout (seen with torch 2.14, a plain script included). Each attempt's
+    keys are its own here, as the agent's own rendezvous keeps them."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"ampctl/attempt_{attempt}", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
 class DDPParallel(Parallel):
     """DistributedDataParallel: every rank holds the whole model; gradients are all-reduced in backward."""
 
@@ -124,7 +135,7 @@ class DDPParallel(Parallel):
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        init_process_group(backend, datetime.timedelta(seconds=timeout_s))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
         self.device, self.backend = device, backend

@@ -74,6 +74,23 @@ def test_a_failure_on_one_rank_ends_the_job_naming_the_rank(tmp_path):
     assert "rank      : 1" in result.stderr or "rank: 1" in result.stderr, result.stderr[-2000:]
 
 
+@pytest.mark.slow
+def test_torchrun_max_restarts_with_resume_auto_continues_from_the_newest_checkpoint(tmp_path):
+    """docs/distributed.md: `torchrun --max-restarts=N` reruns the same command line after a failure; with a fixed
+    run directory and resume=auto, the restart continues the run from its newest checkpoint, no step lost or
+    recorded twice."""
+    recipe = ["recipe._target_=tests.support.rank_fault_recipe.RankFaultRecipe", "+recipe.fault=crash_once",
+              "+recipe.fault_step=7"]
+    run_dir = tmp_path / "run"
+    result = torchrun(run_dir, *MLP, *recipe, "recipe.batch_size=16", "distributed=ddp", "train.checkpoint_every=4",
+                      "resume=auto", torchrun_args=("--max-restarts=1",))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "injected failure on rank 1" in result.stderr  # the first attempt failed at step 7
+    assert "resumed from" in result.stdout and "step_00000004.pt" in result.stdout, result.stdout
+    assert [r["step"] for r in rows(run_dir)] == list(range(1, 13))
+    assert result.stdout.count("done: 12 steps") == 1
+
+
 GPT = ["device=cpu", "recipe=gpt", "recipe.d_model=64", "recipe.n_layers=2", "recipe.n_heads=2",
        "recipe.block_size=64", "recipe.batch_size=4", "recipe.max_corpus_bytes=200000", "train.steps=12",
        "train.log_every=4", "train.console=plain",

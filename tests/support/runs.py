@@ -79,10 +79,11 @@ def steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
-def torchrun(run_dir: Path, *args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+def torchrun(run_dir: Path, *args: str, nproc: int = 2, torchrun_args: tuple[str, ...] = ()
+             ) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args,
          "-m", "ampctl", "train", *args, f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=300, cwd=run_dir.parent, env=env,
     )
