@@ -196,12 +196,14 @@ def run_hydra_app(command: str, entry) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from ampctl.commands import checks
     from ampctl.interrupt import interrupts_surfaced
+    from ampctl.reports.sweep import report_the_unfinished_sweep
 
     try:
         # a stop signal that broke off composing is the signal, not a refusal of the command line
         with job_config_with_its_defaults(command), interrupts_surfaced():
             entry()  # raises SystemExit when the run fails
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        report_the_unfinished_sweep(command, exc)  # a sweep's launcher waiting for its jobs: the table, one line
         # between Hydra making the run directory and the task function taking over: it holds only Hydra's files
         if checks.planned is not None:
             from ampctl.processes import is_main_process
@@ -235,6 +237,10 @@ def run_hydra_app(command: str, entry) -> None:
         # Hydra could not create the run directory or write its .hydra/ files: the directory the user chose
         refuse(command, f"cannot write {exc.filename}: {exc.strerror}; choose a writable hydra.run.dir (or "
                         "hydra.sweep.dir)")
+    except Exception as exc:  # a launcher that runs the jobs elsewhere failed while its sweep ran
+        if not raised_in(exc, entry.__wrapped__):
+            report_the_unfinished_sweep(command, exc)
+        raise
 
 
 @contextlib.contextmanager

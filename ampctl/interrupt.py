@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Iterator, Optional
 
@@ -57,11 +58,29 @@ def exit_code(exc: BaseException) -> int:
 
 _RAISED: list[int] = []  # the stop signals raised as Signalled outside the loop (each ends the command)
 
+# A launcher forwards to its jobs the signal its process group got from the terminal (submitit's local controller,
+# torchrun's agent), so a Ctrl-C reaches a job twice, milliseconds apart: the same signal again this soon after the
+# first is that copy, not the user's second Ctrl-C (which would exit at once, without the stop's checkpoint).
+FORWARDED_WITHIN_S = 0.5
+_FIRST_STOP: list[tuple[int, float]] = []  # the last stop signal that was not such a copy, and when
+
+
+def _note_stop(signum: int) -> None:
+    _FIRST_STOP[:] = [(signum, time.monotonic())]
+
+
+def _a_forwarded_copy(signum: int) -> bool:
+    return bool(_FIRST_STOP) and _FIRST_STOP[0][0] == signum and \
+        time.monotonic() - _FIRST_STOP[0][1] < FORWARDED_WITHIN_S
+
 
 def raise_on_signals() -> None:
     """Every stop or preemption signal raises Signalled (a KeyboardInterrupt, as Ctrl-C's): a command killed
     before (or after) its loop says so in one line instead of vanishing. Main thread only."""
     def raise_signalled(signum: int, _frame: Optional[FrameType]) -> None:
+        if _a_forwarded_copy(signum):
+            return
+        _note_stop(signum)
         _RAISED.append(signum)
         raise Signalled(signum)
 
@@ -133,6 +152,8 @@ class StopOnSignal:
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signum is not None:
             exit_at_once(signum, frame)
+            return  # a launcher's copy of the first
+        _note_stop(signum)
         self.signum = signum
         if self._announce:
             print(f"\nampctl: {signal.Signals(signum).name}: stopping {self._announce} and writing a checkpoint "
@@ -156,7 +177,10 @@ class StopOnSignal:
 
 def exit_at_once(signum: int, _frame: Optional[FrameType] = None) -> None:
     """A second stop signal: one line, then exit now without unwinding (every checkpoint on disk is whole: each is
-    written to a temporary name and renamed)."""
+    written to a temporary name and renamed). A launcher's copy of the first signal is not another
+    (FORWARDED_WITHIN_S)."""
+    if _a_forwarded_copy(signum):
+        return
     os.write(2, f"\nampctl: {signal.Signals(signum).name} again: exiting at once (the checkpoints on disk are "
                 f"whole)\n".encode())
     os._exit(128 + signum)

@@ -56,6 +56,23 @@ def test_two_ctrl_c_in_quick_succession_exit_130_with_their_lines_and_no_traceba
                             "ampctl: SIGINT again: exiting at once")), stderr
 
 
+def test_a_launchers_copy_of_ctrl_c_is_not_a_second_one(tmp_path):
+    """A terminal's Ctrl-C reaches a sweep's job and the launcher that forwards it (submitit's local controller,
+    torchrun's agent): the same signal twice, milliseconds apart. The job stops as after one, with a checkpoint."""
+    run_dir = tmp_path / "run"
+    slow = ["recipe._target_=tests.support.slow_data_recipe.SlowDataRecipe", "+recipe.data_delay_s=0.3"]
+    # a fresh process: one forked from the preloaded server cannot import the test recipe (its sys.path is the
+    # server's)
+    process = popen("train", *QUICK, *slow, "train.steps=100000", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    wait_for(lambda: row_count(run_dir / "metrics.jsonl") >= 3)
+    process.send_signal(signal.SIGINT)  # in a step of 0.3 s: the copy lands before it ends
+    time.sleep(0.05)  # submitit's controller forwards it within its 1/24 s poll
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130 and "again: exiting" not in err and "interrupted at step" in err, err[-3000:]
+    assert list((run_dir / "checkpoints").glob("step_*.pt"))
+
+
 def test_preempt_signal_null_ignores_sigusr1_and_sigterm_still_stops_with_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     process = ForkedAmpctl("train", *QUICK, "train.steps=100000", "train.preempt_signal=null",

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ampctl.cli import main
+from ampctl.interrupt import FORWARDED_WITHIN_S
 from tests.support.runs import ForkedAmpctl, flip_a_bit, rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -302,6 +303,7 @@ def test_a_second_sigint_exits_at_once_and_corrupts_nothing(tmp_path, restore_ar
     child = start(run_dir, "recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint_every=2", "train.steps=40")
     wait_for(lambda: metrics_lines(run_dir) >= 6)
     child.send_signal(signal.SIGINT)
+    time.sleep(FORWARDED_WITHIN_S + 0.1)  # sooner, it is taken for a launcher's copy of the first (test_signals.py)
     child.send_signal(signal.SIGINT)
     child.wait(timeout=60)
     assert child.returncode == 130
