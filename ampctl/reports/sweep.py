@@ -47,7 +47,7 @@ def report_the_unfinished_sweep(command: str, exc: BaseException) -> None:
     if interrupt is not None:  # another Ctrl-C while the jobs stop and the table is written: exit at once
         exit_at_once_on_another_signal(getattr(interrupt, "signum", signal.SIGINT))
     how = (f"interrupted ({signal_name(interrupt)}) while its launcher waited for the jobs" if interrupt is not None
-           else f"its launcher failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
+           else f"ended: its launcher failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
     identity = SweepIdentity.recorded(sweep_dir)
     if sweep_dir.is_dir():
         _wait_for_stopping_jobs(sweep_dir)
