@@ -195,8 +195,8 @@ def run_hydra_app(command: str, entry) -> None:
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from ampctl.commands import checks
+    from ampctl.commands.unfinished_sweep import report_the_unfinished_sweep
     from ampctl.interrupt import interrupts_surfaced
-    from ampctl.reports.sweep import report_the_unfinished_sweep
 
     try:
         # a stop signal that broke off composing is the signal, not a refusal of the command line

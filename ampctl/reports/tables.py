@@ -145,7 +145,7 @@ def sweep_table(runs: Sequence[RunRecord], continue_with: Optional[str] = None) 
         rows.append([run.job, *values, "ok", s["final_loss"], *(s.get("eval", {}).get(k) for k in held_out),
                      s["skipped_total"], s["final_loss_scale"], *(s.get(key) for key in rates), s.get("mfu")])
     interrupted = [run for run in runs if run.status == "interrupted"]
-    notes = []
+    notes = [note for note in (not_comparable_throughput(runs),) if note]
     for run in (run for run in runs if run.failed):
         why = (run.unfinished_where if continue_with and run in interrupted else run.why_not_ok) or ""
         notes.append(f"job #{run.job} {why}" if why.startswith(run.status) else f"job #{run.job} {run.status}: {why}")
@@ -158,6 +158,25 @@ def sweep_table(runs: Sequence[RunRecord], continue_with: Optional[str] = None) 
     headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale", "mfu": "MFU",
                **RATES, **{k: f"held-out {k.split('/', 1)[1]}" for k in held_out}}
     return ReportTable("sweep", columns, rows, notes, headers, formats)
+
+
+def not_comparable_throughput(runs: Sequence[RunRecord]) -> str:
+    """A note when the jobs' throughputs do not compare: jobs that ran at the same time on one host (a launcher
+    that runs jobs at once, submitit_local or Ray, shares the cores between them) or with different torch thread
+    counts. Empty when they compare (or the summaries predate these fields)."""
+    done = [run for run in runs if not run.failed and "training_window" in run.summary]
+    overlapping = sorted({run.job for run in done for other in done if other is not run
+                          and run.summary.get("host") == other.summary.get("host")
+                          and run.summary["training_window"][0] < other.summary["training_window"][1]
+                          and other.summary["training_window"][0] < run.summary["training_window"][1]},
+                         key=str)
+    threads = {run.job: run.summary.get("torch_threads") for run in done}
+    why = []
+    if overlapping:
+        why.append(f"jobs {', '.join(f'#{job}' for job in overlapping)} ran at the same time on one host")
+    if len(set(threads.values())) > 1:
+        why.append("torch's thread counts differ (" + ", ".join(f"#{job}: {n}" for job, n in threads.items()) + ")")
+    return f"throughput not comparable between jobs: {'; '.join(why)}" if why else ""
 
 
 def single_run_table(run: RunRecord) -> ReportTable:

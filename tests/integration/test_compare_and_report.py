@@ -13,6 +13,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+import torch
 
 from ampctl.cli import main
 
@@ -133,6 +134,12 @@ def test_sweep_over_scaler_settings_has_one_column_per_swept_key(tmp_path, resto
     assert list(rows[0])[:3] == ["job", "scaler.growth_interval", "scaler.init_scale"]
     assert all(r["status"] == "ok" for r in rows)
     assert_png(sweep / "loss_scale.png")
+    # the basic launcher runs the jobs one after another, with the same threads: their throughputs compare
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("[0-3]_*/summary.json"))]
+    windows = [s["training_window"] for s in summaries]
+    assert all(a[1] <= b[0] for a, b in zip(windows, windows[1:])) and all(w[0] < w[1] for w in windows)
+    assert {s["torch_threads"] for s in summaries} == {torch.get_num_threads()}
+    assert "not comparable" not in (sweep / "report.md").read_text()
 
 
 def test_report_on_a_single_run(tmp_path, restore_argv):

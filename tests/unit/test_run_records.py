@@ -89,3 +89,25 @@ def test_split_rows_sets_aside_the_rows_after_a_step_in_a_free_name(tmp_path):
     assert (tmp_path / "metrics.jsonl.set-aside-x").read_text() == "an earlier one\n"  # never overwritten
     set_aside = (tmp_path / "metrics.jsonl.set-aside-x-2").read_text().splitlines()
     assert [json.loads(line)["step"] for line in set_aside] == [5, 6]
+
+
+def _job(number: int, start: float, end: float, host: str = "a", threads: int = 2):
+    from ampctl.reports.runs import RunRecord
+
+    summary = {"training_window": [start, end], "host": host, "torch_threads": threads, "final_loss": 1.0,
+               "skipped_total": 0, "final_loss_scale": 1.0, "samples_per_s": 100.0}
+    return RunRecord(Path(f"{number}_optimizer.lr=0.{number}"), summary, [])
+
+
+@pytest.mark.parametrize("jobs,said", [
+    ([_job(0, 0, 10), _job(1, 10, 20), _job(2, 20, 30)], ""),  # one after another (the basic launcher)
+    ([_job(0, 0, 10), _job(1, 5, 15), _job(2, 20, 30)], "jobs #0, #1 ran at the same time on one host"),
+    ([_job(0, 0, 10), _job(1, 5, 15, host="b")], ""),  # at once on two nodes: each had its machine
+    ([_job(0, 0, 10), _job(1, 10, 20, threads=1)], "torch's thread counts differ (#0: 2, #1: 1)"),
+])
+def test_the_sweep_table_says_when_throughput_does_not_compare(jobs, said):
+    from ampctl.reports.tables import not_comparable_throughput, sweep_table
+
+    note = not_comparable_throughput(jobs)
+    assert (said in note and note.startswith("throughput not comparable between jobs: ")) if said else note == ""
+    assert (note in sweep_table(jobs).notes) == bool(said)
