@@ -68,18 +68,28 @@ def test_ctrl_c_on_a_submitit_sweep_stops_every_job_with_a_checkpoint_and_writes
 
 
 @pytest.mark.slow
-def test_a_job_that_outlives_its_time_limit_ends_the_sweep_in_its_table_and_one_line(tmp_path):
-    """hydra.launcher.timeout_min=1: submitit's local executor stops the job at its time limit (it writes its stop
-    checkpoint) and its launcher raises UncompletedJobError. The sweep table of what is on disk, one line naming
-    the failure and the command that continues, exit 1; no traceback."""
-    sweep = ["train", "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1", *SLOW,
-             "train.console=quiet", "train.steps=5000", "train.checkpoint_every=500", "hydra.sweep.dir=sw"]
-    result = run_ampctl(*sweep, cwd=tmp_path, env={"PYTHONPATH": str(REPO)})
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    said = result.stderr.strip().splitlines()[-1]
+def test_a_job_killed_under_the_launcher_ends_the_sweep_in_its_table_and_one_line(tmp_path):
+    """A job killed from outside (the OOM killer, a node lost; `kill -9` here): submitit's launcher raises
+    UncompletedJobError. The sweep table of what is on disk, one line naming the failure and the command that
+    continues, exit 1; no traceback. The killed job continues from its newest checkpoint with that command."""
+    sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=60",
+             "train.checkpoint_every=5", "hydra.sweep.dir=sw"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", *sweep], cwd=tmp_path, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not [job for job in (tmp_path / "sw").glob("0_*") if len(rows(job)) >= 6]:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    [job] = (tmp_path / "sw").glob("0_*")
+    os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGKILL)  # the job's process, by its lock
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 1 and "Traceback" not in err, err[-3000:]
+    said = err.strip().splitlines()[-1]
     assert said.startswith("ampctl train: sweep ended: its launcher failed: UncompletedJobError: ") and \
         "; continue it with: ampctl train -m hydra/launcher=submitit_local" in said, said
-    [job] = (tmp_path / "sw").glob("0_*")
-    last = rows(job)[-1]["step"]
-    assert (job / "checkpoints" / f"step_{last:08d}.pt").is_file()  # stopped at the limit with a checkpoint
-    assert json.loads((tmp_path / "sw" / "sweep.json").read_text()) and "interrupted" in result.stdout
+    assert json.loads((tmp_path / "sw" / "sweep.json").read_text()) and "interrupted" in out
+    continued = run_ampctl(*said.split("continue it with: ampctl ")[1].split(), cwd=tmp_path,
+                           env={"PYTHONPATH": str(REPO)})
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    assert [r["step"] for r in rows(job)] == list(range(1, 61))
