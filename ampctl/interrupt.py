@@ -62,16 +62,16 @@ _RAISED: list[int] = []  # the stop signals raised as Signalled outside the loop
 # torchrun's agent), so a Ctrl-C reaches a job twice, milliseconds apart: the same signal again this soon after the
 # first is that copy, not the user's second Ctrl-C (which would exit at once, without the stop's checkpoint).
 FORWARDED_WITHIN_S = 0.5
-_FIRST_STOP: list[tuple[int, float]] = []  # the last stop signal that was not such a copy, and when
+_LAST_STOP: list[tuple[int, float]] = []  # the last stop signal that was not such a copy, and when
 
 
 def _note_stop(signum: int) -> None:
-    _FIRST_STOP[:] = [(signum, time.monotonic())]
+    _LAST_STOP[:] = [(signum, time.monotonic())]
 
 
 def _a_forwarded_copy(signum: int) -> bool:
-    return bool(_FIRST_STOP) and _FIRST_STOP[0][0] == signum and \
-        time.monotonic() - _FIRST_STOP[0][1] < FORWARDED_WITHIN_S
+    return bool(_LAST_STOP) and _LAST_STOP[0][0] == signum and \
+        time.monotonic() - _LAST_STOP[0][1] < FORWARDED_WITHIN_S
 
 
 def raise_on_signals() -> None:

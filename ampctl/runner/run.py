@@ -101,7 +101,7 @@ class TrainingRun:
                                       cfg.train.grad_accum_steps)
         # refuses a recipe without held-out batches, before anything is written
         self.evaluation = RunEvaluation(cfg, self.recipe, policy) if cfg.train.eval_every else None
-        self.training_window = [time.time()]  # its start, set again when the steps begin
+        self.steps_began_at = time.time()  # set again when the steps begin
 
     def train(self) -> dict:
         cfg, policy, recorder, resume = self.cfg, self.policy, self.recorder, self.resume
@@ -208,7 +208,7 @@ class TrainingRun:
 
         ranges_log = recorder.ranges_log(state, self.policy.device, cfg.telemetry.ranges_every)
         announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
-        self.training_window[0] = time.time()  # when this run's steps began (a sweep's report tells overlaps)
+        self.steps_began_at = time.time()  # a sweep's report tells from it which jobs overlapped
         try:
             preempt = cfg.train.preempt_signal.value if cfg.train.preempt_signal else None
             with StopOnSignal(announce_stop if parallel.is_main else "", preempt) as stop, self.profiler, watchdog:
@@ -276,7 +276,7 @@ class TrainingRun:
             # that a sweep's table can say which jobs ran at the same time on one machine (reports/tables.py)
             "torch_threads": torch.get_num_threads(),
             "host": platform.node(),
-            "training_window": [round(self.training_window[0], 3), round(time.time(), 3)],
+            "training_window": [round(self.steps_began_at, 3), round(time.time(), 3)],
             "run_dir": str(run_dir),
         }
 
