@@ -3,7 +3,10 @@
 In the loop: SIGINT, SIGTERM, SIGHUP and the batch system's preemption warning (train.preempt_signal) ask it to
 stop after the current step (it then writes a checkpoint and flushes the metrics); a second exits at once.
 Checkpoints are written atomically, so even that leaves every checkpoint on disk whole. The preemption
-signals not chosen (SIGUSR1, SIGUSR2; all of them with train.preempt_signal=null) are ignored there.
+signals not chosen (SIGUSR1, SIGUSR2; all of them with train.preempt_signal=null) are ignored there, except one
+that the process's host handles: an engine that started ampctl and set a handler for its warning before ampctl
+did (submitit's SIGUSR2, which checkpoints and requeues its job) gets the signal back once the run's checkpoint is
+written (hand_over), instead of either losing the checkpoint or being switched off.
 
 Outside it (importing, composing, building, compiling): each of these signals ends the command as Ctrl-C
 does, with one line and the exit code 128 + its number, and what Hydra made for a run that recorded nothing
@@ -74,21 +77,58 @@ def _a_forwarded_copy(signum: int) -> bool:
         time.monotonic() - _LAST_STOP[0][1] < FORWARDED_WITHIN_S
 
 
+def _raise_signalled(signum: int, _frame: Optional[FrameType]) -> None:
+    if _a_forwarded_copy(signum):
+        return
+    _note_stop(signum)
+    _RAISED.append(signum)
+    raise Signalled(signum)
+
+
 def raise_on_signals() -> None:
     """Every stop or preemption signal raises Signalled (a KeyboardInterrupt, as Ctrl-C's): a command killed
     before (or after) its loop says so in one line instead of vanishing. Main thread only."""
-    def raise_signalled(signum: int, _frame: Optional[FrameType]) -> None:
-        if _a_forwarded_copy(signum):
-            return
-        _note_stop(signum)
-        _RAISED.append(signum)
-        raise Signalled(signum)
-
     if threading.current_thread() is threading.main_thread():
         for signum in (*STOP_SIGNALS, *PREEMPT_SIGNALS):
             # one ignored when ampctl started stays ignored: nohup's SIGHUP, a shell's SIGINT to a background job
             if signal.getsignal(signum) is not signal.SIG_IGN:
-                signal.signal(signum, raise_signalled)
+                signal.signal(signum, _raise_signalled)
+
+
+# The preemption signals whose handler the process's host set before ampctl's loop took them (submitit's job
+# environment sets SIGUSR2's to checkpoint and requeue its job): each is handed back to it after the stop.
+_HOSTS: dict[int, object] = {}
+
+
+def _package_of(handler: object) -> str:
+    return (getattr(handler, "__module__", None) or "").split(".")[0]
+
+
+def _a_hosts_handler(handler: object) -> bool:
+    """A handler set by code outside ampctl (ampctl's own, from its entry point or a study, are not a host's)."""
+    return callable(handler) and _package_of(handler) not in ("ampctl", "signal", "_signal")
+
+
+def host_of(signum: int) -> Optional[str]:
+    """The package whose handler had this preemption signal before ampctl's loop (submitit), or None."""
+    handler = _HOSTS.get(signum)
+    return None if handler is None else (_package_of(handler) or "the process's host")
+
+
+def hand_over(signum: int) -> tuple[Optional[int], Optional[str]]:
+    """Call the host's handler for a preemption signal the run stopped on, now that its checkpoint is written: the
+    host requeues the job and ends the process (submitit: SystemExit). Returns the exit code it chose (None when it
+    returned without ending the process, as submitit's does on a rank other than 0) and, when it refused, why
+    (submitit raises UncompletedJobError once a job has timed out hydra.launcher.max_num_timeout times)."""
+    handler = _HOSTS[signum]
+    try:
+        handler(signum, None)  # type: ignore[operator]
+    except SystemExit as exc:
+        code = exc.code
+        return (code if isinstance(code, int) else 0 if code is None else 1), None
+    except Exception as exc:  # noqa: BLE001 - the host's refusal is said, and the run exits as a stopped run does
+        return None, f"{type(exc).__name__}: {str(exc).strip()}"
+    return None, None
 
 
 def interrupt_behind(exc: BaseException) -> Optional[KeyboardInterrupt]:
@@ -133,14 +173,14 @@ def signal_raised() -> bool:
 
 
 class StopOnSignal:
-    """SIGINT, SIGTERM, SIGHUP and a batch system's preemption warning (train.preempt_signal): stop at the next
-    step where the run can (after this step, or the next log step when ranks must agree), with a checkpoint.
-    The preemption signals not chosen are ignored while it holds."""
+    """SIGINT, SIGTERM, SIGHUP and a batch system's preemption warning (train.preempt_signal, or one its host
+    handles: _HOSTS): stop at the next step where the run can (after this step, or the next log step when ranks
+    must agree), with a checkpoint. The other preemption signals are ignored while it holds."""
 
     def __init__(self, announce: str = "after this step", preempt_signal: Optional[str] = None) -> None:
-        chosen = [signal.Signals[preempt_signal]] if preempt_signal else []
-        self.signals = [*STOP_SIGNALS, *chosen]
-        self.ignored = [signum for signum in PREEMPT_SIGNALS if signum not in chosen]
+        self.chosen = [signal.Signals[preempt_signal]] if preempt_signal else []
+        self.signals: list[int] = [*STOP_SIGNALS, *self.chosen]
+        self.ignored: list[int] = [signum for signum in PREEMPT_SIGNALS if signum not in self.chosen]
         self.signum: Optional[int] = None
         self._previous: dict[int, object] = {}
         self._announce = announce  # when the run will stop; "" for a process that should not print
@@ -162,6 +202,12 @@ class StopOnSignal:
     def __enter__(self) -> "StopOnSignal":
         raise_swallowed_signal()  # a stop before the loop: it ends the run before its first step
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for signum in PREEMPT_SIGNALS:
+                handler = signal.getsignal(signum)
+                if _a_hosts_handler(handler):
+                    _HOSTS[signum] = handler
+                    self.ignored = [each for each in self.ignored if each != signum]
+                    self.signals += [] if signum in self.signals else [signum]
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
             for signum in self.ignored:
@@ -189,18 +235,18 @@ def exit_at_once(signum: int, _frame: Optional[FrameType] = None) -> None:
 _LEAVING_WITH: list[int] = []  # the exit code of a command that stopped on a signal and is leaving
 
 
-def exit_at_once_on_another_signal(signum: int) -> None:
+def exit_at_once_on_another_signal(signum: int, code: Optional[int] = None) -> None:
     """After a stop signal (signum) was handled: another one while ampctl says so and leaves ends it at once, with
     its line, instead of interrupting the exit halfway; and the exit skips the interpreter's teardown (torch's takes
-    seconds, after Python has put the default handlers back, where a second Ctrl-C killed it without a word).
-    Main thread only."""
+    seconds, after Python has put the default handlers back, where a second Ctrl-C killed it without a word), with
+    `code` (128 + signum unless the command's ending chose another). Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return
     for each in (*STOP_SIGNALS, *PREEMPT_SIGNALS):
         signal.signal(each, exit_at_once)
     if not _LEAVING_WITH:
         atexit.register(_leave_now)
-    _LEAVING_WITH[:] = [128 + signum]
+    _LEAVING_WITH[:] = [128 + signum if code is None else code]
 
 
 def _leave_now() -> None:

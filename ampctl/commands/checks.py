@@ -149,8 +149,26 @@ def train_run(cfg: DictConfig, hydra_cfg: DictConfig) -> "RunPlan":
     names, its checkpoint, its policy and trackers checked (runner/plan.py); UsageError for what it refuses."""
     from ampctl.runner.plan import plan_run
 
-    return plan_run(cfg, main_run_dir(hydra_cfg), dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg),
-                    torchrun_world_size())
+    run_dir = main_run_dir(hydra_cfg)
+    return plan_run(continuing_a_requeued_job(cfg, run_dir), run_dir, dict(hydra_cfg.runtime.choices),
+                    task_overrides(hydra_cfg), torchrun_world_size())
+
+
+def continuing_a_requeued_job(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """cfg, with resume=auto when this process is the batch job that started the run in run_dir, requeued by its
+    engine (which runs the job's original overrides again): it continues its own run, as it was stopped to do."""
+    from ampctl.runner.identity import requeued_here
+
+    if cfg.resume:
+        return cfg
+    own = requeued_here(run_dir, cfg)  # every rank reads the run's identity (storage every node shares)
+    if own is None:
+        return cfg
+    if is_main_process():
+        print(f"ampctl train: batch job {own.job} was requeued: it continues its run in {run_dir}", flush=True)
+    continued = cfg.copy()
+    continued.resume = "auto"
+    return continued
 
 
 def check_single_run(command: str, config: DictConfig) -> "Job | RunPlan":
@@ -163,7 +181,10 @@ def check_single_run(command: str, config: DictConfig) -> "Job | RunPlan":
     refuse_numbers_for_booleans(cfg, task_overrides(config.hydra))
     if command == "train":
         if is_main_process():  # the other ranks record nothing (run.dir=.)
-            refuse_another_runs_directory(config.hydra.run.dir, cfg.resume)
+            from ampctl.runner.identity import requeued_here
+
+            requeued = not cfg.resume and requeued_here(Path(config.hydra.run.dir), cfg) is not None
+            refuse_another_runs_directory(config.hydra.run.dir, "auto" if requeued else cfg.resume)
         return train_run(cfg, config.hydra)  # a refused resume, refused before Hydra writes
     refuse_another_commands_directory(command, config.hydra.run.dir)
     job = Job(cfg, dict(config.hydra.runtime.choices))

@@ -79,16 +79,18 @@ Lines = Union[Sequence[str], Callable[[], Sequence[str]]]
 
 
 def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
-          log: Optional[Callable[[str], None]] = None) -> NoReturn:
+          log: Optional[Callable[[str], None]] = None, host_exit_code: Optional[int] = None) -> NoReturn:
     """End the command as the table says for exc: after a signal, another one while leaving ends it at once; its
     clean-up (run_dir removed where it holds only Hydra's files: nothing was recorded); its lines on stderr
     (given as a function, made after the clean-up, which they may describe; from rank 0 only, as every rank meets
-    the same end; each also to `log`, the run's log file); its exit code."""
+    the same end; each also to `log`, the run's log file); its exit code, or the host's where the stop was handed
+    to the engine that runs ampctl (interrupt.hand_over: submitit's requeue exits with its own)."""
     from ampctl.processes import is_main_process
 
     ending = ending_of(exc)
+    code = exit_code_of(exc) if host_exit_code is None else host_exit_code
     if ending.exit_code is None:
-        exit_at_once_on_another_signal(getattr(exc, "signum", signal.SIGINT))
+        exit_at_once_on_another_signal(getattr(exc, "signum", signal.SIGINT), code)
     if ending.removes_an_empty_run_dir and run_dir is not None and is_main_process():
         from ampctl.runner.ownership import remove_if_only_hydra_files
 
@@ -97,7 +99,7 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
         print_error(line)
         if log is not None:
             log(line.strip())
-    sys.exit(exit_code_of(exc))
+    sys.exit(code)
 
 
 def refuse(command: str, message: str) -> NoReturn:

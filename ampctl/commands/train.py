@@ -21,7 +21,7 @@ from ampctl.commands.checks import job_of
 from ampctl.commands.outcomes import ENDINGS, Outcome, leave, outcome_of
 from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import RunStopped, UsageError
-from ampctl.interrupt import Interrupted, interrupt_behind, signal_name
+from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.runner.ownership import remove_if_only_hydra_files
 
@@ -64,6 +64,10 @@ def ended(exc: BaseException, cfg: DictConfig, run_dir: Path, hydra_cfg: DictCon
         return record_failed_job(run_dir, exc)
     sweep = the_sweeps_command(hydra_cfg) if multirun else None
     if outcome is Outcome.STOPPED_BY_SIGNAL:
+        assert isinstance(exc, Interrupted)
+        if host_of(exc.signum) is not None:
+            lines, code = handed_over(exc, sweep)
+            leave(exc, lines, log=log.warning, host_exit_code=code)
         leave(exc, interrupted_lines(exc, cfg, sweep) if is_main_process() else [], log=log.warning)
     if outcome is Outcome.SIGNALLED:  # outside the loop: building, compiling, loading data, the summary
         name = signal_name(exc)
@@ -100,6 +104,23 @@ def interrupted_lines(exc: Interrupted, cfg: DictConfig, sweep: Optional[str]) -
 
             lines += [line for line in [requeue()] if line]
     return lines
+
+
+def handed_over(exc: Interrupted, sweep: Optional[str]) -> tuple[list[str], Optional[int]]:
+    """A stop on the warning of the engine that runs ampctl (submitit's SIGUSR2 before a time limit), its checkpoint
+    written: the signal handed to the engine's own handler, which requeues the job (the requeued job continues this
+    run: runner/requeue.py) and exits with its code. Its lines, and that code (None: the engine did not end it)."""
+    where = f"checkpoint {exc.checkpoint}" if exc.checkpoint else "no checkpoint"
+    name, host = signal.Signals(exc.signum).name, host_of(exc.signum)
+    said = f"ampctl train: interrupted at step {exc.step} by {name} ({host}'s warning); {where}"
+    code, refused = hand_over(exc.signum)
+    if refused is None and code is not None:
+        return [said, f"{host} requeued the job: it continues this run from its newest checkpoint when it starts "
+                      "again"], code
+    then = f"continue the sweep with: {sweep}" if sweep is not None else \
+        f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}" if exc.checkpoint else ""
+    why = f" ({refused})" if refused else ""
+    return [said, f"{host} did not requeue the job{why}" + (f"; {then}" if then else "")], None
 
 
 def finished_job(run_dir: Path, steps: int) -> Optional[dict]:

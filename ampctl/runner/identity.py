@@ -5,7 +5,8 @@ of the config that matters (every key but those a resumed run may change, SAFE_T
 checkpoint carries the id and the hash, so that:
 - `resume=auto` takes only its own run's checkpoints: one copied in from another run is passed over, named;
 - a run killed before its first checkpoint resumes with its own config (identity.json's), not the defaults;
-- a directory with an identity.json belongs to that run: a new run into it is refused (runner/ownership.py).
+- a directory with an identity.json belongs to that run: a new run into it is refused (runner/ownership.py),
+  except by the batch job that started it, requeued with the same config (runner/requeue.py), which continues it.
 A run directory made before identities existed (no identity.json) resumes as it did: from any checkpoint in it.
 """
 
@@ -25,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl import io, run_files
 from ampctl.conf.schema import safe_to_change_keys
 from ampctl.errors import UsageError
+from ampctl.runner.requeue import a_requeue_of, batch_job
 
 _CREATED: set[Path] = set()  # the identity.json files this process wrote (a refused run removes its own only)
 
@@ -61,6 +63,7 @@ class RunIdentity:
     config: dict[str, Any]
     choices: dict[str, str]
     created: str
+    job: Optional[str] = None  # the batch job that started the run (runner/requeue.batch_job), None outside one
 
     def disowns(self, payload: dict[str, Any]) -> Optional[str]:
         """Why a checkpoint's payload is not this run's (None when it is)."""
@@ -84,7 +87,7 @@ def read(run_dir: Path) -> Optional[RunIdentity]:
         data = json.loads(path.read_bytes().decode("utf-8"))
         return RunIdentity(run_id=str(data["run_id"]), config_hash=str(data["config_hash"]),
                            config=dict(data["config"]), choices=dict(data.get("choices") or {}),
-                           created=str(data.get("created", "")))
+                           created=str(data.get("created", "")), job=data.get("job"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"{path} cannot be read ({type(exc).__name__}): the run's identity is damaged; restore "
                          "it, or start a new run in another hydra.run.dir") from None
@@ -94,7 +97,7 @@ def create(run_dir: Path, cfg: DictConfig, choices: dict[str, str]) -> RunIdenti
     """A new run's identity, written with O_EXCL: two runs racing into one directory cannot both own it."""
     config = resolved(cfg)
     identity = RunIdentity(run_id=uuid.uuid4().hex, config_hash=config_hash(config), config=config,
-                           choices=dict(choices), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                           choices=dict(choices), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), job=batch_job())
     text = io.dumps(asdict(identity), indent=2, default=str) + "\n"
     tmp = run_dir / f".{run_files.IDENTITY}.{os.getpid()}.tmp"
     tmp.write_text(text, encoding="utf-8")
@@ -112,6 +115,15 @@ def create(run_dir: Path, cfg: DictConfig, choices: dict[str, str]) -> RunIdenti
 def created_here(path: Path) -> bool:
     """Whether path is an identity.json this process created (a run refused before its first record removes it)."""
     return path.resolve() in _CREATED
+
+
+def requeued_here(run_dir: Path, cfg: DictConfig) -> Optional[RunIdentity]:
+    """The run in run_dir when this process is the batch job that started it, requeued, with its config (a job
+    requeued by its engine runs its original command again, without resume=auto); else None."""
+    own = read(run_dir)
+    if own is None or not a_requeue_of(own.job):
+        return None
+    return own if config_hash(resolved(cfg)) == own.config_hash else None
 
 
 def own_or_create(run_dir: Path, cfg: DictConfig, choices: dict[str, str]) -> RunIdentity:

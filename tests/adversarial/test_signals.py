@@ -25,6 +25,7 @@ from tests.support.adversarial import (
     row_count,
     wait_for,
 )
+from tests.support.in_process import run_ampctl
 from tests.support.runs import QUICK, ForkedAmpctl, steps
 
 # --- signals outside the training loop ---------------------------------------------------------------------
@@ -159,15 +160,22 @@ def test_the_preemption_signal_in_a_slurm_job_requeues_it_after_the_checkpoint(t
     _, err = process.communicate(timeout=120)
     assert process.returncode == 138, err
     assert calls.read_text() == "requeue 4242\n"
-    assert "requeued SLURM job 4242: it continues this run with resume=auto" in err
-    # SIGTERM (a cancel, not the preemption warning) does not requeue
-    resumed = ForkedAmpctl("train", *QUICK, "train.steps=100000", "resume=auto", f"hydra.run.dir={run_dir}",
-                           cwd=tmp_path, env=env)
+    assert "requeued SLURM job 4242: it continues this run when it starts again" in err
     done_rows = row_count(run_dir / "metrics.jsonl")
+    # another job running the same command into the directory is refused: only the requeued job continues it
+    other = run_ampctl("train", *QUICK, "train.steps=100000", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                       env={"SLURM_JOB_ID": "4243", "SLURM_RESTART_COUNT": "1"})
+    assert "already holds a run" in one_line_refusal(other, "train")
+    # the requeued job runs its script's command again (no resume=auto): it continues its run from the checkpoint
+    resumed = ForkedAmpctl("train", *QUICK, "train.steps=100000", f"hydra.run.dir={run_dir}", cwd=tmp_path,
+                           env={**env, "SLURM_RESTART_COUNT": "1"})
     wait_for(lambda: row_count(run_dir / "metrics.jsonl") >= done_rows + 2)
+    # SIGTERM (a cancel, not the preemption warning) does not requeue
     resumed.send_signal(signal.SIGTERM)
-    resumed.communicate(timeout=120)
+    out, _ = resumed.communicate(timeout=120)
     assert resumed.returncode == 143 and calls.read_text() == "requeue 4242\n"
+    assert f"ampctl train: batch job slurm:4242 was requeued: it continues its run in {run_dir}" in out
+    assert steps(run_dir / "metrics.jsonl")[:done_rows + 1] == list(range(1, done_rows + 2))
 
 
 def test_a_comparison_with_an_optimizer_argument_no_mode_can_take_is_refused_before_any_mode_runs(tmp_path):

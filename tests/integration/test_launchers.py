@@ -93,3 +93,71 @@ def test_a_job_killed_under_the_launcher_ends_the_sweep_in_its_table_and_one_lin
                            env={"PYTHONPATH": str(REPO)})
     assert continued.returncode == 0, continued.stderr[-3000:]
     assert [r["step"] for r in rows(job)] == list(range(1, 61))
+
+
+def _sweep_until(tmp_path: Path, sweep: list[str], rows_done: int) -> tuple[subprocess.Popen, Path]:
+    """The sweep started as a user starts it; once its job recorded rows_done steps: the process and the job."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", *sweep], cwd=tmp_path, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not [job for job in (tmp_path / "sw").glob("0_*") if len(rows(job)) >= rows_done]:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    [job] = (tmp_path / "sw").glob("0_*")
+    return process, job
+
+
+def _job_log(tmp_path: Path) -> str:
+    return "".join(p.read_text() for p in sorted((tmp_path / "sw" / ".submitit").glob("*/*_log.*")))
+
+
+@pytest.mark.slow
+def test_submitits_warning_checkpoints_then_submitit_requeues_the_job_which_continues_its_run(tmp_path):
+    """SIGUSR2, submitit's warning before a time limit or a preemption (SLURM sends it, `--signal=USR2@...`): the
+    job stops at the end of its step with a checkpoint, then hands the signal to submitit's own handler, which
+    requeues it (ampctl used to ignore SIGUSR2, which switched submitit's requeue off). The requeued job runs its
+    original overrides, without resume=auto, and continues its own run: every step recorded once, the sweep ends
+    0 with the job finished."""
+    sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=80",
+             "train.checkpoint_every=1000", "hydra.sweep.dir=sw"]
+    process, job = _sweep_until(tmp_path, sweep, 10)
+    os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGUSR2)
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 0, err[-3000:]
+    log = _job_log(tmp_path)
+    stopped = [line for line in log.splitlines() if line.startswith("ampctl train: interrupted at step ")]
+    assert len(stopped) == 1 and "by SIGUSR2 (submitit's warning); checkpoint " in stopped[0], log[-3000:]
+    assert "submitit requeued the job: it continues this run from its newest checkpoint" in log
+    assert "ampctl train: batch job submitit-local:" in log and " was requeued: it continues its run in " in log
+    at = int(stopped[0].split("at step ")[1].split()[0])
+    assert f"at step {at}" in (job / "train.log").read_text() and (job / "checkpoints" / f"step_{at:08d}.pt").is_file()
+    assert [r["step"] for r in rows(job)] == list(range(1, 81))  # each step once, across the two attempts
+    assert f"resumed from {job / 'checkpoints' / f'step_{at:08d}.pt'} at step {at}" in (job / "train.log").read_text()
+    assert json.loads((job / "summary.json").read_text())["steps"] == 80
+
+
+@pytest.mark.slow
+def test_a_job_submitit_will_not_requeue_again_says_so_and_the_sweep_continues_from_its_checkpoint(tmp_path):
+    """Past hydra.launcher.max_num_timeout timeouts (0 here; hydra.launcher.timeout_min=1 makes every warning a
+    timeout) submitit refuses the requeue: the job's stop checkpoint is written first, its log says why it was not
+    requeued and what continues it, the launcher's failure is the sweep's one line (exit 1), and that command
+    finishes the job from its checkpoint."""
+    sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=60",
+             "train.checkpoint_every=1000", "hydra.launcher.timeout_min=1", "+hydra.launcher.max_num_timeout=0",
+             "hydra.sweep.dir=sw"]
+    process, job = _sweep_until(tmp_path, sweep, 10)
+    os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGUSR2)
+    out, err = process.communicate(timeout=180)
+    assert process.returncode == 1 and "Traceback" not in err, err[-3000:]
+    log = _job_log(tmp_path)
+    assert "submitit did not requeue the job (UncompletedJobError: Job not requeued because: timed-out too many " \
+        "times.); continue the sweep with: ampctl train -m hydra/launcher=submitit_local" in log, log[-3000:]
+    at = rows(job)[-1]["step"]
+    assert (job / "checkpoints" / f"step_{at:08d}.pt").is_file() and at < 60
+    said = err.strip().splitlines()[-1]
+    assert said.startswith("ampctl train: sweep ended: its launcher failed: UncompletedJobError: "), said
+    continued = run_ampctl(*said.split("continue it with: ampctl ")[1].split(), cwd=tmp_path,
+                           env={"PYTHONPATH": str(REPO)})
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    assert [r["step"] for r in rows(job)] == list(range(1, 61))

@@ -137,3 +137,38 @@ def test_an_error_without_a_signal_behind_it_is_not_taken_for_one():
     with pytest.raises(Signalled) as surfaced, interrupts_surfaced():
         raise raised_while_handling(Signalled(signal.SIGTERM), OSError("cleanup"))
     assert surfaced.value.signum == signal.SIGTERM
+
+
+def test_a_preemption_signal_the_host_handles_stops_the_loop_and_is_handed_back_to_the_host():
+    """An engine that runs ampctl and set a handler for its warning first (submitit's SIGUSR2 requeues its job) is
+    neither switched off (ampctl ignored the preemption signal it did not choose) nor left to end the run before
+    its checkpoint: the loop stops on it, and after the stop the host's handler runs and picks the exit code
+    (submitit's local executor requeues on 144). ampctl's own handlers are no host; a host that refuses is said."""
+    script = """
+import os, signal, sys
+from ampctl.commands.outcomes import leave
+from ampctl.interrupt import Interrupted, StopOnSignal, hand_over, host_of, raise_on_signals
+
+def requeue(signum, frame):
+    print("host requeues", flush=True)
+    sys.exit(144)
+
+raise_on_signals()  # ampctl's own handler on SIGUSR1: not a host's
+signal.signal(signal.SIGUSR2, requeue)
+with StopOnSignal("", preempt_signal=None) as stop:
+    os.kill(os.getpid(), signal.SIGUSR1)  # ignored in the loop: neither chosen nor a host's
+    os.kill(os.getpid(), signal.SIGUSR2)
+print(stop.signum == signal.SIGUSR2, host_of(signal.SIGUSR1), host_of(signal.SIGUSR2), flush=True)
+def refuse(signum, frame):
+    raise RuntimeError("timed-out too many times")
+signal.signal(signal.SIGUSR1, refuse)
+with StopOnSignal("", preempt_signal="SIGUSR1"):
+    pass
+print(hand_over(signal.SIGUSR1), flush=True)
+code, refused = hand_over(signal.SIGUSR2)
+leave(Interrupted(signal.SIGUSR2, 7, None), [f"refused: {refused}"], host_exit_code=code)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.stdout.splitlines() == ["True None __main__", "(None, 'RuntimeError: timed-out too many times')",
+                                        "host requeues"], done.stderr
+    assert (done.returncode, done.stderr) == (144, "refused: None\n")
