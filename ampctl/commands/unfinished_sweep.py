@@ -40,6 +40,9 @@ def report_the_unfinished_sweep(command: str, exc: BaseException) -> None:
     if sweep_dir is None:
         return
     from ampctl.reports.sweep import write_sweep_report  # its tables and plots: only once a sweep needs them
+    from ampctl.reports.sweep_progress import stop_watching
+
+    stop_watching()
 
     interrupt = interrupt_behind(exc)
     if interrupt is not None:  # another Ctrl-C while the jobs stop and the table is written: exit at once

@@ -18,12 +18,7 @@ from ampctl.conf import sweeps
 from ampctl.conf.sweeps import SweepIdentity, planned_jobs
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs
-
-
-def format_seconds(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
+from ampctl.reports.sweep_progress import IN_PROCESS_LAUNCHERS, format_seconds, stop_watching, watch
 
 
 class SweepReport(Callback):
@@ -42,6 +37,8 @@ class SweepReport(Callback):
         how_many = io.count_of(self.total_jobs, "job") if self.total_jobs else "its jobs"
         print(f"ampctl sweep: {how_many} in {sweep_dir}; if it stops, continue it with: "
               f"{SweepIdentity.of(config).command(sweep_dir)}", flush=True)
+        if OmegaConf.select(config, "hydra.launcher._target_") not in IN_PROCESS_LAUNCHERS:
+            watch(sweep_dir, self.total_jobs, self.started)  # its jobs' progress lines are in their own logs
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or not self.total_jobs:
@@ -56,6 +53,7 @@ class SweepReport(Callback):
               f"{format_seconds(elapsed)} | {eta}", flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        stop_watching()
         sweeps.running = None
         failed = write_sweep_report(Path(config.hydra.sweep.dir))
         if failed:

@@ -119,7 +119,7 @@ def test_submitits_warning_checkpoints_then_submitit_requeues_the_job_which_cont
     requeues it (ampctl used to ignore SIGUSR2, which switched submitit's requeue off). The requeued job runs its
     original overrides, without resume=auto, and continues its own run: every step recorded once, the sweep ends
     0 with the job finished."""
-    sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=80",
+    sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=300",
              "train.checkpoint_every=1000", "hydra.sweep.dir=sw"]
     process, job = _sweep_until(tmp_path, sweep, 10)
     os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGUSR2)
@@ -132,9 +132,12 @@ def test_submitits_warning_checkpoints_then_submitit_requeues_the_job_which_cont
     assert "ampctl train: batch job submitit-local:" in log and " was requeued: it continues its run in " in log
     at = int(stopped[0].split("at step ")[1].split()[0])
     assert f"at step {at}" in (job / "train.log").read_text() and (job / "checkpoints" / f"step_{at:08d}.pt").is_file()
-    assert [r["step"] for r in rows(job)] == list(range(1, 81))  # each step once, across the two attempts
+    assert [r["step"] for r in rows(job)] == list(range(1, 301))  # each step once, across the two attempts
+    # the launcher's terminal shows the job's progress, read from its records (its own lines are in its log)
+    assert [line for line in out.splitlines() if line.startswith("ampctl sweep: #0 step ") and "/300 (1 running)"
+            in line], out
     assert f"resumed from {job / 'checkpoints' / f'step_{at:08d}.pt'} at step {at}" in (job / "train.log").read_text()
-    assert json.loads((job / "summary.json").read_text())["steps"] == 80
+    assert json.loads((job / "summary.json").read_text())["steps"] == 300
 
 
 @pytest.mark.slow
