@@ -99,6 +99,9 @@ class TrainConfig:
     # thread's stack in hang-step-N.txt; the run goes on (runner/watchdog.py). null: off
     hang_after_s: Optional[float] = safe_to_change(300.0)
     keep_checkpoints: int = safe_to_change(2)  # the newest K checkpoints are kept
+    # an fsspec URL (s3://bucket/run, gs://..., memory://...) each checkpoint is uploaded to as well, its checksum
+    # last; resume=auto in an empty run directory pulls the newest that verifies (runner/mirror.py). null: none
+    checkpoint_mirror: Optional[str] = safe_to_change(None)
     # evaluation on the recipe's held-out batches after every N steps and after the last, under the run's
     # autocast (engine/evaluation.py): evals.jsonl, the summary, the trackers, a line each; null: none
     eval_every: Optional[int] = safe_to_change(None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -103,8 +103,9 @@ def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches
 class FullWriter:
     """Saves checkpoints as one file each, written by rank 0 (the others' payloads are the same state)."""
 
-    def __init__(self, run_dir: Path, keep: int, is_main: bool) -> None:
-        self.run_dir, self.keep, self.is_main = run_dir, keep, is_main
+    def __init__(self, run_dir: Path, keep: int, is_main: bool,
+                 on_saved: Optional[Callable[[Path], None]] = None) -> None:
+        self.run_dir, self.keep, self.is_main, self.on_saved = run_dir, keep, is_main, on_saved
 
     def save(self, payload: dict[str, Any]) -> Path:
         path = checkpoint_path(self.run_dir, payload["step"])
@@ -112,18 +113,22 @@ class FullWriter:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_atomic(payload, path)
             prune(self.run_dir, self.keep)
+            if self.on_saved is not None:
+                self.on_saved(path)
         return path
 
     def close(self) -> None:
         pass
 
 
-def writer(cfg: DictConfig, run_dir: Path, state: TrainState) -> "FullWriter | Any":
-    """The writer of distributed.checkpoint_format: save(payload) -> path, close() (waits for async saves)."""
+def writer(cfg: DictConfig, run_dir: Path, state: TrainState,
+           on_saved: Optional[Callable[[Path], None]] = None) -> "FullWriter | Any":
+    """The writer of distributed.checkpoint_format: save(payload) -> path, close() (waits for async saves);
+    on_saved(path) on rank 0 once a checkpoint is whole and in place (an async one: from the writer's thread)."""
     keep = cfg.train.keep_checkpoints
     if cfg.distributed.checkpoint_format is CheckpointFormat.sharded:
-        return sharded_checkpoint.ShardedWriter(run_dir, keep, state, cfg.distributed.async_checkpoint)
-    return FullWriter(run_dir, keep, state.parallel.is_main)
+        return sharded_checkpoint.ShardedWriter(run_dir, keep, state, cfg.distributed.async_checkpoint, on_saved)
+    return FullWriter(run_dir, keep, state.parallel.is_main, on_saved)
 
 
 # --- find and load --------------------------------------------------------------------------------

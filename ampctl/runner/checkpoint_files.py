@@ -38,6 +38,11 @@ def checkpoint_step(path: Path) -> int:
     return int(_NAME.match(path.name).group(1))  # type: ignore[union-attr]
 
 
+def is_checkpoint_name(name: str) -> bool:
+    """step_N.pt or step_N.dcp: a checkpoint's name (a `.tmp` one being written is not)."""
+    return bool(_NAME.match(name))
+
+
 def is_checkpoint(path: Path) -> bool:
     """A complete checkpoint by its name: a step_N.pt file or a step_N.dcp directory (not a `.tmp` one)."""
     return bool(_NAME.match(path.name)) and (path.is_dir() if is_sharded(path) else path.is_file())

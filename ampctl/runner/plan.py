@@ -49,12 +49,39 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     UsageError for what the run would refuse. With the command line's overrides, a resumed run takes its own
     config, with the keys they name taken from cfg (runner/resume.py's plan); without (a config made in Python),
     cfg is the run's config as it is."""
+    mirror = cfg.train.checkpoint_mirror
+    if mirror and cfg.resume == "auto" and holds_none_of_the_run(run_dir):
+        pull_from_mirror(mirror, run_dir, world_size)
     if overrides is None:
         resume = Resume.find(cfg, run_dir, world_size)
     else:
         cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
+    if cfg.train.checkpoint_mirror:
+        from ampctl.runner import mirror as mirroring
+
+        mirroring.check(cfg.train.checkpoint_mirror, resume.run_dir, continuing=bool(cfg.resume))
     policy = check_config(cfg)
     return RunPlan(cfg, dict(choices or {}), policy, resume, check_loggers(cfg.logger))
+
+
+def holds_none_of_the_run(run_dir: Path) -> bool:
+    """A run directory on a machine the run never ran on: no identity, no checkpoint (Hydra's files at most)."""
+    from ampctl import run_files
+    from ampctl.runner.checkpoint_files import list_checkpoints
+
+    return not (run_dir / run_files.IDENTITY).is_file() and not list_checkpoints(run_dir)
+
+
+def pull_from_mirror(url: str, run_dir: Path, world_size: int) -> None:
+    """resume=auto on a machine without the run: the mirror's run into run_dir (runner/mirror.py)."""
+    from ampctl.errors import UsageError
+    from ampctl.runner import mirror as mirroring
+
+    if world_size > 1:
+        raise UsageError(f"resume=auto with train.checkpoint_mirror={url}: {run_dir} holds none of the run, and "
+                         f"{world_size} ranks would each pull it; pull it with one process first (the same command "
+                         "without torchrun pulls it as it starts), or copy the mirror's files into it")
+    mirroring.pull(url, run_dir, lambda line: print(line, flush=True))
 
 
 def check_config(cfg: DictConfig) -> PrecisionPolicy:

@@ -35,6 +35,7 @@ from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
 from ampctl.runner.evaluating import RunEvaluation
 from ampctl.runner.guards import Guard, GuardStop
+from ampctl.runner.mirror import Mirror
 from ampctl.runner.plan import RunPlan
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder
@@ -102,6 +103,7 @@ class TrainingRun:
         # refuses a recipe without held-out batches, before anything is written
         self.evaluation = RunEvaluation(cfg, self.recipe, policy) if cfg.train.eval_every else None
         self.steps_began_at = time.time()  # set again when the steps begin
+        self.mirror: Optional[Mirror] = None  # train.checkpoint_mirror's uploader, once the run has its identity
 
     def train(self) -> dict:
         cfg, policy, recorder, resume = self.cfg, self.policy, self.recorder, self.resume
@@ -115,6 +117,7 @@ class TrainingRun:
                     self.evaluation.check_monitor(self.state.model, cfg.train.monitor)  # one held-out batch, first
                 self.announce()
                 recorder.identity = self.parallel.main_value(recorder.claim(cfg, self.choices))  # before any record
+                self.mirror = self._mirror()
                 # the trackers reached (and a resumed run's tracker ids read) before anything is set aside or written
                 recorder.start_trackers(self.plan.trackers, cfg, resume.step, after_steps=self.peak.untimed_steps)
                 recorder.open(resume.step)
@@ -226,12 +229,32 @@ class TrainingRun:
                 lambda: replay(cfg, self.policy, self.recipe, recorder.run_dir, trip.step, trip.reason))) from None
         finally:
             telemetry.close()
-            checkpointer.writer.close()  # a pending async save completes: the last checkpoint exists from here
+            try:
+                checkpointer.writer.close()  # a pending async save completes: the last checkpoint exists from here
+            finally:
+                self._close_mirror()  # its uploads complete: a preempted machine's stop checkpoint is off it
         if not finished:
             # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
             raise Interrupted(stop.signum or signal.SIGTERM, state.step,
                               str(checkpointer.last) if checkpointer.last else None)
         return checkpointer.best
+
+    def _mirror(self) -> Optional[Mirror]:
+        """train.checkpoint_mirror's uploader, on rank 0 (the one that writes whole files and the manifests)."""
+        url = self.cfg.train.checkpoint_mirror
+        if not url or not self.parallel.is_main:
+            return None
+        mirror = Mirror(url, self.recorder.run_dir, self.recorder.echo)
+        mirror.claim()
+        return mirror
+
+    def _close_mirror(self) -> None:
+        if self.mirror is None:
+            return
+        failed = self.mirror.close()
+        if failed:
+            self.recorder.echo(f"warning: {len(failed)} checkpoint(s) not mirrored to {self.mirror.url}: "
+                               f"{', '.join(failed)} (each said when it failed); the local ones are whole")
 
     def summary(self) -> dict:
         """summary.json: what ran, where, and the figures of its metrics.jsonl."""
@@ -334,7 +357,9 @@ class Checkpointer:
             recorder.echo(f"warning: {self.best.repaired}")
         self.recorder, self.parallel = recorder, run.parallel
         self.saved_at = time.monotonic()
-        self.writer = checkpoint.writer(cfg, recorder.run_dir, state)
+        # each checkpoint, once whole in the run directory, goes to the mirror too (its upload is a thread's)
+        self.writer = checkpoint.writer(cfg, recorder.run_dir, state,
+                                        on_saved=run.mirror.upload if run.mirror is not None else None)
         self.sharded = cfg.distributed.checkpoint_format is CheckpointFormat.sharded
         self.last: Optional[Path] = None
 

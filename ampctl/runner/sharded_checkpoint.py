@@ -21,7 +21,7 @@ import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,9 @@ def _no_dist(state: TrainState) -> bool:
 class ShardedWriter:
     """Saves checkpoints as DCP directories; every rank calls save() with its payload (a collective)."""
 
-    def __init__(self, run_dir: Path, keep: int, state: TrainState, async_save: bool) -> None:
-        self.run_dir, self.keep, self.state = run_dir, keep, state
+    def __init__(self, run_dir: Path, keep: int, state: TrainState, async_save: bool,
+                 on_saved: Optional[Callable[[Path], None]] = None) -> None:
+        self.run_dir, self.keep, self.state, self.on_saved = run_dir, keep, state, on_saved
         self.is_main = state.parallel.is_main
         self._pending: Optional[Future] = None  # an async save under way, writing into _pending_path
         self._pending_path = run_dir
@@ -126,6 +127,8 @@ class ShardedWriter:
         tmp.rename(final)
         checkpoint_files.fsync_dir(final.parent)
         checkpoint_files.prune(self.run_dir, self.keep)
+        if self.on_saved is not None:
+            self.on_saved(final)
 
     def wait(self) -> None:
         """Until the pending async save is complete; raises what it raised (a full disk, named)."""

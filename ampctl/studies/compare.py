@@ -67,6 +67,9 @@ def split_overrides(task_overrides: list[str]) -> list[str]:
         if key == "resume":
             raise UsageError(f"{override!r}: ampctl compare starts fresh runs; resume a single mode's run with "
                              "ampctl train resume=<its run dir>")
+        if key == "train.checkpoint_mirror":  # one run per mirror: the modes' runs would refuse each other's
+            raise UsageError(f"{override!r}: ampctl compare's runs are measurements of its own and are not mirrored; "
+                             "train.checkpoint_mirror is for an ampctl train run")
         if not key.startswith("compare.") and key != "train.seed":  # each run's seed is compare's (compare.seeds)
             run_overrides.append(override)
     return run_overrides

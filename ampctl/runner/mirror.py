@@ -1,0 +1,256 @@
+"""train.checkpoint_mirror: a run's checkpoints kept off the machine too, at an fsspec URL (s3://, gs://, memory://,
+or a path every machine mounts), so that a preempted or lost machine's run continues elsewhere.
+
+Each checkpoint is written and checksummed in the run directory as always; a thread then uploads it, so the step
+never waits on the network. Object stores have no rename, so a checkpoint cannot appear there whole at once: its
+records (metrics.jsonl, evals.jsonl, as of the checkpoint) go first, then its data, then its checksum, last, as the
+commit marker. A checkpoint whose marker is missing (an upload killed half-way) or does not match its data is never
+taken. Mirrored checkpoints beyond the run's train.keep_checkpoints are removed, the marker first.
+
+`resume=auto` in a run directory that holds none of the run (a new machine) pulls the run's identity, its records
+and the newest mirrored checkpoint that verifies, then resumes from them as from its own. A mirror holds one run:
+a new run refuses a mirror that holds another (as it refuses a run directory that does).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from ampctl import run_files
+from ampctl.errors import UsageError
+from ampctl.runner import checkpoint_files
+from ampctl.runner.checkpoint_files import CHECKSUM_SUFFIX
+from ampctl.runner.sharded_checkpoint import MANIFEST  # a sharded checkpoint's commit marker, uploaded last
+
+log = logging.getLogger(__name__)
+
+RECORDS = (run_files.METRICS, run_files.EVALS)  # uploaded with each checkpoint; pulled with the newest
+EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # the ampctl extra that installs each protocol
+
+
+def open_mirror(url: str) -> tuple[Any, str]:
+    """The fsspec file system and root path of a mirror URL; UsageError naming what to install when its protocol
+    is not (s3fs for s3://, gcsfs for gs://) or is unknown."""
+    import fsspec
+
+    key = "train.checkpoint_mirror"
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise UsageError(f"{key}={url}: fsspec knows no protocol {protocol!r}; give a URL such as s3://bucket/run, "
+                         "gs://bucket/run or memory://run, or a directory every machine mounts") from None
+    except ImportError as exc:
+        extra = EXTRAS.get(protocol)
+        how = f"pip install 'ampctl[{extra}]'" if extra else f"install what it names: {exc}"
+        raise UsageError(f"{key}={url}: the {protocol}:// file system is not installed; {how}") from None
+    del cls
+    fs, root = fsspec.core.url_to_fs(url)
+    return fs, root.rstrip("/")
+
+
+def _marker(name: str) -> str:
+    """The commit marker of a checkpoint, relative to checkpoints/: a file's checksum, a sharded one's manifest."""
+    return f"{name}/{MANIFEST}" if name.endswith(".dcp") else name + CHECKSUM_SUFFIX
+
+
+def _whole_lines(path: Path) -> Optional[bytes]:
+    """A records file as of now, to its last whole row (the run may be appending)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return data[: data.rfind(b"\n") + 1]
+
+
+class Mirror:
+    """The mirror of one run: its identity claimed when the run starts, each checkpoint uploaded by a thread."""
+
+    def __init__(self, url: str, run_dir: Path, warn: Callable[[str], None]) -> None:
+        self.url, self.run_dir, self.warn = url, run_dir, warn
+        self.fs, self.root = open_mirror(url)
+        self.failed: list[str] = []
+        self._queue: "queue.Queue[Optional[Path]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def claim(self) -> None:
+        """The run's identity in the mirror, when it has none yet (whose it holds was checked by the plan: check)."""
+        if read_identity(self.fs, self._path(run_files.IDENTITY)) is None:
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(self._path(run_files.IDENTITY), (self.run_dir / run_files.IDENTITY).read_bytes())
+
+    def upload(self, checkpoint: Path) -> None:
+        """Queue a checkpoint (whole in the run directory) for upload; the thread starts with the first."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._upload_queued, name="ampctl-mirror", daemon=True)
+            self._thread.start()
+        self._queue.put(checkpoint)
+
+    def close(self) -> list[str]:
+        """Wait for the uploads under way; the checkpoints that could not be mirrored (each said when it failed)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        return self.failed
+
+    def _upload_queued(self) -> None:
+        while (checkpoint := self._queue.get()) is not None:
+            try:
+                self._upload(checkpoint)
+                self._prune()
+            except Exception as exc:  # noqa: BLE001 - the network's failure is said; the local checkpoint is whole
+                self.failed.append(checkpoint.name)
+                self.warn(f"warning: {checkpoint.name} was not mirrored to {self.url} ({type(exc).__name__}: "
+                          f"{str(exc).strip()[:200]}); the local checkpoint is whole, and the next one is tried")
+
+    def _upload(self, checkpoint: Path) -> None:
+        for name in RECORDS:  # first: a pulled checkpoint's steps are in its records
+            data = _whole_lines(self.run_dir / name)
+            if data is not None:
+                self.fs.pipe_file(self._path(name), data)
+        folder = self._path(run_files.CHECKPOINTS, checkpoint.name)
+        self.fs.makedirs(self._path(run_files.CHECKPOINTS), exist_ok=True)  # a local or mounted mirror's folder
+        if checkpoint.is_dir():
+            files = sorted(checkpoint.iterdir(), key=lambda p: p.name == MANIFEST)  # the manifest last
+            self.fs.makedirs(folder, exist_ok=True)
+            for file in files:
+                self.fs.put_file(str(file), f"{folder}/{file.name}")
+        else:
+            self.fs.put_file(str(checkpoint), folder)
+            self.fs.put_file(str(checkpoint_files.checksum_path(checkpoint)), folder + CHECKSUM_SUFFIX)
+
+    def _prune(self) -> None:
+        """Mirrored checkpoints older than the oldest kept in the run directory: the marker first, so that a prune
+        cut short leaves data no one takes rather than a marker without its data."""
+        kept = checkpoint_files.list_checkpoints(self.run_dir)
+        if not kept:
+            return
+        oldest = checkpoint_files.checkpoint_step(kept[0])
+        for name in mirrored_checkpoints(self.fs, self._path(run_files.CHECKPOINTS)):
+            if checkpoint_files.checkpoint_step(Path(name)) < oldest:
+                self.fs.rm(self._path(run_files.CHECKPOINTS, _marker(name)))
+                self.fs.rm(self._path(run_files.CHECKPOINTS, name), recursive=name.endswith(".dcp"))
+
+
+def check(url: str, run_dir: Path, continuing: bool) -> None:
+    """Before anything is written: the mirror's file system is installed and readable, and it holds no run or
+    this one (the run in run_dir, when the run continues it). UsageError otherwise."""
+    from ampctl.runner import identity
+
+    fs, root = open_mirror(url)
+    try:
+        theirs = read_identity(fs, f"{root}/{run_files.IDENTITY}")
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - credentials, a bucket that is not there, the network: one line
+        raise UsageError(f"train.checkpoint_mirror={url} cannot be read ({type(exc).__name__}: "
+                         f"{str(exc).strip()[:200]})") from None
+    if theirs is None:
+        return
+    ours = identity.read(run_dir) if continuing else None
+    if ours is None or ours.run_id != theirs.get("run_id"):
+        raise UsageError(f"train.checkpoint_mirror={url} holds another run's checkpoints (run "
+                         f"{str(theirs.get('run_id'))[:8]}): a mirror holds one run; choose another URL, or continue "
+                         "that run with resume=auto in an empty run directory")
+
+
+def read_identity(fs: Any, path: str) -> Optional[dict]:
+    import json
+
+    try:
+        return json.loads(fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise UsageError(f"the mirror's {path} cannot be read: it is not a run's identity") from None
+
+
+def mirrored_checkpoints(fs: Any, folder: str) -> list[str]:
+    """The checkpoint names in a mirror's checkpoints/ with their commit marker, oldest first."""
+    try:
+        names = {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(folder, detail=False)}
+    except FileNotFoundError:
+        return []
+    marked = [n for n in names if checkpoint_files.is_checkpoint_name(n)
+              and (fs.exists(f"{folder}/{n}/{MANIFEST}") if n.endswith(".dcp") else n + CHECKSUM_SUFFIX in names)]
+    return sorted(marked, key=lambda n: checkpoint_files.checkpoint_step(Path(n)))
+
+
+def pull(url: str, run_dir: Path, say: Callable[[str], None]) -> bool:
+    """Into a run directory that holds none of the run: the mirror's identity, records and newest checkpoint that
+    verifies (newer ones that do not are said and left). False when the mirror holds no run. UsageError when it
+    holds one but no checkpoint of it verifies (nothing is left in run_dir then)."""
+    fs, root = open_mirror(url)
+    identity = root + "/" + run_files.IDENTITY
+    if read_identity(fs, identity) is None:
+        return False
+    folder = run_dir / run_files.CHECKPOINTS
+    created = not run_dir.exists()
+    written: list[Path] = []
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        failures: list[str] = []
+        for name in reversed(mirrored_checkpoints(fs, f"{root}/{run_files.CHECKPOINTS}")):
+            why = _pull_checkpoint(fs, f"{root}/{run_files.CHECKPOINTS}/{name}", folder / name, written)
+            if why is None:
+                for record in (run_files.IDENTITY, *RECORDS):
+                    if fs.exists(f"{root}/{record}"):
+                        fs.get_file(f"{root}/{record}", str(run_dir / record))
+                        written.append(run_dir / record)
+                for failure in failures:
+                    say(f"resume=auto: passed over the mirror's {failure}")
+                say(f"resume=auto: pulled {name} and the run's records from {url}")
+                return True
+            failures.append(f"{name} ({why})")
+        raise UsageError(f"resume=auto: train.checkpoint_mirror={url} holds a run but no checkpoint of it that "
+                         f"verifies{': ' + '; '.join(failures) if failures else ''}")
+    except BaseException:
+        for path in reversed(written):
+            checkpoint_files.remove(path) if checkpoint_files.is_checkpoint(path) else path.unlink(missing_ok=True)
+        if created:
+            import shutil
+
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+
+
+def _pull_checkpoint(fs: Any, remote: str, local: Path, written: list[Path]) -> Optional[str]:
+    """Download one mirrored checkpoint under a .tmp name, check it against its marker, rename it into place.
+    Why it does not verify, or None."""
+    import shutil
+
+    tmp = local.with_name(local.name + ".tmp")
+    try:
+        if local.suffix == ".dcp":
+            fs.get(remote + "/", str(tmp) + "/", recursive=True)
+            from ampctl.runner.sharded_checkpoint import verify
+
+            why = verify(tmp)
+            if why is not None:
+                return why
+            tmp.rename(local)
+        else:
+            marker = fs.cat_file(remote + CHECKSUM_SUFFIX).decode("utf-8", "replace")
+            fs.get_file(remote, str(tmp))
+            digest = checkpoint_files.file_sha256(tmp)
+            if marker.split()[:1] != [digest]:
+                return "its data does not match its checksum"
+            checkpoint_files.checksum_path(local).write_text(marker, encoding="utf-8")
+            tmp.rename(local)
+        written.append(local)
+        return None
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)

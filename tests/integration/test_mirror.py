@@ -1,0 +1,180 @@
+"""train.checkpoint_mirror (runner/mirror.py): checkpoints kept off the machine at an fsspec URL, and a run continued
+from them on a machine that has none of it. Against fsspec's memory:// (in this process, whose runs share it) and
+against moto's S3 server on 127.0.0.1 through s3fs: real S3 semantics, no rename, objects whole or absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from tests.support.adversarial import one_line_refusal
+from tests.support.in_process import run_ampctl
+from tests.support.runs import QUICK, REPO, steps
+
+RUN = [*QUICK, "train.checkpoint_every=10", "train.keep_checkpoints=2"]
+
+
+def _final_weights(run_dir: Path) -> dict:
+    [last] = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1:]
+    return torch.load(last, map_location="cpu", weights_only=False)["model"]
+
+
+@pytest.fixture
+def memory_mirror():
+    url = f"memory://ampctl-test-{os.getpid()}-{id(object())}/run"
+    yield url
+    fs = fsspec.filesystem("memory")
+    fs.rm(url.split("://")[1].split("/")[0], recursive=True)
+
+
+def test_each_checkpoint_is_mirrored_whole_and_a_new_machine_continues_the_run_from_it(tmp_path, memory_mirror):
+    first = run_ampctl("train", *RUN, "train.steps=30", f"train.checkpoint_mirror={memory_mirror}",
+                       "hydra.run.dir=m1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    fs, root = fsspec.core.url_to_fs(memory_mirror)
+    local = tmp_path / "m1"
+    # the newest keep_checkpoints, each byte for byte the local one, with its checksum; the identity and records
+    mirrored = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/checkpoints", detail=False))
+    assert mirrored == ["step_00000020.pt", "step_00000020.pt.sha256", "step_00000030.pt", "step_00000030.pt.sha256"]
+    for name in mirrored:
+        assert fs.cat_file(f"{root}/checkpoints/{name}") == (local / "checkpoints" / name).read_bytes(), name
+    assert fs.cat_file(f"{root}/identity.json") == (local / "identity.json").read_bytes()
+    assert fs.cat_file(f"{root}/metrics.jsonl") == (local / "metrics.jsonl").read_bytes()
+
+    # another machine: an empty run directory, resume=auto, the mirror; against the same resume from the local copy
+    pulled = run_ampctl("train", *RUN, "train.steps=50", f"train.checkpoint_mirror={memory_mirror}", "resume=auto",
+                        "hydra.run.dir=m2", cwd=tmp_path)
+    assert pulled.returncode == 0, pulled.stderr
+    assert f"resume=auto: pulled step_00000030.pt and the run's records from {memory_mirror}" in pulled.stdout
+    shutil.copytree(local, tmp_path / "m3")
+    here = run_ampctl("train", *RUN, "train.steps=50", "resume=auto", "hydra.run.dir=m3", cwd=tmp_path)
+    assert here.returncode == 0, here.stderr
+    assert steps(tmp_path / "m2" / "metrics.jsonl") == list(range(1, 51))
+    for key, value in _final_weights(tmp_path / "m3").items():
+        assert torch.equal(_final_weights(tmp_path / "m2")[key], value), key
+    assert json.loads((tmp_path / "m2" / "identity.json").read_text())["run_id"] == \
+        json.loads((local / "identity.json").read_text())["run_id"]
+
+
+def test_a_checkpoint_whose_upload_did_not_finish_or_whose_data_changed_is_never_pulled(tmp_path, memory_mirror):
+    """An upload killed before its checksum (the commit marker, uploaded last) leaves a checkpoint no pull takes;
+    one whose data does not match its checksum is passed over, said; with none left, one line and nothing left."""
+    assert run_ampctl("train", *RUN, "train.steps=30", "train.keep_checkpoints=3",
+                      f"train.checkpoint_mirror={memory_mirror}", "hydra.run.dir=m1", cwd=tmp_path).returncode == 0
+    fs, root = fsspec.core.url_to_fs(memory_mirror)
+    fs.rm(f"{root}/checkpoints/step_00000030.pt.sha256")  # killed between its data and its marker
+    data = bytearray(fs.cat_file(f"{root}/checkpoints/step_00000020.pt"))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(f"{root}/checkpoints/step_00000020.pt", bytes(data))
+    pulled = run_ampctl("train", *RUN, "train.steps=30", f"train.checkpoint_mirror={memory_mirror}", "resume=auto",
+                        "hydra.run.dir=m2", cwd=tmp_path)
+    assert pulled.returncode == 0, pulled.stderr
+    assert "resume=auto: passed over the mirror's step_00000020.pt (its data does not match its checksum)" in \
+        pulled.stdout and "pulled step_00000010.pt" in pulled.stdout, pulled.stdout
+    assert steps(tmp_path / "m2" / "metrics.jsonl") == list(range(1, 31))
+
+    for marker in fs.glob(f"{root}/checkpoints/*.sha256"):  # every upload cut short
+        fs.rm(marker)
+    none_left = run_ampctl("train", *RUN, "train.steps=30", f"train.checkpoint_mirror={memory_mirror}",
+                           "resume=auto", "hydra.run.dir=m3", cwd=tmp_path)
+    assert "holds a run but no checkpoint of it that verifies" in one_line_refusal(none_left, "train")
+    assert not (tmp_path / "m3").exists()
+
+
+def test_a_mirror_holds_one_run_and_a_mirror_that_cannot_be_used_is_one_line(tmp_path, memory_mirror):
+    assert run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint_mirror={memory_mirror}",
+                      "hydra.run.dir=m1", cwd=tmp_path).returncode == 0
+    other = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint_mirror={memory_mirror}",
+                       "hydra.run.dir=m2", cwd=tmp_path)
+    assert "holds another run's checkpoints (run " in one_line_refusal(other, "train")
+    assert not (tmp_path / "m2").exists()
+    for url, said in (("gs://bucket/run", "the gs:// file system is not installed; pip install 'ampctl[gcs]'"),
+                      ("nosuchfs://bucket/run", "fsspec knows no protocol 'nosuchfs'")):
+        if url.startswith("gs") and _installed("gcsfs"):
+            continue
+        refused = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint_mirror={url}", "hydra.run.dir=m3",
+                             cwd=tmp_path)
+        assert said in one_line_refusal(refused, "train") and not (tmp_path / "m3").exists()
+    compared = run_ampctl("compare", *RUN, "train.steps=2", f"train.checkpoint_mirror={memory_mirror}",
+                          "compare.precisions=[fp32]", "hydra.run.dir=cmp", cwd=tmp_path)
+    assert "are not mirrored; train.checkpoint_mirror is for an ampctl train run" in \
+        one_line_refusal(compared, "compare")
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture
+def s3_server():
+    """moto's S3 server on 127.0.0.1, with a bucket; s3fs reaches it through fsspec's configuration variables."""
+    pytest.importorskip("s3fs")
+    server_module = pytest.importorskip("moto.server")
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    fsspec.config.set_conf_env(fsspec.config.conf)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir("ampctl-runs")
+    try:
+        yield env
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        fsspec.config.conf.pop("s3", None)
+
+
+@pytest.mark.slow
+def test_a_run_mirrored_to_s3_continues_on_another_machine_from_its_newest_whole_checkpoint(tmp_path, s3_server):
+    """Through s3fs against moto's S3 server, in real processes (each with the credentials and endpoint a user
+    sets in the environment): the run mirrors its checkpoints, and resume=auto in an empty directory continues it;
+    the newest checkpoint's marker removed (its upload killed before its end) makes the pull take the one before."""
+    env = {**os.environ, **s3_server, "PYTHONPATH": str(REPO)}
+    url = "s3://ampctl-runs/run"
+
+    def ampctl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ampctl", "train", *RUN, f"train.checkpoint_mirror={url}", *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    first = ampctl("train.steps=30", "hydra.run.dir=m1")
+    assert first.returncode == 0 and "not mirrored" not in first.stdout + first.stderr, first.stderr[-2000:]
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ampctl-runs/run/checkpoints")) == \
+        ["step_00000020.pt", "step_00000020.pt.sha256", "step_00000030.pt", "step_00000030.pt.sha256"]
+    fs.rm("ampctl-runs/run/checkpoints/step_00000030.pt.sha256")
+    pulled = ampctl("train.steps=40", "resume=auto", "hydra.run.dir=m2")
+    assert pulled.returncode == 0, pulled.stderr[-2000:]
+    assert "resume=auto: pulled step_00000020.pt" in pulled.stdout, pulled.stdout
+    assert steps(tmp_path / "m2" / "metrics.jsonl") == list(range(1, 41))
+    # the continued run mirrors on: the mirror holds its newest checkpoints now
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ampctl-runs/run/checkpoints", refresh=True)) == \
+        ["step_00000030.pt", "step_00000030.pt.sha256", "step_00000040.pt", "step_00000040.pt.sha256"]
+
+
+def test_a_sharded_checkpoint_is_mirrored_manifest_last_and_pulled_whole(tmp_path, memory_mirror):
+    """A DCP directory: its files, then its SHA256SUMS (the marker); pulled into a .tmp directory, checked against
+    the manifest, renamed into place."""
+    sharded = [*RUN, "distributed.checkpoint_format=sharded", f"train.checkpoint_mirror={memory_mirror}"]
+    assert run_ampctl("train", *sharded, "train.steps=20", "hydra.run.dir=m1", cwd=tmp_path).returncode == 0
+    fs, root = fsspec.core.url_to_fs(memory_mirror)
+    local = tmp_path / "m1" / "checkpoints" / "step_00000020.dcp"
+    for file in local.iterdir():
+        assert fs.cat_file(f"{root}/checkpoints/step_00000020.dcp/{file.name}") == file.read_bytes(), file.name
+    pulled = run_ampctl("train", *sharded, "train.steps=30", "resume=auto", "hydra.run.dir=m2", cwd=tmp_path)
+    assert pulled.returncode == 0 and "pulled step_00000020.dcp" in pulled.stdout, pulled.stderr
+    assert steps(tmp_path / "m2" / "metrics.jsonl") == list(range(1, 31))
