@@ -25,7 +25,7 @@ from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import LossScaler
 from ampctl.engine.telemetry import Telemetry
 from ampctl.errors import UsageError
-from ampctl.recipes.base import Recipe, checked_batches, checked_loss, recipe_errors, recipe_name
+from ampctl.recipes.base import Recipe, checked_batches, checked_loss, recipe_errors, recipe_name, starts_anywhere
 
 
 def grad_norm_(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:
@@ -201,7 +201,11 @@ def fit(
 
 
 def batch_stream(recipe: Recipe, device: torch.device, seed: int, position: int = 0) -> BatchStream:
-    """The recipe's batches for `seed`, past the first `position` (a resumed run continues the same stream)."""
+    """The recipe's batches for `seed`, past the first `position` (a resumed run continues the same stream): from
+    the recipe's batches_from where it has one (it starts there without producing the batches before: a
+    DataLoader recipe's resume reads no image twice), else drawn and discarded."""
+    if position and starts_anywhere(recipe):
+        return BatchStream(checked_batches(recipe.batches_from(device, seed, position), recipe))
     batches = checked_batches(recipe.batches(device, seed), recipe)
     for _ in range(position):
         next(batches)

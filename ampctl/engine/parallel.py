@@ -32,6 +32,7 @@ from ampctl.conf.schema import CheckpointFormat, ParallelKind
 from ampctl.engine.precision import converters
 from ampctl.errors import UsageError
 from ampctl.processes import torchrun_world_size
+from ampctl.recipes.base import starts_anywhere
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -286,12 +287,20 @@ class RankShard:
         self.samples_per_batch = recipe.samples_per_batch // world_size
         tokens = recipe.tokens_per_batch
         self.tokens_per_batch = None if tokens is None else tokens // world_size
+        if starts_anywhere(recipe):  # its slices too (found through __getattr__, it would give whole batches)
+            self.batches_from = self._sliced_from
 
     def __getattr__(self, name: str) -> Any:
+        if name == "batches_from":  # set in __init__ when the recipe has one
+            raise AttributeError(name)
         return getattr(self._recipe, name)
 
     def batches(self, device: torch.device, seed: int) -> Iterator[Any]:
         for batch in self._recipe.batches(device, seed):
+            yield _slice(batch, self._rank, self._world)
+
+    def _sliced_from(self, device: torch.device, seed: int, position: int) -> Iterator[Any]:
+        for batch in self._recipe.batches_from(device, seed, position):
             yield _slice(batch, self._rank, self._world)
 
 

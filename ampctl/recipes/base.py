@@ -32,6 +32,11 @@ class Recipe(Protocol):
     ``samples_per_batch`` (and ``tokens_per_batch`` for language models) per micro-batch; they are plain
     numbers so that counting them never reads from the device.
 
+    Optional, for a resume: ``batches_from(device, seed, position)``, the stream of ``batches(device, seed)`` from
+    its position-th batch on, without producing those before it (a DataLoader recipe then reads no sample twice
+    at a resume; without it the loop draws and discards the batches before the position). Used only where the
+    class that defines it defines ``batches`` too, or inherits it (starts_anywhere).
+
     Optional, for train.eval_every (engine/evaluation.py): ``eval_batches(device)``, held-out batches, the same
     on every call and for every seed; ``eval_metrics(model, batch)``, each metric summed over the batch and
     ``count``, how many it summed over (without it the held-out metric is ``loss``, a batch counting one).
@@ -80,6 +85,19 @@ def build_recipe(cfg: DictConfig) -> Recipe:
             raise UsageError(f"recipe._target_={target!r}: {name} is {_what(value)}; the protocol needs an integer "
                              f">= 1 (the {name.split('_')[0]} in one batch)" + (", or None" if optional else ""))
     return recipe
+
+
+def starts_anywhere(recipe: Any) -> bool:
+    """Whether recipe.batches_from gives recipe.batches' stream from a position: a subclass that changes batches
+    alone (a delay, a filter) inherits a batches_from that would skip its change, and is replayed instead."""
+    if "batches_from" in vars(recipe):  # set per instance (a rank's view of a recipe that starts anywhere)
+        return True
+
+    def owner(name: str) -> Optional[type]:
+        return next((cls for cls in type(recipe).__mro__ if name in vars(cls)), None)
+
+    start, plain = owner("batches_from"), owner("batches")
+    return start is not None and plain is not None and issubclass(start, plain)
 
 
 def checked_batches(batches: Any, recipe: Recipe) -> Iterator[Any]:

@@ -91,10 +91,16 @@ class ResNetRecipe:
         return model.to(memory_format=torch.channels_last) if self.channels_last else model
 
     def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.batches_from(device, seed, 0)
+
+    def batches_from(self, device: torch.device, seed: int,
+                     position: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The stream of batches(device, seed) from its position-th batch, reading no image before it."""
         if self._dataset is None:
             return synthetic_batches(self.batch_size, self.image_size, self.num_classes, self.channels_last,
-                                     device, seed)
-        return dataset_batches(self._dataset, self.batch_size, self.num_workers, self.channels_last, device, seed)
+                                     device, seed, position)
+        return dataset_batches(self._dataset, self.batch_size, self.num_workers, self.channels_last, device, seed,
+                               position)
 
     def eval_batches(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """CIFAR-10's test set (or held-out synthetic batches)."""

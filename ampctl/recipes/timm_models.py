@@ -170,9 +170,15 @@ class TimmRecipe:
         return blocks
 
     def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return self.batches_from(device, seed, 0)
+
+    def batches_from(self, device: torch.device, seed: int,
+                     position: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The stream of batches(device, seed) from its position-th batch, reading no image before it."""
         if self._dataset is None:
-            return synthetic_batches(self.batch_size, self.image_size, self.num_classes, self._nhwc(), device, seed)
-        return dataset_batches(self._dataset, self.batch_size, self.num_workers, self._nhwc(), device, seed)
+            return synthetic_batches(self.batch_size, self.image_size, self.num_classes, self._nhwc(), device, seed,
+                                     position)
+        return dataset_batches(self._dataset, self.batch_size, self.num_workers, self._nhwc(), device, seed, position)
 
     def eval_batches(self, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """recipe.eval_root's images with the model's evaluation transforms (imagefolder), or held-out synthetic

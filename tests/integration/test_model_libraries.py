@@ -98,6 +98,48 @@ def test_timm_trains_on_a_local_image_folder_with_the_models_transforms(tmp_path
     assert rows[0]["loss"] == pytest.approx(math.log(3), rel=0.5)  # a 3-way head from the folder's classes
 
 
+def test_a_resumed_image_folder_run_reads_no_image_twice_and_matches_the_uninterrupted_run(tmp_path):
+    """The loader of a resumed run starts at the checkpoint's batch (recipes/images.py): it loads only the images of
+    the steps it trains (it loaded and augmented every earlier batch again, at every resume), and the run's weights
+    are bit for bit those of the run that was never stopped. (In the training process, where the images it opens
+    can be counted; tests/unit/test_data_position.py checks the same stream from worker processes.)"""
+    pytest.importorskip("timm")
+    from PIL import Image
+
+    from tests.support.in_process import run_ampctl
+
+    generator = torch.Generator().manual_seed(0)
+    for label in ("cat", "dog"):
+        (tmp_path / "images" / label).mkdir(parents=True)
+        for i in range(5):
+            pixels = torch.randint(0, 256, (40, 48, 3), dtype=torch.uint8, generator=generator).numpy()
+            Image.fromarray(pixels).save(tmp_path / "images" / label / f"{i}.png")
+    run = [*TIMM, "recipe.model=test_resnet", "recipe.num_classes=null", "recipe.data=imagefolder",
+           f"recipe.data_root={tmp_path / 'images'}", "recipe.num_workers=0", "train.lr_schedule=constant",
+           "train.console=quiet", "telemetry.profile_cpu_memory=false", "device=cpu"]
+    assert run_ampctl("train", *run, "train.steps=7", "hydra.run.dir=whole", cwd=tmp_path).returncode == 0
+    assert run_ampctl("train", *run, "train.steps=5", "hydra.run.dir=part", cwd=tmp_path).returncode == 0
+    opened: list[str] = []
+    real_open = Image.open
+
+    def counting_open(path, *args, **kwargs):  # in this process: the stream's first batch is what it reads
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    Image.open = counting_open
+    try:
+        resumed = run_ampctl("train", *run, "train.steps=7", "resume=auto", "hydra.run.dir=part", cwd=tmp_path)
+    finally:
+        Image.open = real_open
+    assert resumed.returncode == 0, resumed.stderr
+    # 10 images, 2 full batches of 4 an epoch: steps 6 and 7 are the first two batches of epoch 2 (8 images), and
+    # the FLOP count's one batch drawn from the stream's start (4); replayed, steps 1-5 read 20 images more
+    assert len(opened) == 12, len(opened)
+    final = [torch.load(tmp_path / d / "checkpoints" / "step_00000007.pt", weights_only=False)["model"]
+             for d in ("whole", "part")]
+    assert all(torch.equal(final[0][key], final[1][key]) for key in final[0])
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_each_library_model_is_evaluated_on_held_out_batches(tmp_path, model):
     """timm: held-out synthetic batches (loss, accuracy); transformers: the corpus's held-out tenth (loss,
