@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Iterator, Optional
 
@@ -177,7 +178,11 @@ class StopOnSignal:
     handles: _HOSTS): stop at the next step where the run can (after this step, or the next log step when ranks
     must agree), with a checkpoint. The other preemption signals are ignored while it holds."""
 
-    def __init__(self, announce: str = "after this step", preempt_signal: Optional[str] = None) -> None:
+    def __init__(self, announce: str = "after this step", preempt_signal: Optional[str] = None,
+                 request_file: Optional[Path] = None) -> None:
+        """request_file: a file whose appearance is a stop as on the signal it names (a sweep's launcher writes
+        one for jobs its Ctrl-C does not reach: conf/sweeps.STOP_REQUEST), looked for at most once a second."""
+        self.request_file, self._next_look = request_file, 0.0
         self.chosen = [signal.Signals[preempt_signal]] if preempt_signal else []
         self.signals: list[int] = [*STOP_SIGNALS, *self.chosen]
         self.ignored: list[int] = [signum for signum in PREEMPT_SIGNALS if signum not in self.chosen]
@@ -187,7 +192,22 @@ class StopOnSignal:
 
     @property
     def requested(self) -> bool:
+        if self.signum is None and self.request_file is not None and time.monotonic() >= self._next_look:
+            self._next_look = time.monotonic() + 1.0
+            self._requested_by_file()
         return self.signum is not None
+
+    def _requested_by_file(self) -> None:
+        try:
+            name = self.request_file.read_text(encoding="utf-8").strip()  # type: ignore[union-attr]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError:
+            name = ""
+        self.signum = signal.Signals[name] if name in signal.Signals.__members__ else signal.SIGINT
+        if self._announce:
+            print(f"\nampctl: the sweep's launcher was interrupted ({signal.Signals(self.signum).name}): stopping "
+                  f"{self._announce} and writing a checkpoint", file=sys.stderr, flush=True)
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.signum is not None:

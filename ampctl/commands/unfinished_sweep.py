@@ -50,6 +50,8 @@ def report_the_unfinished_sweep(command: str, exc: BaseException) -> None:
     how = (f"interrupted ({signal_name(interrupt)}) while its launcher waited for the jobs" if interrupt is not None
            else f"ended: its launcher failed: {type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}")
     identity = SweepIdentity.recorded(sweep_dir)
+    if interrupt is not None:  # jobs its signal does not reach (a Ray worker, a SLURM node) stop on this request
+        sweeps.request_stop(sweep_dir, signal_name(interrupt))
     if sweep_dir.is_dir():
         _wait_for_stopping_jobs(sweep_dir)
         write_sweep_report(sweep_dir)

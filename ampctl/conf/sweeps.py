@@ -20,6 +20,31 @@ running: Optional[Path] = None
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"  # the default's _target_, a name only
 
+# A stop asked of every job of a sweep by its launcher's process, in the sweep's directory: Ctrl-C ends the
+# launcher's wait, but its signal never reaches jobs that run elsewhere (a Ray worker, a SLURM node). Each job's
+# loop looks for it (at most once a second) and stops as on that signal, with its checkpoint. Written by the
+# command that launched the sweep, removed when the sweep starts again.
+STOP_REQUEST = ".ampctl-stop"
+
+
+def request_stop(sweep_dir: Path, signal_name: str) -> None:
+    if sweep_dir.is_dir():
+        (sweep_dir / STOP_REQUEST).write_text(signal_name + "\n", encoding="utf-8")
+
+
+def clear_stop_request(sweep_dir: Path) -> None:
+    (sweep_dir / STOP_REQUEST).unlink(missing_ok=True)
+
+
+def stop_requested_of_this_job() -> Optional[Path]:
+    """The stop request file of the sweep this process runs a job of (None outside a sweep's job)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return Path(HydraConfig.get().sweep.dir) / STOP_REQUEST
+
 
 def sweep_overrides(config: DictConfig) -> list[str]:
     """The overrides the sweeper expands: `hydra.sweeper.params` from the config, then the command line's."""

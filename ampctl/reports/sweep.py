@@ -34,6 +34,7 @@ class SweepReport(Callback):
         self.total_jobs = len(jobs) if jobs is not None else int(trials or 0)
         self.started = time.perf_counter()
         sweep_dir = sweeps.running = Path(str(config.hydra.sweep.dir))
+        sweeps.clear_stop_request(sweep_dir)  # an earlier attempt's, which stopped it: this one goes on
         how_many = io.count_of(self.total_jobs, "job") if self.total_jobs else "its jobs"
         print(f"ampctl sweep: {how_many} in {sweep_dir}; if it stops, continue it with: "
               f"{SweepIdentity.of(config).command(sweep_dir)}", flush=True)

@@ -19,6 +19,7 @@ from ampctl.analysis import flops, mode_advice
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.precision_schema import scaler_is_active
 from ampctl.conf.schema import MONITOR_MODES, CheckpointFormat
+from ampctl.conf.sweeps import stop_requested_of_this_job
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state
@@ -214,7 +215,8 @@ class TrainingRun:
         self.steps_began_at = time.time()  # a sweep's report tells from it which jobs overlapped
         try:
             preempt = cfg.train.preempt_signal.value if cfg.train.preempt_signal else None
-            with StopOnSignal(announce_stop if parallel.is_main else "", preempt) as stop, self.profiler, watchdog:
+            with StopOnSignal(announce_stop if parallel.is_main else "", preempt, stop_requested_of_this_job()) \
+                    as stop, self.profiler, watchdog:
                 hooks = FitHooks(after_step=after_step,
                                  stop_requested=stop_agreement(parallel, stop, state, cfg.train.log_every))
                 if ranges_log:

@@ -1,6 +1,7 @@
 """Sweeps through Hydra's launcher plugins that run each job in a process of its own, with their local stand-ins:
 hydra/launcher=submitit_local (submitit's local executor, what hydra-submitit-launcher's SLURM launcher is built
-on). The sweep runs as a user runs it, in a real process group that a terminal's Ctrl-C reaches as a whole."""
+on) and hydra/launcher=ray (a local Ray, which ray.init starts). The sweep runs as a user runs it, in a real
+process group that a terminal's Ctrl-C reaches as a whole."""
 
 from __future__ import annotations
 
@@ -164,3 +165,41 @@ def test_a_job_submitit_will_not_requeue_again_says_so_and_the_sweep_continues_f
                            env={"PYTHONPATH": str(REPO)})
     assert continued.returncode == 0, continued.stderr[-3000:]
     assert [r["step"] for r in rows(job)] == list(range(1, 61))
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_ray_sweep_stops_its_workers_with_their_checkpoints_through_the_stop_request(tmp_path):
+    """hydra/launcher=ray (a local Ray, as ray.init starts it): Ray's workers are not in the launcher's process
+    group, so a terminal's Ctrl-C never reached them and the driver's shutdown killed them without their stop
+    checkpoints. The launcher's process, its wait ended by the signal (sent to it alone here), asks every job to stop
+    (conf/sweeps.STOP_REQUEST in the sweep's directory); each stops at the end of its step with a checkpoint, and the
+    sweep table and its line follow, exit 130. Its command continues both jobs to their last step."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher")
+    sweep = ["train", "-m", "hydra/launcher=ray", *SLOW, "train.console=quiet", "train.steps=300",
+             "optimizer.lr=0.001,0.002", "hydra.sweep.dir=sw"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, "-m", "ampctl", *sweep], cwd=tmp_path, env=env, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not all(len(rows(job)) >= 5 for job in [*(tmp_path / "sw").glob("[01]_*")] or [tmp_path / "none"]) or \
+            len(list((tmp_path / "sw").glob("[01]_*"))) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.1)
+    os.kill(process.pid, signal.SIGINT)  # the launcher's process only: nothing reaches Ray's workers but the request
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("ampctl train: sweep")]
+    assert said and "interrupted (SIGINT) while its launcher waited for the jobs; continue it with: ampctl train -m " \
+        "hydra/launcher=ray" in said[-1], err[-3000:]
+    for job in sorted((tmp_path / "sw").glob("[01]_*")):
+        last = rows(job)[-1]["step"]
+        assert last < 300 and (job / "checkpoints" / f"step_{last:08d}.pt").is_file(), (job, last)
+        assert "interrupted at step" in (job / "train.log").read_text()
+    # in a process of its own: ray.init in this one would leave its cluster running for the rest of the suite
+    command = said[-1].split("continue it with: ampctl ")[1].split()
+    continued = subprocess.run([sys.executable, "-m", "ampctl", *command], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=240)
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    for job in (tmp_path / "sw").glob("[01]_*"):
+        assert [r["step"] for r in rows(job)] == list(range(1, 301))
+    assert not (tmp_path / "sw" / ".ampctl-stop").exists()  # the continued sweep's jobs did not stop on it

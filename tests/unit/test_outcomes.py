@@ -172,3 +172,20 @@ leave(Interrupted(signal.SIGUSR2, 7, None), [f"refused: {refused}"], host_exit_c
     assert done.stdout.splitlines() == ["True None __main__", "(None, 'RuntimeError: timed-out too many times')",
                                         "host requeues"], done.stderr
     assert (done.returncode, done.stderr) == (144, "refused: None\n")
+
+
+def test_a_sweeps_stop_request_stops_the_loop_as_the_signal_it_names(tmp_path):
+    """conf/sweeps.STOP_REQUEST, written by a sweep's launcher for jobs its Ctrl-C does not reach: looked for at
+    most once a second (a stat per step would be a metadata request per step on a cluster's file system)."""
+    from ampctl.conf.sweeps import STOP_REQUEST, clear_stop_request, request_stop
+    from ampctl.interrupt import StopOnSignal
+
+    request = tmp_path / STOP_REQUEST
+    stop = StopOnSignal("", request_file=request)
+    assert not stop.requested
+    request_stop(tmp_path, "SIGTERM")
+    assert not stop.requested  # looked for less than a second ago
+    stop._next_look = 0.0
+    assert stop.requested and stop.signum == signal.SIGTERM
+    clear_stop_request(tmp_path)
+    assert not request.exists()
