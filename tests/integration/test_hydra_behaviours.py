@@ -154,6 +154,25 @@ def test_a_sweeper_plugin_chooses_the_jobs(tmp_path):
     assert (tmp_path / "sweep" / "sweep.csv").is_file()  # ampctl's sweep table, as after the basic sweeper
 
 
+def test_a_sweep_with_a_path_among_its_overrides_keeps_each_job_in_a_directory_of_its_own(tmp_path):
+    """A value with a `/` (a data root, a mirror URL) went into Hydra's override_dirname as it is: each job was a
+    directory nested under others, and the sweep's table was empty. Each job mirrors to its own URL (a mirror holds
+    one run) through Hydra's ${hydra:job.num}."""
+    import fsspec
+
+    mirror = f"memory://sweep-{id(tmp_path)}"
+    result = ampctl("train", "-m", *QUICK, f"train.checkpoint_mirror={mirror}/${{hydra:job.num}}",
+                    "optimizer.lr=0.001,0.002", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert [name[:2] for name in jobs] == ["0_", "1_"] and all("/" not in name for name in jobs), jobs
+    assert [row["status"] for row in json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"]] == \
+        ["ok", "ok"]
+    fs = fsspec.filesystem("memory")
+    assert all(fs.exists(f"{mirror}/{job}/identity.json") for job in (0, 1))
+    fs.rm(mirror.split("://")[1], recursive=True)
+
+
 def test_an_experiment_group_of_ones_own_is_chosen_with_plus(tmp_path):
     """docs/sweeps.md's experiment pattern: a group in a -cd directory, `# @package _global_`, group overrides."""
     group = tmp_path / "my_conf" / "experiment"
