@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -150,8 +151,16 @@ def train_run(cfg: DictConfig, hydra_cfg: DictConfig) -> "RunPlan":
     from ampctl.runner.plan import plan_run
 
     run_dir = main_run_dir(hydra_cfg)
-    return plan_run(continuing_a_requeued_job(cfg, run_dir), run_dir, dict(hydra_cfg.runtime.choices),
-                    task_overrides(hydra_cfg), torchrun_world_size())
+    cfg = continuing_a_requeued_job(cfg, run_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        cfg = continuing_a_jobs_earlier_attempt(cfg, run_dir, hydra_cfg.job.num)
+    return plan_run(cfg, run_dir, dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg), torchrun_world_size())
+
+
+def _resumed(cfg: DictConfig) -> DictConfig:
+    continued = cfg.copy()
+    continued.resume = "auto"
+    return continued
 
 
 def continuing_a_requeued_job(cfg: DictConfig, run_dir: Path) -> DictConfig:
@@ -166,9 +175,29 @@ def continuing_a_requeued_job(cfg: DictConfig, run_dir: Path) -> DictConfig:
         return cfg
     if is_main_process():
         print(f"ampctl train: batch job {own.job} was requeued: it continues its run in {run_dir}", flush=True)
-    continued = cfg.copy()
-    continued.resume = "auto"
-    return continued
+    return _resumed(cfg)
+
+
+def continuing_a_jobs_earlier_attempt(cfg: DictConfig, run_dir: Path, num: int) -> DictConfig:
+    """A sweep's job whose directory holds a run already: the same job started again by the engine that runs it
+    (Ray retries a task whose worker died; a batch system requeues a job) with its original overrides. The sweep's
+    directory was checked to be this sweep's before its first job, and each job has a directory of its own, so a
+    run there with this job's config is this job's earlier attempt: it continues (it trained again from step 0 over
+    the earlier attempt's records, every step twice in metrics.jsonl). One with another config is refused."""
+    from ampctl.runner import identity
+
+    if cfg.resume:
+        return cfg
+    earlier = identity.read(run_dir)
+    if earlier is None:
+        return cfg
+    if identity.config_hash(identity.resolved(cfg)) != earlier.config_hash:
+        raise UsageError(f"{run_dir} holds a run with another config than job #{num}'s (run {earlier.run_id[:8]}): "
+                         "a sweep's job continues only its own earlier attempt")
+    if is_main_process():
+        print(f"ampctl train: job #{num} started again (its engine retried it): it continues its earlier attempt "
+              f"in {run_dir}", flush=True)
+    return _resumed(cfg)
 
 
 def check_single_run(command: str, config: DictConfig) -> "Job | RunPlan":

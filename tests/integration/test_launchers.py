@@ -202,4 +202,24 @@ def test_ctrl_c_on_a_ray_sweep_stops_its_workers_with_their_checkpoints_through_
     assert continued.returncode == 0, continued.stderr[-3000:]
     for job in (tmp_path / "sw").glob("[01]_*"):
         assert [r["step"] for r in rows(job)] == list(range(1, 301))
+    # the launcher's terminal shows each job's step (Ray folds the jobs' own identical lines)
+    assert [line for line in continued.stdout.splitlines() if line.startswith("ampctl sweep: #0 step ")], \
+        continued.stdout[-3000:]
     assert not (tmp_path / "sw" / ".ampctl-stop").exists()  # the continued sweep's jobs did not stop on it
+
+
+@pytest.mark.slow
+def test_a_job_its_engine_runs_again_continues_its_earlier_attempt_instead_of_training_over_it(tmp_path):
+    """Ray retries a task whose worker died (here: `kill -9` of the job's process) with its original overrides, in
+    the job's directory: the job trained again from step 0 over its earlier attempt's records (every step twice in
+    metrics.jsonl). It continues from its newest checkpoint: each step once, the sweep ends 0."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher")
+    sweep = ["train", "-m", "hydra/launcher=ray", *SLOW, "train.console=quiet", "train.steps=200",
+             "train.checkpoint_every=20", "hydra.sweep.dir=sw"]
+    process, job = _sweep_until(tmp_path, sweep, 45)
+    os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGKILL)
+    out, err = process.communicate(timeout=240)
+    assert process.returncode == 0, err[-3000:]
+    assert "ampctl train: job #0 started again (its engine retried it): it continues its earlier attempt" in out + err
+    assert [r["step"] for r in rows(job)] == list(range(1, 201))
+    assert "resumed from " in (job / "train.log").read_text()
