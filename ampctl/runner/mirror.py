@@ -107,6 +107,8 @@ class Mirror:
                 self._upload(checkpoint)
                 self._prune()
             except Exception as exc:  # noqa: BLE001 - the network's failure is said; the local checkpoint is whole
+                if not checkpoint.exists():  # pruned in the run directory before its upload ended: superseded
+                    continue
                 self.failed.append(checkpoint.name)
                 self.warn(f"warning: {checkpoint.name} was not mirrored to {self.url} ({type(exc).__name__}: "
                           f"{str(exc).strip()[:200]}); the local checkpoint is whole, and the next one is tried")
@@ -134,10 +136,13 @@ class Mirror:
         if not kept:
             return
         oldest = checkpoint_files.checkpoint_step(kept[0])
-        for name in mirrored_checkpoints(self.fs, self._path(run_files.CHECKPOINTS)):
+        folder = self._path(run_files.CHECKPOINTS)
+        for name in checkpoint_names(self.fs, folder):  # with a marker or not (an upload cut short, superseded)
             if checkpoint_files.checkpoint_step(Path(name)) < oldest:
-                self.fs.rm(self._path(run_files.CHECKPOINTS, _marker(name)))
-                self.fs.rm(self._path(run_files.CHECKPOINTS, name), recursive=name.endswith(".dcp"))
+                marker = f"{folder}/{_marker(name)}"
+                if self.fs.exists(marker):
+                    self.fs.rm(marker)
+                self.fs.rm(f"{folder}/{name}", recursive=name.endswith(".dcp"))
 
 
 def check(url: str, run_dir: Path, continuing: bool) -> None:
@@ -173,15 +178,24 @@ def read_identity(fs: Any, path: str) -> Optional[dict]:
         raise UsageError(f"the mirror's {path} cannot be read: it is not a run's identity") from None
 
 
+def _names(fs: Any, folder: str) -> set[str]:
+    try:
+        return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(folder, detail=False, refresh=True)}
+    except FileNotFoundError:
+        return set()
+
+
+def checkpoint_names(fs: Any, folder: str) -> list[str]:
+    """Every checkpoint name in a mirror's checkpoints/, whole or not, oldest first."""
+    return sorted((n for n in _names(fs, folder) if checkpoint_files.is_checkpoint_name(n)),
+                  key=lambda n: checkpoint_files.checkpoint_step(Path(n)))
+
+
 def mirrored_checkpoints(fs: Any, folder: str) -> list[str]:
     """The checkpoint names in a mirror's checkpoints/ with their commit marker, oldest first."""
-    try:
-        names = {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(folder, detail=False)}
-    except FileNotFoundError:
-        return []
-    marked = [n for n in names if checkpoint_files.is_checkpoint_name(n)
-              and (fs.exists(f"{folder}/{n}/{MANIFEST}") if n.endswith(".dcp") else n + CHECKSUM_SUFFIX in names)]
-    return sorted(marked, key=lambda n: checkpoint_files.checkpoint_step(Path(n)))
+    names = _names(fs, folder)
+    return [n for n in checkpoint_names(fs, folder)
+            if (fs.exists(f"{folder}/{n}/{MANIFEST}") if n.endswith(".dcp") else n + CHECKSUM_SUFFIX in names)]
 
 
 def pull(url: str, run_dir: Path, say: Callable[[str], None]) -> bool:

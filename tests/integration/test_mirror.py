@@ -178,3 +178,29 @@ def test_a_sharded_checkpoint_is_mirrored_manifest_last_and_pulled_whole(tmp_pat
     pulled = run_ampctl("train", *sharded, "train.steps=30", "resume=auto", "hydra.run.dir=m2", cwd=tmp_path)
     assert pulled.returncode == 0 and "pulled step_00000020.dcp" in pulled.stdout, pulled.stderr
     assert steps(tmp_path / "m2" / "metrics.jsonl") == list(range(1, 31))
+
+
+def test_a_checkpoint_pruned_before_its_upload_is_passed_over_and_a_cut_short_upload_is_pruned(tmp_path,
+                                                                                               memory_mirror):
+    """The uploads lag the run (the network): a checkpoint the run directory pruned before its turn is superseded,
+    not a failure to warn of; data a cut-short upload left without its marker is pruned with the old ones."""
+    from ampctl.runner.checkpoint_files import file_sha256
+    from ampctl.runner.mirror import Mirror
+
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "identity.json").write_text('{"run_id": "abc"}')
+    for step in (20, 30):
+        path = run_dir / "checkpoints" / f"step_{step:08d}.pt"
+        path.write_bytes(bytes([step]) * 100)
+        (path.parent / (path.name + ".sha256")).write_text(f"{file_sha256(path)}  {path.name}\n")
+    fs, root = fsspec.core.url_to_fs(memory_mirror)
+    fs.pipe_file(f"{root}/checkpoints/step_00000005.pt", b"cut short")  # no marker
+    warned: list[str] = []
+    mirror = Mirror(memory_mirror, run_dir, warned.append)
+    mirror.claim()
+    mirror.upload(run_dir / "checkpoints" / "step_00000010.pt")  # pruned before its turn
+    mirror.upload(run_dir / "checkpoints" / "step_00000030.pt")
+    assert mirror.close() == [] and warned == []
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/checkpoints", detail=False)) == \
+        ["step_00000030.pt", "step_00000030.pt.sha256"]
