@@ -14,8 +14,8 @@ a new run refuses a mirror that holds another (as it refuses a run directory tha
 
 from __future__ import annotations
 
-import logging
 import queue
+import shutil
 import threading
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -25,8 +25,6 @@ from ampctl.errors import UsageError
 from ampctl.runner import checkpoint_files
 from ampctl.runner.checkpoint_files import CHECKSUM_SUFFIX
 from ampctl.runner.sharded_checkpoint import MANIFEST  # a sharded checkpoint's commit marker, uploaded last
-
-log = logging.getLogger(__name__)
 
 RECORDS = (run_files.METRICS, run_files.EVALS)  # uploaded with each checkpoint; pulled with the newest
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # the ampctl extra that installs each protocol
@@ -40,7 +38,7 @@ def open_mirror(url: str) -> tuple[Any, str]:
     key = "train.checkpoint_mirror"
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     try:
-        cls = fsspec.get_filesystem_class(protocol)
+        fsspec.get_filesystem_class(protocol)  # raises for an unknown protocol, or one whose package is missing
     except ValueError:
         raise UsageError(f"{key}={url}: fsspec knows no protocol {protocol!r}; give a URL such as s3://bucket/run, "
                          "gs://bucket/run or memory://run, or a directory every machine mounts") from None
@@ -48,7 +46,6 @@ def open_mirror(url: str) -> tuple[Any, str]:
         extra = EXTRAS.get(protocol)
         how = f"pip install 'ampctl[{extra}]'" if extra else f"install what it names: {exc}"
         raise UsageError(f"{key}={url}: the {protocol}:// file system is not installed; {how}") from None
-    del cls
     fs, root = fsspec.core.url_to_fs(url)
     return fs, root.rstrip("/")
 
@@ -154,11 +151,16 @@ def check(url: str, run_dir: Path, continuing: bool) -> None:
     try:
         theirs = read_identity(fs, f"{root}/{run_files.IDENTITY}")
     except UsageError:
-        raise
+        raise  # an identity that is not one: said as it is
     except Exception as exc:  # noqa: BLE001 - credentials, a bucket that is not there, the network: one line
         raise UsageError(f"train.checkpoint_mirror={url} cannot be read ({type(exc).__name__}: "
                          f"{str(exc).strip()[:200]})") from None
     if theirs is None:
+        held = sorted(_names(fs, root))
+        if held:  # a prefix of someone else's: the uploads would replace files ampctl did not write
+            raise UsageError(f"train.checkpoint_mirror={url} holds files of its own ({', '.join(held[:3])}"
+                             f"{', ...' if len(held) > 3 else ''}) and no run: a mirror is a URL of the run's own; "
+                             "choose an empty one")
         return
     ours = identity.read(run_dir) if continuing else None
     if ours is None or ours.run_id != theirs.get("run_id"):
@@ -228,10 +230,11 @@ def pull(url: str, run_dir: Path, say: Callable[[str], None]) -> bool:
                          f"verifies{': ' + '; '.join(failures) if failures else ''}")
     except BaseException:
         for path in reversed(written):
-            checkpoint_files.remove(path) if checkpoint_files.is_checkpoint(path) else path.unlink(missing_ok=True)
+            if checkpoint_files.is_checkpoint(path):
+                checkpoint_files.remove(path)
+            else:
+                path.unlink(missing_ok=True)
         if created:
-            import shutil
-
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
 
@@ -239,8 +242,6 @@ def pull(url: str, run_dir: Path, say: Callable[[str], None]) -> bool:
 def _pull_checkpoint(fs: Any, remote: str, local: Path, written: list[Path]) -> Optional[str]:
     """Download one mirrored checkpoint under a .tmp name, check it against its marker, rename it into place.
     Why it does not verify, or None."""
-    import shutil
-
     tmp = local.with_name(local.name + ".tmp")
     try:
         if local.suffix == ".dcp":

@@ -31,17 +31,29 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
 
 
-@pytest.mark.slow
-def test_ctrl_c_on_a_submitit_sweep_stops_every_job_with_a_checkpoint_and_writes_the_table(tmp_path):
-    sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.steps=400", "optimizer.lr=0.001,0.002",
-             "hydra.sweep.dir=sw"]
+def _sweep_until(tmp_path: Path, sweep: list[str], rows_done: int, jobs: int = 1
+                 ) -> tuple[subprocess.Popen, list[Path]]:
+    """The sweep started as a user starts it (a session of its own, as a terminal's foreground group), until each of
+    its first `jobs` jobs recorded rows_done steps: the process and those jobs' directories."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen([sys.executable, "-m", "ampctl", *sweep], cwd=tmp_path, env=env, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 240
-    while not all(len(rows(job)) >= 5 for job in [*(tmp_path / "sw").glob("[01]_*")] or [tmp_path / "none"]):
+
+    def started() -> list[Path]:
+        return sorted(job for job in (tmp_path / "sw").glob("[0-9]_*") if len(rows(job)) >= rows_done)
+
+    while len(started()) < jobs:
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
         time.sleep(0.1)
+    return process, started()
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_submitit_sweep_stops_every_job_with_a_checkpoint_and_writes_the_table(tmp_path):
+    sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.steps=400", "optimizer.lr=0.001,0.002",
+             "hydra.sweep.dir=sw"]
+    process, _ = _sweep_until(tmp_path, sweep, 5, jobs=2)
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: the terminal's whole foreground group
     out, err = process.communicate(timeout=120)
     assert process.returncode == 130, err[-3000:]
@@ -75,14 +87,7 @@ def test_a_job_killed_under_the_launcher_ends_the_sweep_in_its_table_and_one_lin
     continues, exit 1; no traceback. The killed job continues from its newest checkpoint with that command."""
     sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=60",
              "train.checkpoint_every=5", "hydra.sweep.dir=sw"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, "-m", "ampctl", *sweep], cwd=tmp_path, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not [job for job in (tmp_path / "sw").glob("0_*") if len(rows(job)) >= 6]:
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.1)
-    [job] = (tmp_path / "sw").glob("0_*")
+    process, [job] = _sweep_until(tmp_path, sweep, 6)
     os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGKILL)  # the job's process, by its lock
     out, err = process.communicate(timeout=120)
     assert process.returncode == 1 and "Traceback" not in err, err[-3000:]
@@ -94,19 +99,6 @@ def test_a_job_killed_under_the_launcher_ends_the_sweep_in_its_table_and_one_lin
                            env={"PYTHONPATH": str(REPO)})
     assert continued.returncode == 0, continued.stderr[-3000:]
     assert [r["step"] for r in rows(job)] == list(range(1, 61))
-
-
-def _sweep_until(tmp_path: Path, sweep: list[str], rows_done: int) -> tuple[subprocess.Popen, Path]:
-    """The sweep started as a user starts it; once its job recorded rows_done steps: the process and the job."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, "-m", "ampctl", *sweep], cwd=tmp_path, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not [job for job in (tmp_path / "sw").glob("0_*") if len(rows(job)) >= rows_done]:
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.1)
-    [job] = (tmp_path / "sw").glob("0_*")
-    return process, job
 
 
 def _job_log(tmp_path: Path) -> str:
@@ -122,7 +114,7 @@ def test_submitits_warning_checkpoints_then_submitit_requeues_the_job_which_cont
     0 with the job finished."""
     sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=300",
              "train.checkpoint_every=1000", "hydra.sweep.dir=sw"]
-    process, job = _sweep_until(tmp_path, sweep, 10)
+    process, [job] = _sweep_until(tmp_path, sweep, 10)
     os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGUSR2)
     out, err = process.communicate(timeout=180)
     assert process.returncode == 0, err[-3000:]
@@ -150,7 +142,7 @@ def test_a_job_submitit_will_not_requeue_again_says_so_and_the_sweep_continues_f
     sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=60",
              "train.checkpoint_every=1000", "hydra.launcher.timeout_min=1", "+hydra.launcher.max_num_timeout=0",
              "hydra.sweep.dir=sw"]
-    process, job = _sweep_until(tmp_path, sweep, 10)
+    process, [job] = _sweep_until(tmp_path, sweep, 10)
     os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGUSR2)
     out, err = process.communicate(timeout=180)
     assert process.returncode == 1 and "Traceback" not in err, err[-3000:]
@@ -177,14 +169,7 @@ def test_ctrl_c_on_a_ray_sweep_stops_its_workers_with_their_checkpoints_through_
     pytest.importorskip("hydra_plugins.hydra_ray_launcher")
     sweep = ["train", "-m", "hydra/launcher=ray", *SLOW, "train.console=quiet", "train.steps=300",
              "optimizer.lr=0.001,0.002", "hydra.sweep.dir=sw"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen([sys.executable, "-m", "ampctl", *sweep], cwd=tmp_path, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while not all(len(rows(job)) >= 5 for job in [*(tmp_path / "sw").glob("[01]_*")] or [tmp_path / "none"]) or \
-            len(list((tmp_path / "sw").glob("[01]_*"))) < 2:
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.1)
+    process, _ = _sweep_until(tmp_path, sweep, 5, jobs=2)
     os.kill(process.pid, signal.SIGINT)  # the launcher's process only: nothing reaches Ray's workers but the request
     out, err = process.communicate(timeout=120)
     assert process.returncode == 130, err[-3000:]
@@ -197,8 +182,8 @@ def test_ctrl_c_on_a_ray_sweep_stops_its_workers_with_their_checkpoints_through_
         assert "interrupted at step" in (job / "train.log").read_text()
     # in a process of its own: ray.init in this one would leave its cluster running for the rest of the suite
     command = said[-1].split("continue it with: ampctl ")[1].split()
-    continued = subprocess.run([sys.executable, "-m", "ampctl", *command], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=240)
+    continued = subprocess.run([sys.executable, "-m", "ampctl", *command], cwd=tmp_path,
+                               env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=240)
     assert continued.returncode == 0, continued.stderr[-3000:]
     for job in (tmp_path / "sw").glob("[01]_*"):
         assert [r["step"] for r in rows(job)] == list(range(1, 301))
@@ -216,7 +201,7 @@ def test_a_job_its_engine_runs_again_continues_its_earlier_attempt_instead_of_tr
     pytest.importorskip("hydra_plugins.hydra_ray_launcher")
     sweep = ["train", "-m", "hydra/launcher=ray", *SLOW, "train.console=quiet", "train.steps=200",
              "train.checkpoint_every=20", "hydra.sweep.dir=sw"]
-    process, job = _sweep_until(tmp_path, sweep, 45)
+    process, [job] = _sweep_until(tmp_path, sweep, 45)
     os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGKILL)
     out, err = process.communicate(timeout=240)
     assert process.returncode == 0, err[-3000:]

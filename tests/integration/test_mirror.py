@@ -96,6 +96,13 @@ def test_a_mirror_holds_one_run_and_a_mirror_that_cannot_be_used_is_one_line(tmp
                        "hydra.run.dir=m2", cwd=tmp_path)
     assert "holds another run's checkpoints (run " in one_line_refusal(other, "train")
     assert not (tmp_path / "m2").exists()
+    fs, root = fsspec.core.url_to_fs(memory_mirror)
+    fs.pipe_file(f"{root}-theirs/metrics.jsonl", b"someone else's\n")  # a prefix with files and no run
+    theirs = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint_mirror={memory_mirror}-theirs",
+                        "hydra.run.dir=m4", cwd=tmp_path)
+    assert "holds files of its own (metrics.jsonl) and no run" in one_line_refusal(theirs, "train")
+    assert fs.cat_file(f"{root}-theirs/metrics.jsonl") == b"someone else's\n" and not (tmp_path / "m4").exists()
+    fs.rm(f"{root}-theirs", recursive=True)
     for url, said in (("gs://bucket/run", "the gs:// file system is not installed; pip install 'ampctl[gcs]'"),
                       ("nosuchfs://bucket/run", "fsspec knows no protocol 'nosuchfs'")):
         if url.startswith("gs") and _installed("gcsfs"):
