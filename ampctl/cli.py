@@ -57,10 +57,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     from ampctl.processes import die_with_parent
 
     die_with_parent()  # a comparison's mode, when the comparison is gone
-    raise_on_signals()  # SIGTERM, SIGHUP, SIGUSR1/2 outside a training loop: one line, as Ctrl-C
     devnull_from_the_start = stdout_is_devnull()
-    quiet_library_deprecations()
     try:
+        # inside the try: a signal that lands the moment its handler is set is said in one line too (one that
+        # landed between this and the try came out as a traceback)
+        raise_on_signals()  # SIGTERM, SIGHUP, SIGUSR1/2 outside a training loop: one line, as Ctrl-C
+        quiet_library_deprecations()
         with interrupts_surfaced():
             dispatch(sys.argv[1:] if argv is None else list(argv))
         sys.stdout.flush()  # inside the try: a reader that stopped early is seen here, not at exit

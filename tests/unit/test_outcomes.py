@@ -127,6 +127,17 @@ def test_an_error_a_stop_signal_caused_leaves_the_command_line_as_that_signal():
                                                            "recorded"), done.stderr
 
 
+def test_a_signal_the_moment_its_handler_is_set_is_one_line():
+    """A Ctrl-C that lands as the router starts, just after its handlers are set (the first statement that can
+    see it), says the interrupted line and exits 128 + the signal: it came out as a traceback (found in CI)."""
+    script = ("import os, signal; from ampctl import cli\n"
+              "cli.quiet_library_deprecations = lambda: os.kill(os.getpid(), signal.SIGINT)\n"
+              "cli.main(['list'])\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert (done.returncode, done.stderr.strip()) == (130, "ampctl: interrupted (SIGINT) before anything was "
+                                                           "recorded"), done.stderr
+
+
 def test_an_error_without_a_signal_behind_it_is_not_taken_for_one():
     from ampctl.interrupt import interrupt_behind, interrupts_surfaced
 
