@@ -9,11 +9,12 @@ computes, and forks each child from it: ~1 s to a trained step. Every child is s
 nothing of another run's allocator caches, compiled kernels or peak memory.
 
 A child is started from the command line it would be exec'd with, `[sys.executable, "-m", MODULE, *args]` or
-`[sys.executable, SCRIPT, *args]`, and has what that process would have: its argv, environment, working directory
-(also `sys.path[0]`), stdin, stdout and stderr (line-buffered), a session of its own, the stop signals at their
-defaults, atexit handlers run at its end, an exit status as Popen's returncode (negative: the signal that ended it)
-and, like every child a command starts (ampctl/processes.py), a SIGTERM when the command is gone, even after
-`kill -9`: the server leaves when the command does, and the child is told when its parent, the server, goes.
+`[sys.executable, SCRIPT, *args]`, and has what that process would have: its argv, environment, working directory,
+sys.path (its first entry, its PYTHONPATH), stdin, stdout and stderr (line-buffered), a session of its own, the
+stop signals at their defaults, atexit handlers run at its end, an exit status as Popen's returncode (negative: the
+signal that ended it) and, like every child a command starts (ampctl/processes.py), a SIGTERM when the command is
+gone, even after `kill -9`: the server leaves when the command does, and the child is told when its parent, the
+server, goes.
 What it does not have: what torch and ampctl read from the environment when they are imported is read once, in
 the server, from the environment of the command that first started a child (the server serves this process
 from then on).
@@ -171,7 +172,7 @@ def _child_main(target: tuple[str, str], args: list[str], env: dict[str, str], c
         os.environ[PARENT_ENV] = str(os.getppid())
     _let_the_server_go()
     os.chdir(cwd)
-    sys.path[0:1] = [cwd]  # as `python -m` or `python SCRIPT` in cwd would have it (the server's was the command's)
+    _as_its_interpreter_would_find_modules(target, env)
     code = _run(target, args)
     # The interpreter's own end, in its order (multiprocessing ends a child with os._exit, without it): threading's
     # exit hooks, which stop concurrent.futures' pools (Inductor keeps one for compiling), then the non-daemon
@@ -186,6 +187,17 @@ def _child_main(target: tuple[str, str], args: list[str], env: dict[str, str], c
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     os._exit(code)
+
+
+def _as_its_interpreter_would_find_modules(target: tuple[str, str], env: Mapping[str, str]) -> None:
+    """sys.path as its interpreter would start with it (the server's is that of the command that started it):
+    first the working directory (`python -m`) or the script's own (`python SCRIPT`), then the child's PYTHONPATH
+    (a test's recipe module, a user's: not found before), then the rest."""
+    kind, what = target
+    first = os.getcwd() if kind == "module" else os.path.dirname(os.path.abspath(what))
+    own = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    rest = [entry for entry in sys.path[1:] if entry not in own]
+    sys.path[:] = [first, *own, *rest]
 
 
 def _let_the_server_go() -> None:

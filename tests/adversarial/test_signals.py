@@ -62,9 +62,7 @@ def test_a_launchers_copy_of_ctrl_c_is_not_a_second_one(tmp_path):
     torchrun's agent): the same signal twice, milliseconds apart. The job stops as after one, with a checkpoint."""
     run_dir = tmp_path / "run"
     slow = ["recipe._target_=tests.support.slow_data_recipe.SlowDataRecipe", "+recipe.data_delay_s=0.3"]
-    # a fresh process: one forked from the preloaded server cannot import the test recipe (its sys.path is the
-    # server's)
-    process = popen("train", *QUICK, *slow, "train.steps=100000", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    process = ForkedAmpctl("train", *QUICK, *slow, "train.steps=100000", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     wait_for(lambda: row_count(run_dir / "metrics.jsonl") >= 3)
     process.send_signal(signal.SIGINT)  # in a step of 0.3 s: the copy lands before it ends
     time.sleep(0.05)  # submitit's controller forwards it within its 1/24 s poll
@@ -95,7 +93,10 @@ def test_a_signal_before_the_first_step_is_one_line_and_leaves_no_run_dir(tmp_pa
     process = ForkedAmpctl("train", *QUICK, f"hydra.run.dir={run_dir}",
                            "recipe._target_=tests.support.broken_recipes.BrokenRecipe", "+recipe.mistake=slow_build",
                            cwd=tmp_path)
-    wait_for(lambda: (run_dir / ".hydra" / "config.yaml").exists())
+    # once failed in CI, the run directory not made in 240 s, with nothing to say why: now its stderr is said
+    wait_for(lambda: (run_dir / ".hydra" / "config.yaml").exists() or process.poll() is not None,
+             seen=process.stderr_so_far)
+    assert process.poll() is None, process.communicate()[1]  # what ended it before its run started
     process.send_signal(signum)
     _, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signum

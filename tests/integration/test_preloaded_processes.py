@@ -76,6 +76,24 @@ def test_a_child_is_the_process_its_command_line_would_exec(tmp_path, monkeypatc
     os.close(fd_read)
 
 
+def test_a_child_imports_from_the_pythonpath_it_was_given(tmp_path):
+    """The server's sys.path is that of the process that started it; a child given another PYTHONPATH (a test's
+    recipe module, a user's) finds its modules there, after its script's directory, as its interpreter would."""
+    lib, elsewhere = tmp_path / "lib", tmp_path / "elsewhere"
+    lib.mkdir()
+    elsewhere.mkdir()
+    (lib / "only_on_its_pythonpath.py").write_text("WHERE = 'lib'\n")
+    script = tmp_path / "scripts" / "imports.py"
+    script.parent.mkdir()
+    script.write_text("import sys, only_on_its_pythonpath\nprint(only_on_its_pythonpath.WHERE, sys.path[:2])\n")
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        process = PreloadedProcess([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(lib)},
+                                   stdout=stdout.fileno(), stderr=stderr.fileno(), cwd=elsewhere)
+    assert process.wait(timeout=120) == 0, err.read_text()
+    assert out.read_text() == f"lib {[str(script.parent), str(lib)]}\n"
+
+
 @pytest.mark.parametrize("args,status,stderr", [(("exit", "3"), 3, ""), (("message",), 1, "a message\n"),
                                                 (("raise",), 1, "RuntimeError: boom"),
                                                 (("ctrl-c",), -signal.SIGINT, "KeyboardInterrupt")])

@@ -32,10 +32,11 @@ def one_line_refusal(result: subprocess.CompletedProcess, command: str) -> str:
     return result.stderr
 
 
-def wait_for(condition, timeout: float = 240) -> None:
+def wait_for(condition, timeout: float = 240, seen=lambda: "") -> None:
+    """seen: what the failure says when the time runs out (a process's output so far)."""
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, seen()
         time.sleep(0.02)
 
 

@@ -50,6 +50,9 @@ class ForkedAmpctl:
             raise subprocess.TimeoutExpired("ampctl", timeout)
         return code
 
+    def stderr_so_far(self) -> str:
+        return self._read(self._err)
+
     def communicate(self, timeout: Optional[float] = None) -> tuple[str, str]:
         self.wait(timeout)
         return tuple(self._read(stream) for stream in (self._out, self._err))  # type: ignore[return-value]
