@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 from ampctl.conf.messages import instantiation_error
 from ampctl.conf.schema import Schedule
+from ampctl.engine import optimizer_states
 from ampctl.errors import UnsupportedError, UsageError
 
 
@@ -33,11 +34,15 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter],
         # its CPU backend warns at import about 4-bit matmul kernels, which an 8-bit optimizer never uses
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     try:
-        factory: Callable[..., torch.optim.Optimizer] = instantiate(cfg)
+        # plain lists and dicts: an optimizer keeps what it is given in its param_groups (betas), which its
+        # state dict then holds, and torch.distributed's gathering of it takes no ListConfig (torchao's AdamW)
+        factory: Callable[..., torch.optim.Optimizer] = instantiate(cfg, _convert_="all")
     except InstantiationException as exc:
         hint = ""
         if str(target).startswith("bitsandbytes.") and importlib.util.find_spec("bitsandbytes") is None:
             hint = "; bitsandbytes is not installed: pip install 'ampctl[adam8bit]'"
+        if optimizer_states.is_torchao(cfg) and importlib.util.find_spec("torchao") is None:
+            hint = f"; torchao is not installed: {optimizer_states.INSTALL_HINT}"
         raise UsageError(f"optimizer._target_={target!r} could not be instantiated: "
                          f"{instantiation_error(exc)}{hint}") from None
     if not callable(factory):
@@ -46,6 +51,10 @@ def build_optimizer(cfg: DictConfig, params: Iterable[torch.nn.Parameter],
     kwargs: dict[str, Any] = {}
     if cfg.get("fused") or cfg.get("capturable"):
         kwargs["lr"] = torch.tensor(float(cfg.lr), device=device, dtype=lr_tensor_dtype(device))
+    elif optimizer_states.is_torchao(cfg):
+        # torchao's take their lr as a float32 tensor (a float becomes one on the CPU, which the schedule's
+        # device-side update would copy from a GPU every step): on the device, as a fused optimizer's
+        kwargs["lr"] = torch.tensor(float(cfg.lr), device=device, dtype=torch.float32)
     try:
         return factory(params, **kwargs)
     except (ValueError, TypeError) as exc:  # torch's check of an argument ("Invalid momentum value: -1"), a

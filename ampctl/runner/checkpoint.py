@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl import run_files
 from ampctl.conf.schema import CheckpointFormat
+from ampctl.engine import optimizer_states
 from ampctl.errors import UsageError
 from ampctl.runner import identity as run_identity
 from ampctl.runner import sharded_checkpoint
@@ -81,6 +82,7 @@ def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches
         model_state, optimizer_state = sharded_checkpoint.state_dicts(state)
     else:
         model_state, optimizer_state = state.parallel.full_state(state.model, state.optimizer)
+        optimizer_state = optimizer_states.plain_states(optimizer_state)
     return {
         "format_version": FORMAT_VERSION,
         "run_id": identity.run_id,  # resume=auto takes only its own run's checkpoints (runner/identity.py)
@@ -279,7 +281,9 @@ def restore(payload: dict[str, Any], state: TrainState, source: Path) -> None:
     if is_sharded(source):
         sharded_checkpoint.load_into(source, state)
     else:
-        state.parallel.load_full_state(state.model, state.optimizer, payload["model"], payload["optimizer"])
+        state.parallel.load_full_state(state.model, state.optimizer, payload["model"],
+                                       optimizer_states.quantized_states(payload["optimizer"],
+                                                                         state.parallel.shards_gradients))
     for group, lr in zip(state.optimizer.param_groups, lrs):
         group["lr"] = lr
     state.scaler.load_state_dict(payload["scaler"])

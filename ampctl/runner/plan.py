@@ -14,8 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl.analysis import mode_advice
 from ampctl.conf.precision_schema import scaler_is_active
-from ampctl.conf.schema import validate
-from ampctl.engine import devices
+from ampctl.conf.schema import CheckpointFormat, ParallelKind, validate
+from ampctl.engine import devices, optimizer_states
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.optim import check_optimizer_arguments, check_optimizer_with_scaler
 from ampctl.engine.precision.policy import PrecisionPolicy
@@ -94,4 +94,8 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     mode_advice.check(policy)
     check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
     check_optimizer_arguments(cfg.optimizer)
+    optimizer_states.check(cfg.optimizer, policy.precision.dtype.name,
+                           policy.precision.cast_model and not policy.precision.master_weights,
+                           cfg.distributed.kind is ParallelKind.fsdp
+                           and cfg.distributed.checkpoint_format is CheckpointFormat.full)
     return policy

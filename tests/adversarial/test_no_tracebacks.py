@@ -46,6 +46,12 @@ from tests.support.runs import snapshot
     (["precision.rules=[{match:'9'}]"], "precision.rules[0].run_in: required, and not given"),
     (["precision.rules={match:'9'}"], "precision.rules: expected a list"),
     (["precision=O2", "precision.keep_norm_fp32=false"], "precision.keep_norm_fp32: replaced by the per-layer rule"),
+    # optimizer-state precision (issue 38)
+    (["optimizer=adamw_bf16_sr"], "optimizer.bf16_stochastic_round=true rounds the bfloat16 weights the optimizer "
+                                  "steps on, and this precision mode steps on fp32 weights"),
+    (["optimizer=adamw_4bit", "optimizer.block_size=96"], "optimizer.block_size=96 is not allowed: a power of two"),
+    (["optimizer=adamw_8bit", "optimizer.block_size=big"], "optimizer.block_size='big' is not allowed"),
+    (["optimizer=adamw_fp8", "+optimizer.fused=true"], "torchao.optim.AdamWFp8 takes no argument 'fused'"),
     # sizes torch cannot build or train (issue 35)
     (["recipe.in_features=9223372036854775807"], "its model cannot be built, its tensors are too large to allocate "
      "(Storage size calculation overflowed with sizes=[32, 9223372036854775807]); its largest size option: "

@@ -71,8 +71,16 @@ def test_gradient_bytes_are_the_most_that_a_real_step_holds_at_once(precision):
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for state in optimizer.state.values() for v in state.values()
+    return sum(storage_bytes(v) for state in optimizer.state.values() for v in state.values()
                if isinstance(v, torch.Tensor))
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """The bytes behind a tensor: a tensor subclass (torchao's quantized states) by the tensors it is made of."""
+    if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(storage_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "adafactor"])
@@ -84,6 +92,29 @@ def test_optimizer_states_equal_what_torch_allocates(optimizer, precision):
         for p in state.weights.optimizer_params:
             p.grad = torch.zeros_like(p)
         state.optimizer.step()
+    estimate = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
+    assert estimate.optimizer_states == optimizer_state_bytes(state.optimizer)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_bf16_sr", "adamw_8bit", "adamw_4bit", "adamw_fp8"])
+@pytest.mark.parametrize("precision", ["fp32", "O3"])
+def test_torchao_optimizer_states_equal_the_bytes_behind_them(optimizer, precision, monkeypatch):
+    """hidden=128: Linear weights of 8192 and 16384 elements are quantized, the smaller tensors keep their moments in
+    the weights' dtype. The states are what torchao allocates at its first step; its update is run eagerly here
+    (torch.compile an identity: the states do not depend on it, and compiling costs seconds per shape)."""
+    pytest.importorskip("torchao")
+    monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
+    precisions = ["precision=O3", "precision.dtype=bfloat16"] if precision == "O3" else ["precision=fp32"]
+    if optimizer == "adamw_bf16_sr" and precision != "O3":
+        precisions.append("optimizer.bf16_stochastic_round=false")
+    cfg, policy, recipe = build(*precisions, f"optimizer={optimizer}", "recipe.hidden=128")
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        for p in state.weights.optimizer_params:
+            p.grad = torch.ones_like(p)
+        state.optimizer.step()
+    kinds = {type(v).__name__ for s in state.optimizer.state.values() for v in s.values()}
+    assert len(kinds) == (1 if optimizer == "adamw_bf16_sr" else 2), kinds  # quantized and plain both counted
     estimate = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
     assert estimate.optimizer_states == optimizer_state_bytes(state.optimizer)
 

@@ -26,6 +26,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from ampctl.engine import optimizer_states
 from ampctl.errors import UsageError
 
 # bitsandbytes' 8-bit optimizers keep a parameter's states in 32 bits below this many elements
@@ -65,7 +66,10 @@ def _nbytes(p: torch.Tensor) -> int:
 
 
 def optimizer_kind(optimizer_cfg: DictConfig) -> str:
-    """adam | sgd | adafactor | adam8bit | unknown, from the optimizer config's _target_."""
+    """adam | sgd | adafactor | adam8bit (bitsandbytes') | torchao | unknown, from the optimizer config's
+    _target_."""
+    if optimizer_states.layout_of(optimizer_cfg) is not None:
+        return "torchao"
     name = str(optimizer_cfg.get("_target_", "")).rsplit(".", 1)[-1].lower()
     if name in ("adam", "adamw"):
         return "adam"
@@ -77,7 +81,7 @@ def optimizer_kind(optimizer_cfg: DictConfig) -> str:
 
 
 def optimizer_state_bytes(kind: str, optimizer_cfg: DictConfig, params: Iterable[torch.Tensor]) -> Optional[int]:
-    """The bytes torch (or bitsandbytes) allocates for the optimizer's state of these parameters, in the
+    """The bytes torch (or bitsandbytes, or torchao) allocates for the optimizer's state of these parameters, in the
     parameters' own dtype (fp32 masters under O2, half under O3)."""
     total = 0
     for p in params:
@@ -94,6 +98,16 @@ def optimizer_state_bytes(kind: str, optimizer_cfg: DictConfig, params: Iterable
                 total += (n // p.shape[-1] + n // p.shape[-2]) * size
             else:
                 total += n * size
+            total += STEP_TENSOR_BYTES
+        elif kind == "torchao":
+            # torchao's AdamW: both moments (and amsgrad's maximum) quantized where the tensor is large enough,
+            # else in the parameter's dtype; a float32 `step` as torch's
+            moments = 3 if optimizer_cfg.get("amsgrad", False) else 2
+            if optimizer_states.is_quantized(optimizer_cfg, n):
+                layout = optimizer_states.layout_of(optimizer_cfg)
+                total += moments * layout.quantized_bytes(n, optimizer_states.block_size_of(optimizer_cfg))
+            else:
+                total += moments * n * size
             total += STEP_TENSOR_BYTES
         elif kind == "adam8bit":
             if n >= BNB_MIN_8BIT_SIZE:
