@@ -15,10 +15,11 @@ from tests.conftest import QUIET, train
 
 pytest.importorskip("torchao", reason="torchao is the optional extra ampctl[fp8] (installed by [dev])")
 
-GPT = ["recipe=gpt", "recipe.d_model=64", "recipe.n_layers=2", "recipe.n_heads=2", "recipe.block_size=64",
-       "recipe.batch_size=8", "recipe.max_corpus_bytes=200000", "train.steps=30"]
+GPT = ["recipe=gpt", "recipe.d_model=64", "recipe.n_layers=2", "recipe.n_heads=2", "recipe.block_size=32",
+       "recipe.batch_size=4", "recipe.max_corpus_bytes=200000", "train.steps=30"]
 # The tiny gpt's layers are far below torchao's size thresholds: convert them all; eager (train.compile's default:
-# minutes of compiling for a test of the numerics).
+# minutes of compiling for a test of the numerics). 128 tokens a step: torch._scaled_mm's CPU kernel is a reference
+# one, ~0.2 s for a 512x64x256 matmul (4.5 s a step at 512 tokens, 2.5 minutes for a test).
 EVERY_LINEAR = ["precision=fp8", "precision.options.auto_filter_small_kn=false"]
 
 
@@ -84,10 +85,10 @@ def test_a_model_with_nothing_worth_fp8_is_refused_not_run_as_bf16(tmp_path, fp8
 def test_an_fp8_run_resumes_exactly(tmp_path, fp8_tensor_cores):
     """Float8Linear keeps nn.Linear's parameter names and tensorwise scaling keeps no state across steps:
     the checkpoint is the bf16 one, and a resumed run continues bit for bit. (A constant lr: the cosine
-    schedule of a 4-step run is not the first half of an 8-step one.)"""
-    args = [*GPT, *EVERY_LINEAR, "train.steps=8", "train.lr_schedule=constant"]
+    schedule of a 3-step run is not the first half of a 6-step one.)"""
+    args = [*GPT, *EVERY_LINEAR, "train.steps=6", "train.lr_schedule=constant"]
     _, whole = train(tmp_path / "whole", *args, base=QUIET)
-    train(tmp_path / "resumed", *args, "train.steps=4", base=QUIET)
+    train(tmp_path / "resumed", *args, "train.steps=3", base=QUIET)
     _, resumed = train(tmp_path / "resumed", *args, "resume=auto", base=QUIET)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
 
