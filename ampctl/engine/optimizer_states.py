@@ -42,7 +42,7 @@ class StateLayout:
 
 # _target_ -> its layout; Adam and AdamW alike (decoupled weight decay is the only difference)
 LAYOUTS = {
-    **{f"torchao.optim.{name}": StateLayout(None) for name in ("_AdamW", "_Adam")},
+    "torchao.optim._AdamW": StateLayout(None),
     **{f"torchao.optim.{name}": StateLayout(8, 256, 256) for name in ("AdamW8bit", "Adam8bit")},
     **{f"torchao.optim.{name}": StateLayout(4, 128, 16) for name in ("AdamW4bit", "Adam4bit")},
     **{f"torchao.optim.{name}": StateLayout(8, 256) for name in ("AdamWFp8", "AdamFp8")},
@@ -50,7 +50,8 @@ LAYOUTS = {
 
 
 def is_torchao(optimizer_cfg: DictConfig) -> bool:
-    return str(optimizer_cfg.get("_target_", "")).startswith("torchao.optim.")
+    """One of torchao's AdamW this module knows (its other optimizers, as CPUOffloadOptimizer, are not these)."""
+    return layout_of(optimizer_cfg) is not None
 
 
 def layout_of(optimizer_cfg: DictConfig) -> Optional[StateLayout]:

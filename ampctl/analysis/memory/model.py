@@ -68,7 +68,7 @@ def _nbytes(p: torch.Tensor) -> int:
 def optimizer_kind(optimizer_cfg: DictConfig) -> str:
     """adam | sgd | adafactor | adam8bit (bitsandbytes') | torchao | unknown, from the optimizer config's
     _target_."""
-    if optimizer_states.layout_of(optimizer_cfg) is not None:
+    if optimizer_states.is_torchao(optimizer_cfg):
         return "torchao"
     name = str(optimizer_cfg.get("_target_", "")).rsplit(".", 1)[-1].lower()
     if name in ("adam", "adamw"):
