@@ -236,8 +236,9 @@ def test_list_remeasure_measures_the_cpu_into_a_fresh_cache_and_every_line_agree
 def test_train_help_lists_the_config_groups():
     result = ampctl("train", "--help")
     assert result.returncode == 0
+    optimizers = "adafactor, adam, adam8bit, adamw, adamw_4bit, adamw_8bit, adamw_bf16_sr, adamw_fp8, sgd"
     for text in (f"precision: {', '.join(PRECISION_MODES)}", "scaler: dynamic, none, static",
-                 "recipe:", "optimizer: adafactor, adam, adam8bit, adamw, sgd"):
+                 "recipe:", f"optimizer: {optimizers}"):
         assert text in result.stdout, result.stdout
 
 
