@@ -95,6 +95,10 @@ def check(optimizer_cfg: DictConfig, precision_dtype: str, weights_in_half: bool
         if not isinstance(block, int) or block < 1 or block & (block - 1):
             raise UsageError(f"optimizer.block_size={block!r} is not allowed: a power of two (torchao's default "
                              f"for {target.rsplit('.', 1)[-1]} is {layout.default_block_size})")
+        if optimizer_cfg.get("amsgrad"):
+            # found by running it: torchao's quantized states implement no aten.maximum (a traceback at step 1)
+            raise UnsupportedError(f"optimizer.amsgrad=true with {target}: torchao's quantized states cannot keep "
+                                   "amsgrad's running maximum; set optimizer.amsgrad=false (or use optimizer=adamw)")
         if fsdp_with_whole_checkpoints:
             # torchao's quantized states cannot be split (aten.split): a whole checkpoint would be written but
             # could not be sharded again to resume

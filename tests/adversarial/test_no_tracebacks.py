@@ -52,6 +52,8 @@ from tests.support.runs import snapshot
     (["optimizer=adamw_4bit", "optimizer.block_size=96"], "optimizer.block_size=96 is not allowed: a power of two"),
     (["optimizer=adamw_8bit", "optimizer.block_size=big"], "optimizer.block_size='big' is not allowed"),
     (["optimizer=adamw_fp8", "+optimizer.fused=true"], "torchao.optim.AdamWFp8 takes no argument 'fused'"),
+    (["optimizer=adamw_4bit", "+optimizer.amsgrad=true"], "optimizer.amsgrad=true with torchao.optim.AdamW4bit: "
+                                                           "torchao's quantized states cannot keep amsgrad's running"),
     # sizes torch cannot build or train (issue 35)
     (["recipe.in_features=9223372036854775807"], "its model cannot be built, its tensors are too large to allocate "
      "(Storage size calculation overflowed with sizes=[32, 9223372036854775807]); its largest size option: "

@@ -97,14 +97,15 @@ def test_optimizer_states_equal_what_torch_allocates(optimizer, precision):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw_bf16_sr", "adamw_8bit", "adamw_4bit", "adamw_fp8"])
-@pytest.mark.parametrize("precision", ["fp32", "O3"])
+@pytest.mark.parametrize("precision", ["fp32", "O3", "O3_fp16"])
 def test_torchao_optimizer_states_equal_the_bytes_behind_them(optimizer, precision, monkeypatch):
     """hidden=128: Linear weights of 8192 and 16384 elements are quantized, the smaller tensors keep their moments in
     the weights' dtype. The states are what torchao allocates at its first step; its update is run eagerly here
     (torch.compile an identity: the states do not depend on it, and compiling costs seconds per shape)."""
     pytest.importorskip("torchao")
     monkeypatch.setattr(torch, "compile", lambda fn, **_: fn)
-    precisions = ["precision=O3", "precision.dtype=bfloat16"] if precision == "O3" else ["precision=fp32"]
+    precisions = {"O3": ["precision=O3", "precision.dtype=bfloat16"], "O3_fp16": ["precision=O3"],
+                  "fp32": ["precision=fp32"]}[precision]
     if optimizer == "adamw_bf16_sr" and precision != "O3":
         precisions.append("optimizer.bf16_stochastic_round=false")
     cfg, policy, recipe = build(*precisions, f"optimizer={optimizer}", "recipe.hidden=128")

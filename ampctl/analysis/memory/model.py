@@ -100,8 +100,8 @@ def optimizer_state_bytes(kind: str, optimizer_cfg: DictConfig, params: Iterable
                 total += n * size
             total += STEP_TENSOR_BYTES
         elif kind == "torchao":
-            # torchao's AdamW: both moments (and amsgrad's maximum) quantized where the tensor is large enough,
-            # else in the parameter's dtype; a float32 `step` as torch's
+            # torchao's AdamW: both moments quantized where the tensor is large enough, else in the parameter's
+            # dtype (amsgrad's maximum too: with quantized states it is refused); a float32 `step` as torch's
             moments = 3 if optimizer_cfg.get("amsgrad", False) else 2
             if optimizer_states.is_quantized(optimizer_cfg, n):
                 layout = optimizer_states.layout_of(optimizer_cfg)
