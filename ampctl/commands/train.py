@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -23,7 +24,7 @@ from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
-from ampctl.runner.ownership import remove_if_only_hydra_files
+from ampctl.runner.ownership import holding, remove_if_only_hydra_files
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +34,27 @@ def train(cfg: DictConfig) -> Optional[float]:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    try:
-        job = job_of("train", cfg, hydra_cfg)
-        cfg = job.cfg
-        if multirun and cfg.resume == "auto":
-            kept = finished_job(run_dir, cfg.train.steps)
-            if kept is not None:
-                steps = io.count_of(cfg.train.steps, "step")
-                print(f"ampctl train: job in {run_dir} finished earlier ({steps}): kept as it is")
-                return kept.get("final_loss")
-            set_aside_failure(run_dir)
-        from ampctl.runner.run import run_training  # torch: imported by a run, not by --help or completion
+    # The run's directory is held until the command has said its last line (released as SystemExit leaves): a
+    # launcher that waits for its stopping jobs' locks (commands/unfinished_sweep.py) and then ends their workers
+    # (Ray's shutdown) finds each job's stop line in its train.log
+    with contextlib.ExitStack() as held:
+        try:
+            job = job_of("train", cfg, hydra_cfg)
+            cfg = job.cfg
+            if multirun and cfg.resume == "auto":
+                kept = finished_job(run_dir, cfg.train.steps)
+                if kept is not None:
+                    steps = io.count_of(cfg.train.steps, "step")
+                    print(f"ampctl train: job in {run_dir} finished earlier ({steps}): kept as it is")
+                    return kept.get("final_loss")
+                set_aside_failure(run_dir)
+            from ampctl.runner.run import run_training  # torch: imported by a run, not by --help or completion
 
-        summary = run_training(job)
-    except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every way a run ends: outcomes.ENDINGS
-        return ended(exc, cfg, run_dir, hydra_cfg, multirun)
+            if is_main_process():
+                held.enter_context(holding(job.run_dir))
+            summary = run_training(job)
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every way a run ends: outcomes.ENDINGS
+            return ended(exc, cfg, run_dir, hydra_cfg, multirun)
     if Path(summary["run_dir"]) != run_dir and is_main_process():
         remove_if_only_hydra_files(run_dir)  # resumed into the checkpoint's own run dir
     return summary.get("final_loss")

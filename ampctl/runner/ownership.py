@@ -177,11 +177,21 @@ def refuse_a_directory_in_use(run_dir: Path) -> None:
         raise _in_use(run_dir, pid)
 
 
+# The run directories this process holds: a hold inside another of the same directory is part of it (the command
+# holds its run's directory until it has said its last line, around the runner's own hold)
+_held: set[Path] = set()
+
+
 @contextlib.contextmanager
 def holding(run_dir: Path) -> Iterator[None]:
     """Hold run_dir for this run: a second run into it, even with resume=, is refused while this one lives. An
     advisory flock: released by the kernel when the process ends, however it ends, so a killed run leaves
-    no stale lock (only the file, which the next run takes over)."""
+    no stale lock (only the file, which the next run takes over). Within a hold of the same directory by this
+    process, nothing more: the outer one releases it."""
+    key = run_dir.resolve()
+    if key in _held:
+        yield
+        return
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / run_files.LOCK, "a+")
     try:
@@ -196,9 +206,11 @@ def holding(run_dir: Path) -> Iterator[None]:
     except BaseException:
         handle.close()
         raise
+    _held.add(key)
     try:
         yield
     finally:
+        _held.discard(key)
         (run_dir / run_files.LOCK).unlink(missing_ok=True)  # a run that ended, however, leaves no lock file
         handle.close()  # closing releases the lock
 

@@ -5,6 +5,7 @@ processes (a real kill -9); the others run in this process (tests/support/in_pro
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import signal
@@ -103,6 +104,33 @@ def test_a_second_run_into_a_directory_in_use_is_refused_and_a_killed_run_leaves
     assert after_kill.returncode == 0, after_kill.stderr
     assert steps(metrics) == [1, 2, 3]
     assert not (run_dir / ".ampctl.lock").exists()  # a run that ended leaves no lock file
+
+
+def test_a_stopped_run_holds_its_directory_until_it_has_said_its_last_line(tmp_path):
+    """A launcher waits for its stopping jobs' locks, then ends their workers (Ray's shutdown kills them): the
+    lock was released before the job logged why it stopped, and a sweep's job ended without that line in its
+    train.log. The command now holds its run's directory until its last line is written."""
+    from ampctl.reports.runs import holder_pid
+
+    run_dir = tmp_path / "run"
+    held_at_each_line: list[tuple[str, object]] = []
+
+    class LockAtEachLine(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held_at_each_line.append((record.getMessage(), holder_pid(run_dir)))
+
+    watcher = LockAtEachLine()
+    logging.getLogger("ampctl.commands.train").addHandler(watcher)
+    try:
+        stopped = ampctl("train.steps=50", f"hydra.run.dir={run_dir}", "+recipe.signal_at=3",
+                         "recipe._target_=tests.support.slow_data_recipe.SelfInterruptingRecipe", cwd=REPO)
+    finally:
+        logging.getLogger("ampctl.commands.train").removeHandler(watcher)
+    assert stopped.returncode == 130, stopped.stderr
+    [(line, holder)] = [(line, pid) for line, pid in held_at_each_line if line.startswith("ampctl train: interrupted")]
+    assert holder == os.getpid(), (line, holder)
+    assert line in (run_dir / "train.log").read_text()
+    assert holder_pid(run_dir) is None and not (run_dir / ".ampctl.lock").exists()  # released as the command left
 
 
 def test_a_full_disk_is_one_line_exit_74_and_the_earlier_checkpoints_stay_whole(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -65,3 +66,17 @@ class SlowStepRecipe(MLPRecipe):
 
             time.sleep(self.step_s + (self.in_turns_s if os.environ.get(ROUND_ENDS_ENV) else 0.0))
         return super().loss(model, batch)
+
+
+@dataclass
+class SelfInterruptingRecipe(MLPRecipe):
+    """The mlp recipe whose process gets SIGINT as it makes the batch of step `signal_at` (a Ctrl-C mid-run, at a
+    known step)."""
+
+    signal_at: int = 3
+
+    def batches(self, device: torch.device, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for index, batch in enumerate(super().batches(device, seed), start=1):
+            if index == self.signal_at:
+                os.kill(os.getpid(), signal.SIGINT)
+            yield batch
