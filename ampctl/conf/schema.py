@@ -55,6 +55,12 @@ class ConsoleMode(Enum):
 
 # the eval metrics whose better direction goes without saying (train.monitor_mode: null)
 MONITOR_MODES = {"loss": "min", "perplexity": "min", "accuracy": "max"}
+EMA_METRIC = "ema_"  # the prefix of a metric of the weight average's (train.ema_decay): eval/ema_loss
+
+
+def monitor_direction(monitor: str) -> Optional[str]:
+    """min | max for a metric whose better direction goes without saying (the average's as the model's), else None."""
+    return MONITOR_MODES.get(monitor.removeprefix(EMA_METRIC))
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
 
 
@@ -111,6 +117,12 @@ class TrainConfig:
     save_top_k: int = safe_to_change(0)
     monitor: str = "loss"  # an eval metric of the recipe's: loss, accuracy, perplexity, or its own
     monitor_mode: Optional[str] = None  # min | max; null: max for accuracy, min for loss and perplexity
+    # an fp32 exponential moving average of the weights (engine/weight_average.py), evaluated beside the model
+    # (eval/ema_<metric>), checkpointed; null: none. It is the weights at ema_start_step, then moves toward them
+    # after every ema_every-th step
+    ema_decay: Optional[float] = None
+    ema_start_step: int = 0
+    ema_every: int = 1
 
     def __post_init__(self) -> None:
         for key in ("steps", "grad_accum_steps", "log_every", "keep_checkpoints", "eval_batches"):
@@ -140,9 +152,16 @@ class TrainConfig:
         require(self.save_top_k == 0 or self.eval_every is not None, "train.save_top_k", self.save_top_k,
                 "0 without train.eval_every (the best checkpoints are ranked by an evaluation)")
         require(self.monitor_mode in (None, "min", "max"), "train.monitor_mode", self.monitor_mode, "min | max | null")
-        require(self.monitor_mode is not None or self.monitor in MONITOR_MODES, "train.monitor", self.monitor,
-                f"{', '.join(MONITOR_MODES)}, or any metric of the recipe's with train.monitor_mode=min|max (which way "
-                "is better)")
+        require(self.monitor_mode is not None or monitor_direction(self.monitor) is not None, "train.monitor",
+                self.monitor, f"{', '.join(MONITOR_MODES)}, or any metric of the recipe's with "
+                "train.monitor_mode=min|max (which way is better); the weight average's with ema_ before them")
+        if self.ema_decay is not None:
+            require(0.0 < self.ema_decay < 1.0, "train.ema_decay", self.ema_decay,
+                    "a number in (0, 1) (0.999: an average over ~1000 steps), or null for no weight average")
+        require(self.ema_start_step >= 0, "train.ema_start_step", self.ema_start_step, "an integer >= 0")
+        require(self.ema_every >= 1, "train.ema_every", self.ema_every, "an integer >= 1")
+        require(not self.monitor.startswith(EMA_METRIC) or self.ema_decay is not None, "train.monitor", self.monitor,
+                "a metric of the model's without train.ema_decay (the weight average's metrics need one)")
 
 
 @dataclass

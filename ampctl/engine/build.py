@@ -19,6 +19,7 @@ from ampctl.engine.optim import (
 )
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import build_scaler
+from ampctl.engine.weight_average import WeightAverage
 from ampctl.recipes.base import Recipe, building_model, checked_model
 
 
@@ -46,4 +47,7 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
     if scaler.can_skip:
         prime_fused_sgd_momentum(optimizer)
     schedule = LRSchedule(optimizer, cfg.train, policy.device)
-    return TrainState(model, weights, optimizer, scaler, schedule, parallel=parallel)
+    train = cfg.train
+    ema = (WeightAverage(model, weights.optimizer_params, train.ema_decay, train.ema_start_step, train.ema_every)
+           if train.get("ema_decay") is not None else None)
+    return TrainState(model, weights, optimizer, scaler, schedule, parallel=parallel, ema=ema)

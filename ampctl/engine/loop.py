@@ -2,8 +2,8 @@
 
 Per optimizer step: forward under autocast -> scale -> backward (x grad_accum_steps micro-batches) ->
 half grads into fp32 masters (O2; a no-op otherwise) -> unscale_ once -> clip (a non-finite norm skips the
-step) -> step -> record -> update -> lr schedule -> masters back into the model -> zero grads. Nothing here
-reads from the device: the only reads are the telemetry's, on log steps.
+step) -> step -> record -> update -> lr schedule -> masters back into the model -> weight average (when asked)
+-> zero grads. Nothing here reads from the device: the only reads are the telemetry's, on log steps.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ampctl.engine.precision.half import WeightLayout
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import LossScaler
 from ampctl.engine.telemetry import Telemetry
+from ampctl.engine.weight_average import WeightAverage
 from ampctl.errors import UsageError
 from ampctl.recipes.base import Recipe, checked_batches, checked_loss, recipe_errors, recipe_name, starts_anywhere
 
@@ -54,6 +55,7 @@ class TrainState:
     schedule: LRSchedule
     step: int = 0
     parallel: Parallel = field(default_factory=Parallel)  # DDP's hooks; identities in one process
+    ema: Optional[WeightAverage] = None  # train.ema_decay's fp32 average of the weights
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,8 @@ def train_step(
     scaler.update()
     state.schedule.step(found_inf, scaler.can_skip)  # a skipped step does not advance the schedule
     state.weights.masters_to_model()
+    if state.ema is not None:
+        state.ema.after_step(state.step)
     opt.zero_grad(set_to_none=True)
 
 

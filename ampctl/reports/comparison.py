@@ -14,9 +14,10 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ampctl import io
+from ampctl.conf.schema import EMA_METRIC
 from ampctl.reports import parity as parity_stats
 from ampctl.reports import plots, round_stats
 from ampctl.reports.round_stats import Interval
@@ -123,12 +124,12 @@ def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
                "speedup": "speedup (interval)", "peak_memory_mib": "peak MiB (allocator)", "memory_ratio": "memory",
                "final_loss": "final loss", "loss_delta": "Δ loss", "skipped_steps": "skipped",
                "final_loss_scale": "scale", "compile_s": "compile s", "tflops": "TFLOP/s", "mfu": "MFU",
-               **{f"eval_{m}": f"held-out {m}" for m in metrics}, "eval_loss_delta": "Δ held-out loss"}
+               **{f"eval_{m}": _held_out_label(m) for m in metrics}, "eval_loss_delta": "Δ held-out loss"}
     formats = {unit: lambda v: f"{v:,.0f}", "peak_memory_mib": lambda v: f"{v:,.0f}", "memory_ratio": ratio,
                "final_loss": lambda v: f"{v:.4f}", "loss_delta": signed, "final_loss_scale": io.scale_label,
                "compiled": lambda v: "yes" if v else "no", "compile_s": lambda v: f"{v:.1f}",
                "tflops": lambda v: f"{v:.3g}", "mfu": lambda v: f"{v:.1%}",
-               **{f"eval_{m}": (lambda v: f"{v:.2%}") if m == "accuracy" else (lambda v: f"{v:.4f}") for m in metrics}}
+               **{f"eval_{m}": _held_out_format(m) for m in metrics}}
     cells = {"step_time_ms": lambda r: _with_range(r, "step_time_ms", "{:.3g}"),
              "speedup": lambda r: _with_range(r, "speedup", "{:.2f}×"),
              "eval_loss": lambda r: f"{r['eval_loss']:.4f}" + (f" (sd {r['eval_loss_sd']:.4f})"
@@ -159,6 +160,15 @@ def _speed_on_screen(row: dict[str, Any], baseline: Optional[str]) -> str:
     low, high = row.get("speedup_low"), row.get("speedup_high")
     verdict = "faster" if low is not None and low > 1 else "slower" if high is not None and high < 1 else "no diff"
     return f"{_with_range(row, 'speedup', '{:.2f}×')} {verdict}"
+
+
+def _held_out_format(metric: str) -> Callable[[float], str]:
+    return (lambda v: f"{v:.2%}") if metric.endswith("accuracy") else (lambda v: f"{v:.4f}")
+
+
+def _held_out_label(metric: str) -> str:
+    """`held-out loss`; the weight average's (train.ema_decay) `held-out loss (EMA)`."""
+    return f"held-out {metric.removeprefix(EMA_METRIC)}" + (" (EMA)" if metric.startswith(EMA_METRIC) else "")
 
 
 def eval_metrics(runs: Sequence[RunRecord]) -> list[str]:

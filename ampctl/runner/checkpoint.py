@@ -96,6 +96,8 @@ def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches
         "model": model_state,
         "weights": state.weights.state_dict(),
         "optimizer": optimizer_state,
+        # the fp32 weight average: as held in a sharded checkpoint (DCP writes each rank's shards), else whole
+        "ema": None if state.ema is None else state.ema.state_dict(whole=not sharded),
         "scaler": state.scaler.state_dict(),
         "schedule": state.schedule.state_dict(),
         "rng": rng_state(),
@@ -284,6 +286,8 @@ def restore(payload: dict[str, Any], state: TrainState, source: Path) -> None:
         state.parallel.load_full_state(state.model, state.optimizer, payload["model"],
                                        optimizer_states.quantized_states(payload["optimizer"],
                                                                          state.parallel.shards_gradients))
+        if state.ema is not None:
+            state.ema.load_state_dict(payload["ema"])
     for group, lr in zip(state.optimizer.param_groups, lrs):
         group["lr"] = lr
     state.scaler.load_state_dict(payload["scaler"])

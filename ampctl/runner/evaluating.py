@@ -16,25 +16,30 @@ import torch
 from omegaconf import DictConfig
 
 from ampctl import run_files
+from ampctl.conf.schema import EMA_METRIC
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.evaluation import Evaluator
 from ampctl.engine.precision.half import fp32_copy
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import Telemetry
+from ampctl.engine.weight_average import WeightAverage
 from ampctl.errors import UsageError
 
 PREFIX, FP32_PREFIX = "eval", "eval_fp32"
 
 
 def eval_line(step: int, row: dict[str, Any]) -> str:
-    """`eval step 100: loss 1.2345 | accuracy 56.2% | perplexity 3.44 (fp32: loss 1.2340 | ...) | 0.4 s`"""
-    def metrics(prefix: str) -> str:
-        return " | ".join(f"{name.split('/', 1)[1]} {format_metric(name, value)}" for name, value in row.items()
-                          if name.startswith(prefix + "/"))
+    """`eval step 100: loss 1.2345 | accuracy 56.2% | perplexity 3.44 (fp32: loss 1.2340 | ...) (ema: loss 1.2001
+    | ...) | 0.4 s`"""
+    def metrics(prefix: str, ema: bool = False) -> str:
+        start = f"{prefix}/{EMA_METRIC}" if ema else f"{prefix}/"
+        return " | ".join(f"{name[len(start):]} {format_metric(name, value)}" for name, value in row.items()
+                          if name.startswith(start) and (ema or not name.startswith(f"{prefix}/{EMA_METRIC}")))
 
-    fp32 = metrics(FP32_PREFIX)
+    fp32, ema = metrics(FP32_PREFIX), metrics(PREFIX, ema=True)
     seconds = row["seconds"]
     return (f"eval step {step}: {metrics(PREFIX)}" + (f" (fp32: {fp32})" if fp32 else "")
+            + (f" (ema: {ema})" if ema else "")
             + (f" | {seconds:.1f} s" if seconds >= 1 else f" | {seconds * 1e3:.0f} ms"))
 
 
@@ -50,6 +55,7 @@ class RunEvaluation:
     def __init__(self, cfg: DictConfig, recipe: Any, policy: PrecisionPolicy) -> None:
         train = cfg.train
         self.every, self.steps, self.fp32 = train.eval_every, train.steps, train.eval_fp32
+        self.ema = train.ema_decay is not None  # the weight average evaluated too, as eval/ema_<metric>
         self.policy = policy
         self.evaluator = Evaluator(recipe, policy.device, train.eval_batches)
         if self.fp32 and policy.converts_layers():
@@ -58,10 +64,13 @@ class RunEvaluation:
                              "(ampctl compare)")
 
     def check_monitor(self, model: torch.nn.Module, monitor: str) -> None:
-        """train.monitor is among the recipe's metrics: one held-out batch evaluated at start (the model is not
-        changed by it), so that a wrong name is refused before the run records anything."""
+        """train.monitor is among the recipe's metrics (or the weight average's: ema_<metric>): one held-out batch
+        evaluated at start (the model is not changed by it), so that a wrong name is refused before the run
+        records anything."""
         one = Evaluator(self.evaluator.recipe, self.policy.device, batches=1)
-        names = one.evaluate(model, self.policy.forward_context())
+        names = list(one.evaluate(model, self.policy.forward_context()))
+        if self.ema:
+            names += [EMA_METRIC + name for name in names]
         if monitor not in names:
             raise UsageError(f"train.monitor={monitor}: the recipe's evaluation gives no such metric; it gives "
                              f"{', '.join(sorted(names))}")
@@ -70,13 +79,18 @@ class RunEvaluation:
         return step % self.every == 0 or (last and step == self.steps)
 
     def __call__(self, step: int, model: torch.nn.Module, telemetry: Telemetry, compiling: CompileWatch,
-                 recorder: Any) -> dict[str, Any]:
-        """Evaluate after `step`; record and return the row (`eval/loss`, `eval_fp32/loss`, ..., `seconds`)."""
+                 recorder: Any, ema: Optional[WeightAverage] = None) -> dict[str, Any]:
+        """Evaluate after `step`; record and return the row (`eval/loss`, `eval_fp32/loss`, `eval/ema_loss`, ...,
+        `seconds`). The weight average is evaluated in the model's parameters, under the same autocast."""
         telemetry.flush()  # the rows up to this step first: the timer is drained before it restarts
         began = time.perf_counter()
         with compiling.outside_steps():
             row: dict[str, Any] = {"step": step}
             row.update(_prefixed(PREFIX, self.evaluator.evaluate(model, self.policy.forward_context())))
+            if ema is not None:
+                with ema.swapped_in():
+                    averaged = self.evaluator.evaluate(model, self.policy.forward_context())
+                row.update(_prefixed(PREFIX, {EMA_METRIC + name: value for name, value in averaged.items()}))
             if self.fp32:
                 fp32_model = fp32_copy(model) if self.policy.precision.cast_model else model
                 row.update(_prefixed(FP32_PREFIX, self.evaluator.evaluate(

@@ -18,7 +18,7 @@ from ampctl import run_files
 from ampctl.analysis import flops, mode_advice
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.precision_schema import scaler_is_active
-from ampctl.conf.schema import MONITOR_MODES, CheckpointFormat
+from ampctl.conf.schema import CheckpointFormat, monitor_direction
 from ampctl.conf.sweeps import stop_requested_of_this_job
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
@@ -200,7 +200,7 @@ class TrainingRun:
         def after_step(last: bool) -> None:
             watchdog.step_done(state.step)
             self.profiler.step()  # first: a profiled step ends where its timer mark is, before a checkpoint
-            evaluated = (self.evaluation(state.step, state.model, telemetry, self.compiling, recorder)
+            evaluated = (self.evaluation(state.step, state.model, telemetry, self.compiling, recorder, state.ema)
                          if self.evaluation is not None and self.evaluation.due(state.step, last) else None)
             self.peak.after_step()
             checks(telemetry.take_fresh())  # non-empty on log steps, when values came back from the device
@@ -352,9 +352,9 @@ class Checkpointer:
         cfg, state, recorder = run.cfg, run.state, run.recorder
         self.cfg, self.choices, self.state, self.telemetry = cfg, run.choices, state, run.telemetry
         train = cfg.train
-        self.best = (BestCheckpoints(recorder.run_dir, train.save_top_k, train.monitor,
-                                     train.monitor_mode or MONITOR_MODES[train.monitor], repair=run.parallel.is_main)
-                     if train.save_top_k else None)
+        direction = train.monitor_mode or monitor_direction(train.monitor)
+        self.best = (BestCheckpoints(recorder.run_dir, train.save_top_k, train.monitor, direction,
+                                     repair=run.parallel.is_main) if train.save_top_k else None)
         if self.best is not None and self.best.repaired:
             recorder.echo(f"warning: {self.best.repaired}")
         self.recorder, self.parallel = recorder, run.parallel

@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # annotations only: the state's class is the engine's
 
 STATE_FILE = "state.pt"
 MANIFEST = "SHA256SUMS"
-SHARDED = ("model", "optimizer")  # the payload's entries DCP writes; the rest goes to state.pt
+SHARDED = ("model", "optimizer", "ema")  # the payload's entries DCP writes (those set); the rest goes to state.pt
 
 # DCP warns that it "assumes the intent" to work in a single process even when told so (no_dist=True); the
 # async writer's thread warns too, so the filter is the process's, for this message only.
@@ -78,7 +78,7 @@ class ShardedWriter:
         self.wait()  # one save at a time: the previous one is complete (and renamed) before the next starts
         final = checkpoint_files.checkpoint_path(self.run_dir, payload["step"], sharded=True)
         tmp = final.with_name(final.name + ".tmp")
-        shards = {key: payload[key] for key in SHARDED}
+        shards = {key: payload[key] for key in SHARDED if payload.get(key) is not None}
         no_dist = _no_dist(self.state)
         try:
             if self.is_main:
@@ -220,6 +220,8 @@ def load_into(folder: Path, state: TrainState) -> None:
 
     model_state, optimizer_state = state_dicts(state)
     states = {"model": model_state, "optimizer": optimizer_state}
+    if state.ema is not None:  # loaded in place into the average's own tensors (resharded by DCP)
+        states["ema"] = state.ema.state_dict()
     dcp.load(states, checkpoint_id=str(folder), no_dist=_no_dist(state))
     set_state_dict(state.model, state.optimizer, model_state_dict=states["model"],
                    optim_state_dict=states["optimizer"])

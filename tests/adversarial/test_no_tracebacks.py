@@ -54,6 +54,18 @@ from tests.support.runs import snapshot
     (["optimizer=adamw_fp8", "+optimizer.fused=true"], "torchao.optim.AdamWFp8 takes no argument 'fused'"),
     (["optimizer=adamw_4bit", "+optimizer.amsgrad=true"], "optimizer.amsgrad=true with torchao.optim.AdamW4bit: "
                                                            "torchao's quantized states cannot keep amsgrad's running"),
+    # the fp32 weight average (issue 38)
+    (["train.ema_decay=1"], "train.ema_decay=1.0 is not allowed: expected a number in (0, 1)"),
+    (["train.ema_decay=0"], "train.ema_decay=0.0 is not allowed"),
+    (["train.ema_decay=nan"], "train.ema_decay=nan is not allowed"),
+    (["train.ema_decay=fast"], "train.ema_decay='fast' is not allowed"),
+    (["train.ema_decay=0.9", "train.ema_every=0"], "train.ema_every=0 is not allowed: expected an integer >= 1"),
+    (["train.ema_decay=0.9", "train.ema_start_step=-1"], "train.ema_start_step=-1 is not allowed"),
+    (["train.monitor=ema_loss", "train.eval_every=1", "train.save_top_k=1"],
+     "train.monitor='ema_loss' is not allowed: expected a metric of the model's without train.ema_decay"),
+    (["train.ema_decay=0.9", "train.monitor=ema_nope", "train.monitor_mode=min", "train.eval_every=1",
+      "train.save_top_k=1"], "train.monitor=ema_nope: the recipe's evaluation gives no such metric; it gives "
+                             "accuracy, ema_accuracy, ema_loss, loss"),
     # sizes torch cannot build or train (issue 35)
     (["recipe.in_features=9223372036854775807"], "its model cannot be built, its tensors are too large to allocate "
      "(Storage size calculation overflowed with sizes=[32, 9223372036854775807]); its largest size option: "

@@ -26,9 +26,10 @@ def test_cuda_losses_and_scales_match_the_canonical_loop(tmp_path, precision, dt
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16", "O2", "O3"])
 def test_a_step_never_syncs_the_host_with_fused_optimizers(precision):
-    """torch.cuda.set_sync_debug_mode("error") raises on any synchronizing call inside the step."""
-    cfg, policy, recipe = build(f"precision={precision}", "device=cuda", "scaler.init_scale=1e20"
-                                if precision in ("fp16", "O2") else "train.seed=0")
+    """torch.cuda.set_sync_debug_mode("error") raises on any synchronizing call inside the step (the fp32 weight
+    average's update included)."""
+    cfg, policy, recipe = build(f"precision={precision}", "device=cuda", "train.ema_decay=0.99",
+                                "scaler.init_scale=1e20" if precision in ("fp16", "O2") else "train.seed=0")
     with policy:
         state = build_state(cfg, policy, recipe)
         telemetry = Telemetry(policy.device, 100, recipe.samples_per_batch, None, [])

@@ -49,6 +49,18 @@ def test_model_states_equal_the_hand_computed_bytes(precision):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "O2", "O3"])
+def test_the_weight_average_is_4_bytes_per_parameter_and_the_bytes_its_tensors_hold(precision):
+    """train.ema_decay: one fp32 copy of the trainable weights whatever the mode (O3's bf16 weights included),
+    equal to the bytes of the average's own tensors."""
+    cfg, policy, recipe = build(f"precision={precision}", *MLP, "train.ema_decay=0.99")
+    with policy:
+        state = build_state(cfg, policy, recipe)
+    s = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer, weight_average=True)
+    assert s.weight_average == 4 * P == sum(a.numel() * a.element_size() for a in state.ema.averages)
+    assert s.total == sum(HAND_COMPUTED[precision]) + 4 * P
+
+
+@pytest.mark.parametrize("precision", ["fp32", "O2", "O3"])
 def test_gradient_bytes_are_the_most_that_a_real_step_holds_at_once(precision):
     """The reference: every .grad alive in a real step, summed after backward (half, under O2) and after
     they become the optimizer's (fp32 masters under O2, the half ones freed)."""

@@ -50,12 +50,13 @@ class ModelStateBytes:
     gradients: int
     master_weights: int
     optimizer_states: Optional[int]
+    weight_average: int = 0  # train.ema_decay's fp32 copy of the trainable weights (4 bytes per parameter)
 
     @property
     def total(self) -> Optional[int]:
         if self.optimizer_states is None:
             return None
-        return self.weights + self.gradients + self.master_weights + self.optimizer_states
+        return self.weights + self.gradients + self.master_weights + self.optimizer_states + self.weight_average
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -121,9 +122,9 @@ def optimizer_state_bytes(kind: str, optimizer_cfg: DictConfig, params: Iterable
 
 
 def estimate_model_states(model: nn.Module, optimizer_params: list[nn.Parameter],
-                          optimizer_cfg: DictConfig) -> ModelStateBytes:
+                          optimizer_cfg: DictConfig, weight_average: bool = False) -> ModelStateBytes:
     """Model states of a model prepared by its precision mode, with the parameters its optimizer steps on
-    (the model's own, or the fp32 masters of O2)."""
+    (the model's own, or the fp32 masters of O2), and an fp32 average of them where train.ema_decay keeps one."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     model_ids = {id(p) for p in trainable}
     masters = [p for p in optimizer_params if id(p) not in model_ids]
@@ -134,6 +135,7 @@ def estimate_model_states(model: nn.Module, optimizer_params: list[nn.Parameter]
         gradients=max(sum(_nbytes(p) for p in trainable), sum(_nbytes(p) for p in optimizer_params)),
         master_weights=sum(_nbytes(p) for p in masters),
         optimizer_states=optimizer_state_bytes(optimizer_kind(optimizer_cfg), optimizer_cfg, optimizer_params),
+        weight_average=4 * sum(p.numel() for p in optimizer_params) if weight_average else 0,
     )
 
 
