@@ -1,11 +1,11 @@
 """ampctl: a command-line runner for mixed-precision training experiments in PyTorch.
 
-From Python: ampctl.train(overrides), ampctl.compare(...), ampctl.inspect(...), ampctl.memory(...), each
-returning an ampctl.Result (run_dir, summary); see ampctl/api.py."""
+From Python: ampctl.train(overrides), ampctl.compare(...), ampctl.inspect(...), ampctl.memory(...),
+ampctl.export(path, overrides), each returning an ampctl.Result (run_dir, summary); see ampctl/api.py."""
 
 from ampctl.version import VERSION as __version__
 
-API = ("train", "compare", "inspect", "memory", "Result")
+API = ("train", "compare", "inspect", "memory", "export", "Result")
 __all__ = [*API, "__version__"]
 
 

@@ -8,6 +8,7 @@ the result back as a value.
     table = ampctl.compare(["recipe=mlp", "train.steps=50", "compare.precisions=[fp32,bf16]"])
     ranges = ampctl.inspect(["recipe=mlp", "precision=fp16"])
     memory = ampctl.memory(["recipe=gpt", "memory.precisions=[fp32,bf16]"])
+    served = ampctl.export(run.run_dir, ["export.dtype=bfloat16"])
 
 Overrides are Hydra's, as typed after the command (`key=value`, `group=option`); `config_dir` is the command
 line's `-cd` (your own configs and recipes), `config_name` its `-cn`. A bad value raises
@@ -84,6 +85,17 @@ def memory(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
     with _command("memory", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
         run_memory(job.cfg, out, task_overrides(hydra_cfg), _dir(config_dir))
     return Result(out, json.loads((out / f"{run_files.MEMORY}.json").read_text()))
+
+
+def export(path: PathLike, overrides: Sequence[str] = ()) -> Result:
+    """`ampctl export PATH [export.dtype=... ...]`: a checkpoint's weights (PATH: a run directory or a checkpoint)
+    in the dtype you serve; returns the export's directory and its export.json."""
+    from ampctl.conf.export_schema import ExportConfig
+    from ampctl.runner.export import RECORD
+    from ampctl.runner.export import export as export_checkpoint
+
+    exported = export_checkpoint(Path(path), ExportConfig.from_overrides(list(overrides)), say=lambda _line: None)
+    return Result(exported.path, json.loads((exported.path / RECORD).read_text()))
 
 
 def _dir(config_dir: Optional[PathLike]) -> Optional[str]:

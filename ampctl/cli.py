@@ -29,6 +29,8 @@ COMMANDS = {
                 "where values fall against fp16, bf16 and FP8 ranges, per layer"),
     "advise": ("ampctl.commands.advise", "advise",
                "the precision mode for this model on this machine, with the evidence"),
+    "export": ("ampctl.commands.export", "main",
+               "a checkpoint's weights in the dtype you serve: safetensors, pt or a transformers directory"),
     "report": ("ampctl.commands.report", "main",
                "the table, files and plots of a run, multirun or compare directory, again"),
     "list": ("ampctl.commands.list", "main",

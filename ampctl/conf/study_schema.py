@@ -27,6 +27,9 @@ class CompareConfig:
     # [false,true]: each mode eager and compiled (rows "bf16", "bf16+compile"); null: [train.compile], one
     # setting for every mode, so that no mode is credited with compile's gain
     compile: Optional[list[bool]] = None
+    # [adamw,adamw_8bit]: each mode with each optimizer (rows "bf16_true+adamw", "bf16_true+adamw_8bit"), a
+    # combination that cannot run skipped with its reason; null: the run's optimizer, one for every mode
+    optimizers: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 0, "compare.warmup_steps", self.warmup_steps, "an integer >= 0")

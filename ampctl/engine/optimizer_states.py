@@ -6,7 +6,7 @@ What each keeps, per parameter tensor of n elements (torchao.optim, as bitsandby
 float32 code map per tensor in 8 and 4 bits); a smaller one keeps them in the parameter's own dtype. Every update
 is computed in fp32 from the dequantized moments. With bf16_stochastic_round the new bf16 weight is rounded up or
 down with the probability of the bits it drops, so an update smaller than half a bf16 step is kept in expectation
-instead of lost (pure-bf16 training, precision=O3 precision.dtype=bfloat16); its draws come from torch's global
+instead of lost (pure-bf16 training, precision=bf16_true); its draws come from torch's global
 generator, which every checkpoint saves. torchao compiles each parameter's update with torch.compile on its first
 step (a few seconds per parameter shape on a CPU, excluded from timings as every compile is).
 """
@@ -88,7 +88,7 @@ def check(optimizer_cfg: DictConfig, precision_dtype: str, weights_in_half: bool
         raise UsageError(
             "optimizer.bf16_stochastic_round=true rounds the bfloat16 weights the optimizer steps on, and this "
             "precision mode steps on " + (f"{precision_dtype} weights" if weights_in_half else "fp32 weights")
-            + ": use precision=O3 precision.dtype=bfloat16 (or set optimizer.bf16_stochastic_round=false)")
+            + ": use precision=bf16_true (pure bf16; or set optimizer.bf16_stochastic_round=false)")
     layout = layout_of(optimizer_cfg)
     if layout is not None and layout.bits is not None:
         block = optimizer_cfg.get("block_size", layout.default_block_size)

@@ -69,7 +69,9 @@ def mode_timing(runs: Sequence[RunRecord], spans: Optional[Sequence[Span]]) -> M
 
 
 def baseline_of(modes: Sequence[str]) -> Optional[str]:
-    return next((m for m in modes if m in BASELINES), modes[0] if modes else None)
+    """The first row of an fp32 mode (its first optimizer's, where several are compared), else the first row."""
+    return next((m for m in modes if m.split("+", 1)[0] in BASELINES and "+compile" not in m and "+ac" not in m),
+                modes[0] if modes else None)
 
 
 def held_out(run: RunRecord, metric: str) -> float:
@@ -262,7 +264,7 @@ def _timing_notes(spans: Optional[Sequence[Span]], seeds: int, baseline: Optiona
 def _other_notes(done: Sequence[ModeRuns], skipped: dict[str, str], baseline: Optional[str],
                  base: Optional[Sequence[RunRecord]]) -> list[str]:
     notes = [f"{mode} skipped: {reason}" for mode, reason in skipped.items()]
-    if baseline and baseline not in BASELINES:
+    if baseline and baseline.split("+", 1)[0] not in BASELINES:
         notes.append(f"fp32 is not in the list: speedup, memory ratio and loss delta are against {baseline}.")
     elif baseline:
         notes.append(f"speedup, memory ratio and loss delta are against {baseline} (true fp32: TF32 off).")

@@ -32,9 +32,11 @@ from rich.progress import (
 from ampctl import io, run_files
 from ampctl.analysis import cpu_speed, mode_advice
 from ampctl.conf.composing import compose_job
+from ampctl.conf.messages import did_you_mean
 from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.evaluation import held_out_unavailable
+from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import read_metrics
 from ampctl.errors import UnsupportedError, UsageError
 from ampctl.recipes.base import build_recipe
@@ -95,33 +97,34 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
     compiling = [cfg.train.compile] if cfg.compare.compile is None else list(cfg.compare.compile)
     if not compiling or len(set(compiling)) != len(compiling):
         raise UsageError(f"compare.compile={compiling}: give [false], [true] or [false,true]")
+    optimizers = _optimizers(cfg)
     plans, skipped = [], {}
     for name in names:
-        overrides = [f"precision={name}", *run_overrides]
-        without_scaler_keys = [o for o in overrides if not o.lstrip("+~").startswith("scaler.")]
-        try:
-            mode_cfg = compose_job("train", without_scaler_keys)
-            if mode_cfg.scaler.kind == "none":
-                # scaler.* settings are for the modes that scale; fp32 and bf16 keep scaler=none
-                overrides = without_scaler_keys
-            else:
-                mode_cfg = compose_job("train", overrides)
-            policy = check_config(mode_cfg)
-        except UnsupportedError as exc:
-            skipped[name] = str(exc).split("; ")[0].removeprefix(f"precision={name} ")
-            continue
-        slow = mode_advice.slow_here(policy)
-        if not explicit and slow:
-            skipped[name] = f"{slow}; name it in compare.precisions to run it"
-            continue
-        for compiled in compiling:
-            for ac in checkpointing:
-                label = row_labels.label(name, compiled, ac, both_compiled=len(compiling) > 1,
-                                       both_checkpointed=len(checkpointing) > 1)
-                plans.append(ModePlan(label, [*overrides, f"train.activation_checkpointing={str(ac).lower()}",
-                                              f"train.compile={str(compiled).lower()}"], mode_cfg.train.steps,
-                                      policy.device.type,
-                                      str(policy.dtype).removeprefix("torch.") if policy.uses_half else None))
+        for optimizer in optimizers:
+            named = optimizer if len(optimizers) > 1 else None  # the label names it where rows differ by it
+            row = row_labels.label(name, False, False, both_compiled=False, both_checkpointed=False, optimizer=named)
+            try:
+                overrides, mode_cfg, policy = _checked_row(name, optimizer, run_overrides)
+            except UnsupportedError as exc:
+                skipped[row] = str(exc).split("; ")[0].removeprefix(f"precision={name} ")
+                continue
+            except UsageError as exc:  # a mode and an optimizer that do not go together (SR over fp32 weights)
+                if optimizer is None:
+                    raise
+                skipped[row] = str(exc)
+                continue
+            slow = mode_advice.slow_here(policy)
+            if not explicit and slow:
+                skipped[row] = f"{slow}; name it in compare.precisions to run it"
+                continue
+            for compiled in compiling:
+                for ac in checkpointing:
+                    label = row_labels.label(name, compiled, ac, both_compiled=len(compiling) > 1,
+                                             both_checkpointed=len(checkpointing) > 1, optimizer=named)
+                    plans.append(ModePlan(label, [*overrides, f"train.activation_checkpointing={str(ac).lower()}",
+                                                  f"train.compile={str(compiled).lower()}"], mode_cfg.train.steps,
+                                          policy.device.type,
+                                          str(policy.dtype).removeprefix("torch.") if policy.uses_half else None))
     if True in checkpointing and plans:  # refused here rather than in every mode's process
         recipe = build_recipe(mode_cfg.recipe)
         require_checkpoint_blocks(recipe, type(recipe).__name__)
@@ -129,6 +132,34 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
         raise UsageError(f"none of compare.precisions={names} can run here: " +
                          "; ".join(f"{m}: {r}" for m, r in skipped.items()))
     return plans, skipped
+
+
+def _checked_row(mode: str, optimizer: Optional[str], run_overrides: list[str],
+                 ) -> tuple[list[str], DictConfig, PrecisionPolicy]:
+    """A row's overrides, its composed config and its checked policy (UnsupportedError where it cannot run here)."""
+    overrides = [f"precision={mode}", *([f"optimizer={optimizer}"] if optimizer else []), *run_overrides]
+    without_scaler_keys = [o for o in overrides if not o.lstrip("+~").startswith("scaler.")]
+    mode_cfg = compose_job("train", without_scaler_keys)
+    if mode_cfg.scaler.kind == "none":  # scaler.* settings are for the modes that scale; fp32 and bf16 keep none
+        overrides = without_scaler_keys
+    else:
+        mode_cfg = compose_job("train", overrides)
+    return overrides, mode_cfg, check_config(mode_cfg)
+
+
+def _optimizers(cfg: DictConfig) -> list[Optional[str]]:
+    """compare.optimizers, checked against the optimizer group's options; [None]: the run's optimizer."""
+    if cfg.compare.optimizers is None:
+        return [None]
+    names = list(cfg.compare.optimizers)
+    options = GlobalHydra.instance().config_loader().get_group_options("optimizer")
+    for name in names:
+        if name not in options:
+            raise UsageError(f"compare.optimizers: {name!r} is not an optimizer{did_you_mean(name, options)}; choose "
+                             f"from {', '.join(options)}")
+    if len(set(names)) != len(names) or not names:
+        raise UsageError(f"compare.optimizers={names}: give one or more distinct optimizers")
+    return names
 
 
 class CompareInterrupted(Exception):
@@ -227,10 +258,14 @@ def recheck_cpu_probe(plans: list[ModePlan], out_dir: Path) -> list[str]:
     modes follow what was measured. Returns the lines that say so."""
     rows = {r["precision"]: r for r in json.loads((out_dir / f"{run_files.COMPARISON}.json").read_text())["rows"]}
     probe = cpu_speed.measured()
+    baseline = comparison.baseline_of([plan.mode for plan in plans])
+    optimizer = row_labels.parse(baseline).optimizer if baseline else None
     contradicted = []
     for plan in plans:
         row = rows.get(plan.mode, {})
         if plan.device != "cpu" or plan.half is None or row.get("speedup_low") is None:
+            continue
+        if row_labels.parse(plan.mode).optimizer != optimizer:  # its speed is its optimizer's too, not the dtype's
             continue
         at_speed = probe.runs_at_speed(plan.half)
         if (not at_speed and row["speedup_low"] > 1) or (at_speed and row["speedup_high"] < 1 / cpu_speed.SLOW_FACTOR):

@@ -191,3 +191,79 @@ def test_an_assumed_cpu_of_no_known_kind_is_one_line_before_anything_runs(tmp_pa
     assert "AMPCTL_ASSUME_CPU=m1: no such kind of CPU; choose one of avx2, avx512_bf16, amx" in one_line_refusal(
         refused, command[0])
     assert not (tmp_path / "run").exists()
+
+
+# --- ampctl export (issue 38) -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exportable_run(tmp_path_factory):
+    """An mlp run with its checkpoint (no weight average)."""
+    root = tmp_path_factory.mktemp("export")
+    trained = cli("train", *MLP, "train.steps=2", f"hydra.run.dir={root / 'run'}", cwd=root)
+    assert trained.returncode == 0, trained.stderr
+    return root / "run"
+
+
+@pytest.mark.parametrize("args,named", [
+    ([], "expected PATH first (a run directory or a checkpoint), then export.KEY=VALUE overrides"),
+    (["export.dtype=float16"], "expected PATH first (a run directory or a checkpoint), then export.KEY=VALUE "
+                               "overrides; got 'export.dtype=float16'"),
+    (["RUN", "export.dtype=fp16"], "export.dtype='fp16' is not allowed: expected float32 | bfloat16 | float16"),
+    (["RUN", "export.format=onnx"], "export.format='onnx' is not allowed: expected safetensors | pt | hf"),
+    (["RUN", "export.weights=swa"], "export.weights='swa' is not allowed: expected model | ema"),
+    (["RUN", "export.dtyp=float16"], "export.dtyp: no such key (did you mean dtype?); allowed: dtype, format, "
+                                     "weights, dir"),
+    (["RUN", "dtype=float16"], "'dtype=float16': expected export.KEY=VALUE (dtype, format, weights, dir)"),
+    (["RUN", "export.weights=ema"], "export.weights=ema: RUN/checkpoints/step_00000002.pt holds no weight average "
+                                    "(the run was trained without train.ema_decay); choose export.weights=model"),
+    (["RUN", "export.format=hf"], "export.format=hf is for recipe=hf_causal_lm (a transformers model); this run's "
+                                  "recipe is ampctl.recipes.mlp.MLPRecipe"),
+    (["RUN/nowhere"], "PATH='RUN/nowhere' does not exist; give a run directory or a checkpoint"),
+    (["RUN/.hydra"], "PATH='RUN/.hydra' holds no checkpoint"),
+])
+def test_export_refuses_in_one_line_and_writes_nothing(exportable_run, args, named):
+    before = snapshot(exportable_run)
+    run = str(exportable_run)
+    refused = cli("export", *[a.replace("RUN", run) for a in args], cwd=exportable_run.parent)
+    assert named.replace("RUN", run) in one_line_refusal(refused, "export")
+    assert snapshot(exportable_run) == before and not (exportable_run / "exports").exists()
+
+
+def test_export_never_replaces_a_directory_and_a_changed_checkpoint_is_refused(exportable_run, tmp_path):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "mine.txt").write_text("the user's")
+    refused = cli("export", str(exportable_run), f"export.dir={taken}", cwd=tmp_path)
+    assert f"export.dir={taken} exists already; choose another export.dir (nothing was written)" in \
+        one_line_refusal(refused, "export")
+    assert [p.name for p in taken.iterdir()] == ["mine.txt"]
+    copy = tmp_path / "copy"
+    shutil.copytree(exportable_run, copy)
+    flipped = copy / "checkpoints" / "step_00000002.pt"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    refused = cli("export", str(copy), cwd=tmp_path)
+    assert "no checkpoint passes its check" in one_line_refusal(refused, "export")
+    assert not (copy / "exports").exists()
+    # the same export twice: the second is refused, the first left as it was
+    first = cli("export", str(exportable_run), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    written = snapshot(exportable_run / "exports")
+    again = cli("export", str(exportable_run), cwd=tmp_path)
+    assert "exists already" in one_line_refusal(again, "export")
+    assert snapshot(exportable_run / "exports") == written
+
+
+def test_an_export_that_cannot_be_written_leaves_nothing(exportable_run, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "out" / "model.safetensors"))
+
+    monkeypatch.setattr(safetensors.torch, "save_model", full_disk)
+    refused = cli("export", str(exportable_run), f"export.dir={tmp_path / 'deep' / 'out'}", cwd=tmp_path)
+    assert refused.returncode == 74, refused.stderr
+    assert refused.stderr.startswith("ampctl export: error: cannot write ") and "No space left" in refused.stderr
+    assert not (tmp_path / "deep").exists()  # nor the folders it made for it

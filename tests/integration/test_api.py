@@ -1,4 +1,4 @@
-"""The Python API (ampctl.train / compare / inspect / memory): the command line's configs, overrides and
+"""The Python API (ampctl.train / compare / inspect / memory / export): the command line's configs, overrides and
 checks, the result back as a value; a refusal is an exception with the command line's one line."""
 
 from __future__ import annotations
@@ -37,3 +37,13 @@ def test_compare_and_inspect_return_their_records(tmp_path):
     ranges = ampctl.inspect([*MLP, "precision=fp16", "inspect.steps=2"], out_dir=tmp_path / "inspect")
     assert ranges.summary["kind"] == "inspect" and ranges.summary["rows"]
     assert (tmp_path / "inspect" / "gradient_ranges.png").is_file()
+
+
+def test_export_returns_its_directory_and_record_and_refuses_as_the_command_line(tmp_path):
+    run = ampctl.train([*MLP, "train.steps=3", "train.ema_decay=0.5"], run_dir=tmp_path / "run")
+    served = ampctl.export(run.run_dir, ["export.dtype=bfloat16", "export.weights=ema"])
+    assert served.run_dir == tmp_path / "run" / "exports" / "step_00000003-ema-bfloat16"
+    assert served.summary == json.loads((served.run_dir / "export.json").read_text())
+    assert (served.summary["step"], served.summary["files"]) == (3, ["model.safetensors"])
+    with pytest.raises(UsageError, match=r"exists already; choose another export.dir \(nothing was written\)$"):
+        ampctl.export(run.run_dir, ["export.dtype=bfloat16", "export.weights=ema"])

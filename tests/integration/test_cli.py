@@ -186,7 +186,7 @@ def test_unknown_command_is_refused(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"unknown command 'trian'; did you mean 'train'? choose one of: {', '.join(COMMANDS)}" in err
-    assert "train, compare, memory, inspect, advise, report, list" in ", ".join(COMMANDS)
+    assert "train, compare, memory, inspect, advise, export, report, list" in ", ".join(COMMANDS)
 
 
 # --- real processes ---------------------------------------------------------------------------------

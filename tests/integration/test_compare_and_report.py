@@ -93,6 +93,9 @@ def test_report_renders_a_compare_directory_again(comparison, capsys):
         (["resume=auto"], "ampctl compare starts fresh runs"),
         (["distributed=ddp"], "distributed=ddp: ampctl compare runs on one device"),
         (["compare.activation_checkpointing=[false,true]"], "recipe MLPRecipe names no blocks to checkpoint"),
+        (["compare.optimizers=[adamw,adamw9bit]"], "compare.optimizers: 'adamw9bit' is not an optimizer (did you mean "
+                                                   "adamw_8bit?)"),
+        (["compare.optimizers=[sgd,sgd]"], "compare.optimizers=['sgd', 'sgd']: give one or more distinct optimizers"),
     ],
 )
 def test_compare_refuses_bad_input_with_one_line(tmp_path, restore_argv, capsys, args, message):
@@ -209,6 +212,38 @@ def test_compare_runs_by_default_only_the_modes_that_are_fast_here(monkeypatch, 
                                               "to run it")
         named = compose(config_name="compare", overrides=["device=cpu", "compare.precisions=[fp32,bf16]"])
         assert [p.mode for p in plan_modes(named, ["device=cpu"])[0]] == ["fp32", "bf16"]
+
+
+def test_optimizers_are_compared_as_rows_and_a_combination_that_cannot_run_is_skipped_with_its_reason():
+    """compare.optimizers: each mode with each optimizer, labelled by it; stochastic rounding over fp32 weights (it
+    would silently do nothing) is skipped with the optimizer's own refusal, not run and not a failed comparison."""
+    from hydra import compose, initialize_config_module
+
+    from ampctl.studies import row_labels
+    from ampctl.studies.compare import plan_modes
+
+    with initialize_config_module(config_module="ampctl.conf", version_base=None):
+        cfg = compose(config_name="compare", overrides=["device=cpu", "compare.precisions=[fp32,bf16_true]",
+                                                         "compare.optimizers=[adamw,adamw_bf16_sr]"])
+        plans, skipped = plan_modes(cfg, ["device=cpu"])
+    assert [p.mode for p in plans] == ["fp32+adamw", "bf16_true+adamw", "bf16_true+adamw_bf16_sr"]
+    assert skipped["fp32+adamw_bf16_sr"].startswith("optimizer.bf16_stochastic_round=true rounds the bfloat16 weights")
+    assert "optimizer=adamw_bf16_sr" in plans[2].overrides and "precision=bf16_true" in plans[2].overrides
+    assert row_labels.parse("bf16_true+adamw_bf16_sr+compile").overrides() == ["optimizer=adamw_bf16_sr",
+                                                                               "train.compile=true"]
+
+
+def test_compare_runs_each_optimizer_against_the_first_one_in_fp32(tmp_path, restore_argv, capsys):
+    out = tmp_path / "cmp"
+    main(["compare", *TINY, "compare.precisions=[fp32]", "compare.optimizers=[adamw,sgd]", "compare.rounds=1",
+          "compare.warmup_steps=1", f"hydra.run.dir={out}"])
+    rows = {r["precision"]: r for r in read_csv(out / "comparison.csv")}
+    assert list(rows) == ["fp32+adamw", "fp32+sgd"] and all(r["status"] == "ok" for r in rows.values())
+    assert float(rows["fp32+adamw"]["speedup"]) == 1.0 and rows["fp32+sgd"]["final_loss"] != rows["fp32+adamw"][
+        "final_loss"]
+    summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in out.glob("fp32+*") if d.is_dir()}
+    assert {s["optimizer"] for s in summaries.values()} == {"torch.optim.AdamW", "torch.optim.SGD"}
+    assert "speedup, memory ratio and loss delta are against fp32+adamw (true fp32" in capsys.readouterr().out
 
 
 def interrupt_compare(out: Path, *args: str, rows_before: int) -> str:

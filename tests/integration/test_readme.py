@@ -47,6 +47,7 @@ def test_every_tour_command_runs(tmp_path):
     runs = [p.parent for p in (tmp_path / "outputs").rglob("summary.json")]
     assert len(runs) >= 4  # three trainings, the compared modes and my_exp
     assert list((tmp_path / "outputs").rglob("metrics.csv"))  # logger=csv
+    assert list(tmp_path.glob("ema/exports/step_00000060-ema-bfloat16/model.safetensors"))  # ampctl export
     assert (tmp_path / "my_exp.yaml").is_file() and list((tmp_path / "outputs" / "compare").rglob("comparison.csv"))
     assert list((tmp_path / "outputs" / "inspect").rglob("ranges.csv")) and list(
         (tmp_path / "outputs" / "memory").rglob("memory.png"))

@@ -92,7 +92,7 @@ def test_stochastic_rounding_is_unbiased_at_every_fraction(eager):
 def test_stochastic_rounding_is_refused_where_the_weights_stepped_on_are_not_bf16(precision):
     """torchao rounds only bf16 weights and says nothing otherwise: the choice would silently do nothing."""
     with pytest.raises(UsageError, match=r"optimizer.bf16_stochastic_round=true rounds the bfloat16 weights .* "
-                                         r"use precision=O3 precision.dtype=bfloat16"):
+                                         r"use precision=bf16_true \(pure bf16"):
         build(*precision, "optimizer=adamw_bf16_sr")
 
 

@@ -1,0 +1,41 @@
+"""`ampctl export PATH [export.dtype=...] [export.format=...] [export.weights=...] [export.dir=...]`: a checkpoint's
+weights in the dtype they are served in (runner/export.py). A bad argument, a checkpoint that fails its check or a
+directory that exists is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ampctl.commands.outcomes import leave, refuse
+from ampctl.errors import UsageError, write_refused
+
+USAGE = ("usage: ampctl export PATH [export.dtype=float32|bfloat16|float16] [export.format=safetensors|pt|hf] "
+         "[export.weights=model|ema] [export.dir=DIR]   (PATH: a run directory or a checkpoint)")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args in (["-h"], ["--help"]):
+        print(USAGE)
+        return
+    if not args or "=" in args[0]:
+        refuse("export", "expected PATH first (a run directory or a checkpoint), then export.KEY=VALUE overrides"
+               + (f"; got {args[0]!r}" if args else ""))
+    path, overrides = args[0], args[1:]
+    try:
+        from ampctl.conf.export_schema import ExportConfig
+
+        options = ExportConfig.from_overrides(overrides)
+        from ampctl.runner.export import export  # torch: imported for an export, not for its usage line
+
+        exported = export(Path(path), options)
+    except UsageError as exc:
+        refuse("export", str(exc))
+    except OSError as exc:  # a full disk, a read-only directory: nothing was written (runner/export.py)
+        if not write_refused(exc):
+            raise
+        leave(exc, [f"ampctl export: error: cannot write {exc.filename}: {exc.strerror} (nothing was written)"])
+    from ampctl import io
+
+    print(f"exported {exported.parameters:,} parameters ({io.format_bytes(exported.bytes)}) to {exported.path}")

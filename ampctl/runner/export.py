@@ -1,0 +1,196 @@
+"""`ampctl export PATH`: the weights of a checkpoint ampctl wrote (a whole file or a DCP directory), in the dtype
+they are served in, weights only: safetensors (`model.safetensors`, written by safetensors' own save_model, which
+keeps one copy of tied weights), `model.pt` (torch.save of the state dict) or, for recipe=hf_causal_lm, a
+directory transformers' `from_pretrained` loads (its own save_pretrained).
+
+The weights are the ones the optimizer stepped on, at their full precision: O2's fp32 masters rather than their
+half copies, the fp32 weight average (export.weights=ema) rather than the model, each rounded once to export.dtype.
+The model is built from the checkpoint's own recipe config and the weights loaded into it strictly, so what is
+written is what that model holds (a converter's extra state, FP8 scales, is left out: weights only).
+
+The export owns its directory: it must not exist; it is written beside it and renamed into place whole, and a
+failure leaves nothing (not even the exports/ folder it made). Nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from ampctl import io
+from ampctl.conf.export_schema import ExportConfig
+from ampctl.errors import UsageError
+from ampctl.runner import checkpoint
+from ampctl.runner.checkpoint_files import (
+    cached_sha256,
+    is_checkpoint,
+    is_sharded,
+    list_checkpoints,
+    run_dir_of,
+)
+
+EXPORTS = "exports"  # the folder of a run's exports, beside its checkpoints
+RECORD = "export.json"  # what an export holds and where it came from
+HF_RECIPE = "HFCausalLMRecipe"
+
+
+@dataclass(frozen=True)
+class Exported:
+    path: Path
+    source: Path
+    step: int
+    parameters: int
+    bytes: int
+
+
+def find_checkpoint(path: Path) -> Path:
+    """A checkpoint as given (a file, a DCP directory, a best/ one); for a run directory its newest checkpoint that
+    passes its check, newer ones that do not named."""
+    if is_checkpoint(path) or path.is_file():
+        return path
+    if not path.is_dir():
+        raise UsageError(f"PATH={str(path)!r} does not exist; give a run directory or a checkpoint")
+    found = list_checkpoints(path)
+    if not found:
+        raise UsageError(f"PATH={str(path)!r} holds no checkpoint (checkpoints/step_*.pt or .dcp); give a run "
+                         "directory or a checkpoint")
+    failures = []
+    for candidate in reversed(found):
+        try:
+            checkpoint.verify(candidate)
+            return candidate
+        except UsageError as exc:
+            failures.append(str(exc))
+    raise UsageError(f"PATH={str(path)!r}: no checkpoint passes its check: {'; '.join(failures)}")
+
+
+def destination(source: Path, step: int, options: ExportConfig) -> Path:
+    if options.dir is not None:
+        return Path(options.dir).expanduser()
+    suffix = "-hf" if options.format == "hf" else ""
+    return run_dir_of(source) / EXPORTS / f"step_{step:08d}-{options.weights}-{options.dtype}{suffix}"
+
+
+def export(path: Path, options: ExportConfig, say: Callable[[str], None] = print) -> Exported:
+    source = find_checkpoint(path).resolve()
+    payload = checkpoint.load(source, mmap=True)
+    step = payload["step"]
+    out = destination(source, step, options)
+    if out.exists():
+        raise UsageError(f"export.dir={out} exists already; choose another export.dir (nothing was written)")
+    cfg = OmegaConf.create(payload["config"])
+    target = str(cfg.recipe.get("_target_", ""))
+    if options.format == "hf" and not target.endswith(HF_RECIPE):
+        raise UsageError(f"export.format=hf is for recipe=hf_causal_lm (a transformers model); this run's recipe is "
+                         f"{target}: choose export.format=safetensors or pt")
+    model_state, average = _saved_weights(source, payload, options.weights == "ema")
+    if options.weights == "ema" and average is None:
+        raise UsageError(f"export.weights=ema: {source} holds no weight average (the run was trained without "
+                         "train.ema_decay); choose export.weights=model")
+    model = _model_holding(cfg, model_state, average if options.weights == "ema" else None,
+                           payload.get("weights", {}).get("masters"))
+    model.to(getattr(torch, options.dtype))
+    say(f"exporting step {step} of {source} ({options.weights} weights as {options.dtype}, {options.format})")
+    written = _write(model, out, options, {
+        "source": str(source), "source_sha256": _sha256_of(source), "step": step,
+        "run_id": payload.get("run_id"), "weights": options.weights, "dtype": options.dtype, "format": options.format,
+        "recipe": OmegaConf.to_container(cfg.recipe, resolve=True),
+        "trained_in": cfg.precision.name,
+    })
+    parameters = sum(p.numel() for p in model.parameters())
+    return Exported(out, source, step, parameters, written)
+
+
+def _saved_weights(source: Path, payload: dict[str, Any], with_average: bool
+                   ) -> tuple[dict[str, torch.Tensor], Optional[dict[str, torch.Tensor]]]:
+    """The model's state dict and the weight average (None without one), from a file or a DCP directory."""
+    if not is_sharded(source):
+        return payload["model"], payload.get("ema")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    # tensors to load into, shaped as DCP's metadata records them ("model.<name>", "ema.<name>")
+    wanted = ("model", "ema") if with_average else ("model",)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, meta in dcp.FileSystemReader(str(source)).read_metadata().state_dict_metadata.items():
+        part, _, name = key.partition(".")
+        if part in wanted and isinstance(meta, TensorStorageMetadata):
+            state.setdefault(part, {})[name] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    dcp.load(state, checkpoint_id=str(source), no_dist=True)
+    return state["model"], state.get("ema")
+
+
+def _model_holding(cfg: Any, model_state: dict[str, torch.Tensor], average: Optional[dict[str, torch.Tensor]],
+                   masters: Optional[list[torch.Tensor]]) -> nn.Module:
+    """The recipe's model (fp32, on the CPU) holding the checkpoint's weights: the average's where given, else
+    O2's fp32 masters where the model's own weights are their half copies."""
+    from ampctl.recipes.base import build_recipe, building_model
+
+    recipe = build_recipe(cfg.recipe)
+    with building_model(recipe):
+        model = recipe.build_model()
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]  # a tied weight once
+    state = dict(model_state)
+    if average is not None:
+        state.update(average)
+    elif masters:
+        half = [name for name in trainable if name in state and state[name].dtype != torch.float32]
+        if len(half) != len(masters):
+            raise UsageError(f"the checkpoint holds {len(masters)} fp32 master weights for {len(half)} half weights of "
+                             f"the recipe's model: it was not written for this recipe's model")
+        state.update(zip(half, masters))
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)} - \
+        {name for name, _ in model.named_parameters()}  # the second name of a tied weight: loaded once, as the first
+    own = [name for name in model.state_dict() if name not in aliases]
+    missing = [name for name in own if name not in state]
+    if missing:
+        named = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise UsageError(f"the checkpoint lacks {len(missing)} of the recipe's model's tensors ({named}): it was not "
+                         "written for this recipe's model")
+    model.load_state_dict({name: state[name] for name in own}, strict=False)
+    return model
+
+
+def _write(model: nn.Module, out: Path, options: ExportConfig, record: dict[str, Any]) -> int:
+    """The export into a directory beside out, renamed into place whole; its bytes. Nothing is left on failure."""
+    made = [parent for parent in reversed(out.parents) if not parent.exists()]
+    out.mkdir(parents=True)  # claimed: an export that appears meanwhile is not replaced
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir()
+        if options.format == "safetensors":
+            from safetensors.torch import save_model
+
+            save_model(model, str(tmp / "model.safetensors"), metadata={
+                "format": "pt", **{f"ampctl_{k}": str(record[k]) for k in ("step", "weights", "dtype", "source")}})
+        elif options.format == "pt":
+            torch.save(model.state_dict(), tmp / "model.pt")
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
+        files = sorted(p.name for p in tmp.iterdir())
+        record["files"] = files
+        record["parameters"] = sum(p.numel() for p in model.parameters())
+        io.atomic_write_text(tmp / RECORD, json.dumps(record, indent=2) + "\n")
+        size = sum(p.stat().st_size for p in tmp.iterdir())
+        os.replace(tmp, out)  # over the empty directory claimed above
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        for parent in reversed(made):
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+        raise
+    return size
+
+
+def _sha256_of(source: Path) -> Optional[str]:
+    return None if is_sharded(source) else cached_sha256(source)

@@ -1,0 +1,134 @@
+"""`ampctl export`: each export loaded back the way its format is read (safetensors' load_model, torch.load,
+transformers' from_pretrained) and evaluated on the run's held-out batches. float32 gives back the run's own
+evaluation exactly; bfloat16 and float16 hold each weight rounded once from its full-precision value (O2's fp32
+masters, the fp32 average), so their metrics are the checkpoint's within that rounding."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, load_model
+
+from ampctl.engine.evaluation import Evaluator
+from ampctl.recipes.mlp import MLPRecipe
+from tests.support.in_process import run_ampctl
+
+RUN = ["train", "device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.console=quiet",
+       "telemetry.profile_cpu_memory=false", "train.steps=12", "train.eval_every=12", "train.eval_batches=2"]
+
+
+def evaluate(model: torch.nn.Module, recipe=None) -> dict[str, float]:
+    recipe = recipe or MLPRecipe(hidden=32, batch_size=16)
+    return Evaluator(recipe, torch.device("cpu"), 2).evaluate(model, contextlib.nullcontext())
+
+
+def last_eval(run_dir) -> dict:
+    return json.loads((run_dir / "evals.jsonl").read_text().splitlines()[-1])
+
+
+def exported(run_dir, *args: str) -> str:
+    result = run_ampctl("export", str(run_dir), *args)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1].rsplit(" to ", 1)[1]
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("export") / "run"
+    result = run_ampctl(*RUN, "train.ema_decay=0.7", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+@pytest.mark.parametrize("weights", ["model", "ema"])
+def test_a_float32_export_evaluates_exactly_as_the_run_did(fp32_run, weights):
+    out = exported(fp32_run, f"export.weights={weights}")
+    assert out.endswith(f"exports/step_00000012-{weights}-float32")
+    model = MLPRecipe(hidden=32, batch_size=16).build_model()
+    missing, unexpected = load_model(model, f"{out}/model.safetensors")
+    assert not missing and not unexpected
+    metrics = evaluate(model)
+    prefix = "eval/ema_" if weights == "ema" else "eval/"
+    assert metrics["loss"] == last_eval(fp32_run)[f"{prefix}loss"]
+    assert metrics["accuracy"] == last_eval(fp32_run)[f"{prefix}accuracy"]
+    record = json.loads((fp32_run / "exports" / out.rsplit("/", 1)[1] / "export.json").read_text())
+    assert (record["step"], record["weights"], record["dtype"], record["format"]) == (12, weights, "float32",
+                                                                                      "safetensors")
+    assert record["source"] == str(fp32_run / "checkpoints" / "step_00000012.pt")
+    assert record["source_sha256"] == (fp32_run / "checkpoints" / "step_00000012.pt.sha256").read_text().split()[0]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_half_export_is_each_weight_rounded_once_and_evaluates_within_that_rounding(fp32_run, dtype):
+    out = exported(fp32_run, f"export.dtype={dtype}", "export.weights=ema", "export.format=pt")
+    saved = torch.load(f"{out}/model.pt", weights_only=True)
+    average = torch.load(fp32_run / "checkpoints" / "step_00000012.pt", weights_only=True)["ema"]
+    for name, tensor in saved.items():
+        assert tensor.dtype == getattr(torch, dtype)
+        if name in average:
+            assert torch.equal(tensor, average[name].to(tensor.dtype)), name
+    model = MLPRecipe(hidden=32, batch_size=16).build_model().to(getattr(torch, dtype))
+    model.load_state_dict(saved)
+    model.register_forward_pre_hook(lambda _module, args: (args[0].to(getattr(torch, dtype)),))  # served in dtype
+    metrics = evaluate(model)
+    assert metrics["loss"] == pytest.approx(last_eval(fp32_run)["eval/ema_loss"], rel=2e-2)
+    assert metrics["loss"] != last_eval(fp32_run)["eval/ema_loss"]  # rounded: not the fp32 figure
+
+
+def test_o2_exports_its_fp32_masters_not_their_half_copies(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_ampctl(*RUN, "precision=O2", f"hydra.run.dir={run_dir}").returncode == 0
+    out = exported(run_dir)
+    payload = torch.load(run_dir / "checkpoints" / "step_00000012.pt", weights_only=True)
+    weights = load_file(f"{out}/model.safetensors")
+    half = [name for name, t in payload["model"].items() if t.dtype == torch.float16 and name.endswith("weight")]
+    assert half and all(weights[n].dtype == torch.float32 for n in weights)
+    masters = iter(payload["weights"]["masters"])
+    for name, tensor in payload["model"].items():
+        if tensor.dtype == torch.float16:
+            master = next(masters)
+            assert torch.equal(weights[name], master) and not torch.equal(weights[name], tensor.float()), name
+    # float16 from the masters is the model's own half weights: each rounded once, as the run rounded them
+    out16 = exported(run_dir, "export.dtype=float16", f"export.dir={tmp_path / 'fp16'}")
+    assert all(torch.equal(load_file(f"{out16}/model.safetensors")[n], payload["model"][n].half())
+               for n in payload["model"])
+
+
+def test_a_sharded_checkpoint_exports_as_the_whole_one_does(tmp_path):
+    for fmt in ("full", "sharded"):
+        assert run_ampctl(*RUN, "train.ema_decay=0.7", f"distributed.checkpoint_format={fmt}",
+                          f"hydra.run.dir={tmp_path / fmt}").returncode == 0
+    files = {fmt: load_file(f"{exported(tmp_path / fmt, 'export.weights=ema')}/model.safetensors")
+             for fmt in ("full", "sharded")}
+    assert files["full"].keys() == files["sharded"].keys()
+    assert all(torch.equal(files["full"][n], files["sharded"][n]) for n in files["full"])
+
+
+@pytest.mark.slow
+def test_an_hf_export_is_a_directory_transformers_loads_and_evaluates_as_the_run_did(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from ampctl.recipes.hf_causal_lm import HFCausalLMRecipe
+
+    run_dir = tmp_path / "run"
+    hf = ["recipe=hf_causal_lm", "recipe.model_type=llama", "+recipe.config.hidden_size=64",
+          "+recipe.config.num_hidden_layers=2", "recipe.block_size=32", "recipe.batch_size=4",
+          "recipe.max_corpus_bytes=200000"]
+    result = run_ampctl(*RUN[:2], *hf, *RUN[5:], "train.ema_decay=0.5", "train.console=quiet",
+                        f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr
+    recipe = HFCausalLMRecipe(model_type="llama", config={"hidden_size": 64, "num_hidden_layers": 2}, block_size=32,
+                              batch_size=4, max_corpus_bytes=200000)
+    for dtype, weights in (("float32", "model"), ("bfloat16", "ema")):
+        out = exported(run_dir, "export.format=hf", f"export.dtype={dtype}", f"export.weights={weights}")
+        assert out.endswith(f"step_00000012-{weights}-{dtype}-hf")
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+        assert model.dtype == getattr(torch, dtype)
+        metrics = Evaluator(recipe, torch.device("cpu"), 2).evaluate(model, contextlib.nullcontext())
+        recorded = last_eval(run_dir)["eval/loss" if weights == "model" else "eval/ema_loss"]
+        if dtype == "float32":
+            assert metrics["loss"] == pytest.approx(recorded, rel=1e-6)
+        else:
+            assert metrics["loss"] == pytest.approx(recorded, rel=2e-2)
