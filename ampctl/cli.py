@@ -93,6 +93,10 @@ def quiet_library_deprecations() -> None:
     # alembic (under Optuna's storages and MLflow) logs "setup plugin ..." at INFO, and Hydra's console handler on
     # the root logger printed a dozen of them before a sweep's first job
     logging.getLogger("alembic").setLevel(logging.WARNING)
+    # inductor (torchao's optimizers compile their update) asks for CUDA_HOME on a CPU-only machine with a CUDA
+    # build of torch, and torch logs that it found no CUDA runtime there: a line about torch's install mid-run
+    logging.getLogger("torch.utils.cpp_extension").addFilter(
+        lambda record: "No CUDA runtime is found" not in record.getMessage())
 
 
 def stdout_is_devnull() -> bool:

@@ -167,22 +167,25 @@ def decide(modes: list[ModeEvidence], prepared: Optional[dict[str, Preparation]]
     """The advice from the comparison's rows; prepared: what advise set for each mode (by mode name) before the
     comparison measured it, adopted with the mode chosen."""
     prepared = prepared or {}
-    baseline = next((m for m in modes if m.mode == BASELINE), None)
+    # fp32's row: "fp32", or "fp32+adamw" where optimizers were compared too (the comparison's baseline)
+    reference = next((m for m in modes if _is_reference(m.mode)), None)
+    reference_label = reference.mode if reference is not None else BASELINE
     rejected: dict[str, str] = {}
     matching: list[ModeEvidence] = []
     for m in modes:
-        if m.mode == BASELINE:
+        if m.mode == reference_label:
             continue
         why = _why_not(m)
         if why is None:
             matching.append(m)
         else:
             rejected[m.mode] = why
-    if not matching and all(m.skipped is not None for m in modes if m.mode != BASELINE):
-        chosen, reasons = BASELINE, ["no other mode was compared with fp32 here (each one's reason below): fp32, the "
-                                     "reference, by default"]
+    if not matching and all(m.skipped is not None for m in modes if m.mode != reference_label):
+        chosen, reasons = reference_label, ["no other mode was compared with fp32 here (each one's reason below): "
+                                            "fp32, the reference, by default"]
     else:
-        chosen, reasons = _choose(goal, baseline, matching, rejected)
+        chosen, reasons = _choose(goal, reference, matching, rejected)
+        chosen = reference_label if chosen == BASELINE else chosen
     for label in rejected:
         summary = getattr(prepared.get(row_labels.parse(label).mode), "summary", "")
         if summary and label not in {m.mode for m in modes if m.skipped is not None}:
@@ -193,6 +196,11 @@ def decide(modes: list[ModeEvidence], prepared: Optional[dict[str, Preparation]]
         advice.scaler, advice.rules = dict(preparation.scaler), list(preparation.rules)
         advice.reasons += preparation.reasons
     return advice
+
+
+def _is_reference(label: str) -> bool:
+    variant = row_labels.parse(label)
+    return variant.mode == BASELINE and not variant.compiled and not variant.checkpointed
 
 
 def _why_not(m: ModeEvidence) -> Optional[str]:

@@ -246,12 +246,14 @@ def _compile_is_candidate(cfg: DictConfig, run_overrides: list[str], notes: list
 def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str], compiled_too: bool = False,
                    ) -> DictConfig:
     """The ways compare runs each mode: eager and compiled where compile is a candidate (the budget may drop the
-    compiled ones later); with and without activation checkpointing where memory is the goal and the recipe names
-    blocks to checkpoint, otherwise a note of why not."""
+    compiled ones later); where memory is the goal, with and without activation checkpointing (where the recipe
+    names blocks to checkpoint) and with the run's AdamW and 8-bit AdamW states; otherwise a note of why not."""
     if compiled_too:
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.compare.compile = [False, True]
+    if cfg.advise.goal.value == "memory":
+        cfg = _with_optimizer_states(cfg, run_overrides, notes)
     if cfg.compare.activation_checkpointing is not None or any(
             o.lstrip("+~").startswith("train.activation_checkpointing=") for o in run_overrides):
         notes.append("activation checkpointing: as set (compare.activation_checkpointing or "
@@ -272,6 +274,29 @@ def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str], 
     out = cfg.copy()
     with open_dict(out):
         out.compare.activation_checkpointing = [False, True]
+    return out
+
+
+# goal=memory: the optimizer whose states advise weighs beside the run's AdamW (torchao's, 2 bytes a parameter
+# instead of 8: engine/optimizer_states.py)
+LEANER_ADAMW = "adamw_8bit"
+
+
+def _with_optimizer_states(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> DictConfig:
+    """goal=memory: the run's AdamW and AdamW with 8-bit states, each a row of the comparison, where torchao is
+    installed and neither the optimizer nor compare.optimizers was chosen; otherwise a note of why not."""
+    import importlib.util
+
+    if cfg.compare.optimizers is not None or any(o.lstrip("+~").split("=")[0] == "optimizer" for o in run_overrides):
+        notes.append("optimizer states: as chosen (optimizer= or compare.optimizers), not chosen by advise")
+        return cfg
+    if cfg.optimizer._target_ != "torch.optim.AdamW" or importlib.util.find_spec("torchao") is None:
+        notes.append(f"optimizer states: not measured: optimizer={LEANER_ADAMW} (torchao's 8-bit AdamW states) needs "
+                     "the run's optimizer to be AdamW and torchao installed (pip install 'ampctl[torchao]')")
+        return cfg
+    out = cfg.copy()
+    with open_dict(out):
+        out.compare.optimizers = ["adamw", LEANER_ADAMW]
     return out
 
 

@@ -106,7 +106,11 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
             try:
                 overrides, mode_cfg, policy = _checked_row(name, optimizer, run_overrides)
             except UnsupportedError as exc:
-                skipped[row] = str(exc).split("; ")[0].removeprefix(f"precision={name} ")
+                said = str(exc).split("; ")[0]
+                modes_own = said.startswith(f"precision={name} ")  # the mode's, whatever the optimizer: said once
+                skipped[name if modes_own else row] = said.removeprefix(f"precision={name} ")
+                if modes_own:
+                    break
                 continue
             except UsageError as exc:  # a mode and an optimizer that do not go together (SR over fp32 weights)
                 if optimizer is None:
@@ -115,8 +119,8 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
                 continue
             slow = mode_advice.slow_here(policy)
             if not explicit and slow:
-                skipped[row] = f"{slow}; name it in compare.precisions to run it"
-                continue
+                skipped[name] = f"{slow}; name it in compare.precisions to run it"
+                break
             for compiled in compiling:
                 for ac in checkpointing:
                     label = row_labels.label(name, compiled, ac, both_compiled=len(compiling) > 1,

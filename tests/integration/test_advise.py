@@ -202,7 +202,31 @@ def test_activation_checkpointing_is_measured_only_for_memory_and_a_recipe_with_
         checkpointing, notes = variants_of("recipe=gpt")
         assert checkpointing is None and "which goal=speed does not ask for" in notes[0]
         checkpointing, notes = variants_of("recipe=gpt", "advise.goal=memory", "train.activation_checkpointing=true")
-        assert checkpointing is None and "not chosen by advise" in notes[0]
+        assert checkpointing is None and any("activation checkpointing: as set" in note for note in notes)
+
+
+def test_8bit_adamw_states_are_weighed_only_for_memory_and_the_runs_own_adamw(monkeypatch):
+    import importlib.util
+
+    from hydra import initialize_config_module
+
+    from ampctl.conf.composing import compose_job
+    from ampctl.studies.advise import _with_variants
+
+    with initialize_config_module(config_module="ampctl.conf", version_base=None):
+        def optimizers_of(*overrides: str) -> tuple[object, list[str]]:
+            notes: list[str] = []
+            return _with_variants(compose_job("advise", list(overrides)), list(overrides), notes).compare.optimizers, \
+                notes
+
+        if importlib.util.find_spec("torchao") is not None:
+            assert optimizers_of("recipe=mlp", "advise.goal=memory")[0] == ["adamw", "adamw_8bit"]
+        assert optimizers_of("recipe=mlp")[0] is None  # goal=speed
+        chosen, notes = optimizers_of("recipe=mlp", "advise.goal=memory", "optimizer=sgd")
+        assert chosen is None and "optimizer states: as chosen" in notes[0]
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else object())
+        absent, notes = optimizers_of("recipe=mlp", "advise.goal=memory")
+        assert absent is None and "torchao installed (pip install 'ampctl[torchao]')" in notes[0]
 
 
 SLOW = ["device=cpu", "recipe=mlp", "recipe._target_=tests.support.slow_data_recipe.SlowStepRecipe", "recipe.hidden=32",

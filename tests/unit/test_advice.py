@@ -85,6 +85,23 @@ def test_goal_memory_takes_the_smallest_peak_that_matches():
     assert "beyond the seed-to-seed noise" in advice.rejected["fp16"]
 
 
+def test_goal_memory_weighs_optimizer_states_as_rows_against_fp32_with_the_runs_adamw():
+    """Rows labelled by their optimizer (advise.goal=memory compares adamw_8bit beside adamw): the reference is
+    fp32 with the run's AdamW; the smallest peak that matches wins, and its config names its optimizer. Where
+    nothing beats the reference, the reference row is the advice, with the run's own optimizer."""
+    reference = dataclasses.replace(FP32, mode="fp32+adamw")
+    eight_bit = dataclasses.replace(bf16(peak_mib=41.0, speedup=0.9, speedup_low=0.85, speedup_high=0.95),
+                                    mode="bf16+adamw_8bit")
+    advice = decide([reference, dataclasses.replace(bf16(), mode="bf16+adamw"), eight_bit,
+                     dataclasses.replace(FP32, mode="fp32+adamw_8bit", peak_mib=70.0, speedup=0.8, speedup_low=0.75,
+                                         speedup_high=0.85, parity="matches", eval_loss_delta=0.0)], goal="memory")
+    assert advice.mode == "bf16+adamw_8bit" and advice.overrides() == ["precision=bf16", "optimizer=adamw_8bit"]
+    assert "41.0 MiB against fp32's 100.0 MiB" in advice.reasons[0]
+    assert advice.rejected["bf16+adamw"] == "peak 60.0 MiB, above bf16+adamw_8bit's 41.0 MiB"
+    alone = decide([reference, dataclasses.replace(eight_bit, parity="differs", eval_loss_delta=0.2)], goal="memory")
+    assert alone.mode == "fp32+adamw" and alone.overrides() == ["precision=fp32", "optimizer=adamw"]
+
+
 def test_goal_accuracy_is_fp32_with_the_alternatives():
     advice = decide([FP32, bf16()], None, goal="accuracy")
     assert advice.mode == "fp32" and "bf16: 1.80x fp32's speed" in advice.reasons[0]
