@@ -6,6 +6,7 @@
 #   launch     GPT-2 small at batch 8 is launch-bound (device idle 60% of a compiled step): CUDA graphs
 #              (compile_mode=reduce-overhead) against eager, and the compiled step at batch 32
 #   fp8_wide   FP8 vs bf16 on 4096-wide GEMMs, both compiled
+#   fp8_fsdp   FP8 under FSDP2 (weights all-gathered in FP8) vs bf16 under FSDP2, both compiled, on every GPU here
 #   tests      the gpu-marked tests (losses and scales against the canonical torch.amp loop on CUDA, no sync)
 #   profile    where GPT-2 small's bf16 compiled step goes (GEMMs vs the rest vs idle, top kernels)
 #   compare    ResNet-50 and GPT-2 small in every mode (the speedup tables of docs/gpu_results.md)
@@ -27,7 +28,7 @@ runs=outputs/gpu
 mkdir -p "$out" "$runs"
 py=${PYTHON:-python3}
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env compile fp8 launch fp8_wide tests profile compare overhead suite)
+[ ${#stages[@]} -eq 0 ] && stages=(env compile fp8 launch fp8_wide fp8_fsdp tests profile compare overhead suite)
 
 stage_env() {
   { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -60,6 +61,17 @@ stage_fp8_wide() {
   timeout 240 $py -m ampctl compare recipe=gpt2 recipe.d_model=4096 recipe.n_heads=32 recipe.n_layers=4 \
     "compare.precisions=[bf16,fp8]" "compare.compile=[true]" train.steps=60 compare.warmup_steps=20 \
     compare.rounds=4 hydra.run.dir=$runs/compare_fp8_wide 2>&1 | tail -12 | tee "$out/compare_fp8_wide.log"
+}
+
+stage_fp8_fsdp() {  # on one GPU this proves the path on CUDA (compile, FP8, FSDP2's hooks); the all-gather's bytes
+  # saving shows with several GPUs. torchrun's runs take no turns: read the tokens/s of the two as a first figure
+  local gpus; gpus=$($py -c "import torch; print(torch.cuda.device_count())")
+  for mode in bf16 fp8; do
+    timeout 240 $py -m torch.distributed.run --standalone --nproc_per_node="$gpus" -m ampctl train recipe=gpt2 \
+      recipe.d_model=2048 recipe.n_heads=16 recipe.n_layers=8 precision=$mode distributed=fsdp train.compile=true \
+      train.steps=60 train.timing_warmup_steps=20 device=cuda hydra.run.dir=$runs/fsdp_$mode 2>&1 | tail -3 \
+      | tee "$out/fsdp_$mode.log"
+  done
 }
 
 stage_tests() {
@@ -98,7 +110,7 @@ stage_suite() {
 
 for stage in "${stages[@]}"; do
   if ! declare -F "stage_$stage" >/dev/null; then
-    echo "gpu_suite.sh: unknown stage '$stage'; choose from: env compile fp8 launch fp8_wide tests profile compare overhead suite" >&2
+    echo "gpu_suite.sh: unknown stage '$stage'; choose from: env compile fp8 launch fp8_wide fp8_fsdp tests profile compare overhead suite" >&2
     exit 2
   fi
 done

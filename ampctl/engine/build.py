@@ -31,6 +31,8 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
     torch.manual_seed(cfg.train.seed)
     with building_model(recipe):
         model = recipe.build_model()
+    if policy.converter is not None and parallel.shards_gradients:
+        policy.converter.shard_with_fsdp(model)  # FSDP2: a converter may all-gather its layers in its format
     model = policy.convert_module(checked_model(model, recipe))
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, recipe, cfg.recipe._target_.rsplit(".", 1)[-1])

@@ -172,6 +172,8 @@ def train_step(
     scaler.update()
     state.schedule.step(found_inf, scaler.can_skip)  # a skipped step does not advance the schedule
     state.weights.masters_to_model()
+    if policy.converter is not None:
+        policy.converter.weights_changed(state.model)
     if state.ema is not None:
         state.ema.after_step(state.step)
     opt.zero_grad(set_to_none=True)

@@ -88,8 +88,7 @@ class RunEvaluation:
             row: dict[str, Any] = {"step": step}
             row.update(_prefixed(PREFIX, self.evaluator.evaluate(model, self.policy.forward_context())))
             if ema is not None:
-                with ema.swapped_in():
-                    averaged = self.evaluator.evaluate(model, self.policy.forward_context())
+                averaged = self._evaluated_average(model, ema)
                 row.update(_prefixed(PREFIX, {EMA_METRIC + name: value for name, value in averaged.items()}))
             if self.fp32:
                 fp32_model = fp32_copy(model) if self.policy.precision.cast_model else model
@@ -99,6 +98,20 @@ class RunEvaluation:
         recorder.record_eval(row, eval_line(step, row))
         telemetry.timer.restart()  # the evaluation is no step's time
         return row
+
+
+    def _evaluated_average(self, model: torch.nn.Module, ema: WeightAverage) -> dict[str, float]:
+        """The average's metrics, in the model's parameters; a converter that derives state from the weights (FP8's
+        all-gather scales under FSDP) is told as they change, and again as the model's own come back."""
+        converter = self.policy.converter
+        try:
+            with ema.swapped_in():
+                if converter is not None:
+                    converter.weights_changed(model)
+                return self.evaluator.evaluate(model, self.policy.forward_context())
+        finally:
+            if converter is not None:
+                converter.weights_changed(model)
 
 
 def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:

@@ -117,7 +117,6 @@ def test_a_job_resumes_from_its_checkpoint_as_if_never_stopped(tmp_path, args):
     (["distributed=ddp"], "distributed=ddp runs under torchrun"),
     (["distributed=fsdp"], "distributed=fsdp runs under torchrun"),
     (["distributed=fsdp", "precision=O2"], "distributed=fsdp with precision=O2: FSDP2 keeps fp32 sharded parameters"),
-    (["distributed=fsdp", "precision=fp8"], "distributed=fsdp with precision=fp8 is not supported"),
     (["distributed.timeout_s=0"], "distributed.timeout_s=0 is not allowed"),
 ])
 def test_bad_distributed_input_is_refused_with_one_line(tmp_path, restore_argv, capsys, args, message):

@@ -99,3 +99,75 @@ def test_compare_lists_fp8_as_skipped_with_the_reason_on_this_cpu(tmp_path, rest
           f"hydra.run.dir={tmp_path / 'cmp'}"])
     out = capsys.readouterr().out
     assert "fp8" in out and "needs FP8 tensor cores" in out, out
+
+
+FSDP_FP8 = ["device=cpu", *GPT, *EVERY_LINEAR, "train.steps=6", "train.log_every=3", "train.checkpoint_every=3",
+            "train.console=plain", "distributed=fsdp", "telemetry.profile_cpu_memory=false", "train.ema_decay=0.5"]
+
+
+@pytest.mark.slow
+def test_fp8_under_fsdp_all_gathers_fp8_weights_and_checkpoints_plain_tensors_that_resume_on_one_process(
+        tmp_path, fp8_tensor_cores, restore_argv):
+    """Two ranks (gloo): torchao's FP8 all-gather (its weights are DTensors of WeightWithDynamicFloat8CastTensor,
+    their scales precomputed after each step), with the fp32 weight average kept beside; a whole checkpoint holds
+    plain tensors (loads with weights_only, without torchao's classes); the sharded one resumes on one process
+    (another world size: DCP reshards) and continues as the whole one does, its average too."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.runs import REPO
+
+    def torchrun(run_dir, *args):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "-m", "tests.support.fp8_anywhere", "train", *FSDP_FP8, *args,
+                               f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600,
+                              cwd=tmp_path, env=env)
+
+    sharded = torchrun(tmp_path / "sharded")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    assert "fsdp_float8_all_gather=true" in (tmp_path / "sharded" / "train.log").read_text()
+    full = torchrun(tmp_path / "full", "distributed.checkpoint_format=full")
+    assert full.returncode == 0, full.stderr[-3000:]
+    rows = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("sharded", "full")}
+    assert [r["loss"] for r in rows["sharded"]] == [r["loss"] for r in rows["full"]]
+    assert rows["full"][-1]["loss"] < rows["full"][0]["loss"]
+    payload = torch.load(tmp_path / "full" / "checkpoints" / "step_00000006.pt", weights_only=True)
+    assert all(type(t) is torch.Tensor for t in [*payload["model"].values(), *payload["ema"].values()])  # not
+    # torchao's float8 wrapper: the weights and their fp32 average
+    for run in ("sharded", "full"):
+        ext = "dcp" if run == "sharded" else "pt"
+        main(["train", f"resume={tmp_path / run / 'checkpoints' / f'step_00000003.{ext}'}", "distributed=none",
+              "train.console=quiet", "telemetry.profile_cpu_memory=false", f"hydra.run.dir={tmp_path / 'other'}"])
+    resumed = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+               for run in ("sharded", "full")}
+    assert [r["step"] for r in resumed["sharded"]] == list(range(1, 7))
+    assert [r["loss"] for r in resumed["sharded"][3:]] == [r["loss"] for r in resumed["full"][3:]]
+    averages = {run: torch.load(tmp_path / run / "checkpoints" / "step_00000006.pt", weights_only=True)["ema"]
+                for run in ("sharded", "full")}
+    assert all(torch.equal(averages["sharded"][n], averages["full"][n]) for n in averages["full"])
+
+
+def test_under_fsdp_a_tied_weight_stays_out_of_fp8_and_every_other_linear_is_converted():
+    """torchao's FP8 all-gather wraps each converted weight in a parameter of its own: GPT's head, which shares the
+    embedding's weight, would come untied (found by resuming such a run on one process). Sharded, it stays bf16;
+    on one process (no all-gather) it is converted as before."""
+    from ampctl.recipes.gpt import GPTRecipe
+
+    model = GPTRecipe(d_model=64, n_layers=2, n_heads=2, block_size=32, batch_size=4,
+                      max_corpus_bytes=200000).build_model()
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    alone = fp8_torchao.TorchaoFp8Converter(fp8_torchao.Fp8TorchaoOptions(auto_filter_small_kn=False),
+                                            torch.device("cpu"))
+    assert all(alone.wants(m, fqn) for fqn, m in linears.items())
+    sharded = fp8_torchao.TorchaoFp8Converter(fp8_torchao.Fp8TorchaoOptions(auto_filter_small_kn=False),
+                                              torch.device("cpu"))
+    sharded.shard_with_fsdp(model)
+    assert [fqn for fqn, m in linears.items() if not sharded.wants(m, fqn)] == ["lm_head"]
+    rowwise = fp8_torchao.TorchaoFp8Converter(fp8_torchao.Fp8TorchaoOptions(
+        recipe_name=fp8_torchao.Float8RecipeName.rowwise, auto_filter_small_kn=False), torch.device("cpu"))
+    rowwise.shard_with_fsdp(model)
+    assert not rowwise.all_gathers_in_fp8 and rowwise.wants(linears["lm_head"], "lm_head")  # all-gathered as is

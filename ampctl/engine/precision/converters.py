@@ -56,6 +56,7 @@ class Converter:
     def __init__(self, options: Any, device: torch.device) -> None:
         self.options = options if options is not None or self.options_type is None else self.options_type()
         self.device = device
+        self.sharded = False  # FSDP2 will shard the model it converts (shard_with_fsdp)
 
     def default_format(self) -> str:
         """The format the mode computes its converted layers in (a rule may choose another of `formats`)."""
@@ -98,6 +99,14 @@ class Converter:
     def speed_warnings(self, compiled: bool) -> list[str]:
         """Legal runs that will be much slower than the user likely expects."""
         return []
+
+    def shard_with_fsdp(self, model: nn.Module) -> None:
+        """Called before its layers are chosen, where FSDP2 will shard the model (engine/build.py)."""
+        self.sharded = True
+
+    def weights_changed(self, model: nn.Module) -> None:
+        """Called whenever the weights changed: after every optimizer step, and as an evaluation swaps the weight
+        average in and out; on every rank, reading nothing from the device."""
 
 
 class ConvertedLinear(nn.Linear):

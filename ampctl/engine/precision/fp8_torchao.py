@@ -14,6 +14,7 @@ torchtitan does; the rest stay bf16. This is the only module that imports torcha
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass, field
 from enum import Enum
@@ -95,12 +96,24 @@ class TorchaoFp8Converter(Converter):
     matmul_dtype = "float8"
     emulation = "fp8_emulated"
     runs_inside_autocast = "bfloat16"  # Float8Linear casts its input to the autocast dtype
-    shards_with_fsdp = False  # ampctl does not yet all-gather torchao's FP8 weights
+    # under FSDP2 (tensorwise scaling) the weights are all-gathered in FP8, their scales computed once per step for
+    # every layer (one all-reduce) after the optimizer step, as torchtitan does
+    shards_with_fsdp = True
+    _tied: frozenset[int] | set[int] = frozenset()  # ids of the weights two modules share (GPT's embedding and head)
 
     def unsupported_reason(self) -> str | None:
         return unsupported_reason(self.device)
 
+    def shard_with_fsdp(self, model: nn.Module) -> None:
+        super().shard_with_fsdp(model)
+        names: dict[int, int] = {}
+        for _, parameter in model.named_parameters(remove_duplicate=False):
+            names[id(parameter)] = names.get(id(parameter), 0) + 1
+        self._tied = {key for key, count in names.items() if count > 1}
+
     def wants(self, module: nn.Module, fqn: str) -> bool:
+        if self.all_gathers_in_fp8 and id(getattr(module, "weight", None)) in self._tied:
+            return False  # the FP8 all-gather wraps a weight in a parameter of its own: a tied one would come untied
         return module_filter(self.options)(module, fqn)
 
     def can_convert(self, module: nn.Module) -> bool:
@@ -110,8 +123,22 @@ class TorchaoFp8Converter(Converter):
         """torchao's own entry point (it also applies its compile-time workarounds), for the chosen layers."""
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(self.options.recipe_name.value),
-                                   module_filter_fn=lambda _module, fqn: fqn in chosen)
+        config = Float8LinearConfig.from_recipe_name(self.options.recipe_name.value)
+        if self.all_gathers_in_fp8:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda _module, fqn: fqn in chosen)
+
+    @property
+    def all_gathers_in_fp8(self) -> bool:
+        """FSDP2 all-gathers the weights in FP8 (half the bytes of bf16): torchao does it for tensorwise scaling;
+        rowwise scales each matmul's operand by its own rows, so its weights are all-gathered as they are."""
+        return self.sharded and self.options.recipe_name is Float8RecipeName.tensorwise
+
+    def weights_changed(self, model: nn.Module) -> None:
+        if self.all_gathers_in_fp8:  # the next all-gathers' scales, from these weights, in one all-reduce
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
 
     def check_converted(self, converted: list[str], linears: int) -> None:
         if not converted:  # a run labelled fp8 that computes nothing in FP8 would be bf16 under another name
@@ -120,7 +147,8 @@ class TorchaoFp8Converter(Converter):
     def describe(self) -> str:
         f8 = self.options
         return (f"fp8=torchao recipe={f8.recipe_name.value} auto_filter_small_kn={f8.auto_filter_small_kn}"
-                + (f" filter_fqns={list(f8.filter_fqns)}" if f8.filter_fqns else ""))
+                + (f" filter_fqns={list(f8.filter_fqns)}" if f8.filter_fqns else "")
+                + (" fsdp_float8_all_gather=true" if self.all_gathers_in_fp8 else ""))
 
     def speed_warnings(self, compiled: bool) -> list[str]:
         if compiled:
