@@ -47,6 +47,19 @@ class WeightAverage:
         self._local_averages = [_local(a) for a in self.averages]
         self._local_sources = [_local(s) for s in self._sources]
         self._local_params = [_local(p) for p in self._params]
+        # grouped once, not at every update: fp32 sources as they are, half ones in chunks cast to fp32
+        pairs = list(zip(self._local_averages, self._local_sources))
+        fp32 = [(a, s) for a, s in pairs if s.dtype == torch.float32]
+        self._fp32 = ([a for a, _ in fp32], [s for _, s in fp32])
+        self._half_chunks: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+        chunk: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for average, source in ((a, s) for a, s in pairs if s.dtype != torch.float32):
+            chunk.append((average, source))
+            if sum(s.numel() for _, s in chunk) >= _CAST_CHUNK_ELEMENTS:
+                self._half_chunks.append(([a for a, _ in chunk], [s for _, s in chunk]))
+                chunk = []
+        if chunk:
+            self._half_chunks.append(([a for a, _ in chunk], [s for _, s in chunk]))
 
     def after_step(self, step: int) -> None:
         """After optimizer step `step` (the weights stepped): at start_step the average becomes the weights; past
@@ -59,23 +72,10 @@ class WeightAverage:
 
     @torch.no_grad()
     def _average(self) -> None:
-        pairs = list(zip(self._local_averages, self._local_sources))
-        fp32 = [(a, s) for a, s in pairs if s.dtype == torch.float32]
-        if fp32:
-            self._update([a for a, _ in fp32], [s for _, s in fp32], None)
-        chunk: list[tuple[torch.Tensor, torch.Tensor]] = []
-        elements = 0
-        for average, source in ((a, s) for a, s in pairs if s.dtype != torch.float32):
-            chunk.append((average, source))
-            elements += source.numel()
-            if elements >= _CAST_CHUNK_ELEMENTS:
-                self._average_cast(chunk)
-                chunk, elements = [], 0
-        if chunk:
-            self._average_cast(chunk)
-
-    def _average_cast(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._update([a for a, _ in pairs], [s.float() for _, s in pairs], None)
+        if self._fp32[0]:
+            self._update(*self._fp32, None)
+        for averages, sources in self._half_chunks:  # cast copies of a chunk at a time, freed after it
+            self._update(averages, [s.float() for s in sources], None)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
