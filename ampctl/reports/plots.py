@@ -200,6 +200,9 @@ def throughput_memory_bars(modes: Sequence[ModeBars], throughput_unit: str, base
         ax.set_ylabel(ylabel)
         ax.set_ylim(0, max([v or 0.0 for v in values] + [1e-9]) * 1.25)
         ax.grid(axis="y", alpha=0.3)
+        if sum(len(label) for label in labels) > 40:  # rows named with their optimizer: slanted, not overlapping
+            ax.tick_params(axis="x", labelrotation=20)
+            pyplot().setp(ax.get_xticklabels(), ha="right", rotation_mode="anchor")
     left.set_title(f"throughput: rounds' median and range\n(speedup vs {baseline}, its interval)")
     right.set_title(f"peak memory (ratio to {baseline})")
     if context:
