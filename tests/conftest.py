@@ -4,6 +4,7 @@ import copy
 import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -89,3 +90,36 @@ def build(*overrides: str):
 
     cfg = compose_cfg(*FAST, *overrides)
     return cfg, check_config(cfg), build_recipe(cfg.recipe)
+
+
+
+_WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+# The tests send stop signals to the processes they start, as a terminal sends them to its foreground command. A
+# suite started where they are ignored (bash ignores SIGINT for `cmd &` without job control, nohup SIGHUP) would
+# hand that on to every such process, and ampctl keeps a signal ignored as it found it (a background job's
+# contract): a sweep's launcher then never sees its Ctrl-C. The suite's processes start as from a terminal.
+for _signum in _WATCHED_SIGNALS:
+    if signal.getsignal(_signum) is signal.SIG_IGN:
+        signal.signal(_signum, signal.default_int_handler if _signum == signal.SIGINT else signal.SIG_DFL)
+
+
+def _inherited_signal_state() -> tuple[frozenset, frozenset]:
+    """What a process this one starts inherits of its signals: those ignored, and the main thread's mask."""
+    ignored = frozenset(signum for signum in _WATCHED_SIGNALS if signal.getsignal(signum) is signal.SIG_IGN)
+    return ignored, frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+@pytest.fixture(autouse=True)
+def signals_left_as_found():
+    """A test leaves this process's stop signals neither ignored nor blocked where it found them otherwise: every
+    process a later test starts inherits both (a sweep's launcher that a Ctrl-C test then cannot stop)."""
+    before = _inherited_signal_state()
+    yield
+    after = _inherited_signal_state()
+    if after != before:
+        for signum in after[0] - before[0]:
+            signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before[1])
+        pytest.fail(f"the test left stop signals ignored or blocked (ignored, blocked): {before} -> {after}",
+                    pytrace=False)

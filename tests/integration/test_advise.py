@@ -129,7 +129,11 @@ def test_advise_on_the_gpt_compares_a_converted_format_as_advised_and_its_config
     elif not crowded_out:
         config = yaml.safe_load((out / "compare" / "mxfp8" / "seed_0" / ".hydra" / "config.yaml").read_text())
         unconverted = sorted(r["match"] for r in config["precision"]["rules"] if r["run_in"] == "unconverted")
-        assert unconverted == beyond and evidence["mxfp8"]["failed"] is None
+        assert unconverted == beyond
+        # its run finished, unless the budget ran out during it (the machine slower than at the calibration), which
+        # advice.json then says
+        ran_out = "advise.budget ran out during the comparison" in (record["partial"] or "")
+        assert evidence["mxfp8"]["failed"] is None or (ran_out and evidence["mxfp8"]["failed"] == "interrupted")
     assert "note: torch.compile: not measured (advise.compile=false)" in advised.stdout
 
     trained = run_ampctl("train", "-cd", str(out), "-cn", "advised", "train.steps=2", "hydra.run.dir=run",
