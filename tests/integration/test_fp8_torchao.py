@@ -18,15 +18,17 @@ pytest.importorskip("torchao", reason="torchao is the optional extra ampctl[fp8]
 GPT = ["recipe=gpt", "recipe.d_model=64", "recipe.n_layers=2", "recipe.n_heads=2", "recipe.block_size=32",
        "recipe.batch_size=4", "recipe.max_corpus_bytes=200000", "train.steps=30"]
 # The tiny gpt's layers are far below torchao's size thresholds: convert them all; eager (train.compile's default:
-# minutes of compiling for a test of the numerics). 128 tokens a step: torch._scaled_mm's CPU kernel is a reference
-# one, ~0.2 s for a 512x64x256 matmul (4.5 s a step at 512 tokens, 2.5 minutes for a test).
+# minutes of compiling for a test of the numerics).
 EVERY_LINEAR = ["precision=fp8", "precision.options.auto_filter_small_kn=false"]
 
 
 @pytest.fixture
 def fp8_tensor_cores(monkeypatch):
-    """Pretend this device has FP8 tensor cores: the one check a CPU fails."""
+    """Pretend this device has FP8 tensor cores: the one check a CPU fails; and torch's own CPU kernel for the FP8
+    matmul (tests/support/fp8_anywhere.torchs_own_fp8_matmul: oneDNN's is ~500x slower here, bit for bit the same).
+    """
     monkeypatch.setattr(fp8_torchao, "unsupported_reason", lambda _device: None)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
 
 
 def test_fp8_is_refused_without_fp8_tensor_cores_in_one_line(tmp_path, restore_argv, capsys):
