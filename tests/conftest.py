@@ -92,8 +92,12 @@ def build(*overrides: str):
     return cfg, check_config(cfg), build_recipe(cfg.recipe)
 
 
-
 _WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _as_a_fresh_interpreter_has_it(signum: int) -> None:
+    signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
 
 # The tests send stop signals to the processes they start, as a terminal sends them to its foreground command. A
 # suite started where they are ignored (bash ignores SIGINT for `cmd &` without job control, nohup SIGHUP) would
@@ -101,7 +105,7 @@ _WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1
 # contract): a sweep's launcher then never sees its Ctrl-C. The suite's processes start as from a terminal.
 for _signum in _WATCHED_SIGNALS:
     if signal.getsignal(_signum) is signal.SIG_IGN:
-        signal.signal(_signum, signal.default_int_handler if _signum == signal.SIGINT else signal.SIG_DFL)
+        _as_a_fresh_interpreter_has_it(_signum)
 
 
 def _inherited_signal_state() -> tuple[frozenset, frozenset]:
@@ -119,7 +123,7 @@ def signals_left_as_found():
     after = _inherited_signal_state()
     if after != before:
         for signum in after[0] - before[0]:
-            signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+            _as_a_fresh_interpreter_has_it(signum)
         signal.pthread_sigmask(signal.SIG_SETMASK, before[1])
         pytest.fail(f"the test left stop signals ignored or blocked (ignored, blocked): {before} -> {after}",
                     pytrace=False)
