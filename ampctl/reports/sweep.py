@@ -61,6 +61,12 @@ class SweepReport(Callback):
             sys.exit(1)  # the table says which jobs failed and why; the exit code says that some did
 
 
+def plot_label(job: str, swept: dict) -> str:
+    """A job's line in the sweep's plots: its number and the values swept (none in a sweep of one job)."""
+    values = " ".join(io.readable_override(f"{key}={value}") for key, value in swept.items())
+    return f"#{job}: {values}" if values else f"#{job}"
+
+
 def write_sweep_report(sweep_dir: Path, console=None) -> int:
     """Table, sweep.csv, sweep.json, report.md and plots for a multirun directory. Returns the failed count."""
     runs = find_runs(sweep_dir)
@@ -69,8 +75,7 @@ def write_sweep_report(sweep_dir: Path, console=None) -> int:
     console = console or tables.make_console()
     tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
     keys = tables.swept_keys(runs)
-    labels = [(f"#{run.job}: " + " ".join(io.readable_override(f"{k}={run.override_values().get(k)}") for k in keys),
-               run) for run in runs]
+    labels = [(plot_label(run.job, {k: run.override_values().get(k) for k in keys}), run) for run in runs]
     images = tables.run_images([(label, run) for label, run in labels if not run.failed], sweep_dir)
     machine = tables.machine_info([run.summary for run in runs if run.summary])
     tables.write_files(table, sweep_dir, "sweep", machine, images, {"kind": "multirun"})

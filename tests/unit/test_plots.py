@@ -63,3 +63,10 @@ def test_a_layer_whose_name_is_only_a_position_is_labelled_with_its_type():
     assert row_label("blocks.0.mlp.2", "Linear") == "blocks.0.mlp.2 (Linear)"
     assert row_label("blocks.0.attn.qkv", "Linear") == "blocks.0.attn.qkv"
     assert row_label("3", None) == "3"  # a ranges.json written before layers carried their type
+
+
+def test_a_sweeps_plot_labels_a_job_by_its_number_and_swept_values_and_a_lone_job_by_its_number():
+    from ampctl.reports.sweep import plot_label
+
+    assert plot_label("1", {"optimizer.lr": 0.002, "precision": "bf16"}) == "#1: optimizer.lr=0.002 precision=bf16"
+    assert plot_label("0", {}) == "#0"  # it was "#0: " in the legend of a one-job sweep
