@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 
 class Interrupted(Exception):
@@ -86,10 +86,27 @@ def _raise_signalled(signum: int, _frame: Optional[FrameType]) -> None:
     raise Signalled(signum)
 
 
+def _quiet_about_a_swallowed_signal(previous: Callable[[sys.UnraisableHookArgs], object]
+                                    ) -> Callable[[sys.UnraisableHookArgs], None]:
+    """A handler runs wherever the interpreter is when the signal lands, also inside a callback that cannot raise
+    (importlib's module-lock clean-up, a weakref's callback, a __del__): Python prints the Signalled there as
+    "Exception ignored in" with its traceback and goes on. It is recorded (_RAISED) and ends the command as any
+    other does (raise_swallowed_signal; after a second Ctrl-C the command is ending already): its line is all that
+    is said. Anything else goes to the hook that was there."""
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if not isinstance(unraisable.exc_value, Signalled):
+            previous(unraisable)
+
+    hook.quiet_about_signals = True  # type: ignore[attr-defined]
+    return hook
+
+
 def raise_on_signals() -> None:
     """Every stop or preemption signal raises Signalled (a KeyboardInterrupt, as Ctrl-C's): a command killed
     before (or after) its loop says so in one line instead of vanishing. Main thread only."""
     if threading.current_thread() is threading.main_thread():
+        if not getattr(sys.unraisablehook, "quiet_about_signals", False):
+            sys.unraisablehook = _quiet_about_a_swallowed_signal(sys.unraisablehook)
         for signum in (*STOP_SIGNALS, *PREEMPT_SIGNALS):
             # one ignored when ampctl started stays ignored: nohup's SIGHUP, a shell's SIGINT to a background job
             if signal.getsignal(signum) is not signal.SIG_IGN:

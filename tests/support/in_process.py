@@ -5,8 +5,8 @@ A fresh interpreter costs ~4 s of CPU before ampctl does anything (torch, and th
 import on first use), and the suite is CPU-bound: the tests of signals, of the console script, of a process
 killed or left running, of Python's own startup keep real processes (subprocess); the others run here. What a
 run changes in this process (the working directory, environment variables, sys.argv and sys.path, the signal
-handlers ampctl installs) is put back afterwards; an exception that would end the interpreter is printed as
-its traceback to the captured stderr with exit code 1, as Python would."""
+handlers and the unraisable-exception hook ampctl installs) is put back afterwards; an exception that would end
+the interpreter is printed as its traceback to the captured stderr with exit code 1, as Python would."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def run_ampctl(*args: str, cwd: Optional[Path] = None, env: Optional[dict[str, s
 
     saved_cwd, saved_env, saved_argv, saved_path = os.getcwd(), dict(os.environ), sys.argv[:], sys.path[:]
     saved_handlers = {signum: signal.getsignal(signum) for signum in _SIGNALS}
+    saved_unraisable_hook = sys.unraisablehook  # ampctl's entry point wraps it (interrupt.raise_on_signals)
     saved_modules = set(sys.modules)
     out, err = io.StringIO(), io.StringIO()
     code = 0
@@ -54,6 +55,7 @@ def run_ampctl(*args: str, cwd: Optional[Path] = None, env: Optional[dict[str, s
         os.environ.clear()
         os.environ.update(saved_env)
         sys.argv, sys.path[:] = saved_argv, saved_path
+        sys.unraisablehook = saved_unraisable_hook
         for signum, handler in saved_handlers.items():
             signal.signal(signum, handler)
         _forget_modules_of_experiment_dirs(set(sys.modules) - saved_modules)
