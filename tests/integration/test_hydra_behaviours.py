@@ -215,3 +215,28 @@ def test_the_private_composition_agrees_with_hydras_own_app(tmp_path):
         printed.pop("defaults")  # ampctl's dump names its choices, so that it loads back as a primary config
         assert ours == printed, mode
         assert ours["precision"]["name"] == mode and not ours["precision"]["description"].startswith("MINE")
+
+
+def test_hydras_copies_of_its_config_repository_share_the_store_and_read_what_is_stored_after():
+    """conf/schema._copies_share_the_store: Hydra deep-copies its config repository for each composition and for
+    each group --help lists (hydra._internal.config_repository.CachingConfigRepository), the ConfigStore within
+    it too (~20 ms each for ampctl's schemas). The store is not copied; a copy made before a config was stored
+    still finds it, as a repository reading the store itself does (Hydra's pull request 2928)."""
+    import copy
+
+    from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
+    from hydra.core.config_store import ConfigStore
+
+    from ampctl.commands.hydra_internals import config_loader
+    from ampctl.conf.schema import register_configs
+
+    register_configs()
+    store = ConfigStore.instance()
+    assert copy.deepcopy(store) is store
+    repository = CachingConfigRepository(ConfigRepository(config_loader(None).config_search_path))
+    store.store(name="stored_after_the_copy", node={"answer": 42})
+    try:
+        found = repository.load_config("stored_after_the_copy")
+        assert found is not None and found.config.answer == 42
+    finally:
+        del store.repo["stored_after_the_copy.yaml"]
