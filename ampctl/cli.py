@@ -158,7 +158,10 @@ def dispatch(args: list[str]) -> None:
                 sys.argv = ["ampctl", *with_the_sweep_to_continue(rest)]
         except UsageError as exc:
             refuse(command, str(exc))
-        run_hydra_app(command, entry)
+        from ampctl.processes import start_kept_out_of_collections
+
+        with start_kept_out_of_collections():  # until the run is planned (commands/checks.py)
+            run_hydra_app(command, entry)
     else:
         entry()
     if under_torchrun:

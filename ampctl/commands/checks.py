@@ -26,7 +26,7 @@ from ampctl.conf.schema import APP_SCHEMAS, ParallelKind, validate
 from ampctl.conf.sweeps import SWEEP_RECORD, SweepIdentity, base_overrides, planned_jobs, sweep_overrides
 from ampctl.conf.typed import typed_config
 from ampctl.errors import CommandLineRefused, UsageError
-from ampctl.processes import is_main_process, torchrun_world_size
+from ampctl.processes import is_main_process, start_is_over, torchrun_world_size
 
 if TYPE_CHECKING:
     from ampctl.runner.plan import RunPlan
@@ -262,6 +262,7 @@ class CheckEveryJob(Callback):
             raise CommandLineRefused(exc) from None
         global planned
         planned = PlannedRun(Path(config.hydra.run.dir), job)
+        start_is_over()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         jobs = planned_jobs(config) or [base_overrides(sweep_overrides(config))]
@@ -274,6 +275,7 @@ class CheckEveryJob(Callback):
             refuse_another_sweeps_directory(config.hydra.sweep.dir, cfg.get("resume"), SweepIdentity.of(config))
         except UsageError as exc:
             raise CommandLineRefused(exc) from None
+        start_is_over()
 
 
 class KeepEarlierJobsHydraFiles(Callback):

@@ -37,7 +37,7 @@ from multiprocessing import forkserver, reduction, resource_tracker
 from typing import Iterator, Mapping, Optional, Sequence
 
 from ampctl.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS
-from ampctl.processes import PARENT_ENV
+from ampctl.processes import PARENT_ENV, freeze_what_the_fork_inherited
 
 # what every child imports before it does anything (`ampctl train`, a memory probe); torch._dynamo is imported by
 # torch's optimizers on first use
@@ -155,6 +155,7 @@ def _detach(duplicate) -> int:
 def _child_main(target: tuple[str, str], args: list[str], env: dict[str, str], cwd: str, stdin: Optional[int],
                 stdout: Optional[int], stderr: Optional[int], fds_in_env: dict[str, int]) -> None:
     """In the child: become the exec'd process the command names, run it, leave as its interpreter would."""
+    freeze_what_the_fork_inherited()
     os.setsid()  # a session of its own: the terminal's Ctrl-C reaches it once, forwarded by the command
     for signum in _STOPS:  # as an interpreter starts: Ctrl-C raises KeyboardInterrupt, the others end it
         signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)

@@ -337,24 +337,42 @@ def test_init_writes_an_experiment_that_trains_as_written_from_anywhere(tmp_path
 
 
 
-def test_a_training_run_that_draws_nothing_never_imports_matplotlib(tmp_path):
+@pytest.fixture(scope="module")
+def a_fresh_run(tmp_path_factory) -> dict:
+    tmp_path = tmp_path_factory.mktemp("fresh")
+    return imported_after(["train", *FAST, "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+
+
+def test_a_training_run_that_draws_nothing_never_imports_matplotlib(a_fresh_run):
     """matplotlib costs ~2 s of start-up: only a command that draws a chart imports it."""
-    code = ("import sys; from ampctl.cli import main; "
-            f"main(['train', *{FAST!r}, 'train.steps=1', 'hydra.run.dir={tmp_path / 'run'}']); "
-            "print('matplotlib' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "False"
+    assert a_fresh_run["torch"] and not a_fresh_run["matplotlib"]
 
 
-def imported_after(args: list[str], cwd: Path, env: Optional[dict] = None) -> dict[str, bool]:
-    """Which of torch, Dynamo and matplotlib a fresh process of `ampctl <args>` imported."""
-    code = ("import sys; from ampctl.cli import main\n"
+def test_a_fresh_process_freezes_its_start_once_its_run_is_planned(a_fresh_run, tmp_path, restore_argv, capsys):
+    """processes.start_kept_out_of_collections: the collector is off while a fresh `ampctl` imports and plans its
+    run, then what that made (torch's ~200,000 objects and more) is frozen, out of every later collection, and the
+    collector is on again. A refused command freezes nothing; a process that imported torch before (this one) is
+    left as it was."""
+    assert a_fresh_run["frozen"] > 100_000 and a_fresh_run["collecting"]
+    refused = imported_after(["train", "precision=bf61"], tmp_path, exit_code=2)
+    assert refused["frozen"] == 0 and refused["collecting"] and not refused["torch"]
+    import gc
+
+    frozen_here = gc.get_freeze_count()
+    main(["train", *FAST, "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert gc.get_freeze_count() == frozen_here and gc.isenabled()
+
+
+def imported_after(args: list[str], cwd: Path, env: Optional[dict] = None, exit_code: int = 0) -> dict:
+    """Which of torch, Dynamo and matplotlib a fresh process of `ampctl <args>` imported, how many objects its
+    garbage collector holds frozen (gc.freeze) and whether it collects, as the command left them."""
+    code = ("import gc, sys; from ampctl.cli import main\n"
             "try:\n"
             f"    main({args!r})\n"
             "except SystemExit as exc:\n"
-            "    assert exc.code in (0, None), exc.code\n"
-            "print({m: m in sys.modules for m in ('torch', 'torch._dynamo', 'matplotlib')})")
+            f"    assert (exc.code or 0) == {exit_code}, exc.code\n"
+            "print({**{m: m in sys.modules for m in ('torch', 'torch._dynamo', 'matplotlib')}, "
+            "'frozen': gc.get_freeze_count(), 'collecting': gc.isenabled()})")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
                             env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr

@@ -76,6 +76,19 @@ def test_a_child_is_the_process_its_command_line_would_exec(tmp_path, monkeypatc
     os.close(fd_read)
 
 
+def test_a_childs_collections_leave_out_what_the_server_imported(tmp_path):
+    """torch and ampctl, imported by the server, are frozen in each child (gc.freeze): its collections, and its
+    run's gc.collect() before a memory measurement, scan only what the child makes."""
+    script = tmp_path / "collects.py"
+    script.write_text("import gc, sys\nprint('torch' in sys.modules, gc.get_freeze_count(), gc.isenabled())\n")
+    out = tmp_path / "out.txt"
+    with out.open("w") as stdout:
+        process = PreloadedProcess([sys.executable, str(script)], env=dict(os.environ), stdout=stdout.fileno())
+    assert process.wait(timeout=120) == 0
+    torch_imported, frozen, collecting = out.read_text().split()
+    assert torch_imported == "True" and int(frozen) > 100_000 and collecting == "True"
+
+
 def test_a_child_imports_from_the_pythonpath_it_was_given(tmp_path):
     """The server's sys.path is that of the process that started it; a child given another PYTHONPATH (a test's
     recipe module, a user's) finds its modules there, after its script's directory, as its interpreter would."""
