@@ -107,11 +107,11 @@ _USERS_CONFIGS = ("config_dir", "config_name", "config_path", "rerun")
 @contextlib.contextmanager
 def mode_read_from_the_command_line(args: list[str]) -> Iterator[None]:
     """Hydra composes an app's whole config once only to read hydra.mode from it (Hydra.get_mode), then again
-    for the run: a third of a short command's start (~0.15 s of CPU each here; Hydra's issue 3440). A command
-    line that brings no config of the user's (no -cd, -cn, -cp, hydra.searchpath) and sets no hydra.mode
-    composes only ampctl's configs and Hydra's, none of which sets it (pinned in test_hydra_behaviours.py): its
-    mode is None, which Hydra reads as its flags' (-m or not). Then get_mode answers that without composing; any
-    other command line goes through Hydra's own."""
+    for the run (~0.15 s of CPU each on these 2 cores; Hydra's issue 3440). A command line that brings no config
+    of the user's (no -cd, -cn, -cp, --experimental-rerun, hydra.searchpath) and sets no hydra.mode composes only
+    ampctl's configs and Hydra's, none of which sets it (pinned in test_hydra_behaviours.py): its mode is None,
+    which Hydra reads as its flags' (-m or not). Then get_mode answers that without composing; any other command
+    line goes through Hydra's own."""
     from hydra._internal.hydra import Hydra
 
     flags, overrides = hydra_flags(args)
