@@ -42,8 +42,8 @@ def render(path: Path) -> int:
         tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
         images = tables.run_images([(run.name, run)], path)
         machine = tables.machine_info([run.summary] if run.summary else [])
-        tables.write_files(table, path, "run", machine, images, {"kind": "run"})
-        console.print(f"wrote run.csv, run.json, report.md and plots in {path}")
+        files = tables.write_files(table, path, "run", machine, images, {"kind": "run"})
+        console.print(tables.wrote([*files, *images], path))
         return int(run.failed)
     if (path / "multirun.yaml").is_file() or find_runs(path):
         return write_sweep_report(path, console)

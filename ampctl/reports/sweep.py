@@ -78,6 +78,6 @@ def write_sweep_report(sweep_dir: Path, console=None) -> int:
     labels = [(plot_label(run.job, {k: run.override_values().get(k) for k in keys}), run) for run in runs]
     images = tables.run_images([(label, run) for label, run in labels if not run.failed], sweep_dir)
     machine = tables.machine_info([run.summary for run in runs if run.summary])
-    tables.write_files(table, sweep_dir, "sweep", machine, images, {"kind": "multirun"})
-    console.print(f"wrote sweep.csv, sweep.json, report.md and plots in {sweep_dir}")
+    files = tables.write_files(table, sweep_dir, "sweep", machine, images, {"kind": "multirun"})
+    console.print(tables.wrote([*files, *images], sweep_dir))
     return sum(run.failed for run in runs)

@@ -263,6 +263,11 @@ def write_files(
     return [csv_path, json_path, md_path]
 
 
+def wrote(paths: Sequence[Path], out_dir: Path) -> str:
+    """The line after a report: the files it wrote, by name (a report of runs with no records draws no plot)."""
+    return f"wrote {', '.join(p.name for p in paths)} in {out_dir}"
+
+
 def run_images(runs: Sequence[tuple[str, RunRecord]], out_dir: Path) -> list[Path]:
     done = [(label, run) for label, run in runs if run.metrics]
     if not done:

@@ -305,7 +305,7 @@ def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, 
     extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides,
              "rounds": [list(span) for span in spans] if spans else None, "seeds": seeds, "per_seed": per_seed}
     files = tables.write_files(table, out_dir, run_files.COMPARISON, machine, images, extra)
-    console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
+    console.print(tables.wrote([*files, *images], out_dir))
     return sum(run.failed for _, records in runs for run in records)
 
 

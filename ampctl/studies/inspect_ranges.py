@@ -268,7 +268,7 @@ class InspectReport:
             else:
                 tables.print_table(table, console)
         tables.print_table(self.summary, console)
-        console.print(f"wrote {', '.join(p.name for p in [*files, *images])} in {out_dir}")
+        console.print(tables.wrote([*files, *images], out_dir))
 
     @classmethod
     def read(cls, out_dir: Path) -> "InspectReport":

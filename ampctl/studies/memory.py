@@ -333,7 +333,7 @@ def write_memory_report(out_dir: Path, results: list[ModeMemory], budget_text: O
                               [r.peak.bytes for r in results], out_dir / "memory.png", context)
     files = tables.write_files(table, out_dir, run_files.MEMORY, machine, [image], {**extra, "context": context})
     tables.print_table(table, console)
-    console.print(f"wrote {', '.join(p.name for p in [*files, image])} in {out_dir}")
+    console.print(tables.wrote([*files, image], out_dir))
 
 
 def rerender(out_dir: Path, console: Console) -> None:

@@ -121,11 +121,35 @@ def test_sweep_report_lists_every_job_and_failures(tmp_path, restore_argv, capsy
     assert [(r["job"], r["recipe"], r["status"]) for r in rows] == [("0", "mlp", "ok"), ("1", "resnet", "failed")]
     assert float(rows[0]["final_loss"]) > 0
     assert_png(sweep / "loss.png")
+    assert said_written(out, sweep) == written_beside_the_jobs(sweep)
     # ampctl report renders it again, with the same exit status
     (sweep / "sweep.csv").unlink()
     with pytest.raises(SystemExit) as exit_info:
         main(["report", str(sweep)])
     assert exit_info.value.code == 1 and (sweep / "sweep.csv").is_file()
+
+
+def said_written(out: str, directory: Path) -> set[str]:
+    """The files the report's last line says it wrote in directory."""
+    line = [line for line in out.splitlines() if line.startswith("wrote ")][-1]
+    assert line.endswith(f" in {directory}"), line
+    return set(line[len("wrote "):-len(f" in {directory}")].split(", "))
+
+
+def written_beside_the_jobs(sweep: Path) -> set[str]:
+    return {p.name for p in sweep.iterdir() if p.is_file() and p.name != "multirun.yaml"}
+
+
+def test_a_sweep_whose_jobs_all_failed_says_it_drew_no_plot(tmp_path, restore_argv, capsys):
+    """No job recorded a step (here: each refused its recipe; a sweep interrupted before its jobs finished has no
+    finished job either): the report's line names the files it wrote, and no plot it did not draw."""
+    sweep = tmp_path / "sweep"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "-m", "recipe=resnet", "recipe.batch_size=4,8", "train.steps=2", "train.console=quiet",
+              f"hydra.sweep.dir={sweep}"])
+    assert exit_info.value.code == 1
+    assert said_written(capsys.readouterr().out, sweep) == written_beside_the_jobs(sweep) == {
+        "sweep.csv", "sweep.json", "report.md"}
 
 
 def test_sweep_over_scaler_settings_has_one_column_per_swept_key(tmp_path, restore_argv):
