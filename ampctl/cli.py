@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -101,6 +102,9 @@ def quiet_library_deprecations() -> None:
     # build of torch, and torch logs that it found no CUDA runtime there: a line about torch's install mid-run
     logging.getLogger("torch.utils.cpp_extension").addFilter(
         lambda record: "No CUDA runtime is found" not in record.getMessage())
+    # and AOTAutograd warns, on that compile, that torchao's optimizer-state tensor subclasses lack a hash for its
+    # cache: advice to torchao's authors, two lines in the middle of the user's run
+    warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
 
 
 def stdout_is_devnull() -> bool:
