@@ -145,7 +145,7 @@ def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
                            *empty})
     # a terminal shows what decides (80 columns hold it whole); report.md and the CSV every column
     screen = ["precision", "speed", *(["held_out"] if "loss" in metrics else []), "skipped_steps", "final_loss_scale"]
-    cells.update(speed=lambda r: _speed_on_screen(r, baseline), held_out=lambda r: r.get("parity") or (
+    cells.update(speed=lambda r: _speed_on_screen(r, baseline, n_rounds), held_out=lambda r: r.get("parity") or (
         "baseline" if r["precision"] == baseline and r["status"] == "ok" else "-"))
     headers.update(speed="speed against " + (baseline or "fp32"), held_out="held-out loss")
     return ReportTable("precision comparison", columns, rows, notes, headers, formats, file_only, cells, screen,
@@ -153,15 +153,18 @@ def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
                        "comparison.csv")
 
 
-def _speed_on_screen(row: dict[str, Any], baseline: Optional[str]) -> str:
-    """`1.52× (1.41-1.60) faster`, `baseline`, or the status of a mode that did not finish."""
+def _speed_on_screen(row: dict[str, Any], baseline: Optional[str], rounds: int) -> str:
+    """`1.52× (1.41-1.60) faster`, `0.98× one round` (no interval, no verdict), `baseline`, or the status of a mode
+    that did not finish."""
     if row["status"] != "ok":
         return row["status"]
     if row["precision"] == baseline:
         return "baseline"
-    low, high = row.get("speedup_low"), row.get("speedup_high")
-    verdict = "faster" if low is not None and low > 1 else "slower" if high is not None and high < 1 else "no diff"
-    return f"{_with_range(row, 'speedup', '{:.2f}×')} {verdict}"
+    if row.get("speedup") is None:
+        return "-"
+    ratio = Interval(row["speedup"], row["speedup_low"], row["speedup_high"])
+    said = round_stats.direction(ratio, rounds)
+    return f"{_with_range(row, 'speedup', '{:.2f}×')} {said or 'one round'}"
 
 
 def _held_out_format(metric: str) -> Callable[[float], str]:

@@ -94,17 +94,26 @@ def speedup(baseline_ms: Sequence[Optional[float]], mode_ms: Sequence[Optional[f
     return median_interval(ratios) if ratios else None
 
 
+def direction(ratio: Optional[Interval], rounds: int) -> Optional[str]:
+    """"faster" or "slower" where the speedup's interval excludes 1, "no diff" where it holds 1; None where nothing
+    can be said (no round, or one round: no interval)."""
+    if ratio is None or rounds < 2:
+        return None
+    return "faster" if ratio.low > 1 else "slower" if ratio.high < 1 else "no diff"
+
+
 def verdict(mode: str, baseline: str, ratio: Optional[Interval], rounds: int) -> str:
     """The speedup in words, claimed only where its interval excludes 1."""
     if ratio is None:
         return f"{mode}: no rounds to compare with {baseline}"
-    if rounds < 2:
+    said = direction(ratio, rounds)
+    if said is None:
         return (f"{mode}: {ratio.value:.2f}x the speed of {baseline} in one round, no interval: nothing can be said "
                 "of it (compare.rounds=5 measures one)")
     interval = f"{ratio.low:.2f}-{ratio.high:.2f}, {coverage(rounds):.0%} interval over {rounds} rounds"
-    if ratio.low > 1:
+    if said == "faster":
         return f"{mode} {ratio.value:.2f}x faster than {baseline} ({interval})"
-    if ratio.high < 1:
+    if said == "slower":
         return f"{mode} {1 / ratio.value:.2f}x slower than {baseline} ({ratio.value:.2f}x its speed; {interval})"
     return f"{mode}: no measurable difference from {baseline} ({ratio.value:.2f}x; {interval})"
 

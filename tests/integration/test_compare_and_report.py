@@ -413,3 +413,27 @@ def test_compare_with_seeds_pairs_the_runs_and_judges_parity_against_seed_noise(
     (out / "comparison.csv").unlink()
     main(["report", str(out)])
     assert (out / "comparison.csv").read_text() == before
+
+
+@pytest.mark.slow
+def test_compare_runs_every_optimizer_ampctl_list_names(tmp_path, restore_argv):
+    """Each optimizer a row, trained to the end in its own process with its peak measured (torchao's compile their
+    update on the first step, inside the measured window of a training run); an optimizer that needs pure bf16
+    weights is trained under bf16_true and refused under fp32 with its reason."""
+    from tests.support.configs import optimizers_each_with_a_precision
+
+    pairs = optimizers_each_with_a_precision(installed_only=True)
+    installed = [optimizer for optimizer, _ in pairs]
+    out = tmp_path / "cmp"
+    main(["compare", *TINY, "compare.precisions=[fp32,bf16_true]", f"compare.optimizers=[{','.join(installed)}]",
+          "compare.rounds=1", "compare.warmup_steps=1", f"hydra.run.dir={out}"])
+    rows = {r["precision"]: r for r in read_csv(out / "comparison.csv")}
+    needs_bf16 = {optimizer for optimizer, precision in pairs if precision == "bf16_true"}
+    for optimizer in installed:
+        for precision in ("fp32", "bf16_true"):
+            row = rows[f"{precision}+{optimizer}"]
+            if precision == "fp32" and optimizer in needs_bf16:
+                assert row["status"] == "skipped", row
+                continue
+            assert row["status"] == "ok" and float(row["peak_memory_mib"]) > 0, row
+            assert float(row["final_loss"]) > 0

@@ -62,10 +62,17 @@ def test_a_verdict_is_claimed_only_where_the_interval_excludes_one(ratios, words
     assert rounds.verdict("bf16", "fp32", speed, len(ratios)) == words
 
 
-def test_one_round_gives_no_verdict():
+def test_one_round_gives_no_verdict(tmp_path):
     speed = rounds.speedup([10.0], [5.0])
     words = rounds.verdict("bf16", "fp32", speed, 1)
     assert words.startswith("bf16: 2.00x the speed of fp32 in one round, no interval")
+    # nor does the table's speed cell (it said "2.00× faster" from one round: its low and high are the one ratio)
+    spans = rounds.windows(1, 4, 1)
+    runs = [("fp32", [run_with(tmp_path, "fp32", [99.0, 10.0, 10.0, 10.0], 1.0)]),
+            ("bf16", [run_with(tmp_path, "bf16", [99.0, 5.0, 5.0, 5.0], 1.0)])]
+    table = comparison_table(runs, {}, spans)
+    [cell] = [table.cells["speed"](row) for row in table.as_dicts() if row["precision"] == "bf16"]
+    assert cell == "2.00× one round"
 
 
 def test_rounds_that_disagree_beyond_the_usual_spread_say_the_machine_was_busy():
