@@ -43,7 +43,7 @@ class Ending:
 
 ENDINGS: dict[Outcome, Ending] = {
     Outcome.REFUSED: Ending(USAGE_EXIT_CODE, removes_an_empty_run_dir=True, sweep_goes_on=True),
-    Outcome.WRITE_REFUSED: Ending(WRITE_FAILED_EXIT_CODE, removes_an_empty_run_dir=False, sweep_goes_on=True),
+    Outcome.WRITE_REFUSED: Ending(WRITE_FAILED_EXIT_CODE, removes_an_empty_run_dir=True, sweep_goes_on=True),
     Outcome.STOPPED_BY_SIGNAL: Ending(None, removes_an_empty_run_dir=True, sweep_goes_on=False),
     Outcome.SIGNALLED: Ending(None, removes_an_empty_run_dir=True, sweep_goes_on=False),
     Outcome.RUN_STOPPED: Ending(1, removes_an_empty_run_dir=False, sweep_goes_on=True),

@@ -24,6 +24,7 @@ from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
+from ampctl.runner import checkpoint_files
 from ampctl.runner.ownership import holding, remove_if_only_hydra_files
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,13 @@ def ended(exc: BaseException, cfg: DictConfig, run_dir: Path, hydra_cfg: DictCon
     if outcome is Outcome.REFUSED:
         leave(exc, [f"ampctl train: error: {exc}"], run_dir)
     if outcome is Outcome.WRITE_REFUSED:  # a full disk, a read-only directory: the machine's answer, not a bug
-        leave(exc, [f"ampctl train: error: cannot write {exc.filename}: {exc.strerror}; the checkpoints "  # type: ignore[attr-defined]
-                    "written before it are whole (resume=auto continues from the newest once it can write)"])
+        said = f"ampctl train: error: cannot write {exc.filename}: {exc.strerror}"  # type: ignore[attr-defined]
+        if checkpoint_files.list_checkpoints(run_dir):
+            said += ("; the checkpoints written before it are whole (resume=auto continues from the newest once it "
+                     "can write)")
+        else:
+            said += "; no checkpoint was written"
+        leave(exc, [said], run_dir)
     raise exc
 
 

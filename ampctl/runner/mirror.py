@@ -14,9 +14,12 @@ a new run refuses a mirror that holds another (as it refuses a run directory tha
 
 from __future__ import annotations
 
+import json
 import queue
 import shutil
+import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -73,15 +76,37 @@ class Mirror:
         self.failed: list[str] = []
         self._queue: "queue.Queue[Optional[Path]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
+        self._checked_before_uploading = False
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
     def claim(self) -> None:
-        """The run's identity in the mirror, when it has none yet (whose it holds was checked by the plan: check)."""
-        if read_identity(self.fs, self._path(run_files.IDENTITY)) is None:
-            self.fs.makedirs(self.root, exist_ok=True)
-            self.fs.pipe_file(self._path(run_files.IDENTITY), (self.run_dir / run_files.IDENTITY).read_bytes())
+        """The run's identity in the mirror, written only where there is none (fsspec's exclusive create, mode "xb":
+        O_EXCL on a path, a conditional write on S3, GCS and Azure), then read back: two runs started together at one
+        URL both passed the plan's check, and only one of them may go on. UsageError for the other."""
+        ours = (self.run_dir / run_files.IDENTITY).read_bytes()
+        path = self._path(run_files.IDENTITY)
+        self.fs.makedirs(self.root, exist_ok=True)
+        try:
+            with self.fs.open(path, "xb") as file:
+                file.write(ours)
+        except FileExistsError:
+            pass  # this run's own (a resume), or another's: read below
+        except (ValueError, NotImplementedError):  # a file system without exclusive create: written where absent,
+            # read back below and again before the first upload (_upload), where a later writer is seen
+            if read_identity(self.fs, path) is None:
+                self.fs.pipe_file(path, ours)
+        self._check_still_ours()
+
+    def _check_still_ours(self) -> None:
+        """UsageError unless the mirror's identity is this run's."""
+        ours = json.loads((self.run_dir / run_files.IDENTITY).read_bytes())["run_id"]
+        theirs = _settled_identity(self.fs, self._path(run_files.IDENTITY))
+        if theirs.get("run_id") != ours:
+            raise UsageError(f"train.checkpoint_mirror={self.url} was claimed by another run (run "
+                             f"{str(theirs.get('run_id'))[:8]}) that started at the same moment: a mirror holds one "
+                             "run; choose another URL")
 
     def upload(self, checkpoint: Path) -> None:
         """Queue a checkpoint (whole in the run directory) for upload; the thread starts with the first."""
@@ -111,6 +136,9 @@ class Mirror:
                           f"{str(exc).strip()[:200]}); the local checkpoint is whole, and the next one is tried")
 
     def _upload(self, checkpoint: Path) -> None:
+        if not self._checked_before_uploading:  # a store without exclusive create: a later claim wrote over ours
+            self._check_still_ours()
+            self._checked_before_uploading = True
         for name in RECORDS:  # first: a pulled checkpoint's steps are in its records
             data = _whole_lines(self.run_dir / name)
             if data is not None:
@@ -161,6 +189,7 @@ def check(url: str, run_dir: Path, continuing: bool) -> None:
             raise UsageError(f"train.checkpoint_mirror={url} holds files of its own ({', '.join(held[:3])}"
                              f"{', ...' if len(held) > 3 else ''}) and no run: a mirror is a URL of the run's own; "
                              "choose an empty one")
+        _check_writable(fs, root, url)
         return
     ours = identity.read(run_dir) if continuing else None
     if ours is None or ours.run_id != theirs.get("run_id"):
@@ -169,9 +198,49 @@ def check(url: str, run_dir: Path, continuing: bool) -> None:
                          "that run with resume=auto in an empty run directory")
 
 
-def read_identity(fs: Any, path: str) -> Optional[dict]:
-    import json
+def _settled_identity(fs: Any, path: str, patience_s: float = 5.0) -> dict:
+    """The identity at path, once whole: a run that won an exclusive create on a local path writes it after creating
+    it, and a reader in between sees it empty or cut short."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            found = read_identity(fs, path)
+        except UsageError:
+            if time.monotonic() > deadline:
+                raise
+            found = None
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            raise UsageError(f"the mirror's {path} was not written within {patience_s:.0f} s of its creation")
+        time.sleep(0.05)
 
+
+BUCKETED = ("s3", "s3a", "gs", "gcs", "abfs", "az")  # object stores whose first path part is a bucket (a container)
+
+
+def _check_writable(fs: Any, root: str, url: str) -> None:
+    """A new mirror can be written, before the run directory is made: a local (or mounted) path's nearest existing
+    folder takes a file (a read-only mount or folder is said now, not as the run's first checkpoint fails); an object
+    store's bucket exists (s3fs's makedirs would create one a typo named). UsageError otherwise."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if "file" in protocols:
+        folder = Path(root)
+        while not folder.exists():
+            folder = folder.parent
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as exc:
+            raise UsageError(f"train.checkpoint_mirror={url}: {folder} cannot be written ({exc.strerror}); choose a "
+                             "writable path") from None
+    elif any(p in BUCKETED for p in protocols):
+        bucket = root.split("/", 1)[0]
+        if not fs.exists(bucket):
+            raise UsageError(f"train.checkpoint_mirror={url}: the bucket {bucket!r} does not exist; create it, or "
+                             "name one that does") from None
+
+
+def read_identity(fs: Any, path: str) -> Optional[dict]:
     try:
         return json.loads(fs.cat_file(path))
     except FileNotFoundError:

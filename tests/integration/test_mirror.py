@@ -17,7 +17,7 @@ import torch
 
 from tests.support.adversarial import one_line_refusal
 from tests.support.in_process import run_ampctl
-from tests.support.runs import QUICK, REPO, steps
+from tests.support.runs import QUICK, REPO, ForkedAmpctl, steps
 
 RUN = [*QUICK, "train.checkpoint_every=10", "train.keep_checkpoints=2"]
 
@@ -110,6 +110,12 @@ def test_a_mirror_holds_one_run_and_a_mirror_that_cannot_be_used_is_one_line(tmp
         refused = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint_mirror={url}", "hydra.run.dir=m3",
                              cwd=tmp_path)
         assert said in one_line_refusal(refused, "train") and not (tmp_path / "m3").exists()
+    # a path that cannot be written: said before the run directory is made (it said so at the first upload, and
+    # left a run directory that refused the same command again)
+    read_only = run_ampctl("train", *RUN, "train.steps=10", "train.checkpoint_mirror=file:///sys/ampctl-test-mirror",
+                           "hydra.run.dir=m5", cwd=tmp_path)
+    assert ("train.checkpoint_mirror=file:///sys/ampctl-test-mirror: /sys cannot be written (" in
+            one_line_refusal(read_only, "train")) and not (tmp_path / "m5").exists()
     compared = run_ampctl("compare", *RUN, "train.steps=2", f"train.checkpoint_mirror={memory_mirror}",
                           "compare.precisions=[fp32]", "hydra.run.dir=cmp", cwd=tmp_path)
     assert "are not mirrored; train.checkpoint_mirror is for an ampctl train run" in \
@@ -173,6 +179,25 @@ def test_a_run_mirrored_to_s3_continues_on_another_machine_from_its_newest_whole
     # the continued run mirrors on: the mirror holds its newest checkpoints now
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("ampctl-runs/run/checkpoints", refresh=True)) == \
         ["step_00000030.pt", "step_00000030.pt.sha256", "step_00000040.pt", "step_00000040.pt.sha256"]
+    # a bucket that does not exist is refused, not created (s3fs's makedirs would make it)
+    url = "s3://ampctl-no-such-bucket/run"
+    missing = ampctl("train.steps=10", "hydra.run.dir=m3")
+    assert missing.returncode == 2 and missing.stderr == (
+        "ampctl train: error: train.checkpoint_mirror=s3://ampctl-no-such-bucket/run: the bucket "
+        "'ampctl-no-such-bucket' does not exist; create it, or name one that does\n"), missing.stderr
+    assert not fs.exists("ampctl-no-such-bucket") and not (tmp_path / "m3").exists()
+    # two runs started together at one S3 URL: the claim is S3's conditional write (If-None-Match), one run goes on
+    fs.mkdir("ampctl-race")
+    url = "s3://ampctl-race/run"
+    meeting = tmp_path / "meeting"
+    meeting.mkdir()
+    together = ["train.steps=10", "recipe._target_=tests.support.rendezvous_recipe.RendezvousRecipe",
+                f"+recipe.rendezvous_dir={meeting}"]
+    processes = [subprocess.Popen([sys.executable, "-m", "ampctl", "train", *RUN, f"train.checkpoint_mirror={url}",
+                                   *together, f"train.seed={seed}", f"hydra.run.dir=race{seed}"], cwd=tmp_path, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (0, 1)]
+    codes = sorted(p.wait(timeout=300) for p in processes)
+    assert codes == [0, 2], [p.communicate() for p in processes]
 
 
 def test_a_sharded_checkpoint_is_mirrored_manifest_last_and_pulled_whole(tmp_path, memory_mirror):
@@ -213,3 +238,65 @@ def test_a_checkpoint_pruned_before_its_upload_is_passed_over_and_a_cut_short_up
     assert mirror.close() == [] and warned == []
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/checkpoints", detail=False)) == \
         ["step_00000030.pt", "step_00000030.pt.sha256"]
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_at_one_mirror_one_claims_it_and_the_other_is_refused(tmp_path):
+    """Both pass the plan's check of the mirror (it holds no run) before either writes to it: the claim is an
+    exclusive create, so one run holds the mirror whole and the other is refused in one line, its directory removed
+    and nothing of the winner's touched."""
+    mirror, meeting = tmp_path / "mirror", tmp_path / "meeting"
+    meeting.mkdir()
+    together = [*RUN, "train.steps=20", f"train.checkpoint_mirror=file://{mirror}",
+                "recipe._target_=tests.support.rendezvous_recipe.RendezvousRecipe", f"+recipe.rendezvous_dir={meeting}"]
+    processes = [ForkedAmpctl("train", *together, f"train.seed={seed}", f"hydra.run.dir=r{seed}", cwd=tmp_path)
+                 for seed in (0, 1)]
+    ended = [(p.wait(timeout=240), *p.communicate()) for p in processes]
+    [(winner, _)] = [(seed, e) for seed, e in enumerate(ended) if e[0] == 0]
+    [(loser, (code, _out, err))] = [(seed, e) for seed, e in enumerate(ended) if e[0] != 0]
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "was claimed by another run (run " in err and "that started at the same moment" in err, err
+    assert not (tmp_path / f"r{loser}").exists()
+    ours = json.loads((tmp_path / f"r{winner}" / "identity.json").read_text())
+    assert json.loads((mirror / "identity.json").read_text())["run_id"] == ours["run_id"]
+    assert (mirror / "metrics.jsonl").read_bytes() == (tmp_path / f"r{winner}" / "metrics.jsonl").read_bytes()
+    mirrored = sorted(p.name for p in (mirror / "checkpoints").iterdir())
+    assert mirrored == sorted(p.name for p in (tmp_path / f"r{winner}" / "checkpoints").iterdir())
+    for name in mirrored:
+        assert (mirror / "checkpoints" / name).read_bytes() == (tmp_path / f"r{winner}" / "checkpoints" /
+                                                                name).read_bytes()
+
+
+def test_on_a_store_without_exclusive_create_a_later_claim_is_seen_before_the_first_upload(tmp_path, memory_mirror,
+                                                                                            monkeypatch):
+    """Where the file system refuses mode "xb" the identity is written where absent and read back; a run whose
+    identity another overwrote after that finds it before its first upload and uploads nothing (said in a warning)."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    from ampctl.runner import mirror as mirror_module
+
+    opened = MemoryFileSystem._open
+
+    def no_exclusive_create(self, path, mode="rb", *args, **kwargs):
+        if "x" in mode:
+            raise ValueError(f"unsupported file mode: {mode}")
+        return opened(self, path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryFileSystem, "_open", no_exclusive_create)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "identity.json").write_text(json.dumps({"run_id": "ours"}))
+    warnings: list[str] = []
+    ours = mirror_module.Mirror(memory_mirror, run_dir, warnings.append)
+    ours.claim()  # written where absent, read back: ours
+    fs, root = fsspec.core.url_to_fs(memory_mirror)
+    fs.pipe_file(f"{root}/identity.json", json.dumps({"run_id": "theirs"}).encode())  # a claim after ours
+    checkpoint = run_dir / "checkpoints" / "step_00000010.pt"
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(b"weights")
+    (run_dir / "checkpoints" / "step_00000010.pt.sha256").write_text("digest  step_00000010.pt\n")
+    ours.upload(checkpoint)
+    assert ours.close() == ["step_00000010.pt"]
+    assert "was claimed by another run (run theirs)" in warnings[0], warnings
+    assert not fs.exists(f"{root}/checkpoints") and json.loads(fs.cat_file(f"{root}/identity.json")) == {
+        "run_id": "theirs"}

@@ -33,8 +33,8 @@ def raised_while_handling(interrupt: BaseException, error: Exception) -> Excepti
 TABLE = [
     (UsageError("train.steps=-1 is not allowed"), Outcome.REFUSED, 2, True, True),
     (CommandLineRefused(UsageError("a job of the sweep")), Outcome.REFUSED, 2, True, True),
-    (OSError(errno.ENOSPC, "No space left on device", "run/metrics.jsonl"), Outcome.WRITE_REFUSED, 74, False, True),
-    (OSError(errno.EROFS, "Read-only file system", "run/train.log"), Outcome.WRITE_REFUSED, 74, False, True),
+    (OSError(errno.ENOSPC, "No space left on device", "run/metrics.jsonl"), Outcome.WRITE_REFUSED, 74, True, True),
+    (OSError(errno.EROFS, "Read-only file system", "run/train.log"), Outcome.WRITE_REFUSED, 74, True, True),
     (Interrupted(signal.SIGINT, 12, "run/checkpoints/step_00000012.pt"), Outcome.STOPPED_BY_SIGNAL, 130, True, False),
     (Interrupted(signal.SIGTERM, 3, None), Outcome.STOPPED_BY_SIGNAL, 143, True, False),
     (Interrupted(signal.SIGUSR1, 3, None), Outcome.STOPPED_BY_SIGNAL, 138, True, False),
