@@ -17,9 +17,9 @@ WRITE_REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno
 
 
 def print_error(line: str) -> None:
-    """One line on stderr; under torchrun from rank 0 only: every rank meets the same mistake, the user reads it
-    once."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    """One line on stderr; under torchrun from each node's first process only (LOCAL_RANK 0): every rank meets the
+    same end, and each node's output is read apart (a job over two hosts: each host's log says why it stopped)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(line, file=sys.stderr, flush=True)
 
 

@@ -40,9 +40,11 @@ from ampctl.runner.checkpoint_files import (
     save_atomic,
 )
 from ampctl.runner.identity import SAFE_TO_CHANGE, RunIdentity, flatten
+from ampctl.runner.rank_zero import told_to_every_rank
 
 if TYPE_CHECKING:  # annotations only: the state's class is the engine's
     from ampctl.engine.loop import TrainState
+    from ampctl.engine.parallel import Parallel
 
 FORMAT_VERSION = 1
 
@@ -105,21 +107,28 @@ def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches
 
 
 class FullWriter:
-    """Saves checkpoints as one file each, written by rank 0 (the others' payloads are the same state)."""
+    """Saves checkpoints as one file each, written by rank 0 (the others' payloads are the same state); every rank
+    calls save() and meets how rank 0's write ended (a full disk ends every rank)."""
 
-    def __init__(self, run_dir: Path, keep: int, is_main: bool,
+    def __init__(self, run_dir: Path, keep: int, parallel: Parallel,
                  on_saved: Optional[Callable[[Path], None]] = None) -> None:
-        self.run_dir, self.keep, self.is_main, self.on_saved = run_dir, keep, is_main, on_saved
+        self.run_dir, self.keep, self.parallel, self.on_saved = run_dir, keep, parallel, on_saved
 
     def save(self, payload: dict[str, Any]) -> Path:
         path = checkpoint_path(self.run_dir, payload["step"])
-        if self.is_main:
+
+        def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             save_atomic(payload, path)
             prune(self.run_dir, self.keep)
             if self.on_saved is not None:
                 self.on_saved(path)
+
+        told_to_every_rank(self.parallel, f"the checkpoint {path.name}", write)
         return path
+
+    def finish(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -127,12 +136,13 @@ class FullWriter:
 
 def writer(cfg: DictConfig, run_dir: Path, state: TrainState,
            on_saved: Optional[Callable[[Path], None]] = None) -> "FullWriter | Any":
-    """The writer of distributed.checkpoint_format: save(payload) -> path, close() (waits for async saves);
-    on_saved(path) on rank 0 once a checkpoint is whole and in place (an async one: from the writer's thread)."""
+    """The writer of distributed.checkpoint_format: save(payload) -> path; finish() at a run's good end, on every rank
+    (an async save completed and agreed); close() always (this rank's pending write completed); on_saved(path) on
+    rank 0 once a checkpoint is whole and in place (an async one: from the writer's thread)."""
     keep = cfg.train.keep_checkpoints
     if cfg.distributed.checkpoint_format is CheckpointFormat.sharded:
         return sharded_checkpoint.ShardedWriter(run_dir, keep, state, cfg.distributed.async_checkpoint, on_saved)
-    return FullWriter(run_dir, keep, state.parallel.is_main, on_saved)
+    return FullWriter(run_dir, keep, state.parallel, on_saved)
 
 
 # --- find and load --------------------------------------------------------------------------------

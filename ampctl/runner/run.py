@@ -8,7 +8,6 @@ from __future__ import annotations
 import platform
 import signal
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -18,7 +17,6 @@ from ampctl import run_files
 from ampctl.analysis import flops, mode_advice
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.precision_schema import scaler_is_active
-from ampctl.conf.schema import CheckpointFormat, monitor_direction
 from ampctl.conf.sweeps import stop_requested_of_this_job
 from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
@@ -30,8 +28,9 @@ from ampctl.engine.telemetry import StepRecord, Telemetry, read_metrics, summari
 from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.recipes.base import Recipe, build_recipe, recipe_errors, recipe_title
-from ampctl.runner import checkpoint, evaluating
+from ampctl.runner import evaluating
 from ampctl.runner.best_checkpoints import BestCheckpoints
+from ampctl.runner.checkpointer import Checkpointer
 from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
 from ampctl.runner.evaluating import RunEvaluation
@@ -193,7 +192,9 @@ class TrainingRun:
         """fit() with the checkpointer, the evaluations, the guards, the value-range log, the profiler and a stop
         on SIGINT/SIGTERM. Returns the run's best checkpoints (train.save_top_k), if it keeps them."""
         cfg, state, telemetry, recorder, parallel = self.cfg, self.state, self.telemetry, self.recorder, self.parallel
-        checks, checkpointer = LogStepChecks(self), Checkpointer(self)
+        checks = LogStepChecks(self)
+        checkpointer = Checkpointer(cfg, self.choices, state, telemetry, recorder,
+                                    on_saved=self.mirror.upload if self.mirror is not None else None)
         windows = RoundWindows.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
         watchdog = Watchdog(recorder.run_dir, recorder.echo, cfg.train.hang_after_s if parallel.is_main else None)
 
@@ -223,6 +224,7 @@ class TrainingRun:
                     hooks.around_step = ranges_log.around
                 finished = fit(state, self.recipe, self.policy, self.settings, telemetry, cfg.train.steps,
                                cfg.train.seed, hooks)
+            checkpointer.writer.finish()  # every rank here together: the last async save agreed
         except GuardStop as stop_exc:
             telemetry.close()
             trip = stop_exc.trip
@@ -341,53 +343,6 @@ class LogStepChecks:
             self.echo(f"warning: {message}")
         if trip:
             raise GuardStop(trip)
-
-
-class Checkpointer:
-    """After every step: a checkpoint every train.checkpoint_every steps, on the first log step
-    train.checkpoint_every_s seconds after the last checkpoint (ranks agree there), and at the last step; and
-    with train.save_top_k, the best by the monitored evaluation."""
-
-    def __init__(self, run: TrainingRun) -> None:
-        cfg, state, recorder = run.cfg, run.state, run.recorder
-        self.cfg, self.choices, self.state, self.telemetry = cfg, run.choices, state, run.telemetry
-        train = cfg.train
-        direction = train.monitor_mode or monitor_direction(train.monitor)
-        self.best = (BestCheckpoints(recorder.run_dir, train.save_top_k, train.monitor, direction,
-                                     repair=run.parallel.is_main) if train.save_top_k else None)
-        if self.best is not None and self.best.repaired:
-            recorder.echo(f"warning: {self.best.repaired}")
-        self.recorder, self.parallel = recorder, run.parallel
-        self.saved_at = time.monotonic()
-        # each checkpoint, once whole in the run directory, goes to the mirror too (its upload is a thread's)
-        self.writer = checkpoint.writer(cfg, recorder.run_dir, state,
-                                        on_saved=run.mirror.upload if run.mirror is not None else None)
-        self.sharded = cfg.distributed.checkpoint_format is CheckpointFormat.sharded
-        self.last: Optional[Path] = None
-
-    def __call__(self, last: bool, evaluated: Optional[dict] = None) -> None:
-        """evaluated: the evaluation after this step, if there was one (it may earn a place among the best)."""
-        if last or self._due(self.state.step):
-            self.telemetry.flush()  # the steps a checkpoint covers are in metrics.jsonl before it exists
-            self.last = self.writer.save(self._payload())  # an async save is complete by close()
-            self.saved_at = time.monotonic()
-        if evaluated is not None and self.best is not None and self.parallel.main_value(self.best.qualifies(evaluated)):
-            payload = self._payload()  # on every rank: gathering a sharded model is a collective
-            if self.parallel.is_main:
-                self.best.save(evaluated, lambda: payload)
-
-    def _payload(self) -> dict:
-        batches = self.state.step * self.cfg.train.grad_accum_steps
-        return checkpoint.capture(self.state, self.cfg, self.choices, batches, self.telemetry.skipped_total,
-                                  self.sharded, self.recorder.identity)
-
-    def _due(self, step: int) -> bool:
-        train = self.cfg.train
-        if train.checkpoint_every is not None and step % train.checkpoint_every == 0:
-            return True
-        if train.checkpoint_every_s is None or step % train.log_every:
-            return False
-        return self.parallel.agree(time.monotonic() - self.saved_at >= train.checkpoint_every_s)
 
 
 def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: TrainState,

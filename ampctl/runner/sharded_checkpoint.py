@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ampctl import io
 from ampctl.errors import WRITE_REFUSED_ERRNOS, UsageError
 from ampctl.runner import checkpoint_files
+from ampctl.runner.rank_zero import told_to_every_rank
 
 if TYPE_CHECKING:  # annotations only: the state's class is the engine's
     from ampctl.engine.loop import TrainState
@@ -88,13 +89,12 @@ class ShardedWriter:
             if self._executor is None:
                 with _naming_write_errors(tmp):
                     dcp.save(shards, checkpoint_id=str(tmp), no_dist=no_dist)
-                if self.is_main:
-                    self._finish(tmp, final)
+                told_to_every_rank(self.state.parallel, f"the checkpoint {final.name}",
+                                   lambda: self._finish(tmp, final))
                 return final
             written = dcp.async_save(shards, checkpoint_id=str(tmp), process_group=self._group, no_dist=no_dist)
         except BaseException:
-            if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
+            _remove_what_this_node_wrote(tmp, self.run_dir)
             raise
         # rank 0's save is done when its shard and DCP's metadata are written, which DCP's coordinator does
         # after every rank reported its shard written: then it is checksummed and renamed into place
@@ -131,15 +131,38 @@ class ShardedWriter:
             self.on_saved(final)
 
     def wait(self) -> None:
-        """Until the pending async save is complete; raises what it raised (a full disk, named)."""
+        """Until the pending async save is complete, on every rank together (a collective): each rank's shard
+        written, then rank 0's checks and rename, whose outcome every rank meets (a refusal ends every rank)."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            with _naming_write_errors(self._pending_path):
-                pending.result()
+        if pending is None:
+            return
+        tmp = self._pending_path
+        try:
+            if not self.is_main:  # this rank's own shard
+                with _naming_write_errors(tmp):
+                    pending.result()
+            told_to_every_rank(self.state.parallel, f"the checkpoint {tmp.name.removesuffix('.tmp')}",
+                               lambda: self._result(pending, tmp))
+        except BaseException:
+            _remove_what_this_node_wrote(tmp, self.run_dir)
+            raise
+
+    @staticmethod
+    def _result(pending: Future, tmp: Path) -> None:
+        with _naming_write_errors(tmp):
+            pending.result()
+
+    def finish(self) -> None:
+        """At the run's end, on every rank together: the last async save complete and agreed (see wait)."""
+        self.wait()
 
     def close(self) -> None:
+        """This rank's part of a pending save complete, without a collective (the run may be ending in an error
+        another rank did not meet; finish() agreed where it ended well); the writer's threads and group ended."""
+        pending, self._pending = self._pending, None
         try:
-            self.wait()
+            if pending is not None:
+                self._result(pending, self._pending_path)
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
@@ -147,6 +170,17 @@ class ShardedWriter:
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None
+
+
+def _remove_what_this_node_wrote(tmp: Path, run_dir: Path) -> None:
+    """A checkpoint that will not be finished: its temporary folder as this rank's node sees it (rank 0's node's, or
+    the node-local disk another rank wrote its shard to), and the folders it made for it that hold nothing else."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    for folder in (tmp.parent, run_dir):
+        try:
+            folder.rmdir()  # only when empty: a rank other than 0 made them on its own node's disk
+        except OSError:
+            break
 
 
 @contextlib.contextmanager

@@ -167,3 +167,30 @@ def test_a_resume_on_another_number_of_ranks_says_how_the_global_batch_changes(t
     assert resumed.returncode == 0, resumed.stderr
     assert "world size: 1 -> 2 ranks; global batch 16 -> 32 samples per step" in resumed.stdout, resumed.stdout
     assert [r["step"] for r in rows(run_dir)] == list(range(1, 13))
+
+
+@pytest.mark.slow
+def test_a_write_rank_0_cannot_make_ends_every_rank_with_its_line(tmp_path):
+    """A whole checkpoint is rank 0's to write: where its disk is full (a file size limit, EFBIG, as a full disk would
+    refuse it), rank 1 went on into the next step and died in gloo's "Connection closed by peer" with a traceback.
+    Both ranks now end with rank 0's refused write: exit 74, one line, no rank's traceback."""
+    import resource
+
+    run_dir = tmp_path / "run"
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # the rows fit, a 0.3 MB checkpoint does not
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ampctl", "train",
+         *MLP, "recipe.hidden=256", "train.checkpoint_every=4", "distributed=ddp", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env, preexec_fn=small_files)
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if line.startswith("ampctl train")]
+    assert said == [f"ampctl train: error: cannot write {run_dir}/checkpoints/step_00000004.pt.tmp: File too large; "
+                    "no checkpoint was written"], done.stderr[-3000:]
+    assert "[rank1]" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]
+    assert re.findall(r"exitcode\s*: (\d+)", done.stderr) == ["74"] * len(re.findall(r"exitcode", done.stderr))
+    assert not list((run_dir / "checkpoints").glob("*.tmp")) if (run_dir / "checkpoints").exists() else True
