@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
+import re
 import sys
-from typing import Any, NoReturn
+from typing import Any, Iterator, NoReturn, Optional
 
 USAGE_EXIT_CODE = 2
 WRITE_FAILED_EXIT_CODE = 74  # sysexits.h's EX_IOERR: a run's record could not be written (disk full, read-only)
@@ -26,6 +28,41 @@ def print_error(line: str) -> None:
 def write_refused(exc: BaseException) -> bool:
     """An OSError of a write the machine refused, naming the file (one line for the user, not a traceback)."""
     return isinstance(exc, OSError) and exc.errno in WRITE_REFUSED_ERRNOS and exc.filename is not None
+
+
+# how Rust's std::io::Error shows an OS error (safetensors' SafetensorError: "I/O error: No space left on device (os
+# error 28)"): the errno travels only in the text
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def refused_write_inside(exc: BaseException) -> Optional[OSError]:
+    """The refused write (a full disk, a read-only target) that a library's error carries: torch's zip writer keeps
+    the OSError as the RuntimeError's context, DCP's CheckpointException in its failures (rank -> (error, traceback)),
+    safetensors' Rust writer in its message. None when there is none."""
+    failures = getattr(exc, "failures", None)
+    causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
+    for cause in [exc, *causes]:
+        seen: Optional[BaseException] = cause
+        while seen is not None:
+            if isinstance(seen, OSError) and seen.errno in WRITE_REFUSED_ERRNOS:
+                return seen
+            rust = _RUST_OS_ERROR.search(str(seen))
+            if rust and int(rust.group(1)) in WRITE_REFUSED_ERRNOS:
+                return OSError(int(rust.group(1)), os.strerror(int(rust.group(1))))
+            seen = seen.__cause__ or seen.__context__
+    return None
+
+
+@contextlib.contextmanager
+def naming_refused_writes(path: Any) -> Iterator[None]:
+    """A library's error that carries a refused write (refused_write_inside) raised as that OSError, naming path."""
+    try:
+        yield
+    except BaseException as exc:
+        refused = refused_write_inside(exc)
+        if refused is None:
+            raise
+        raise OSError(refused.errno, refused.strerror, str(path)) from None
 
 
 class UsageError(Exception):

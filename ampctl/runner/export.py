@@ -27,7 +27,7 @@ from torch import nn
 
 from ampctl import io
 from ampctl.conf.export_schema import ExportConfig
-from ampctl.errors import UsageError
+from ampctl.errors import UsageError, naming_refused_writes
 from ampctl.runner import checkpoint
 from ampctl.runner.checkpoint_files import (
     cached_sha256,
@@ -166,15 +166,17 @@ def _write(model: nn.Module, out: Path, options: ExportConfig, record: dict[str,
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         tmp.mkdir()
-        if options.format == "safetensors":
-            from safetensors.torch import save_model
+        with naming_refused_writes(out):  # safetensors' and torch's writers carry a full disk inside their errors
+            if options.format == "safetensors":
+                from safetensors.torch import save_model
 
-            save_model(model, str(tmp / "model.safetensors"), metadata={
-                "format": "pt", **{f"ampctl_{k}": str(record[k]) for k in ("step", "weights", "dtype", "source")}})
-        elif options.format == "pt":
-            torch.save(model.state_dict(), tmp / "model.pt")
-        else:
-            model.save_pretrained(tmp, safe_serialization=True)
+                save_model(model, str(tmp / "model.safetensors"), metadata={
+                    "format": "pt", **{f"ampctl_{k}": str(record[k]) for k in ("step", "weights", "dtype", "source")}})
+            elif options.format == "pt":
+                with open(tmp / "model.pt", "wb") as file:  # a Python file: a full disk is its OSError
+                    torch.save(model.state_dict(), file)
+            else:
+                model.save_pretrained(tmp, safe_serialization=True)
         files = sorted(p.name for p in tmp.iterdir())
         record["files"] = files
         record["parameters"] = sum(p.numel() for p in model.parameters())

@@ -16,18 +16,17 @@ async mode does).
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
 
 from ampctl import io
-from ampctl.errors import WRITE_REFUSED_ERRNOS, UsageError
+from ampctl.errors import UsageError, naming_refused_writes
 from ampctl.runner import checkpoint_files
 from ampctl.runner.rank_zero import told_to_every_rank
 
@@ -183,30 +182,11 @@ def _remove_what_this_node_wrote(tmp: Path, run_dir: Path) -> None:
             break
 
 
-@contextlib.contextmanager
-def _naming_write_errors(folder: Path) -> Iterator[None]:
+def _naming_write_errors(folder: Path) -> ContextManager[None]:
     """A write the machine refused (a full disk) as an OSError naming the checkpoint being written. DCP
     reports each rank's failure inside a CheckpointException, and torch's zip writer turns the OSError into
     a RuntimeError ("unexpected pos"), keeping it only as the context."""
-    try:
-        yield
-    except BaseException as exc:  # DCP's CheckpointException is one; re-raised unless a refused write is inside
-        refused = _refused_write(exc)
-        if refused is None:
-            raise
-        raise OSError(refused.errno, refused.strerror, str(folder)) from None
-
-
-def _refused_write(exc: BaseException) -> Optional[OSError]:
-    failures = getattr(exc, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
-    causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
-    for cause in [exc, *causes]:
-        seen = cause
-        while seen is not None:
-            if isinstance(seen, OSError) and seen.errno in WRITE_REFUSED_ERRNOS:
-                return seen
-            seen = seen.__cause__ or seen.__context__
-    return None
+    return naming_refused_writes(folder)
 
 
 def refuse_missing_shards(folder: Path) -> None:

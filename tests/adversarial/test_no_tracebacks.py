@@ -256,6 +256,27 @@ def test_export_never_replaces_a_directory_and_a_changed_checkpoint_is_refused(e
     assert snapshot(exportable_run / "exports") == written
 
 
+@pytest.mark.parametrize("format", ["safetensors", "pt"])
+def test_an_export_onto_a_full_disk_is_one_line_and_exit_74(exportable_run, tmp_path, format):
+    """The writers' own errors: safetensors' Rust writer says "(os error 27)" in a SafetensorError, torch's zip
+    writer a RuntimeError with the OSError as its context; both were a traceback and exit 1. A file size limit
+    refuses the write as a full disk would (EFBIG, SIGXFSZ ignored), without filling the machine's disk."""
+    import resource
+    import signal
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    out = tmp_path / "deep" / "out"
+    refused = subprocess.run([sys.executable, "-m", "ampctl", "export", str(exportable_run), f"export.dir={out}",
+                              f"export.format={format}"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(REPO)}, preexec_fn=small_files)
+    assert refused.returncode == 74, refused.stderr
+    assert refused.stderr.endswith(f"ampctl export: error: cannot write {out}: File too large (nothing was written)\n")
+    assert "Traceback" not in refused.stderr and not (tmp_path / "deep").exists()
+
+
 def test_an_export_that_cannot_be_written_leaves_nothing(exportable_run, tmp_path, monkeypatch):
     import safetensors.torch
 
