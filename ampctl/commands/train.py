@@ -24,6 +24,7 @@ from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
+from ampctl.recipes.failures import RecipeFailed
 from ampctl.runner import checkpoint_files
 from ampctl.runner.ownership import holding, remove_if_only_hydra_files
 
@@ -88,7 +89,14 @@ def ended(exc: BaseException, cfg: DictConfig, run_dir: Path, hydra_cfg: DictCon
 
         leave(exc, said, run_dir)
     if outcome is Outcome.RUN_STOPPED:
-        leave(exc, [f"ampctl train: stopped: {exc}"], log=log.error)
+        said = [f"ampctl train: stopped: {exc}"]
+        if isinstance(exc, RecipeFailed):  # the user's own frames on the terminal, the whole traceback in the log
+            log.error(exc.full_traceback.rstrip())
+            log_file = run_dir / run_files.TRAIN_LOG
+            said += ["the recipe's own frames (the whole traceback is in " + (str(log_file) if log_file.is_file()
+                                                                                else "the run's log") + "):",
+                     *[frame.rstrip("\n") for frame in exc.frames]]
+        leave(exc, said, log=log.error)
     if outcome is Outcome.REFUSED:
         leave(exc, [f"ampctl train: error: {exc}"], run_dir)
     if outcome is Outcome.WRITE_REFUSED:  # a full disk, a read-only directory: the machine's answer, not a bug

@@ -26,7 +26,8 @@ from ampctl.engine.scaler import LossScaler
 from ampctl.engine.telemetry import Telemetry
 from ampctl.engine.weight_average import WeightAverage
 from ampctl.errors import UsageError
-from ampctl.recipes.base import Recipe, checked_batches, checked_loss, recipe_errors, recipe_name, starts_anywhere
+from ampctl.recipes.base import Recipe, checked_batches, checked_loss, recipe_name, starts_anywhere
+from ampctl.recipes.failures import recipe_errors
 
 
 def grad_norm_(params: list[nn.Parameter], max_norm: Optional[float]) -> torch.Tensor:

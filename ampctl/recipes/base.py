@@ -6,10 +6,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import traceback
 import types
 import typing
-from pathlib import Path
 from typing import Any, Iterator, Optional, Protocol, runtime_checkable
 
 import torch
@@ -165,11 +163,6 @@ def check_field_types(cfg: DictConfig, target: Any) -> None:
             raise ConfigError(f"recipe.{name}", value, _KINDS[kind] + (" or null" if optional else ""))
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0].split(", set env var HYDRA_FULL_ERROR")[0] if text else type(exc).__name__
-
-
 def recipe_name(recipe: Any) -> str:
     cls = type(getattr(recipe, "_recipe", recipe))  # the recipe itself, not a rank's view of it
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -225,53 +218,6 @@ def _what(value: Any) -> str:
     name = type(value).__name__
     shown = f" ({value!r})" if isinstance(value, (int, float, str)) and len(repr(value)) <= 40 else ""
     return f"{'an' if name[0] in 'aeiou' else 'a'} {name}{shown}"
-
-
-# What each member of the protocol receives and returns, for the line that names a recipe's mistake.
-_MEMBERS = {
-    "build_model": "build_model() takes no arguments and returns a torch.nn.Module",
-    "batches": "batches(device, seed) returns an endless iterator of batches, on `device`",
-    "loss": "loss(model, batch) gets one batch exactly as batches() yielded it and returns a scalar tensor",
-}
-
-
-@contextlib.contextmanager
-def recipe_errors(recipe: Recipe) -> Iterator[None]:
-    """A user's recipe's type-level mistake, raised while training, as one line (recipe_error)."""
-    try:
-        yield
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as exc:
-        error = recipe_error(exc, recipe)
-        if error is None:
-            raise
-        raise error from None
-
-
-def recipe_error(exc: BaseException, recipe: Recipe) -> Optional[UsageError]:
-    """A user's recipe raised a type-level error (TypeError, ValueError, AttributeError, KeyError, IndexError):
-    one line naming the recipe's function, its file and line, the error and what the protocol passes it. None
-    for other errors, and for ampctl's own recipes, whose errors are bugs with a traceback."""
-    cls = type(getattr(recipe, "_recipe", recipe))
-    if isinstance(exc, ValueError) and "more than 1 value per channel when training" in str(exc):
-        # any recipe's (a built-in's too): its batch or input size, not its code
-        return UsageError(f"recipe {recipe_name(recipe)}: a BatchNorm layer got one value per channel "
-                          f"({_first_line(exc)}), which it cannot normalize in training; raise recipe.batch_size "
-                          f"(now {getattr(recipe, 'samples_per_batch', '?')} a batch) or the input size")
-    if not isinstance(exc, (TypeError, ValueError, AttributeError, KeyError, IndexError)) or \
-            cls.__module__.startswith("ampctl."):
-        return None
-    try:
-        source = inspect.getsourcefile(cls)
-    except TypeError:
-        return None
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == source]
-    if not frames:
-        return None
-    member = next((f.name for f in frames if f.name in _MEMBERS), frames[-1].name)
-    where = frames[-1]
-    return UsageError(f"recipe {recipe_name(recipe)}: {member}() raised {type(exc).__name__}: {_first_line(exc)} "
-                      f"({Path(where.filename).name}:{where.lineno}); " + _MEMBERS.get(member, "see docs/models.md, "
-                                                                                        "'Add your own recipe'"))
 
 
 def require_positive(recipe: Any, *keys: str) -> None:

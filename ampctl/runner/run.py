@@ -27,7 +27,8 @@ from ampctl.engine.precision import layers
 from ampctl.engine.telemetry import StepRecord, Telemetry, read_metrics, summarize
 from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, StopOnSignal
-from ampctl.recipes.base import Recipe, build_recipe, recipe_errors, recipe_title
+from ampctl.recipes.base import Recipe, build_recipe, recipe_title
+from ampctl.recipes.failures import Context, recipe_errors
 from ampctl.runner import evaluating
 from ampctl.runner.best_checkpoints import BestCheckpoints
 from ampctl.runner.checkpointer import Checkpointer
@@ -110,7 +111,7 @@ class TrainingRun:
         with recorder.holding():  # no other run records into this directory while this one lives
             # the peak counts the model's build; a user recipe's mistake is one line naming it
             with policy, self.peak.measuring(enabled=self.measure_memory, why_not=self.why_memory_not_measured), \
-                    recipe_errors(self.recipe):
+                    recipe_errors(self.recipe, self._where):
                 self.state = build_state(cfg, policy, self.recipe, self.parallel)
                 resume.restore(self.state)
                 if self.evaluation is not None and cfg.train.save_top_k:
@@ -187,6 +188,13 @@ class TrainingRun:
         log_every = min(train.log_every, train.steps)
         return Telemetry(self.policy.device, log_every, recipe.samples_per_batch * per_step, tokens, sinks,
                          self.step_flops.per_step, self.step_flops.peak.tflops)
+
+    def _where(self) -> Context:
+        """Where the run was, for the line of a recipe that raised."""
+        state = getattr(self, "state", None)
+        where = "building the model" if state is None else f"at step {state.step + 1}"
+        half = None if self.policy.dtype == torch.float32 else self.policy.dtype
+        return Context(where, self.cfg.precision.name, half)
 
     def _fit(self) -> Optional[BestCheckpoints]:
         """fit() with the checkpointer, the evaluations, the guards, the value-range log, the profiler and a stop

@@ -63,3 +63,33 @@ def test_a_recipe_module_that_cannot_be_imported_says_why(tmp_path, restore_argv
         "ampctl train: error: recipe._target_='my_recipes.LinReg' could not be instantiated: ModuleNotFoundError: "
         "No module named 'my_recipes' (is its module importable? run from the directory that holds it with "
         "PYTHONPATH=.)\n")
+
+
+@pytest.mark.parametrize("mistake,precision,message", [
+    ("half_overflow", "fp16", "loss() raised RuntimeError at step 1 under precision=fp16: value cannot be converted to "
+                              "type c10::Half without overflow (broken_recipes.py:LINE); 1e5 does not fit float16 (max "
+                              "65504): a tensor made like autocast's output"),
+    ("mixed_dtypes", "bf16", "loss() raised RuntimeError at step 1 under precision=bf16: expected m1 and m2 to have "
+                             "the same dtype, but got: c10::BFloat16 != float (broken_recipes.py:LINE); a dtype "
+                             "mismatch: autocast runs the ops it lists (matmuls, convolutions) in bfloat16"),
+])
+def test_a_recipe_that_raises_under_a_precision_says_what_where_and_why_and_shows_its_own_frames(
+        tmp_path, restore_argv, capsys, mistake, precision, message):
+    """Not ampctl's or Hydra's 60 lines: the member, the step, the precision and, where the error is precision's,
+    what it is in its terms; then the user's own frames; the whole traceback in train.log, the run directory kept."""
+    run_dir = tmp_path / "run"
+    line = next(i for i, text in enumerate(SOURCE.read_text().splitlines(), 1)
+                if f'self.mistake == "{mistake}"' in text) + (1 if mistake == "half_overflow" else 2)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "recipe=mlp", "recipe.batch_size=8", "device=cpu", "train.steps=5", "train.console=quiet",
+              f"precision={precision}", f"recipe._target_={RECIPE}", f"+recipe.mistake={mistake}",
+              f"hydra.run.dir={run_dir}"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"ampctl train: stopped: recipe {RECIPE}: ") and \
+        message.replace("LINE", str(line)) in err[0], err
+    assert err[1] == f"the recipe's own frames (the whole traceback is in {run_dir / 'train.log'}):"
+    assert err[2] == f'  File "{SOURCE}", line {line}, in loss' and len(err) <= 6, err
+    assert "Traceback" not in "\n".join(err) and "hydra" not in "\n".join(err)
+    log = (run_dir / "train.log").read_text()
+    assert "Traceback (most recent call last):" in log and "ampctl/engine/loop.py" in log and err[0][:60] in log

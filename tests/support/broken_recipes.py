@@ -56,6 +56,11 @@ class BrokenRecipe:
     def loss(self, model: nn.Module, batch: Any) -> Any:
         x, y = batch
         out = model(x)
+        if self.mistake == "half_overflow":  # a constant the half type cannot hold, made in the autocast's dtype
+            out = out + torch.full_like(out, 1e5) * 0
+        if self.mistake == "mixed_dtypes":  # a matmul of autocast's half output with an fp32 tensor, outside autocast
+            with torch.autocast(out.device.type, enabled=False):
+                out = out @ torch.ones(1, 1, device=out.device)
         if self.mistake == "vector_loss":
             return F.mse_loss(out, y, reduction="none")
         if self.mistake == "integer_loss":
