@@ -103,8 +103,10 @@ def _quiet_about_a_swallowed_signal(previous: Callable[[sys.UnraisableHookArgs],
 
 def raise_on_signals() -> None:
     """Every stop or preemption signal raises Signalled (a KeyboardInterrupt, as Ctrl-C's): a command killed
-    before (or after) its loop says so in one line instead of vanishing. Main thread only."""
+    before (or after) its loop says so in one line instead of vanishing. Main thread only. A stop signal blocked by
+    whoever started the process is unblocked (keep_ctrl_c_from_the_launchers_processes hands its mask on)."""
     if threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [*STOP_SIGNALS, *PREEMPT_SIGNALS])
         if not getattr(sys.unraisablehook, "quiet_about_signals", False):
             sys.unraisablehook = _quiet_about_a_swallowed_signal(sys.unraisablehook)
         for signum in (*STOP_SIGNALS, *PREEMPT_SIGNALS):
@@ -295,3 +297,25 @@ def _leave_now() -> None:
         except (OSError, ValueError):
             pass
     os._exit(_LEAVING_WITH[0])
+
+
+_MASK_BEFORE: list[set] = []  # the main thread's signal mask before keep_ctrl_c_from_the_launchers_processes
+
+
+def keep_ctrl_c_from_the_launchers_processes() -> None:
+    """A sweep whose launcher starts a process of its own for each job (submitit's local controller) and stops it on
+    Ctrl-C: the controller turns the terminal's SIGINT into a KeyboardInterrupt, sends its job SIGINT again and
+    SIGKILL a second later (submitit.local.Controller.kill_tasks), which killed a job still writing its stop
+    checkpoint, and printed a traceback. SIGINT is blocked in this (the main) thread while the launcher starts them:
+    a blocked signal is inherited across fork and exec, so the controller never receives it, and each ampctl job
+    unblocks it (raise_on_signals) and stops on the terminal's Ctrl-C with its checkpoint; the controller then
+    ends as its job does. This process still takes the Ctrl-C in its other threads (the sweep's progress watcher,
+    started before), which the interpreter hands to this thread's handler. Until give_ctrl_c_back()."""
+    if threading.current_thread() is threading.main_thread() and not _MASK_BEFORE:
+        _MASK_BEFORE.append(signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT]))
+
+
+def give_ctrl_c_back() -> None:
+    """The main thread's signal mask as it was before keep_ctrl_c_from_the_launchers_processes."""
+    if _MASK_BEFORE and threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_SETMASK, _MASK_BEFORE.pop())

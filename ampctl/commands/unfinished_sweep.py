@@ -13,7 +13,7 @@ from pathlib import Path
 from ampctl.commands.outcomes import leave
 from ampctl.conf import sweeps
 from ampctl.conf.sweeps import SweepIdentity
-from ampctl.interrupt import exit_at_once_on_another_signal, interrupt_behind, signal_name
+from ampctl.interrupt import exit_at_once_on_another_signal, give_ctrl_c_back, interrupt_behind, signal_name
 from ampctl.reports.runs import holder_pid
 
 # How long the launcher waits for its jobs to stop (each, stopped by the same Ctrl-C or by the launcher, finishes
@@ -37,6 +37,7 @@ def report_the_unfinished_sweep(command: str, exc: BaseException) -> None:
     """If this process launched a sweep that exc ended before its end: its table from what is on disk, and one line
     saying how it ended and what continues it; then the command leaves as the outcome table says."""
     sweep_dir, sweeps.running = sweeps.running, None
+    give_ctrl_c_back()
     if sweep_dir is None:
         return
     from ampctl.reports.sweep import write_sweep_report  # its tables and plots: only once a sweep needs them
@@ -54,6 +55,6 @@ def report_the_unfinished_sweep(command: str, exc: BaseException) -> None:
         sweeps.request_stop(sweep_dir, signal_name(interrupt))
     if sweep_dir.is_dir():
         _wait_for_stopping_jobs(sweep_dir)
-        write_sweep_report(sweep_dir)
+        write_sweep_report(sweep_dir, says_how_to_continue=False)  # the line below says it
     then = f"; continue it with: {identity.command(sweep_dir)}" if identity is not None else ""
     leave(interrupt or exc, [f"ampctl {command}: sweep {how}{then}"])

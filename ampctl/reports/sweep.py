@@ -16,9 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl import io
 from ampctl.conf import sweeps
 from ampctl.conf.sweeps import SweepIdentity, planned_jobs
+from ampctl.interrupt import give_ctrl_c_back, keep_ctrl_c_from_the_launchers_processes
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs
 from ampctl.reports.sweep_progress import IN_PROCESS_LAUNCHERS, format_seconds, stop_watching, watch
+
+# launchers whose per-job controller process kills its job a second after a Ctrl-C reaches it (submitit's local one)
+CONTROLLED_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",)
 
 
 class SweepReport(Callback):
@@ -38,8 +42,11 @@ class SweepReport(Callback):
         how_many = io.count_of(self.total_jobs, "job") if self.total_jobs else "its jobs"
         print(f"ampctl sweep: {how_many} in {sweep_dir}; if it stops, continue it with: "
               f"{SweepIdentity.of(config).command(sweep_dir)}", flush=True)
-        if OmegaConf.select(config, "hydra.launcher._target_") not in IN_PROCESS_LAUNCHERS:
+        launcher = OmegaConf.select(config, "hydra.launcher._target_")
+        if launcher not in IN_PROCESS_LAUNCHERS:
             watch(sweep_dir, self.total_jobs, self.started)  # its jobs' progress lines are in their own logs
+        if launcher in CONTROLLED_LAUNCHERS:  # after the watcher's thread starts: it takes the Ctrl-C
+            keep_ctrl_c_from_the_launchers_processes()
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or not self.total_jobs:
@@ -54,6 +61,7 @@ class SweepReport(Callback):
               f"{format_seconds(elapsed)} | {eta}", flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        give_ctrl_c_back()
         stop_watching()
         sweeps.running = None
         failed = write_sweep_report(Path(config.hydra.sweep.dir))
@@ -67,11 +75,13 @@ def plot_label(job: str, swept: dict) -> str:
     return f"#{job}: {values}" if values else f"#{job}"
 
 
-def write_sweep_report(sweep_dir: Path, console=None) -> int:
-    """Table, sweep.csv, sweep.json, report.md and plots for a multirun directory. Returns the failed count."""
+def write_sweep_report(sweep_dir: Path, console=None, says_how_to_continue: bool = True) -> int:
+    """Table, sweep.csv, sweep.json, report.md and plots for a multirun directory. Returns the failed count.
+    says_how_to_continue=False: the caller's own last line says it (the table would print the command twice)."""
     runs = find_runs(sweep_dir)
     identity = SweepIdentity.recorded(sweep_dir)
-    table = tables.sweep_table(runs, identity.command(sweep_dir) if identity is not None else None)
+    table = tables.sweep_table(runs, identity.command(sweep_dir) if identity is not None else None,
+                               note_it=says_how_to_continue)
     console = console or tables.make_console()
     tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
     keys = tables.swept_keys(runs)

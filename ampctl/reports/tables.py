@@ -125,9 +125,10 @@ def swept_keys(runs: Sequence[RunRecord]) -> list[str]:
     return [k for k in keys if len({run.override_values().get(k) for run in runs}) > 1]
 
 
-def sweep_table(runs: Sequence[RunRecord], continue_with: Optional[str] = None) -> ReportTable:
+def sweep_table(runs: Sequence[RunRecord], continue_with: Optional[str] = None, note_it: bool = True) -> ReportTable:
     """One row per job. continue_with: the command that continues the sweep, said once for its interrupted jobs
-    (each job of a sweep continues with the sweep, not on its own)."""
+    (each job of a sweep continues with the sweep, not on its own); note_it=False: not in the notes, where the
+    caller says it in a line of its own."""
     keys = swept_keys(runs) or sorted({k for run in runs for k in run.override_values() if k not in NOT_SWEPT})
     # one throughput column per unit the jobs report (a sweep over recipes can hold both)
     rates = [key for key in RATES if any(not run.failed and key in run.summary for run in runs)]
@@ -149,7 +150,7 @@ def sweep_table(runs: Sequence[RunRecord], continue_with: Optional[str] = None) 
     for run in (run for run in runs if run.failed):
         why = (run.unfinished_where if continue_with and run in interrupted else run.why_not_ok) or ""
         notes.append(f"job #{run.job} {why}" if why.startswith(run.status) else f"job #{run.job} {run.status}: {why}")
-    if continue_with and interrupted:
+    if continue_with and interrupted and note_it:
         notes.append(f"continue the sweep with: {continue_with}")
     formats = {**{k: io.readable_value for k in keys},  # the files keep the value a sweeper drew, whole
                "final_loss": lambda v: f"{v:.4f}", "final_loss_scale": io.scale_label, "mfu": lambda v: f"{v:.1%}",
