@@ -92,6 +92,15 @@ class RunStopped(Exception):
     """A guard stopped the run (non-finite values, the scale at its minimum): not the user's typing, exit 1."""
 
 
+class RecipeFailed(RunStopped):
+    """The user's recipe raised while the run trained (recipes/failures.py): the line, then the user's own frames;
+    the whole traceback for the run's log."""
+
+    def __init__(self, line: str, frames: list[str], full_traceback: str) -> None:
+        super().__init__(line)
+        self.frames, self.full_traceback = frames, full_traceback
+
+
 class CommandLineRefused(BaseException):
     """A UsageError found by a Hydra callback (the check of every job of a sweep), carried out of Hydra to the
     router. A BaseException because Hydra turns an Exception raised by a callback into a warning and goes on."""

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -123,3 +126,26 @@ def format_bytes(n: Optional[float], decimals: int = 2) -> str:
         if abs(n) >= size:
             return f"{n / size:,.{decimals}f} {unit}"
     return f"{n:,.0f} B"
+
+
+def for_the_terminal(text: str, stream: Any = None) -> str:
+    """text as a terminal should show it (wrap_words at its width); off a terminal (a pipe, a log, CI) unchanged: one
+    line per record, whole for grep."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        if not stream.isatty():
+            return text
+    except (AttributeError, ValueError):  # no stream, or a closed one
+        return text
+    return wrap_words(text, shutil.get_terminal_size().columns)
+
+
+def wrap_words(text: str, width: int) -> str:
+    """Each line of text longer than width broken at word boundaries, its continuation indented two more than it: a
+    terminal breaks a long line wherever its last column falls, mid-word (`run_dir=/tmp/t8` / `0`)."""
+    out = []
+    for line in text.split("\n"):
+        indent = line[:len(line) - len(line.lstrip(" "))]
+        out.append(line if len(line) <= width else textwrap.fill(
+            line, width=width, subsequent_indent=indent + "  ", break_long_words=False, break_on_hyphens=False))
+    return "\n".join(out)

@@ -99,4 +99,4 @@ def worst_line(table: tables.ReportTable) -> str:
     role, what = column.rsplit("_", 1)
     return (f"fp8 tensorwise (torchao's default scaling) of {len(table.rows)} Linear layers: at most "
             f"{tables.fraction_cell(share)} of an operand {'flushed to zero' if what == 'flushed' else 'saturated'} "
-            f"({layer}'s {role}s); per layer in report.md and ranges.json")
+            f"(the {role}s of layer {layer}); per layer in report.md and ranges.json")

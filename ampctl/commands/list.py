@@ -20,6 +20,7 @@ from ampctl.commands.hydra_internals import config_loader
 from ampctl.engine import devices
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import OneLineArgumentParser, UsageError
+from ampctl.reports import tables
 
 GROUPS = ("scaler", "recipe", "optimizer", "logger")
 DTYPE_ORDER = ("float32", "float16", "bfloat16")
@@ -129,12 +130,12 @@ def main() -> None:
             table.add_row(path.stem, first_comment(path))
         console.print(table if experiments else f"no experiment configs (*.yaml) at the top of {args.config_dir}")
         if experiments:
-            console.print(f"run one with: ampctl train -cd {args.config_dir} -cn NAME", soft_wrap=True)
+            tables.print_line(console, f"run one with: ampctl train -cd {args.config_dir} -cn NAME")
     if device.type == "cpu":
         speed = cpu_speed.measured()
         mixed = f", with the half types of an assumed {speed.assumed} CPU" if speed.assumed else ""
-        console.print(f"This CPU ({devices.cpu_model()}{mixed}), as measured (the figures behind the table above, the "
-                      f"start warnings, compare's default modes and MFU; {cpu_speed.cache_path()}; again with "
-                      "--remeasure):", soft_wrap=True)
+        tables.print_line(console, f"This CPU ({devices.cpu_model()}{mixed}), as measured (the figures behind the "
+                          f"table above, the start warnings, compare's default modes and MFU; "
+                          f"{cpu_speed.cache_path()}; again with --remeasure):")
         for line in speed.describe():
-            console.print(f"  {escape(line)}", soft_wrap=True)
+            tables.print_line(console, f"  {escape(line)}")

@@ -21,10 +21,9 @@ from ampctl import io, run_files
 from ampctl.commands.checks import job_of
 from ampctl.commands.outcomes import ENDINGS, Outcome, leave, outcome_of
 from ampctl.conf.sweeps import SweepIdentity
-from ampctl.errors import RunStopped, UsageError
+from ampctl.errors import RecipeFailed, RunStopped, UsageError
 from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
-from ampctl.recipes.failures import RecipeFailed
 from ampctl.runner import checkpoint_files
 from ampctl.runner.ownership import holding, remove_if_only_hydra_files
 

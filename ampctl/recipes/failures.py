@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ampctl.errors import RunStopped, UsageError
+from ampctl.errors import RecipeFailed, RunStopped, UsageError
 from ampctl.recipes.base import Recipe, recipe_name
 
 # What each member of the protocol receives and returns, for the line that names a recipe's mistake.
@@ -48,15 +48,6 @@ class Context:
     where: str
     precision: str
     half: Optional[torch.dtype] = None
-
-
-class RecipeFailed(RunStopped):
-    """The user's recipe raised while the run trained: the line, then the user's frames; the whole traceback for
-    the run's log."""
-
-    def __init__(self, line: str, frames: list[str], full_traceback: str) -> None:
-        super().__init__(line)
-        self.frames, self.full_traceback = frames, full_traceback
 
 
 @contextlib.contextmanager

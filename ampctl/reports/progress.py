@@ -8,6 +8,8 @@ from typing import Callable
 
 from rich.console import Console
 
+from ampctl.reports.tables import print_line
+
 
 class Phases:
     """`Phases(console)("built the model")` prints `    built the model (2.1 s)`: the time since the last line."""
@@ -18,7 +20,7 @@ class Phases:
 
     def __call__(self, what: str) -> None:
         now = time.perf_counter()
-        self.console.print(f"{self.indent}{what} ({now - self._since:.1f} s)", highlight=False, soft_wrap=True)
+        print_line(self.console, f"{self.indent}{what} ({now - self._since:.1f} s)", highlight=False)
         self._since = now
 
     def steps(self, total: int, what: str = "step") -> Callable[[int], None]:

@@ -209,20 +209,27 @@ def make_console() -> Console:
     return console if console.is_terminal else Console(width=200)
 
 
+def print_line(console: Console, text: str, **options: Any) -> None:
+    """One line of a report on rich's console: on a terminal wrapped at word boundaries to its width (left whole,
+    the terminal broke it mid-word), off one whole (a pipe, a log: one line per note)."""
+    console.print(io.wrap_words(text, console.width) if console.is_terminal else text, soft_wrap=True, **options)
+
+
 def print_table(table: ReportTable, console: Optional[Console] = None) -> None:
     """The table on the console: its screen columns where it has them (the files hold every column)."""
     console = console or make_console()
     columns = table.screen or table.shown
     rich_table = Table(title=table.title)
-    for column, header in zip(columns, table.display_headers(columns)):
-        rich_table.add_column(header, justify="left" if column in LEFT_ALIGNED else "right")
+    for i, (column, header) in enumerate(zip(columns, table.display_headers(columns))):
+        # the first column names the row (a mode, a tensor kind): whole, the others' headers wrap to make room
+        rich_table.add_column(header, justify="left" if column in LEFT_ALIGNED else "right", no_wrap=i == 0)
     for row, cells in zip(table.rows, table.display_rows(columns)):
         status = dict(zip(table.columns, row)).get("status", "ok")
         style = {"ok": None, "failed": "red"}.get(status, "yellow")
         rich_table.add_row(*cells, style=style)
     console.print(rich_table)
     for note in table.notes + ([table.screen_note] if table.screen and table.screen_note else []):
-        console.print(f"  {note}")
+        print_line(console, f"  {note}")
 
 
 LEFT_ALIGNED = ("precision", "status", "job", "key", "kind", "layer", "speed", "held_out")

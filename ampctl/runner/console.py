@@ -112,7 +112,7 @@ def say(line: str) -> None:
     """print() a line. If the reader has gone (`ampctl train ... | head`), training and recording go on and
     the rest of the output goes to /dev/null, the pattern the Python docs give for SIGPIPE."""
     try:
-        print(line, flush=True)
+        print(io.for_the_terminal(line), flush=True)
     except BrokenPipeError:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io, run_files
 from ampctl.conf.composing import compose_job, defaults_of_a_job, without_hydra_node
+from ampctl.reports import tables
 from ampctl.studies.advice import Advice, GradientEvidence, ModeEvidence
 
 EVIDENCE_DIRS = ("calibration", "inspect", "compare")  # what the advice cites, where it exists
@@ -59,7 +60,7 @@ def say_advice(out_dir: Path, advice: Advice, evidence: list[ModeEvidence], part
         f"- {line}" if i else line for i, line in enumerate(lines)) + "\n"
         + (f"\n![{image.stem}]({image.name})\n" if image is not None else ""))
     for line in lines:
-        console.print(line, soft_wrap=True)
+        tables.print_line(console, line)
         log.info(line)
 
 

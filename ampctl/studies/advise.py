@@ -96,7 +96,7 @@ class Advising:
 
     def say(self, text: str, clocked: bool = True) -> None:
         line = self.clock.line(text) if clocked else text
-        self.console.print(line, soft_wrap=True, highlight=False)
+        tables.print_line(self.console, line, highlight=False)
         log.info(line)
 
 

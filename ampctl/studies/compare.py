@@ -213,18 +213,18 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
     turns = (f"in {len(spans)} rounds of turns (steps {spans[0][0]}-{spans[-1][1]})" if len(spans) > 1
              else "one after another")
     each_seed = f"seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
-    console.print(f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe and batches, {each_seed}; "
-                  f"each run in its own process, {turns} -> {out_dir}", soft_wrap=True)
+    tables.print_line(console, f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe and batches, "
+                               f"{each_seed}; each run in its own process, {turns} -> {out_dir}")
     for mode, reason in skipped.items():
-        console.print(f"  skipped {mode}: {reason}", soft_wrap=True)
+        tables.print_line(console, f"  skipped {mode}: {reason}")
     if no_evaluation:
-        console.print(f"  no held-out evaluation: {no_evaluation}", soft_wrap=True)
+        tables.print_line(console, f"  no held-out evaluation: {no_evaluation}")
     started: list[RoundRun] = []
     interrupted, ran_seeds, seed_s = None, [], 0.0
     for seed in seeds:
         if deadline is not None and ran_seeds and time.monotonic() + seed_s > deadline:
-            console.print(f"  seeds {', '.join(map(str, seeds[len(ran_seeds):]))} not run: another seed would end "
-                          f"past the deadline (seed {ran_seeds[-1]} took {seed_s:.0f} s)", soft_wrap=True)
+            tables.print_line(console, f"  seeds {', '.join(map(str, seeds[len(ran_seeds):]))} not run: another "
+                                       f"seed would end past the deadline (seed {ran_seeds[-1]} took {seed_s:.0f} s)")
             break
         seed_started = time.monotonic()
         ran_seeds.append(seed)
@@ -249,7 +249,7 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
     failed = write_comparison_report(out_dir, modes, skipped, task_overrides, console, spans, ran_seeds,
                                      len(seeds) > 1)
     for line in recheck_cpu_probe(plans, out_dir):
-        console.print(line, soft_wrap=True)
+        tables.print_line(console, line)
     if interrupted is not None:
         raise CompareInterrupted(interrupted.stopped_by, modes, interrupted.out_of_time)
     return failed

@@ -67,6 +67,7 @@ class Inspection:
     blocks: Optional[tables.ReportTable] = None  # block-scaled layers: what their scales saturate and flush
     fp8: Optional[tables.ReportTable] = None  # plain Linear layers: what FP8's tensorwise scale would flush
     stopped_early: bool = False  # its deadline came before its last step (the steps recorded: len(run_scales))
+    focus: str = "float32"  # what the run computes in: a half dtype's name, "fp8" for a converter's formats
 
 
 def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: None,
@@ -103,7 +104,7 @@ def inspect_run(cfg: DictConfig, phase: Callable[[str], None] = lambda what: Non
                       StepSettings.of(cfg.train), hooks)
     half = str(policy.dtype).removeprefix("torch.") if policy.uses_half else "float32"
     return Inspection(recorder, study, run_scales, half, precision_table(policy.layer_rows), blocks.table(),
-                      fp8.table(), stopped_early=len(run_scales) < n)
+                      fp8.table(), stopped_early=len(run_scales) < n, focus="fp8" if policy.converter else half)
 
 
 # --- tables ---------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ def summary_table(inspection: Inspection) -> tables.ReportTable:
         notes.append(f"largest loss scale keeping every gradient finite in fp16 with a factor 2 to spare: "
                      f"2^{int(math.log2(safe))} = {safe:g} (max |gradient| {max_grad:.3g}, activation and weight "
                      "gradients).")
-    return _styled_summary(columns, rows, notes, inspection.study_scale)
+    return _styled_summary(columns, rows, notes, inspection.study_scale, inspection.focus)
 
 
 
@@ -186,9 +187,20 @@ def _lost_in_the_run(inspection: Inspection, rows: list[list[Any]], columns: lis
             f"inspect.loss_scale={scales[0]:g}."]
 
 
-def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str], study_scale: float
-                    ) -> tables.ReportTable:
-    """The summary table with its short headers and percentages (from a run, or from ranges.json again)."""
+# The summary's columns a terminal shows, by what the run computes in (Inspection.focus): the formats that decide for
+# it, whole at 80 columns; every column is in report.md and ranges.csv. fp16 runs scale their gradients (×scale).
+SCREEN_COLUMNS = {
+    "float16": ["fp16_to_zero", "fp16_overflow", "fp16_to_zero_scaled", "fp16_overflow_scaled"],
+    "bfloat16": ["bf16_to_zero", "bf16_overflow", "fp16_to_zero", "fp16_overflow"],
+    "fp8": ["fp8_e4m3_to_zero", "fp8_e4m3_overflow", "fp8_e5m2_to_zero", "fp8_e5m2_overflow"],
+    "float32": ["fp16_to_zero", "fp16_to_zero_scaled", "bf16_to_zero", "fp8_e4m3_to_zero"],
+}
+
+
+def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str], study_scale: float,
+                    focus: str = "float32") -> tables.ReportTable:
+    """The summary table with its short headers and percentages (from a run, or from ranges.json again); on screen
+    the columns of its focus (SCREEN_COLUMNS)."""
     scale_text = io.scale_label(study_scale)
     headers = {c: c.replace("_to_zero", " →0").replace("_overflow", " >max").replace("_subnormal", " subn.")
                .replace("fp8_", "") for c in columns}
@@ -197,7 +209,10 @@ def _styled_summary(columns: list[str], rows: list[list[Any]], notes: list[str],
     headers["max_abs"], headers["zero"] = "max |x|", "exact 0"
     formats = {c: fraction_cell for c in columns if c not in ("kind", "max_abs")}
     formats["max_abs"] = lambda v: f"{v:.3g}"
-    return tables.ReportTable(SUMMARY_TITLE, columns, rows, notes=notes, headers=headers, formats=formats)
+    screen = ["kind", "max_abs", "zero", *(c for c in SCREEN_COLUMNS.get(focus, SCREEN_COLUMNS["float32"])
+                                           if c in columns)]
+    return tables.ReportTable(SUMMARY_TITLE, columns, rows, notes=notes, headers=headers, formats=formats,
+                              screen=screen, screen_note="every format's column in report.md and ranges.csv")
 
 
 def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
@@ -229,8 +244,8 @@ def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str], deadline: 
     context = f"recipe={plots.recipe_label(cfg)} · {cfg.precision.name} · {io.count_of(steps, 'step')}"
     InspectReport(layer_table(inspection), summary_table(inspection), histogram, inspection.study_scale,
                   inspection.run_scales, overrides, tables.machine_info([{"device": device.type}]), context,
-                  [t for t in (inspection.precision, inspection.blocks, inspection.fp8) if t is not None]
-                  ).write(out_dir, console)
+                  [t for t in (inspection.precision, inspection.blocks, inspection.fp8) if t is not None],
+                  inspection.focus).write(out_dir, console)
     return steps
 
 
@@ -249,6 +264,7 @@ class InspectReport:
     machine: dict
     context: str = ""
     also: Sequence[tables.ReportTable] = ()
+    focus: str = "float32"  # Inspection.focus: the summary's columns on screen
 
     def write(self, out_dir: Path, console: Console) -> None:
         from ampctl.analysis import range_plots
@@ -259,12 +275,12 @@ class InspectReport:
                   range_plots.underflow_heatmap(self.layers, out_dir / "underflow_heatmap.png", self.context)]
         extra = {"kind": "inspect", "context": self.context, "overrides": self.overrides,
                  "study_scale": self.study_scale, "run_scales": self.run_scales, "summary": self.summary.as_dicts(),
-                 "summary_notes": self.summary.notes, "histogram": self.histogram,
+                 "summary_notes": self.summary.notes, "summary_focus": self.focus, "histogram": self.histogram,
                  **{ALSO_KEYS[t.title]: t.as_dicts() for t in self.also}}
         files = tables.write_files(self.layers, out_dir, run_files.INSPECTION, self.machine, images, extra, self.also)
         for table in self.also:
             if table.title == fp8_tensorwise.TITLE:  # one row per Linear: in the files, its worst on screen
-                console.print(fp8_tensorwise.worst_line(table), soft_wrap=True)
+                tables.print_line(console, fp8_tensorwise.worst_line(table))
             else:
                 tables.print_table(table, console)
         tables.print_table(self.summary, console)
@@ -283,7 +299,7 @@ class InspectReport:
                                     notes=data.get("notes", []))
         summary = _styled_summary(list(summary_rows[0]) if summary_rows else [],
                                   [list(r.values()) for r in summary_rows], data.get("summary_notes", []),
-                                  data["study_scale"])
+                                  data["study_scale"], data.get("summary_focus", "float32"))
         also = [make(list(data[key][0]), [list(r.values()) for r in data[key]])
                 for key, make in (("precision_layers", lambda c, r: tables.ReportTable(
                     PRECISION_TITLE, c, r, notes=legend(row[c.index("compute")] for row in r))),
@@ -292,7 +308,8 @@ class InspectReport:
                                                                                   fp8_tensorwise.NOTE)))
                 if data.get(key)]
         return cls(layers, summary, data["histogram"], data["study_scale"], data["run_scales"],
-                   data.get("overrides", []), data["machine"], data.get("context", ""), also)
+                   data.get("overrides", []), data["machine"], data.get("context", ""), also,
+                   data.get("summary_focus", "float32"))
 
 
 def rerender(out_dir: Path, console: Console) -> None:

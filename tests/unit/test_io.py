@@ -41,3 +41,16 @@ def test_si_prefixed_counts_keep_three_digits():
     assert si_prefixed(4714) == ("4.71", "k") and si_prefixed(3_295_488) == ("3.3", "M")
     assert si_prefixed(42_882_564_096) == ("42.9", "G") and si_prefixed(12) == ("12", "")
     assert si_prefixed(999_999) == ("1", "M") and si_prefixed(999.4) == ("999", "")
+
+
+def test_a_line_longer_than_the_terminal_breaks_at_word_boundaries_with_its_continuation_indented():
+    from ampctl.io import wrap_words
+
+    line = "  Selected precision=fp16: autocast=float16, model_weights=float32, master_weights=none, rules=none"
+    wrapped = wrap_words(line, 40).split("\n")
+    assert all(len(part) <= 40 for part in wrapped) and wrapped[0].startswith("  Selected")
+    assert all(part.startswith("    ") for part in wrapped[1:])
+    assert " ".join(part.strip() for part in wrapped) == line.strip()  # every word whole, none lost
+    assert wrap_words("short", 40) == "short"
+    long_path = "run_dir=/" + "x" * 60
+    assert wrap_words(f"recipe=mlp {long_path}", 40) == f"recipe=mlp\n  {long_path}"  # a word longer stays whole

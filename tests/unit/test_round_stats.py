@@ -124,7 +124,7 @@ def test_the_terminal_shows_the_columns_that_decide_whole_at_80_columns(tmp_path
             ("bf16", [RunRecord(tmp_path / "bf16", None, [{"step": 3}])])]
     table = comparison_table(runs, {"mxfp4": "emulated, by design"}, spans)
     out = text_io.StringIO()
-    print_table(table, Console(file=out, width=80))
+    print_table(table, Console(file=out, width=80, force_terminal=True, color_system=None))  # a terminal, 80 wide
     lines = out.getvalue().splitlines()
     head = next(i for i, line in enumerate(lines) if "mode" in line)
     assert all(len(line) <= 80 for line in lines) and "…" not in "".join(lines[:head + 8])
