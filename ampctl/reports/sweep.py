@@ -40,8 +40,8 @@ class SweepReport(Callback):
         sweep_dir = sweeps.running = Path(str(config.hydra.sweep.dir))
         sweeps.clear_stop_request(sweep_dir)  # an earlier attempt's, which stopped it: this one goes on
         how_many = io.count_of(self.total_jobs, "job") if self.total_jobs else "its jobs"
-        print(f"ampctl sweep: {how_many} in {sweep_dir}; if it stops, continue it with: "
-              f"{SweepIdentity.of(config).command(sweep_dir)}", flush=True)
+        print(io.for_the_terminal(f"ampctl sweep: {how_many} in {sweep_dir}; if it stops, continue it with: "
+                                  f"{SweepIdentity.of(config).command(sweep_dir)}"), flush=True)
         launcher = OmegaConf.select(config, "hydra.launcher._target_")
         if launcher not in IN_PROCESS_LAUNCHERS:
             watch(sweep_dir, self.total_jobs, self.started)  # its jobs' progress lines are in their own logs
@@ -57,8 +57,8 @@ class SweepReport(Callback):
         overrides = " ".join(io.readable_override(str(o)) for o in
                              OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
         # #N as Hydra's launcher and the job's directory (N_<overrides>) number it, of how many
-        print(f"ampctl sweep: job #{num} ({num + 1} of {self.total_jobs}: {overrides}) | elapsed "
-              f"{format_seconds(elapsed)} | {eta}", flush=True)
+        print(io.for_the_terminal(f"ampctl sweep: job #{num} ({num + 1} of {self.total_jobs}: {overrides}) | "
+                                  f"elapsed {format_seconds(elapsed)} | {eta}"), flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         give_ctrl_c_back()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from ampctl import run_files
+from ampctl import io, run_files
 from ampctl.reports.runs import holder_pid
 
 PROGRESS_EVERY_S = 10.0
@@ -150,7 +150,7 @@ def watch(sweep_dir: Path, total_jobs: int, started: float) -> None:
     """Start printing the progress of the sweep's jobs from this (the launcher's) process; `started` is
     time.perf_counter()'s when the sweep started."""
     stop_watching()
-    progress = JobsProgress(sweep_dir, total_jobs, started, lambda line: print(line, flush=True))
+    progress = JobsProgress(sweep_dir, total_jobs, started, lambda line: print(io.for_the_terminal(line), flush=True))
     _WATCHING.append(progress)
     progress.start()
 
