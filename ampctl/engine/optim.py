@@ -15,6 +15,7 @@ import logging
 import math
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
@@ -138,6 +139,15 @@ def lr_factor(applied: torch.Tensor, kind: Schedule, warmup: int, total: int, mi
     return factor
 
 
+def as_written(lr: Any) -> float:
+    """An optimizer's lr as the config wrote it: one kept as a float32 tensor (torchao's optimizers, CUDA's fused
+    kernels) holds 0.001 as 0.0010000000474974513, and the shortest decimal that float32 reads back as that value is
+    the one written (numpy's shortest round-trip repr). A float, or a float64 tensor, is itself."""
+    if isinstance(lr, torch.Tensor) and lr.dtype == torch.float32:
+        return float(np.format_float_positional(np.float32(lr.item()), unique=True, trim="0"))
+    return float(lr)
+
+
 class LRSchedule:
     """Sets the optimizer's lr for the next step from the count of applied (not skipped) steps."""
 
@@ -147,17 +157,17 @@ class LRSchedule:
         self.warmup, self.total, self.min_ratio = cfg.lr_warmup_steps, cfg.steps, cfg.min_lr_ratio
         first_lr = optimizer.param_groups[0]["lr"]
         self.on_device = isinstance(first_lr, torch.Tensor)
-        self.base_lrs = [float(g["lr"]) for g in optimizer.param_groups]  # one read, before training
+        self.base_lrs = [as_written(g["lr"]) for g in optimizer.param_groups]  # one read, before training
         count_device = device if self.on_device else torch.device("cpu")
-        # In the lr's own dtype, so factor * base loses nothing against the lr the user wrote.
-        count_dtype = first_lr.dtype if self.on_device else torch.float64
-        self.applied = torch.zeros((), device=count_device, dtype=count_dtype)
+        # float64, so factor * base loses nothing against the lr the user wrote (the optimizer's own lr tensor may be
+        # float32: torchao's, CUDA's fused kernels), whatever the dtype the optimizer keeps it in
+        self.applied = torch.zeros((), device=count_device, dtype=torch.float64)
         # applied steps known on the host and not yet added to self.applied: every step, when no step can be
         # skipped (no kernel a step for a count nobody reads until the lr changes or a checkpoint is written)
         self._counted_on_host = 0
-        # The lr of the coming step as a device tensor, for telemetry; in host mode a float64 mirror of the
-        # Python float the optimizer uses (a float32 mirror would record 5e-05 as 4.999999873689376e-05).
-        self._lr_now = first_lr if self.on_device else torch.zeros((), device=device, dtype=torch.float64)
+        # The schedule's lr of the coming step, float64 on the device, for telemetry: the value the schedule gives
+        # (a float32 copy, as torchao's optimizers keep theirs, recorded 5e-05 as 4.999999873689376e-05)
+        self._lr_now = torch.zeros((), device=count_device, dtype=torch.float64)
         self._apply()
 
     def _applied(self) -> torch.Tensor:
@@ -168,13 +178,16 @@ class LRSchedule:
 
     def _apply(self) -> None:
         factor = lr_factor(self._applied(), self.kind, self.warmup, self.total, self.min_ratio)
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+        for i, (group, base) in enumerate(zip(self.optimizer.param_groups, self.base_lrs)):
             if self.on_device:
-                group["lr"].copy_(factor * base)
+                lr = factor * base
+                group["lr"].copy_(lr)  # in the optimizer's own dtype
+                if i == 0:
+                    self._lr_now.copy_(lr)
             else:
                 group["lr"] = float(factor) * base
-        if not self.on_device:
-            self._lr_now.fill_(self.optimizer.param_groups[0]["lr"])
+                if i == 0:
+                    self._lr_now.fill_(group["lr"])
 
     def current_lr(self) -> torch.Tensor:
         return self._lr_now

@@ -132,8 +132,8 @@ def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
                "compiled": lambda v: "yes" if v else "no", "compile_s": lambda v: f"{v:.1f}",
                "tflops": lambda v: f"{v:.3g}", "mfu": lambda v: f"{v:.1%}",
                **{f"eval_{m}": _held_out_format(m) for m in metrics}}
-    cells = {"step_time_ms": lambda r: _with_range(r, "step_time_ms", "{:.3g}"),
-             "speedup": lambda r: _with_range(r, "speedup", "{:.2f}×"),
+    cells = {"step_time_ms": lambda r: _with_range(r, "step_time_ms", io.milliseconds),
+             "speedup": lambda r: _with_range(r, "speedup", "{:.2f}×".format),
              "eval_loss": lambda r: f"{r['eval_loss']:.4f}" + (f" (sd {r['eval_loss_sd']:.4f})"
                                                                 if r.get("eval_loss_sd") is not None else ""),
              "eval_loss_delta": lambda r: f"{r['eval_loss_delta']:+.4f}" + (
@@ -164,7 +164,7 @@ def _speed_on_screen(row: dict[str, Any], baseline: Optional[str], rounds: int) 
         return "-"
     ratio = Interval(row["speedup"], row["speedup_low"], row["speedup_high"])
     said = round_stats.direction(ratio, rounds)
-    return f"{_with_range(row, 'speedup', '{:.2f}×')} {said or 'one round'}"
+    return f"{_with_range(row, 'speedup', '{:.2f}×'.format)} {said or 'one round'}"
 
 
 def _held_out_format(metric: str) -> Callable[[float], str]:
@@ -239,12 +239,12 @@ def _triple(interval: Optional[Interval]) -> list[Optional[float]]:
     return [None] * 3 if interval is None else [interval.value, interval.low, interval.high]
 
 
-def _with_range(row: dict, key: str, number: str) -> str:
+def _with_range(row: dict, key: str, number: Callable[[float], str]) -> str:
     low, high = row.get(f"{key}_low"), row.get(f"{key}_high")
-    text = number.format(row[key])
+    text = number(row[key])
     if low is None or high is None or low == high:
         return text
-    return f"{text} ({number.format(low).rstrip('×')}-{number.format(high)})"
+    return f"{text} ({number(low).rstrip('×')}-{number(high)})"
 
 
 def _timing_notes(spans: Optional[Sequence[Span]], seeds: int, baseline: Optional[str],

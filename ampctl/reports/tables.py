@@ -78,7 +78,8 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         if value != value:  # NaN
             return "nan"
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3g}"
+        # whole numbers from 1,000 up, as people read them (1,013, not 1.013e+03); 4 significant digits below
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     return str(value)
 
 

@@ -147,3 +147,15 @@ def test_a_throughput_whose_median_round_is_the_slowest_has_no_negative_error_ba
     row = {"samples_per_s": rate, "step_time_ms": ms, "step_time_ms_low": ms * 0.9, "step_time_ms_high": ms}
     interval = _rate_interval(row, "samples_per_s")
     assert interval.low <= interval.value == rate <= interval.high
+
+
+def test_step_times_of_a_second_and_more_are_written_as_milliseconds_not_e_notation(tmp_path):
+    spans = rounds.windows(1, 5, 2)
+    runs = [("fp32", [run_with(tmp_path, "fp32", [99.0, 1013.4, 1013.4, 1200.0, 1200.0], 1.0)]),
+            ("bf16", [run_with(tmp_path, "bf16", [99.0, 980.2, 980.2, 990.0, 990.0], 1.0)])]
+    table = comparison_table(runs, {}, spans)
+    [row] = [r for r in table.as_dicts() if r["precision"] == "fp32"]
+    assert table.cells["step_time_ms"](row) == "1,107 (1,013-1,200)"
+    from ampctl.reports.tables import fmt
+
+    assert fmt(12345.6) == "12,346" and fmt(0.000123) == "0.000123" and fmt(1.2345) == "1.234"

@@ -144,3 +144,26 @@ def test_grad_accumulation_equals_one_big_batch(precision):
     assert rec_accum.grad_norm == pytest.approx(rec_whole.grad_norm, rel=2e-2)
     for a, b in zip(params_accum, params_whole):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+def test_the_recorded_lr_is_the_schedules_even_where_the_optimizer_keeps_a_float32_copy():
+    """torchao's optimizers keep the lr as a float32 tensor (0.001 as 0.0010000000474974513): the schedule takes the
+    lr as written, sets the optimizer's copy in its own dtype, and records its own float64 value."""
+    from omegaconf import OmegaConf
+
+    from ampctl.engine.optim import LRSchedule, as_written
+
+    assert as_written(torch.tensor(0.001, dtype=torch.float32)) == 0.001
+    assert as_written(torch.tensor(3e-4, dtype=torch.float32)) == 3e-4 and as_written(0.1) == 0.1
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([param], lr=torch.tensor(0.001, dtype=torch.float32))
+    cfg = OmegaConf.create({"lr_schedule": "linear", "lr_warmup_steps": 4, "steps": 10, "min_lr_ratio": 0.0})
+    from ampctl.conf.schema import Schedule
+
+    cfg.lr_schedule = Schedule.linear
+    schedule = LRSchedule(optimizer, cfg, torch.device("cpu"))
+    for step in range(3):
+        assert schedule.current_lr().item() == (step + 1) / 4 * 0.001  # the schedule's, in float64
+        assert optimizer.param_groups[0]["lr"].dtype == torch.float32
+        assert optimizer.param_groups[0]["lr"].item() == torch.tensor((step + 1) / 4 * 0.001).float().item()
+        schedule.step(torch.zeros(()), can_skip=False)
