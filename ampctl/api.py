@@ -118,6 +118,10 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
 
     if isinstance(overrides, (str, bytes)):  # "recipe=mlp" would be read as the overrides r, e, c, ...
         raise UsageError(f"overrides={overrides!r}: expected a list of overrides, e.g. [{overrides!r}]")
+    not_text = next((o for o in overrides if not isinstance(o, str)), None)
+    if not_text is not None:  # ampctl.train([123]) said "'int' object is not iterable"
+        raise UsageError(f"overrides: {not_text!r} ({type(not_text).__name__}) is not a string: each override is "
+                         "key=value, e.g. 'train.steps=100'")
     flags = [o for o in overrides if str(o).startswith("-")]
     if flags:  # -m, -cd, --cfg: the command line's flags, not overrides
         raise UsageError(f"{flags[0]!r}: ampctl.{command}() takes overrides only (key=value); a sweep (-m) is the "

@@ -193,7 +193,10 @@ def refuse_bad_hydra_flags(args: list[str]) -> None:
     """`--cfg jobz`: one line naming the flag, its value and the choices."""
     from ampctl.commands.hydra_internals import hydra_flags
 
-    flags, _ = hydra_flags(args)
+    flags, overrides = hydra_flags(args)
+    unknown = next((arg for arg in overrides if arg.startswith("-")), None)
+    if unknown is not None:  # argparse would print its usage block (8 lines) above its one line
+        raise UsageError(f"{unknown}: no such flag; overrides are key=value, and --help lists the flags")
     for name, choices in HYDRA_FLAG_CHOICES.items():
         value = flags.get(name)
         if value and value not in choices:
@@ -249,8 +252,11 @@ def run_hydra_app(command: str, entry) -> None:
             raise
         refuse(command, yaml_error(exc))
     except RecursionError:  # Hydra composing a config that includes itself
-        refuse(command, "the config's defaults include themselves (a config that names itself, directly or through "
-                        "others, in its defaults list): remove the cycle")
+        from ampctl.commands.hydra_internals import hydra_flags
+
+        name = hydra_flags(sys.argv[1:])[0].get("config_name") or command
+        refuse(command, f"the config {name} includes itself in its defaults list (directly, or through a config it "
+                        "names): remove the cycle")
     except OSError as exc:  # after Hydra's: its MissingConfigException is an OSError
         cannot_create = exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST) and exc.filename is not None
         if not (write_refused(exc) or cannot_create) or raised_in(exc, entry.__wrapped__):

@@ -18,10 +18,11 @@ WRITE_REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno
                                   errno.EFBIG, errno.EIO})
 
 
-def print_error(line: str) -> None:
+def print_error(line: str, this_rank_alone: bool = False) -> None:
     """One line on stderr; under torchrun from each node's first process only (LOCAL_RANK 0): every rank meets the
-    same end, and each node's output is read apart (a job over two hosts: each host's log says why it stopped)."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    same end, and each node's output is read apart (a job over two hosts: each host's log says why it stopped).
+    this_rank_alone: an end this rank met alone (its recipe raised), which it says itself."""
+    if this_rank_alone or int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(line, file=sys.stderr, flush=True)
 
 

@@ -73,10 +73,11 @@ def put_config_dir_on_path(args: list[str]) -> None:
 _FLAGS_WITH_VALUE = {"-cd": "config_dir", "--config-dir": "config_dir", "-cn": "config_name",
                      "--config-name": "config_name", "-c": "cfg", "--cfg": "cfg",
                      "-p": "package", "--package": "package",
-                     "--info": "info", "-sc": "shell_completion", "--shell-completion": "shell_completion",
+                     "--info": "info", "-i": "info", "-sc": "shell_completion",
+                     "--shell-completion": "shell_completion",
                      "--experimental-rerun": "rerun", "-cp": "config_path", "--config-path": "config_path"}
-_FLAGS = {"-m": "multirun", "--multirun": "multirun", "--resolve": "resolve", "-h": "help", "--help": "help",
-          "-hh": "hydra_help", "--hydra-help": "hydra_help", "--version": "version"}
+_FLAGS = {"-m": "multirun", "--multirun": "multirun", "-r": "run", "--run": "run", "--resolve": "resolve", "-h": "help",
+          "--help": "help", "-hh": "hydra_help", "--hydra-help": "hydra_help", "--version": "version"}
 
 
 def hydra_flags(args: list[str]) -> tuple[dict[str, Optional[str]], list[str]]:

@@ -17,6 +17,7 @@ from ampctl.errors import (
     USAGE_EXIT_CODE,
     WRITE_FAILED_EXIT_CODE,
     CommandLineRefused,
+    RecipeFailed,
     RunStopped,
     UsageError,
     print_error,
@@ -82,8 +83,8 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
           log: Optional[Callable[[str], None]] = None, host_exit_code: Optional[int] = None) -> NoReturn:
     """End the command as the table says for exc: after a signal, another one while leaving ends it at once; its
     clean-up (run_dir removed where it holds only Hydra's files: nothing was recorded); its lines on stderr
-    (given as a function, made after the clean-up, which they may describe; from rank 0 only, as every rank meets
-    the same end; each also to `log`, the run's log file); its exit code, or the host's where the stop was handed
+    (given as a function, made after the clean-up, which they may describe; from each node's first rank, as
+    every rank meets the same end, or from the rank whose recipe raised; each also to `log`, the run's log file); its exit code, or the host's where the stop was handed
     to the engine that runs ampctl (interrupt.hand_over: submitit's requeue exits with its own)."""
     from ampctl.processes import is_main_process
 
@@ -96,7 +97,7 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
 
         remove_if_only_hydra_files(run_dir)
     for line in lines() if callable(lines) else lines:
-        print_error(line)
+        print_error(line, this_rank_alone=isinstance(exc, RecipeFailed))
         if log is not None:
             log(line.strip())
     sys.exit(code)

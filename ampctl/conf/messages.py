@@ -48,6 +48,13 @@ def one_line(exc: BaseException) -> str:
             if "Cannot merge DictConfig with ListConfig" in msg or "Cannot merge ListConfig with DictConfig" in msg:
                 return f"{err.full_key}: expected a list ([...]), as the schema's {err.full_key} is"
             return _type_error(err) or f"{err.full_key}: {msg}"
+    primary = next((err for err in _chain(exc) if isinstance(err, MissingConfigException)
+                    and err.missing_cfg_file and "/" not in err.missing_cfg_file
+                    and "primary config" in str(err)), None)
+    if primary is not None:  # -cn NAME: Hydra's message lists its search path, not where the user's configs go
+        name = primary.missing_cfg_file
+        return (f"-cn {name}: no config {name}.yaml in ampctl's configs or a -cd directory; give -cd DIR with "
+                f"{name}.yaml in it (ampctl init {name} writes one)")
     missing = next((err for err in _chain(exc) if isinstance(err, MissingConfigException)
                     and err.missing_cfg_file and "/" in err.missing_cfg_file), None)
     if missing is not None:

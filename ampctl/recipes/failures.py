@@ -48,6 +48,7 @@ class Context:
     where: str
     precision: str
     half: Optional[torch.dtype] = None
+    rank: Optional[int] = None  # under torchrun: the rank that raised (the others may not have)
 
 
 @contextlib.contextmanager
@@ -92,7 +93,8 @@ def recipe_error(exc: BaseException, recipe: Recipe, context: Callable[[], Optio
         return UsageError(f"recipe {recipe_name(recipe)}: {member}() raised {type(exc).__name__}: {first_line(exc)} "
                           f"{at}; " + _MEMBERS.get(member, "see docs/models.md, 'Add your own recipe'"))
     ctx = context()
-    when = "" if ctx is None else f" {ctx.where} under precision={ctx.precision}"
+    when = "" if ctx is None else (f" {ctx.where}" + (f" on rank {ctx.rank}" if ctx.rank is not None else "")
+                                   + f" under precision={ctx.precision}")
     hint = precision_hint(exc, where.line or "", ctx.half if ctx is not None else None)
     line = (f"recipe {recipe_name(recipe)}: {member}() raised {type(exc).__name__}{when}: {first_line(exc)} {at}"
             + (f"; {hint}" if hint else ""))

@@ -194,7 +194,8 @@ class TrainingRun:
         state = getattr(self, "state", None)
         where = "building the model" if state is None else f"at step {state.step + 1}"
         half = None if self.policy.dtype == torch.float32 else self.policy.dtype
-        return Context(where, self.cfg.precision.name, half)
+        return Context(where, self.cfg.precision.name, half,
+                       self.parallel.rank if self.parallel.world_size > 1 else None)
 
     def _fit(self) -> Optional[BestCheckpoints]:
         """fit() with the checkpointer, the evaluations, the guards, the value-range log, the profiler and a stop

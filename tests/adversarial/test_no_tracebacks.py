@@ -171,7 +171,7 @@ def test_a_config_that_is_not_ampctls_is_refused_before_it_touches_a_run(tmp_pat
 def test_a_config_that_includes_itself_is_one_line(tmp_path):
     (tmp_path / "self.yaml").write_text("defaults:\n  - self\n")
     refused = cli("train", "-cd", str(tmp_path), "-cn", "self", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert "defaults include themselves" in one_line_refusal(refused, "train")
+    assert "the config self includes itself in its defaults list" in one_line_refusal(refused, "train")
 
 
 def test_init_next_to_a_file_in_its_way_writes_nothing(tmp_path, capsys, restore_argv):
@@ -288,3 +288,30 @@ def test_an_export_that_cannot_be_written_leaves_nothing(exportable_run, tmp_pat
     assert refused.returncode == 74, refused.stderr
     assert refused.stderr.startswith("ampctl export: error: cannot write ") and "No space left" in refused.stderr
     assert not (tmp_path / "deep").exists()  # nor the folders it made for it
+
+
+# --- the command line's smaller mistakes (issue 51) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--bogus-flag"], "--bogus-flag: no such flag; overrides are key=value, and --help lists the flags"),
+    (["-cn", "nope"], "-cn nope: no config nope.yaml in ampctl's configs or a -cd directory; give -cd DIR with "
+                      "nope.yaml in it (ampctl init nope writes one)"),
+    (["recipe=hf_causal_lm", "recipe.corpus=EMPTY"], "recipe.corpus='EMPTY' holds no text: give a text file, or a "
+                                                     "directory of them, that is not empty"),
+])
+def test_a_flag_a_config_or_a_corpus_that_is_not_there_is_one_line(tmp_path, args, named):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    refused = cli("train", *[a.replace("EMPTY", str(empty)) for a in args], f"hydra.run.dir={tmp_path / 'run'}",
+                  cwd=tmp_path)
+    assert named.replace("EMPTY", str(empty)) in one_line_refusal(refused, "train")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_api_override_that_is_not_a_string_is_named(tmp_path):
+    from ampctl.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"overrides: 123 \(int\) is not a string: each override is key=value"):
+        ampctl.train([123], run_dir=tmp_path / "run")  # type: ignore[list-item]
+    assert not (tmp_path / "run").exists()
