@@ -84,8 +84,9 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
     """End the command as the table says for exc: after a signal, another one while leaving ends it at once; its
     clean-up (run_dir removed where it holds only Hydra's files: nothing was recorded); its lines on stderr
     (given as a function, made after the clean-up, which they may describe; from each node's first rank, as
-    every rank meets the same end, or from the rank whose recipe raised; each also to `log`, the run's log file); its exit code, or the host's where the stop was handed
-    to the engine that runs ampctl (interrupt.hand_over: submitit's requeue exits with its own)."""
+    every rank meets the same end, or from the rank whose recipe raised; each also to `log`, the run's log file);
+    its exit code, or the host's where the stop was handed to the engine that runs ampctl (interrupt.hand_over:
+    submitit's requeue exits with its own)."""
     from ampctl.processes import is_main_process
 
     ending = ending_of(exc)
