@@ -124,7 +124,8 @@ def dispatch(args: list[str]) -> None:
         print(f"ampctl {VERSION}")
         return
     command, rest = args[0], args[1:]
-    if command in ("-sc", "--shell-completion"):
+    completing = command in ("-sc", "--shell-completion")
+    if completing:
         command, rest = completion_target(rest)
         if command is None:
             return
@@ -139,7 +140,14 @@ def dispatch(args: list[str]) -> None:
 
     register_configs(command)
     module_name, function_name, _ = COMMANDS[command]
-    entry = getattr(importlib.import_module(module_name), function_name)
+    module = importlib.import_module(module_name)
+    entry = getattr(module, function_name)
+    if completing and not hasattr(entry, "__wrapped__") and any(a.startswith("query") for a in rest):
+        # a command of its own (not a Hydra app) answers its completion itself: its main would take the query
+        # for its arguments and refuse it
+        done, current = completion_words()
+        print(("\n" if "query=fish" in rest else " ").join(module.complete(done, current)))
+        return
     under_torchrun = False
     if command == "train":
         from ampctl.processes import NON_MAIN_HYDRA_OVERRIDES, is_main_process, torchrun_world_size
@@ -164,6 +172,9 @@ def dispatch(args: list[str]) -> None:
             refuse(command, str(exc))
         from ampctl.processes import start_kept_out_of_collections
 
+        if completing and any(a.startswith("query") for a in rest):
+            answer_hydras_completion(command, entry)
+            return
         with start_kept_out_of_collections():  # until the run is planned (commands/checks.py)
             run_hydra_app(command, entry)
     else:
@@ -315,6 +326,28 @@ def raised_in(exc: BaseException, function) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def completion_words() -> tuple[list[str], str]:
+    """The words of COMP_LINE after the command (routed by completion_target), and the one being typed."""
+    line = os.environ.get("COMP_LINE", "")
+    words = line.split()[1:]
+    if line.endswith(" ") or not words:
+        return words, ""
+    return words[:-1], words[-1]
+
+
+def answer_hydras_completion(command: str, entry) -> None:
+    """Hydra's completion of a Hydra app, its list-typed keys ending in `=` (conf/completion.py)."""
+    from ampctl.conf.completion import set_lists_whole
+    from ampctl.conf.schema import APP_SCHEMAS
+
+    answer = io.StringIO()
+    with contextlib.redirect_stdout(answer):
+        run_hydra_app(command, entry)
+    separator = "\n" if "\n" in answer.getvalue().strip() else " "
+    words = answer.getvalue().split()
+    print(separator.join(set_lists_whole(words, APP_SCHEMAS[command][1])))
 
 
 def completion_target(rest: list[str]) -> tuple[Optional[str], list[str]]:

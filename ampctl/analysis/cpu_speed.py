@@ -363,11 +363,22 @@ def _measured_here(remeasure: bool) -> CpuSpeed:
         return _measured[key]
     path = cache_path()
     with _locked(path):
-        cached = None if remeasure else CpuSpeed.from_json(_read_cache(path).get(key, {}))
-        if cached is not None and cached.busy and _age_s(cached) > BUSY_RETRY_S:
-            cached = None  # a busy machine's figures are kept a while, then measured again
+        cached = None if remeasure else _usable_cache(path, key)
         _measured[key] = cached or _measure_and_keep(path, key)
     return _measured[key]
+
+
+def _usable_cache(path: Path, key: str) -> Optional[CpuSpeed]:
+    cached = CpuSpeed.from_json(_read_cache(path).get(key, {}))
+    if cached is not None and cached.busy and _age_s(cached) > BUSY_RETRY_S:
+        return None  # a busy machine's figures are kept a while, then measured again
+    return cached
+
+
+def measuring_needed() -> bool:
+    """Whether measured() would measure now (seconds of matmuls): no figures in this process and none in the cache
+    to take, so that a command can say why it waits."""
+    return machine_key() not in _measured and _usable_cache(cache_path(), machine_key()) is None
 
 
 def _age_s(speed: CpuSpeed) -> float:

@@ -14,6 +14,19 @@ USAGE = ("usage: ampctl export PATH [export.dtype=float32|bfloat16|float16] [exp
          "[export.weights=model|ema] [export.dir=DIR]   (PATH: a run directory or a checkpoint)")
 
 
+def complete(done: list[str], current: str) -> list[str]:
+    """Shell completion: PATH first (the shell's own file names), then export.KEY= and each key's values."""
+    from ampctl.conf.export_schema import DTYPES, FORMATS, WEIGHTS
+
+    if not done:
+        return []
+    values = {"export.dtype": DTYPES, "export.format": FORMATS, "export.weights": WEIGHTS}
+    key, typed_equals, _ = current.partition("=")
+    if typed_equals and key in values:
+        return [f"{key}={value}" for value in values[key]]
+    return [f"{key}=" for key in (*values, "export.dir")]
+
+
 def main() -> None:
     args = sys.argv[1:]
     if args in (["-h"], ["--help"]):

@@ -153,6 +153,15 @@ def _leading_comments(recipe: str) -> list[str]:
     return lines
 
 
+def complete(done: list[str], current: str) -> list[str]:
+    """Shell completion: the flags; after --from the built-in recipes; NAME and --dir's directory are the user's."""
+    if done and done[-1] == "--from":
+        return built_in_recipes()
+    if done and done[-1] == "--dir" or not current.startswith("-"):
+        return []
+    return ["--from", "--dir", "--help"]
+
+
 def main() -> None:
     parser = OneLineArgumentParser(prog="ampctl init", description="Write an editable experiment config and recipe "
                            "skeleton that `ampctl train -cd DIR -cn NAME` runs as written.",

@@ -15,12 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ampctl.analysis import cpu_speed, mode_advice
 from ampctl.commands.hydra_internals import config_loader
-from ampctl.engine import devices
-from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import OneLineArgumentParser, UsageError
-from ampctl.reports import tables
 
 GROUPS = ("scaler", "recipe", "optimizer", "logger")
 DTYPE_ORDER = ("float32", "float16", "bfloat16")
@@ -88,13 +84,28 @@ def first_comment(path: Path) -> str:
     return first_sentence(path.read_text(encoding="utf-8"))
 
 
+def complete(done: list[str], current: str) -> list[str]:
+    """Shell completion: the device, the flags; after -cd a directory (the shell's own names)."""
+    if done and done[-1] in ("-cd", "--config-dir"):
+        return []
+    return ["device=auto", "device=cpu", "device=cuda", "--remeasure", "-cd", "--help"]
+
+
 def main() -> None:
     args = parse_args(sys.argv[1:])  # argparse: --help, and a bad argument is one line, exit 2
+    # torch, from here: --help answers without it
+    from ampctl.analysis import cpu_speed, mode_advice
+    from ampctl.engine import devices
+    from ampctl.engine.precision.policy import PrecisionPolicy
+    from ampctl.reports import tables
+
     device = devices.resolve_device(args.device)
     console = Console()
-    if device.type == "cpu" and args.remeasure:
-        with console.status("measuring this CPU's matmuls: fp32, bfloat16 and float16 in alternating rounds"):
-            cpu_speed.measured(remeasure=True)
+    if device.type == "cpu" and (args.remeasure or cpu_speed.measuring_needed()):  # a wait of 5-30 s: said
+        tables.print_line(console, "measuring this CPU's matmuls (fp32, bfloat16 and float16 in alternating rounds, "
+                          f"~5-30 s; kept in {cpu_speed.cache_path()} for every command)")
+        with console.status("measuring this CPU's matmuls"):
+            cpu_speed.measured(remeasure=args.remeasure)
     loader = config_loader(args.config_dir)
     table = Table(title=f"precision modes on {device.type} ({devices.device_name(device)})")
     for column in ("precision", "description", "default scaler", "runs here"):

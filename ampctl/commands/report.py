@@ -3,82 +3,17 @@ directory, again, from what the runs recorded (no re-training)."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from ampctl import run_files
 from ampctl.errors import USAGE_EXIT_CODE, WRITE_FAILED_EXIT_CODE, UsageError, write_refused
-from ampctl.reports import tables
-from ampctl.reports.runs import find_runs, is_run_dir, load_run, row_problems
-from ampctl.reports.sweep import write_sweep_report
-from ampctl.studies.compare import write_comparison_report
 
 USAGE = "usage: ampctl report PATH   (a run, multirun, compare, memory or inspect directory)"
 
 
-def render(path: Path) -> int:
-    """Render the report for path; returns the number of failed runs in it. Raises UsageError."""
-    if not path.exists():
-        raise UsageError(f"PATH={str(path)!r} does not exist; give a run, multirun or compare directory")
-    if not path.is_dir():
-        raise UsageError(f"PATH={str(path)!r} is a file; give a run, multirun or compare directory")
-    console = tables.make_console()
-    for record in run_files.STUDY_RECORDS:
-        if (path / record).is_file():
-            try:
-                return _render_record(path, record, console)
-            except (ValueError, KeyError, TypeError) as exc:  # json's errors are ValueErrors
-                raise UsageError(f"{path / record} is not a whole ampctl record ({type(exc).__name__}: {exc}); "
-                                 "run the command that wrote it again") from None
-    if is_run_dir(path):
-        run = load_run(path)
-        for problem in row_problems(run.metrics):
-            console.print(f"warning: {path / run_files.METRICS}: {problem}")
-        if run.unfinished:
-            _render_unfinished(run, console)
-            return 0
-        table = tables.single_run_table(run)
-        tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
-        images = tables.run_images([(run.name, run)], path)
-        machine = tables.machine_info([run.summary] if run.summary else [])
-        files = tables.write_files(table, path, "run", machine, images, {"kind": "run"})
-        console.print(tables.wrote([*files, *images], path))
-        return int(run.failed)
-    if (path / "multirun.yaml").is_file() or find_runs(path):
-        return write_sweep_report(path, console)
-    raise UsageError(
-        f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
-        "no comparison.json, memory.json or ranges.json)"
-    )
-
-
-def _render_unfinished(run, console) -> None:
-    """A running or interrupted run: where it is, from its rows; nothing written into its directory (a
-    report of a part would be taken for the run's, and the run itself may still be writing)."""
-    if run.metrics:
-        last = run.metrics[-1]
-        keys = ("step", "loss", "loss_scale", "skipped_total", "lr")
-        tables.print_table(tables.ReportTable(f"run {run.path} (last row)", ["key", "value"],
-                                              [[k, last[k]] for k in keys if k in last]), console)
-    console.print(f"{run.unfinished}; no report written (it is written from the finished run's summary)")
-
-
-def _render_record(path: Path, record: str, console) -> int:
-    """A compare, memory or inspect directory, from the JSON record its command wrote."""
-    if record == f"{run_files.COMPARISON}.json":
-        meta = json.loads((path / record).read_text())
-        spans = [tuple(span) for span in meta["rounds"]] if meta.get("rounds") else None
-        return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console,
-                                       spans, meta.get("seeds"), meta.get("per_seed"))
-    if record == f"{run_files.ADVICE}.json":
-        from ampctl.studies.advice_report import rerender
-    elif record == f"{run_files.MEMORY}.json":
-        from ampctl.studies.memory import rerender
-    else:
-        from ampctl.studies.inspect_ranges import rerender
-    rerender(path, console)
-    return 0
+def complete(done: list[str], current: str) -> list[str]:
+    """Shell completion: PATH, the shell's own file names."""
+    return []
 
 
 def main() -> None:
@@ -91,6 +26,8 @@ def main() -> None:
               f"got {len(args)} arguments", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
     try:
+        from ampctl.commands.report_rendering import render  # torch, rich's tables: not for --help
+
         failed = render(Path(args[0]))
     except UsageError as exc:
         print(f"ampctl report: error: {exc}", file=sys.stderr)

@@ -18,7 +18,7 @@ from ampctl.analysis import flops, mode_advice
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.precision_schema import scaler_is_active
 from ampctl.conf.sweeps import stop_requested_of_this_job
-from ampctl.engine import devices
+from ampctl.engine import devices, optimizer_states
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state
 from ampctl.engine.compilation import CompileWatch
@@ -166,6 +166,9 @@ class TrainingRun:
             echo(f"torch.compile (mode={cfg.train.compile_mode}): "
                  + (f"each of the recipe's {len(blocks)} blocks" if blocks else "the whole model")
                  + ", compiled during the first step (its time is reported on its own)")
+        if optimizer_states.is_torchao(cfg.optimizer):  # its first step is a silent wait of tens of seconds on a CPU
+            echo(f"optimizer {cfg.optimizer._target_}: torchao compiles its update during the first step (tens of "
+                 "seconds on a CPU, once per process and shape)")
         for failure in resume.passed_over:
             echo(f"warning: {failure}; passed over (set aside, kept)")
         if resume.payload:

@@ -51,7 +51,8 @@ def test_bash_completion_installs_for_ampctl_and_completes_a_commands_config(tmp
                  'hydra_bash_completion; printf "%s\\n" "${COMPREPLY[@]}"')
         result = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120,
                                 env={**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"})
-        assert result.returncode == 0, result.stderr
+        assert result.returncode == 0 and not result.stderr, result.stderr
+        assert "error" not in result.stdout, result.stdout  # a command's refusal of the query, offered as words
         return result.stdout.split()
 
     assert "precision=" in complete("ampctl train prec")
@@ -59,6 +60,21 @@ def test_bash_completion_installs_for_ampctl_and_completes_a_commands_config(tmp
     assert "scaler.growth_interval=" in complete("ampctl train scaler=dynamic scaler.gro")
     assert complete("ampctl tr") == ["train"]
     assert "memory.budget=" in complete("ampctl memory memory.bu")  # each command completes its own config
+    # a list-typed key is set whole (Hydra offered `compare.precisions.`, a dot leading nowhere for a null list)
+    assert complete("ampctl compare compare.prec") == ["compare.precisions="]
+    assert "memory.precisions=" in complete("ampctl memory memory.pre")
+    assert "advise.budget=" in complete("ampctl advise advise.bu")
+    assert "inspect.steps=" in complete("ampctl inspect inspect.st")
+    # the commands that are not Hydra apps complete their own arguments (they refused the query as an argument)
+    (tmp_path / "run").mkdir()
+    assert "export.dtype=" in complete("ampctl export run export.")
+    assert set(complete("ampctl export run export.dtype=")) == {"export.dtype=float32", "export.dtype=bfloat16",
+                                                                "export.dtype=float16"}
+    assert complete("ampctl export ru") == ["run/"] or complete("ampctl export ru") == ["run"]  # PATH: file names
+    assert complete("ampctl init x --fr") == ["--from"]
+    assert "mlp" in complete("ampctl init x --from ")
+    assert complete("ampctl report ru") in (["run"], ["run/"])
+    assert "device=cpu" in complete("ampctl list dev")
 
 
 def test_a_users_own_primary_config_extends_ampctls_train(tmp_path):
