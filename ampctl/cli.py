@@ -142,7 +142,8 @@ def dispatch(args: list[str]) -> None:
     module_name, function_name, _ = COMMANDS[command]
     module = importlib.import_module(module_name)
     entry = getattr(module, function_name)
-    if completing and not hasattr(entry, "__wrapped__") and any(a.startswith("query") for a in rest):
+    answering = completing and any(a.startswith("query") for a in rest)  # a Tab, not `-sc install=bash`
+    if answering and not hasattr(entry, "__wrapped__"):
         # a command of its own (not a Hydra app) answers its completion itself: its main would take the query
         # for its arguments and refuse it
         done, current = completion_words()
@@ -158,31 +159,37 @@ def dispatch(args: list[str]) -> None:
     # argv[0] is the program's name for Hydra: the shell-completion script it writes registers `ampctl`
     sys.argv = ["ampctl", *rest]
     if hasattr(entry, "__wrapped__"):  # a @hydra.main app (its primary config is named as the command)
-        from ampctl.commands.hydra_internals import put_config_dir_on_path, refuse_a_config_that_is_not_ampctls
-
-        put_config_dir_on_path(rest)
-        try:
-            refuse_bad_hydra_flags(rest)
-            refuse_a_config_that_is_not_ampctls(command, command, rest)
-            if command == "train":
-                from ampctl.commands.sweep_resume import with_the_sweep_to_continue
-
-                sys.argv = ["ampctl", *with_the_sweep_to_continue(rest)]
-        except UsageError as exc:
-            refuse(command, str(exc))
-        from ampctl.processes import start_kept_out_of_collections
-
-        if completing and any(a.startswith("query") for a in rest):
-            answer_hydras_completion(command, entry)
-            return
-        with start_kept_out_of_collections():  # until the run is planned (commands/checks.py)
-            run_hydra_app(command, entry)
+        run_a_hydra_command(command, entry, rest, answering)
     else:
         entry()
     if under_torchrun:
         from ampctl.processes import exit_worker
 
         exit_worker()
+
+
+def run_a_hydra_command(command: str, entry, rest: list[str], answering: bool) -> None:
+    """A Hydra app's command line checked (its flags, its config, the sweep a resume continues), then the app run;
+    answering: Hydra's completion of it."""
+    from ampctl.commands.hydra_internals import put_config_dir_on_path, refuse_a_config_that_is_not_ampctls
+
+    put_config_dir_on_path(rest)
+    try:
+        refuse_bad_hydra_flags(rest)
+        refuse_a_config_that_is_not_ampctls(command, command, rest)
+        if command == "train":
+            from ampctl.commands.sweep_resume import with_the_sweep_to_continue
+
+            sys.argv = ["ampctl", *with_the_sweep_to_continue(rest)]
+    except UsageError as exc:
+        refuse(command, str(exc))
+    if answering:
+        answer_hydras_completion(command, entry)
+        return
+    from ampctl.processes import start_kept_out_of_collections
+
+    with start_kept_out_of_collections():  # until the run is planned (commands/checks.py)
+        run_hydra_app(command, entry)
 
 
 def refuse_an_unknown_assumed_cpu(command: str) -> None:
@@ -263,11 +270,7 @@ def run_hydra_app(command: str, entry) -> None:
             raise
         refuse(command, yaml_error(exc))
     except RecursionError:  # Hydra composing a config that includes itself
-        from ampctl.commands.hydra_internals import hydra_flags
-
-        name = hydra_flags(sys.argv[1:])[0].get("config_name") or command
-        refuse(command, f"the config {name} includes itself in its defaults list (directly, or through a config it "
-                        "names): remove the cycle")
+        refuse(command, config_includes_itself(command))
     except OSError as exc:  # after Hydra's: its MissingConfigException is an OSError
         cannot_create = exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST) and exc.filename is not None
         if not (write_refused(exc) or cannot_create) or raised_in(exc, entry.__wrapped__):
@@ -279,6 +282,14 @@ def run_hydra_app(command: str, entry) -> None:
         if not raised_in(exc, entry.__wrapped__):
             report_the_unfinished_sweep(command, exc)
         raise
+
+
+def config_includes_itself(command: str) -> str:
+    from ampctl.commands.hydra_internals import hydra_flags
+
+    name = hydra_flags(sys.argv[1:])[0].get("config_name") or command
+    return (f"the config {name} includes itself in its defaults list (directly, or through a config it names): "
+            "remove the cycle")
 
 
 @contextlib.contextmanager

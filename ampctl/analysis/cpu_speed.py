@@ -142,7 +142,8 @@ class CpuSpeed:
                         f"{torch.__version__} did not use here")
         else:
             hardware = f"measured; no {instructions_wanted(dtype)}"
-        return f"{dtype} matmuls run {slowdown_words(speed)} than fp32 on this CPU ({hardware})"
+        size = "x".join(map(str, speed.shape))  # what the figure holds for: smaller matmuls differ (issue 51)
+        return f"{dtype} matmuls ({size}) run {slowdown_words(speed)} than fp32 on this CPU ({hardware})"
 
     def describe(self) -> list[str]:
         """One line per half type, for `ampctl list`."""

@@ -16,7 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ampctl import io
+from ampctl import io, machine_load
 from ampctl.engine import devices
 from ampctl.reports import plots
 from ampctl.reports.runs import RunRecord
@@ -173,9 +173,16 @@ def not_comparable_throughput(runs: Sequence[RunRecord]) -> str:
                           and other.summary["training_window"][0] < run.summary["training_window"][1]},
                          key=str)
     threads = {run.job: run.summary.get("torch_threads") for run in done}
+    # other processes than the sweep's own took a share of the machine while a job stepped (machine_load)
+    busy = [run.job for run in done if run.job not in overlapping
+            and machine_load.busy(run.summary.get("others_cpu_cores"))]
     why = []
     if overlapping:
         why.append(f"jobs {', '.join(f'#{job}' for job in overlapping)} ran at the same time on one host")
+    if busy:
+        why.append(f"other processes took a share of the machine while {', '.join(f'#{job}' for job in busy)} ran ("
+                   + ", ".join(f"#{run.job}: {run.summary['others_cpu_cores']:.1f} cores" for run in done
+                               if run.job in busy) + ")")
     if len(set(threads.values())) > 1:
         why.append("torch's thread counts differ (" + ", ".join(f"#{job}: {n}" for job, n in threads.items()) + ")")
     return f"throughput not comparable between jobs: {'; '.join(why)}" if why else ""

@@ -29,7 +29,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from ampctl import io
+from ampctl import io, machine_load
 from ampctl.conf.schema import ConsoleMode
 from ampctl.engine.telemetry import StepRecord
 
@@ -87,6 +87,8 @@ class _Latest:
         self.record: Optional[StepRecord] = None
         self.last_skipped: Optional[int] = None
         self.skipped_in_interval = 0
+        self._load = machine_load.sample()
+        self.others: Optional[float] = None  # the cores other processes took since the last records, when busy
 
     def update(self, records: list[StepRecord]) -> None:
         self.record = records[-1]
@@ -94,13 +96,19 @@ class _Latest:
         self.skipped_in_interval = len(skipped)
         if skipped:
             self.last_skipped = skipped[-1]
+        now = machine_load.sample()  # a log step: the records came back from the device anyway
+        others, self._load = machine_load.others_cores(self._load, now), now
+        self.others = others if machine_load.busy(others) else None
 
-    def throughput(self) -> str:
+    def throughput(self, why_busy: bool = False) -> str:
+        """The latest rate; `(busy)` where other processes took a share of the machine meanwhile: not the run's
+        speed alone (why_busy: how much of it they took)."""
         r = self.record
         assert r is not None
+        busy = "" if self.others is None else f" (busy: {machine_load.said(self.others)})" if why_busy else " (busy)"
         if self.tokens and r.tokens_per_s is not None:
-            return f"{human_rate(r.tokens_per_s)} tok/s"
-        return f"{human_rate(r.samples_per_s)} samples/s"
+            return f"{human_rate(r.tokens_per_s)} tok/s{busy}"
+        return f"{human_rate(r.samples_per_s)} samples/s{busy}"
 
     def mfu(self) -> str:
         """Model FLOPs utilization of the latest step, against the peak summary.json names."""
@@ -136,7 +144,7 @@ class PlainConsole:
         say(
             f"step {r.step}/{self.total} | loss {r.loss:.4f} | scale {io.scale_label(r.loss_scale)} | "
             f"skipped {r.skipped_total} (last {last}) | grad_norm {r.grad_norm:.3g} | lr {r.lr:.3g} | "
-            f"{self.latest.throughput()}{'' if r.mfu is None else f' | MFU {self.latest.mfu()}'} | "
+            f"{self.latest.throughput(why_busy=True)}{'' if r.mfu is None else f' | MFU {self.latest.mfu()}'} | "
             f"{r.step_time_ms:.1f} ms/step | peak {io.format_bytes(self.peak_memory(), decimals=1)} | "
             f"eta {format_duration(self.pace.remaining_s(r.step))}"
         )

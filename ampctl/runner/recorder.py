@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import io, run_files
+from ampctl import io, machine_load, run_files
 from ampctl.engine.telemetry import JsonlSink, Sink
 from ampctl.runner import checkpoint_files, identity
 from ampctl.runner.console import make_console_sink
@@ -238,5 +238,7 @@ def final_line(summary: dict, run_dir: Path) -> str:
         + (f", {summary['achieved_tflops']:.3g} TFLOP/s = {summary['mfu']:.1%} MFU" if summary.get("mfu") else "")
         + (" (an emulation's speed, not the format's)" if summary.get("emulated") else "")
         + (f" | compiled in {summary['compile_s']:.1f} s (not in the step times)" if summary.get("compiled") else "")
+        + (f" | the machine was busy ({machine_load.said(summary['others_cpu_cores'])}): its speed is not its own"
+           if machine_load.busy(summary.get("others_cpu_cores")) else "")
         + f" | {run_dir / run_files.SUMMARY}"
     )

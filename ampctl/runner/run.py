@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import run_files
+from ampctl import machine_load, run_files
 from ampctl.analysis import flops, mode_advice
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.precision_schema import scaler_is_active
@@ -104,6 +104,7 @@ class TrainingRun:
         # refuses a recipe without held-out batches, before anything is written
         self.evaluation = RunEvaluation(cfg, self.recipe, policy) if cfg.train.eval_every else None
         self.steps_began_at = time.time()  # set again when the steps begin
+        self.load_at_start: Optional[machine_load.Sample] = None  # taken there too
         self.mirror: Optional[Mirror] = None  # train.checkpoint_mirror's uploader, once the run has its identity
 
     def train(self) -> dict:
@@ -226,6 +227,7 @@ class TrainingRun:
         ranges_log = recorder.ranges_log(state, self.policy.device, cfg.telemetry.ranges_every)
         announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
         self.steps_began_at = time.time()  # a sweep's report tells from it which jobs overlapped
+        self.load_at_start = machine_load.sample()  # what other processes take of the machine while it steps
         try:
             preempt = cfg.train.preempt_signal.value if cfg.train.preempt_signal else None
             with StopOnSignal(announce_stop if parallel.is_main else "", preempt, stop_requested_of_this_job()) \
@@ -316,6 +318,8 @@ class TrainingRun:
             "torch_threads": torch.get_num_threads(),
             "host": platform.node(),
             "training_window": [round(self.steps_began_at, 3), round(time.time(), 3)],
+            # the cores other processes kept busy meanwhile: above a quarter of the machine its speed is not its own
+            "others_cpu_cores": machine_load.others_cores(self.load_at_start, machine_load.sample()),
             "run_dir": str(run_dir),
         }
 

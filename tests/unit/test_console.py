@@ -6,11 +6,30 @@ from __future__ import annotations
 import io as stdio
 import re
 
+import pytest
 import torch
 from rich.console import Console
 
+from ampctl import machine_load
 from ampctl.engine.telemetry import StepRecord, Telemetry
 from ampctl.runner.console import LIVE_COLUMNS, LiveConsole, Pace, PlainConsole, fit_columns, format_duration
+
+
+class MachineAt:
+    """machine_load.sample() as a machine where other processes keep `others` cores busy: each sample a second on,
+    this process idle (so that a line's words never depend on what the test machine does meanwhile)."""
+
+    def __init__(self, others: float) -> None:
+        self.others, self.t = others, 0.0
+
+    def __call__(self) -> machine_load.Sample:
+        self.t += 1.0
+        return machine_load.Sample(self.t, self.others * self.t, 0.0)
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    monkeypatch.setattr(machine_load, "sample", MachineAt(0.0))
 
 
 def record(step: int, ms: float = 100.0, scale: float = 65536.0, skipped: bool = False) -> StepRecord:
@@ -79,3 +98,17 @@ def test_plain_lines_carry_the_time_left_and_the_scale_as_a_power_of_two(capsys)
     lines = capsys.readouterr().out.splitlines()
     assert "scale 2^16" in lines[0] and lines[0].endswith("eta 0:01:39")  # 99 steps at the first step's 1 s
     assert re.search(r"step 10/100 .* eta 0:00:09$", lines[1])  # 90 steps at the median 100 ms
+
+
+def test_a_log_interval_while_other_processes_took_the_machine_says_so_where_the_speed_is_shown(capsys, monkeypatch):
+    """The busy test is the machine's (other processes' CPU time over wall time), not the run's own core share."""
+    monkeypatch.setattr(machine_load, "sample", MachineAt(0.9 * machine_load.cores()))
+    plain = PlainConsole(total_steps=10, tokens=False, peak_memory=lambda: None)
+    plain.write([record(1)])
+    line = capsys.readouterr().out.strip()
+    cores = machine_load.cores()
+    assert f"samples/s (busy: other processes used {0.9 * cores:.1f} of {cores} cores) |" in line, line
+    monkeypatch.setattr(machine_load, "sample", MachineAt(0.01))
+    plain = PlainConsole(total_steps=10, tokens=False, peak_memory=lambda: None)
+    plain.write([record(1)])
+    assert "busy" not in capsys.readouterr().out

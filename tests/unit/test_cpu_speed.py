@@ -27,8 +27,8 @@ def test_an_idle_avx512_bf16_cpu_reads_bf16_fast_and_fp16_slow_with_its_peaks():
     assert speed.peak_tflops("float16") is None and not speed.busy
     # fp16 is decided on the screening matmul: not one software-converted 1024^3 matmul is timed
     assert probe_shape_trials(cpu, "float16") == 0
-    assert speed.why_slow("float16") == ("float16 matmuls run more than 20x slower than fp32 on this CPU (measured; no "
-                                         "AVX512-FP16 or AMX-FP16)")
+    assert speed.why_slow("float16") == ("float16 matmuls (512x512x512) run more than 20x slower than fp32 on this CPU "
+                                         "(measured; no AVX512-FP16 or AMX-FP16)")  # the size it was decided at
     assert speed.why_slow("bfloat16") is None
 
 
@@ -63,8 +63,8 @@ def test_a_cpu_with_bf16_instructions_that_measures_slow_is_measured_again_and_n
     # never decided on the screen, whatever it measured there: timed at full size, attempt after attempt
     assert probe_shape_trials(cpu, "bfloat16") >= cpu_speed.ATTEMPTS * cpu_speed.MIN_ROUNDS
     why = speed.why_slow("bfloat16")
-    assert why == (f"bfloat16 matmuls run more than 10x slower than fp32 on this CPU (measured 3 times; the CPU has "
-                   f"AVX512-BF16, which torch {torch.__version__} did not use here)")
+    assert why == (f"bfloat16 matmuls (1024x1024x1024) run more than 10x slower than fp32 on this CPU (measured 3 "
+                   f"times; the CPU has AVX512-BF16, which torch {torch.__version__} did not use here)")
     assert "no AVX512-BF16" not in " ".join(speed.describe())
 
 
