@@ -147,7 +147,8 @@ class CpuSpeed:
 
     def describe(self) -> list[str]:
         """One line per half type, for `ampctl list`."""
-        lines = [f"fp32 matmuls: {self.speeds[FP32].tflops:.3g} TFLOP/s on {self.threads} threads (the MFU peak)"]
+        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
+        lines = [f"fp32 matmuls: {self.speeds[FP32].tflops:.3g} TFLOP/s on {threads} (the MFU peak)"]
         for dtype in HALF_TYPES:
             has = instructions_for(dtype, self.flags)
             instructions = f"{' and '.join(has)}: yes" if has else f"{instructions_wanted(dtype)}: no"

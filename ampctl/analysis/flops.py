@@ -107,7 +107,8 @@ def cpu_peak(dtype: str, speed: cpu_speed.CpuSpeed) -> Peak:
     if tflops is None:
         return Peak(None, f"{devices.cpu_model()}: {speed.why_no_peak(dtype)}")
     shape = "x".join(map(str, speed.speeds[dtype].shape))
-    return Peak(tflops, f"{devices.cpu_model()}, {shape} {dtype} matmuls measured on {speed.threads} threads "
+    threads = io.count_of(speed.threads, "thread")
+    return Peak(tflops, f"{devices.cpu_model()}, {shape} {dtype} matmuls measured on {threads} "
                         f"({speed.measured_at}): {tflops:.3g} TFLOP/s")
 
 

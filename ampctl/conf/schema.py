@@ -89,6 +89,9 @@ class TrainConfig:
     # torch.compile: each block the recipe names (as torchtitan compiles each transformer block), else the model
     compile: bool = safe_to_change(False)
     compile_mode: str = safe_to_change("default")  # torch.compile's mode: one of COMPILE_MODES
+    # torch's intra-op threads (torch.set_num_threads); null: torch's own choice, one per core. compare sizes them to
+    # the cores other processes leave free (a step waits for whichever thread the scheduler set aside)
+    threads: Optional[int] = safe_to_change(None)
     # N: a torch.profiler trace of N steady steps (after the timing warm-up) in the run's profile/, and a summary
     # of where their time went (matmuls, other ops, optimizer, data, ...); null: no profiler
     profile: Optional[int] = safe_to_change(None)
@@ -129,6 +132,8 @@ class TrainConfig:
             require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "an integer >= 1")
         for key in ("lr_warmup_steps", "timing_warmup_steps"):
             require(getattr(self, key) >= 0, f"train.{key}", getattr(self, key), "an integer >= 0")
+        if self.threads is not None:
+            require(self.threads >= 1, "train.threads", self.threads, "an integer >= 1, or null for one per core")
         if self.checkpoint_every is not None:
             require(self.checkpoint_every >= 1, "train.checkpoint_every", self.checkpoint_every,
                     "an integer >= 1, or null for a checkpoint at the end only")
@@ -271,7 +276,7 @@ class AdviseAppConfig(AmpctlConfig):
     and inspect studies it runs."""
 
     advise: AdviseConfig = field(default_factory=AdviseConfig)
-    compare: CompareConfig = field(default_factory=lambda: CompareConfig(seeds=3, rounds=3, warmup_steps=5))
+    compare: CompareConfig = field(default_factory=lambda: CompareConfig(seeds=3, warmup_steps=5))
     inspect: InspectConfig = field(default_factory=lambda: InspectConfig(steps=2))
 
 

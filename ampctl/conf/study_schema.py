@@ -17,8 +17,10 @@ class CompareConfig:
     precisions: Optional[list[str]] = None
     warmup_steps: int = 10  # steps left out of each mode's timings
     # the modes take turns in this many rounds after the warm-up (each a window of steps of every mode, one mode at
-    # a time): each mode's step time is the median of its rounds, its speedup has an interval; 1: one after another
-    rounds: int = 5
+    # a time): each mode's step time is the median of its rounds, its speedup the median of its rounds' ratios to
+    # the baseline's, with an interval; null: short turns (TURN_STEPS steps), as many as the steps allow, so that the
+    # two sides of a ratio run seconds apart and load falls on both alike; 1: one after another
+    rounds: Optional[int] = None
     # each mode trains with this many seeds (train.seed, +1, ...): accuracy parity with fp32 is judged against the
     # seed-to-seed noise (reports/parity.py); the seeds' rounds all count in the timings
     seeds: int = 1
@@ -33,7 +35,8 @@ class CompareConfig:
 
     def __post_init__(self) -> None:
         require(self.warmup_steps >= 0, "compare.warmup_steps", self.warmup_steps, "an integer >= 0")
-        require(self.rounds >= 1, "compare.rounds", self.rounds, "an integer >= 1")
+        require(self.rounds is None or self.rounds >= 1, "compare.rounds", self.rounds,
+                "an integer >= 1, or null for short turns")
         require(self.seeds >= 1, "compare.seeds", self.seeds, "an integer >= 1")
 
 

@@ -61,7 +61,7 @@ def read_corpus(corpus: Optional[str], max_bytes: int) -> bytes:
         if size >= max_bytes:
             break
     if not size and corpus is not None:  # torch.frombuffer's "both buffer length (0) and count (-1)" otherwise
-        raise UsageError(f"recipe.corpus={corpus!r} holds no text: give a text file, or a directory of them, that "
+        raise UsageError(f"recipe.corpus={corpus!r} holds 0 bytes: give a text file, or a directory of them, that "
                          "is not empty")
     return b"".join(chunks)[:max_bytes]
 

@@ -49,6 +49,9 @@ def run_training(plan: RunPlan, echo: Callable[[str], None] = say) -> dict:
     """Train as planned (runner/plan.py: checked there, not again), recording into plan.run_dir. Returns the
     summary. Raises UsageError for user mistakes, Interrupted after SIGINT/SIGTERM."""
     cfg, policy = plan.cfg, plan.policy
+    threads_before = torch.get_num_threads()  # put back after: the Python API's process goes on
+    if cfg.train.threads is not None:
+        torch.set_num_threads(cfg.train.threads)
     parallel = parallelism.start(cfg, policy.device, policy.dtype if policy.precision.autocast else None)
     try:
         mine = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -67,6 +70,7 @@ def run_training(plan: RunPlan, echo: Callable[[str], None] = say) -> dict:
         return summary
     finally:
         parallel.close()
+        torch.set_num_threads(threads_before)
 
 
 class TrainingRun:

@@ -54,6 +54,7 @@ from ampctl.studies.budget import (
 )
 from ampctl.studies.compare import CompareInterrupted, ModePlan, plan_modes, run_compare, split_overrides
 from ampctl.studies.inspect_ranges import run_inspect
+from ampctl.studies.turns import rounds_of
 
 OWN_KEYS = ("advise.", "compare.", "inspect.")  # advise's settings: not the runs'
 log = logging.getLogger(__name__)  # advise.log (Hydra's job logging): every line advise says
@@ -172,8 +173,8 @@ def _compare(advising: Advising, size: ComparisonSize, plans: list[ModePlan], sk
     advising.cfg = _with_seeds(advising.cfg, size.seeds)
     done_near = time.strftime('%H:%M', time.localtime(time.time() + size.estimate_s))
     advising.say(f"compare {', '.join(size.kept)} x {io.count_of(size.seeds, 'seed')} x "
-                 f"{io.count_of(size.steps, 'step')} in {io.count_of(advising.cfg.compare.rounds, 'round')}: about "
-                 f"{size.estimate_s / 60:.1f} min, done near {done_near}")
+                 f"{io.count_of(size.steps, 'step')} in {io.count_of(rounds_of(advising.cfg, size.steps), 'round')}: "
+                 f"about {size.estimate_s / 60:.1f} min, done near {done_near}")
     try:
         run_compare(advising.cfg, advising.out_dir / "compare", [*advising.run_overrides, f"train.steps={size.steps}"],
                     config_dir, planned=(plans, skipped), deadline=advising.clock.deadline())

@@ -45,6 +45,7 @@ from ampctl.reports.runs import load_run
 from ampctl.runner.plan import check_config
 from ampctl.studies import row_labels
 from ampctl.studies.rounds import RoundRun, run_in_rounds
+from ampctl.studies.turns import round_spans, threads_left_free
 
 
 @dataclass
@@ -175,15 +176,17 @@ class CompareInterrupted(Exception):
         super().__init__("its deadline passed" if out_of_time else signal.Signals(signum).name)
 
 
-def round_spans(cfg: DictConfig, steps: int) -> list[tuple[int, int]]:
-    """The steps of each round, refused in one line when a round would have no timed step (its first is left out)."""
-    warmup, n = cfg.compare.warmup_steps, cfg.compare.rounds
-    if steps - warmup < 2 * n:
-        raise UsageError(
-            f"compare.rounds={n}: each round needs 2 steps or more after compare.warmup_steps={warmup} (its first is "
-            f"left out), and train.steps={steps} leaves {max(steps - warmup, 0)}: raise train.steps to "
-            f"{warmup + 2 * n} or more, or lower compare.rounds")
-    return round_stats.windows(warmup, steps, n)
+def every_runs_overrides(cfg: DictConfig, plans: list[ModePlan], console: Console) -> list[str]:
+    """What every mode's run takes beside its own overrides: its held-out evaluation and, on a busy CPU, the threads
+    left free (each said, where there is something to say)."""
+    overrides, no_evaluation = evaluation_overrides(cfg, plans[0].steps)
+    if no_evaluation:
+        tables.print_line(console, f"  no held-out evaluation: {no_evaluation}")
+    threads = threads_left_free(cfg, [plan.device for plan in plans])
+    if threads is not None:
+        tables.print_line(console, f"  {threads.said}")
+        overrides.append(f"train.threads={threads.threads}")
+    return overrides
 
 
 def evaluation_overrides(cfg: DictConfig, steps: int) -> tuple[list[str], Optional[str]]:
@@ -207,7 +210,6 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
     skipped = dict(skipped)
     spans = round_spans(cfg, plans[0].steps)
     seeds = [cfg.train.seed + i for i in range(cfg.compare.seeds)]
-    evaluation, no_evaluation = evaluation_overrides(cfg, plans[0].steps)
     console = tables.make_console()
     out_dir.mkdir(parents=True, exist_ok=True)
     turns = (f"in {len(spans)} rounds of turns (steps {spans[0][0]}-{spans[-1][1]})" if len(spans) > 1
@@ -217,8 +219,7 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
                                f"{each_seed}; each run in its own process, {turns} -> {out_dir}")
     for mode, reason in skipped.items():
         tables.print_line(console, f"  skipped {mode}: {reason}")
-    if no_evaluation:
-        tables.print_line(console, f"  no held-out evaluation: {no_evaluation}")
+    every_run = every_runs_overrides(cfg, plans, console)
     started: list[RoundRun] = []
     interrupted, ran_seeds, seed_s = None, [], 0.0
     for seed in seeds:
@@ -232,7 +233,7 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
         for plan in plans:
             run_dir = comparison.run_dir(out_dir, plan.mode, seed, len(seeds) > 1)
             command = child_command(plan, run_dir, cfg.compare.warmup_steps, config_dir,
-                                    [*evaluation, f"train.seed={seed}"])
+                                    [*every_run, f"train.seed={seed}"])
             runs.append(RoundRun(plan.mode, command, run_dir, plan.steps))
         started += run_with_progress(runs, spans, console, f"seed {seed}: " if len(seeds) > 1 else "", deadline)
         seed_s = time.monotonic() - seed_started

@@ -297,7 +297,7 @@ def test_an_export_that_cannot_be_written_leaves_nothing(exportable_run, tmp_pat
     (["--bogus-flag"], "--bogus-flag: no such flag; overrides are key=value, and --help lists the flags"),
     (["-cn", "nope"], "-cn nope: no config nope.yaml in ampctl's configs or a -cd directory; give -cd DIR with "
                       "nope.yaml in it (ampctl init nope writes one)"),
-    (["recipe=hf_causal_lm", "recipe.corpus=EMPTY"], "recipe.corpus='EMPTY' holds no text: give a text file, or a "
+    (["recipe=hf_causal_lm", "recipe.corpus=EMPTY"], "recipe.corpus='EMPTY' holds 0 bytes: give a text file, or a "
                                                      "directory of them, that is not empty"),
 ])
 def test_a_flag_a_config_or_a_corpus_that_is_not_there_is_one_line(tmp_path, args, named):

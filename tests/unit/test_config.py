@@ -306,8 +306,8 @@ def test_the_keys_a_resume_may_change_are_the_schemas_marked_fields():
     assert set(SAFE_TO_CHANGE) == {
         "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.checkpoint_every_s",
         "train.keep_checkpoints", "train.checkpoint_mirror", "train.preempt_signal", "train.slurm_requeue",
-        "train.hang_after_s",
-        "train.compile", "train.compile_mode", "train.profile", "train.timing_warmup_steps", "train.eval_every",
+        "train.hang_after_s", "train.compile", "train.compile_mode", "train.threads", "train.profile",
+        "train.timing_warmup_steps", "train.eval_every",
         "train.eval_batches", "train.eval_fp32", "train.save_top_k", "telemetry.profile_cpu_memory",
         "distributed.", "logger.", "resume"}
 

@@ -159,3 +159,14 @@ def test_step_times_of_a_second_and_more_are_written_as_milliseconds_not_e_notat
     from ampctl.reports.tables import fmt
 
     assert fmt(12345.6) == "12,346" and fmt(0.000123) == "0.000123" and fmt(1.2345) == "1.234"
+
+
+def test_many_short_rounds_are_called_busy_from_their_percentiles_not_their_extremes():
+    """47 turns of 3 steps spread ~1.3x between their 10th and 90th percentiles on a quiet machine, their extremes
+    1.45x; beside two busy loops 2-8x. The extremes of so many rounds would call every quiet machine busy."""
+    quiet = [50.0] * 20 + [55.0] * 20 + [45.0, 62.0, 71.0, 49.0, 58.0, 53.0, 47.0]
+    assert max(quiet) / min(quiet) > rounds.BUSY_SPREAD and rounds.busy_rounds({"fp32": quiet}) is None
+    busy = [200.0] * 20 + [900.0] * 20 + [1300.0] * 7
+    said = rounds.busy_rounds({"fp32": quiet, "bf16": busy})
+    assert said is not None and said.startswith("the rounds disagree beyond the usual spread (bf16's 10th-90th "
+                                                "percentile of its round medians 200-1,300 ms")
