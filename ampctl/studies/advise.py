@@ -16,7 +16,9 @@ was measured, said to be partial.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any, Optional
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from ampctl import io
+from ampctl import io, run_files
 from ampctl.analysis import cpu_speed
 from ampctl.conf.composing import compose_job
 from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS, budget_seconds
@@ -37,12 +39,14 @@ from ampctl.studies import row_labels
 from ampctl.studies.advice import GradientEvidence, Preparation, decide, prepare
 from ampctl.studies.advice_report import Findings, write_advice
 from ampctl.studies.advise_evidence import gradient_evidence, layer_losses, mode_evidence, model_facts
+from ampctl.studies.advise_variants import compile_is_candidate, with_variants
 from ampctl.studies.budget import (
     CALIBRATION_STEPS,
     COMPILED_MIN_STEPS,
     INSPECT_SHARE,
     INSPECTED_STEP_COST,
     MARGIN_S,
+    MIN_SEEDS,
     PLANNED_SHARE,
     BudgetClock,
     Candidate,
@@ -120,8 +124,8 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     gradients = gradient_evidence(out_dir / "inspect") if inspected else None
     facts["model"] = model_facts(calibration, out_dir / "inspect" if inspected else None)
     advising.say(f"the model: {facts['model']}")
-    compile_measured = _compile_is_candidate(advising.cfg, advising.run_overrides, advising.notes)
-    advising.cfg = _with_variants(advising.cfg, advising.run_overrides, advising.notes, compile_measured)
+    compile_measured = compile_is_candidate(advising.cfg, advising.run_overrides, advising.notes)
+    advising.cfg = with_variants(advising.cfg, advising.run_overrides, advising.notes, compile_measured)
     plans, skipped = plan_modes(advising.cfg, advising.run_overrides, candidate_modes())
     prepared = _prepare(advising, plans, skipped, gradients)
     compile_s = 0.0
@@ -164,12 +168,13 @@ def _compare(advising: Advising, size: ComparisonSize, plans: list[ModePlan], sk
     if not size.runs:
         why = ("fp32 is the only candidate that runs here" if not size.dropped else
                f"fp32 and one other mode do not fit the {minutes(advising.clock.left())} left of advise.budget="
-               f"{advising.cfg.advise.budget}")
+               f"{advising.cfg.advise.budget}" + _budget_that_fits(advising, size))
         advising.say(f"compare: not run: {why} (each mode's reason below)")
         advising.notes.append(f"no comparison: {why}; the advice is fp32 by default, not by measurement")
         return None
     if size.fewer_seeds:
-        advising.notes.append(f"compare: {size.fewer_seeds} in advise.budget={advising.cfg.advise.budget}")
+        advising.notes.append(f"compare: {size.fewer_seeds} in advise.budget={advising.cfg.advise.budget}"
+                              + (_budget_that_fits(advising, size) if size.seeds < MIN_SEEDS else ""))
     advising.cfg = _with_seeds(advising.cfg, size.seeds)
     done_near = time.strftime('%H:%M', time.localtime(time.time() + size.estimate_s))
     advising.say(f"compare {', '.join(size.kept)} x {io.count_of(size.seeds, 'seed')} x "
@@ -180,7 +185,26 @@ def _compare(advising: Advising, size: ComparisonSize, plans: list[ModePlan], sk
                     config_dir, planned=(plans, skipped), deadline=advising.clock.deadline())
     except CompareInterrupted as exc:
         return exc
+    finally:
+        _seeds_that_ran(advising, size)
     return None
+
+
+def _seeds_that_ran(advising: Advising, size: ComparisonSize) -> None:
+    """A note where the deadline left seeds of the comparison unstarted (the notes said the seeds planned)."""
+    record = advising.out_dir / "compare" / f"{run_files.COMPARISON}.json"
+    ran = json.loads(record.read_text()).get("seeds", []) if record.is_file() else []
+    if 0 < len(ran) < size.seeds:
+        advising.notes.append(f"compare: {len(ran)} of the {size.seeds} seeds planned ran before advise.budget's end "
+                              "(the runs took longer than their estimate)")
+
+
+def _budget_that_fits(advising: Advising, size: ComparisonSize) -> str:
+    """`; advise.budget=5m would compare them`: the time so far and the comparison's, as the budget's share of it."""
+    if size.needed_s is None:
+        return ""
+    total_s = advising.clock.elapsed() + size.needed_s / PLANNED_SHARE + MARGIN_S
+    return f"; advise.budget={math.ceil(total_s / 60)}m would compare fp32 and the cheapest of them"
 
 
 def _candidate(plan: ModePlan, plans: list[ModePlan]) -> Candidate:
@@ -231,74 +255,6 @@ def _inspect(advising: Advising, out_dir: Path, mode: str, relative: float = 1.0
     advising.say(f"inspect in {mode}: {what}, {io.count_of(steps, 'step')}")
     inspect_cfg = compose_job("advise", [*run_overrides, f"precision={mode}", f"inspect.steps={steps}"])
     return run_inspect(inspect_cfg, out_dir, [*run_overrides, f"precision={mode}"], clock.deadline(INSPECT_SHARE))
-
-
-def _compile_is_candidate(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> bool:
-    """Whether compile is to be measured (the budget decides later where advise.compile is null)."""
-    if cfg.compare.compile is not None or any(o.lstrip("+~").startswith("train.compile=") for o in run_overrides):
-        notes.append("torch.compile: as set (compare.compile or train.compile), not chosen by advise")
-        return False
-    if cfg.advise.compile is False:
-        notes.append("torch.compile: not measured (advise.compile=false)")
-        return False
-    return True
-
-
-def _with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str], compiled_too: bool = False,
-                   ) -> DictConfig:
-    """The ways compare runs each mode: eager and compiled where compile is a candidate (the budget may drop the
-    compiled ones later); where memory is the goal, with and without activation checkpointing (where the recipe
-    names blocks to checkpoint) and with the run's AdamW and 8-bit AdamW states; otherwise a note of why not."""
-    if compiled_too:
-        cfg = cfg.copy()
-        with open_dict(cfg):
-            cfg.compare.compile = [False, True]
-    if cfg.advise.goal.value == "memory":
-        cfg = _with_optimizer_states(cfg, run_overrides, notes)
-    if cfg.compare.activation_checkpointing is not None or any(
-            o.lstrip("+~").startswith("train.activation_checkpointing=") for o in run_overrides):
-        notes.append("activation checkpointing: as set (compare.activation_checkpointing or "
-                     "train.activation_checkpointing), not chosen by advise")
-        return cfg
-    if cfg.advise.goal.value != "memory":
-        notes.append("activation checkpointing: not measured: it trades compute for memory (it runs each "
-                     "checkpointed block's forward twice), which goal=speed does not ask for; advise.goal=memory "
-                     "measures it")
-        return cfg
-    from ampctl.recipes.base import build_recipe
-    from ampctl.reports.plots import recipe_label
-
-    if getattr(build_recipe(cfg.recipe), "activation_checkpoint_blocks", None) is None:
-        notes.append(f"activation checkpointing: not measured: recipe {recipe_label(cfg)} names no blocks to "
-                     "checkpoint")
-        return cfg
-    out = cfg.copy()
-    with open_dict(out):
-        out.compare.activation_checkpointing = [False, True]
-    return out
-
-
-# goal=memory: the optimizer whose states advise weighs beside the run's AdamW (torchao's, 2 bytes a parameter
-# instead of 8: engine/optimizer_states.py)
-LEANER_ADAMW = "adamw_8bit"
-
-
-def _with_optimizer_states(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> DictConfig:
-    """goal=memory: the run's AdamW and AdamW with 8-bit states, each a row of the comparison, where torchao is
-    installed and neither the optimizer nor compare.optimizers was chosen; otherwise a note of why not."""
-    import importlib.util
-
-    if cfg.compare.optimizers is not None or any(o.lstrip("+~").split("=")[0] == "optimizer" for o in run_overrides):
-        notes.append("optimizer states: as chosen (optimizer= or compare.optimizers), not chosen by advise")
-        return cfg
-    if cfg.optimizer._target_ != "torch.optim.AdamW" or importlib.util.find_spec("torchao") is None:
-        notes.append(f"optimizer states: not measured: optimizer={LEANER_ADAMW} (torchao's 8-bit AdamW states) needs "
-                     "the run's optimizer to be AdamW and torchao installed (pip install 'ampctl[torchao]')")
-        return cfg
-    out = cfg.copy()
-    with open_dict(out):
-        out.compare.optimizers = ["adamw", LEANER_ADAMW]
-    return out
 
 
 def _prepare(advising: Advising, plans: list[ModePlan], skipped: dict[str, str],

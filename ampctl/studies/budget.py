@@ -11,6 +11,7 @@ may run past the budget is MARGIN_S: the step each run is in, its checkpoint, an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -98,6 +99,8 @@ class ComparisonSize:
     estimate_s: float = 0.0
     dropped: dict[str, str] = field(default_factory=dict)  # a candidate left out -> why
     fewer_seeds: Optional[str] = None
+    # where fp32 and another mode did not fit with MIN_SEEDS seeds: the seconds that would compare them so
+    needed_s: Optional[float] = None
 
     @property
     def runs(self) -> bool:
@@ -120,8 +123,27 @@ def estimate(candidates: Sequence[Candidate], step_s: float, seeds: int, compile
 def size_comparison(candidates: Sequence[Candidate], step_s: float, seconds: float, seeds: int,
                     compile_s: float = 0.0, min_steps: int = MIN_STEPS) -> ComparisonSize:
     """The largest comparison that fits `seconds`: every candidate with the seeds asked for, each run at least
-    min_steps; else fewer seeds (down to MIN_SEEDS); else without the costliest candidate, and so on. Not run
-    (kept: fp32 alone) where fp32 and one other cannot fit."""
+    min_steps; else fewer seeds (down to MIN_SEEDS); else without the costliest candidate, and so on. Where fp32
+    and one other cannot fit with MIN_SEEDS seeds: the two with one seed (the speed measured, the accuracy not
+    decided), else not run (kept: fp32 alone); either way the seconds that would compare them over MIN_SEEDS."""
+    size = _largest_that_fits(candidates, step_s, seconds, seeds, compile_s, min_steps)
+    if size.runs or len(candidates) < 2 or seeds < MIN_SEEDS:
+        return size
+    cheapest = min((c for c in candidates if not c.baseline),
+                   key=lambda c: c.relative * step_s * min_steps + (compile_s if c.compiled else 0.0))
+    pair = [c for c in candidates if c.baseline or c is cheapest]
+    needed_s = estimate(pair, step_s, MIN_SEEDS, compile_s, steps=min_steps)[1]
+    steps, seconds_needed = estimate(pair, step_s, 1, compile_s, seconds)
+    if steps < min_steps:
+        return dataclasses.replace(size, needed_s=needed_s)
+    dropped = {label: why for label, why in size.dropped.items() if label != cheapest.label}
+    return ComparisonSize([c.label for c in pair], steps, 1, seconds_needed, dropped,
+                          f"1 seed of compare.seeds={seeds}: {MIN_SEEDS} would leave fewer than {min_steps} steps a "
+                          "run; its speed is measured, its accuracy against fp32 is not decided", needed_s)
+
+
+def _largest_that_fits(candidates: Sequence[Candidate], step_s: float, seconds: float, seeds: int,
+                       compile_s: float, min_steps: int) -> ComparisonSize:
     kept, dropped = list(candidates), {}
     fewest = min(seeds, MIN_SEEDS)
     while len(kept) > 1:

@@ -310,6 +310,9 @@ def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, 
     return sum(run.failed for _, records in runs for run in records)
 
 
+ROUND_LINES = 5  # lines a seed's rounds are said in, at most (the table has them all)
+
+
 def run_with_progress(runs: list[RoundRun], spans: list[tuple[int, int]], console: Console,
                       prefix: str = "", deadline: Optional[float] = None) -> list[RoundRun]:
     """run_in_rounds with a progress bar over every mode's steps (or plain lines off a terminal): a line as each
@@ -323,13 +326,17 @@ def run_with_progress(runs: list[RoundRun], spans: list[tuple[int, int]], consol
     overall = progress.add_task("compare", total=sum(run.steps for run in runs))
     round_ends = [first - 1 for first, _ in spans] if len(spans) > 1 else []
 
+    said_every = max(1, round(len(spans) / ROUND_LINES))  # many short rounds: a line every few of them
+
     def on_round(r: int) -> None:
+        progress.update(overall, description=f"round {min(r + 1, len(spans))}/{len(spans)}")
+        if r % said_every and r != len(spans):
+            return
         figures = []
         for run in runs:
             (ms,) = round_stats.round_medians(load_rows(run.run_dir), [spans[r - 1]])
             figures.append(f"{run.label} {'-' if ms is None else io.milliseconds(ms)} ms")
         say(f"{prefix}round {r}/{len(spans)}: median step {', '.join(figures)}")
-        progress.update(overall, description=f"round {min(r + 1, len(spans))}/{len(spans)}")
 
     def on_finished(run: RoundRun) -> None:
         record = load_run(run.run_dir) if run.error is None or run.stopped_by is not None else None

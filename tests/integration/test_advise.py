@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -192,12 +193,12 @@ def test_activation_checkpointing_is_measured_only_for_memory_and_a_recipe_with_
     from hydra import initialize_config_module
 
     from ampctl.conf.composing import compose_job
-    from ampctl.studies.advise import _with_variants
+    from ampctl.studies.advise_variants import with_variants
 
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         def variants_of(*overrides: str) -> tuple[object, list[str]]:
             notes: list[str] = []
-            return _with_variants(compose_job("advise", list(overrides)), list(overrides), notes).compare \
+            return with_variants(compose_job("advise", list(overrides)), list(overrides), notes).compare \
                 .activation_checkpointing, notes
 
         assert variants_of("recipe=gpt", "advise.goal=memory") == ([False, True], [])
@@ -215,12 +216,12 @@ def test_8bit_adamw_states_are_weighed_only_for_memory_and_the_runs_own_adamw(mo
     from hydra import initialize_config_module
 
     from ampctl.conf.composing import compose_job
-    from ampctl.studies.advise import _with_variants
+    from ampctl.studies.advise_variants import with_variants
 
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         def optimizers_of(*overrides: str) -> tuple[object, list[str]]:
             notes: list[str] = []
-            return _with_variants(compose_job("advise", list(overrides)), list(overrides), notes).compare.optimizers, \
+            return with_variants(compose_job("advise", list(overrides)), list(overrides), notes).compare.optimizers, \
                 notes
 
         if importlib.util.find_spec("torchao") is not None:
@@ -265,9 +266,10 @@ def test_advise_keeps_to_its_budget_on_a_machine_that_gets_busy_after_its_calibr
 
 @pytest.mark.slow
 def test_advise_skips_what_cannot_fit_and_cites_only_what_it_wrote(tmp_path):
-    """0.4 s a step and a 50 s budget: one inspected step (~10 s) does not fit a quarter of what is left, nor do
-    fp32 and O0 over 2 seeds of 30 steps: both are skipped, each with a note; nothing cites compare/ or advice.png."""
-    advised = ampctl("advise", *SLOW, "+recipe.step_s=0.4", "compare.precisions=[fp32,O0]", "advise.budget=50s",
+    """0.6 s a step and a 50 s budget: one inspected step (~15 s) does not fit a quarter of what is left, nor do
+    fp32 and O0 over one seed of 30 steps: both are skipped, each with a note, the budget that would compare them
+    said; nothing cites compare/ or advice.png."""
+    advised = ampctl("advise", *SLOW, "+recipe.step_s=0.6", "compare.precisions=[fp32,O0]", "advise.budget=50s",
                      "hydra.run.dir=advice", cwd=tmp_path)
     assert advised.returncode == 0, advised.stderr[-3000:]
     out = tmp_path / "advice"
@@ -275,6 +277,7 @@ def test_advise_skips_what_cannot_fit_and_cites_only_what_it_wrote(tmp_path):
     assert not (out / "inspect").exists() and not (out / "compare").exists() and not (out / "advice.png").exists()
     assert "note: inspect in fp32: not run in advise.budget=50s" in advised.stdout
     assert "compare: not run: fp32 and one other mode do not fit" in advised.stdout
+    assert re.search(r"advise\.budget=\d+m would compare fp32 and the cheapest of them", advised.stdout), advised.stdout
     assert "not O0: not compared in the budget" in advised.stdout
     assert "(the evidence: calibration/, advice.json)" in advised.stdout
     assert "the model: " in advised.stdout and "leaf layer" not in advised.stdout  # no inspection to count them

@@ -48,6 +48,9 @@ def test_fewer_seeds_come_before_fewer_modes_and_fp32_is_never_dropped():
     size = size_comparison(candidates, step_s=0.2, seconds=(two_seeds_s + three_seeds_s) / 2, seeds=3)
     assert size.kept == ["fp32", "O0"] and size.seeds == 2 and "2 seeds of compare.seeds=3" in size.fewer_seeds
     size = size_comparison(candidates, step_s=0.2, seconds=two_seeds_s - 1, seeds=3)
+    assert size.kept == ["fp32", "O0"] and size.seeds == 1  # the pair with one seed: its speed, not its accuracy
+    one_seed_s = SERVER_START_S + 2 * (PROCESS_START_S + MIN_STEPS * 0.2)
+    size = size_comparison(candidates, step_s=0.2, seconds=one_seed_s - 1, seeds=3)
     assert size.kept == ["fp32"] and not size.runs and list(size.dropped) == ["O0"]
     # the costliest goes first: the compiled run, whose compile time is paid in every seed
     three = [FP32, Candidate("bf16", 1.0), Candidate("fp32+compile", 1.0, compiled=True)]
@@ -91,3 +94,19 @@ def test_the_clock_counts_from_the_commands_start():
     assert clock.line("x").startswith("[0:10 of 1:00] x")
     assert abs(clock.deadline(0.5) - (time.monotonic() + 0.5 * clock.left())) < 0.1
     assert BudgetClock(5, already_s=10).left() == 0
+
+
+def test_a_pair_that_does_not_fit_two_seeds_runs_with_one_and_says_the_budget_that_would_fit_two():
+    """The issue's case: fp32 and bf16 on a machine where two seeds of MIN_STEPS do not fit what is left: the pair with
+    one seed (its speed measured, its accuracy not decided), and the seconds two seeds would need; where not even
+    one fits, nothing runs but the seconds are said."""
+    pair = [FP32, Candidate("bf16", 0.5), Candidate("mxfp8", 8.0)]
+    two_s = estimate(pair[:2], 0.2, 2, steps=MIN_STEPS)[1]
+    one_s = estimate(pair[:2], 0.2, 1, steps=MIN_STEPS)[1]
+    size = size_comparison(pair, step_s=0.2, seconds=(one_s + two_s) / 2, seeds=3)
+    assert size.kept == ["fp32", "bf16"] and size.seeds == 1 and size.steps >= MIN_STEPS
+    assert size.fewer_seeds.startswith("1 seed of compare.seeds=3: 2 would leave fewer than 30 steps a run; its speed "
+                                       "is measured, its accuracy against fp32 is not decided")
+    assert size.needed_s == two_s and list(size.dropped) == ["mxfp8"]
+    nothing = size_comparison(pair, step_s=0.2, seconds=one_s - 1, seeds=3)
+    assert not nothing.runs and nothing.needed_s == two_s
