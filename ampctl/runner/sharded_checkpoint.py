@@ -20,7 +20,7 @@ import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,9 @@ class ShardedWriter:
                 checkpoint_files.save_atomic({k: v for k, v in payload.items() if k not in SHARDED}, tmp / STATE_FILE,
                                        checksum=False)
             if self._executor is None:
-                with _naming_write_errors(tmp):
+                # DCP reports each rank's failure in a CheckpointException, torch's zip writer a full disk as a
+                # RuntimeError ("unexpected pos") with the OSError as its context: said as that OSError, naming tmp
+                with naming_refused_writes(tmp):
                     dcp.save(shards, checkpoint_id=str(tmp), no_dist=no_dist)
                 told_to_every_rank(self.state.parallel, f"the checkpoint {final.name}",
                                    lambda: self._finish(tmp, final))
@@ -103,7 +105,7 @@ class ShardedWriter:
 
     def _finish_after(self, written: Future, tmp: Path, final: Path) -> None:
         try:
-            with _naming_write_errors(tmp):
+            with naming_refused_writes(tmp):
                 written.result()
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -138,7 +140,7 @@ class ShardedWriter:
         tmp = self._pending_path
         try:
             if not self.is_main:  # this rank's own shard
-                with _naming_write_errors(tmp):
+                with naming_refused_writes(tmp):
                     pending.result()
             told_to_every_rank(self.state.parallel, f"the checkpoint {tmp.name.removesuffix('.tmp')}",
                                lambda: self._result(pending, tmp))
@@ -148,7 +150,7 @@ class ShardedWriter:
 
     @staticmethod
     def _result(pending: Future, tmp: Path) -> None:
-        with _naming_write_errors(tmp):
+        with naming_refused_writes(tmp):
             pending.result()
 
     def finish(self) -> None:
@@ -180,13 +182,6 @@ def _remove_what_this_node_wrote(tmp: Path, run_dir: Path) -> None:
             folder.rmdir()  # only when empty: a rank other than 0 made them on its own node's disk
         except OSError:
             break
-
-
-def _naming_write_errors(folder: Path) -> ContextManager[None]:
-    """A write the machine refused (a full disk) as an OSError naming the checkpoint being written. DCP
-    reports each rank's failure inside a CheckpointException, and torch's zip writer turns the OSError into
-    a RuntimeError ("unexpected pos"), keeping it only as the context."""
-    return naming_refused_writes(folder)
 
 
 def refuse_missing_shards(folder: Path) -> None:
