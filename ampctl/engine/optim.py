@@ -183,7 +183,7 @@ class LRSchedule:
                 lr = factor * base
                 group["lr"].copy_(lr)  # in the optimizer's own dtype
                 if i == 0:
-                    self._lr_now.copy_(lr)
+                    self._lr_now = lr  # the schedule's own float64 value: no kernel of its own
             else:
                 group["lr"] = float(factor) * base
                 if i == 0:
