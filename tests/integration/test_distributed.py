@@ -192,5 +192,10 @@ def test_a_write_rank_0_cannot_make_ends_every_rank_with_its_line(tmp_path):
     assert said == [f"ampctl train: error: cannot write {run_dir}/checkpoints/step_00000004.pt.tmp: File too large; "
                     "no checkpoint was written"], done.stderr[-3000:]
     assert "[rank1]" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]
-    assert re.findall(r"exitcode\s*: (\d+)", done.stderr) == ["74"] * len(re.findall(r"exitcode", done.stderr))
+    # The rank that ends first is torchrun's root cause; the agent then sends the other SIGTERM, which can reach it
+    # before its own exit 74 does (a race CI lost once): that rank's -15 is torchrun's doing, not a second failure.
+    codes = re.findall(r"exitcode\s*: (-?\d+)", done.stderr)
+    assert len(codes) == len(re.findall(r"exitcode", done.stderr)) and set(codes) <= {"74", "-15"}, done.stderr[-3000:]
+    root_cause = done.stderr.split("Root Cause", 1)[1]
+    assert re.findall(r"exitcode\s*: (-?\d+)", root_cause) == ["74"], done.stderr[-3000:]
     assert not list((run_dir / "checkpoints").glob("*.tmp")) if (run_dir / "checkpoints").exists() else True
