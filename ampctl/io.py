@@ -26,9 +26,32 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    """Write, fsync, rename, fsync the directory: a record a resume trusts survives a power cut whole or not at all.
+    The temporary name is unique (two writers of one path, a rank and a callback, never share one) and ends in
+    `.tmp`, which a run that starts again removes (runner/checkpoint_files.remove_stale_files)."""
+    import secrets
+
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to any file written
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """A rename into path (a directory) made durable: POSIX keeps it only once the directory itself is synced."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def strict_json(value: Any) -> Any:

@@ -11,7 +11,10 @@ def _version() -> str:
     try:
         return version("ampctl")
     except PackageNotFoundError:
-        import tomllib
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10: the same parser, as a package (a dependency there)
+            import tomli as tomllib  # type: ignore[no-redef]
 
         pyproject = pathlib.Path(__file__).parents[1] / "pyproject.toml"
         return tomllib.loads(pyproject.read_text())["project"]["version"]

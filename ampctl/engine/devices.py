@@ -80,14 +80,6 @@ def autocast_works(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def cpu_grad_scaler_available() -> bool:
-    try:
-        torch.amp.GradScaler("cpu")
-        return True
-    except (AttributeError, RuntimeError, TypeError):
-        return False
-
-
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 

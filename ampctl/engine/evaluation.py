@@ -108,8 +108,3 @@ def untouched(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-
-
-def first_batch(recipe: Any, device: torch.device) -> Optional[Any]:
-    """The first held-out batch, or None (to check a recipe's eval_batches at start)."""
-    return next(iter(recipe.eval_batches(device)), None)

@@ -59,14 +59,6 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 # --- writing whole ---------------------------------------------------------------------------------
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _Hashing:
     """A file that hashes what is written through it: torch.save writes its zip archive sequentially, so the
     digest is the file's own, computed without reading the checkpoint back."""
@@ -114,7 +106,7 @@ def save_atomic(payload: dict[str, Any], path: Path, checksum: bool = True) -> N
         if error is not None and (error is not exc or error.filename is None):  # a full disk, named
             raise OSError(error.errno, error.strerror, str(tmp)) from None
         raise
-    fsync_dir(path.parent)  # the rename itself survives a power cut
+    io.fsync_dir(path.parent)  # the rename itself survives a power cut
 
 
 # --- pruning, setting aside, cleaning up ----------------------------------------------------------

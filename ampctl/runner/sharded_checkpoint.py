@@ -122,11 +122,11 @@ class ShardedWriter:
         files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
         lines = "".join(f"{checkpoint_files.file_sha256(p)}  {p.name}\n" for p in files)
         io.atomic_write_text(tmp / MANIFEST, lines)
-        checkpoint_files.fsync_dir(tmp)
+        io.fsync_dir(tmp)
         if final.exists():  # the same step saved again (a run resumed at its last step): the newer one wins
             shutil.rmtree(final)
         tmp.rename(final)
-        checkpoint_files.fsync_dir(final.parent)
+        io.fsync_dir(final.parent)
         checkpoint_files.prune(self.run_dir, self.keep)
         if self.on_saved is not None:
             self.on_saved(final)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ampctl import io
@@ -54,3 +55,35 @@ def test_a_line_longer_than_the_terminal_breaks_at_word_boundaries_with_its_cont
     assert wrap_words("short", 40) == "short"
     long_path = "run_dir=/" + "x" * 60
     assert wrap_words(f"recipe=mlp {long_path}", 40) == f"recipe=mlp\n  {long_path}"  # a word longer stays whole
+
+
+def test_a_record_is_written_whole_by_concurrent_writers_and_a_failed_write_leaves_no_temporary_file(tmp_path,
+                                                                                                     monkeypatch):
+    """Two writers of one record (a rank and a Hydra callback) used to share `<name>.tmp`: one renamed the other's
+    half-written file into place, or found its own gone. Each now writes under a name of its own, fsyncs, renames."""
+    import os
+    import threading
+
+    path = tmp_path / "summary.json"
+    payloads = [bytes([i]) * 200_000 for i in range(8)]
+    threads = [threading.Thread(target=lambda p=p: [io.atomic_write_bytes(path, p) for _ in range(20)])
+               for p in payloads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert path.read_bytes() in payloads  # one writer's whole record, never a mix
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    io.atomic_write_text(path, "new\n")
+    assert path.read_text() == "new\n" and len(synced) == 2  # the file's bytes, then the directory's rename
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError):
+        io.atomic_write_text(path, "lost\n")
+    assert path.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
