@@ -16,8 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ampctl.commands.outcomes import leave, refuse
-from ampctl.errors import CommandLineRefused, UsageError, write_refused
+from ampctl.commands.outcomes import leave, refuse, said_in_one_line, write_refused_line
+from ampctl.errors import CommandLineRefused, SomeRunsFailed, UsageError, cannot_write, write_refused
 
 # command -> (module, function, one-line description)
 COMMANDS = {
@@ -69,11 +69,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         with interrupts_surfaced():
             dispatch(sys.argv[1:] if argv is None else list(argv))
         sys.stdout.flush()  # inside the try: a reader that stopped early is seen here, not at exit
-    except BrokenPipeError:
+    except BrokenPipeError as exc:
         # `ampctl list | head -1`: the reader has what it wanted; not an error. Python's own flush at exit
         # would fail again on the closed pipe, so stdout goes to /dev/null (the recipe in Python's docs).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(0)
+        leave(exc, [])
     except KeyboardInterrupt as exc:
         # Ctrl-C (or another stop signal) before a command could stop gracefully (importing torch, composing,
         # Hydra making the run directory: run_hydra_app removes that): nothing was recorded
@@ -82,7 +82,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         # rich handles a closed pipe itself: stdout to /dev/null, then SystemExit(1). The same case as above
         # (told apart from a failed run whose output the user sent to /dev/null).
         if exc.code == 1 and not devnull_from_the_start and stdout_is_devnull():
-            sys.exit(0)
+            leave(BrokenPipeError(), [])
         raise
 
 
@@ -161,7 +161,8 @@ def dispatch(args: list[str]) -> None:
     if hasattr(entry, "__wrapped__"):  # a @hydra.main app (its primary config is named as the command)
         run_a_hydra_command(command, entry, rest, answering)
     else:
-        entry()
+        with said_in_one_line(command):  # its refusal, or a write the machine refused: one line (commands/outcomes.py)
+            entry()
     if under_torchrun:
         from ampctl.processes import exit_worker
 
@@ -256,13 +257,15 @@ def run_hydra_app(command: str, entry) -> None:
         raise
     except CommandLineRefused as exc:
         refuse(command, str(exc))
+    except SomeRunsFailed as exc:  # a sweep whose table names failed jobs (reports/sweep.py)
+        leave(exc, [])
     except (UsageError, HydraException, OmegaConfBaseException, AssertionError, ValueError) as exc:
         if raised_in(exc, entry.__wrapped__):
             raise  # an error inside a job is not the command line's: the job reported it, or it is a bug
         refused = write_refused_in(exc)
         if refused is not None:  # Hydra could not open the run's log in it (logging's "Unable to configure handler")
-            leave(refused, [f"ampctl {command}: error: cannot write {refused.filename}: {refused.strerror}; the run "
-                            "directory refuses writes (read-only, full): nothing was changed in it"])
+            leave(refused, [write_refused_line(command, refused, "; the run directory refuses writes (read-only, "
+                                                                 "full): nothing was changed in it")])
         refuse(command, str(exc) if isinstance(exc, UsageError) else (
             key_under_null_node(sys.argv[1:]) or unparsable_override(sys.argv[1:], exc) or one_line(exc)))
     except yaml.YAMLError as exc:  # a config file under -cd that is not YAML
@@ -276,8 +279,7 @@ def run_hydra_app(command: str, entry) -> None:
         if not (write_refused(exc) or cannot_create) or raised_in(exc, entry.__wrapped__):
             raise
         # Hydra could not create the run directory or write its .hydra/ files: the directory the user chose
-        refuse(command, f"cannot write {exc.filename}: {exc.strerror}; choose a writable hydra.run.dir (or "
-                        "hydra.sweep.dir)")
+        refuse(command, f"{cannot_write(exc)}; choose a writable hydra.run.dir (or hydra.sweep.dir)")
     except Exception as exc:  # a launcher that runs the jobs elsewhere failed while its sweep ran
         if not raised_in(exc, entry.__wrapped__):
             report_the_unfinished_sweep(command, exc)

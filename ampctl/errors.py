@@ -1,4 +1,5 @@
-"""User-facing errors. Each one renders as a single line and exits with code 2 (a usage error)."""
+"""What ends a command other than its success, as exceptions, and the tests of an OSError that is the machine's
+refusal of a write. How each ends the command (its line, exit code, clean-up): commands/outcomes.py."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def print_error(line: str, this_rank_alone: bool = False) -> None:
     this_rank_alone: an end this rank met alone (its recipe raised), which it says itself."""
     if this_rank_alone or int(os.environ.get("LOCAL_RANK", "0")) == 0:
         print(line, file=sys.stderr, flush=True)
+
+
+def cannot_write(exc: OSError) -> str:
+    """The one phrase for a write the machine refused: `cannot write PATH: REASON` (each command adds what it
+    means for its files)."""
+    return f"cannot write {exc.filename}: {exc.strerror}"
 
 
 def write_refused(exc: BaseException) -> bool:
@@ -110,10 +117,19 @@ class CommandLineRefused(BaseException):
         super().__init__(str(error))
 
 
+class SomeRunsFailed(BaseException):
+    """A command that ran to its end, some of whose runs failed (a sweep's jobs, a comparison's modes, the runs a
+    report reads): each is named in its table, the exit code says that some did. A BaseException for the reason
+    CommandLineRefused is one: the sweep's table is written by a Hydra callback."""
+
+    def __init__(self, failed: int) -> None:
+        self.failed = failed
+        super().__init__(f"{failed} failed")
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse for the commands that are not Hydra apps (list, init): a bad argument is one line
-    (`ampctl list: error: ...`, exit 2), as in every command, instead of argparse's usage and error."""
+    """argparse for the commands that are not Hydra apps (list, init): a bad argument is a UsageError, said in one
+    line (`ampctl list: error: ...`, exit 2) as in every command, instead of argparse's usage block and exit."""
 
     def error(self, message: str) -> NoReturn:
-        print_error(f"{self.prog}: error: {message}")
-        sys.exit(USAGE_EXIT_CODE)
+        raise UsageError(message)

@@ -28,14 +28,27 @@ from types import FrameType
 from typing import Callable, Iterator, Optional
 
 
-class Interrupted(Exception):
-    def __init__(self, signum: int, step: int, checkpoint: Optional[str]) -> None:
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"{signal.Signals(signum).name} at step {step}")
+def signal_exit_code(signum: int) -> int:
+    """The exit code of a command a signal ended: the shell's convention, 128 + its number (130 for SIGINT, 143 for
+    SIGTERM). The one place it is computed."""
+    return 128 + signum
 
-    @property
-    def exit_code(self) -> int:
-        return 128 + self.signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+class StoppedOnSignal(Exception):
+    """A stop signal the command handled where it was: what it was doing stopped at a point it chose (the training
+    loop after its step, with a checkpoint; a comparison's runs, each with its own), and what it did is kept."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        self.signum = signum
+        super().__init__(message)
+
+
+class Interrupted(StoppedOnSignal):
+    """The training loop stopped on a signal after step `step`, with its checkpoint (None: none could be written)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Optional[str]) -> None:
+        self.step, self.checkpoint = step, checkpoint
+        super().__init__(signum, f"{signal.Signals(signum).name} at step {step}")
 
 
 # SIGINT (Ctrl-C), SIGTERM (kill, a scheduler), SIGHUP (the terminal closed): always a graceful stop
@@ -54,10 +67,6 @@ class Signalled(KeyboardInterrupt):
 
 def signal_name(exc: BaseException) -> str:
     return signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
-
-
-def exit_code(exc: BaseException) -> int:
-    return 128 + getattr(exc, "signum", signal.SIGINT)
 
 
 _RAISED: list[int] = []  # the stop signals raised as Signalled outside the loop (each ends the command)
@@ -268,7 +277,7 @@ def exit_at_once(signum: int, _frame: Optional[FrameType] = None) -> None:
         return
     os.write(2, f"\nampctl: {signal.Signals(signum).name} again: exiting at once (the checkpoints on disk are "
                 f"whole)\n".encode())
-    os._exit(128 + signum)
+    os._exit(signal_exit_code(signum))
 
 
 _LEAVING_WITH: list[int] = []  # the exit code of a command that stopped on a signal and is leaving
@@ -278,14 +287,14 @@ def exit_at_once_on_another_signal(signum: int, code: Optional[int] = None) -> N
     """After a stop signal (signum) was handled: another one while ampctl says so and leaves ends it at once, with
     its line, instead of interrupting the exit halfway; and the exit skips the interpreter's teardown (torch's takes
     seconds, after Python has put the default handlers back, where a second Ctrl-C killed it without a word), with
-    `code` (128 + signum unless the command's ending chose another). Main thread only."""
+    `code` (signal_exit_code unless the command's ending chose another). Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return
     for each in (*STOP_SIGNALS, *PREEMPT_SIGNALS):
         signal.signal(each, exit_at_once)
     if not _LEAVING_WITH:
         atexit.register(_leave_now)
-    _LEAVING_WITH[:] = [128 + signum if code is None else code]
+    _LEAVING_WITH[:] = [signal_exit_code(signum) if code is None else code]
 
 
 def _leave_now() -> None:

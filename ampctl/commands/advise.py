@@ -3,7 +3,6 @@ of the compare and inspect studies it runs)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -12,6 +11,7 @@ from omegaconf import DictConfig
 
 from ampctl.commands.checks import job_of, task_overrides
 from ampctl.commands.compare import command_line_config_dir
+from ampctl.commands.outcomes import leave
 from ampctl.commands.studies import refused_in_one_line
 
 
@@ -28,5 +28,4 @@ def advise(cfg: DictConfig) -> None:
             run_advise(job_of("advise", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
                        command_line_config_dir(hydra_cfg))
     except CompareInterrupted as exc:
-        print(f"ampctl advise: interrupted ({exc}); the advice of what was measured is in {out_dir}", file=sys.stderr)
-        sys.exit(128 + exc.signum)
+        leave(exc, [f"ampctl advise: interrupted ({exc}); the advice of what was measured is in {out_dir}"])

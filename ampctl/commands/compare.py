@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -10,7 +9,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from ampctl.commands.checks import job_of, task_overrides
+from ampctl.commands.outcomes import leave
 from ampctl.commands.studies import refused_in_one_line
+from ampctl.errors import SomeRunsFailed
 
 
 def command_line_config_dir(hydra_cfg: DictConfig) -> str | None:
@@ -33,8 +34,7 @@ def compare(cfg: DictConfig) -> None:
             failed = run_compare(job_of("compare", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
                                  command_line_config_dir(hydra_cfg))
     except CompareInterrupted as exc:
-        print(f"ampctl compare: interrupted ({exc}); the modes run so far are compared in {out_dir} (each "
-              "interrupted mode's line above says whether and how it continues)", file=sys.stderr)
-        sys.exit(128 + exc.signum)
+        leave(exc, [f"ampctl compare: interrupted ({exc}); the modes run so far are compared in {out_dir} (each "
+                    "interrupted mode's line above says whether and how it continues)"])
     if failed:
-        sys.exit(1)
+        leave(SomeRunsFailed(failed), [])  # the table says which modes failed and why

@@ -7,8 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ampctl.commands.outcomes import leave, refuse
-from ampctl.errors import UsageError, write_refused
+from ampctl.commands.outcomes import refuse
 
 USAGE = ("usage: ampctl export PATH [export.dtype=float32|bfloat16|float16] [export.format=safetensors|pt|hf] "
          "[export.weights=model|ema] [export.dir=DIR]   (PATH: a run directory or a checkpoint)")
@@ -36,19 +35,12 @@ def main() -> None:
         refuse("export", "expected PATH first (a run directory or a checkpoint), then export.KEY=VALUE overrides"
                + (f"; got {args[0]!r}" if args else ""))
     path, overrides = args[0], args[1:]
-    try:
-        from ampctl.conf.export_schema import ExportConfig
+    from ampctl.conf.export_schema import ExportConfig
 
-        options = ExportConfig.from_overrides(overrides)
-        from ampctl.runner.export import export  # torch: imported for an export, not for its usage line
+    options = ExportConfig.from_overrides(overrides)
+    from ampctl.runner.export import export  # torch: imported for an export, not for its usage line
 
-        exported = export(Path(path), options)
-    except UsageError as exc:
-        refuse("export", str(exc))
-    except OSError as exc:  # a full disk, a read-only directory: nothing was written (runner/export.py)
-        if not write_refused(exc):
-            raise
-        leave(exc, [f"ampctl export: error: cannot write {exc.filename}: {exc.strerror} (nothing was written)"])
+    exported = export(Path(path), options)  # a full disk, a read-only directory: nothing was written
     from ampctl import io
 
     print(f"exported {exported.parameters:,} parameters ({io.format_bytes(exported.bytes)}) to {exported.path}")

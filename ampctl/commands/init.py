@@ -15,7 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
-from ampctl.errors import OneLineArgumentParser
+from ampctl.errors import OneLineArgumentParser, UsageError, cannot_write, write_refused
 
 EXPERIMENT = """\
 # {name}: an ampctl experiment. Run it: ampctl train -cd {dir} -cn {name}
@@ -195,7 +195,9 @@ def main() -> None:
     except OSError as exc:
         for path in done:
             path.unlink(missing_ok=True)
-        parser.error(f"cannot write {exc.filename}: {exc.strerror} (nothing was written)")
+        if write_refused(exc):  # a full disk, a read-only directory: the router's one line, exit 74
+            raise
+        raise UsageError(f"{cannot_write(exc)} (nothing was written)") from None  # a file in the way of a directory
     for path in written:
         print(f"wrote {path}")
     print(f"run it: ampctl train -cd {args.dir} -cn {args.name}")

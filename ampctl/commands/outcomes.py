@@ -1,17 +1,19 @@
-"""How a command ends: every outcome with its exit code and its clean-up, in one table that every front end reads
-(cli.py, commands/train.py, commands/studies.py; the Python API raises instead, and cleans up the same way).
+"""How a command ends: every outcome with its exit code and its clean-up, in one table that every command reads, and
+leave(), the one way out of a command other than success (tests/unit/test_outcomes.py finds any other). The Python
+API raises instead, and cleans up the same way.
 
 What each front end says is its own (a run names its checkpoint and continue command, a study where its
 measurements are); what it exits with, what it removes and whether a sweep goes on past it are decided here."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, NoReturn, Optional, Sequence, Union
+from typing import Callable, Iterator, NoReturn, Optional, Sequence, Union
 
 from ampctl.errors import (
     USAGE_EXIT_CODE,
@@ -19,25 +21,34 @@ from ampctl.errors import (
     CommandLineRefused,
     RecipeFailed,
     RunStopped,
+    SomeRunsFailed,
     UsageError,
+    cannot_write,
     print_error,
     write_refused,
 )
-from ampctl.interrupt import Interrupted, exit_at_once_on_another_signal, interrupt_behind
+from ampctl.interrupt import StoppedOnSignal, exit_at_once_on_another_signal, interrupt_behind, signal_exit_code
 
 
 class Outcome(enum.Enum):
-    REFUSED = "refused"  # the user's mistake (a value, a combination, a directory that is not the run's own)
-    WRITE_REFUSED = "write refused"  # the machine refused a write (a full disk, a read-only directory)
-    STOPPED_BY_SIGNAL = "stopped by a signal"  # the training loop stopped on a signal, with a checkpoint
-    SIGNALLED = "signalled"  # a stop signal outside the loop (importing, composing, building, the summary)
-    RUN_STOPPED = "run stopped"  # a guard, or a run whose every loss was non-finite
+    """Every way a command ends other than success, each told apart by what the user does next."""
+
+    REFUSED = "refused"  # the user's mistake (a value, a combination, a directory that is not the run's own): fix it
+    WRITE_REFUSED = "write refused"  # the machine refused a write (a full disk, a read-only directory): free it
+    # a stop signal the command handled where it was (the training loop after its step, with a checkpoint; a
+    # comparison's runs): what it did is kept, and it continues from there
+    STOPPED_ON_SIGNAL = "stopped on a signal"
+    # a stop signal where nothing handles one (importing, composing, building, the summary): nothing new is kept
+    INTERRUPTED = "interrupted"
+    TRAINING_FAILED = "training failed"  # the run ended itself (a guard, every loss non-finite, the recipe raised)
+    SOME_RUNS_FAILED = "some runs failed"  # the command ran to its end; its table names the runs that failed
+    READER_GONE = "reader gone"  # stdout's reader closed it (`ampctl list | head -1`): it had what it wanted
     BUG = "bug"  # anything else: its traceback
 
 
 @dataclass(frozen=True)
 class Ending:
-    exit_code: Optional[int]  # None: 128 + the signal's number (the shell's convention: 130 for SIGINT)
+    exit_code: Optional[int]  # None: the signal's (interrupt.signal_exit_code: 130 for SIGINT)
     removes_an_empty_run_dir: bool  # a directory that holds only Hydra's files is removed: nothing was recorded
     sweep_goes_on: bool  # in a sweep, the job's failure is recorded in its directory and the next job runs
 
@@ -45,9 +56,11 @@ class Ending:
 ENDINGS: dict[Outcome, Ending] = {
     Outcome.REFUSED: Ending(USAGE_EXIT_CODE, removes_an_empty_run_dir=True, sweep_goes_on=True),
     Outcome.WRITE_REFUSED: Ending(WRITE_FAILED_EXIT_CODE, removes_an_empty_run_dir=True, sweep_goes_on=True),
-    Outcome.STOPPED_BY_SIGNAL: Ending(None, removes_an_empty_run_dir=True, sweep_goes_on=False),
-    Outcome.SIGNALLED: Ending(None, removes_an_empty_run_dir=True, sweep_goes_on=False),
-    Outcome.RUN_STOPPED: Ending(1, removes_an_empty_run_dir=False, sweep_goes_on=True),
+    Outcome.STOPPED_ON_SIGNAL: Ending(None, removes_an_empty_run_dir=True, sweep_goes_on=False),
+    Outcome.INTERRUPTED: Ending(None, removes_an_empty_run_dir=True, sweep_goes_on=False),
+    Outcome.TRAINING_FAILED: Ending(1, removes_an_empty_run_dir=False, sweep_goes_on=True),
+    Outcome.SOME_RUNS_FAILED: Ending(1, removes_an_empty_run_dir=False, sweep_goes_on=True),
+    Outcome.READER_GONE: Ending(0, removes_an_empty_run_dir=False, sweep_goes_on=True),
     Outcome.BUG: Ending(1, removes_an_empty_run_dir=False, sweep_goes_on=True),
 }
 
@@ -55,13 +68,17 @@ ENDINGS: dict[Outcome, Ending] = {
 def outcome_of(exc: BaseException) -> Outcome:
     if isinstance(exc, (UsageError, CommandLineRefused)) and interrupt_behind(exc) is None:
         return Outcome.REFUSED
-    if isinstance(exc, Interrupted):
-        return Outcome.STOPPED_BY_SIGNAL
+    if isinstance(exc, StoppedOnSignal):
+        return Outcome.STOPPED_ON_SIGNAL
     # Ctrl-C, interrupt.Signalled for the other stop signals, and an error such a signal caused
     if interrupt_behind(exc) is not None:
-        return Outcome.SIGNALLED
+        return Outcome.INTERRUPTED
     if isinstance(exc, RunStopped):
-        return Outcome.RUN_STOPPED
+        return Outcome.TRAINING_FAILED
+    if isinstance(exc, SomeRunsFailed):
+        return Outcome.SOME_RUNS_FAILED
+    if isinstance(exc, BrokenPipeError):
+        return Outcome.READER_GONE
     if write_refused(exc):
         return Outcome.WRITE_REFUSED
     return Outcome.BUG
@@ -73,7 +90,8 @@ def ending_of(exc: BaseException) -> Ending:
 
 def exit_code_of(exc: BaseException) -> int:
     code = ending_of(exc).exit_code
-    return code if code is not None else 128 + getattr(interrupt_behind(exc) or exc, "signum", signal.SIGINT)
+    return code if code is not None else signal_exit_code(getattr(interrupt_behind(exc) or exc, "signum",
+                                                                   signal.SIGINT))
 
 
 Lines = Union[Sequence[str], Callable[[], Sequence[str]]]
@@ -107,3 +125,23 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
 def refuse(command: str, message: str) -> NoReturn:
     """The command line refused: `ampctl <command>: error: <message>`, as the table says for a refusal."""
     leave(UsageError(message), [f"ampctl {command}: error: {message}"])
+
+
+def write_refused_line(command: str, exc: OSError, what_it_means: str) -> str:
+    """`ampctl <command>: error: cannot write PATH: REASON<what_it_means>`: a refused write, said by every command
+    alike; what_it_means says what the command kept (`; no checkpoint was written`, ` (nothing was written)`)."""
+    return f"ampctl {command}: error: {cannot_write(exc)}{what_it_means}"
+
+
+@contextlib.contextmanager
+def said_in_one_line(command: str, write_refused_means: str = " (nothing was written)") -> Iterator[None]:
+    """A command that is not a Hydra app (export, report, list, init): its refusal and a write the machine refused,
+    each one line with the table's exit code."""
+    try:
+        yield
+    except UsageError as exc:
+        refuse(command, str(exc))
+    except OSError as exc:
+        if not write_refused(exc):
+            raise
+        leave(exc, [write_refused_line(command, exc, write_refused_means)])

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ampctl.errors import USAGE_EXIT_CODE, WRITE_FAILED_EXIT_CODE, UsageError, write_refused
+from ampctl.commands.outcomes import leave, said_in_one_line
+from ampctl.errors import SomeRunsFailed, UsageError
 
 USAGE = "usage: ampctl report PATH   (a run, multirun, compare, memory or inspect directory)"
 
@@ -21,22 +22,12 @@ def main() -> None:
     if args in (["-h"], ["--help"]):
         print(USAGE)
         return
-    if len(args) != 1:
-        print(f"ampctl report: error: expected one PATH (a run, multirun, compare, memory or inspect directory), "
-              f"got {len(args)} arguments", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
-    try:
+    with said_in_one_line("report", " (the report's files were not written; what is on the screen is the report)"):
+        if len(args) != 1:
+            raise UsageError(f"expected one PATH (a run, multirun, compare, memory or inspect directory), got "
+                             f"{len(args)} arguments")
         from ampctl.commands.report_rendering import render  # torch, rich's tables: not for --help
 
         failed = render(Path(args[0]))
-    except UsageError as exc:
-        print(f"ampctl report: error: {exc}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
-    except OSError as exc:
-        if not write_refused(exc):
-            raise
-        print(f"ampctl report: error: cannot write {exc.filename}: {exc.strerror}; the report's files were not "
-              "written (what is on the screen is the report)", file=sys.stderr)
-        sys.exit(WRITE_FAILED_EXIT_CODE)
     if failed:
-        sys.exit(1)
+        leave(SomeRunsFailed(failed), [])  # the table names them

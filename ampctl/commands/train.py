@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from ampctl import io, run_files
 from ampctl.commands.checks import job_of
-from ampctl.commands.outcomes import ENDINGS, Outcome, leave, outcome_of
+from ampctl.commands.outcomes import ENDINGS, Outcome, leave, outcome_of, write_refused_line
 from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import RecipeFailed, RunStopped, UsageError
 from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
@@ -71,13 +71,13 @@ def ended(exc: BaseException, cfg: DictConfig, run_dir: Path, hydra_cfg: DictCon
             log.exception("job failed")
         return record_failed_job(run_dir, exc)
     sweep = the_sweeps_command(hydra_cfg) if multirun else None
-    if outcome is Outcome.STOPPED_BY_SIGNAL:
+    if outcome is Outcome.STOPPED_ON_SIGNAL:
         assert isinstance(exc, Interrupted)
         if host_of(exc.signum) is not None:
             lines, code = handed_over(exc, sweep)
             leave(exc, lines, log=log.warning, host_exit_code=code)
         leave(exc, interrupted_lines(exc, cfg, sweep) if is_main_process() else [], log=log.warning)
-    if outcome is Outcome.SIGNALLED:  # outside the loop: building, compiling, loading data, the summary
+    if outcome is Outcome.INTERRUPTED:  # outside the loop: building, compiling, loading data, the summary
         name = signal_name(exc)
 
         def said() -> list[str]:  # after the clean-up: whether the run dir is still there says what continues
@@ -87,7 +87,7 @@ def ended(exc: BaseException, cfg: DictConfig, run_dir: Path, hydra_cfg: DictCon
             return [f"\nampctl train: interrupted ({name}) {where}"]
 
         leave(exc, said, run_dir)
-    if outcome is Outcome.RUN_STOPPED:
+    if outcome is Outcome.TRAINING_FAILED:
         said = [f"ampctl train: stopped: {exc}"]
         if isinstance(exc, RecipeFailed):  # the user's own frames on the terminal, the whole traceback in the log
             log.error(exc.full_traceback.rstrip())
@@ -99,13 +99,9 @@ def ended(exc: BaseException, cfg: DictConfig, run_dir: Path, hydra_cfg: DictCon
     if outcome is Outcome.REFUSED:
         leave(exc, [f"ampctl train: error: {exc}"], run_dir)
     if outcome is Outcome.WRITE_REFUSED:  # a full disk, a read-only directory: the machine's answer, not a bug
-        said = f"ampctl train: error: cannot write {exc.filename}: {exc.strerror}"  # type: ignore[attr-defined]
-        if checkpoint_files.list_checkpoints(run_dir):
-            said += ("; the checkpoints written before it are whole (resume=auto continues from the newest once it "
-                     "can write)")
-        else:
-            said += "; no checkpoint was written"
-        leave(exc, [said], run_dir)
+        kept = ("; the checkpoints written before it are whole (resume=auto continues from the newest once it can "
+                "write)") if checkpoint_files.list_checkpoints(run_dir) else "; no checkpoint was written"
+        leave(exc, [write_refused_line("train", exc, kept)], run_dir)  # type: ignore[arg-type]
     raise exc
 
 

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl import io
 from ampctl.conf import sweeps
 from ampctl.conf.sweeps import SweepIdentity, planned_jobs
+from ampctl.errors import SomeRunsFailed
 from ampctl.interrupt import give_ctrl_c_back, keep_ctrl_c_from_the_launchers_processes
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs
@@ -66,7 +67,7 @@ class SweepReport(Callback):
         sweeps.running = None
         failed = write_sweep_report(Path(config.hydra.sweep.dir))
         if failed:
-            sys.exit(1)  # the table says which jobs failed and why; the exit code says that some did
+            raise SomeRunsFailed(failed)  # the table says which jobs failed and why; the exit code that some did
 
 
 def plot_label(job: str, swept: dict) -> str:

@@ -39,6 +39,7 @@ from ampctl.engine.evaluation import held_out_unavailable
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import read_metrics
 from ampctl.errors import UnsupportedError, UsageError
+from ampctl.interrupt import StoppedOnSignal
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import comparison, round_stats, tables
 from ampctl.reports.runs import load_run
@@ -167,13 +168,13 @@ def _optimizers(cfg: DictConfig) -> list[Optional[str]]:
     return names
 
 
-class CompareInterrupted(Exception):
+class CompareInterrupted(StoppedOnSignal):
     """Ctrl-C (or SIGTERM) during a comparison, or its deadline passed: the running modes stopped with a
     checkpoint; the modes started until then. run_compare writes their comparison before it lets this go."""
 
     def __init__(self, signum: int, started: list[str], out_of_time: bool = False) -> None:
-        self.signum, self.started, self.out_of_time = signum, started, out_of_time
-        super().__init__("its deadline passed" if out_of_time else signal.Signals(signum).name)
+        self.started, self.out_of_time = started, out_of_time
+        super().__init__(signum, "its deadline passed" if out_of_time else signal.Signals(signum).name)
 
 
 def every_runs_overrides(cfg: DictConfig, plans: list[ModePlan], console: Console) -> list[str]:

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from ampctl.commands.outcomes import ENDINGS, Outcome, exit_code_of, outcome_of
-from ampctl.errors import CommandLineRefused, RunStopped, UsageError
+from ampctl.errors import CommandLineRefused, RunStopped, SomeRunsFailed, UsageError
 from ampctl.interrupt import Interrupted, Signalled
+from ampctl.studies.compare import CompareInterrupted
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,18 +36,21 @@ TABLE = [
     (CommandLineRefused(UsageError("a job of the sweep")), Outcome.REFUSED, 2, True, True),
     (OSError(errno.ENOSPC, "No space left on device", "run/metrics.jsonl"), Outcome.WRITE_REFUSED, 74, True, True),
     (OSError(errno.EROFS, "Read-only file system", "run/train.log"), Outcome.WRITE_REFUSED, 74, True, True),
-    (Interrupted(signal.SIGINT, 12, "run/checkpoints/step_00000012.pt"), Outcome.STOPPED_BY_SIGNAL, 130, True, False),
-    (Interrupted(signal.SIGTERM, 3, None), Outcome.STOPPED_BY_SIGNAL, 143, True, False),
-    (Interrupted(signal.SIGUSR1, 3, None), Outcome.STOPPED_BY_SIGNAL, 138, True, False),
-    (KeyboardInterrupt(), Outcome.SIGNALLED, 130, True, False),
-    (Signalled(signal.SIGHUP), Outcome.SIGNALLED, 129, True, False),
+    (Interrupted(signal.SIGINT, 12, "run/checkpoints/step_00000012.pt"), Outcome.STOPPED_ON_SIGNAL, 130, True, False),
+    (Interrupted(signal.SIGTERM, 3, None), Outcome.STOPPED_ON_SIGNAL, 143, True, False),
+    (Interrupted(signal.SIGUSR1, 3, None), Outcome.STOPPED_ON_SIGNAL, 138, True, False),
+    (KeyboardInterrupt(), Outcome.INTERRUPTED, 130, True, False),
+    (Signalled(signal.SIGHUP), Outcome.INTERRUPTED, 129, True, False),
     # Ctrl-C while Hydra composed: OmegaConf's clean-up of a half-built node failed (CI, 2026-11-26)
     (raised_while_handling(KeyboardInterrupt(), AttributeError("'NoneType' object has no attribute "
                                                                "'_invalidate_flags_cache'")),
-     Outcome.SIGNALLED, 130, True, False),
-    (raised_while_handling(Signalled(signal.SIGTERM), UsageError("a half-read value")), Outcome.SIGNALLED, 143, True,
+     Outcome.INTERRUPTED, 130, True, False),
+    (raised_while_handling(Signalled(signal.SIGTERM), UsageError("a half-read value")), Outcome.INTERRUPTED, 143, True,
      False),
-    (RunStopped("every step was skipped"), Outcome.RUN_STOPPED, 1, False, True),
+    (RunStopped("every step was skipped"), Outcome.TRAINING_FAILED, 1, False, True),
+    (CompareInterrupted(signal.SIGTERM, ["fp32"]), Outcome.STOPPED_ON_SIGNAL, 143, True, False),
+    (SomeRunsFailed(2), Outcome.SOME_RUNS_FAILED, 1, False, True),
+    (BrokenPipeError(errno.EPIPE, "Broken pipe"), Outcome.READER_GONE, 0, False, True),
     (OSError(errno.ENOENT, "No such file or directory", "data/x.png"), Outcome.BUG, 1, False, True),
     (RuntimeError("a bug"), Outcome.BUG, 1, False, True),
 ]
@@ -88,13 +92,44 @@ def test_leave_after_a_signal_exits_with_128_plus_its_number(tmp_path):
     assert (done.returncode, done.stderr) == (143, "ampctl: interrupted (SIGTERM)\n")
 
 
-def test_leave_is_what_every_front_end_exits_through():
-    """No front end writes an exit code of its own: cli.py, the train command and the studies leave through the
-    table (sys.exit(0) for a closed pipe and --help aside)."""
-    for module in ("ampctl/cli.py", "ampctl/commands/train.py", "ampctl/commands/studies.py"):
-        text = (REPO / module).read_text()
-        assert "USAGE_EXIT_CODE" not in text and "WRITE_FAILED_EXIT_CODE" not in text, module
-        assert "sys.exit(exit_code" not in text and "sys.exit(exc" not in text, module
+# The exits that are not a command's end: the second stop signal's exit at once, a command leaving after its stop
+# signal without the interpreter's teardown, a torchrun worker's and and a forked child's end
+OTHER_EXITS_ALLOWED = {("ampctl/interrupt.py", "os._exit"), ("ampctl/processes.py", "os._exit"),
+                       ("ampctl/studies/preloaded.py", "os._exit"),}
+
+
+def test_leave_is_the_one_way_out_of_every_command():
+    """No module ends the process or writes an exit code of its own: every command, the sweep's callback and the
+    router leave through the outcome table (commands/outcomes.leave), and 128 + signum is computed in one place."""
+    import ast
+
+    found = []
+    for path in sorted((REPO / "ampctl").rglob("*.py")):
+        module = str(path.relative_to(REPO))
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = ast.unparse(node.func)
+                if name in ("sys.exit", "os._exit", "exit", "quit", "SystemExit") and \
+                        (module, name) not in OTHER_EXITS_ALLOWED and module != "ampctl/commands/outcomes.py":
+                    found.append(f"{module}:{node.lineno} {name}")
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and \
+                    any(isinstance(side, ast.Constant) and side.value == 128 for side in (node.left, node.right)):
+                if module != "ampctl/interrupt.py":
+                    found.append(f"{module}:{node.lineno} 128 + ...")
+        if module not in ("ampctl/errors.py", "ampctl/commands/outcomes.py"):
+            text = path.read_text()
+            if "USAGE_EXIT_CODE" in text or "WRITE_FAILED_EXIT_CODE" in text:
+                found.append(f"{module}: an exit code of its own")
+    assert found == []
+
+
+def test_a_refused_write_is_said_in_one_phrase():
+    import re
+
+    phrases = [(path, line) for path in sorted((REPO / "ampctl").rglob("*.py"))
+               for line in path.read_text().splitlines() if re.search(r"cannot write \{", line)]
+    assert [str(path.relative_to(REPO)) for path, _ in phrases] == ["ampctl/errors.py"], phrases
 
 
 def test_a_signal_ignored_when_ampctl_starts_stays_ignored_outside_the_loop():
