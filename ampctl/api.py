@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl import io, run_files
 
 if TYPE_CHECKING:
-    from ampctl.commands.checks import Job
+    from ampctl.shell.checks import Job
 
 PathLike = Union[str, Path]
 
@@ -57,7 +57,7 @@ def train(overrides: Sequence[str] = (), *, run_dir: Optional[PathLike] = None,
 def compare(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
             config_dir: Optional[PathLike] = None, config_name: str = "compare") -> Result:
     """`ampctl compare [overrides]`: the same run under several precision modes; returns comparison.json."""
-    from ampctl.commands.checks import task_overrides
+    from ampctl.shell.checks import task_overrides
     from ampctl.studies.compare import run_compare
 
     with _command("compare", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
@@ -68,7 +68,7 @@ def compare(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
 def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
             config_dir: Optional[PathLike] = None, config_name: str = "inspect") -> Result:
     """`ampctl inspect [overrides]`: where values fall against each format's range; returns ranges.json."""
-    from ampctl.commands.checks import task_overrides
+    from ampctl.shell.checks import task_overrides
     from ampctl.studies.inspect_ranges import run_inspect
 
     with _command("inspect", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
@@ -79,7 +79,7 @@ def inspect(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None
 def memory(overrides: Sequence[str] = (), *, out_dir: Optional[PathLike] = None,
            config_dir: Optional[PathLike] = None, config_name: str = "memory") -> Result:
     """`ampctl memory [overrides]`: estimated memory per part next to the measured peak; returns memory.json."""
-    from ampctl.commands.checks import task_overrides
+    from ampctl.shell.checks import task_overrides
     from ampctl.studies.memory import run_memory
 
     with _command("memory", config_name, overrides, out_dir, config_dir) as (job, hydra_cfg, out):
@@ -109,12 +109,12 @@ def _command(command: str, config_name: str, overrides: Sequence[str], out: Opti
     app has them, after the command line's checks (its values; an output directory that is not its own is refused before
     anything is written). The directory gets Hydra's .hydra/ files (config, overrides), which reports read. A
     refused call leaves no directory, as on the command line (a run that recorded steps keeps them)."""
-    from ampctl.commands.checks import check_single_run, task_overrides
-    from ampctl.commands.hydra_internals import composed, put_config_dir_on_path
     from ampctl.conf.composing import without_hydra_node
     from ampctl.conf.messages import one_line
     from ampctl.errors import UsageError
     from ampctl.runner.ownership import remove_if_only_hydra_files
+    from ampctl.shell.checks import check_single_run, task_overrides
+    from ampctl.shell.hydra_internals import composed, put_config_dir_on_path
 
     if isinstance(overrides, (str, bytes)):  # "recipe=mlp" would be read as the overrides r, e, c, ...
         raise UsageError(f"overrides={overrides!r}: expected a list of overrides, e.g. [{overrides!r}]")

@@ -16,8 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ampctl.commands.outcomes import leave, refuse, said_in_one_line, write_refused_line
 from ampctl.errors import CommandLineRefused, SomeRunsFailed, UsageError, cannot_write, write_refused
+from ampctl.shell.outcomes import leave, refuse, said_in_one_line, write_refused_line
 
 # command -> (module, function, one-line description)
 COMMANDS = {
@@ -161,7 +161,7 @@ def dispatch(args: list[str]) -> None:
     if hasattr(entry, "__wrapped__"):  # a @hydra.main app (its primary config is named as the command)
         run_a_hydra_command(command, entry, rest, answering)
     else:
-        with said_in_one_line(command):  # its refusal, or a write the machine refused: one line (commands/outcomes.py)
+        with said_in_one_line(command):  # its refusal, or a write the machine refused: one line (shell/outcomes.py)
             entry()
     if under_torchrun:
         from ampctl.processes import exit_worker
@@ -172,14 +172,14 @@ def dispatch(args: list[str]) -> None:
 def run_a_hydra_command(command: str, entry, rest: list[str], answering: bool) -> None:
     """A Hydra app's command line checked (its flags, its config, the sweep a resume continues), then the app run;
     answering: Hydra's completion of it."""
-    from ampctl.commands.hydra_internals import put_config_dir_on_path, refuse_a_config_that_is_not_ampctls
+    from ampctl.shell.hydra_internals import put_config_dir_on_path, refuse_a_config_that_is_not_ampctls
 
     put_config_dir_on_path(rest)
     try:
         refuse_bad_hydra_flags(rest)
         refuse_a_config_that_is_not_ampctls(command, command, rest)
         if command == "train":
-            from ampctl.commands.sweep_resume import with_the_sweep_to_continue
+            from ampctl.shell.sweep_resume import with_the_sweep_to_continue
 
             sys.argv = ["ampctl", *with_the_sweep_to_continue(rest)]
     except UsageError as exc:
@@ -189,7 +189,7 @@ def run_a_hydra_command(command: str, entry, rest: list[str], answering: bool) -
         return
     from ampctl.processes import start_kept_out_of_collections
 
-    with start_kept_out_of_collections():  # until the run is planned (commands/checks.py)
+    with start_kept_out_of_collections():  # until the run is planned (shell/checks.py)
         run_hydra_app(command, entry)
 
 
@@ -210,7 +210,7 @@ HYDRA_FLAG_CHOICES = {"cfg": ("job", "hydra", "all"),
 
 def refuse_bad_hydra_flags(args: list[str]) -> None:
     """`--cfg jobz`: one line naming the flag, its value and the choices."""
-    from ampctl.commands.hydra_internals import hydra_flags
+    from ampctl.shell.hydra_internals import hydra_flags
 
     flags, overrides = hydra_flags(args)
     unknown = next((arg for arg in overrides if arg.startswith("-")), None)
@@ -235,10 +235,10 @@ def run_hydra_app(command: str, entry) -> None:
     from ampctl.conf.messages import key_under_null_node, one_line, unparsable_override, yaml_error
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    from ampctl.commands import checks
-    from ampctl.commands.hydra_internals import mode_read_from_the_command_line
-    from ampctl.commands.unfinished_sweep import report_the_unfinished_sweep
     from ampctl.interrupt import interrupts_surfaced
+    from ampctl.shell import checks
+    from ampctl.shell.hydra_internals import mode_read_from_the_command_line
+    from ampctl.shell.unfinished_sweep import report_the_unfinished_sweep
 
     try:
         # a stop signal that broke off composing is the signal, not a refusal of the command line
@@ -287,7 +287,7 @@ def run_hydra_app(command: str, entry) -> None:
 
 
 def config_includes_itself(command: str) -> str:
-    from ampctl.commands.hydra_internals import hydra_flags
+    from ampctl.shell.hydra_internals import hydra_flags
 
     name = hydra_flags(sys.argv[1:])[0].get("config_name") or command
     return (f"the config {name} includes itself in its defaults list (directly, or through a config it names): "
@@ -298,8 +298,8 @@ def config_includes_itself(command: str) -> str:
 def job_config_with_its_defaults(command: str) -> Iterator[None]:
     """`--cfg job`: Hydra prints the job's config; ampctl puts the defaults list it was composed from before it, so
     that the dump loads again as an ampctl config (`-cd DIR -cn NAME`: ampctl's checks, run directory, logging)."""
-    from ampctl.commands.hydra_internals import composed, hydra_flags
     from ampctl.conf.composing import defaults_of_a_job
+    from ampctl.shell.hydra_internals import composed, hydra_flags
 
     flags, overrides = hydra_flags(sys.argv[1:])
     if flags.get("cfg") != "job" or "package" in flags or "multirun" in flags:
@@ -312,9 +312,9 @@ def job_config_with_its_defaults(command: str) -> Iterator[None]:
     with composed(flags.get("config_name") or command, overrides, Path(config_dir) if config_dir else None) as cfg:
         head = defaults_of_a_job(command, dict(cfg.hydra.runtime.choices))
         # its values too, as a run would check them (train.steps=-1), before the dump is shown as loadable
-        from ampctl.commands.checks import typed
         from ampctl.conf.composing import without_hydra_node
         from ampctl.conf.schema import validate
+        from ampctl.shell.checks import typed
 
         validate(typed(command, without_hydra_node(cfg)))
     sys.stdout.write(head + printed.getvalue())

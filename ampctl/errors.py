@@ -1,5 +1,5 @@
 """What ends a command other than its success, as exceptions, and the tests of an OSError that is the machine's
-refusal of a write. How each ends the command (its line, exit code, clean-up): commands/outcomes.py."""
+refusal of a write. How each ends the command (its line, exit code, clean-up): shell/outcomes.py."""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ _START_UNCOLLECTED = False  # this process's collector is off until its command'
 def start_kept_out_of_collections() -> Iterator[None]:
     """Around a command in a process that has not imported torch yet (a fresh `ampctl`): the collector is off
     while the command imports and plans its run, and what that made is frozen when start_is_over() says the
-    run is planned (commands/checks.py). A process that imported torch before (the Python API's, a test's) is left as it
+    run is planned (shell/checks.py). A process that imported torch before (the Python API's, a test's) is left as it
     is: its collector is its owner's, and what it holds may be garbage."""
     global _START_UNCOLLECTED
     if "torch" in sys.modules or not gc.isenabled():

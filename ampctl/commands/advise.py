@@ -9,10 +9,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.commands.checks import job_of, task_overrides
 from ampctl.commands.compare import command_line_config_dir
-from ampctl.commands.outcomes import leave
-from ampctl.commands.studies import refused_in_one_line
+from ampctl.shell.checks import job_of, task_overrides
+from ampctl.shell.outcomes import leave
+from ampctl.shell.studies import refused_in_one_line
 
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="advise")

@@ -8,10 +8,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.commands.checks import job_of, task_overrides
-from ampctl.commands.outcomes import leave
-from ampctl.commands.studies import refused_in_one_line
 from ampctl.errors import SomeRunsFailed
+from ampctl.shell.checks import job_of, task_overrides
+from ampctl.shell.outcomes import leave
+from ampctl.shell.studies import refused_in_one_line
 
 
 def command_line_config_dir(hydra_cfg: DictConfig) -> str | None:

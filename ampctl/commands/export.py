@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ampctl.commands.outcomes import refuse
+from ampctl.shell.outcomes import refuse
 
 USAGE = ("usage: ampctl export PATH [export.dtype=float32|bfloat16|float16] [export.format=safetensors|pt|hf] "
          "[export.weights=model|ema] [export.dir=DIR]   (PATH: a run directory or a checkpoint)")

@@ -127,7 +127,7 @@ def copied_recipe(name: str, source: str) -> tuple[str, str]:
     (it imports ampctl's helpers: the text corpus, the library imports), read without importing it."""
     from omegaconf import OmegaConf
 
-    from ampctl.commands.hydra_internals import composed
+    from ampctl.shell.hydra_internals import composed
 
     with composed("train", [f"recipe={source}"]) as cfg:
         recipe = OmegaConf.to_container(cfg.recipe, resolve=False)

@@ -8,8 +8,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.commands.checks import job_of, task_overrides
-from ampctl.commands.studies import refused_in_one_line
+from ampctl.shell.checks import job_of, task_overrides
+from ampctl.shell.studies import refused_in_one_line
 
 
 @hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="inspect")

@@ -15,8 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ampctl.commands.hydra_internals import config_loader
 from ampctl.errors import OneLineArgumentParser, UsageError
+from ampctl.shell.hydra_internals import config_loader
 
 GROUPS = ("scaler", "recipe", "optimizer", "logger")
 DTYPE_ORDER = ("float32", "float16", "bfloat16")

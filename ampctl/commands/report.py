@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ampctl.commands.outcomes import leave, said_in_one_line
 from ampctl.errors import SomeRunsFailed, UsageError
+from ampctl.shell.outcomes import leave, said_in_one_line
 
 USAGE = "usage: ampctl report PATH   (a run, multirun, compare, memory or inspect directory)"
 
@@ -26,7 +26,7 @@ def main() -> None:
         if len(args) != 1:
             raise UsageError(f"expected one PATH (a run, multirun, compare, memory or inspect directory), got "
                              f"{len(args)} arguments")
-        from ampctl.commands.report_rendering import render  # torch, rich's tables: not for --help
+        from ampctl.studies.rerender import render  # torch, rich's tables: not for --help
 
         failed = render(Path(args[0]))
     if failed:

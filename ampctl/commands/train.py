@@ -18,14 +18,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ampctl import io, run_files
-from ampctl.commands.checks import job_of
-from ampctl.commands.outcomes import ENDINGS, Outcome, leave, outcome_of, write_refused_line
 from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import RecipeFailed, RunStopped, UsageError
 from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.runner import checkpoint_files
 from ampctl.runner.ownership import holding, remove_if_only_hydra_files
+from ampctl.shell.checks import job_of
+from ampctl.shell.outcomes import ENDINGS, Outcome, leave, outcome_of, write_refused_line
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def train(cfg: DictConfig) -> Optional[float]:
     run_dir = Path(hydra_cfg.runtime.output_dir)
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     # The run's directory is held until the command has said its last line (released as SystemExit leaves): a
-    # launcher that waits for its stopping jobs' locks (commands/unfinished_sweep.py) and then ends their workers
+    # launcher that waits for its stopping jobs' locks (shell/unfinished_sweep.py) and then ends their workers
     # (Ray's shutdown) finds each job's stop line in its train.log
     with contextlib.ExitStack() as held:
         try:

@@ -15,7 +15,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
 # The sweep this process launched, while it runs (set by its callback, reports/sweep.py): a launcher that runs the
-# jobs elsewhere can end in an exception of its own, after which commands/unfinished_sweep.py still reports it
+# jobs elsewhere can end in an exception of its own, after which shell/unfinished_sweep.py still reports it
 running: Optional[Path] = None
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"  # the default's _target_, a name only

@@ -1,7 +1,7 @@
 """A training run planned once, before anything is written: what `run_training` is handed and checks no more.
 
 The plan is made where the run's config is known as it will run: by the command's check before Hydra creates the
-run directory (commands/checks.py), by a sweep's job as it starts, by the Python API, and by the studies that
+run directory (shell/checks.py), by a sweep's job as it starts, by the Python API, and by the studies that
 train (advise's calibration)."""
 
 from __future__ import annotations

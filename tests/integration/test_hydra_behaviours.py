@@ -205,15 +205,15 @@ def test_an_experiment_group_of_ones_own_is_chosen_with_plus(tmp_path):
 
 
 def test_the_private_composition_agrees_with_hydras_own_app(tmp_path):
-    """commands/hydra_internals.py composes outside a Hydra app (the Python API, `ampctl list`) through Hydra's
+    """shell/hydra_internals.py composes outside a Hydra app (the Python API, `ampctl list`) through Hydra's
     private classes, for the one thing the public compose API lacks: a `-cd` directory ahead of ampctl's configs.
     Pinned against Hydra's own app on this Hydra version: the composed job is the one `ampctl train -cd DIR --cfg
     job` prints, with a user's precision/bf16.yaml beside ampctl's (Hydra's app keeps ampctl's: a `-cd` directory
     comes after the app's own configs) and a mode of their own."""
     from omegaconf import OmegaConf
 
-    from ampctl.commands.hydra_internals import composed
     from ampctl.conf.composing import without_hydra_node
+    from ampctl.shell.hydra_internals import composed
 
     conf = tmp_path / "conf"
     (conf / "precision").mkdir(parents=True)
@@ -243,8 +243,8 @@ def test_hydras_copies_of_its_config_repository_share_the_store_and_read_what_is
     from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
     from hydra.core.config_store import ConfigStore
 
-    from ampctl.commands.hydra_internals import config_loader
     from ampctl.conf.schema import register_configs
+    from ampctl.shell.hydra_internals import config_loader
 
     register_configs()
     store = ConfigStore.instance()
@@ -298,7 +298,7 @@ def test_no_config_ampctl_ships_sets_hydra_mode():
     """What mode_read_from_the_command_line relies on: without the user's configs, hydra.mode is unset."""
     from omegaconf import OmegaConf
 
-    from ampctl.commands.hydra_internals import composed
+    from ampctl.shell.hydra_internals import composed
 
     conf = importlib.resources.files("ampctl.conf")
     setting = [str(path) for path in Path(str(conf)).rglob("*.yaml")

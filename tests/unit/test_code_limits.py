@@ -55,7 +55,7 @@ def test_hydras_private_api_is_imported_by_one_module():
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(name.startswith("hydra._internal") for name in names):
                 importers.add(str(path.relative_to(PACKAGE)))
-    assert importers == {"commands/hydra_internals.py"}
+    assert importers == {"shell/hydra_internals.py"}
 
 
 def runtime_imports(tree: ast.Module) -> list[ast.AST]:

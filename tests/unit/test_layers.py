@@ -9,7 +9,8 @@ from pathlib import Path
 import ampctl
 
 PACKAGE = Path(ampctl.__file__).parent
-ABOVE_THE_ENGINE = ("ampctl.runner", "ampctl.analysis", "ampctl.reports", "ampctl.studies", "ampctl.commands",
+ABOVE_THE_ENGINE = ("ampctl.runner", "ampctl.analysis", "ampctl.reports", "ampctl.studies", "ampctl.shell",
+                    "ampctl.commands",
                     "ampctl.cli", "rich")
 
 
@@ -50,7 +51,9 @@ LAYERS = (
     ("ampctl.analysis",),
     ("ampctl.runner",),
     ("ampctl.studies",),  # compare, inspect, memory: studies that run the engine (and the runner) many times
-    ("ampctl.commands",),
+    # the shell around Hydra: the command record, Hydra's callbacks, a command's ways out, Hydra's internals
+    ("ampctl.shell",),
+    ("ampctl.commands",),  # one module per command, each declaring its COMMAND record
     ("ampctl.cli", "ampctl.__main__", "ampctl.api"),
 )
 # The package's front door: `ampctl.train(...)` re-exports the Python API, imported on first use only.

@@ -1,4 +1,4 @@
-"""How every command ends, as one table (commands/outcomes.py): each outcome's exit code, its clean-up, and
+"""How every command ends, as one table (shell/outcomes.py): each outcome's exit code, its clean-up, and
 whether a sweep goes on past it; and leave() doing what the table says."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ampctl.commands.outcomes import ENDINGS, Outcome, exit_code_of, outcome_of
 from ampctl.errors import CommandLineRefused, RunStopped, SomeRunsFailed, UsageError
 from ampctl.interrupt import Interrupted, Signalled
+from ampctl.shell.outcomes import ENDINGS, Outcome, exit_code_of, outcome_of
 from ampctl.studies.compare import CompareInterrupted
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def test_leave_removes_a_directory_that_holds_only_hydras_files_says_its_lines_a
     (run_dir / ".hydra" / "config.yaml").write_text("a: 1\n")
     if holds_a_record:
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
-    script = ("import sys; from pathlib import Path; from ampctl.commands.outcomes import leave; "
+    script = ("import sys; from pathlib import Path; from ampctl.shell.outcomes import leave; "
               "from ampctl.errors import UsageError; "
               f"run_dir = Path({str(run_dir)!r}); "
               "leave(UsageError('x'), lambda: ['still there: %s' % run_dir.is_dir()], run_dir)")
@@ -86,7 +86,7 @@ def test_leave_removes_a_directory_that_holds_only_hydras_files_says_its_lines_a
 
 
 def test_leave_after_a_signal_exits_with_128_plus_its_number(tmp_path):
-    script = ("import signal; from ampctl.commands.outcomes import leave; from ampctl.interrupt import Signalled; "
+    script = ("import signal; from ampctl.shell.outcomes import leave; from ampctl.interrupt import Signalled; "
               "leave(Signalled(signal.SIGTERM), ['ampctl: interrupted (SIGTERM)'])")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert (done.returncode, done.stderr) == (143, "ampctl: interrupted (SIGTERM)\n")
@@ -111,13 +111,13 @@ def test_leave_is_the_one_way_out_of_every_command():
             if isinstance(node, ast.Call):
                 name = ast.unparse(node.func)
                 if name in ("sys.exit", "os._exit", "exit", "quit", "SystemExit") and \
-                        (module, name) not in OTHER_EXITS_ALLOWED and module != "ampctl/commands/outcomes.py":
+                        (module, name) not in OTHER_EXITS_ALLOWED and module != "ampctl/shell/outcomes.py":
                     found.append(f"{module}:{node.lineno} {name}")
             if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and \
                     any(isinstance(side, ast.Constant) and side.value == 128 for side in (node.left, node.right)):
                 if module != "ampctl/interrupt.py":
                     found.append(f"{module}:{node.lineno} 128 + ...")
-        if module not in ("ampctl/errors.py", "ampctl/commands/outcomes.py"):
+        if module not in ("ampctl/errors.py", "ampctl/shell/outcomes.py"):
             text = path.read_text()
             if "USAGE_EXIT_CODE" in text or "WRITE_FAILED_EXIT_CODE" in text:
                 found.append(f"{module}: an exit code of its own")
@@ -192,7 +192,7 @@ def test_a_preemption_signal_the_host_handles_stops_the_loop_and_is_handed_back_
     (submitit's local executor requeues on 144). ampctl's own handlers are no host; a host that refuses is said."""
     script = """
 import os, signal, sys
-from ampctl.commands.outcomes import leave
+from ampctl.shell.outcomes import leave
 from ampctl.interrupt import Interrupted, StopOnSignal, hand_over, host_of, raise_on_signals
 
 def requeue(signum, frame):

@@ -6,9 +6,9 @@ import contextlib
 from pathlib import Path
 from typing import Iterator
 
-from ampctl.commands.outcomes import leave
 from ampctl.errors import UsageError
 from ampctl.interrupt import Interrupted, interrupts_surfaced, signal_name
+from ampctl.shell.outcomes import leave
 
 
 @contextlib.contextmanager
@@ -16,7 +16,7 @@ def refused_in_one_line(command: str, out_dir: Path, interrupted_means: str = ""
     """A study's refusal: one line, exit code 2, and its directory gone if it holds only Hydra's files. A stop
     signal the study did not handle itself: one line that says whether anything was measured (and where), the
     directory gone if nothing was; interrupted_means: what the command adds when something was. (Exit codes and
-    clean-up: commands/outcomes.py.)"""
+    clean-up: shell/outcomes.py.)"""
     try:
         with interrupts_surfaced():
             yield

@@ -10,11 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from ampctl.commands.outcomes import leave
 from ampctl.conf import sweeps
 from ampctl.conf.sweeps import SweepIdentity
 from ampctl.interrupt import exit_at_once_on_another_signal, give_ctrl_c_back, interrupt_behind, signal_name
 from ampctl.reports.runs import holder_pid
+from ampctl.shell.outcomes import leave
 
 # How long the launcher waits for its jobs to stop (each, stopped by the same Ctrl-C or by the launcher, finishes
 # its step and writes its checkpoint): a batch system's jobs that go on running are shown as running after it

@@ -15,9 +15,9 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from ampctl.commands.hydra_internals import composed, hydra_flags
 from ampctl.conf.sweeps import SWEEP_RECORD, SweepIdentity, apart_from_resume, base_overrides
 from ampctl.errors import UsageError
+from ampctl.shell.hydra_internals import composed, hydra_flags
 
 SWEEP_REPORT = "sweep.json"  # written when a sweep ends (reports/sweep.py): each job's status
 NOT_A_SWEEP = {"help", "hydra_help", "cfg", "info", "shell_completion"}
