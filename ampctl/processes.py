@@ -25,7 +25,7 @@ import logging
 import os
 import signal
 import sys
-from typing import Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 PARENT_ENV = "AMPCTL_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -49,38 +49,33 @@ def die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-_START_UNCOLLECTED = False  # this process's collector is off until its command's start is over (below)
-
-
 @contextlib.contextmanager
-def start_kept_out_of_collections() -> Iterator[None]:
+def start_kept_out_of_collections() -> Iterator[Callable[[], None]]:
     """Around a command in a process that has not imported torch yet (a fresh `ampctl`): the collector is off
-    while the command imports and plans its run, and what that made is frozen when start_is_over() says the
-    run is planned (shell/checks.py). A process that imported torch before (the Python API's, a test's) is left as it
-    is: its collector is its owner's, and what it holds may be garbage."""
-    global _START_UNCOLLECTED
+    while the command imports and plans its run. Yields the start's end, to call once the run is planned (its
+    imports made, its config composed and checked: shell/checks.py): what is garbage of that is collected, once,
+    and what lives on (modules, torch's registries, the config) is frozen. A process that imported torch before (the
+    Python API's, a test's) is left as it is: its collector is its owner's, and what it holds may be garbage."""
     if "torch" in sys.modules or not gc.isenabled():
-        yield
+        yield lambda: None
         return
-    gc.disable()
-    _START_UNCOLLECTED = True
-    try:
-        yield
-    finally:
-        if _START_UNCOLLECTED:  # it ended before a run was planned (a refusal, --cfg): collected as before
-            _START_UNCOLLECTED = False
-            gc.enable()
+    uncollected = [True]  # until the start is over, or the command ends first
 
-
-def start_is_over() -> None:
-    """The run is planned (its imports made, its config composed and checked): what is garbage of that is
-    collected, once, and what lives on (modules, torch's registries, the config) is frozen."""
-    global _START_UNCOLLECTED
-    if _START_UNCOLLECTED:
-        _START_UNCOLLECTED = False
+    def start_is_over() -> None:
+        if not uncollected:
+            return
+        uncollected.clear()
         gc.collect()
         gc.freeze()
         gc.enable()
+
+    gc.disable()
+    try:
+        yield start_is_over
+    finally:
+        if uncollected:  # it ended before a run was planned (a refusal, --cfg): collected as before
+            uncollected.clear()
+            gc.enable()
 
 
 def freeze_what_the_fork_inherited() -> None:

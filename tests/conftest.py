@@ -21,11 +21,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from ampctl.conf.schema import register_configs
 from ampctl.runner.plan import plan_run
 from ampctl.runner.run import run_training
+from ampctl.shell.command import register_schemas
 
-register_configs()
+register_schemas()  # every command's: tests compose each command's config
 
 # device=cpu: tests are CPU tests unless marked gpu, also on a machine that has a GPU.
 # telemetry.profile_cpu_memory=false: the CPU memory profiler leaves steps 1-2 untimed; the tests of peak memory

@@ -1,31 +1,36 @@
-"""`ampctl advise [overrides]`: a Hydra app over conf/advise.yaml (train's config plus advise.*, and the settings
-of the compare and inspect studies it runs)."""
+"""`ampctl advise [overrides]`: the precision mode for this model on this machine, with the evidence (a Hydra app over
+conf/advise.yaml: train's config plus advise.*, and the settings of the compare and inspect studies it runs)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Optional
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.commands.compare import command_line_config_dir
-from ampctl.shell.checks import job_of, task_overrides
-from ampctl.shell.outcomes import leave
-from ampctl.shell.studies import refused_in_one_line
+from ampctl import run_files
+from ampctl.conf.schema import AdviseAppConfig, validate
+from ampctl.shell.checks import one_device_only
+from ampctl.shell.command import Command, Section
+from ampctl.shell.python_api import study_api
+from ampctl.shell.studies import Study, study_app
+
+SUMMARY = "the precision mode for this model on this machine, with the evidence"
 
 
-@hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="advise")
-def advise(cfg: DictConfig) -> None:
-    # the study imports torch: here, so that --help and shell completion answer without it
-    from ampctl.studies.advise import run_advise
-    from ampctl.studies.compare import CompareInterrupted
+def check(cfg: DictConfig) -> None:
+    validate(cfg)  # its studies check each mode and run as they go
+    one_device_only(cfg, "advise")
 
-    hydra_cfg = HydraConfig.get()
-    out_dir = Path(hydra_cfg.runtime.output_dir)
-    try:
-        with refused_in_one_line("advise", out_dir, " (nothing was compared yet: no advice)"):
-            run_advise(job_of("advise", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
-                       command_line_config_dir(hydra_cfg))
-    except CompareInterrupted as exc:
-        leave(exc, [f"ampctl advise: interrupted ({exc}); the advice of what was measured is in {out_dir}"])
+
+def run(study: Study) -> Optional[int]:
+    from ampctl.studies.advise import run_advise  # torch: imported by the advice, not by --help
+
+    run_advise(study.cfg, study.out_dir, study.overrides, study.config_dir)
+    return None
+
+
+COMMAND = Command(
+    name="advise", summary=SUMMARY, section=Section.STUDY, schema=AdviseAppConfig, check=check,
+    main=study_app("advise", run, interrupted_means=" (nothing was compared yet: no advice)",
+                   stopped_with="the advice of what was measured is in {out_dir}"),
+    api=study_api("advise", run, run_files.ADVICE, SUMMARY))

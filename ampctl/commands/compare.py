@@ -1,40 +1,36 @@
-"""`ampctl compare [overrides]`: a Hydra app over ampctl/conf/compare.yaml (train's config plus compare.*)."""
+"""`ampctl compare [overrides]`: the same run under several precision modes, one table and report (a Hydra app over
+conf/compare.yaml: train's config plus compare.*)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Optional
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.errors import SomeRunsFailed
-from ampctl.shell.checks import job_of, task_overrides
-from ampctl.shell.outcomes import leave
-from ampctl.shell.studies import refused_in_one_line
+from ampctl import run_files
+from ampctl.conf.schema import CompareAppConfig
+from ampctl.shell.checks import one_device_only, validate_with_loggers
+from ampctl.shell.command import Command, Section
+from ampctl.shell.python_api import study_api
+from ampctl.shell.studies import Study, study_app
+
+SUMMARY = "the same run under several precision modes, one table and report"
 
 
-def command_line_config_dir(hydra_cfg: DictConfig) -> str | None:
-    """The -cd directory, if any, so that every mode's process sees the same configs."""
-    for source in hydra_cfg.runtime.config_sources:
-        if source.provider == "command-line" and source.schema == "file":
-            return source.path
-    return None
+def check(cfg: DictConfig) -> None:
+    # each mode is composed and checked against the device when the comparison is planned
+    validate_with_loggers(cfg)
+    one_device_only(cfg, "compare")
 
 
-@hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="compare")
-def compare(cfg: DictConfig) -> None:
-    # the study imports torch: here, so that --help and shell completion answer without it
-    from ampctl.studies.compare import CompareInterrupted, run_compare
+def run(study: Study) -> Optional[int]:
+    from ampctl.studies.compare import run_compare  # torch: imported by a comparison, not by --help
 
-    hydra_cfg = HydraConfig.get()
-    out_dir = Path(hydra_cfg.runtime.output_dir)
-    try:
-        with refused_in_one_line("compare", out_dir):
-            failed = run_compare(job_of("compare", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
-                                 command_line_config_dir(hydra_cfg))
-    except CompareInterrupted as exc:
-        leave(exc, [f"ampctl compare: interrupted ({exc}); the modes run so far are compared in {out_dir} (each "
-                    "interrupted mode's line above says whether and how it continues)"])
-    if failed:
-        leave(SomeRunsFailed(failed), [])  # the table says which modes failed and why
+    return run_compare(study.cfg, study.out_dir, study.overrides, study.config_dir)
+
+
+COMMAND = Command(
+    name="compare", summary=SUMMARY, section=Section.STUDY, schema=CompareAppConfig, check=check,
+    main=study_app("compare", run, stopped_with="the modes run so far are compared in {out_dir} (each interrupted "
+                                                "mode's line above says whether and how it continues)"),
+    api=study_api("compare", run, run_files.COMPARISON, SUMMARY))

@@ -1,29 +1,54 @@
 """`ampctl export PATH [export.dtype=...] [export.format=...] [export.weights=...] [export.dir=...]`: a checkpoint's
-weights in the dtype they are served in (runner/export.py). A bad argument, a checkpoint that fails its check or a
-directory that exists is one line, exit 2, nothing written."""
+weights in the dtype they are served in (runner/export.py). Its settings are composed from conf/export.yaml as every
+command's are. A bad argument, a checkpoint that fails its check or a directory that exists is one line, exit 2,
+nothing written."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
 
-from ampctl.shell.outcomes import refuse
+from ampctl.conf.export_schema import ExportAppConfig, ExportDtype, ExportFormat, ExportWeights
+from ampctl.errors import UsageError
+from ampctl.shell.command import Command, Section
+from ampctl.shell.python_api import PathLike, Result
 
-USAGE = ("usage: ampctl export PATH [export.dtype=float32|bfloat16|float16] [export.format=safetensors|pt|hf] "
-         "[export.weights=model|ema] [export.dir=DIR]   (PATH: a run directory or a checkpoint)")
+if TYPE_CHECKING:
+    from ampctl.conf.export_schema import ExportConfig
+
+SUMMARY = "a checkpoint's weights in the dtype you serve: safetensors, pt or a transformers directory"
+SETTINGS = {"export.dtype": ExportDtype, "export.format": ExportFormat, "export.weights": ExportWeights}
+USAGE = ("usage: ampctl export PATH " + " ".join(f"[{key}={'|'.join(v.value for v in kind)}]"
+                                                  for key, kind in SETTINGS.items())
+         + " [export.dir=DIR]   (PATH: a run directory or a checkpoint)")
 
 
 def complete(done: list[str], current: str) -> list[str]:
     """Shell completion: PATH first (the shell's own file names), then export.KEY= and each key's values."""
-    from ampctl.conf.export_schema import DTYPES, FORMATS, WEIGHTS
-
     if not done:
         return []
-    values = {"export.dtype": DTYPES, "export.format": FORMATS, "export.weights": WEIGHTS}
     key, typed_equals, _ = current.partition("=")
-    if typed_equals and key in values:
-        return [f"{key}={value}" for value in values[key]]
-    return [f"{key}=" for key in (*values, "export.dir")]
+    if typed_equals and key in SETTINGS:
+        return [f"{key}={value.value}" for value in SETTINGS[key]]
+    return [f"{key}=" for key in (*SETTINGS, "export.dir")]
+
+
+def export_settings(overrides: Sequence[str]) -> "ExportConfig":
+    """export.* composed from conf/export.yaml with the command line's overrides; a bad key or value: UsageError."""
+    from omegaconf import OmegaConf
+
+    from ampctl.conf.messages import one_line
+    from ampctl.shell.hydra_internals import composed
+
+    try:
+        with composed("export", list(overrides)) as cfg:
+            return OmegaConf.to_object(cfg.export)  # type: ignore[return-value]
+    except UsageError:
+        raise
+    except Exception as exc:  # Hydra's and OmegaConf's multi-line errors, as one line
+        raise UsageError(one_line(exc)) from None
 
 
 def main() -> None:
@@ -32,15 +57,26 @@ def main() -> None:
         print(USAGE)
         return
     if not args or "=" in args[0]:
-        refuse("export", "expected PATH first (a run directory or a checkpoint), then export.KEY=VALUE overrides"
-               + (f"; got {args[0]!r}" if args else ""))
-    path, overrides = args[0], args[1:]
-    from ampctl.conf.export_schema import ExportConfig
-
-    options = ExportConfig.from_overrides(overrides)
+        raise UsageError("expected PATH first (a run directory or a checkpoint), then export.KEY=VALUE overrides"
+                         + (f"; got {args[0]!r}" if args else ""))
+    settings = export_settings(args[1:])
+    from ampctl import io
     from ampctl.runner.export import export  # torch: imported for an export, not for its usage line
 
-    exported = export(Path(path), options)  # a full disk, a read-only directory: nothing was written
-    from ampctl import io
-
+    exported = export(Path(args[0]), settings)  # a full disk, a read-only directory: nothing was written
     print(f"exported {exported.parameters:,} parameters ({io.format_bytes(exported.bytes)}) to {exported.path}")
+
+
+def export_from_python(path: PathLike, overrides: Sequence[str] = ()) -> Result:
+    """`ampctl export PATH [export.dtype=... ...]`: a checkpoint's weights (PATH: a run directory or a checkpoint)
+    in the dtype you serve; returns the export's directory and its export.json."""
+    from ampctl.runner.export import RECORD, export
+
+    exported = export(Path(path), export_settings(overrides), say=lambda _line: None)
+    return Result(exported.path, json.loads((exported.path / RECORD).read_text()))
+
+
+export_from_python.__name__ = export_from_python.__qualname__ = "export"
+
+COMMAND = Command(name="export", summary=SUMMARY, section=Section.FILES, main=main, api=export_from_python,
+                  schema=ExportAppConfig, complete=complete)

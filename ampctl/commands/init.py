@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ampctl.errors import OneLineArgumentParser, UsageError, cannot_write, write_refused
+from ampctl.shell.command import Command, Section
 
 EXPERIMENT = """\
 # {name}: an ampctl experiment. Run it: ampctl train -cd {dir} -cn {name}
@@ -201,3 +202,7 @@ def main() -> None:
     for path in written:
         print(f"wrote {path}")
     print(f"run it: ampctl train -cd {args.dir} -cn {args.name}")
+
+
+COMMAND = Command(name="init", summary="write an editable experiment config and recipe of your own",
+                  section=Section.SETUP, main=main, complete=complete)

@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ampctl.errors import OneLineArgumentParser, UsageError
+from ampctl.shell.command import Command, Section
 from ampctl.shell.hydra_internals import config_loader
 
 GROUPS = ("scaler", "recipe", "optimizer", "logger")
@@ -150,3 +151,7 @@ def main() -> None:
                           f"{cpu_speed.cache_path()}; again with --remeasure):")
         for line in speed.describe():
             tables.print_line(console, f"  {escape(line)}")
+
+
+COMMAND = Command(name="list", summary="list precision modes, scalers, recipes and optimizers, and what runs here",
+                  section=Section.SETUP, main=main, complete=complete)

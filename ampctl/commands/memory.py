@@ -1,25 +1,37 @@
-"""`ampctl memory [overrides]`: a Hydra app over ampctl/conf/memory.yaml (train's config plus memory.*)."""
+"""`ampctl memory [overrides]`: estimated memory per part next to the measured peak, per precision mode (a Hydra app
+over conf/memory.yaml: train's config plus memory.*)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Optional
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from ampctl.commands.compare import command_line_config_dir
-from ampctl.shell.checks import job_of, task_overrides
-from ampctl.shell.studies import refused_in_one_line
+from ampctl import run_files
+from ampctl.conf.schema import MemoryAppConfig, validate
+from ampctl.shell.checks import one_device_only
+from ampctl.shell.command import Command, Section
+from ampctl.shell.python_api import study_api
+from ampctl.shell.studies import Study, study_app
+
+SUMMARY = "estimated memory per part next to the measured peak, per precision mode"
 
 
-@hydra.main(version_base=None, config_path="pkg://ampctl.conf", config_name="memory")
-def memory(cfg: DictConfig) -> None:
-    # the study imports torch: here, so that --help and shell completion answer without it
-    from ampctl.studies.memory import run_memory
+def check(cfg: DictConfig) -> None:
+    from ampctl.analysis.memory.model import parse_size
 
-    hydra_cfg = HydraConfig.get()
-    out_dir = Path(hydra_cfg.runtime.output_dir)
-    with refused_in_one_line("memory", out_dir):
-        run_memory(job_of("memory", cfg, hydra_cfg).cfg, out_dir, task_overrides(hydra_cfg),
-                   command_line_config_dir(hydra_cfg))
+    validate(cfg)
+    one_device_only(cfg, "memory")
+    if cfg.memory.budget is not None:
+        parse_size(cfg.memory.budget)
+
+
+def run(study: Study) -> Optional[int]:
+    from ampctl.studies.memory import run_memory  # torch: imported by a measurement, not by --help
+
+    run_memory(study.cfg, study.out_dir, study.overrides, study.config_dir)
+    return None
+
+
+COMMAND = Command(name="memory", summary=SUMMARY, section=Section.STUDY, schema=MemoryAppConfig, check=check,
+                  main=study_app("memory", run), api=study_api("memory", run, run_files.MEMORY, SUMMARY))

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ampctl.errors import SomeRunsFailed, UsageError
+from ampctl.shell.command import Command, Section
 from ampctl.shell.outcomes import leave, said_in_one_line
 
 USAGE = "usage: ampctl report PATH   (a run, multirun, compare, memory or inspect directory)"
@@ -31,3 +32,7 @@ def main() -> None:
         failed = render(Path(args[0]))
     if failed:
         leave(SomeRunsFailed(failed), [])  # the table names them
+
+
+COMMAND = Command(name="report", summary="the table, files and plots of a run, multirun or compare directory, again",
+                  section=Section.FILES, main=main, complete=complete)

@@ -1,4 +1,5 @@
-"""`ampctl train [overrides]`: one Hydra app, so -m, --cfg, --help, -cd and run dirs all work."""
+"""`ampctl train [overrides]`: train a recipe under a precision mode. One Hydra app, so -m, --cfg, --help, -cd and run
+dirs all work; ampctl.train() from Python."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -18,14 +19,20 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ampctl import io, run_files
+from ampctl.conf.schema import AmpctlConfig
 from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import RecipeFailed, RunStopped, UsageError
 from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.runner import checkpoint_files
 from ampctl.runner.ownership import holding, remove_if_only_hydra_files
-from ampctl.shell.checks import job_of
+from ampctl.shell.command import Command, Section
 from ampctl.shell.outcomes import ENDINGS, Outcome, leave, outcome_of, write_refused_line
+from ampctl.shell.plans import main_run_dir, plan_of, task_overrides
+from ampctl.shell.python_api import PathLike, Result, planned_run
+
+if TYPE_CHECKING:
+    from ampctl.runner.plan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +47,8 @@ def train(cfg: DictConfig) -> Optional[float]:
     # (Ray's shutdown) finds each job's stop line in its train.log
     with contextlib.ExitStack() as held:
         try:
-            job = job_of("train", cfg, hydra_cfg)
-            cfg = job.cfg
+            run = plan_of("train", cfg, hydra_cfg)
+            cfg = run.cfg
             if multirun and cfg.resume == "auto":
                 kept = finished_job(run_dir, cfg.train.steps)
                 if kept is not None:
@@ -52,8 +59,8 @@ def train(cfg: DictConfig) -> Optional[float]:
             from ampctl.runner.run import run_training  # torch: imported by a run, not by --help or completion
 
             if is_main_process():
-                held.enter_context(holding(job.run_dir))
-            summary = run_training(job)
+                held.enter_context(holding(run.run_dir))
+            summary = run_training(run)
         except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - every way a run ends: outcomes.ENDINGS
             return ended(exc, cfg, run_dir, hydra_cfg, multirun)
     if Path(summary["run_dir"]) != run_dir and is_main_process():
@@ -180,3 +187,54 @@ def record_failed_job(run_dir: Path, exc: BaseException) -> float:
     (run_dir / run_files.ERROR).write_text(message + "\n", encoding="utf-8")
     print(f"ampctl train: job in {run_dir} failed: {message}", file=sys.stderr)
     return float("nan")
+
+
+def plan(cfg: DictConfig, hydra_cfg: DictConfig) -> "RunPlan":
+    """The run planned: a resumed run's own config and choices, with the changes the command line names, its
+    checkpoint, its policy and trackers checked (runner/plan.py); UsageError for what it refuses. A batch job its
+    engine requeued, and a sweep's job its engine retried, continue their own run."""
+    from ampctl.runner.plan import continuing_a_jobs_earlier_attempt, continuing_a_requeued_job, plan_run
+
+    run_dir = main_run_dir(hydra_cfg)
+    cfg = continuing_a_requeued_job(cfg, run_dir)
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        cfg = continuing_a_jobs_earlier_attempt(cfg, run_dir, hydra_cfg.job.num)
+    return plan_run(cfg, run_dir, dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg), torchrun_world_size())
+
+
+def claim_directory(cfg: DictConfig, run_dir: str) -> None:
+    """A new run only into a directory of its own; a resume (a requeued batch job's too) only into the run it
+    continues. Rank 0's: the other ranks record nothing (run.dir=.)."""
+    if not is_main_process():
+        return
+    from ampctl.runner.identity import requeued_here
+    from ampctl.runner.ownership import refuse_another_runs_directory
+
+    requeued = not cfg.resume and requeued_here(Path(run_dir), cfg) is not None
+    refuse_another_runs_directory(run_dir, "auto" if requeued else cfg.resume)
+
+
+def check(cfg: DictConfig) -> None:
+    """A sweep's job, checked before the first starts (each is planned again as it starts: runner/plan.py)."""
+    from ampctl.runner.plan import check_config
+    from ampctl.runner.trackers import check_loggers
+
+    check_config(cfg)
+    check_loggers(cfg.logger)
+
+
+def train_from_python(overrides: Sequence[str] = (), *, run_dir: Optional[PathLike] = None,
+                      config_dir: Optional[PathLike] = None, config_name: str = "train") -> Result:
+    """`ampctl train [overrides]`: one training run; returns its summary and run directory."""
+    from ampctl.runner.run import run_training
+
+    with planned_run("train", config_name, overrides, run_dir, config_dir) as (run, _hydra_cfg, _out):
+        summary = run_training(run)
+    return Result(Path(summary["run_dir"]), summary)
+
+
+train_from_python.__name__ = train_from_python.__qualname__ = "train"
+
+COMMAND = Command(name="train", summary="train a recipe under a precision mode (a Hydra app: try --help)",
+                  section=Section.RUN, main=train, api=train_from_python, schema=AmpctlConfig, check=check,
+                  plan=plan, claim_directory=claim_directory, spans_torchrun_ranks=True, continues_sweeps=True)

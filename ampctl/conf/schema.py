@@ -17,7 +17,7 @@ import math
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
@@ -347,25 +347,20 @@ def _refuse_integers_beyond_int64(node: Any, path: str) -> None:
         require(-INT64_MAX - 1 <= node <= INT64_MAX, path[:-1], node, "an integer that fits in 64 bits (|x| < 2^63)")
 
 
-# command -> the name its primary config (ampctl/conf/<command>.yaml) extends, and the schema stored under it
-APP_SCHEMAS: dict[str, tuple[str, type]] = {
-    "train": ("ampctl_schema", AmpctlConfig),
-    "compare": ("ampctl_compare_schema", CompareAppConfig),
-    "memory": ("ampctl_memory_schema", MemoryAppConfig),
-    "inspect": ("ampctl_inspect_schema", InspectAppConfig),
-    "advise": ("ampctl_advise_schema", AdviseAppConfig),
-}
+def app_schema_name(command: str) -> str:
+    """The name a command's primary config schema is stored under: the first default of ampctl/conf/<command>.yaml."""
+    return f"ampctl_{command}_schema"
 
 
-def register_configs(command: Optional[str] = None) -> None:
-    """Store the schemas in Hydra's ConfigStore: every command's, or those `command` composes (its own app
-    schema, and train's, which its modes and probes compose). Called explicitly by the router and by tests.
-    The router stores one command's only: each schema is made into a config as it is stored (~10 ms)."""
+def register_configs(apps: Optional[Mapping[str, type]] = None) -> None:
+    """Store the schemas in Hydra's ConfigStore: the groups' that every command composes, train's app schema
+    (each study composes its runs' configs from it), and `apps` (command -> its app schema: the router stores the
+    one command it runs, shell/command.register_schemas every command's). Each schema is made into a config as it
+    is stored (~10 ms), so a process stores only what it composes."""
     cs = ConfigStore.instance()
     _copies_share_the_store()
-    for name, (stored_as, node) in APP_SCHEMAS.items():
-        if command is None or name in ("train", command):
-            cs.store(name=stored_as, node=node)
+    for command, node in {"train": AmpctlConfig, **(apps or {})}.items():
+        cs.store(name=app_schema_name(command), node=node)
     # Root-level names, not a schema/ group: a group would be listed among the options in `--help`.
     cs.store(name="schema_precision", node=PrecisionConfig)
     cs.store(name="schema_distributed", node=DistributedConfig)

@@ -14,10 +14,6 @@ from typing import Optional
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-# The sweep this process launched, while it runs (set by its callback, reports/sweep.py): a launcher that runs the
-# jobs elsewhere can end in an exception of its own, after which shell/unfinished_sweep.py still reports it
-running: Optional[Path] = None
-
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"  # the default's _target_, a name only
 
 # A stop asked of every job of a sweep by its launcher's process, in the sweep's directory: Ctrl-C ends the

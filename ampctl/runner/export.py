@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ampctl import io
-from ampctl.conf.export_schema import ExportConfig
+from ampctl.conf.export_schema import ExportConfig, ExportFormat, ExportWeights
 from ampctl.errors import UsageError, naming_refused_writes
 from ampctl.runner import checkpoint
 from ampctl.runner.checkpoint_files import (
@@ -75,8 +75,8 @@ def find_checkpoint(path: Path) -> Path:
 def destination(source: Path, step: int, options: ExportConfig) -> Path:
     if options.dir is not None:
         return Path(options.dir).expanduser()
-    suffix = "-hf" if options.format == "hf" else ""
-    return run_dir_of(source) / EXPORTS / f"step_{step:08d}-{options.weights}-{options.dtype}{suffix}"
+    suffix = "-hf" if options.format is ExportFormat.hf else ""
+    return run_dir_of(source) / EXPORTS / f"step_{step:08d}-{options.weights.value}-{options.dtype.value}{suffix}"
 
 
 def export(path: Path, options: ExportConfig, say: Callable[[str], None] = print) -> Exported:
@@ -88,20 +88,23 @@ def export(path: Path, options: ExportConfig, say: Callable[[str], None] = print
         raise UsageError(f"export.dir={out} exists already; choose another export.dir (nothing was written)")
     cfg = OmegaConf.create(payload["config"])
     target = str(cfg.recipe.get("_target_", ""))
-    if options.format == "hf" and not target.endswith(HF_RECIPE):
+    if options.format is ExportFormat.hf and not target.endswith(HF_RECIPE):
         raise UsageError(f"export.format=hf is for recipe=hf_causal_lm (a transformers model); this run's recipe is "
                          f"{target}: choose export.format=safetensors or pt")
-    model_state, average = _saved_weights(source, payload, options.weights == "ema")
-    if options.weights == "ema" and average is None:
+    ema = options.weights is ExportWeights.ema
+    model_state, average = _saved_weights(source, payload, ema)
+    if ema and average is None:
         raise UsageError(f"export.weights=ema: {source} holds no weight average (the run was trained without "
                          "train.ema_decay); choose export.weights=model")
-    model = _model_holding(cfg, model_state, average if options.weights == "ema" else None,
+    model = _model_holding(cfg, model_state, average if ema else None,
                            payload.get("weights", {}).get("masters"))
-    model.to(getattr(torch, options.dtype))
-    say(f"exporting step {step} of {source} ({options.weights} weights as {options.dtype}, {options.format})")
+    model.to(getattr(torch, options.dtype.value))
+    say(f"exporting step {step} of {source} ({options.weights.value} weights as {options.dtype.value}, "
+        f"{options.format.value})")
     written = _write(model, out, options, {
         "source": str(source), "source_sha256": _sha256_of(source), "step": step,
-        "run_id": payload.get("run_id"), "weights": options.weights, "dtype": options.dtype, "format": options.format,
+        "run_id": payload.get("run_id"), "weights": options.weights.value, "dtype": options.dtype.value,
+        "format": options.format.value,
         "recipe": OmegaConf.to_container(cfg.recipe, resolve=True),
         "trained_in": cfg.precision.name,
     })
@@ -167,12 +170,12 @@ def _write(model: nn.Module, out: Path, options: ExportConfig, record: dict[str,
     try:
         tmp.mkdir()
         with naming_refused_writes(out):  # safetensors' and torch's writers carry a full disk inside their errors
-            if options.format == "safetensors":
+            if options.format is ExportFormat.safetensors:
                 from safetensors.torch import save_model
 
                 save_model(model, str(tmp / "model.safetensors"), metadata={
                     "format": "pt", **{f"ampctl_{k}": str(record[k]) for k in ("step", "weights", "dtype", "source")}})
-            elif options.format == "pt":
+            elif options.format is ExportFormat.pt:
                 with open(tmp / "model.pt", "wb") as file:  # a Python file: a full disk is its OSError
                     torch.save(model.state_dict(), file)
             else:

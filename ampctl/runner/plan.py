@@ -99,3 +99,49 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
                            cfg.distributed.kind is ParallelKind.fsdp
                            and cfg.distributed.checkpoint_format is CheckpointFormat.full)
     return policy
+
+
+def continuing_a_requeued_job(cfg: DictConfig, run_dir: Path) -> DictConfig:
+    """cfg, with resume=auto when this process is the batch job that started the run in run_dir, requeued by its
+    engine (which runs the job's original overrides again): it continues its own run, as it was stopped to do."""
+    from ampctl.processes import is_main_process
+    from ampctl.runner.identity import requeued_here
+
+    if cfg.resume:
+        return cfg
+    own = requeued_here(run_dir, cfg)  # every rank reads the run's identity (storage every node shares)
+    if own is None:
+        return cfg
+    if is_main_process():
+        print(f"ampctl train: batch job {own.job} was requeued: it continues its run in {run_dir}", flush=True)
+    return _resumed(cfg)
+
+
+def continuing_a_jobs_earlier_attempt(cfg: DictConfig, run_dir: Path, num: int) -> DictConfig:
+    """A sweep's job whose directory holds a run already: the same job started again by the engine that runs it
+    (Ray retries a task whose worker died; a batch system requeues a job) with its original overrides. The sweep's
+    directory was checked to be this sweep's before its first job, and each job has a directory of its own, so a
+    run there with this job's config is this job's earlier attempt: it continues (it trained again from step 0 over
+    the earlier attempt's records, every step twice in metrics.jsonl). One with another config is refused."""
+    from ampctl.errors import UsageError
+    from ampctl.processes import is_main_process
+    from ampctl.runner import identity
+
+    if cfg.resume:
+        return cfg
+    earlier = identity.read(run_dir)
+    if earlier is None:
+        return cfg
+    if identity.config_hash(identity.resolved(cfg)) != earlier.config_hash:
+        raise UsageError(f"{run_dir} holds a run with another config than job #{num}'s (run {earlier.run_id[:8]}): "
+                         "a sweep's job continues only its own earlier attempt")
+    if is_main_process():
+        print(f"ampctl train: job #{num} started again (its engine retried it): it continues its earlier attempt "
+              f"in {run_dir}", flush=True)
+    return _resumed(cfg)
+
+
+def _resumed(cfg: DictConfig) -> DictConfig:
+    continued = cfg.copy()
+    continued.resume = "auto"
+    return continued

@@ -40,9 +40,9 @@ def composed(config_name: str, overrides: Sequence[str], config_dir: Optional[Pa
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from ampctl.conf.schema import register_configs
+    from ampctl.shell.command import register_schemas
 
-    register_configs()
+    register_schemas()
     search_path = config_loader(config_dir).config_search_path
     GlobalHydra.instance().clear()
     hydra = Hydra.create_main_hydra2(task_name=config_name, config_search_path=search_path)

@@ -15,6 +15,7 @@ from ampctl.conf.sweeps import SweepIdentity
 from ampctl.interrupt import exit_at_once_on_another_signal, give_ctrl_c_back, interrupt_behind, signal_name
 from ampctl.reports.runs import holder_pid
 from ampctl.shell.outcomes import leave
+from ampctl.shell.this_process import THIS_PROCESS
 
 # How long the launcher waits for its jobs to stop (each, stopped by the same Ctrl-C or by the launcher, finishes
 # its step and writes its checkpoint): a batch system's jobs that go on running are shown as running after it
@@ -36,7 +37,7 @@ def _wait_for_stopping_jobs(sweep_dir: Path) -> None:
 def report_the_unfinished_sweep(command: str, exc: BaseException) -> None:
     """If this process launched a sweep that exc ended before its end: its table from what is on disk, and one line
     saying how it ended and what continues it; then the command leaves as the outcome table says."""
-    sweep_dir, sweeps.running = sweeps.running, None
+    sweep_dir = THIS_PROCESS.take_sweep_dir()
     give_ctrl_c_back()
     if sweep_dir is None:
         return

@@ -26,7 +26,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     die_with_parent()
     from ampctl.analysis.memory.measure import measure_peak
-    from ampctl.conf.schema import register_configs
+    from ampctl.conf.schema import MemoryAppConfig, register_configs
     from ampctl.engine.build import build_state
     from ampctl.engine.loop import StepSettings, batch_stream, run_steps
     from ampctl.recipes.base import build_recipe
@@ -40,7 +40,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     overrides = [*args.overrides, f"recipe.batch_size={args.batch_size}"]
     if args.config_dir:
         overrides.append(f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]")
-    register_configs()
+    register_configs({"memory": MemoryAppConfig})
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         cfg = compose(config_name="memory", overrides=overrides)
     policy = check_config(cfg)

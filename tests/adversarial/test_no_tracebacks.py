@@ -209,12 +209,13 @@ def exportable_run(tmp_path_factory):
     ([], "expected PATH first (a run directory or a checkpoint), then export.KEY=VALUE overrides"),
     (["export.dtype=float16"], "expected PATH first (a run directory or a checkpoint), then export.KEY=VALUE "
                                "overrides; got 'export.dtype=float16'"),
-    (["RUN", "export.dtype=fp16"], "export.dtype='fp16' is not allowed: expected float32 | bfloat16 | float16"),
-    (["RUN", "export.format=onnx"], "export.format='onnx' is not allowed: expected safetensors | pt | hf"),
-    (["RUN", "export.weights=swa"], "export.weights='swa' is not allowed: expected model | ema"),
-    (["RUN", "export.dtyp=float16"], "export.dtyp: no such key (did you mean dtype?); allowed: dtype, format, "
+    # composed from conf/export.yaml as every command's config is: the same one lines as train's
+    (["RUN", "export.dtype=fp16"], "export.dtype='fp16' is not allowed: expected one of float32, bfloat16, float16"),
+    (["RUN", "export.format=onnx"], "export.format='onnx' is not allowed: expected one of safetensors, pt, hf"),
+    (["RUN", "export.weights=swa"], "export.weights='swa' is not allowed: expected one of model, ema"),
+    (["RUN", "export.dtyp=float16"], "export.dtyp: no such key (did you mean export.dtype?); allowed: dtype, format, "
                                      "weights, dir"),
-    (["RUN", "dtype=float16"], "'dtype=float16': expected export.KEY=VALUE (dtype, format, weights, dir)"),
+    (["RUN", "dtype=float16"], "dtype: no such key; allowed: export"),
     (["RUN", "export.weights=ema"], "export.weights=ema: RUN/checkpoints/step_00000002.pt holds no weight average "
                                     "(the run was trained without train.ema_decay); choose export.weights=model"),
     (["RUN", "export.format=hf"], "export.format=hf is for recipe=hf_causal_lm (a transformers model); this run's "

@@ -304,7 +304,7 @@ def interrupt_compare(out: Path, *args: str, rows_before: int) -> str:
     process.send_signal(signal.SIGINT)
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
-    assert "Traceback" not in stderr and "ampctl compare: interrupted (SIGINT)" in stderr
+    assert "Traceback" not in stderr and "ampctl compare: interrupted (SIGINT)" in stderr, stderr
     return stdout
 
 

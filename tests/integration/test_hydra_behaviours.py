@@ -243,10 +243,10 @@ def test_hydras_copies_of_its_config_repository_share_the_store_and_read_what_is
     from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
     from hydra.core.config_store import ConfigStore
 
-    from ampctl.conf.schema import register_configs
+    from ampctl.shell.command import register_schemas
     from ampctl.shell.hydra_internals import config_loader
 
-    register_configs()
+    register_schemas()
     store = ConfigStore.instance()
     assert copy.deepcopy(store) is store
     repository = CachingConfigRepository(ConfigRepository(config_loader(None).config_search_path))

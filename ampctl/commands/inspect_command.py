@@ -1,0 +1,37 @@
+"""`ampctl inspect [overrides]`: where values fall against fp16, bf16 and FP8 ranges, per layer (a Hydra app over
+conf/inspect.yaml: train's config plus inspect.*). The module is not named `inspect`, the standard library's."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from ampctl import run_files
+from ampctl.conf.schema import InspectAppConfig, validate
+from ampctl.shell.checks import one_device_only
+from ampctl.shell.command import Command, Section
+from ampctl.shell.python_api import study_api
+from ampctl.shell.studies import Study, study_app
+
+SUMMARY = "where values fall against fp16, bf16 and FP8 ranges, per layer"
+
+
+def check(cfg: DictConfig) -> None:
+    from ampctl.analysis.ranges import power_of_two_log2
+
+    validate(cfg)
+    one_device_only(cfg, "inspect")
+    if cfg.inspect.loss_scale is not None:
+        power_of_two_log2(cfg.inspect.loss_scale, "inspect.loss_scale")
+
+
+def run(study: Study) -> Optional[int]:
+    from ampctl.studies.inspect_ranges import run_inspect  # torch: imported by an inspection, not by --help
+
+    run_inspect(study.cfg, study.out_dir, study.overrides)
+    return None
+
+
+COMMAND = Command(name="inspect", summary=SUMMARY, section=Section.STUDY, schema=InspectAppConfig, check=check,
+                  main=study_app("inspect", run), api=study_api("inspect", run, run_files.INSPECTION, SUMMARY))

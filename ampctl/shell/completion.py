@@ -1,0 +1,57 @@
+"""Shell completion through the router: Hydra's completion script calls `ampctl -sc query=bash` with COMP_LINE set;
+the query goes to the command COMP_LINE names (a Hydra app answers with Hydra's completion, a command of its own with
+its record's complete), and before a command word is complete the command words are the answer."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from typing import Iterator, Optional
+
+from ampctl.shell.command import Command, registry
+
+
+def completion_words() -> tuple[list[str], str]:
+    """The words of COMP_LINE after the command (routed by completion_target), and the one being typed."""
+    line = os.environ.get("COMP_LINE", "")
+    words = line.split()[1:]
+    if line.endswith(" ") or not words:
+        return words, ""
+    return words[:-1], words[-1]
+
+
+@contextlib.contextmanager
+def list_keys_completed_whole(command: Command) -> Iterator[None]:
+    """Around Hydra's completion of a Hydra app: its answer, with the list-typed keys ending in `=`
+    (conf/completion.py)."""
+    from ampctl.conf.completion import set_lists_whole
+
+    answer = io.StringIO()
+    with contextlib.redirect_stdout(answer):
+        yield
+    separator = "\n" if "\n" in answer.getvalue().strip() else " "
+    words = answer.getvalue().split()
+    print(separator.join(set_lists_whole(words, command.schema)))
+
+
+def answer_its_own_completion(command: Command, rest: list[str]) -> None:
+    """A command of its own (not a Hydra app) answers its completion itself: its main would take the query for its
+    arguments and refuse it."""
+    done, current = completion_words()
+    print(("\n" if "query=fish" in rest else " ").join(command.complete(done, current) if command.complete else []))
+
+
+def completion_target(rest: list[str]) -> tuple[Optional[str], list[str]]:
+    """`ampctl -sc query=bash`, called by the completion script Hydra installs: route the query to the
+    command in COMP_LINE, with that word taken out so that Hydra sees `ampctl <overrides>`. Before a command
+    word is complete, the command words are the answer. `ampctl -sc install=bash` installs through train."""
+    line = os.environ.get("COMP_LINE")
+    if not any(arg.startswith("query") for arg in rest) or line is None:
+        return "train", ["-sc", *rest]
+    words = line.split()
+    if len(words) >= 2 and words[1] in registry() and (len(words) > 2 or line.endswith(" ")):
+        os.environ["COMP_LINE"] = " ".join([words[0], *words[2:]]) + (" " if line.endswith(" ") else "")
+        return words[1], ["-sc", *rest]
+    print(("\n" if "query=fish" in rest else " ").join(registry()))
+    return None, []

@@ -1,0 +1,42 @@
+"""The one object that carries values between Hydra's callbacks and the rest of this process. Hydra calls a
+command's callbacks (shell/checks.py, shell/sweep_callbacks.py) and then its task function in one process, but hands
+the task nothing but its config: what the callbacks found reaches the task, and the router, through THIS_PROCESS
+alone. Nothing else in ampctl holds a value between them (tests/unit/test_code_limits.py looks for module globals
+assigned in functions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+@dataclass
+class ThisProcess:
+    # the single run a check planned, and the directory Hydra makes for it: the task function takes the plan from
+    # here instead of planning (resolving a resume) again; a Ctrl-C between Hydra making the directory and the task
+    # starting leaves only Hydra's files there, which the router removes
+    plan: Any = None  # a shell.plans.Plan (typed loosely: the plans module hands it over through this one)
+    plan_dir: Optional[Path] = None
+    sweep_dir: Optional[Path] = None  # the sweep this process launched, until its end (its table on a stop)
+    # the end of the start's uncollected imports, once the run is planned (processes.start_kept_out_of_collections)
+    start_is_over: Optional[Callable[[], None]] = None
+
+    def take_plan(self, output_dir: Path) -> Any:
+        """The plan made for the run in output_dir, once (None: another run's, or none)."""
+        plan, plan_dir, self.plan, self.plan_dir = self.plan, self.plan_dir, None, None
+        if plan is not None and plan_dir is not None and plan_dir.resolve() == output_dir.resolve():
+            return plan
+        return None
+
+    def take_sweep_dir(self) -> Optional[Path]:
+        sweep_dir, self.sweep_dir = self.sweep_dir, None
+        return sweep_dir
+
+    def end_the_start(self) -> None:
+        over, self.start_is_over = self.start_is_over, None
+        if over is not None:
+            over()
+
+
+THIS_PROCESS = ThisProcess()
