@@ -89,7 +89,8 @@ def dispatch(args: list[str]) -> None:
         print(f"ampctl {VERSION}")
         return
     from ampctl.shell import completion
-    from ampctl.shell.command import command_named, register_schemas, registry
+    from ampctl.shell.command import command_named, registry
+    from ampctl.shell.hydra_internals import register_schemas
 
     name, rest = args[0], args[1:]
     completing = name in ("-sc", "--shell-completion")

@@ -79,7 +79,7 @@ def start_kept_out_of_collections() -> Iterator[Callable[[], None]]:
 
 
 def freeze_what_the_fork_inherited() -> None:
-    """In a child forked from a server that imported torch and ampctl (studies/preloaded.py): all of that is the
+    """In a child forked from a server that imported torch and ampctl (preloaded.py): all of that is the
     server's start, never garbage; its collections scan only what the child makes."""
     gc.freeze()
 

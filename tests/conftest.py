@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_module
 
 from ampctl.runner.plan import plan_run
 from ampctl.runner.run import run_training
-from ampctl.shell.command import register_schemas
+from ampctl.shell.hydra_internals import register_schemas
 
 register_schemas()  # every command's: tests compose each command's config
 

@@ -358,7 +358,6 @@ def register_configs(apps: Optional[Mapping[str, type]] = None) -> None:
     one command it runs, shell/command.register_schemas every command's). Each schema is made into a config as it
     is stored (~10 ms), so a process stores only what it composes."""
     cs = ConfigStore.instance()
-    _copies_share_the_store()
     for command, node in {"train": AmpctlConfig, **(apps or {})}.items():
         cs.store(name=app_schema_name(command), node=node)
     # Root-level names, not a schema/ group: a group would be listed among the options in `--help`.
@@ -366,17 +365,6 @@ def register_configs(apps: Optional[Mapping[str, type]] = None) -> None:
     cs.store(name="schema_distributed", node=DistributedConfig)
     for name, node in SCALER_SCHEMAS.items():
         cs.store(name=f"schema_scaler_{name}", node=node)
-
-
-def _copies_share_the_store() -> None:
-    """Hydra deep-copies its config repository before it searches it (its CachingConfigRepository, so that
-    initialize_sources leaves the original alone), and with it the ConfigStore singleton its structured source
-    holds: once a composition, and once for each config group that --help, shell completion and `ampctl list`
-    list (~20 ms a copy of ampctl's schemas: `ampctl memory --help` took 1.8 s, 0.55 s with one store). The
-    store is only read through a copy (ConfigStore.load copies each node it gives out), and Hydra since its pull
-    request 2928 reads the singleton itself, not the copy's: a copy of the store is the store."""
-    if "__deepcopy__" not in vars(ConfigStore):
-        ConfigStore.__deepcopy__ = lambda store, _memo: store  # type: ignore[attr-defined]
 
 
 def safe_to_change_keys(schema: type = AmpctlConfig, prefix: str = "") -> tuple[str, ...]:

@@ -11,7 +11,7 @@ import functools
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -87,11 +87,3 @@ def command_named(name: str) -> Command:
     if isinstance(command, Command) and command.name == name:
         return command
     return registry()[name]
-
-
-def register_schemas(names: Optional[Iterable[str]] = None) -> None:
-    """The app schemas of these commands (every command's: None) stored where Hydra composes their YAML."""
-    from ampctl.conf.schema import register_configs
-
-    commands = [command_named(name) for name in names] if names is not None else list(registry().values())
-    register_configs({c.name: c.schema for c in commands if c.schema is not None})

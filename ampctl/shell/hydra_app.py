@@ -50,13 +50,11 @@ def run_hydra_app(command: str, entry) -> None:
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from ampctl.interrupt import interrupts_surfaced
-    from ampctl.shell.hydra_internals import mode_read_from_the_command_line
     from ampctl.shell.unfinished_sweep import report_the_unfinished_sweep
 
     try:
         # a stop signal that broke off composing is the signal, not a refusal of the command line
-        with job_config_with_its_defaults(command), mode_read_from_the_command_line(sys.argv[1:]), \
-                interrupts_surfaced():
+        with job_config_with_its_defaults(command), interrupts_surfaced():
             entry()  # raises SystemExit when the run fails
     except KeyboardInterrupt as exc:
         report_the_unfinished_sweep(command, exc)  # a sweep's launcher waiting for its jobs: the table, one line

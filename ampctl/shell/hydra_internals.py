@@ -2,7 +2,8 @@
 compose it: ampctl's configs, and a `-cd` directory where Hydra puts a command line's config dir. The one module
 that reaches into Hydra's private API (hydra._internal): its public compose API covers everything else, but not
 a `-cd` directory beside an app's configs (tests/integration/test_hydra_behaviours.py pins that the two agree),
-nor an app's start without the composition Hydra makes only to read hydra.mode (pinned there too)."""
+nor a copy of its config repository that leaves the ConfigStore uncopied (share_one_config_store, pinned there too).
+No other module of ampctl reaches into Hydra's internals or patches a library's class."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -40,8 +41,6 @@ def composed(config_name: str, overrides: Sequence[str], config_dir: Optional[Pa
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from ampctl.shell.command import register_schemas
-
     register_schemas()
     search_path = config_loader(config_dir).config_search_path
     GlobalHydra.instance().clear()
@@ -52,6 +51,16 @@ def composed(config_name: str, overrides: Sequence[str], config_dir: Optional[Pa
         yield cfg
     finally:
         GlobalHydra.instance().clear()
+
+
+def register_schemas(names: Optional[Iterable[str]] = None) -> None:
+    """The app schemas of these commands (every command's: None) stored where Hydra composes their YAML."""
+    from ampctl.conf.schema import register_configs
+    from ampctl.shell.command import command_named, registry
+
+    share_one_config_store()
+    commands = [command_named(name) for name in names] if names is not None else list(registry().values())
+    register_configs({c.name: c.schema for c in commands if c.schema is not None})
 
 
 def put_config_dir_on_path(args: list[str]) -> None:
@@ -101,31 +110,18 @@ def hydra_flags(args: list[str]) -> tuple[dict[str, Optional[str]], list[str]]:
     return flags, overrides
 
 
-# Where a command line brings configs of the user's: a directory of theirs, a primary config or a search path
-_USERS_CONFIGS = ("config_dir", "config_name", "config_path", "rerun")
+def share_one_config_store() -> None:
+    """Hydra deep-copies its config repository before it searches it (its CachingConfigRepository, so that
+    initialize_sources leaves the original alone), and with it the ConfigStore singleton its structured source
+    holds: once a composition, and once for each config group that --help, shell completion and `ampctl list`
+    list (~20 ms a copy of ampctl's schemas: `ampctl memory --help` took 1.6 s without this, 0.44 s with it, on 2
+    cores where `import torch` took 2.0 s). The store is only read through a copy (ConfigStore.load copies each
+    node it gives out), and Hydra since its pull request 2928 reads the singleton itself: a copy of the store is the
+    store. Both pinned in tests/integration/test_hydra_behaviours.py; the one class ampctl patches."""
+    from hydra.core.config_store import ConfigStore
 
-
-@contextlib.contextmanager
-def mode_read_from_the_command_line(args: list[str]) -> Iterator[None]:
-    """Hydra composes an app's whole config once only to read hydra.mode from it (Hydra.get_mode), then again
-    for the run (~0.15 s of CPU each on these 2 cores; Hydra's issue 3440). A command line that brings no config
-    of the user's (no -cd, -cn, -cp, --experimental-rerun, hydra.searchpath) and sets no hydra.mode composes only
-    ampctl's configs and Hydra's, none of which sets it (pinned in test_hydra_behaviours.py): its mode is None,
-    which Hydra reads as its flags' (-m or not). Then get_mode answers that without composing; any other command
-    line goes through Hydra's own."""
-    from hydra._internal.hydra import Hydra
-
-    flags, overrides = hydra_flags(args)
-    if set(_USERS_CONFIGS) & set(flags) or any(
-            override.lstrip("+~").startswith(("hydra.mode", "hydra.searchpath")) for override in overrides):
-        yield
-        return
-    original = Hydra.get_mode
-    Hydra.get_mode = lambda self, config_name, overrides: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        Hydra.get_mode = original  # type: ignore[method-assign]
+    if "__deepcopy__" not in vars(ConfigStore):
+        ConfigStore.__deepcopy__ = lambda store, _memo: store  # type: ignore[attr-defined]
 
 
 def refuse_a_config_that_is_not_ampctls(command: str, app_config: str, args: list[str]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 CALIBRATION_STEPS = 8  # fp32 steps (2 of them warm-up) that time the step here
-# The comparison's runs are forked from a server that imports torch and ampctl once (studies/preloaded.py),
+# The comparison's runs are forked from a server that imports torch and ampctl once (preloaded.py),
 # measured here on 2 cores: the server and its first run of the mlp 6.0 s, each later run 0.7-0.9 s to the end of
 # its first steps (a fresh interpreter: 6.8 s). Both rounded up for bigger recipes' builds.
 SERVER_START_S = 7.0  # once per comparison: the server's imports

@@ -38,13 +38,13 @@ from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.build import build_state
 from ampctl.engine.loop import StepSettings, StepsHooks, batch_stream, run_steps
 from ampctl.errors import UsageError
+from ampctl.preloaded import PreloadedProcess
 from ampctl.processes import child_environment
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
 from ampctl.runner.plan import check_config
 from ampctl.studies import row_labels
-from ampctl.studies.preloaded import PreloadedProcess
 
 SEARCH_PROBES = 10  # real-step probes of the batch search, at most
 

@@ -1,7 +1,7 @@
 """The runs of a comparison as processes that take turns (compare.rounds).
 
 Every run is its own `ampctl train` process, forked from a server that has imported torch and ampctl already
-(studies/preloaded.py): no run inherits another's allocator caches, compiled kernels or peak-memory high-water
+(preloaded.py): no run inherits another's allocator caches, compiled kernels or peak-memory high-water
 mark. They start one after another, each runs its warm-up and waits; then, round after
 round, each runs its window of steps while the others wait (runner/round_windows.py is the other side), in an
 order that rotates from round to round. Exactly one computes at any time, so load from elsewhere falls on all of
@@ -26,9 +26,9 @@ from typing import Callable, Iterator, Optional
 
 from ampctl import run_files
 from ampctl.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS, exit_at_once_on_another_signal
+from ampctl.preloaded import PreloadedProcess
 from ampctl.processes import child_environment
 from ampctl.runner.round_windows import ROUND_ENDS_ENV, ROUND_FD_ENV
-from ampctl.studies.preloaded import PreloadedProcess
 
 
 def child_log(run_dir: Path) -> Path:

@@ -234,17 +234,17 @@ def test_the_private_composition_agrees_with_hydras_own_app(tmp_path):
 
 
 def test_hydras_copies_of_its_config_repository_share_the_store_and_read_what_is_stored_after():
-    """conf/schema._copies_share_the_store: Hydra deep-copies its config repository for each composition and for
-    each group --help lists (hydra._internal.config_repository.CachingConfigRepository), the ConfigStore within
-    it too (~20 ms each for ampctl's schemas). The store is not copied; a copy made before a config was stored
-    still finds it, as a repository reading the store itself does (Hydra's pull request 2928)."""
+    """shell/hydra_internals.share_one_config_store: Hydra deep-copies its config repository for each composition
+    and for each group --help lists (hydra._internal.config_repository.CachingConfigRepository), the ConfigStore
+    within it too (~20 ms each for ampctl's schemas). The store is not copied; a copy made before a config was
+    stored still finds it, as a repository reading the store itself does (Hydra's pull request 2928); and what the
+    store gives out is a copy, so that sharing it shares nothing a composition changes."""
     import copy
 
     from hydra._internal.config_repository import CachingConfigRepository, ConfigRepository
     from hydra.core.config_store import ConfigStore
 
-    from ampctl.shell.command import register_schemas
-    from ampctl.shell.hydra_internals import config_loader
+    from ampctl.shell.hydra_internals import config_loader, register_schemas
 
     register_schemas()
     store = ConfigStore.instance()
@@ -254,56 +254,21 @@ def test_hydras_copies_of_its_config_repository_share_the_store_and_read_what_is
     try:
         found = repository.load_config("stored_after_the_copy")
         assert found is not None and found.config.answer == 42
+        found.config.answer = 0  # a composition's change to what it loaded
+        assert store.load("stored_after_the_copy.yaml").node.answer == 42
+        assert store.load("stored_after_the_copy.yaml").node is not store.load("stored_after_the_copy.yaml").node
     finally:
         del store.repo["stored_after_the_copy.yaml"]
 
 
-@pytest.fixture
-def compositions(monkeypatch) -> list[str]:
-    """The config names Hydra composes from here on (Hydra.compose_config: for a run, and in Hydra.get_mode)."""
-    from hydra._internal.hydra import Hydra
-
-    composed_names: list[str] = []
-    compose = Hydra.compose_config
-
-    def counted(self, config_name, *args, **kwargs):
-        composed_names.append(config_name)
-        return compose(self, config_name, *args, **kwargs)
-
-    monkeypatch.setattr(Hydra, "compose_config", counted)
-    return composed_names
-
-
-def test_a_run_composes_its_config_once_unless_the_users_configs_could_set_hydra_mode(tmp_path, compositions):
-    """commands/hydra_internals.mode_read_from_the_command_line: Hydra 1.3 composes the whole config in
-    Hydra.get_mode only to read hydra.mode, then again for the run (Hydra's issue 3440; the second count below
-    pins it). ampctl's own command lines compose once; one that brings the user's configs (-cd) goes through
-    Hydra's get_mode, so that a config of theirs that sets hydra.mode still chooses a sweep without -m."""
-    assert ampctl("train", *QUICK, "hydra.run.dir=run", cwd=tmp_path).returncode == 0
-    assert compositions == ["train"]
+def test_a_users_config_that_sets_hydra_mode_sweeps_without_m(tmp_path):
+    """A config of the user's may choose a sweep itself (hydra.mode: MULTIRUN), as Hydra's own apps allow."""
     conf = tmp_path / "conf"
     conf.mkdir()
     (conf / "my_sweep.yaml").write_text("defaults:\n  - train\n  - _self_\n\nhydra:\n  mode: MULTIRUN\n  sweeper:\n"
                                         "    params:\n      train.seed: 1,2\n")
-    compositions.clear()
     result = ampctl("train", "-cd", str(conf), "-cn", "my_sweep", *QUICK, "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert compositions[:2] == ["my_sweep", "my_sweep"]  # Hydra's get_mode, then the sweep's own
     assert len(summaries(tmp_path / "sweep")) == 2
     seeds = [yaml.safe_load(p.read_text())["train"]["seed"] for p in (tmp_path / "sweep").glob("*/.hydra/config.yaml")]
     assert sorted(seeds) == [1, 2]
-
-
-def test_no_config_ampctl_ships_sets_hydra_mode():
-    """What mode_read_from_the_command_line relies on: without the user's configs, hydra.mode is unset."""
-    from omegaconf import OmegaConf
-
-    from ampctl.shell.hydra_internals import composed
-
-    conf = importlib.resources.files("ampctl.conf")
-    setting = [str(path) for path in Path(str(conf)).rglob("*.yaml")
-               if OmegaConf.select(OmegaConf.load(path), "hydra.mode", default=None) is not None]
-    assert not setting
-    for command in ("train", "compare", "memory", "inspect", "advise"):
-        with composed(command, []) as cfg:
-            assert cfg.hydra.mode is None, command

@@ -1,4 +1,4 @@
-"""studies/preloaded.py: a child forked from the preloaded server is the process its command line would exec: its
+"""preloaded.py: a child forked from the preloaded server is the process its command line would exec: its
 argv, environment, working directory (and sys.path[0]), standard streams, a session of its own, the stop signals
 at their defaults and unblocked, atexit handlers at its end, its interpreter's exit status (an exit code, a
 SystemExit message, an exception, an uncaught Ctrl-C), a descriptor named in its environment; and a stop signal
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ampctl.studies.preloaded import PreloadedProcess
+from ampctl.preloaded import PreloadedProcess
 
 SCRIPT = r"""
 import atexit, json, os, signal, sys
@@ -147,7 +147,7 @@ def _parent_of(pid: int) -> int:
 def test_descriptors_the_server_received_as_0_1_or_2_are_lifted_before_the_standard_streams_are_set():
     """The server closed its stdin, and the command that started it may have had any of its standard streams
     closed: it receives a child's descriptors as the lowest free numbers. Each is moved above 2 (the same file)."""
-    from ampctl.studies.preloaded import _above_standard_streams
+    from ampctl.preloaded import _above_standard_streams
 
     read, write = os.pipe()
     saved = os.dup(0)
@@ -181,7 +181,7 @@ def test_an_unguarded_script_that_starts_a_child_is_not_run_again_in_it(tmp_path
     at its top level would compare again in every mode."""
     parent = tmp_path / "parent.py"
     parent.write_text("import os, sys\n"
-                      "from ampctl.studies.preloaded import PreloadedProcess\n"
+                      "from ampctl.preloaded import PreloadedProcess\n"
                       f"open({str(tmp_path / 'ran')!r}, 'a').write('parent ran\\n')\n"
                       "child = PreloadedProcess([sys.executable, '-m', 'ampctl', '--version'], env=dict(os.environ))\n"
                       "print(child.wait(60))\n")

@@ -19,14 +19,14 @@ QUICK = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "train.console=quiet", 
 
 class ForkedAmpctl:
     """`python -m ampctl ARGS`, a real process of its own forked from ampctl's preloaded server
-    (ampctl/studies/preloaded.py; tests/integration/test_preloaded_processes.py checks that it is the process its
+    (ampctl/preloaded.py; tests/integration/test_preloaded_processes.py checks that it is the process its
     command line would exec): for a test that needs a process (to kill it, to signal it in its loop) but not its
     start, which then takes ~1.5 s to the first step instead of a fresh interpreter's ~7 s. What Popen offers
     such a test: pid, poll, wait, send_signal, returncode, communicate. Tests of a process's start use Popen."""
 
     def __init__(self, *args: str, cwd: Path, env: Optional[dict[str, str]] = None) -> None:
         """env: the child's environment (default: this process's, with the repository on PYTHONPATH)."""
-        from ampctl.studies.preloaded import PreloadedProcess
+        from ampctl.preloaded import PreloadedProcess
 
         self._out, self._err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self._process = PreloadedProcess([sys.executable, "-m", "ampctl", *args], cwd=cwd,

@@ -95,7 +95,7 @@ def test_leave_after_a_signal_exits_with_128_plus_its_number(tmp_path):
 # The exits that are not a command's end: the second stop signal's exit at once, a command leaving after its stop
 # signal without the interpreter's teardown, a torchrun worker's and and a forked child's end
 OTHER_EXITS_ALLOWED = {("ampctl/interrupt.py", "os._exit"), ("ampctl/processes.py", "os._exit"),
-                       ("ampctl/studies/preloaded.py", "os._exit"),}
+                       ("ampctl/preloaded.py", "os._exit"),}
 
 
 def test_leave_is_the_one_way_out_of_every_command():
