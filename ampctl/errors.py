@@ -95,6 +95,21 @@ class UnsupportedError(UsageError):
         super().__init__(message)
         self.if_bf16_is_fast = if_bf16_is_fast
 
+    def adding(self, words: str) -> "UnsupportedError":
+        """This refusal (its kind and its fields kept), its line ending with more words."""
+        self.args = (f"{self}{words}",)
+        return self
+
+
+class ModeUnsupported(UnsupportedError):
+    """A precision mode that cannot run on this device or torch build, whatever else the config holds (its optimizer,
+    its recipe): `reason` says why in a few words, for a table's row (compare's skipped modes)."""
+
+    def __init__(self, mode: str, reason: str, then: str, if_bf16_is_fast: str = "") -> None:
+        """then: what the line says after the reason (where it runs, what to use instead), with its punctuation."""
+        super().__init__(f"precision={mode} {reason}{then}", if_bf16_is_fast)
+        self.mode, self.reason = mode, reason
+
 
 class RunStopped(Exception):
     """A guard stopped the run (non-finite values, the scale at its minimum): not the user's typing, exit 1."""

@@ -35,7 +35,7 @@ def check(policy: PrecisionPolicy) -> None:
         policy.check()
     except UnsupportedError as refusal:
         if refusal.if_bf16_is_fast and bf16_is_fast(policy.device):
-            raise UnsupportedError(f"{refusal}{refusal.if_bf16_is_fast}") from None
+            raise refusal.adding(refusal.if_bf16_is_fast) from None
         raise
 
 

@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from ampctl import run_files
 from ampctl.conf.schema import AdviseAppConfig, validate
-from ampctl.shell.checks import one_device_only
+from ampctl.shell.checks import one_device_only, options_of_their_groups
 from ampctl.shell.command import Command, Section
 from ampctl.shell.python_api import study_api
 from ampctl.shell.studies import Study, study_app
@@ -20,6 +20,8 @@ SUMMARY = "the precision mode for this model on this machine, with the evidence"
 def check(cfg: DictConfig) -> None:
     validate(cfg)  # its studies check each mode and run as they go
     one_device_only(cfg, "advise")
+    options_of_their_groups("compare.precisions", cfg.compare.precisions, "precision")
+    options_of_their_groups("compare.optimizers", cfg.compare.optimizers, "optimizer")
 
 
 def run(study: Study) -> Optional[int]:

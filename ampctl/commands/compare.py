@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from ampctl import run_files
 from ampctl.conf.schema import CompareAppConfig
-from ampctl.shell.checks import one_device_only, validate_with_loggers
+from ampctl.shell.checks import one_device_only, options_of_their_groups, validate_with_loggers
 from ampctl.shell.command import Command, Section
 from ampctl.shell.python_api import study_api
 from ampctl.shell.studies import Study, study_app
@@ -21,6 +21,8 @@ def check(cfg: DictConfig) -> None:
     # each mode is composed and checked against the device when the comparison is planned
     validate_with_loggers(cfg)
     one_device_only(cfg, "compare")
+    options_of_their_groups("compare.precisions", cfg.compare.precisions, "precision")
+    options_of_their_groups("compare.optimizers", cfg.compare.optimizers, "optimizer")
 
 
 def run(study: Study) -> Optional[int]:

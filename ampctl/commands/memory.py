@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from ampctl import run_files
 from ampctl.conf.schema import MemoryAppConfig, validate
-from ampctl.shell.checks import one_device_only
+from ampctl.shell.checks import one_device_only, options_of_their_groups
 from ampctl.shell.command import Command, Section
 from ampctl.shell.python_api import study_api
 from ampctl.shell.studies import Study, study_app
@@ -22,6 +22,7 @@ def check(cfg: DictConfig) -> None:
 
     validate(cfg)
     one_device_only(cfg, "memory")
+    options_of_their_groups("memory.precisions", cfg.memory.precisions, "precision")
     if cfg.memory.budget is not None:
         parse_size(cfg.memory.budget)
 

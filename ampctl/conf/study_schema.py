@@ -38,6 +38,14 @@ class CompareConfig:
         require(self.rounds is None or self.rounds >= 1, "compare.rounds", self.rounds,
                 "an integer >= 1, or null for short turns")
         require(self.seeds >= 1, "compare.seeds", self.seeds, "an integer >= 1")
+        for key in ("precisions", "optimizers"):
+            names = getattr(self, key)
+            require(names is None or (len(names) >= 1 and len(set(names)) == len(names)), f"compare.{key}",
+                    names, f"one or more distinct {'precision modes' if key == 'precisions' else 'optimizers'}")
+        for key in ("activation_checkpointing", "compile"):
+            settings = getattr(self, key)
+            require(settings is None or (len(settings) >= 1 and len(set(settings)) == len(settings)),
+                    f"compare.{key}", settings, "[false], [true] or [false,true]")
 
 
 # The modes `ampctl compare` runs when compare.precisions is null (those the device can run).
@@ -54,6 +62,11 @@ class MemoryConfig:
     search: Optional[bool] = None  # verify the batch estimate with real steps; null: on CUDA
 
     def __post_init__(self) -> None:
+        require(self.precisions is None or (len(self.precisions) >= 1 and len(set(self.precisions)) == len(
+            self.precisions)), "memory.precisions", self.precisions, "one or more distinct precision modes")
+        require(self.activation_checkpointing is None or (len(self.activation_checkpointing) >= 1 and len(set(
+            self.activation_checkpointing)) == len(self.activation_checkpointing)), "memory.activation_checkpointing",
+            self.activation_checkpointing, "[false], [true] or [false,true]")
         require(self.steps >= 1, "memory.steps", self.steps, "an integer >= 1")
         require(self.timed_steps >= 0, "memory.timed_steps", self.timed_steps, "an integer >= 0")
 

@@ -12,7 +12,7 @@ task function through THIS_PROCESS (shell/this_process.py), the one object Hydra
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -30,6 +30,26 @@ def one_device_only(cfg: DictConfig, command: str) -> None:
     if cfg.distributed.kind is not ParallelKind.none:
         raise UsageError(f"distributed={cfg.distributed.kind.value}: ampctl {command} runs on one device; "
                          f"data parallelism is for ampctl train under torchrun")
+
+
+# what an option of each group is called in a refusal
+OPTION_OF = {"precision": "a precision mode", "optimizer": "an optimizer"}
+
+
+def options_of_their_groups(key: str, names: Optional[Sequence[str]], group: str) -> None:
+    """compare.precisions=[fp32,fp99]: each name an option of its config group, as the app's own search path (-cd's
+    configs too) has them."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ampctl.conf.messages import did_you_mean
+
+    if names is None:
+        return
+    options = GlobalHydra.instance().config_loader().get_group_options(group)
+    for name in names:
+        if name not in options:
+            raise UsageError(f"{key}: {name!r} is not {OPTION_OF[group]}{did_you_mean(name, options)}; choose from "
+                             f"{', '.join(options)}")
 
 
 def validate_with_loggers(cfg: DictConfig) -> None:

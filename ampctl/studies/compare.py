@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.progress import (
@@ -32,13 +31,12 @@ from rich.progress import (
 from ampctl import io, run_files
 from ampctl.analysis import cpu_speed, mode_advice
 from ampctl.conf.composing import compose_job
-from ampctl.conf.messages import did_you_mean
 from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.evaluation import held_out_unavailable
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.telemetry import read_metrics
-from ampctl.errors import UnsupportedError, UsageError
+from ampctl.errors import ModeUnsupported, UnsupportedError, UsageError
 from ampctl.interrupt import StoppedOnSignal
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import comparison, round_stats, tables
@@ -83,23 +81,13 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
                ) -> tuple[list[ModePlan], dict[str, str]]:
     """The modes to run, each with its overrides, and the modes skipped with the reason: compare.precisions, or the
     candidates that run at speed here."""
-    options = GlobalHydra.instance().config_loader().get_group_options("precision")
     explicit = cfg.compare.precisions is not None
     names = list(cfg.compare.precisions) if explicit else list(candidates)
-    for name in names:
-        if name not in options:
-            raise UsageError(f"compare.precisions: {name!r} is not a precision mode; choose from {', '.join(options)}")
-    if len(set(names)) != len(names) or not names:
-        raise UsageError(f"compare.precisions={names}: give one or more distinct precision modes")
     checkpointing = ([cfg.train.activation_checkpointing] if cfg.compare.activation_checkpointing is None
                      else list(cfg.compare.activation_checkpointing))
-    if not checkpointing or len(set(checkpointing)) != len(checkpointing):
-        raise UsageError(f"compare.activation_checkpointing={checkpointing}: give [false], [true] or [false,true]")
     # one setting for every mode (FP8 is not credited with compile's gain), or each mode both ways
     compiling = [cfg.train.compile] if cfg.compare.compile is None else list(cfg.compare.compile)
-    if not compiling or len(set(compiling)) != len(compiling):
-        raise UsageError(f"compare.compile={compiling}: give [false], [true] or [false,true]")
-    optimizers = _optimizers(cfg)
+    optimizers = [None] if cfg.compare.optimizers is None else list(cfg.compare.optimizers)
     plans, skipped = [], {}
     for name in names:
         for optimizer in optimizers:
@@ -107,12 +95,11 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
             row = row_labels.label(name, False, False, both_compiled=False, both_checkpointed=False, optimizer=named)
             try:
                 overrides, mode_cfg, policy = _checked_row(name, optimizer, run_overrides)
-            except UnsupportedError as exc:
-                said = str(exc).split("; ")[0]
-                modes_own = said.startswith(f"precision={name} ")  # the mode's, whatever the optimizer: said once
-                skipped[name if modes_own else row] = said.removeprefix(f"precision={name} ")
-                if modes_own:
-                    break
+            except ModeUnsupported as exc:  # the mode's, whatever the optimizer: said once
+                skipped[name] = exc.reason
+                break
+            except UnsupportedError as exc:  # this mode with this optimizer
+                skipped[row] = str(exc)
                 continue
             except UsageError as exc:  # a mode and an optimizer that do not go together (SR over fp32 weights)
                 if optimizer is None:
@@ -151,21 +138,6 @@ def _checked_row(mode: str, optimizer: Optional[str], run_overrides: list[str],
     else:
         mode_cfg = compose_job("train", overrides)
     return overrides, mode_cfg, check_config(mode_cfg)
-
-
-def _optimizers(cfg: DictConfig) -> list[Optional[str]]:
-    """compare.optimizers, checked against the optimizer group's options; [None]: the run's optimizer."""
-    if cfg.compare.optimizers is None:
-        return [None]
-    names = list(cfg.compare.optimizers)
-    options = GlobalHydra.instance().config_loader().get_group_options("optimizer")
-    for name in names:
-        if name not in options:
-            raise UsageError(f"compare.optimizers: {name!r} is not an optimizer{did_you_mean(name, options)}; choose "
-                             f"from {', '.join(options)}")
-    if len(set(names)) != len(names) or not names:
-        raise UsageError(f"compare.optimizers={names}: give one or more distinct optimizers")
-    return names
 
 
 class CompareInterrupted(StoppedOnSignal):

@@ -96,7 +96,8 @@ def test_report_renders_a_compare_directory_again(comparison, capsys):
         (["compare.activation_checkpointing=[false,true]"], "recipe MLPRecipe names no blocks to checkpoint"),
         (["compare.optimizers=[adamw,adamw9bit]"], "compare.optimizers: 'adamw9bit' is not an optimizer (did you mean "
                                                    "adamw_8bit?)"),
-        (["compare.optimizers=[sgd,sgd]"], "compare.optimizers=['sgd', 'sgd']: give one or more distinct optimizers"),
+        (["compare.optimizers=[sgd,sgd]"], "compare.optimizers=['sgd', 'sgd'] is not allowed: expected one or more "
+                                           "distinct optimizers"),
     ],
 )
 def test_compare_refuses_bad_input_with_one_line(tmp_path, restore_argv, capsys, args, message):

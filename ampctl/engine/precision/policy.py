@@ -20,7 +20,7 @@ from ampctl.conf.precision_schema import Dtype, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import converters, fp32_math, layers
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
-from ampctl.errors import ConfigError, UnsupportedError, UsageError
+from ampctl.errors import ConfigError, ModeUnsupported, UsageError
 
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.float16: torch.float16, Dtype.bfloat16: torch.bfloat16}
 
@@ -50,29 +50,26 @@ class PrecisionPolicy:
         s, dev = self.precision, self.device
         if s.tf32 and not devices.has_tf32(dev):
             where = devices.device_name(dev) if dev.type == "cuda" else "a CPU"
-            raise UnsupportedError(
-                f"precision={s.name} needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or "
-                f"newer); this run is on {where}: use precision=fp32",
-                if_bf16_is_fast=", or precision=bf16 for a faster mode",
-            )
+            raise ModeUnsupported(
+                s.name, "needs TF32 tensor cores (a CUDA GPU of compute capability 8.0+, Ampere or newer)",
+                f"; this run is on {where}: use precision=fp32",
+                if_bf16_is_fast=", or precision=bf16 for a faster mode")
         if self.converter is not None and (reason := self.converter.unsupported_reason()):
             emulation = self.converter.emulation
             instead = (f"use precision={emulation} to study its numerics on this machine" if emulation
                        else "`ampctl list` says which modes run here")
-            raise UnsupportedError(f"precision={s.name} {reason}: {instead}",
-                                   if_bf16_is_fast=", or precision=bf16 for speed" if emulation else "")
+            raise ModeUnsupported(s.name, reason, f": {instead}",
+                                  if_bf16_is_fast=", or precision=bf16 for speed" if emulation else "")
         if not self.uses_half:
             return
         if self.dtype == torch.bfloat16 and not devices.has_native_bf16(dev):
-            raise UnsupportedError(
-                f"precision={s.name} with dtype=bfloat16 needs native bf16 support, which "
-                f"{devices.device_name(dev)} lacks; use precision=fp16 (with its loss scaler) instead"
-            )
+            raise ModeUnsupported(
+                s.name, f"with dtype=bfloat16 needs native bf16 support, which {devices.device_name(dev)} lacks",
+                "; use precision=fp16 (with its loss scaler) instead")
         if s.autocast and not devices.autocast_works(dev.type, self.dtype):
-            raise UnsupportedError(
-                f"precision={s.name}: torch {torch.__version__} has no {dev.type} autocast for "
-                f"{str(self.dtype).removeprefix('torch.')}; use precision=bf16, or upgrade torch"
-            )
+            raise ModeUnsupported(
+                s.name, f"needs {dev.type} autocast for {str(self.dtype).removeprefix('torch.')}, which torch "
+                f"{torch.__version__} has not", "; use precision=bf16, or upgrade torch")
 
     # --- the run ----------------------------------------------------------------------------------
 
