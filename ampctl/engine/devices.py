@@ -39,19 +39,30 @@ def cpu_model() -> str:
 @functools.lru_cache(maxsize=None)
 def cpu_flags() -> frozenset[str]:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
+        return flags_in_cpuinfo(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        return frozenset()
+
+
+def flags_in_cpuinfo(text: str) -> frozenset[str]:
+    """The instruction-set flags /proc/cpuinfo lists for the first CPU: x86's `flags` line, ARM's `Features`."""
+    for line in text.splitlines():
+        name, colon, value = line.partition(":")
+        if colon and name.strip() in ("flags", "Features"):
+            return frozenset(value.split())
     return frozenset()
 
 
-# the cpuinfo flags that give each half type's dot products in hardware, as people name them
-HALF_INSTRUCTIONS = {
-    "bfloat16": {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"},
-    "float16": {"avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"},
+# the cpuinfo flags that give each half type's dot products in hardware, as people name them: x86's, and ARM's
+# (FEAT_BF16's BFDOT/BFMMLA, SVE's bf16 forms; ARMv8.2's half-precision SIMD arithmetic)
+HALF_INSTRUCTIONS_OF = {
+    "x86": {"bfloat16": {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16"},
+            "float16": {"avx512_fp16": "AVX512-FP16", "amx_fp16": "AMX-FP16"}},
+    "arm": {"bfloat16": {"bf16": "ARM BF16", "svebf16": "SVE-BF16"},
+            "float16": {"asimdhp": "ARM FP16 (asimdhp)"}},
 }
+# this machine's
+HALF_INSTRUCTIONS = HALF_INSTRUCTIONS_OF["arm" if platform.machine().lower() in ("aarch64", "arm64") else "x86"]
 
 
 def instructions_for(dtype: str, flags: frozenset[str]) -> list[str]:

@@ -199,3 +199,18 @@ def test_an_assumed_cpu_of_no_known_kind_is_refused(fresh_cache, monkeypatch):
     monkeypatch.setenv(cpu_speed.ASSUME_ENV, "m1")
     with pytest.raises(UsageError, match=r"^AMPCTL_ASSUME_CPU=m1: no such kind of CPU; choose one of avx2, "):
         cpu_speed.measured()
+
+
+def test_the_cpus_flags_are_read_on_x86_and_on_arm():
+    """ARM's /proc/cpuinfo says `Features`, not `flags`: its bf16 and fp16 instructions were never seen."""
+    from ampctl.engine import devices
+
+    x86 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse4_2 avx2 avx512f avx512_bf16\n"
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd asimdhp bf16 sve svebf16 i8mm\nCPU part\t: 0xd40\n"
+    assert "avx512_bf16" in devices.flags_in_cpuinfo(x86)
+    arm_flags = devices.flags_in_cpuinfo(arm)
+    assert {"bf16", "svebf16", "asimdhp"} <= arm_flags
+    arm_kind = devices.HALF_INSTRUCTIONS_OF["arm"]
+    assert [label for flag, label in arm_kind["bfloat16"].items() if flag in arm_flags] == ["ARM BF16", "SVE-BF16"]
+    assert [label for flag, label in arm_kind["float16"].items() if flag in arm_flags] == ["ARM FP16 (asimdhp)"]
+    assert devices.flags_in_cpuinfo("model name\t: something\n") == frozenset()
