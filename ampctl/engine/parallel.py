@@ -64,11 +64,6 @@ def check(cfg: DictConfig) -> None:
                          "checkpoint holds the model's parameters and their optimizer state by name, and the fp32 "
                          "master weights the optimizer steps on are not the model's; use "
                          "distributed.checkpoint_format=full")
-    if kind is not ParallelKind.none:
-        missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
-        if missing:
-            raise UsageError(f"distributed={kind.value} runs under torchrun (no {', '.join(missing)} here): "
-                             f"torchrun --nproc_per_node=N -m ampctl train distributed={kind.value} ...")
 
 
 class Parallel:

@@ -19,3 +19,16 @@ def classification_sums(logits: torch.Tensor, targets: torch.Tensor) -> dict[str
     return {"loss": F.cross_entropy(logits, targets, reduction="sum"),
             "accuracy": (logits.argmax(dim=-1) == targets).sum().float(),
             "count": torch.tensor(float(targets.numel()), device=logits.device)}
+
+
+class ImageClassification:
+    """The loss and held-out metrics of a recipe whose batches are (images, labels) and whose model gives logits:
+    resnet's and timm's, written once."""
+
+    def loss(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    def eval_metrics(self, model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        x, y = batch
+        return classification_sums(model(x), y)

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ampctl.errors import ConfigError, UsageError
@@ -21,7 +20,7 @@ from ampctl.recipes.images import (
     synthetic_eval_batches,
 )
 from ampctl.recipes.libraries import import_library
-from ampctl.recipes.metrics import classification_sums
+from ampctl.recipes.metrics import ImageClassification
 
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 DATASETS = ("cifar10", "synthetic")
@@ -29,7 +28,7 @@ CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 
 
 @dataclass
-class ResNetRecipe:
+class ResNetRecipe(ImageClassification):
     arch: str = "resnet18"
     data: str = "cifar10"
     data_root: str = "data/cifar10"
@@ -109,11 +108,3 @@ class ResNetRecipe:
                                           self.channels_last, device)
         return dataset_eval_batches(self._open_cifar10(train=False), self.batch_size, self.num_workers,
                                     self.channels_last, device)
-
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        x, y = batch
-        return classification_sums(model(x), y)

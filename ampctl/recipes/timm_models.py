@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ampctl.conf.messages import did_you_mean
@@ -29,7 +28,7 @@ from ampctl.recipes.images import (
     synthetic_eval_batches,
 )
 from ampctl.recipes.libraries import import_library, library_calls
-from ampctl.recipes.metrics import classification_sums
+from ampctl.recipes.metrics import ImageClassification
 
 DATASETS = ("synthetic", "imagefolder")
 SYNTHETIC_CLASSES = 1000  # ImageNet's
@@ -40,7 +39,7 @@ def import_timm() -> Any:
 
 
 @dataclass
-class TimmRecipe:
+class TimmRecipe(ImageClassification):
     model: str = "vit_tiny_patch16_224"
     model_kwargs: dict = field(default_factory=dict)  # passed to timm.create_model (depth=, drop_path_rate=, ...)
     checkpoint: Optional[str] = None
@@ -190,11 +189,3 @@ class TimmRecipe:
             raise UsageError("train.eval_every with recipe.data=imagefolder needs recipe.eval_root: a folder of "
                              "held-out images laid out as recipe.data_root (root/cat/1.jpg, root/dog/2.png)")
         return dataset_eval_batches(self._eval_dataset, self.batch_size, self.num_workers, self._nhwc(), device)
-
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(model(x), y)
-
-    def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
-        x, y = batch
-        return classification_sums(model(x), y)

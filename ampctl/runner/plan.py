@@ -19,6 +19,7 @@ from ampctl.engine import devices, optimizer_states
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.optim import check_optimizer_arguments, check_optimizer_with_scaler
 from ampctl.engine.precision.policy import PrecisionPolicy
+from ampctl.errors import UsageError
 from ampctl.runner import resume as resuming
 from ampctl.runner.resume import Resume
 from ampctl.runner.trackers import check_loggers
@@ -74,7 +75,6 @@ def holds_none_of_the_run(run_dir: Path) -> bool:
 
 def pull_from_mirror(url: str, run_dir: Path, world_size: int) -> None:
     """resume=auto on a machine without the run: the mirror's run into run_dir (runner/mirror.py)."""
-    from ampctl.errors import UsageError
     from ampctl.runner import mirror as mirroring
 
     if world_size > 1:
@@ -84,11 +84,22 @@ def pull_from_mirror(url: str, run_dir: Path, world_size: int) -> None:
     mirroring.pull(url, run_dir, lambda line: print(line, flush=True))
 
 
+def refuse_parallelism_without_torchrun(kind: ParallelKind) -> None:
+    """distributed=ddp|fsdp outside torchrun: the command that starts it, in one line."""
+    import os
+
+    missing = [name for name in parallelism.TORCHRUN_VARIABLES if name not in os.environ]
+    if kind is not ParallelKind.none and missing:
+        raise UsageError(f"distributed={kind.value} runs under torchrun (no {', '.join(missing)} here): "
+                         f"torchrun --nproc_per_node=N -m ampctl train distributed={kind.value} ...")
+
+
 def check_config(cfg: DictConfig) -> PrecisionPolicy:
     """Everything that can be refused before building anything: ranges, then what the device can do. The policy
     it returns is what engine/build.py's build_state builds with."""
     validate(cfg)
     parallelism.check(cfg)
+    refuse_parallelism_without_torchrun(cfg.distributed.kind)
     device = parallelism.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind)
     policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     mode_advice.check(policy)
@@ -123,7 +134,6 @@ def continuing_a_jobs_earlier_attempt(cfg: DictConfig, run_dir: Path, num: int) 
     directory was checked to be this sweep's before its first job, and each job has a directory of its own, so a
     run there with this job's config is this job's earlier attempt: it continues (it trained again from step 0 over
     the earlier attempt's records, every step twice in metrics.jsonl). One with another config is refused."""
-    from ampctl.errors import UsageError
     from ampctl.processes import is_main_process
     from ampctl.runner import identity
 
