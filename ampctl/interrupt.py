@@ -1,9 +1,9 @@
 """Signals, in and outside the training loop.
 
-In the loop: SIGINT, SIGTERM, SIGHUP and the batch system's preemption warning (train.preempt_signal) ask it to
+In the loop: SIGINT, SIGTERM, SIGHUP and the batch system's preemption warning (train.cluster.preempt_signal) ask it to
 stop after the current step (it then writes a checkpoint and flushes the metrics); a second exits at once.
 Checkpoints are written atomically, so even that leaves every checkpoint on disk whole. The preemption
-signals not chosen (SIGUSR1, SIGUSR2; all of them with train.preempt_signal=null) are ignored there, except one
+signals not chosen (SIGUSR1, SIGUSR2; all of them with train.cluster.preempt_signal=null) are ignored there, except one
 that the process's host handles: an engine that started ampctl and set a handler for its warning before ampctl
 did (submitit's SIGUSR2, which checkpoints and requeues its job) gets the signal back once the run's checkpoint is
 written (hand_over), instead of either losing the checkpoint or being switched off.
@@ -53,7 +53,7 @@ class Interrupted(StoppedOnSignal):
 
 # SIGINT (Ctrl-C), SIGTERM (kill, a scheduler), SIGHUP (the terminal closed): always a graceful stop
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# the batch systems' preemption warnings: train.preempt_signal chooses which stops the run gracefully
+# the batch systems' preemption warnings: train.cluster.preempt_signal chooses which stops the run gracefully
 PREEMPT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -202,7 +202,7 @@ def signal_raised() -> bool:
 
 
 class StopOnSignal:
-    """SIGINT, SIGTERM, SIGHUP and a batch system's preemption warning (train.preempt_signal, or one its host
+    """SIGINT, SIGTERM, SIGHUP and a batch system's preemption warning (train.cluster.preempt_signal, or one its host
     handles: _HOSTS): stop at the next step where the run can (after this step, or the next log step when ranks
     must agree), with a checkpoint. The other preemption signals are ignored while it holds."""
 

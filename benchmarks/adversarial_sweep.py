@@ -69,8 +69,8 @@ class Outcome:
 
 def make_witness(root: Path) -> Path:
     witness = root / "witness"
-    done = subprocess.run([sys.executable, "-m", "ampctl", "train", *BASE, "train.steps=6", "train.checkpoint_every=3",
-                           "train.keep_checkpoints=5", f"hydra.run.dir={witness}"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "ampctl", "train", *BASE, "train.steps=6", "train.checkpoint.every=3",
+                           "train.checkpoint.keep=5", f"hydra.run.dir={witness}"], capture_output=True, text=True,
                           cwd=root)
     assert done.returncode == 0, done.stderr
     return witness
@@ -159,11 +159,11 @@ def classify(case: Case, cwd: Path, before: dict[str, str], result: subprocess.C
 SHARED_BAD = {
     "train.steps": ["0", "-1", "1.5", "abc", "null", "9223372036854775808", "${oops}"],
     "train.log_every": ["0", "-3", "abc"],
-    "train.checkpoint_every": ["0", "-5", "x"],
+    "train.checkpoint.every": ["0", "-5", "x"],
     "train.grad_accum_steps": ["0", "-1", "1.5"],
     "train.seed": ["abc", "1e30", "[1]"],
     "train.clip_grad_norm": ["-1", "abc", "nan"],
-    "train.lr_warmup_steps": ["-1", "abc"],
+    "train.lr.warmup_steps": ["-1", "abc"],
     "train.console": ["foo", "1"],
     "train.compile": ["2", "maybe"],
     "train.timing_warmup_steps": ["-1"],
@@ -196,12 +196,12 @@ SHARED_BAD = {
     "recipe._target_": ["os.getcwd", "no.such.Recipe", "argparse.Namespace"],
 }
 TRAIN_ONLY_BAD = {
-    "train.keep_checkpoints": ["-1", "abc"],
-    "train.eval_every": ["0", "-1"],
-    "train.save_top_k": ["-1", "abc"],
+    "train.checkpoint.keep": ["-1", "abc"],
+    "train.eval.every": ["0", "-1"],
+    "train.checkpoint.save_top_k": ["-1", "abc"],
     "train.profile": ["0", "-1", "1000"],
-    "train.preempt_signal": ["SIGKILL", "foo"],
-    "train.checkpoint_every_s": ["0", "-1"],
+    "train.cluster.preempt_signal": ["SIGKILL", "foo"],
+    "train.checkpoint.every_s": ["0", "-1"],
     "resume": ["/nonexistent", "afile", "empty_dir", "run/metrics.jsonl"],
     "logger": ["foo"],
     "logger.csv.file": ["''", "/tmp/adv-elsewhere.csv", "../x.csv", "metrics.jsonl", ".hydra"],
@@ -281,7 +281,7 @@ def integrity_cases() -> list[Case]:
         for after_s in (0.2, 1.0, 2.0):  # the run takes about 5 s
             cases.append(Case(f"{signal.Signals(signum).name} after {after_s} s, then resume=auto",
                               ["train", *BASE, f"train.steps={SIGNALLED_STEPS}", "train.log_every=1",
-                               "train.checkpoint_every=50",
+                               "train.checkpoint.every=50",
                                "hydra.run.dir=new"], expect="signal" if signum != signal.SIGKILL else "killed",
                               during=signalling(signum, after_s), check=resumes_every_step_once))
     # report on damaged records
@@ -383,7 +383,7 @@ def signalling(signum: int, after_s: float) -> Callable[[subprocess.Popen, Path]
 def resumes_every_step_once(cwd: Path, result: subprocess.CompletedProcess) -> Optional[str]:
     resumed = subprocess.run([sys.executable, "-m", "ampctl", "train", *BASE, f"train.steps={SIGNALLED_STEPS}",
                               "train.log_every=1",
-                              "train.checkpoint_every=50", "hydra.run.dir=new", "resume=auto"], capture_output=True,
+                              "train.checkpoint.every=50", "hydra.run.dir=new", "resume=auto"], capture_output=True,
                              text=True, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)})
     if "Traceback" in resumed.stderr:
         return "the resume ended in a traceback"

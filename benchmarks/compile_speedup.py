@@ -35,7 +35,7 @@ def main() -> None:
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         for precision in args.precisions.split(","):
             base = [*RECIPES[args.recipe], f"precision={precision}", f"device={args.device}",
-                    "train.lr_schedule=constant", "train.lr_warmup_steps=0"]
+                    "train.lr.schedule=constant", "train.lr.warmup_steps=0"]
             eager = AmpctlLoop([*base, "train.compile=false"])
             compiled = AmpctlLoop([*base, "train.compile=true", f"train.compile_mode={args.mode}"])
             device = eager.policy.device

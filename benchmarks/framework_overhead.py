@@ -111,7 +111,7 @@ def main() -> None:
         for precision in args.precisions.split(","):
             ours = AmpctlLoop([*RECIPES[args.recipe], f"precision={precision}", f"device={args.device}",
                                f"train.clip_grad_norm={'null' if clip is None else clip}",
-                               "train.lr_schedule=constant", "train.lr_warmup_steps=0"])
+                               "train.lr.schedule=constant", "train.lr.warmup_steps=0"])
             device = ours.policy.device
             hand = HandWrittenLoop(ours, DTYPES[precision], ours.state.scaler.kind != "none", clip, compiled=False)
             loops = {"hand-written": hand, "ampctl": ours, **_frameworks(ours, precision, clip)}

@@ -161,8 +161,8 @@ def main() -> None:
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         for precision in args.precisions.split(","):
             overrides = [*RECIPES[args.recipe], f"precision={precision}", f"device={args.device}",
-                         f"train.clip_grad_norm={'null' if clip is None else clip}", "train.lr_schedule=constant",
-                         "train.lr_warmup_steps=0", f"train.compile={str(args.compile).lower()}"]
+                         f"train.clip_grad_norm={'null' if clip is None else clip}", "train.lr.schedule=constant",
+                         "train.lr.warmup_steps=0", f"train.compile={str(args.compile).lower()}"]
             ours = AmpctlLoop(overrides)
             theirs = HandWrittenLoop(ours, dtypes[precision], ours.state.scaler.kind != "none", clip, args.compile)
             device = ours.policy.device

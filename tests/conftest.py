@@ -30,7 +30,7 @@ register_schemas()  # every command's: tests compose each command's config
 # device=cpu: tests are CPU tests unless marked gpu, also on a machine that has a GPU.
 # telemetry.profile_cpu_memory=false: the CPU memory profiler leaves steps 1-2 untimed; the tests of peak memory
 # turn it on
-QUIET = ["device=cpu", "train.console=quiet", "train.log_every=5", "train.lr_warmup_steps=0",
+QUIET = ["device=cpu", "train.console=quiet", "train.log_every=5", "train.lr.warmup_steps=0",
          "telemetry.profile_cpu_memory=false"]
 # A small, fast workload: every precision mode trains it in about a second on 2 CPU cores.
 FAST = ["recipe=mlp", "recipe.hidden=64", "recipe.batch_size=32", *QUIET]

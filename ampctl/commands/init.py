@@ -46,7 +46,7 @@ batch_size: 128
 RECIPE_SOURCE = '''\
 """The {name} recipe: what ampctl trains. Edit freely; the protocol is five members (docs/models.md: "Add your
 own recipe"): samples_per_batch, tokens_per_batch, build_model(), batches(device, seed), loss(model, batch); and,
-for train.eval_every, eval_batches(device) and (optional) eval_metrics(model, batch)."""
+for train.eval.every, eval_batches(device) and (optional) eval_metrics(model, batch)."""
 
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ class Recipe:
         return self._labelled(device, seed)
 
     def eval_batches(self, device: torch.device) -> Iterator[Any]:
-        """Held-out batches (train.eval_every), the same on every call and for every seed: every run is measured
-        on the same data. ampctl takes the first train.eval_batches of them."""
+        """Held-out batches (train.eval.every), the same on every call and for every seed: every run is measured
+        on the same data. ampctl takes the first train.eval.batches of them."""
         return self._labelled(device, HELD_OUT_SEED)
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:

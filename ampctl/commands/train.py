@@ -121,8 +121,8 @@ def interrupted_lines(exc: Interrupted, cfg: DictConfig, sweep: Optional[str]) -
         lines.append(f"continue the sweep with: {sweep}")
     elif exc.checkpoint:
         lines.append(f"continue with: {continue_command(Path(exc.checkpoint).parent.parent)}")
-        preempt = cfg.train.preempt_signal
-        if cfg.train.slurm_requeue and preempt is not None and exc.signum == signal.Signals[preempt.value]:
+        preempt = cfg.train.cluster.preempt_signal
+        if cfg.train.cluster.slurm_requeue and preempt is not None and exc.signum == signal.Signals[preempt.value]:
             from ampctl.runner.requeue import requeue
 
             lines += [line for line in [requeue()] if line]

@@ -26,7 +26,7 @@ class ExportFormat(enum.Enum):
 
 class ExportWeights(enum.Enum):
     model = "model"
-    ema = "ema"  # the run's fp32 weight average (train.ema_decay)
+    ema = "ema"  # the run's fp32 weight average (train.ema.decay)
 
 
 @dataclass

@@ -19,6 +19,8 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from ampctl.conf.migration import new_home
+
 # The nodes that held a built-in converter's options before each mode's converter took its options at
 # precision.options, and the modes they belong to.
 RENAMED_KEYS = {"precision.fp8": "fp8_emulated", "precision.fp8_emulated": "fp8_emulated", "precision.float8": "fp8",
@@ -35,6 +37,9 @@ def one_line(exc: BaseException) -> str:
             if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
                 if err.full_key in REPLACED_KEYS:
                     return f"{err.full_key}: {REPLACED_KEYS[err.full_key]}"
+                if new_home(err.full_key):  # a key of the layout before train.* was grouped by concern
+                    return (f"{err.full_key}: moved to {new_home(err.full_key)} (train.* is grouped by concern: "
+                            "lr, checkpoint, eval, ema, cluster)")
                 if err.full_key in RENAMED_KEYS:
                     return (f"{err.full_key}: renamed; set precision.options.* (the options of "
                             f"precision={RENAMED_KEYS[err.full_key]})")

@@ -1,9 +1,9 @@
 """Config schemas: one source of defaults and types, plus the range checks OmegaConf cannot express.
 
 Every YAML in ampctl/conf/ extends one of the schemas stored here (``defaults: [/schema_<group>[_<kind>]@_here_]``):
-the run's (train.*, telemetry.*, distributed.*, guard.*) are defined in this module, a precision mode's and its
-scaler's in precision_schema.py, the studies' own in study_schema.py (a tracker's options are its class's:
-runner/trackers/);
+the run's (telemetry.*, distributed.*, guard.*) are defined in this module, train.* and its groups in
+train_schema.py, a precision mode's and its scaler's in precision_schema.py, the studies' own in study_schema.py (a
+tracker's options are its class's: runner/trackers/);
 so that a typo'd key or a wrong type is rejected by OmegaConf at compose time. The dataclasses' defaults are the
 only ones: a YAML states what differs from them and nothing else (tests/unit/test_config.py checks every
 file). Ranges and cross-field rules are each schema's __post_init__; :func:`validate` runs them all (through
@@ -24,7 +24,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from ampctl.conf.precision_schema import SCALER_SCHEMAS, PrecisionConfig
 from ampctl.conf.study_schema import AdviseConfig, CompareConfig, InspectConfig, MemoryConfig
-from ampctl.conf.value_checks import positive_finite, require
+from ampctl.conf.train_schema import TrainConfig, safe_to_change
+from ampctl.conf.value_checks import require
 from ampctl.errors import UsageError
 
 
@@ -32,141 +33,6 @@ class DeviceChoice(Enum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
-
-
-class Schedule(Enum):
-    constant = "constant"
-    cosine = "cosine"
-    linear = "linear"
-
-
-class PreemptSignal(Enum):  # a batch system's warning before it kills a job (SLURM: --signal=USR1@120)
-    SIGUSR1 = "SIGUSR1"
-    SIGUSR2 = "SIGUSR2"
-    SIGHUP = "SIGHUP"
-
-
-class ConsoleMode(Enum):
-    auto = "auto"  # live view on a terminal, plain lines otherwise
-    live = "live"
-    plain = "plain"
-    quiet = "quiet"
-
-
-# the eval metrics whose better direction goes without saying (train.monitor_mode: null)
-MONITOR_MODES = {"loss": "min", "perplexity": "min", "accuracy": "max"}
-EMA_METRIC = "ema_"  # the prefix of a metric of the weight average's (train.ema_decay): eval/ema_loss
-
-
-def monitor_direction(monitor: str) -> Optional[str]:
-    """min | max for a metric whose better direction goes without saying (the average's as the model's), else None."""
-    return MONITOR_MODES.get(monitor.removeprefix(EMA_METRIC))
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
-
-
-def safe_to_change(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    """A field a resumed run may change (a node: any key under it), with its default. Every other difference
-    from the checkpoint's config is refused, and left out of the hash that identifies a run (runner/identity.py);
-    safe_to_change_keys() lists them."""
-    return field(default=default, metadata={"safe_to_change": True}, **kwargs)
-
-
-@dataclass
-class TrainConfig:
-    """train.*: the loop, checkpoints, evaluation. safe_to_change(...): a resumed run may change it."""
-
-    steps: int = safe_to_change(200)
-    grad_accum_steps: int = 1
-    clip_grad_norm: Optional[float] = 1.0  # max total grad norm after unscale_; null = no clipping
-    log_every: int = safe_to_change(10)  # the only steps that read values back from the device
-    seed: int = 0
-    lr_schedule: Schedule = Schedule.cosine
-    lr_warmup_steps: int = 20
-    min_lr_ratio: float = 0.1  # cosine/linear decay ends at lr * min_lr_ratio
-    timing_warmup_steps: int = safe_to_change(5)  # first steps left out of median step time and throughput
-    console: ConsoleMode = safe_to_change(ConsoleMode.auto)
-    activation_checkpointing: bool = False  # recompute each block's activations in backward (gpt, resnet)
-    # torch.compile: each block the recipe names (as torchtitan compiles each transformer block), else the model
-    compile: bool = safe_to_change(False)
-    compile_mode: str = safe_to_change("default")  # torch.compile's mode: one of COMPILE_MODES
-    # torch's intra-op threads (torch.set_num_threads); null: torch's own choice, one per core. compare sizes them to
-    # the cores other processes leave free (a step waits for whichever thread the scheduler set aside)
-    threads: Optional[int] = safe_to_change(None)
-    # N: a torch.profiler trace of N steady steps (after the timing warm-up) in the run's profile/, and a summary
-    # of where their time went (matmuls, other ops, optimizer, data, ...); null: no profiler
-    profile: Optional[int] = safe_to_change(None)
-    checkpoint_every: Optional[int] = safe_to_change(None)  # steps between checkpoints; one is always at the end
-    # seconds between checkpoints, checked on log steps (every rank decides together there): a crash loses at
-    # most this much of a long run whatever checkpoint_every says; null: by steps only
-    checkpoint_every_s: Optional[float] = safe_to_change(1800.0)
-    # treated as SIGTERM is: finish the step, checkpoint, exit 128 + its number (138 for SIGUSR1); null: ignore it
-    preempt_signal: Optional[PreemptSignal] = safe_to_change(PreemptSignal.SIGUSR1)
-    # in a SLURM job, the preemption signal also requeues the job (scontrol requeue) once the checkpoint is
-    # written; the requeued job continues with resume=auto (Lightning's auto_requeue)
-    slurm_requeue: bool = safe_to_change(True)
-    # hang detection: no step finished for this many seconds (and 20x the median step) is said, with every
-    # thread's stack in hang-step-N.txt; the run goes on (runner/watchdog.py). null: off
-    hang_after_s: Optional[float] = safe_to_change(300.0)
-    keep_checkpoints: int = safe_to_change(2)  # the newest K checkpoints are kept
-    # an fsspec URL (s3://bucket/run, gs://..., memory://...) each checkpoint is uploaded to as well, its checksum
-    # last; resume=auto in an empty run directory pulls the newest that verifies (runner/mirror.py). null: none
-    checkpoint_mirror: Optional[str] = safe_to_change(None)
-    # evaluation on the recipe's held-out batches after every N steps and after the last, under the run's
-    # autocast (engine/evaluation.py): evals.jsonl, the summary, the trackers, a line each; null: none
-    eval_every: Optional[int] = safe_to_change(None)
-    eval_batches: int = safe_to_change(8)  # held-out batches per evaluation
-    eval_fp32: bool = safe_to_change(False)  # each evaluation in fp32 too (autocast off; an fp32 copy of O2/O3's model)
-    # the K best checkpoints by the eval metric `monitor`, in checkpoints/best/, beside the newest ones
-    save_top_k: int = safe_to_change(0)
-    monitor: str = "loss"  # an eval metric of the recipe's: loss, accuracy, perplexity, or its own
-    monitor_mode: Optional[str] = None  # min | max; null: max for accuracy, min for loss and perplexity
-    # an fp32 exponential moving average of the weights (engine/weight_average.py), evaluated beside the model
-    # (eval/ema_<metric>), checkpointed; null: none. It is the weights at ema_start_step, then moves toward them
-    # after every ema_every-th step
-    ema_decay: Optional[float] = None
-    ema_start_step: int = 0
-    ema_every: int = 1
-
-    def __post_init__(self) -> None:
-        for key in ("steps", "grad_accum_steps", "log_every", "keep_checkpoints", "eval_batches"):
-            require(getattr(self, key) >= 1, f"train.{key}", getattr(self, key), "an integer >= 1")
-        for key in ("lr_warmup_steps", "timing_warmup_steps"):
-            require(getattr(self, key) >= 0, f"train.{key}", getattr(self, key), "an integer >= 0")
-        if self.threads is not None:
-            require(self.threads >= 1, "train.threads", self.threads, "an integer >= 1, or null for one per core")
-        if self.checkpoint_every is not None:
-            require(self.checkpoint_every >= 1, "train.checkpoint_every", self.checkpoint_every,
-                    "an integer >= 1, or null for a checkpoint at the end only")
-        if self.checkpoint_every_s is not None:
-            require(positive_finite(self.checkpoint_every_s), "train.checkpoint_every_s", self.checkpoint_every_s,
-                    "a number of seconds > 0, or null for checkpoints by steps only")
-        if self.hang_after_s is not None:
-            require(positive_finite(self.hang_after_s), "train.hang_after_s", self.hang_after_s,
-                    "a number of seconds > 0, or null for no hang detection")
-        require(self.profile is None or self.profile >= 1, "train.profile", self.profile,
-                "a number of steps >= 1, or null for no profile")
-        require(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "a number in [0, 1]")
-        require(self.compile_mode in COMPILE_MODES, "train.compile_mode", self.compile_mode,
-                f"one of torch.compile's modes: {', '.join(COMPILE_MODES)}")
-        if self.clip_grad_norm is not None:
-            require(positive_finite(self.clip_grad_norm), "train.clip_grad_norm", self.clip_grad_norm,
-                    "a finite number > 0, or null for no clipping")
-        require(self.eval_every is None or self.eval_every >= 1, "train.eval_every", self.eval_every,
-                "an integer >= 1, or null for no evaluation")
-        require(self.save_top_k >= 0, "train.save_top_k", self.save_top_k, "an integer >= 0")
-        require(self.save_top_k == 0 or self.eval_every is not None, "train.save_top_k", self.save_top_k,
-                "0 without train.eval_every (the best checkpoints are ranked by an evaluation)")
-        require(self.monitor_mode in (None, "min", "max"), "train.monitor_mode", self.monitor_mode, "min | max | null")
-        require(self.monitor_mode is not None or monitor_direction(self.monitor) is not None, "train.monitor",
-                self.monitor, f"{', '.join(MONITOR_MODES)}, or any metric of the recipe's with "
-                "train.monitor_mode=min|max (which way is better); the weight average's with ema_ before them")
-        if self.ema_decay is not None:
-            require(0.0 < self.ema_decay < 1.0, "train.ema_decay", self.ema_decay,
-                    "a number in (0, 1) (0.999: an average over ~1000 steps), or null for no weight average")
-        require(self.ema_start_step >= 0, "train.ema_start_step", self.ema_start_step, "an integer >= 0")
-        require(self.ema_every >= 1, "train.ema_every", self.ema_every, "an integer >= 1")
-        require(not self.monitor.startswith(EMA_METRIC) or self.ema_decay is not None, "train.monitor", self.monitor,
-                "a metric of the model's without train.ema_decay (the weight average's metrics need one)")
 
 
 @dataclass
@@ -299,8 +165,8 @@ def validate(cfg: DictConfig) -> None:
                 OmegaConf.to_container(node) if isinstance(node, DictConfig) else node,
                 "a config with a _target_ naming an importable callable")
     _check_optimizer_arguments(cfg.optimizer)
-    require(not (cfg.train.save_top_k and cfg.distributed.checkpoint_format == CheckpointFormat.sharded),
-            "train.save_top_k", cfg.train.save_top_k,
+    require(not (cfg.train.checkpoint.save_top_k and cfg.distributed.checkpoint_format == CheckpointFormat.sharded),
+            "train.checkpoint.save_top_k", cfg.train.checkpoint.save_top_k,
             "0 with distributed.checkpoint_format=sharded (the best checkpoints are whole files: use "
             "distributed.checkpoint_format=full)")
 

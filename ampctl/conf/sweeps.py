@@ -14,6 +14,8 @@ from typing import Optional
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl.conf.migration import migrated_override
+
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"  # the default's _target_, a name only
 
 # A stop asked of every job of a sweep by its launcher's process, in the sweep's directory: Ctrl-C ends the
@@ -119,11 +121,14 @@ class SweepIdentity:
 
     @classmethod
     def recorded(cls, sweep_dir: Path) -> Optional["SweepIdentity"]:
-        """The identity of the sweep recorded in sweep_dir; None where there is none (or it cannot be read)."""
+        """The identity of the sweep recorded in sweep_dir, its overrides in today's config layout (a sweep started
+        before train.* was grouped continues: conf/migration.py); None where there is none (or it cannot be read)."""
         try:
-            return cls.of(OmegaConf.load(sweep_dir / SWEEP_RECORD))  # type: ignore[arg-type]
+            recorded = cls.of(OmegaConf.load(sweep_dir / SWEEP_RECORD))  # type: ignore[arg-type]
         except Exception:  # noqa: BLE001 - not a sweep's record: no identity to match
             return None
+        return cls(recorded.config_name, recorded.config_dir,
+                   tuple(migrated_override(o) for o in recorded.overrides), launch=recorded.launch)
 
     def words(self) -> str:
         return " ".join(self.overrides) or "(no overrides)"

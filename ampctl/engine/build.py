@@ -48,8 +48,8 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
         scaler.agree_across_ranks()
     if scaler.can_skip:
         prime_fused_sgd_momentum(optimizer)
-    schedule = LRSchedule(optimizer, cfg.train, policy.device)
+    schedule = LRSchedule(optimizer, cfg.train.lr, cfg.train.steps, policy.device)
     train = cfg.train
-    ema = (WeightAverage(model, weights.optimizer_params, train.ema_decay, train.ema_start_step, train.ema_every)
-           if train.get("ema_decay") is not None else None)
+    ema = (WeightAverage(model, weights.optimizer_params, train.ema.decay, train.ema.start_step, train.ema.every)
+           if train.ema.decay is not None else None)
     return TrainState(model, weights, optimizer, scaler, schedule, parallel=parallel, ema=ema)

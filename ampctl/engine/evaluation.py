@@ -3,7 +3,7 @@
 
 A recipe that can be evaluated gives `eval_batches(device)`: held-out batches, the same on every call and for
 every seed, so that every run of a comparison is measured on the same data; ampctl takes the first
-train.eval_batches of them. `eval_metrics(model, batch)` (optional) returns, for one batch, the *sums* over its
+train.eval.batches of them. `eval_metrics(model, batch)` (optional) returns, for one batch, the *sums* over its
 examples (or tokens) of each metric and `count`, the number summed over: the means over all batches are exact
 whatever the batch sizes (the last batch of a folder may be short). Without it the metric is the recipe's own
 loss, one batch counting one. A language model (tokens_per_batch set) also gets perplexity = exp(mean loss).
@@ -56,7 +56,7 @@ class Evaluator:
 
     def __init__(self, recipe: Any, device: torch.device, batches: int) -> None:
         if not can_evaluate(recipe):
-            raise UsageError(f"train.eval_every: recipe {type(recipe).__name__} gives no held-out batches "
+            raise UsageError(f"train.eval.every: recipe {type(recipe).__name__} gives no held-out batches "
                              "(eval_batches(device)); see docs/models.md, 'Add your own recipe'")
         refused = held_out_unavailable(recipe)  # e.g. a folder of images without its held-out folder
         if refused:

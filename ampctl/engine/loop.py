@@ -56,7 +56,7 @@ class TrainState:
     schedule: LRSchedule
     step: int = 0
     parallel: Parallel = field(default_factory=Parallel)  # DDP's hooks; identities in one process
-    ema: Optional[WeightAverage] = None  # train.ema_decay's fp32 average of the weights
+    ema: Optional[WeightAverage] = None  # train.ema.decay's fp32 average of the weights
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig
 
 from ampctl.conf.messages import instantiation_error
-from ampctl.conf.schema import Schedule
+from ampctl.conf.train_schema import Schedule
 from ampctl.engine import optimizer_states
 from ampctl.errors import UnsupportedError, UsageError
 
@@ -151,10 +151,11 @@ def as_written(lr: Any) -> float:
 class LRSchedule:
     """Sets the optimizer's lr for the next step from the count of applied (not skipped) steps."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: DictConfig, device: torch.device) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, lr: DictConfig, steps: int, device: torch.device) -> None:
+        """lr: train.lr (its schedule, warm-up and floor); steps: train.steps, over which it decays."""
         self.optimizer = optimizer
-        self.kind: Schedule = cfg.lr_schedule
-        self.warmup, self.total, self.min_ratio = cfg.lr_warmup_steps, cfg.steps, cfg.min_lr_ratio
+        self.kind: Schedule = lr.schedule
+        self.warmup, self.total, self.min_ratio = lr.warmup_steps, steps, lr.min_ratio
         first_lr = optimizer.param_groups[0]["lr"]
         self.on_device = isinstance(first_lr, torch.Tensor)
         self.base_lrs = [as_written(g["lr"]) for g in optimizer.param_groups]  # one read, before training

@@ -1,4 +1,4 @@
-"""train.ema_decay: an exponential moving average of the weights, kept in fp32 whatever the training precision.
+"""train.ema.decay: an exponential moving average of the weights, kept in fp32 whatever the training precision.
 
 It averages the weights the optimizer steps on (the fp32 masters under O2, the half weights themselves under O3,
 the model's fp32 weights otherwise), with torch's own EMA rule (torch.optim.swa_utils.get_ema_multi_avg_fn:

@@ -35,7 +35,7 @@ class Recipe(Protocol):
     at a resume; without it the loop draws and discards the batches before the position). Used only where the
     class that defines it defines ``batches`` too, or inherits it (starts_anywhere).
 
-    Optional, for train.eval_every (engine/evaluation.py): ``eval_batches(device)``, held-out batches, the same
+    Optional, for train.eval.every (engine/evaluation.py): ``eval_batches(device)``, held-out batches, the same
     on every call and for every seed; ``eval_metrics(model, batch)``, each metric summed over the batch and
     ``count``, how many it summed over (without it the held-out metric is ``loss``, a batch counting one).
     """

@@ -186,6 +186,6 @@ class TimmRecipe(ImageClassification):
             return synthetic_eval_batches(self.batch_size, self.image_size, self.num_classes,  # type: ignore[arg-type]
                                           self._nhwc(), device)
         if self._eval_dataset is None:
-            raise UsageError("train.eval_every with recipe.data=imagefolder needs recipe.eval_root: a folder of "
+            raise UsageError("train.eval.every with recipe.data=imagefolder needs recipe.eval_root: a folder of "
                              "held-out images laid out as recipe.data_root (root/cat/1.jpg, root/dog/2.png)")
         return dataset_eval_batches(self._eval_dataset, self.batch_size, self.num_workers, self._nhwc(), device)

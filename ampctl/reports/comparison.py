@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ampctl import io
-from ampctl.conf.schema import EMA_METRIC
+from ampctl.conf.train_schema import EMA_METRIC
 from ampctl.reports import parity as parity_stats
 from ampctl.reports import plots, round_stats
 from ampctl.reports.round_stats import Interval
@@ -172,7 +172,7 @@ def _held_out_format(metric: str) -> Callable[[float], str]:
 
 
 def _held_out_label(metric: str) -> str:
-    """`held-out loss`; the weight average's (train.ema_decay) `held-out loss (EMA)`."""
+    """`held-out loss`; the weight average's (train.ema.decay) `held-out loss (EMA)`."""
     return f"held-out {metric.removeprefix(EMA_METRIC)}" + (" (EMA)" if metric.startswith(EMA_METRIC) else "")
 
 

@@ -133,7 +133,7 @@ def sweep_table(runs: Sequence[RunRecord], continue_with: Optional[str] = None, 
     keys = swept_keys(runs) or sorted({k for run in runs for k in run.override_values() if k not in NOT_SWEPT})
     # one throughput column per unit the jobs report (a sweep over recipes can hold both)
     rates = [key for key in RATES if any(not run.failed and key in run.summary for run in runs)]
-    # the held-out metrics of the jobs' last evaluations (train.eval_every), as the jobs recorded them
+    # the held-out metrics of the jobs' last evaluations (train.eval.every), as the jobs recorded them
     held_out = list(dict.fromkeys(k for run in runs if not run.failed for k in run.summary.get("eval", {})
                                   if k.startswith("eval/")))
     columns = ["job", *keys, "status", "final_loss", *held_out, "skipped_total", "final_loss_scale", *rates, "mfu"]

@@ -1,5 +1,6 @@
-"""train.save_top_k: the K best checkpoints by an evaluation metric (train.monitor, train.monitor_mode), kept in
-checkpoints/best/ beside the newest ones, as Lightning's ModelCheckpoint(save_top_k=, monitor=, mode=) keeps
+"""train.checkpoint.save_top_k: the K best checkpoints by an evaluation metric (train.checkpoint.monitor,
+train.checkpoint.monitor_mode), kept in checkpoints/best/ beside the newest ones, as Lightning's
+ModelCheckpoint(save_top_k=, monitor=, mode=) keeps
 them. Each is written whole, fsynced and checksummed as every checkpoint is (checkpoint_files.save_atomic) and
 resumes as any: `ampctl train resume=<run>/checkpoints/best/step_N.pt`. checkpoints/best/best.json lists them,
 best first, with the metric that ranked them: the index a resumed run goes on from. A value that is not finite
@@ -102,8 +103,8 @@ class BestCheckpoints:
         key = f"eval/{self.monitor}"
         if key not in row:
             names = ", ".join(k.split("/", 1)[1] for k in row if k.startswith("eval/"))
-            raise UsageError(f"train.monitor={self.monitor}: the recipe's evaluation gives no such metric; it gives "
-                             f"{names}")
+            raise UsageError(f"train.checkpoint.monitor={self.monitor}: the recipe's evaluation gives no such metric; "
+                             f"it gives {names}")
         value = row[key]
         if value is None or not math.isfinite(value):
             return False

@@ -23,6 +23,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import run_files
+from ampctl.conf.migration import CONFIG_VERSION, migrated
 from ampctl.conf.schema import CheckpointFormat
 from ampctl.engine import optimizer_states
 from ampctl.errors import UsageError
@@ -87,6 +88,7 @@ def capture(state: TrainState, cfg: DictConfig, choices: dict[str, str], batches
         optimizer_state = optimizer_states.plain_states(optimizer_state)
     return {
         "format_version": FORMAT_VERSION,
+        "config_version": CONFIG_VERSION,  # the layout of "config" (conf/migration.py)
         "run_id": identity.run_id,  # resume=auto takes only its own run's checkpoints (runner/identity.py)
         "config_hash": identity.config_hash,
         "step": state.step,
@@ -139,7 +141,7 @@ def writer(cfg: DictConfig, run_dir: Path, state: TrainState,
     """The writer of distributed.checkpoint_format: save(payload) -> path; finish() at a run's good end, on every rank
     (an async save completed and agreed); close() always (this rank's pending write completed); on_saved(path) on
     rank 0 once a checkpoint is whole and in place (an async one: from the writer's thread)."""
-    keep = cfg.train.keep_checkpoints
+    keep = cfg.train.checkpoint.keep
     if cfg.distributed.checkpoint_format is CheckpointFormat.sharded:
         return sharded_checkpoint.ShardedWriter(run_dir, keep, state, cfg.distributed.async_checkpoint, on_saved)
     return FullWriter(run_dir, keep, state.parallel, on_saved)
@@ -239,6 +241,12 @@ def load(path: Path, mmap: bool = False) -> dict[str, Any]:
         raise UsageError(f"checkpoint {str(path)!r} cannot be read (truncated or corrupt?): {reason}") from None
     if not isinstance(payload, dict) or payload.get("format_version") != FORMAT_VERSION:
         raise UsageError(f"checkpoint {str(path)!r} is not an ampctl checkpoint of format {FORMAT_VERSION}")
+    if (payload.get("config_version") or 1) < CONFIG_VERSION and isinstance(payload.get("config"), dict):
+        # written by an earlier ampctl: its config as today's, and the run's hash taken again of today's keys (as
+        # its identity's is: runner/identity.read)
+        payload["config"] = migrated(payload["config"], payload.get("config_version"))
+        if payload.get("config_hash") is not None:
+            payload["config_hash"] = run_identity.config_hash(payload["config"])
     return payload
 
 

@@ -1,7 +1,7 @@
-"""When a training run writes its checkpoints: every train.checkpoint_every steps, on the first log step
-train.checkpoint_every_s seconds after the last one (the ranks agree there), at the last step, and with
-train.save_top_k the best by the monitored evaluation; each one through the writer of the run's checkpoint format
-(runner/checkpoint.py) and, once whole, to the mirror."""
+"""When a training run writes its checkpoints: every train.checkpoint.every steps, on the first log step
+train.checkpoint.every_s seconds after the last one (the ranks agree there), at the last step, and with
+train.checkpoint.save_top_k the best by the monitored evaluation; each one through the writer of the run's checkpoint
+format (runner/checkpoint.py) and, once whole, to the mirror."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
-from ampctl.conf.schema import CheckpointFormat, monitor_direction
+from ampctl.conf.schema import CheckpointFormat
+from ampctl.conf.train_schema import monitor_direction
 from ampctl.engine.loop import TrainState
 from ampctl.engine.telemetry import Telemetry
 from ampctl.runner import checkpoint
@@ -29,9 +30,9 @@ class Checkpointer:
         self.cfg, self.choices, self.state, self.telemetry, self.recorder = cfg, choices, state, telemetry, recorder
         self.parallel = state.parallel
         train = cfg.train
-        direction = train.monitor_mode or monitor_direction(train.monitor)
-        self.best = (BestCheckpoints(recorder.run_dir, train.save_top_k, train.monitor, direction,
-                                     repair=self.parallel.is_main) if train.save_top_k else None)
+        direction = train.checkpoint.monitor_mode or monitor_direction(train.checkpoint.monitor)
+        self.best = (BestCheckpoints(recorder.run_dir, train.checkpoint.save_top_k, train.checkpoint.monitor, direction,
+                                     repair=self.parallel.is_main) if train.checkpoint.save_top_k else None)
         if self.best is not None and self.best.repaired:
             recorder.echo(f"warning: {self.best.repaired}")
         self.saved_at = time.monotonic()
@@ -58,8 +59,8 @@ class Checkpointer:
 
     def _due(self, step: int) -> bool:
         train = self.cfg.train
-        if train.checkpoint_every is not None and step % train.checkpoint_every == 0:
+        if train.checkpoint.every is not None and step % train.checkpoint.every == 0:
             return True
-        if train.checkpoint_every_s is None or step % train.log_every:
+        if train.checkpoint.every_s is None or step % train.log_every:
             return False
-        return self.parallel.agree(time.monotonic() - self.saved_at >= train.checkpoint_every_s)
+        return self.parallel.agree(time.monotonic() - self.saved_at >= train.checkpoint.every_s)

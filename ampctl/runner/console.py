@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ampctl import io, machine_load
-from ampctl.conf.schema import ConsoleMode
+from ampctl.conf.train_schema import ConsoleMode
 from ampctl.engine.telemetry import StepRecord
 
 

@@ -1,4 +1,4 @@
-"""train.eval_every: evaluate the model on the recipe's held-out batches after every N-th step and after the last
+"""train.eval.every: evaluate the model on the recipe's held-out batches after every N-th step and after the last
 (engine/evaluation.py), and record each evaluation: a row in evals.jsonl, the trackers (eval/<metric>), a line on
 the console. Evaluation is no step's time: the rows before it are written and the step timer starts again after
 it. A compiled model compiles again for evaluation (no grad, eval mode): those compilations are not counted
@@ -16,7 +16,7 @@ import torch
 from omegaconf import DictConfig
 
 from ampctl import run_files
-from ampctl.conf.schema import EMA_METRIC
+from ampctl.conf.train_schema import EMA_METRIC
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.evaluation import Evaluator
 from ampctl.engine.precision.half import fp32_copy
@@ -54,26 +54,26 @@ class RunEvaluation:
 
     def __init__(self, cfg: DictConfig, recipe: Any, policy: PrecisionPolicy) -> None:
         train = cfg.train
-        self.every, self.steps, self.fp32 = train.eval_every, train.steps, train.eval_fp32
-        self.ema = train.ema_decay is not None  # the weight average evaluated too, as eval/ema_<metric>
+        self.every, self.steps, self.fp32 = train.eval.every, train.steps, train.eval.fp32
+        self.ema = train.ema.decay is not None  # the weight average evaluated too, as eval/ema_<metric>
         self.policy = policy
-        self.evaluator = Evaluator(recipe, policy.device, train.eval_batches)
+        self.evaluator = Evaluator(recipe, policy.device, train.eval.batches)
         if self.fp32 and policy.converts_layers():
-            raise UsageError(f"train.eval_fp32=true with precision={policy.precision.name}: its converted layers "
+            raise UsageError(f"train.eval.fp32=true with precision={policy.precision.name}: its converted layers "
                              "compute in their format whatever autocast says; evaluate an fp32 run beside it "
                              "(ampctl compare)")
 
     def check_monitor(self, model: torch.nn.Module, monitor: str) -> None:
-        """train.monitor is among the recipe's metrics (or the weight average's: ema_<metric>): one held-out batch
-        evaluated at start (the model is not changed by it), so that a wrong name is refused before the run
+        """train.checkpoint.monitor is among the recipe's metrics (or the weight average's: ema_<metric>): one held-out
+        batch evaluated at start (the model is not changed by it), so that a wrong name is refused before the run
         records anything."""
         one = Evaluator(self.evaluator.recipe, self.policy.device, batches=1)
         names = list(one.evaluate(model, self.policy.forward_context()))
         if self.ema:
             names += [EMA_METRIC + name for name in names]
         if monitor not in names:
-            raise UsageError(f"train.monitor={monitor}: the recipe's evaluation gives no such metric; it gives "
-                             f"{', '.join(sorted(names))}")
+            raise UsageError(f"train.checkpoint.monitor={monitor}: the recipe's evaluation gives no such metric; "
+                             f"it gives {', '.join(sorted(names))}")
 
     def due(self, step: int, last: bool) -> bool:
         return step % self.every == 0 or (last and step == self.steps)

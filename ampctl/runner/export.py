@@ -95,7 +95,7 @@ def export(path: Path, options: ExportConfig, say: Callable[[str], None] = print
     model_state, average = _saved_weights(source, payload, ema)
     if ema and average is None:
         raise UsageError(f"export.weights=ema: {source} holds no weight average (the run was trained without "
-                         "train.ema_decay); choose export.weights=model")
+                         "train.ema.decay); choose export.weights=model")
     model = _model_holding(cfg, model_state, average if ema else None,
                            payload.get("weights", {}).get("masters"))
     model.to(getattr(torch, options.dtype.value))

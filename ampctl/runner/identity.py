@@ -24,6 +24,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io, run_files
+from ampctl.conf.migration import CONFIG_VERSION, migrated
 from ampctl.conf.schema import safe_to_change_keys
 from ampctl.errors import UsageError
 from ampctl.runner.requeue import a_requeue_of, batch_job
@@ -64,6 +65,7 @@ class RunIdentity:
     choices: dict[str, str]
     created: str
     job: Optional[str] = None  # the batch job that started the run (runner/requeue.batch_job), None outside one
+    config_version: int = CONFIG_VERSION  # the layout `config` is in (conf/migration.py): read as today's
 
     def disowns(self, payload: dict[str, Any]) -> Optional[str]:
         """Why a checkpoint's payload is not this run's (None when it is)."""
@@ -85,9 +87,13 @@ def read(run_dir: Path) -> Optional[RunIdentity]:
         return None
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
-        return RunIdentity(run_id=str(data["run_id"]), config_hash=str(data["config_hash"]),
-                           config=dict(data["config"]), choices=dict(data.get("choices") or {}),
-                           created=str(data.get("created", "")), job=data.get("job"))
+        version = data.get("config_version") or 1  # not recorded before version 2
+        config = migrated(dict(data["config"]), version)
+        # a record of an earlier layout: its hash is of its own keys, so it is taken again of today's
+        recorded_hash = str(data["config_hash"]) if version >= CONFIG_VERSION else config_hash(config)
+        return RunIdentity(run_id=str(data["run_id"]), config_hash=recorded_hash, config=config,
+                           choices=dict(data.get("choices") or {}), created=str(data.get("created", "")),
+                           job=data.get("job"))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise UsageError(f"{path} cannot be read ({type(exc).__name__}): the run's identity is damaged; restore "
                          "it, or start a new run in another hydra.run.dir") from None

@@ -1,11 +1,11 @@
-"""train.checkpoint_mirror: a run's checkpoints kept off the machine too, at an fsspec URL (s3://, gs://, memory://,
+"""train.checkpoint.mirror: a run's checkpoints kept off the machine too, at an fsspec URL (s3://, gs://, memory://,
 or a path every machine mounts), so that a preempted or lost machine's run continues elsewhere.
 
 Each checkpoint is written and checksummed in the run directory as always; a thread then uploads it, so the step
 never waits on the network. Object stores have no rename, so a checkpoint cannot appear there whole at once: its
 records (metrics.jsonl, evals.jsonl, as of the checkpoint) go first, then its data, then its checksum, last, as the
 commit marker. A checkpoint whose marker is missing (an upload killed half-way) or does not match its data is never
-taken. Mirrored checkpoints beyond the run's train.keep_checkpoints are removed, the marker first.
+taken. Mirrored checkpoints beyond the run's train.checkpoint.keep are removed, the marker first.
 
 `resume=auto` in a run directory that holds none of the run (a new machine) pulls the run's identity, its records
 and the newest mirrored checkpoint that verifies, then resumes from them as from its own. A mirror holds one run:
@@ -38,7 +38,7 @@ def open_mirror(url: str) -> tuple[Any, str]:
     is not (s3fs for s3://, gcsfs for gs://) or is unknown."""
     import fsspec
 
-    key = "train.checkpoint_mirror"
+    key = "train.checkpoint.mirror"
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     try:
         fsspec.get_filesystem_class(protocol)  # raises for an unknown protocol, or one whose package is missing
@@ -104,7 +104,7 @@ class Mirror:
         ours = json.loads((self.run_dir / run_files.IDENTITY).read_bytes())["run_id"]
         theirs = _settled_identity(self.fs, self._path(run_files.IDENTITY))
         if theirs.get("run_id") != ours:
-            raise UsageError(f"train.checkpoint_mirror={self.url} was claimed by another run (run "
+            raise UsageError(f"train.checkpoint.mirror={self.url} was claimed by another run (run "
                              f"{str(theirs.get('run_id'))[:8]}) that started at the same moment: a mirror holds one "
                              "run; choose another URL")
 
@@ -181,19 +181,19 @@ def check(url: str, run_dir: Path, continuing: bool) -> None:
     except UsageError:
         raise  # an identity that is not one: said as it is
     except Exception as exc:  # noqa: BLE001 - credentials, a bucket that is not there, the network: one line
-        raise UsageError(f"train.checkpoint_mirror={url} cannot be read ({type(exc).__name__}: "
+        raise UsageError(f"train.checkpoint.mirror={url} cannot be read ({type(exc).__name__}: "
                          f"{str(exc).strip()[:200]})") from None
     if theirs is None:
         held = sorted(_names(fs, root))
         if held:  # a prefix of someone else's: the uploads would replace files ampctl did not write
-            raise UsageError(f"train.checkpoint_mirror={url} holds files of its own ({', '.join(held[:3])}"
+            raise UsageError(f"train.checkpoint.mirror={url} holds files of its own ({', '.join(held[:3])}"
                              f"{', ...' if len(held) > 3 else ''}) and no run: a mirror is a URL of the run's own; "
                              "choose an empty one")
         _check_writable(fs, root, url)
         return
     ours = identity.read(run_dir) if continuing else None
     if ours is None or ours.run_id != theirs.get("run_id"):
-        raise UsageError(f"train.checkpoint_mirror={url} holds another run's checkpoints (run "
+        raise UsageError(f"train.checkpoint.mirror={url} holds another run's checkpoints (run "
                          f"{str(theirs.get('run_id'))[:8]}): a mirror holds one run; choose another URL, or continue "
                          "that run with resume=auto in an empty run directory")
 
@@ -231,12 +231,12 @@ def _check_writable(fs: Any, root: str, url: str) -> None:
         try:
             tempfile.TemporaryFile(dir=folder).close()
         except OSError as exc:
-            raise UsageError(f"train.checkpoint_mirror={url}: {folder} cannot be written ({exc.strerror}); choose a "
+            raise UsageError(f"train.checkpoint.mirror={url}: {folder} cannot be written ({exc.strerror}); choose a "
                              "writable path") from None
     elif any(p in BUCKETED for p in protocols):
         bucket = root.split("/", 1)[0]
         if not fs.exists(bucket):
-            raise UsageError(f"train.checkpoint_mirror={url}: the bucket {bucket!r} does not exist; create it, or "
+            raise UsageError(f"train.checkpoint.mirror={url}: the bucket {bucket!r} does not exist; create it, or "
                              "name one that does") from None
 
 
@@ -295,7 +295,7 @@ def pull(url: str, run_dir: Path, say: Callable[[str], None]) -> bool:
                 say(f"resume=auto: pulled {name} and the run's records from {url}")
                 return True
             failures.append(f"{name} ({why})")
-        raise UsageError(f"resume=auto: train.checkpoint_mirror={url} holds a run but no checkpoint of it that "
+        raise UsageError(f"resume=auto: train.checkpoint.mirror={url} holds a run but no checkpoint of it that "
                          f"verifies{': ' + '; '.join(failures) if failures else ''}")
     except BaseException:
         for path in reversed(written):

@@ -50,17 +50,17 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     UsageError for what the run would refuse. With the command line's overrides, a resumed run takes its own
     config, with the keys they name taken from cfg (runner/resume.py's plan); without (a config made in Python),
     cfg is the run's config as it is."""
-    mirror = cfg.train.checkpoint_mirror
+    mirror = cfg.train.checkpoint.mirror
     if mirror and cfg.resume == "auto" and holds_none_of_the_run(run_dir):
         pull_from_mirror(mirror, run_dir, world_size)
     if overrides is None:
         resume = Resume.find(cfg, run_dir, world_size)
     else:
         cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
-    if cfg.train.checkpoint_mirror:
+    if cfg.train.checkpoint.mirror:
         from ampctl.runner import mirror as mirroring
 
-        mirroring.check(cfg.train.checkpoint_mirror, resume.run_dir, continuing=bool(cfg.resume))
+        mirroring.check(cfg.train.checkpoint.mirror, resume.run_dir, continuing=bool(cfg.resume))
     policy = check_config(cfg)
     return RunPlan(cfg, dict(choices or {}), policy, resume, check_loggers(cfg.logger))
 
@@ -78,7 +78,7 @@ def pull_from_mirror(url: str, run_dir: Path, world_size: int) -> None:
     from ampctl.runner import mirror as mirroring
 
     if world_size > 1:
-        raise UsageError(f"resume=auto with train.checkpoint_mirror={url}: {run_dir} holds none of the run, and "
+        raise UsageError(f"resume=auto with train.checkpoint.mirror={url}: {run_dir} holds none of the run, and "
                          f"{world_size} ranks would each pull it; pull it with one process first (the same command "
                          "without torchrun pulls it as it starts), or copy the mirror's files into it")
     mirroring.pull(url, run_dir, lambda line: print(line, flush=True))

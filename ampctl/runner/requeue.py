@@ -1,5 +1,5 @@
 """SLURM's automatic requeue (Lightning's `auto_requeue`): a run stopped by its preemption warning
-(train.preempt_signal, which `sbatch --signal=USR1@120` sends) inside a SLURM job puts the job back in the
+(train.cluster.preempt_signal, which `sbatch --signal=USR1@120` sends) inside a SLURM job puts the job back in the
 queue once its checkpoint is written, with `scontrol requeue`; the requeued job (same job id, same script,
 SLURM_RESTART_COUNT > 0) continues the run (a_requeue_of). No hand-written trap in the batch script.
 

@@ -17,7 +17,7 @@ import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl.conf.schema import Schedule
+from ampctl.conf.train_schema import Schedule
 from ampctl.conf.typed import as_recorded_now, typed_config
 from ampctl.engine.optim import lr_factor
 from ampctl.runner import checkpoint, checkpoint_files, identity
@@ -120,15 +120,15 @@ def _schedule_change(payload: dict[str, Any], cfg: DictConfig) -> list[str]:
     """A changed train.steps moves the end of the lr schedule (it decays over train.steps): the lr of the
     next step, before and after, so that a jump is seen and not discovered in a plot."""
     old_steps, train = payload["config"]["train"]["steps"], cfg.train
-    if old_steps == train.steps or train.lr_schedule is Schedule.constant:
+    if old_steps == train.steps or train.lr.schedule is Schedule.constant:
         return []
     applied = torch.tensor(float(payload["schedule"]["applied"]), dtype=torch.float64)
 
     def lr(total: int) -> float:
-        factor = lr_factor(applied, train.lr_schedule, train.lr_warmup_steps, total, train.min_lr_ratio)
+        factor = lr_factor(applied, train.lr.schedule, train.lr.warmup_steps, total, train.lr.min_ratio)
         return float(factor) * payload["schedule"]["base_lrs"][0]
 
-    said = f"lr schedule: {train.lr_schedule.value} decay now ends at step {train.steps} (was {old_steps})"
+    said = f"lr schedule: {train.lr.schedule.value} decay now ends at step {train.steps} (was {old_steps})"
     before, after = lr(old_steps), lr(train.steps)
     return [said + (f"; lr of the next step {before:.4g} -> {after:.4g}" if before != after else "")]
 

@@ -106,10 +106,10 @@ class TrainingRun:
         self.step_flops = flops.count(self._rank_recipe(), policy.device, policy.precision, cfg.train.seed,
                                       cfg.train.grad_accum_steps)
         # refuses a recipe without held-out batches, before anything is written
-        self.evaluation = RunEvaluation(cfg, self.recipe, policy) if cfg.train.eval_every else None
+        self.evaluation = RunEvaluation(cfg, self.recipe, policy) if cfg.train.eval.every else None
         self.steps_began_at = time.time()  # set again when the steps begin
         self.load_at_start: Optional[machine_load.Sample] = None  # taken there too
-        self.mirror: Optional[Mirror] = None  # train.checkpoint_mirror's uploader, once the run has its identity
+        self.mirror: Optional[Mirror] = None  # train.checkpoint.mirror's uploader, once the run has its identity
 
     def train(self) -> dict:
         cfg, policy, recorder, resume = self.cfg, self.policy, self.recorder, self.resume
@@ -119,8 +119,9 @@ class TrainingRun:
                     recipe_errors(self.recipe, self._where):
                 self.state = build_state(cfg, policy, self.recipe, self.parallel)
                 resume.restore(self.state)
-                if self.evaluation is not None and cfg.train.save_top_k:
-                    self.evaluation.check_monitor(self.state.model, cfg.train.monitor)  # one held-out batch, first
+                if self.evaluation is not None and cfg.train.checkpoint.save_top_k:
+                    # one held-out batch, first
+                    self.evaluation.check_monitor(self.state.model, cfg.train.checkpoint.monitor)
                 self.announce()
                 recorder.identity = self.parallel.main_value(recorder.claim(cfg, self.choices))  # before any record
                 self.mirror = self._mirror()
@@ -207,13 +208,14 @@ class TrainingRun:
 
     def _fit(self) -> Optional[BestCheckpoints]:
         """fit() with the checkpointer, the evaluations, the guards, the value-range log, the profiler and a stop
-        on SIGINT/SIGTERM. Returns the run's best checkpoints (train.save_top_k), if it keeps them."""
+        on SIGINT/SIGTERM. Returns the run's best checkpoints (train.checkpoint.save_top_k), if it keeps them."""
         cfg, state, telemetry, recorder, parallel = self.cfg, self.state, self.telemetry, self.recorder, self.parallel
         checks = LogStepChecks(self)
         checkpointer = Checkpointer(cfg, self.choices, state, telemetry, recorder,
                                     on_saved=self.mirror.upload if self.mirror is not None else None)
         windows = RoundWindows.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
-        watchdog = Watchdog(recorder.run_dir, recorder.echo, cfg.train.hang_after_s if parallel.is_main else None)
+        hang_after_s = cfg.train.cluster.hang_after_s if parallel.is_main else None
+        watchdog = Watchdog(recorder.run_dir, recorder.echo, hang_after_s)
 
         def after_step(last: bool) -> None:
             watchdog.step_done(state.step)
@@ -233,7 +235,7 @@ class TrainingRun:
         self.steps_began_at = time.time()  # a sweep's report tells from it which jobs overlapped
         self.load_at_start = machine_load.sample()  # what other processes take of the machine while it steps
         try:
-            preempt = cfg.train.preempt_signal.value if cfg.train.preempt_signal else None
+            preempt = cfg.train.cluster.preempt_signal.value if cfg.train.cluster.preempt_signal else None
             with StopOnSignal(announce_stop if parallel.is_main else "", preempt, stop_requested_of_this_job()) \
                     as stop, self.profiler, watchdog:
                 hooks = FitHooks(after_step=after_step,
@@ -262,8 +264,8 @@ class TrainingRun:
         return checkpointer.best
 
     def _mirror(self) -> Optional[Mirror]:
-        """train.checkpoint_mirror's uploader, on rank 0 (the one that writes whole files and the manifests)."""
-        url = self.cfg.train.checkpoint_mirror
+        """train.checkpoint.mirror's uploader, on rank 0 (the one that writes whole files and the manifests)."""
+        url = self.cfg.train.checkpoint.mirror
         if not url or not self.parallel.is_main:
             return None
         mirror = Mirror(url, self.recorder.run_dir, self.recorder.echo)

@@ -1,7 +1,7 @@
 """Hang detection: a thread that names a run whose steps stopped finishing, and writes every thread's stack.
 
 A step far slower than the run's own median (a dead data worker, a collective one rank never joins, a disk
-that stopped answering) looks, from outside, like a run that is merely slow. After `train.hang_after_s`
+that stopped answering) looks, from outside, like a run that is merely slow. After `train.cluster.hang_after_s`
 seconds without a finished step, and at least HANG_FACTOR times the median step, the watchdog says so once
 per stall, and writes the stack of every thread (faulthandler's, as torchelastic's watchdog and torchtitan's
 timeouts dump them) to `hang-step-N.txt` in the run directory; the run goes on. The clock runs from the end

@@ -15,7 +15,7 @@ def quiet_library_deprecations() -> None:
     # alembic (under Optuna's storages and MLflow) logs "setup plugin ..." at INFO, and Hydra's console handler on
     # the root logger printed a dozen of them before a sweep's first job
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    # botocore (s3fs's aiobotocore, under train.checkpoint_mirror=s3://...) logs "Found credentials in environment
+    # botocore (s3fs's aiobotocore, under train.checkpoint.mirror=s3://...) logs "Found credentials in environment
     # variables." at INFO: printed through that handler before the run's own first line, in every run with an S3 mirror
     for name in ("botocore.credentials", "aiobotocore.credentials"):
         logging.getLogger(name).setLevel(logging.WARNING)

@@ -305,7 +305,7 @@ def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> dict:
     from ampctl.runner.run import run_training
 
     cfg = compose_job("train", [*run_overrides, "precision=fp32", f"train.steps={CALIBRATION_STEPS}",
-                                "train.timing_warmup_steps=2", "train.console=quiet", "train.eval_every=null", *extra])
+                                "train.timing_warmup_steps=2", "train.console=quiet", "train.eval.every=null", *extra])
     train_log = logging.getLogger("ampctl.train")
     propagates, train_log.propagate = train_log.propagate, False  # its lines go to its own train.log only
     try:

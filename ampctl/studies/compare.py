@@ -69,9 +69,9 @@ def split_overrides(task_overrides: list[str]) -> list[str]:
         if key == "resume":
             raise UsageError(f"{override!r}: ampctl compare starts fresh runs; resume a single mode's run with "
                              "ampctl train resume=<its run dir>")
-        if key == "train.checkpoint_mirror":  # one run per mirror: the modes' runs would refuse each other's
+        if key == "train.checkpoint.mirror":  # one run per mirror: the modes' runs would refuse each other's
             raise UsageError(f"{override!r}: ampctl compare's runs are measurements of its own and are not mirrored; "
-                             "train.checkpoint_mirror is for an ampctl train run")
+                             "train.checkpoint.mirror is for an ampctl train run")
         if not key.startswith("compare.") and key != "train.seed":  # each run's seed is compare's (compare.seeds)
             run_overrides.append(override)
     return run_overrides
@@ -163,12 +163,12 @@ def every_runs_overrides(cfg: DictConfig, plans: list[ModePlan], console: Consol
 
 
 def evaluation_overrides(cfg: DictConfig, steps: int) -> tuple[list[str], Optional[str]]:
-    """train.eval_every for every mode's run: the user's own, or (none set) one evaluation at the end where the
+    """train.eval.every for every mode's run: the user's own, or (none set) one evaluation at the end where the
     recipe has held-out batches; and why there is none, where there is none."""
-    if cfg.train.eval_every is not None:
+    if cfg.train.eval.every is not None:
         return [], None
     reason = held_out_unavailable(build_recipe(cfg.recipe))
-    return ([], reason) if reason else ([f"train.eval_every={steps}"], None)
+    return ([], reason) if reason else ([f"train.eval.every={steps}"], None)
 
 
 def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str],

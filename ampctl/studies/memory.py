@@ -230,7 +230,7 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
     sizes = {"weights_bytes": "weights", "gradients_bytes": "grads", "master_weights_bytes": "masters",
              "optimizer_states_bytes": "optimizer", "weight_average_bytes": "EMA", "activations_bytes": "activations",
              "estimate_bytes": "estimate", "measured_peak_bytes": "peak", "difference_bytes": "peak − est."}
-    if not any(r.states.weight_average for r in rows):  # a column only where train.ema_decay keeps an average
+    if not any(r.states.weight_average for r in rows):  # a column only where train.ema.decay keeps an average
         del sizes["weight_average_bytes"]
     columns = ["precision", *sizes, "step_time_ms"]
     if budget is not None:
@@ -258,7 +258,7 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
 
 
 def memory_notes(rows: list[ModeMemory], budget: Optional[int]) -> list[str]:
-    ema = " + EMA (train.ema_decay's fp32 average of the weights)" if any(r.states.weight_average for r in rows) else ""
+    ema = " + EMA (train.ema.decay's fp32 average of the weights)" if any(r.states.weight_average for r in rows) else ""
     notes = [f"estimate = weights + grads + masters (O2's fp32 master weights) + optimizer states{ema} + activations "
              "(the bytes autograd saves in one forward, autocast's half weight copies included). grads: the most "
              "gradient memory alive at once; under O2 the fp32 master gradients replace the half ones as they are "

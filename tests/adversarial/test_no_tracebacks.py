@@ -55,16 +55,17 @@ from tests.support.runs import snapshot
     (["optimizer=adamw_4bit", "+optimizer.amsgrad=true"], "optimizer.amsgrad=true with torchao.optim.AdamW4bit: "
                                                            "torchao's quantized states cannot keep amsgrad's running"),
     # the fp32 weight average (issue 38)
-    (["train.ema_decay=1"], "train.ema_decay=1.0 is not allowed: expected a number in (0, 1)"),
-    (["train.ema_decay=0"], "train.ema_decay=0.0 is not allowed"),
-    (["train.ema_decay=nan"], "train.ema_decay=nan is not allowed"),
-    (["train.ema_decay=fast"], "train.ema_decay='fast' is not allowed"),
-    (["train.ema_decay=0.9", "train.ema_every=0"], "train.ema_every=0 is not allowed: expected an integer >= 1"),
-    (["train.ema_decay=0.9", "train.ema_start_step=-1"], "train.ema_start_step=-1 is not allowed"),
-    (["train.monitor=ema_loss", "train.eval_every=1", "train.save_top_k=1"],
-     "train.monitor='ema_loss' is not allowed: expected a metric of the model's without train.ema_decay"),
-    (["train.ema_decay=0.9", "train.monitor=ema_nope", "train.monitor_mode=min", "train.eval_every=1",
-      "train.save_top_k=1"], "train.monitor=ema_nope: the recipe's evaluation gives no such metric; it gives "
+    (["train.ema.decay=1"], "train.ema.decay=1.0 is not allowed: expected a number in (0, 1)"),
+    (["train.ema.decay=0"], "train.ema.decay=0.0 is not allowed"),
+    (["train.ema.decay=nan"], "train.ema.decay=nan is not allowed"),
+    (["train.ema.decay=fast"], "train.ema.decay='fast' is not allowed"),
+    (["train.ema.decay=0.9", "train.ema.every=0"], "train.ema.every=0 is not allowed: expected an integer >= 1"),
+    (["train.ema.decay=0.9", "train.ema.start_step=-1"], "train.ema.start_step=-1 is not allowed"),
+    (["train.checkpoint.monitor=ema_loss", "train.eval.every=1", "train.checkpoint.save_top_k=1"],
+     "train.checkpoint.monitor='ema_loss' is not allowed: expected a metric of the model's without train.ema.decay"),
+    (["train.ema.decay=0.9", "train.checkpoint.monitor=ema_nope", "train.checkpoint.monitor_mode=min",
+      "train.eval.every=1", "train.checkpoint.save_top_k=1"],
+     "train.checkpoint.monitor=ema_nope: the recipe's evaluation gives no such metric; it gives "
                              "accuracy, ema_accuracy, ema_loss, loss"),
     # sizes torch cannot build or train (issue 35)
     (["recipe.in_features=9223372036854775807"], "its model cannot be built, its tensors are too large to allocate "
@@ -99,7 +100,7 @@ def test_a_batch_norm_given_one_value_per_channel_is_one_line(tmp_path, command,
 def test_a_run_directory_whose_own_names_are_the_wrong_kind_is_refused_and_left_as_it_is(tmp_path, damage, named):
     """checkpoints/ replaced by a file (it failed in mkdir after setting the rows aside), the lock a directory."""
     run = tmp_path / "run"
-    assert cli("train", *MLP, "train.steps=4", "train.checkpoint_every=2", f"hydra.run.dir={run}",
+    assert cli("train", *MLP, "train.steps=4", "train.checkpoint.every=2", f"hydra.run.dir={run}",
                cwd=tmp_path).returncode == 0
     damage(run)
     before = snapshot(run)
@@ -217,7 +218,7 @@ def exportable_run(tmp_path_factory):
                                      "weights, dir"),
     (["RUN", "dtype=float16"], "dtype: no such key; allowed: export"),
     (["RUN", "export.weights=ema"], "export.weights=ema: RUN/checkpoints/step_00000002.pt holds no weight average "
-                                    "(the run was trained without train.ema_decay); choose export.weights=model"),
+                                    "(the run was trained without train.ema.decay); choose export.weights=model"),
     (["RUN", "export.format=hf"], "export.format=hf is for recipe=hf_causal_lm (a transformers model); this run's "
                                   "recipe is ampctl.recipes.mlp.MLPRecipe"),
     (["RUN/nowhere"], "PATH='RUN/nowhere' does not exist; give a run directory or a checkpoint"),

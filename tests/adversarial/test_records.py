@@ -21,7 +21,7 @@ def test_a_resumed_run_logs_no_step_twice_to_mlflow(tmp_path, restore_argv):
     from tests.support.tracker_readers import mlflow_run
 
     run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
-    common = [*MLP, "train.checkpoint_every=4", "logger=mlflow", f"logger.mlflow.tracking_uri={uri}",
+    common = [*MLP, "train.checkpoint.every=4", "logger=mlflow", f"logger.mlflow.tracking_uri={uri}",
               f"hydra.run.dir={run}"]
     main(["train", *common, "train.steps=6"])
     for path in (run / "checkpoints").glob("step_00000006.pt*"):
@@ -59,7 +59,7 @@ def test_a_tracker_that_cannot_start_is_refused_before_the_first_record(tmp_path
 
 def test_rows_lost_on_disk_are_named_at_resume_and_by_report(tmp_path, capsys, restore_argv):
     run_dir = tmp_path / "run"
-    main(["train", *MLP, "train.steps=12", "train.checkpoint_every=6", f"hydra.run.dir={run_dir}"])
+    main(["train", *MLP, "train.steps=12", "train.checkpoint.every=6", f"hydra.run.dir={run_dir}"])
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     (run_dir / "metrics.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])  # cut inside row 4
     for path in (run_dir / "checkpoints").glob("step_00000012.pt*"):

@@ -18,7 +18,7 @@ from tests.support.runs import QUICK, snapshot, start_a_long_run, steps
 
 
 def test_a_checkpoint_copied_from_another_run_is_passed_over_by_resume_auto(tmp_path, capsys, restore_argv):
-    main(["train", *MLP, "train.steps=8", "train.checkpoint_every=4", f"hydra.run.dir={tmp_path / 'A'}"])
+    main(["train", *MLP, "train.steps=8", "train.checkpoint.every=4", f"hydra.run.dir={tmp_path / 'A'}"])
     main(["train", *MLP, "train.steps=2", "train.seed=3", f"hydra.run.dir={tmp_path / 'B'}"])
     for path in (tmp_path / "A" / "checkpoints").glob("step_00000008.pt*"):
         shutil.copy(path, tmp_path / "B" / "checkpoints")
@@ -41,7 +41,7 @@ def test_a_checkpoint_copied_from_another_run_is_passed_over_by_resume_auto(tmp_
 
 def test_a_checkpoint_with_its_checksum_deleted_and_a_bit_flipped_is_never_loaded(tmp_path, capsys, restore_argv):
     run_dir = tmp_path / "run"
-    main(["train", *MLP, "train.steps=8", "train.checkpoint_every=4", f"hydra.run.dir={run_dir}"])
+    main(["train", *MLP, "train.steps=8", "train.checkpoint.every=4", f"hydra.run.dir={run_dir}"])
     newest = run_dir / "checkpoints" / "step_00000008.pt"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0x10
@@ -63,8 +63,8 @@ def test_a_run_without_its_identity_is_refused_whatever_else_it_holds(tmp_path):
     killed = start_a_long_run(tmp_path / "a", rows=2)
     os.kill(killed.pid, signal.SIGKILL)
     killed.wait()
-    main_run = cli("train", *MLP, "train.steps=6", "train.checkpoint_every=3", "hydra.run.dir=A", cwd=tmp_path)
-    other = cli("train", *MLP, "train.steps=2", "train.seed=4", "train.checkpoint_every=100", "hydra.run.dir=B",
+    main_run = cli("train", *MLP, "train.steps=6", "train.checkpoint.every=3", "hydra.run.dir=A", cwd=tmp_path)
+    other = cli("train", *MLP, "train.steps=2", "train.seed=4", "train.checkpoint.every=100", "hydra.run.dir=B",
                 cwd=tmp_path)
     assert main_run.returncode == 0 and other.returncode == 0, main_run.stderr + other.stderr
     for path in (tmp_path / "B" / "checkpoints").glob("*"):
@@ -93,7 +93,7 @@ def test_a_run_made_before_identities_resumes_from_its_checkpoints(tmp_path, cap
     import torch
 
     run_dir = tmp_path / "old"
-    main(["train", *MLP, "train.steps=4", "train.checkpoint_every=4", f"hydra.run.dir={run_dir}"])
+    main(["train", *MLP, "train.steps=4", "train.checkpoint.every=4", f"hydra.run.dir={run_dir}"])
     checkpoint = run_dir / "checkpoints" / "step_00000004.pt"
     payload = torch.load(checkpoint, weights_only=True)
     del payload["run_id"], payload["config_hash"]
@@ -133,7 +133,7 @@ def test_resume_auto_after_a_kill_before_the_first_checkpoint_trains_the_runs_ow
 
 @pytest.mark.slow
 def test_a_killed_sweep_resumes_keeping_finished_jobs_and_continuing_the_killed_one(tmp_path):
-    sweep = ["train", "-m", *QUICK, "train.steps=400", "train.checkpoint_every=50", "train.seed=1,2,3",
+    sweep = ["train", "-m", *QUICK, "train.steps=400", "train.checkpoint.every=50", "train.seed=1,2,3",
              f"hydra.sweep.dir={tmp_path / 'sw'}"]
     process = popen(*sweep, cwd=tmp_path)
     second = lambda: next((tmp_path / "sw").glob("1_*/metrics.jsonl"), None)  # noqa: E731

@@ -39,7 +39,7 @@ def test_two_ctrl_c_in_quick_succession_exit_130_with_their_lines_and_no_traceba
     the first lands once ampctl handles signals, at whatever point of its start that is (composing, importing
     torch, building), never before Python itself has started (a wait of a fixed second was sometimes that)."""
     run_dir = tmp_path / "run"
-    args = ["train", *QUICK, "train.steps=100000", "train.checkpoint_every=5", f"hydra.run.dir={run_dir}"]
+    args = ["train", *QUICK, "train.steps=100000", "train.checkpoint.every=5", f"hydra.run.dir={run_dir}"]
     # its start is under test when starting; in its loop, a process forked from the preloaded server will do
     process = popen(*args, cwd=tmp_path) if when == "starting" else ForkedAmpctl(*args, cwd=tmp_path)
     if when == "starting":
@@ -110,7 +110,7 @@ def test_a_launchers_copy_of_ctrl_c_is_not_a_second_one(tmp_path):
 
 def test_preempt_signal_null_ignores_sigusr1_and_sigterm_still_stops_with_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    process = ForkedAmpctl("train", *QUICK, "train.steps=100000", "train.preempt_signal=null",
+    process = ForkedAmpctl("train", *QUICK, "train.steps=100000", "train.cluster.preempt_signal=null",
                            f"hydra.run.dir={run_dir}", cwd=tmp_path)
     wait_for(lambda: row_count(run_dir / "metrics.jsonl") >= 2)
     process.send_signal(signal.SIGUSR1)
@@ -175,7 +175,7 @@ def test_a_comparison_killed_with_sigkill_takes_its_running_mode_with_it(tmp_pat
 def test_a_stalled_step_is_named_with_every_threads_stack_and_the_run_goes_on(tmp_path, capsys, restore_argv):
     run_dir = tmp_path / "run"
     main(["train", *MLP, "train.steps=14", "recipe._target_=tests.support.slow_data_recipe.StallingRecipe",
-          "+recipe.stall_at=10", "+recipe.stall_s=2.5", "train.hang_after_s=0.6", f"hydra.run.dir={run_dir}"])
+          "+recipe.stall_at=10", "+recipe.stall_s=2.5", "train.cluster.hang_after_s=0.6", f"hydra.run.dir={run_dir}"])
     out = capsys.readouterr().out
     assert "warning: step 10 has not finished after" in out and "a hang?" in out, out
     stacks = (run_dir / "hang-step-10.txt").read_text()

@@ -28,7 +28,7 @@ def test_cuda_losses_and_scales_match_the_canonical_loop(tmp_path, precision, dt
 def test_a_step_never_syncs_the_host_with_fused_optimizers(precision):
     """torch.cuda.set_sync_debug_mode("error") raises on any synchronizing call inside the step (the fp32 weight
     average's update included)."""
-    cfg, policy, recipe = build(f"precision={precision}", "device=cuda", "train.ema_decay=0.99",
+    cfg, policy, recipe = build(f"precision={precision}", "device=cuda", "train.ema.decay=0.99",
                                 "scaler.init_scale=1e20" if precision in ("fp16", "O2") else "train.seed=0")
     with policy:
         state = build_state(cfg, policy, recipe)
@@ -130,7 +130,7 @@ def test_cuda_graphs_train_and_evaluate_a_compiled_gpt(tmp_path):
     from tests.conftest import QUIET
     from tests.support.configs import TINY_GPT
 
-    args = ["device=cuda", "precision=bf16", *TINY_GPT, "train.steps=12", "train.eval_every=4"]
+    args = ["device=cuda", "precision=bf16", *TINY_GPT, "train.steps=12", "train.eval.every=4"]
     _, eager = train(tmp_path / "eager", *args, base=QUIET)
     _, graphed = train(tmp_path / "graphed", *args, "train.compile=true", "train.compile_mode=reduce-overhead",
                        base=QUIET)

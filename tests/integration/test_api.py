@@ -40,7 +40,7 @@ def test_compare_and_inspect_return_their_records(tmp_path):
 
 
 def test_export_returns_its_directory_and_record_and_refuses_as_the_command_line(tmp_path):
-    run = ampctl.train([*MLP, "train.steps=3", "train.ema_decay=0.5"], run_dir=tmp_path / "run")
+    run = ampctl.train([*MLP, "train.steps=3", "train.ema.decay=0.5"], run_dir=tmp_path / "run")
     served = ampctl.export(run.run_dir, ["export.dtype=bfloat16", "export.weights=ema"])
     assert served.run_dir == tmp_path / "run" / "exports" / "step_00000003-ema-bfloat16"
     assert served.summary == json.loads((served.run_dir / "export.json").read_text())

@@ -1,6 +1,6 @@
-"""train.save_top_k: the K best checkpoints by an evaluation metric, beside the newest ones: ranked as the metric
-says (against the evaluations' own rows), written whole and checksummed, continued across a resume, set aside with
-an abandoned timeline, and refused in one line when the metric does not exist."""
+"""train.checkpoint.save_top_k: the K best checkpoints by an evaluation metric, beside the newest ones: ranked as the
+metric says (against the evaluations' own rows), written whole and checksummed, continued across a resume, set aside
+with an abandoned timeline, and refused in one line when the metric does not exist."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from ampctl.cli import main
 from tests.conftest import FAST, train
 
-BEST = ["train.eval_every=5", "train.eval_batches=2", "train.save_top_k=2"]
+BEST = ["train.eval.every=5", "train.eval.batches=2", "train.checkpoint.save_top_k=2"]
 
 
 def evals(run_dir) -> list[dict]:
@@ -32,7 +32,7 @@ def expected_best(rows: list[dict], metric: str, k: int, largest: bool) -> list[
 
 @pytest.mark.parametrize("monitor,largest", [("loss", False), ("accuracy", True)])
 def test_the_k_best_by_the_monitored_metric_are_kept_whole_and_checksummed(tmp_path, monitor, largest):
-    summary, _ = train(tmp_path, "train.steps=40", *BEST, f"train.monitor={monitor}", "recipe.hidden=16")
+    summary, _ = train(tmp_path, "train.steps=40", *BEST, f"train.checkpoint.monitor={monitor}", "recipe.hidden=16")
     rows = evals(tmp_path)
     assert len(rows) == 8
     kept = index(tmp_path)
@@ -51,7 +51,7 @@ def test_the_k_best_by_the_monitored_metric_are_kept_whole_and_checksummed(tmp_p
 
 
 def test_a_resumed_run_goes_on_ranking_and_an_abandoned_timelines_best_are_set_aside(tmp_path):
-    common = [*BEST, "train.save_top_k=3", "train.checkpoint_every=10", "train.keep_checkpoints=5",
+    common = [*BEST, "train.checkpoint.save_top_k=3", "train.checkpoint.every=10", "train.checkpoint.keep=5",
               "recipe.hidden=16"]
     train(tmp_path, "train.steps=20", *common)
     train(tmp_path, "train.steps=40", *common, "resume=auto")  # goes on from step 20
@@ -71,28 +71,29 @@ def test_a_resumed_run_goes_on_ranking_and_an_abandoned_timelines_best_are_set_a
 def test_a_monitor_the_recipe_does_not_give_is_one_line_and_nothing_is_recorded(tmp_path, restore_argv, capsys):
     run = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", *FAST, *BEST, "train.monitor=f1", "train.monitor_mode=max", "train.steps=10",
-              f"hydra.run.dir={run}"])
+        main(["train", *FAST, *BEST, "train.checkpoint.monitor=f1", "train.checkpoint.monitor_mode=max",
+              "train.steps=10", f"hydra.run.dir={run}"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err == ("ampctl train: error: train.monitor=f1: the recipe's evaluation gives no such metric; it gives "
-                   "accuracy, loss\n")
+    assert err == ("ampctl train: error: train.checkpoint.monitor=f1: the recipe's evaluation gives no such metric; "
+                   "it gives accuracy, loss\n")
     assert not run.exists() or not any(p.name in ("metrics.jsonl", "evals.jsonl", "checkpoints")
                                        for p in run.iterdir())
 
 
 @pytest.mark.parametrize("args,message", [
-    (["train.save_top_k=2"], "train.save_top_k=2 is not allowed: expected 0 without train.eval_every"),
-    (["train.eval_every=5", "train.save_top_k=1", "train.monitor=f1"],
-     "train.monitor='f1' is not allowed: expected loss, perplexity, accuracy, or any metric of the recipe's with "
-     "train.monitor_mode=min|max"),
-    (["train.eval_every=0"], "train.eval_every=0 is not allowed: expected an integer >= 1, or null"),
-    (["train.eval_every=5", "train.eval_batches=0"], "train.eval_batches=0 is not allowed: expected an integer >= 1"),
-    (["precision=fp8_emulated", "train.eval_every=5", "train.eval_fp32=true"],
-     "train.eval_fp32=true with precision=fp8_emulated: its converted layers compute in their format whatever autocast "
+    (["train.checkpoint.save_top_k=2"],
+     "train.checkpoint.save_top_k=2 is not allowed: expected 0 without train.eval.every"),
+    (["train.eval.every=5", "train.checkpoint.save_top_k=1", "train.checkpoint.monitor=f1"],
+     "train.checkpoint.monitor='f1' is not allowed: expected loss, perplexity, accuracy, or any metric of the "
+     "recipe's with train.checkpoint.monitor_mode=min|max"),
+    (["train.eval.every=0"], "train.eval.every=0 is not allowed: expected an integer >= 1, or null"),
+    (["train.eval.every=5", "train.eval.batches=0"], "train.eval.batches=0 is not allowed: expected an integer >= 1"),
+    (["precision=fp8_emulated", "train.eval.every=5", "train.eval.fp32=true"],
+     "train.eval.fp32=true with precision=fp8_emulated: its converted layers compute in their format whatever autocast "
      "says"),
-    (["precision=bf16", "precision.rules=[{match:'0',run_in:mxfp8}]", "train.eval_every=5", "train.eval_fp32=true"],
-     "train.eval_fp32=true with precision=bf16: its converted layers compute in their format whatever autocast says"),
+    (["precision=bf16", "precision.rules=[{match:'0',run_in:mxfp8}]", "train.eval.every=5", "train.eval.fp32=true"],
+     "train.eval.fp32=true with precision=bf16: its converted layers compute in their format whatever autocast says"),
 ])
 def test_bad_evaluation_settings_are_one_line(tmp_path, restore_argv, capsys, args, message):
     with pytest.raises(SystemExit) as exit_info:
@@ -106,7 +107,7 @@ def test_bad_evaluation_settings_are_one_line(tmp_path, restore_argv, capsys, ar
 def test_a_garbled_index_is_said_set_aside_and_ranked_again_from_the_evaluations(tmp_path):
     """best.json garbled on disk: it was rebuilt without a word (its ranking lost); now said, kept beside, and the
     best checkpoints on disk ranked again from evals.jsonl, as an independent ranking of those rows gives."""
-    common = [*BEST, "train.save_top_k=3", "train.checkpoint_every=10", "recipe.hidden=16"]
+    common = [*BEST, "train.checkpoint.save_top_k=3", "train.checkpoint.every=10", "recipe.hidden=16"]
     train(tmp_path, "train.steps=20", *common)
     (tmp_path / "checkpoints" / "best" / "best.json").write_bytes(b"\x00{garbled")
     train(tmp_path, "train.steps=30", *common, "resume=auto")

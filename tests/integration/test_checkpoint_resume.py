@@ -24,7 +24,7 @@ from tests.support.runs import ForkedAmpctl, flip_a_bit, rows
 REPO = Path(__file__).resolve().parents[2]
 # fp16 with overflows and regrowth, so the scaler state (scale and growth tracker) matters for exactness.
 RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=256", "recipe.batch_size=64", "precision=fp16",
-       "scaler.init_scale=1e9", "scaler.growth_interval=7", "train.steps=60", "train.checkpoint_every=10",
+       "scaler.init_scale=1e9", "scaler.growth_interval=7", "train.steps=60", "train.checkpoint.every=10",
        "train.log_every=5",
        "train.console=plain", "telemetry.profile_cpu_memory=false"]  # the memory timeline is not under test here
 
@@ -84,7 +84,7 @@ def test_kill_9_at_random_points_then_resume_is_bitwise_identical(tmp_path, refe
 @pytest.mark.slow
 def test_kill_9_during_a_checkpoint_write_leaves_the_previous_one_whole(tmp_path, restore_argv):
     # a model large enough that writing a checkpoint takes a while, and one every other step
-    big = ["recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint_every=2", "train.steps=40"]
+    big = ["recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint.every=2", "train.steps=40"]
     for attempt in range(5):  # the write can finish between seeing its .tmp file and the kill: try again
         run_dir = tmp_path / f"run{attempt}"
         child = start(run_dir, *big)
@@ -211,11 +211,11 @@ def test_a_checkpoint_without_its_checksum_is_never_trusted_silently(stopped_run
 
 
 def test_time_based_checkpoints_are_written_on_log_steps(tmp_path, restore_argv):
-    """train.checkpoint_every_s: on the first log step that long after the last checkpoint (a tiny interval:
-    every log step), beside the step-based ones (train.checkpoint_every=10 of RUN)."""
+    """train.checkpoint.every_s: on the first log step that long after the last checkpoint (a tiny interval:
+    every log step), beside the step-based ones (train.checkpoint.every=10 of RUN)."""
     run_dir = tmp_path / "run"
-    main(["train", *RUN, "train.steps=23", "train.log_every=3", "train.checkpoint_every_s=1e-6",
-          "train.keep_checkpoints=100", "train.console=quiet", f"hydra.run.dir={run_dir}"])
+    main(["train", *RUN, "train.steps=23", "train.log_every=3", "train.checkpoint.every_s=1e-6",
+          "train.checkpoint.keep=100", "train.console=quiet", f"hydra.run.dir={run_dir}"])
     written = sorted(int(p.name[5:13]) for p in (run_dir / "checkpoints").glob("step_*.pt"))
     assert written == [3, 6, 9, 10, 12, 15, 18, 20, 21, 23]
 
@@ -259,18 +259,19 @@ def test_resume_takes_the_runs_own_config_for_what_the_command_line_does_not_nam
 
 
 def expected_lr(applied: int, total: int, cfg: dict) -> float:
-    """Warm-up then cosine decay to min_lr_ratio, written out by hand (engine/optim.py computes it on the device)."""
+    """Warm-up then cosine decay to train.lr.min_ratio, written out by hand (engine/optim.py computes it on the
+    device)."""
     train, base = cfg["train"], cfg["optimizer"]["lr"]
-    warm = min(1.0, (applied + 1) / train["lr_warmup_steps"])
-    progress = min(1.0, max(0.0, (applied - train["lr_warmup_steps"]) / max(1, total - train["lr_warmup_steps"])))
+    warm = min(1.0, (applied + 1) / train["lr"]["warmup_steps"])
+    progress = min(1.0, max(0.0, (applied - train["lr"]["warmup_steps"]) / max(1, total - train["lr"]["warmup_steps"])))
     cosine = 0.5 * (1 + math.cos(math.pi * progress))
-    return base * warm * (train["min_lr_ratio"] + (1 - train["min_lr_ratio"]) * cosine)
+    return base * warm * (train["lr"]["min_ratio"] + (1 - train["lr"]["min_ratio"]) * cosine)
 
 
 def test_resume_allows_more_steps_and_says_what_happens_to_the_lr_schedule(tmp_path, capsys, restore_argv):
     """The schedule decays over train.steps: extending a run moves its end, and the lr of the next step jumps
     (stated at resume). Every resumed step's lr is the schedule's over the new total."""
-    run_dir, short_warmup = tmp_path / "run", "train.lr_warmup_steps=5"
+    run_dir, short_warmup = tmp_path / "run", "train.lr.warmup_steps=5"
     main(["train", *RUN, short_warmup, "train.steps=20", "train.console=quiet", f"hydra.run.dir={run_dir}"])
     cfg = torch.load(run_dir / "checkpoints" / "step_00000020.pt", weights_only=True)["config"]
     main(["train", *RUN, short_warmup, "train.steps=40", f"hydra.run.dir={run_dir}", "resume=auto"])
@@ -300,7 +301,7 @@ def test_bad_resume_targets(tmp_path, capsys, restore_argv, target, message):
 @pytest.mark.slow
 def test_a_second_sigint_exits_at_once_and_corrupts_nothing(tmp_path, restore_argv):
     run_dir = tmp_path / "run"
-    child = start(run_dir, "recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint_every=2", "train.steps=40")
+    child = start(run_dir, "recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint.every=2", "train.steps=40")
     wait_for(lambda: metrics_lines(run_dir) >= 6)
     child.send_signal(signal.SIGINT)
     time.sleep(FORWARDED_WITHIN_S + 0.1)  # sooner, it is taken for a launcher's copy of the first (test_signals.py)
@@ -309,7 +310,7 @@ def test_a_second_sigint_exits_at_once_and_corrupts_nothing(tmp_path, restore_ar
     assert child.returncode == 130
     for path in (run_dir / "checkpoints").glob("step_*.pt"):
         assert torch.load(path, weights_only=True)["format_version"] == 1
-    main(["train", *RUN, "recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint_every=2", "train.steps=40",
+    main(["train", *RUN, "recipe.hidden=1536", "recipe.batch_size=16", "train.checkpoint.every=2", "train.steps=40",
           "train.console=quiet", f"hydra.run.dir={run_dir}", "resume=auto"])
     assert [r["step"] for r in rows(run_dir)] == list(range(1, 41))
 

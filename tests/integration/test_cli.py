@@ -331,7 +331,7 @@ def test_init_writes_an_experiment_that_trains_as_written_from_anywhere(tmp_path
     assert exit_info.value.code == 2 and "exists already" in capsys.readouterr().err
     assert {p: p.read_text() for p in exp.rglob("*") if p.is_file()} == before
     result = run_ampctl("train", "-cd", str(exp), "-cn", "my_exp", "device=cpu", "train.steps=12",
-                        "train.eval_every=6", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+                        "train.eval.every=6", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["final_loss"] < rows(tmp_path / "run")[0]["loss"]  # it learns

@@ -65,13 +65,13 @@ def test_the_mirror_command_composes(tmp_path):
     for args in _mirror_commands():
         shown = run_ampctl("train", *args, "--cfg", "job", cwd=tmp_path)
         assert shown.returncode == 0, (args, shown.stderr)
-        assert yaml.safe_load(shown.stdout)["train"]["checkpoint_mirror"].startswith("s3://")
+        assert yaml.safe_load(shown.stdout)["train"]["checkpoint"]["mirror"].startswith("s3://")
 
 
 def _mirror_commands() -> list[list[str]]:
     """docs/runs.md's mirror commands (in a list item's bash block, indented)."""
     text = (REPO / "docs" / "runs.md").read_text(encoding="utf-8")
     found = [shlex.split(line.strip())[2:] for line in text.splitlines()
-             if line.strip().startswith("ampctl train") and "train.checkpoint_mirror=" in line]
+             if line.strip().startswith("ampctl train") and "train.checkpoint.mirror=" in line]
     assert found
     return found

@@ -86,8 +86,8 @@ def test_report_renders_a_compare_directory_again(comparison, capsys):
         (["compare.warmup_steps=-1"], "compare.warmup_steps=-1 is not allowed"),
         (["compare.rounds=0"], "compare.rounds=0 is not allowed: expected an integer >= 1"),
         (["compare.seeds=0"], "compare.seeds=0 is not allowed: expected an integer >= 1"),
-        (["compare.warmup_steps=0", "compare.rounds=1", "train.eval_every=2", "train.save_top_k=1",
-          "train.monitor=f1"], "train.monitor='f1' is not allowed"),
+        (["compare.warmup_steps=0", "compare.rounds=1", "train.eval.every=2", "train.checkpoint.save_top_k=1",
+          "train.checkpoint.monitor=f1"], "train.checkpoint.monitor='f1' is not allowed"),
         (["compare.warmup_steps=2", "compare.rounds=5"], "compare.rounds=5: each round needs 2 steps or more after "
                                      "compare.warmup_steps=2 (its first is left out), and train.steps=8 leaves 6: "
                                      "raise train.steps to 12 or more, or lower compare.rounds"),

@@ -18,7 +18,7 @@ from tests.support.runs import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "train.steps=12", "train.log_every=4",
-       "train.console=plain", "train.lr_warmup_steps=0",
+       "train.console=plain", "train.lr.warmup_steps=0",
        "telemetry.profile_cpu_memory=false"]  # the memory timeline, not under test here, costs ~9 s a torchrun
 COMPARED = ("step", "loss", "loss_scale", "skipped")
 
@@ -82,7 +82,7 @@ def test_torchrun_max_restarts_with_resume_auto_continues_from_the_newest_checkp
     recipe = ["recipe._target_=tests.support.rank_fault_recipe.RankFaultRecipe", "+recipe.fault=crash_once",
               "+recipe.fault_step=7"]
     run_dir = tmp_path / "run"
-    result = torchrun(run_dir, *MLP, *recipe, "recipe.batch_size=16", "distributed=ddp", "train.checkpoint_every=4",
+    result = torchrun(run_dir, *MLP, *recipe, "recipe.batch_size=16", "distributed=ddp", "train.checkpoint.every=4",
                       "resume=auto", torchrun_args=("--max-restarts=1",))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "injected failure on rank 1" in result.stderr  # the first attempt failed at step 7
@@ -185,7 +185,7 @@ def test_a_write_rank_0_cannot_make_ends_every_rank_with_its_line(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ampctl", "train",
-         *MLP, "recipe.hidden=256", "train.checkpoint_every=4", "distributed=ddp", f"hydra.run.dir={run_dir}"],
+         *MLP, "recipe.hidden=256", "train.checkpoint.every=4", "distributed=ddp", f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env, preexec_fn=small_files)
     assert done.returncode != 0
     said = [line for line in done.stderr.splitlines() if line.startswith("ampctl train")]

@@ -1,4 +1,4 @@
-"""Evaluation in the loop (train.eval_every): it never changes training (bit-exact against the canonical torch.amp
+"""Evaluation in the loop (train.eval.every): it never changes training (bit-exact against the canonical torch.amp
 loop and against the same run without it: RNG, data stream, BatchNorm statistics, FP8 amax histories), and its
 metrics equal an independent computation of the same metrics."""
 
@@ -15,7 +15,7 @@ from ampctl.recipes.mlp import MLPRecipe
 from tests.conftest import QUIET, train
 from tests.support.golden import GOLDEN, STEPS, canonical_loop
 
-EVAL = ["train.eval_every=4", "train.eval_batches=3", "train.eval_fp32=true"]
+EVAL = ["train.eval.every=4", "train.eval.batches=3", "train.eval.fp32=true"]
 
 
 def evals(run_dir) -> list[dict]:
@@ -88,7 +88,7 @@ def test_evaluation_never_changes_training(tmp_path, overrides):
     evaluations after every other step records the same losses, bit for bit, and ends with the same weights."""
     common = [*QUIET, *overrides, "train.steps=8"]
     _, plain = train(tmp_path / "plain", *common, base=[])
-    _, evaluated = train(tmp_path / "evaluated", *common, "train.eval_every=2", "train.eval_fp32="
+    _, evaluated = train(tmp_path / "evaluated", *common, "train.eval.every=2", "train.eval.fp32="
                          + ("false" if "precision=fp8_emulated" in overrides else "true"), base=[])
     assert [r["loss"] for r in evaluated] == [r["loss"] for r in plain]
     assert [r["grad_norm"] for r in evaluated] == [r["grad_norm"] for r in plain]
@@ -102,7 +102,7 @@ def test_evaluation_never_changes_training(tmp_path, overrides):
 def test_a_language_model_reports_perplexity_of_its_mean_token_loss(tmp_path):
     gpt = ["recipe=gpt", "recipe.d_model=32", "recipe.n_layers=1", "recipe.n_heads=2", "recipe.block_size=32",
            "recipe.batch_size=4", "recipe.max_corpus_bytes=100000"]
-    train(tmp_path, *QUIET, *gpt, "train.steps=2", "train.eval_every=2", "train.eval_batches=2", base=[])
+    train(tmp_path, *QUIET, *gpt, "train.steps=2", "train.eval.every=2", "train.eval.batches=2", base=[])
     (row,) = evals(tmp_path)
     assert row["eval/perplexity"] == pytest.approx(math.exp(row["eval/loss"]))
     assert 0 <= row["eval/accuracy"] <= 1

@@ -17,7 +17,7 @@ from ampctl.recipes.mlp import MLPRecipe
 from tests.support.in_process import run_ampctl
 
 RUN = ["train", "device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.console=quiet",
-       "telemetry.profile_cpu_memory=false", "train.steps=12", "train.eval_every=12", "train.eval_batches=2"]
+       "telemetry.profile_cpu_memory=false", "train.steps=12", "train.eval.every=12", "train.eval.batches=2"]
 
 
 def evaluate(model: torch.nn.Module, recipe=None) -> dict[str, float]:
@@ -38,7 +38,7 @@ def exported(run_dir, *args: str) -> str:
 @pytest.fixture(scope="module")
 def fp32_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("export") / "run"
-    result = run_ampctl(*RUN, "train.ema_decay=0.7", f"hydra.run.dir={run_dir}")
+    result = run_ampctl(*RUN, "train.ema.decay=0.7", f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr
     return run_dir
 
@@ -99,7 +99,7 @@ def test_o2_exports_its_fp32_masters_not_their_half_copies(tmp_path):
 
 def test_a_sharded_checkpoint_exports_as_the_whole_one_does(tmp_path):
     for fmt in ("full", "sharded"):
-        assert run_ampctl(*RUN, "train.ema_decay=0.7", f"distributed.checkpoint_format={fmt}",
+        assert run_ampctl(*RUN, "train.ema.decay=0.7", f"distributed.checkpoint_format={fmt}",
                           f"hydra.run.dir={tmp_path / fmt}").returncode == 0
     files = {fmt: load_file(f"{exported(tmp_path / fmt, 'export.weights=ema')}/model.safetensors")
              for fmt in ("full", "sharded")}
@@ -116,7 +116,7 @@ def test_an_hf_export_is_a_directory_transformers_loads_and_evaluates_as_the_run
     hf = ["recipe=hf_causal_lm", "recipe.model_type=llama", "+recipe.config.hidden_size=64",
           "+recipe.config.num_hidden_layers=2", "recipe.block_size=32", "recipe.batch_size=4",
           "recipe.max_corpus_bytes=200000"]
-    result = run_ampctl(*RUN[:2], *hf, *RUN[5:], "train.ema_decay=0.5", "train.console=quiet",
+    result = run_ampctl(*RUN[:2], *hf, *RUN[5:], "train.ema.decay=0.5", "train.console=quiet",
                         f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr
     recipe = HFCausalLMRecipe(model_type="llama", config={"hidden_size": 64, "num_hidden_layers": 2}, block_size=32,

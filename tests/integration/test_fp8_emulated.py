@@ -58,7 +58,7 @@ def test_blockwise_scaling_in_the_hybrid_format_is_refused(tmp_path, restore_arg
 def test_delayed_scaling_resumes_exactly_because_its_amax_history_is_checkpointed(tmp_path):
     args = [*GPT, "precision=fp8_emulated", "precision.options.scaling=delayed",
             "precision.options.amax_history_len=4",
-            "train.steps=8", "train.lr_schedule=constant"]
+            "train.steps=8", "train.lr.schedule=constant"]
     _, whole = train(tmp_path / "whole", *args, base=QUIET)
     train(tmp_path / "resumed", *args, "train.steps=4", base=QUIET)
     _, resumed = train(tmp_path / "resumed", *args, "resume=auto", base=QUIET)

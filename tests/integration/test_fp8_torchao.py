@@ -88,7 +88,7 @@ def test_an_fp8_run_resumes_exactly(tmp_path, fp8_tensor_cores):
     """Float8Linear keeps nn.Linear's parameter names and tensorwise scaling keeps no state across steps:
     the checkpoint is the bf16 one, and a resumed run continues bit for bit. (A constant lr: the cosine
     schedule of a 3-step run is not the first half of a 6-step one.)"""
-    args = [*GPT, *EVERY_LINEAR, "train.steps=6", "train.lr_schedule=constant"]
+    args = [*GPT, *EVERY_LINEAR, "train.steps=6", "train.lr.schedule=constant"]
     _, whole = train(tmp_path / "whole", *args, base=QUIET)
     train(tmp_path / "resumed", *args, "train.steps=3", base=QUIET)
     _, resumed = train(tmp_path / "resumed", *args, "resume=auto", base=QUIET)
@@ -103,8 +103,8 @@ def test_compare_lists_fp8_as_skipped_with_the_reason_on_this_cpu(tmp_path, rest
     assert "fp8" in out and "needs FP8 tensor cores" in out, out
 
 
-FSDP_FP8 = ["device=cpu", *GPT, *EVERY_LINEAR, "train.steps=6", "train.log_every=3", "train.checkpoint_every=3",
-            "train.console=plain", "distributed=fsdp", "telemetry.profile_cpu_memory=false", "train.ema_decay=0.5"]
+FSDP_FP8 = ["device=cpu", *GPT, *EVERY_LINEAR, "train.steps=6", "train.log_every=3", "train.checkpoint.every=3",
+            "train.console=plain", "distributed=fsdp", "telemetry.profile_cpu_memory=false", "train.ema.decay=0.5"]
 
 
 @pytest.mark.slow

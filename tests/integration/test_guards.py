@@ -9,7 +9,7 @@ import pytest
 
 from ampctl.cli import main
 
-QUIET = ["device=cpu", "train.console=quiet", "train.lr_warmup_steps=0",
+QUIET = ["device=cpu", "train.console=quiet", "train.lr.warmup_steps=0",
          "telemetry.profile_cpu_memory=false"]  # the memory timeline is not under test here
 
 
@@ -44,7 +44,7 @@ def test_fp16_overflow_in_a_named_layer_is_found_by_the_replay(tmp_path, conf_di
     run = tmp_path / "run"
     err = stopped(capsys, ["train", "-cd", str(conf_dir), "recipe=exploding", "precision=fp16", "scaler.init_scale=1",
                            "guard.max_consecutive_skips=4", "train.steps=40", "train.log_every=2",
-                           "train.checkpoint_every=2", *QUIET, f"hydra.run.dir={run}"])
+                           "train.checkpoint.every=2", *QUIET, f"hydra.run.dir={run}"])
     assert "4 consecutive skipped steps (5..8)" in err and "'amplifier'" in err
     diagnosis = strict_json(run / "diagnosis.json")
     assert diagnosis["step"] == 5

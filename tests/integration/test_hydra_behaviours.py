@@ -177,7 +177,7 @@ def test_a_sweep_with_a_path_among_its_overrides_keeps_each_job_in_a_directory_o
     import fsspec
 
     mirror = f"memory://sweep-{id(tmp_path)}"
-    result = ampctl("train", "-m", *QUICK, f"train.checkpoint_mirror={mirror}/${{hydra:job.num}}",
+    result = ampctl("train", "-m", *QUICK, f"train.checkpoint.mirror={mirror}/${{hydra:job.num}}",
                     "optimizer.lr=0.001,0.002", "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())

@@ -92,7 +92,7 @@ def test_a_job_killed_under_the_launcher_ends_the_sweep_in_its_table_and_one_lin
     UncompletedJobError. The sweep table of what is on disk, one line naming the failure and the command that
     continues, exit 1; no traceback. The killed job continues from its newest checkpoint with that command."""
     sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=60",
-             "train.checkpoint_every=5", "hydra.sweep.dir=sw"]
+             "train.checkpoint.every=5", "hydra.sweep.dir=sw"]
     process, [job] = _sweep_until(tmp_path, sweep, 6)
     os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGKILL)  # the job's process, by its lock
     out, err = process.communicate(timeout=120)
@@ -119,7 +119,7 @@ def test_submitits_warning_checkpoints_then_submitit_requeues_the_job_which_cont
     original overrides, without resume=auto, and continues its own run: every step recorded once, the sweep ends
     0 with the job finished."""
     sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=300",
-             "train.checkpoint_every=1000", "hydra.sweep.dir=sw"]
+             "train.checkpoint.every=1000", "hydra.sweep.dir=sw"]
     process, [job] = _sweep_until(tmp_path, sweep, 10)
     os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGUSR2)
     out, err = process.communicate(timeout=180)
@@ -146,7 +146,7 @@ def test_a_job_submitit_will_not_requeue_again_says_so_and_the_sweep_continues_f
     requeued and what continues it, the launcher's failure is the sweep's one line (exit 1), and that command
     finishes the job from its checkpoint."""
     sweep = ["train", "-m", "hydra/launcher=submitit_local", *SLOW, "train.console=quiet", "train.steps=60",
-             "train.checkpoint_every=1000", "hydra.launcher.timeout_min=1", "+hydra.launcher.max_num_timeout=0",
+             "train.checkpoint.every=1000", "hydra.launcher.timeout_min=1", "+hydra.launcher.max_num_timeout=0",
              "hydra.sweep.dir=sw"]
     process, [job] = _sweep_until(tmp_path, sweep, 10)
     os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGUSR2)
@@ -206,7 +206,7 @@ def test_a_job_its_engine_runs_again_continues_its_earlier_attempt_instead_of_tr
     metrics.jsonl). It continues from its newest checkpoint: each step once, the sweep ends 0."""
     pytest.importorskip("hydra_plugins.hydra_ray_launcher")
     sweep = ["train", "-m", "hydra/launcher=ray", *SLOW, "train.console=quiet", "train.steps=200",
-             "train.checkpoint_every=20", "hydra.sweep.dir=sw"]
+             "train.checkpoint.every=20", "hydra.sweep.dir=sw"]
     process, [job] = _sweep_until(tmp_path, sweep, 45)
     os.kill(int((job / ".ampctl.lock").read_text()), signal.SIGKILL)
     out, err = process.communicate(timeout=240)

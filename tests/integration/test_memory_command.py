@@ -54,13 +54,13 @@ def test_memory_shows_the_activation_saving_of_bf16_and_of_checkpointing(tmp_pat
 
 
 def test_the_weight_averages_row_is_what_it_adds_to_the_measured_peak(tmp_path, restore_argv, capsys):
-    """train.ema_decay: the EMA column (4 bytes per parameter) is what the average adds to the peak the profiler
+    """train.ema.decay: the EMA column (4 bytes per parameter) is what the average adds to the peak the profiler
     measures, against the same run without one; its bars are in memory.png, its column only where it is kept."""
     peaks, states = {}, {}
     for ema in ("null", "0.999"):
         out = tmp_path / ema
         main(["memory", "device=cpu", "recipe=mlp", "recipe.hidden=512", "memory.timed_steps=1",
-              f"train.ema_decay={ema}", f"hydra.run.dir={out}"])
+              f"train.ema.decay={ema}", f"hydra.run.dir={out}"])
         [mode] = json.loads((out / "memory.json").read_text())["modes"]
         peaks[ema], states[ema] = mode["measured_peak"], mode["model_states"]
         header = (out / "memory.csv").read_text().splitlines()[0]
@@ -69,7 +69,7 @@ def test_the_weight_averages_row_is_what_it_adds_to_the_measured_peak(tmp_path, 
     added = states["0.999"]["weight_average"]
     assert added == states["null"]["weights"]  # fp32 weights, all trained: one more copy of them
     assert abs((peaks["0.999"] - peaks["null"]) - added) < 0.05 * added, (peaks, added)
-    assert "EMA (train.ema_decay's fp32 average of the weights)" in capsys.readouterr().out
+    assert "EMA (train.ema.decay's fp32 average of the weights)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args,message", [

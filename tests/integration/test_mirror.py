@@ -1,4 +1,4 @@
-"""train.checkpoint_mirror (runner/mirror.py): checkpoints kept off the machine at an fsspec URL, and a run continued
+"""train.checkpoint.mirror (runner/mirror.py): checkpoints kept off the machine at an fsspec URL, and a run continued
 from them on a machine that has none of it. Against fsspec's memory:// (in this process, whose runs share it) and
 against moto's S3 server on 127.0.0.1 through s3fs: real S3 semantics, no rename, objects whole or absent."""
 
@@ -19,7 +19,7 @@ from tests.support.adversarial import one_line_refusal
 from tests.support.in_process import run_ampctl
 from tests.support.runs import QUICK, REPO, ForkedAmpctl, steps
 
-RUN = [*QUICK, "train.checkpoint_every=10", "train.keep_checkpoints=2"]
+RUN = [*QUICK, "train.checkpoint.every=10", "train.checkpoint.keep=2"]
 
 
 def _final_weights(run_dir: Path) -> dict:
@@ -36,7 +36,7 @@ def memory_mirror():
 
 
 def test_each_checkpoint_is_mirrored_whole_and_a_new_machine_continues_the_run_from_it(tmp_path, memory_mirror):
-    first = run_ampctl("train", *RUN, "train.steps=30", f"train.checkpoint_mirror={memory_mirror}",
+    first = run_ampctl("train", *RUN, "train.steps=30", f"train.checkpoint.mirror={memory_mirror}",
                        "hydra.run.dir=m1", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     fs, root = fsspec.core.url_to_fs(memory_mirror)
@@ -50,7 +50,7 @@ def test_each_checkpoint_is_mirrored_whole_and_a_new_machine_continues_the_run_f
     assert fs.cat_file(f"{root}/metrics.jsonl") == (local / "metrics.jsonl").read_bytes()
 
     # another machine: an empty run directory, resume=auto, the mirror; against the same resume from the local copy
-    pulled = run_ampctl("train", *RUN, "train.steps=50", f"train.checkpoint_mirror={memory_mirror}", "resume=auto",
+    pulled = run_ampctl("train", *RUN, "train.steps=50", f"train.checkpoint.mirror={memory_mirror}", "resume=auto",
                         "hydra.run.dir=m2", cwd=tmp_path)
     assert pulled.returncode == 0, pulled.stderr
     assert f"resume=auto: pulled step_00000030.pt and the run's records from {memory_mirror}" in pulled.stdout
@@ -67,14 +67,14 @@ def test_each_checkpoint_is_mirrored_whole_and_a_new_machine_continues_the_run_f
 def test_a_checkpoint_whose_upload_did_not_finish_or_whose_data_changed_is_never_pulled(tmp_path, memory_mirror):
     """An upload killed before its checksum (the commit marker, uploaded last) leaves a checkpoint no pull takes;
     one whose data does not match its checksum is passed over, said; with none left, one line and nothing left."""
-    assert run_ampctl("train", *RUN, "train.steps=30", "train.keep_checkpoints=3",
-                      f"train.checkpoint_mirror={memory_mirror}", "hydra.run.dir=m1", cwd=tmp_path).returncode == 0
+    assert run_ampctl("train", *RUN, "train.steps=30", "train.checkpoint.keep=3",
+                      f"train.checkpoint.mirror={memory_mirror}", "hydra.run.dir=m1", cwd=tmp_path).returncode == 0
     fs, root = fsspec.core.url_to_fs(memory_mirror)
     fs.rm(f"{root}/checkpoints/step_00000030.pt.sha256")  # killed between its data and its marker
     data = bytearray(fs.cat_file(f"{root}/checkpoints/step_00000020.pt"))
     data[len(data) // 2] ^= 0x01
     fs.pipe_file(f"{root}/checkpoints/step_00000020.pt", bytes(data))
-    pulled = run_ampctl("train", *RUN, "train.steps=30", f"train.checkpoint_mirror={memory_mirror}", "resume=auto",
+    pulled = run_ampctl("train", *RUN, "train.steps=30", f"train.checkpoint.mirror={memory_mirror}", "resume=auto",
                         "hydra.run.dir=m2", cwd=tmp_path)
     assert pulled.returncode == 0, pulled.stderr
     assert "resume=auto: passed over the mirror's step_00000020.pt (its data does not match its checksum)" in \
@@ -83,22 +83,22 @@ def test_a_checkpoint_whose_upload_did_not_finish_or_whose_data_changed_is_never
 
     for marker in fs.glob(f"{root}/checkpoints/*.sha256"):  # every upload cut short
         fs.rm(marker)
-    none_left = run_ampctl("train", *RUN, "train.steps=30", f"train.checkpoint_mirror={memory_mirror}",
+    none_left = run_ampctl("train", *RUN, "train.steps=30", f"train.checkpoint.mirror={memory_mirror}",
                            "resume=auto", "hydra.run.dir=m3", cwd=tmp_path)
     assert "holds a run but no checkpoint of it that verifies" in one_line_refusal(none_left, "train")
     assert not (tmp_path / "m3").exists()
 
 
 def test_a_mirror_holds_one_run_and_a_mirror_that_cannot_be_used_is_one_line(tmp_path, memory_mirror):
-    assert run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint_mirror={memory_mirror}",
+    assert run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint.mirror={memory_mirror}",
                       "hydra.run.dir=m1", cwd=tmp_path).returncode == 0
-    other = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint_mirror={memory_mirror}",
+    other = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint.mirror={memory_mirror}",
                        "hydra.run.dir=m2", cwd=tmp_path)
     assert "holds another run's checkpoints (run " in one_line_refusal(other, "train")
     assert not (tmp_path / "m2").exists()
     fs, root = fsspec.core.url_to_fs(memory_mirror)
     fs.pipe_file(f"{root}-theirs/metrics.jsonl", b"someone else's\n")  # a prefix with files and no run
-    theirs = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint_mirror={memory_mirror}-theirs",
+    theirs = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint.mirror={memory_mirror}-theirs",
                         "hydra.run.dir=m4", cwd=tmp_path)
     assert "holds files of its own (metrics.jsonl) and no run" in one_line_refusal(theirs, "train")
     assert fs.cat_file(f"{root}-theirs/metrics.jsonl") == b"someone else's\n" and not (tmp_path / "m4").exists()
@@ -107,18 +107,18 @@ def test_a_mirror_holds_one_run_and_a_mirror_that_cannot_be_used_is_one_line(tmp
                       ("nosuchfs://bucket/run", "fsspec knows no protocol 'nosuchfs'")):
         if url.startswith("gs") and _installed("gcsfs"):
             continue
-        refused = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint_mirror={url}", "hydra.run.dir=m3",
+        refused = run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint.mirror={url}", "hydra.run.dir=m3",
                              cwd=tmp_path)
         assert said in one_line_refusal(refused, "train") and not (tmp_path / "m3").exists()
     # a path that cannot be written: said before the run directory is made (it said so at the first upload, and
     # left a run directory that refused the same command again)
-    read_only = run_ampctl("train", *RUN, "train.steps=10", "train.checkpoint_mirror=file:///sys/ampctl-test-mirror",
+    read_only = run_ampctl("train", *RUN, "train.steps=10", "train.checkpoint.mirror=file:///sys/ampctl-test-mirror",
                            "hydra.run.dir=m5", cwd=tmp_path)
-    assert ("train.checkpoint_mirror=file:///sys/ampctl-test-mirror: /sys cannot be written (" in
+    assert ("train.checkpoint.mirror=file:///sys/ampctl-test-mirror: /sys cannot be written (" in
             one_line_refusal(read_only, "train")) and not (tmp_path / "m5").exists()
-    compared = run_ampctl("compare", *RUN, "train.steps=2", f"train.checkpoint_mirror={memory_mirror}",
+    compared = run_ampctl("compare", *RUN, "train.steps=2", f"train.checkpoint.mirror={memory_mirror}",
                           "compare.precisions=[fp32]", "hydra.run.dir=cmp", cwd=tmp_path)
-    assert "are not mirrored; train.checkpoint_mirror is for an ampctl train run" in \
+    assert "are not mirrored; train.checkpoint.mirror is for an ampctl train run" in \
         one_line_refusal(compared, "compare")
 
 
@@ -161,7 +161,7 @@ def test_a_run_mirrored_to_s3_continues_on_another_machine_from_its_newest_whole
     url = "s3://ampctl-runs/run"
 
     def ampctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ampctl", "train", *RUN, f"train.checkpoint_mirror={url}", *args],
+        return subprocess.run([sys.executable, "-m", "ampctl", "train", *RUN, f"train.checkpoint.mirror={url}", *args],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
     first = ampctl("train.steps=30", "hydra.run.dir=m1")
@@ -183,7 +183,7 @@ def test_a_run_mirrored_to_s3_continues_on_another_machine_from_its_newest_whole
     url = "s3://ampctl-no-such-bucket/run"
     missing = ampctl("train.steps=10", "hydra.run.dir=m3")
     assert missing.returncode == 2 and missing.stderr == (
-        "ampctl train: error: train.checkpoint_mirror=s3://ampctl-no-such-bucket/run: the bucket "
+        "ampctl train: error: train.checkpoint.mirror=s3://ampctl-no-such-bucket/run: the bucket "
         "'ampctl-no-such-bucket' does not exist; create it, or name one that does\n"), missing.stderr
     assert not fs.exists("ampctl-no-such-bucket") and not (tmp_path / "m3").exists()
     # two runs started together at one S3 URL: the claim is S3's conditional write (If-None-Match), one run goes on
@@ -193,7 +193,7 @@ def test_a_run_mirrored_to_s3_continues_on_another_machine_from_its_newest_whole
     meeting.mkdir()
     together = ["train.steps=10", "recipe._target_=tests.support.rendezvous_recipe.RendezvousRecipe",
                 f"+recipe.rendezvous_dir={meeting}"]
-    processes = [subprocess.Popen([sys.executable, "-m", "ampctl", "train", *RUN, f"train.checkpoint_mirror={url}",
+    processes = [subprocess.Popen([sys.executable, "-m", "ampctl", "train", *RUN, f"train.checkpoint.mirror={url}",
                                    *together, f"train.seed={seed}", f"hydra.run.dir=race{seed}"], cwd=tmp_path, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in (0, 1)]
     codes = sorted(p.wait(timeout=300) for p in processes)
@@ -203,7 +203,7 @@ def test_a_run_mirrored_to_s3_continues_on_another_machine_from_its_newest_whole
 def test_a_sharded_checkpoint_is_mirrored_manifest_last_and_pulled_whole(tmp_path, memory_mirror):
     """A DCP directory: its files, then its SHA256SUMS (the marker); pulled into a .tmp directory, checked against
     the manifest, renamed into place."""
-    sharded = [*RUN, "distributed.checkpoint_format=sharded", f"train.checkpoint_mirror={memory_mirror}"]
+    sharded = [*RUN, "distributed.checkpoint_format=sharded", f"train.checkpoint.mirror={memory_mirror}"]
     assert run_ampctl("train", *sharded, "train.steps=20", "hydra.run.dir=m1", cwd=tmp_path).returncode == 0
     fs, root = fsspec.core.url_to_fs(memory_mirror)
     local = tmp_path / "m1" / "checkpoints" / "step_00000020.dcp"
@@ -247,7 +247,7 @@ def test_two_runs_started_together_at_one_mirror_one_claims_it_and_the_other_is_
     and nothing of the winner's touched."""
     mirror, meeting = tmp_path / "mirror", tmp_path / "meeting"
     meeting.mkdir()
-    together = [*RUN, "train.steps=20", f"train.checkpoint_mirror=file://{mirror}",
+    together = [*RUN, "train.steps=20", f"train.checkpoint.mirror=file://{mirror}",
                 "recipe._target_=tests.support.rendezvous_recipe.RendezvousRecipe", f"+recipe.rendezvous_dir={meeting}"]
     processes = [ForkedAmpctl("train", *together, f"train.seed={seed}", f"hydra.run.dir=r{seed}", cwd=tmp_path)
                  for seed in (0, 1)]

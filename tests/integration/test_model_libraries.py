@@ -57,7 +57,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path, model,
     first half stops at step 2 by its train.steps, so the lr is constant: a schedule over train.steps would
     differ between the halves by design."""
     run = [*overrides(model), *QUIET, "precision=fp16", "scaler.growth_interval=1", "train.log_every=1",
-           "train.checkpoint_every=2", "train.lr_schedule=constant"]
+           "train.checkpoint.every=2", "train.lr.schedule=constant"]
     main(["train", *run, "train.steps=4", f"hydra.run.dir={tmp_path / 'straight'}"])
     main(["train", *run, "train.steps=2", f"hydra.run.dir={tmp_path / 'resumed'}"])
     main(["train", *run, "train.steps=4", f"hydra.run.dir={tmp_path / 'resumed'}", "resume=auto"])
@@ -115,7 +115,7 @@ def test_a_resumed_image_folder_run_reads_no_image_twice_and_matches_the_uninter
             pixels = torch.randint(0, 256, (40, 48, 3), dtype=torch.uint8, generator=generator).numpy()
             Image.fromarray(pixels).save(tmp_path / "images" / label / f"{i}.png")
     run = [*TIMM, "recipe.model=test_resnet", "recipe.num_classes=null", "recipe.data=imagefolder",
-           f"recipe.data_root={tmp_path / 'images'}", "recipe.num_workers=0", "train.lr_schedule=constant",
+           f"recipe.data_root={tmp_path / 'images'}", "recipe.num_workers=0", "train.lr.schedule=constant",
            "train.console=quiet", "telemetry.profile_cpu_memory=false", "device=cpu"]
     assert run_ampctl("train", *run, "train.steps=7", "hydra.run.dir=whole", cwd=tmp_path).returncode == 0
     assert run_ampctl("train", *run, "train.steps=5", "hydra.run.dir=part", cwd=tmp_path).returncode == 0
@@ -144,7 +144,7 @@ def test_a_resumed_image_folder_run_reads_no_image_twice_and_matches_the_uninter
 def test_each_library_model_is_evaluated_on_held_out_batches(tmp_path, model):
     """timm: held-out synthetic batches (loss, accuracy); transformers: the corpus's held-out tenth (loss,
     next-token accuracy, perplexity = exp(loss))."""
-    summary, _ = train(tmp_path, *overrides(model), "train.steps=2", "train.eval_every=2", "train.eval_batches=2",
+    summary, _ = train(tmp_path, *overrides(model), "train.steps=2", "train.eval.every=2", "train.eval.batches=2",
                        base=QUIET)
     held_out = summary["eval"]
     assert held_out["step"] == 2 and math.isfinite(held_out["eval/loss"]) and 0 <= held_out["eval/accuracy"] <= 1
@@ -167,13 +167,13 @@ def test_timm_evaluates_the_held_out_folder_and_refuses_evaluation_without_one(t
                 Image.fromarray(pixels).save(tmp_path / folder / label / f"{i}.png")
     folder = [*TIMM, "recipe.model=test_resnet", "recipe.num_classes=null", "recipe.data=imagefolder",
               f"recipe.data_root={tmp_path / 'images'}", "recipe.num_workers=0", "train.steps=2",
-              "train.eval_every=2"]
+              "train.eval.every=2"]
     summary, _ = train(tmp_path / "run", *folder, f"recipe.eval_root={tmp_path / 'held_out'}", base=QUIET)
     assert round(summary["eval"]["eval/accuracy"] * 6) == pytest.approx(summary["eval"]["eval/accuracy"] * 6)  # k of 6
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *folder, *QUIET, f"hydra.run.dir={tmp_path / 'refused'}"])
     assert exit_info.value.code == 2
-    assert "train.eval_every with recipe.data=imagefolder needs recipe.eval_root" in capsys.readouterr().err
+    assert "train.eval.every with recipe.data=imagefolder needs recipe.eval_root" in capsys.readouterr().err
     assert not (tmp_path / "refused" / "metrics.jsonl").exists()  # refused before the first step
 
 

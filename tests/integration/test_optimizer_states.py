@@ -14,7 +14,7 @@ pytest.importorskip("torchao.optim")
 
 # hidden=64: the three 64x64 weights are quantized (4096 elements), the rest keep plain states
 RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "recipe.batch_size=32", "train.log_every=1",
-       "train.checkpoint_every=6", "train.console=quiet", "telemetry.profile_cpu_memory=false"]
+       "train.checkpoint.every=6", "train.console=quiet", "telemetry.profile_cpu_memory=false"]
 STATES = {"adamw_8bit": ["optimizer=adamw_8bit"],
           "adamw_bf16_sr": ["optimizer=adamw_bf16_sr", "precision=O3", "precision.dtype=bfloat16"]}
 

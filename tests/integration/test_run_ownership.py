@@ -137,7 +137,7 @@ def test_a_full_disk_is_one_line_exit_74_and_the_earlier_checkpoints_stay_whole(
     """A file size limit (RLIMIT_FSIZE, SIGXFSZ ignored) makes the next checkpoint's write fail as a full disk
     would (EFBIG instead of ENOSPC), without filling the machine's disk."""
     run_dir = tmp_path / "run"
-    first = ampctl("train.steps=10", "train.checkpoint_every=5", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    first = ampctl("train.steps=10", "train.checkpoint.every=5", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     before = snapshot(run_dir / "checkpoints")
     limit = (run_dir / "checkpoints" / "step_00000010.pt").stat().st_size // 2

@@ -21,7 +21,7 @@ from tests.support.runs import flip_a_bit, rows, torchrun, torchrun_on_two_nodes
 REPO = Path(__file__).resolve().parents[2]
 # fp16 with overflows and regrowth: the model, optimizer and scaler states all matter for exactness
 RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=128", "recipe.batch_size=32", "precision=fp16",
-       "scaler.init_scale=1e9", "scaler.growth_interval=7", "train.steps=20", "train.checkpoint_every=10",
+       "scaler.init_scale=1e9", "scaler.growth_interval=7", "train.steps=20", "train.checkpoint.every=10",
        "train.log_every=5", "train.console=quiet", "distributed.checkpoint_format=sharded",
        "telemetry.profile_cpu_memory=false"]  # the CPU memory peak is not under test here
 
@@ -99,7 +99,7 @@ def test_sharded_checkpoints_are_refused_where_the_optimizer_steps_on_fp32_maste
 
 
 FSDP = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "recipe.batch_size=16", "precision=fp32",
-        "train.steps=8", "train.log_every=4", "train.checkpoint_every=4", "train.console=plain",
+        "train.steps=8", "train.log_every=4", "train.checkpoint.every=4", "train.console=plain",
         "distributed=fsdp", "telemetry.profile_cpu_memory=false"]
 
 
@@ -135,7 +135,7 @@ def test_fsdp_writes_one_shard_per_rank_equal_to_the_gathered_state_and_resumes_
 
 
 TWO_NODES = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=8", "train.steps=4",
-             "train.checkpoint_every=2", "train.log_every=2", "train.console=plain", "distributed=ddp",
+             "train.checkpoint.every=2", "train.log_every=2", "train.console=plain", "distributed=ddp",
              "distributed.checkpoint_format=sharded", "telemetry.profile_cpu_memory=false"]
 
 

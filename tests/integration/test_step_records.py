@@ -26,7 +26,7 @@ def test_skipped_steps_are_the_same_for_fused_and_unfused_optimizers(tmp_path):
 def test_the_lr_schedule_does_not_advance_on_skipped_steps(tmp_path, fused):
     _, rows = train(
         tmp_path, "precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
-        "train.lr_schedule=linear", "train.lr_warmup_steps=10", "train.steps=20", f"optimizer.fused={fused}",
+        "train.lr.schedule=linear", "train.lr.warmup_steps=10", "train.steps=20", f"optimizer.fused={fused}",
     )
     skipped = [r["skipped"] for r in rows]
     assert any(skipped) and not all(skipped)
@@ -42,7 +42,7 @@ def test_the_lr_schedule_does_not_advance_on_skipped_steps(tmp_path, fused):
 @pytest.mark.parametrize("fused", ["true", "false"])
 def test_the_lr_recorded_is_the_lr_the_optimizer_used(tmp_path, fused):
     """Not its float32 rounding: 5e-05 through a float32 tensor reads back as 4.999999873689376e-05."""
-    _, rows = train(tmp_path, "optimizer.lr=5e-05", "train.lr_schedule=constant", "train.steps=2",
+    _, rows = train(tmp_path, "optimizer.lr=5e-05", "train.lr.schedule=constant", "train.steps=2",
                     f"optimizer.fused={fused}")
     assert [r["lr"] for r in rows] == [5e-05, 5e-05]
 

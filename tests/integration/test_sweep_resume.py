@@ -21,7 +21,7 @@ from tests.support.in_process import run_ampctl
 REPO = Path(__file__).resolve().parents[2]
 QUICK = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.console=quiet",
          "telemetry.profile_cpu_memory=false"]
-SWEEP = ["train", "-m", *QUICK, "train.steps=300", "train.checkpoint_every=25", "train.seed=1,2,3"]
+SWEEP = ["train", "-m", *QUICK, "train.steps=300", "train.checkpoint.every=25", "train.seed=1,2,3"]
 
 
 def ampctl(*args: str, cwd: Path) -> subprocess.CompletedProcess:

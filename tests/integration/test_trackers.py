@@ -22,7 +22,7 @@ pytest.importorskip("mlflow")
 
 # fp16 from a scale of 2^40: the first steps overflow and are skipped while the scale backs off, then it grows
 RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "precision=fp16",
-       "scaler.init_scale=1099511627776", "scaler.growth_interval=2", "train.log_every=4", "train.checkpoint_every=6",
+       "scaler.init_scale=1099511627776", "scaler.growth_interval=2", "train.log_every=4", "train.checkpoint.every=6",
        "train.console=quiet", "logger=[csv,tensorboard,wandb,mlflow]", "logger.wandb.mode=offline"]
 
 
@@ -133,7 +133,7 @@ def test_every_tracker_holds_every_evaluation_across_a_resume(tmp_path, restore_
     each one once, under eval/<metric>, equal to evals.jsonl's rows."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
-    common = [*RUN, "train.eval_every=3", "train.eval_batches=2", f"logger.mlflow.tracking_uri={uri}",
+    common = [*RUN, "train.eval.every=3", "train.eval.batches=2", f"logger.mlflow.tracking_uri={uri}",
               f"hydra.run.dir={run}"]
     main(["train", *common, "train.steps=6"])
     main(["train", *common, "train.steps=10", "resume=auto"])

@@ -1,4 +1,4 @@
-"""train.ema_decay in real runs, in every kind of precision mode: the average each checkpoint holds equals the
+"""train.ema.decay in real runs, in every kind of precision mode: the average each checkpoint holds equals the
 EMA computed by hand, in float64, from the weights the optimizer stepped on as the checkpoints recorded them (the
 model's, or O2's fp32 masters); its evaluation equals the held-out loss of a model holding it, computed by hand;
 a resumed run's average equals the uninterrupted one's bit for bit, in whole and sharded checkpoints."""
@@ -38,8 +38,8 @@ def stepped_weights(payload: dict, names: list[str]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_each_checkpoints_average_is_the_ema_of_the_recorded_weights_computed_by_hand(tmp_path, restore_argv, mode):
     run_dir = tmp_path / "run"
-    main(["train", *RUN, *MODES[mode], f"train.steps={STEPS}", "train.checkpoint_every=1", "train.keep_checkpoints=20",
-          f"train.ema_decay={DECAY}", f"train.ema_start_step={START}", f"train.ema_every={EVERY}",
+    main(["train", *RUN, *MODES[mode], f"train.steps={STEPS}", "train.checkpoint.every=1", "train.checkpoint.keep=20",
+          f"train.ema.decay={DECAY}", f"train.ema.start_step={START}", f"train.ema.every={EVERY}",
           f"hydra.run.dir={run_dir}"])
     payloads = {step: checkpoint(run_dir, step) for step in range(START, STEPS + 1)}
     names = list(payloads[STEPS]["ema"])
@@ -61,8 +61,8 @@ def test_each_checkpoints_average_is_the_ema_of_the_recorded_weights_computed_by
 @pytest.mark.parametrize("mode", ["fp32", "O3 bf16"])
 def test_the_averages_evaluation_is_the_held_out_loss_of_a_model_holding_it(tmp_path, restore_argv, mode):
     run_dir = tmp_path / "run"
-    main(["train", *RUN, *MODES[mode], "train.steps=6", "train.eval_every=3", "train.eval_batches=2",
-          "train.ema_decay=0.5", f"hydra.run.dir={run_dir}"])
+    main(["train", *RUN, *MODES[mode], "train.steps=6", "train.eval.every=3", "train.eval.batches=2",
+          "train.ema.decay=0.5", f"hydra.run.dir={run_dir}"])
     evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
     assert [row["step"] for row in evals] == [3, 6]
     payload = checkpoint(run_dir, 6)
@@ -90,8 +90,8 @@ def test_the_averages_evaluation_is_the_held_out_loss_of_a_model_holding_it(tmp_
 @pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
 def test_a_resumed_runs_average_equals_the_uninterrupted_ones_bit_for_bit(tmp_path, restore_argv, checkpoint_format):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = [*RUN, "precision=O3", "precision.dtype=bfloat16", "train.ema_decay=0.9", "train.ema_every=2",
-              "train.eval_every=5", "train.eval_batches=1", "train.checkpoint_every=5",
+    common = [*RUN, "precision=O3", "precision.dtype=bfloat16", "train.ema.decay=0.9", "train.ema.every=2",
+              "train.eval.every=5", "train.eval.batches=1", "train.checkpoint.every=5",
               f"distributed.checkpoint_format={checkpoint_format}"]
     main(["train", *common, "train.steps=10", f"hydra.run.dir={straight}"])
     main(["train", *common, "train.steps=5", f"hydra.run.dir={resumed}"])
@@ -104,9 +104,9 @@ def test_a_resumed_runs_average_equals_the_uninterrupted_ones_bit_for_bit(tmp_pa
 
 
 FSDP = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "recipe.batch_size=16", "train.steps=8", "train.log_every=4",
-        "train.checkpoint_every=4", "train.console=plain", "distributed=fsdp", "telemetry.profile_cpu_memory=false",
-        "train.ema_decay=0.5", "train.ema_start_step=4", "train.ema_every=4", "train.eval_every=4",
-        "train.eval_batches=1"]
+        "train.checkpoint.every=4", "train.console=plain", "distributed=fsdp", "telemetry.profile_cpu_memory=false",
+        "train.ema.decay=0.5", "train.ema.start_step=4", "train.ema.every=4", "train.eval.every=4",
+        "train.eval.batches=1"]
 
 
 @pytest.mark.slow
@@ -143,8 +143,8 @@ def test_under_fsdp_each_rank_averages_its_shards_and_a_checkpoint_holds_the_who
 
 def test_the_best_checkpoints_can_be_ranked_by_the_averages_metric(tmp_path, restore_argv):
     run_dir = tmp_path / "run"
-    main(["train", *RUN, "train.steps=12", "train.eval_every=2", "train.eval_batches=1", "train.ema_decay=0.6",
-          "train.save_top_k=2", "train.monitor=ema_loss", f"hydra.run.dir={run_dir}"])
+    main(["train", *RUN, "train.steps=12", "train.eval.every=2", "train.eval.batches=1", "train.ema.decay=0.6",
+          "train.checkpoint.save_top_k=2", "train.checkpoint.monitor=ema_loss", f"hydra.run.dir={run_dir}"])
     evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
     ranked = sorted(evals, key=lambda row: (row["eval/ema_loss"], row["step"]))[:2]
     index = json.loads((run_dir / "checkpoints" / "best" / "best.json").read_text())

@@ -8,7 +8,7 @@ import torch
 from ampctl.recipes.mlp import MLPRecipe
 
 STEPS = 12
-GOLDEN = ["train.lr_schedule=constant", "train.clip_grad_norm=null", f"train.steps={STEPS}", "train.seed=3"]
+GOLDEN = ["train.lr.schedule=constant", "train.clip_grad_norm=null", f"train.steps={STEPS}", "train.seed=3"]
 
 
 def canonical_loop(

@@ -74,15 +74,15 @@ def test_O3_is_static_one_as_apex():
         ("train.grad_accum_steps=0", "train.grad_accum_steps"),
         ("train.log_every=0", "train.log_every"),
         ("train.clip_grad_norm=0", "train.clip_grad_norm"),
-        ("train.min_lr_ratio=2", "train.min_lr_ratio"),
+        ("train.lr.min_ratio=2", "train.lr.min_ratio"),
         ("optimizer.lr=-1", "optimizer.lr"),
         ("precision.master_weights=true", "precision.master_weights"),
         ("precision.cast_model=true", "precision.cast_model"),
         ("scaler.hysteresis=0", "scaler.hysteresis"),
-        ("train.checkpoint_every=0", "train.checkpoint_every"),
-        ("train.checkpoint_every_s=0", "train.checkpoint_every_s"),
-        ("train.checkpoint_every_s=inf", "train.checkpoint_every_s"),
-        ("train.keep_checkpoints=0", "train.keep_checkpoints"),
+        ("train.checkpoint.every=0", "train.checkpoint.every"),
+        ("train.checkpoint.every_s=0", "train.checkpoint.every_s"),
+        ("train.checkpoint.every_s=inf", "train.checkpoint.every_s"),
+        ("train.checkpoint.keep=0", "train.checkpoint.keep"),
         ("guard.max_consecutive_skips=0", "guard.max_consecutive_skips"),
         ("distributed.async_checkpoint=true", "distributed.async_checkpoint"),  # async saves are sharded ones
         ("train.compile_mode=fastest", "train.compile_mode"),
@@ -208,9 +208,9 @@ def test_a_yaml_states_only_what_differs_from_its_schema():
 
 def test_the_composed_defaults_are_the_schemas():
     cfg = compose_cfg()
-    assert cfg.train.clip_grad_norm == 1.0 and cfg.train.lr_schedule.value == "cosine"
-    assert cfg.train.lr_warmup_steps == 20 and cfg.scaler.kind == "none" and cfg.precision.name == "fp32"
-    from ampctl.conf.schema import TrainConfig
+    assert cfg.train.clip_grad_norm == 1.0 and cfg.train.lr.schedule.value == "cosine"
+    assert cfg.train.lr.warmup_steps == 20 and cfg.scaler.kind == "none" and cfg.precision.name == "fp32"
+    from ampctl.conf.train_schema import TrainConfig
 
     schema = TrainConfig()
     assert {k: getattr(v, "value", v) for k, v in cfg.train.items()} == {
@@ -221,7 +221,7 @@ def test_the_range_checks_live_in_the_schema_dataclasses():
     """One place for a range: the dataclass refuses a bad value however it is built (Hydra, a test, a user's
     script), with the same one line that `ampctl train` prints."""
     from ampctl.conf.precision_schema import DynamicScalerConfig
-    from ampctl.conf.schema import TrainConfig
+    from ampctl.conf.train_schema import TrainConfig
     from ampctl.engine.precision.fp8_emulated import Fp8EmulatedOptions, Fp8Scaling
     from ampctl.errors import ConfigError
 
@@ -304,11 +304,12 @@ def test_the_keys_a_resume_may_change_are_the_schemas_marked_fields():
     from ampctl.runner.identity import SAFE_TO_CHANGE
 
     assert set(SAFE_TO_CHANGE) == {
-        "train.steps", "train.log_every", "train.console", "train.checkpoint_every", "train.checkpoint_every_s",
-        "train.keep_checkpoints", "train.checkpoint_mirror", "train.preempt_signal", "train.slurm_requeue",
-        "train.hang_after_s", "train.compile", "train.compile_mode", "train.threads", "train.profile",
-        "train.timing_warmup_steps", "train.eval_every",
-        "train.eval_batches", "train.eval_fp32", "train.save_top_k", "telemetry.profile_cpu_memory",
+        "train.steps", "train.log_every", "train.console", "train.checkpoint.every", "train.checkpoint.every_s",
+        "train.checkpoint.keep", "train.checkpoint.mirror", "train.cluster.preempt_signal",
+        "train.cluster.slurm_requeue", "train.cluster.hang_after_s", "train.compile", "train.compile_mode",
+        "train.threads", "train.profile",
+        "train.timing_warmup_steps", "train.eval.every",
+        "train.eval.batches", "train.eval.fp32", "train.checkpoint.save_top_k", "telemetry.profile_cpu_memory",
         "distributed.", "logger.", "resume"}
 
 

@@ -50,9 +50,9 @@ def test_model_states_equal_the_hand_computed_bytes(precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "O2", "O3"])
 def test_the_weight_average_is_4_bytes_per_parameter_and_the_bytes_its_tensors_hold(precision):
-    """train.ema_decay: one fp32 copy of the trainable weights whatever the mode (O3's bf16 weights included),
+    """train.ema.decay: one fp32 copy of the trainable weights whatever the mode (O3's bf16 weights included),
     equal to the bytes of the average's own tensors."""
-    cfg, policy, recipe = build(f"precision={precision}", *MLP, "train.ema_decay=0.99")
+    cfg, policy, recipe = build(f"precision={precision}", *MLP, "train.ema.decay=0.99")
     with policy:
         state = build_state(cfg, policy, recipe)
     s = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer, weight_average=True)

@@ -157,11 +157,11 @@ def test_the_recorded_lr_is_the_schedules_even_where_the_optimizer_keeps_a_float
     assert as_written(torch.tensor(3e-4, dtype=torch.float32)) == 3e-4 and as_written(0.1) == 0.1
     param = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([param], lr=torch.tensor(0.001, dtype=torch.float32))
-    cfg = OmegaConf.create({"lr_schedule": "linear", "lr_warmup_steps": 4, "steps": 10, "min_lr_ratio": 0.0})
-    from ampctl.conf.schema import Schedule
+    lr = OmegaConf.create({"schedule": "linear", "warmup_steps": 4, "min_ratio": 0.0})
+    from ampctl.conf.train_schema import Schedule
 
-    cfg.lr_schedule = Schedule.linear
-    schedule = LRSchedule(optimizer, cfg, torch.device("cpu"))
+    lr.schedule = Schedule.linear
+    schedule = LRSchedule(optimizer, lr, 10, torch.device("cpu"))
     for step in range(3):
         assert schedule.current_lr().item() == (step + 1) / 4 * 0.001  # the schedule's, in float64
         assert optimizer.param_groups[0]["lr"].dtype == torch.float32

@@ -50,7 +50,7 @@ class ModelStateBytes:
     gradients: int
     master_weights: int
     optimizer_states: Optional[int]
-    weight_average: int = 0  # train.ema_decay's fp32 copy of the trainable weights (4 bytes per parameter)
+    weight_average: int = 0  # train.ema.decay's fp32 copy of the trainable weights (4 bytes per parameter)
 
     @property
     def total(self) -> Optional[int]:
@@ -124,7 +124,7 @@ def optimizer_state_bytes(kind: str, optimizer_cfg: DictConfig, params: Iterable
 def estimate_model_states(model: nn.Module, optimizer_params: list[nn.Parameter],
                           optimizer_cfg: DictConfig, weight_average: bool = False) -> ModelStateBytes:
     """Model states of a model prepared by its precision mode, with the parameters its optimizer steps on
-    (the model's own, or the fp32 masters of O2), and an fp32 average of them where train.ema_decay keeps one."""
+    (the model's own, or the fp32 masters of O2), and an fp32 average of them where train.ema.decay keeps one."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     model_ids = {id(p) for p in trainable}
     masters = [p for p in optimizer_params if id(p) not in model_ids]
