@@ -10,15 +10,15 @@ from ampctl.engine.build import build_state
 from ampctl.engine.loop import StepSettings, train_step
 from ampctl.engine.precision import fp32_math
 from ampctl.engine.telemetry import Telemetry
-from tests.conftest import QUIET, build, train
 from tests.support.golden import GOLDEN, canonical_loop
+from tests.support.training import QUIET, build, train_here
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("precision,dtype,use_scaler", [("fp16", torch.float16, True), ("bf16", torch.bfloat16, False)])
 def test_cuda_losses_and_scales_match_the_canonical_loop(tmp_path, precision, dtype, use_scaler):
-    _, rows = train(tmp_path, f"precision={precision}", "device=cuda", *GOLDEN)
+    _, rows = train_here(tmp_path, f"precision={precision}", "device=cuda", *GOLDEN)
     losses, scales, _ = canonical_loop(dtype, use_scaler, device="cuda")
     assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-5)
     assert [r["loss_scale"] for r in rows] == scales
@@ -53,7 +53,7 @@ def test_tf32_mode_enables_tf32_for_the_run_only(tmp_path):
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
         assert torch.backends.cudnn.conv.fp32_precision == "tf32"
     assert fp32_math.snapshot() == before
-    summary, _ = train(tmp_path, "precision=tf32", "device=cuda", "train.steps=5")
+    summary, _ = train_here(tmp_path, "precision=tf32", "device=cuda", "train.steps=5")
     assert summary["device"] == "cuda"
 
 
@@ -106,8 +106,8 @@ def test_fp8_trains_its_large_linears_on_fp8_tensor_cores(tmp_path):
         pytest.skip(f"precision=fp8 {reason}")
     shape = ["recipe=gpt2", "recipe.n_layers=2", "recipe.block_size=256", "recipe.max_corpus_bytes=300000",
              "train.steps=30"]
-    _, bf16 = train(tmp_path / "bf16", "device=cuda", "precision=bf16", "train.compile=true", *shape, base=QUIET)
-    _, fp8 = train(tmp_path / "fp8", "device=cuda", "precision=fp8", "train.compile=true", *shape, base=QUIET)
+    _, bf16 = train_here(tmp_path / "bf16", "device=cuda", "precision=bf16", "train.compile=true", *shape, base=QUIET)
+    _, fp8 = train_here(tmp_path / "fp8", "device=cuda", "precision=fp8", "train.compile=true", *shape, base=QUIET)
     assert fp8[-1]["loss"] < fp8[0]["loss"] - 1.0
     assert abs(fp8[-1]["loss"] - bf16[-1]["loss"]) < 0.1, (fp8[-1]["loss"], bf16[-1]["loss"])
 
@@ -127,12 +127,12 @@ def test_cuda_graphs_train_and_evaluate_a_compiled_gpt(tmp_path):
     the model began a new CUDA-graph step; its losses follow the eager run's."""
     import json
 
-    from tests.conftest import QUIET
     from tests.support.configs import TINY_GPT
+    from tests.support.training import QUIET
 
     args = ["device=cuda", "precision=bf16", *TINY_GPT, "train.steps=12", "train.eval.every=4"]
-    _, eager = train(tmp_path / "eager", *args, base=QUIET)
-    _, graphed = train(tmp_path / "graphed", *args, "train.compile=true", "train.compile_mode=reduce-overhead",
+    _, eager = train_here(tmp_path / "eager", *args, base=QUIET)
+    _, graphed = train_here(tmp_path / "graphed", *args, "train.compile=true", "train.compile_mode=reduce-overhead",
                        base=QUIET)
     assert [r["loss"] for r in graphed] == pytest.approx([r["loss"] for r in eager], rel=2e-2)
     evals = [json.loads(line) for line in (tmp_path / "graphed" / "evals.jsonl").read_text().splitlines()]

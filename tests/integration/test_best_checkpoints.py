@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ampctl.cli import main
-from tests.conftest import FAST, train
+from tests.support.training import FAST, train_here
 
 BEST = ["train.eval.every=5", "train.eval.batches=2", "train.checkpoint.save_top_k=2"]
 
@@ -32,7 +32,8 @@ def expected_best(rows: list[dict], metric: str, k: int, largest: bool) -> list[
 
 @pytest.mark.parametrize("monitor,largest", [("loss", False), ("accuracy", True)])
 def test_the_k_best_by_the_monitored_metric_are_kept_whole_and_checksummed(tmp_path, monitor, largest):
-    summary, _ = train(tmp_path, "train.steps=40", *BEST, f"train.checkpoint.monitor={monitor}", "recipe.hidden=16")
+    summary, _ = train_here(tmp_path, "train.steps=40", *BEST, f"train.checkpoint.monitor={monitor}",
+                            "recipe.hidden=16")
     rows = evals(tmp_path)
     assert len(rows) == 8
     kept = index(tmp_path)
@@ -53,13 +54,13 @@ def test_the_k_best_by_the_monitored_metric_are_kept_whole_and_checksummed(tmp_p
 def test_a_resumed_run_goes_on_ranking_and_an_abandoned_timelines_best_are_set_aside(tmp_path):
     common = [*BEST, "train.checkpoint.save_top_k=3", "train.checkpoint.every=10", "train.checkpoint.keep=5",
               "recipe.hidden=16"]
-    train(tmp_path, "train.steps=20", *common)
-    train(tmp_path, "train.steps=40", *common, "resume=auto")  # goes on from step 20
+    train_here(tmp_path, "train.steps=20", *common)
+    train_here(tmp_path, "train.steps=40", *common, "resume=auto")  # goes on from step 20
     whole = evals(tmp_path)
     assert [r["step"] for r in whole] == list(range(5, 41, 5))
     assert [e["step"] for e in index(tmp_path)["checkpoints"]] == expected_best(whole, "eval/loss", 3, False)
     # resumed from step 10 on purpose: the evaluations and best checkpoints after it belong to another timeline
-    train(tmp_path, "train.steps=20", *common, f"resume={tmp_path / 'checkpoints' / 'step_00000010.pt'}")
+    train_here(tmp_path, "train.steps=20", *common, f"resume={tmp_path / 'checkpoints' / 'step_00000010.pt'}")
     assert [r["step"] for r in evals(tmp_path)] == [5, 10, 15, 20]
     # ranked again among what exists: steps 5 and 10 had been displaced (and deleted) by the abandoned timeline's
     kept = [e["step"] for e in index(tmp_path)["checkpoints"]]
@@ -108,9 +109,9 @@ def test_a_garbled_index_is_said_set_aside_and_ranked_again_from_the_evaluations
     """best.json garbled on disk: it was rebuilt without a word (its ranking lost); now said, kept beside, and the
     best checkpoints on disk ranked again from evals.jsonl, as an independent ranking of those rows gives."""
     common = [*BEST, "train.checkpoint.save_top_k=3", "train.checkpoint.every=10", "recipe.hidden=16"]
-    train(tmp_path, "train.steps=20", *common)
+    train_here(tmp_path, "train.steps=20", *common)
     (tmp_path / "checkpoints" / "best" / "best.json").write_bytes(b"\x00{garbled")
-    train(tmp_path, "train.steps=30", *common, "resume=auto")
+    train_here(tmp_path, "train.steps=30", *common, "resume=auto")
     out = (tmp_path / "train.log").read_text()
     assert "best.json could not be read (garbled): set aside as best.json.set-aside-" in out
     assert list((tmp_path / "checkpoints" / "best").glob("best.json.set-aside-*"))

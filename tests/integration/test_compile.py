@@ -88,7 +88,7 @@ def test_fp8_without_compile_is_warned_about():
 
     from ampctl.analysis import mode_advice
     from ampctl.engine.precision.policy import PrecisionPolicy
-    from tests.conftest import compose_cfg
+    from tests.support.training import compose_cfg
 
     policy = PrecisionPolicy(OmegaConf.to_object(compose_cfg("precision=fp8").precision), torch.device("cpu"))
     assert "add train.compile=true" in mode_advice.speed_warnings(policy, compiled=False)[0]

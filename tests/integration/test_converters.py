@@ -15,7 +15,7 @@ from torch import nn
 from ampctl.cli import main
 from ampctl.engine.precision import converters
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
-from tests.conftest import QUIET
+from tests.support.training import QUIET
 
 MLP = ["recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=4"]
 MODE_YAML = """# Halved: a test mode whose Linear layers compute with half their weights.

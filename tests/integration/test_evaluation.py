@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from ampctl.recipes.mlp import MLPRecipe
-from tests.conftest import QUIET, train
 from tests.support.golden import GOLDEN, STEPS, canonical_loop
+from tests.support.training import QUIET, train_here
 
 EVAL = ["train.eval.every=4", "train.eval.batches=3", "train.eval.fp32=true"]
 
@@ -42,7 +42,7 @@ def independent_metrics(model: torch.nn.Module, recipe: MLPRecipe, dtype, batche
                                                         ("fp32", None, False)])
 def test_training_with_evaluation_is_bit_exact_with_the_canonical_loop_and_its_metrics_are_right(
         tmp_path, precision, dtype, use_scaler):
-    _, rows = train(tmp_path, f"precision={precision}", *GOLDEN, *EVAL)
+    _, rows = train_here(tmp_path, f"precision={precision}", *GOLDEN, *EVAL)
     losses, scales, model = canonical_loop(dtype or torch.bfloat16, use_scaler) if dtype else _fp32_loop()
     assert [r["loss"] for r in rows] == losses
     assert [r["loss_scale"] for r in rows] == scales
@@ -87,8 +87,8 @@ def test_evaluation_never_changes_training(tmp_path, overrides):
     """BatchNorm running statistics, dropout's RNG, FP8's amax history, O2's masters: the same run with and without
     evaluations after every other step records the same losses, bit for bit, and ends with the same weights."""
     common = [*QUIET, *overrides, "train.steps=8"]
-    _, plain = train(tmp_path / "plain", *common, base=[])
-    _, evaluated = train(tmp_path / "evaluated", *common, "train.eval.every=2", "train.eval.fp32="
+    _, plain = train_here(tmp_path / "plain", *common, base=[])
+    _, evaluated = train_here(tmp_path / "evaluated", *common, "train.eval.every=2", "train.eval.fp32="
                          + ("false" if "precision=fp8_emulated" in overrides else "true"), base=[])
     assert [r["loss"] for r in evaluated] == [r["loss"] for r in plain]
     assert [r["grad_norm"] for r in evaluated] == [r["grad_norm"] for r in plain]
@@ -102,7 +102,7 @@ def test_evaluation_never_changes_training(tmp_path, overrides):
 def test_a_language_model_reports_perplexity_of_its_mean_token_loss(tmp_path):
     gpt = ["recipe=gpt", "recipe.d_model=32", "recipe.n_layers=1", "recipe.n_heads=2", "recipe.block_size=32",
            "recipe.batch_size=4", "recipe.max_corpus_bytes=100000"]
-    train(tmp_path, *QUIET, *gpt, "train.steps=2", "train.eval.every=2", "train.eval.batches=2", base=[])
+    train_here(tmp_path, *QUIET, *gpt, "train.steps=2", "train.eval.every=2", "train.eval.batches=2", base=[])
     (row,) = evals(tmp_path)
     assert row["eval/perplexity"] == pytest.approx(math.exp(row["eval/loss"]))
     assert 0 <= row["eval/accuracy"] <= 1

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from ampctl.cli import main
-from tests.conftest import QUIET
+from tests.support.training import QUIET
 
 MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=5", "train.log_every=1"]
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from ampctl.cli import main
-from tests.conftest import QUIET, train
+from tests.support.training import QUIET, train_here
 
 GPT = ["recipe=gpt", "recipe.d_model=64", "recipe.n_layers=2", "recipe.n_heads=2", "recipe.block_size=64",
        "recipe.batch_size=8", "recipe.max_corpus_bytes=200000", "train.steps=30"]
@@ -16,14 +16,14 @@ GPT = ["recipe=gpt", "recipe.d_model=64", "recipe.n_layers=2", "recipe.n_heads=2
 
 @pytest.fixture(scope="module")
 def bf16_losses(tmp_path_factory):
-    _, rows = train(tmp_path_factory.mktemp("bf16"), *GPT, "precision=bf16", base=QUIET)
+    _, rows = train_here(tmp_path_factory.mktemp("bf16"), *GPT, "precision=bf16", base=QUIET)
     return [r["loss"] for r in rows]
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed", "blockwise precision.options.format=e4m3"])
 def test_an_emulated_fp8_gpt_trains_within_a_tolerance_of_bf16(tmp_path, bf16_losses, scaling):
     scaling_args = f"precision.options.scaling={scaling}".split()
-    _, rows = train(tmp_path, *GPT, "precision=fp8_emulated", *scaling_args, base=QUIET)
+    _, rows = train_here(tmp_path, *GPT, "precision=fp8_emulated", *scaling_args, base=QUIET)
     losses = [r["loss"] for r in rows]
     assert losses[-1] < losses[0] - 1.0  # it learns
     assert abs(losses[-1] - bf16_losses[-1]) < 0.05, (losses[-1], bf16_losses[-1])
@@ -37,7 +37,7 @@ MX_TOLERANCE = {"mxfp8": 0.03, "mxfp8 precision.options.grad_elements=e5m2 preci
 
 @pytest.mark.parametrize("mode", list(MX_TOLERANCE))
 def test_an_emulated_microscaling_gpt_trains_within_a_tolerance_of_bf16(tmp_path, bf16_losses, mode):
-    _, rows = train(tmp_path, *GPT, *f"precision={mode}".split(), base=QUIET)
+    _, rows = train_here(tmp_path, *GPT, *f"precision={mode}".split(), base=QUIET)
     losses = [r["loss"] for r in rows]
     assert all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0] - 1.0  # it learns
@@ -59,7 +59,7 @@ def test_delayed_scaling_resumes_exactly_because_its_amax_history_is_checkpointe
     args = [*GPT, "precision=fp8_emulated", "precision.options.scaling=delayed",
             "precision.options.amax_history_len=4",
             "train.steps=8", "train.lr.schedule=constant"]
-    _, whole = train(tmp_path / "whole", *args, base=QUIET)
-    train(tmp_path / "resumed", *args, "train.steps=4", base=QUIET)
-    _, resumed = train(tmp_path / "resumed", *args, "resume=auto", base=QUIET)
+    _, whole = train_here(tmp_path / "whole", *args, base=QUIET)
+    train_here(tmp_path / "resumed", *args, "train.steps=4", base=QUIET)
+    _, resumed = train_here(tmp_path / "resumed", *args, "resume=auto", base=QUIET)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]

@@ -11,7 +11,7 @@ from torch import nn
 
 from ampctl.cli import main
 from ampctl.engine.precision import fp8_torchao
-from tests.conftest import QUIET, train
+from tests.support.training import QUIET, train_here
 
 pytest.importorskip("torchao", reason="torchao is the optional extra ampctl[fp8] (installed by [dev])")
 
@@ -43,9 +43,9 @@ def test_fp8_is_refused_without_fp8_tensor_cores_in_one_line(tmp_path, restore_a
 
 @pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise"])
 def test_a_torchao_fp8_gpt_trains_within_a_tolerance_of_bf16(tmp_path, fp8_tensor_cores, recipe_name):
-    _, bf16 = train(tmp_path / "bf16", *GPT, "precision=bf16", base=QUIET)
+    _, bf16 = train_here(tmp_path / "bf16", *GPT, "precision=bf16", base=QUIET)
     recipe_arg = f"precision.options.recipe_name={recipe_name}"
-    _, fp8 = train(tmp_path / "fp8", *GPT, *EVERY_LINEAR, recipe_arg, base=QUIET)
+    _, fp8 = train_here(tmp_path / "fp8", *GPT, *EVERY_LINEAR, recipe_arg, base=QUIET)
     losses = [r["loss"] for r in fp8]
     assert losses[-1] < losses[0] - 1.0  # it learns
     assert abs(losses[-1] - bf16[-1]["loss"]) < 0.05, (losses[-1], bf16[-1]["loss"])
@@ -89,9 +89,9 @@ def test_an_fp8_run_resumes_exactly(tmp_path, fp8_tensor_cores):
     the checkpoint is the bf16 one, and a resumed run continues bit for bit. (A constant lr: the cosine
     schedule of a 3-step run is not the first half of a 6-step one.)"""
     args = [*GPT, *EVERY_LINEAR, "train.steps=6", "train.lr.schedule=constant"]
-    _, whole = train(tmp_path / "whole", *args, base=QUIET)
-    train(tmp_path / "resumed", *args, "train.steps=3", base=QUIET)
-    _, resumed = train(tmp_path / "resumed", *args, "resume=auto", base=QUIET)
+    _, whole = train_here(tmp_path / "whole", *args, base=QUIET)
+    train_here(tmp_path / "resumed", *args, "train.steps=3", base=QUIET)
+    _, resumed = train_here(tmp_path / "resumed", *args, "resume=auto", base=QUIET)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole]
 
 

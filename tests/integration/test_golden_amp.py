@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import train
 from tests.support.golden import GOLDEN, canonical_loop
+from tests.support.training import train_here
 
 
 @pytest.mark.parametrize(
@@ -15,14 +15,14 @@ from tests.support.golden import GOLDEN, canonical_loop
     [("fp16", torch.float16, True), ("bf16", torch.bfloat16, False)],
 )
 def test_losses_and_scales_equal_the_canonical_loop(tmp_path, precision, dtype, use_scaler):
-    _, rows = train(tmp_path, f"precision={precision}", *GOLDEN)
+    _, rows = train_here(tmp_path, f"precision={precision}", *GOLDEN)
     losses, scales, _ = canonical_loop(dtype, use_scaler)
     assert [r["loss"] for r in rows] == pytest.approx(losses, rel=0, abs=0)
     assert [r["loss_scale"] for r in rows] == scales
 
 
 def test_forced_overflow_skips_and_matches_canonical_scales(tmp_path):
-    _, rows = train(tmp_path, "precision=fp16", "scaler.init_scale=1e20", *GOLDEN)
+    _, rows = train_here(tmp_path, "precision=fp16", "scaler.init_scale=1e20", *GOLDEN)
     losses, scales, _ = canonical_loop(torch.float16, True, init_scale=1e20)
     assert [r["loss_scale"] for r in rows] == pytest.approx(scales, rel=1e-6)
     assert [r["loss"] for r in rows] == losses
@@ -32,7 +32,7 @@ def test_forced_overflow_skips_and_matches_canonical_scales(tmp_path):
 def test_recorded_scale_follows_gradscaler_law(tmp_path):
     """x backoff after a skip, x growth after growth_interval clean steps, unchanged otherwise."""
     growth_interval = 3
-    _, rows = train(
+    _, rows = train_here(
         tmp_path, "precision=fp16", "scaler.init_scale=1e20", f"scaler.growth_interval={growth_interval}",
         "scaler.growth_factor=4", "scaler.backoff_factor=0.25", "train.steps=40", "train.clip_grad_norm=null",
     )

@@ -70,11 +70,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, restore_argv, capsys, args, 
 
 
 def test_ranges_every_records_into_the_run_directory_without_changing_the_run(tmp_path):
-    from tests.conftest import train
+    from tests.support.training import train_here
 
     base = ["precision=fp16", "train.steps=6"]
-    _, plain = train(tmp_path / "plain", *base)
-    _, watched = train(tmp_path / "watched", *base, "telemetry.ranges_every=3")
+    _, plain = train_here(tmp_path / "plain", *base)
+    _, watched = train_here(tmp_path / "watched", *base, "telemetry.ranges_every=3")
     assert [r["loss"] for r in watched] == [r["loss"] for r in plain]  # the hooks only read
     assert not (tmp_path / "plain" / "ranges.jsonl").exists()
     lines = [json.loads(line) for line in (tmp_path / "watched" / "ranges.jsonl").read_text().splitlines()]
@@ -113,11 +113,11 @@ def test_fp32_and_fp16_report_the_same_true_underflow_fractions(tmp_path, restor
 
 
 def test_ranges_every_counts_scaled_half_gradients_as_their_true_values(tmp_path):
-    from tests.conftest import train
+    from tests.support.training import train_here
 
     layers = {}
     for name, extra in (("fp32", []), ("fp16", ["precision=fp16", "scaler.init_scale=1024"])):
-        train(tmp_path / name, "recipe.hidden=256", "recipe.batch_size=128", "train.steps=1",
+        train_here(tmp_path / name, "recipe.hidden=256", "recipe.batch_size=128", "train.steps=1",
               "telemetry.ranges_every=1", *extra)
         line = json.loads((tmp_path / name / "ranges.jsonl").read_text().splitlines()[0])
         layers[name] = {layer: kinds["activation_grad"]["fp16_to_zero"] for layer, kinds in line["layers"].items()

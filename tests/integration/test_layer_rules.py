@@ -12,9 +12,9 @@ from ampctl.cli import main
 from ampctl.engine.build import build_state
 from ampctl.engine.precision import layers
 from ampctl.engine.precision.half import is_norm_layer
-from tests.conftest import build, train
 from tests.support.golden import GOLDEN, canonical_loop
 from tests.support.layer_zoo import check_the_layer_table_against_hooks
+from tests.support.training import build, train_here
 
 HEAD = "9"  # the MLP's last Linear: [Linear, LayerNorm, GELU] x 3, then the head
 FIRST_AND_LAST = f"precision.rules=[{{match:'0',run_in:fp32}},{{match:'{HEAD}',run_in:fp32}}]"
@@ -36,7 +36,7 @@ def keep_in_fp32_by_hand(model: nn.Module) -> None:
 @pytest.mark.parametrize("precision,dtype,use_scaler", [("fp16", torch.float16, True), ("bf16", torch.bfloat16, False)])
 def test_a_run_with_rules_equals_the_torch_amp_loop_with_those_layers_kept_by_hand(tmp_path, precision, dtype,
                                                                                      use_scaler):
-    _, rows = train(tmp_path, f"precision={precision}", FIRST_AND_LAST, *GOLDEN)
+    _, rows = train_here(tmp_path, f"precision={precision}", FIRST_AND_LAST, *GOLDEN)
     losses, scales, _ = canonical_loop(dtype, use_scaler, by_hand=keep_in_fp32_by_hand)
     assert [r["loss"] for r in rows] == losses
     assert [r["loss_scale"] for r in rows] == scales
@@ -169,7 +169,7 @@ def test_the_start_lines_show_the_resolved_table(tmp_path, restore_argv, capsys)
 
 def test_a_format_rule_under_a_plain_mode_labels_the_runs_speed_as_an_emulations(tmp_path):
     rule = f"precision.rules=[{{match:'{HEAD}',run_in:mxfp4}}]"
-    summary, _ = train(tmp_path, "precision=fp32", "train.steps=2", rule)
+    summary, _ = train_here(tmp_path, "precision=fp32", "train.steps=2", rule)
     assert summary["emulated"] is True and summary["converter"] is None
 
 

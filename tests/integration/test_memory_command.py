@@ -127,12 +127,12 @@ def test_train_reports_the_peak_that_ampctl_memory_measures(tmp_path, restore_ar
     """One definition of peak memory everywhere: on a CPU, the allocator's peak from torch's memory profiler
     over the model build and the first two steps (process RSS, hundreds of MiB of interpreter and torch,
     is not it)."""
-    from tests.conftest import train
+    from tests.support.training import train_here
 
     mlp = ["recipe=mlp", "recipe.hidden=256", "recipe.batch_size=128"]
     main(["memory", "device=cpu", *mlp, f"precision={precision}", f"hydra.run.dir={tmp_path / 'memory'}"])
     [mode] = json.loads((tmp_path / "memory" / "memory.json").read_text())["modes"]
-    summary, _ = train(tmp_path / "train", *mlp, f"precision={precision}", "train.steps=4",
+    summary, _ = train_here(tmp_path / "train", *mlp, f"precision={precision}", "train.steps=4",
                        "telemetry.profile_cpu_memory=true",
                        "train.timing_warmup_steps=0")
     assert summary["peak_memory_source"].startswith("torch memory profiler (CPU allocator)")
@@ -146,13 +146,13 @@ def test_a_memory_profile_that_torch_cannot_analyse_does_not_end_the_run(tmp_pat
     """torch's memory-timeline analysis is private code and has asserted on an FSDP graph, and the events a run's
     peak is summed from are a private attribute: the run goes on and says the peak was not measured."""
     from ampctl.analysis.memory import measure
-    from tests.conftest import train
+    from tests.support.training import train_here
 
     def fails(_prof):
         raise AssertionError("version mismatch")
 
     monkeypatch.setattr(measure, "_allocation_peak", fails)
-    summary, rows = train(tmp_path, "train.steps=3", "telemetry.profile_cpu_memory=true")
+    summary, rows = train_here(tmp_path, "train.steps=3", "telemetry.profile_cpu_memory=true")
     assert len(rows) == 3 and summary["peak_memory_bytes"] is None
     assert summary["peak_memory_source"] == ("not measured: torch's memory profiler could not analyse this run "
                                              "(AssertionError)")
@@ -168,7 +168,7 @@ def test_the_allocators_peak_is_the_timelines_less_the_memory_it_did_not_allocat
     from ampctl.engine.loop import run_steps
     from ampctl.recipes.base import build_recipe
     from ampctl.runner.plan import check_config
-    from tests.conftest import QUIET, compose_cfg
+    from tests.support.training import QUIET, compose_cfg
 
     sizes = ["recipe.d_model=64", "recipe.n_layers=2", "recipe.block_size=64", "recipe.batch_size=4"]
     corpus = 100_000  # recipe.max_corpus_bytes, one byte a token

@@ -12,7 +12,7 @@ import torch
 
 from ampctl.analysis.flops import model_flops_per_step
 from ampctl.cli import main
-from tests.conftest import QUIET, train
+from tests.support.training import QUIET, train_here
 
 TIMM = ["recipe=timm", "recipe.image_size=32", "recipe.batch_size=4", "recipe.num_classes=10"]
 HF = ["recipe=hf_causal_lm", "recipe.block_size=32", "recipe.batch_size=4", "recipe.max_corpus_bytes=200000",
@@ -37,7 +37,7 @@ def test_each_model_trains_in_fp32_bf16_and_fp16_from_the_same_start(tmp_path, m
     rounding of fp32's (the forward is all that differs at step 1), and every loss is finite."""
     first = {}
     for mode in ("fp32", "bf16", "fp16"):
-        summary, rows = train(tmp_path / mode, *overrides(model), f"precision={mode}", "train.steps=3",
+        summary, rows = train_here(tmp_path / mode, *overrides(model), f"precision={mode}", "train.steps=3",
                               "train.log_every=3", base=QUIET)
         assert [r["step"] for r in rows] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in rows)
         assert summary["steps"] == 3 and summary["parameters"] > 0
@@ -91,7 +91,7 @@ def test_timm_trains_on_a_local_image_folder_with_the_models_transforms(tmp_path
         for i in range(4):
             pixels = torch.randint(0, 256, (40, 48, 3), dtype=torch.uint8, generator=generator).numpy()
             Image.fromarray(pixels).save(tmp_path / "images" / label / f"{i}.png")
-    summary, rows = train(tmp_path / "run", *TIMM, "recipe.model=test_resnet", "recipe.num_classes=null",
+    summary, rows = train_here(tmp_path / "run", *TIMM, "recipe.model=test_resnet", "recipe.num_classes=null",
                           "recipe.data=imagefolder", f"recipe.data_root={tmp_path / 'images'}", "recipe.num_workers=2",
                           "train.steps=4", "train.log_every=2", base=QUIET)
     assert len(rows) == 4 and all(math.isfinite(r["loss"]) for r in rows)
@@ -144,7 +144,7 @@ def test_a_resumed_image_folder_run_reads_no_image_twice_and_matches_the_uninter
 def test_each_library_model_is_evaluated_on_held_out_batches(tmp_path, model):
     """timm: held-out synthetic batches (loss, accuracy); transformers: the corpus's held-out tenth (loss,
     next-token accuracy, perplexity = exp(loss))."""
-    summary, _ = train(tmp_path, *overrides(model), "train.steps=2", "train.eval.every=2", "train.eval.batches=2",
+    summary, _ = train_here(tmp_path, *overrides(model), "train.steps=2", "train.eval.every=2", "train.eval.batches=2",
                        base=QUIET)
     held_out = summary["eval"]
     assert held_out["step"] == 2 and math.isfinite(held_out["eval/loss"]) and 0 <= held_out["eval/accuracy"] <= 1
@@ -168,7 +168,7 @@ def test_timm_evaluates_the_held_out_folder_and_refuses_evaluation_without_one(t
     folder = [*TIMM, "recipe.model=test_resnet", "recipe.num_classes=null", "recipe.data=imagefolder",
               f"recipe.data_root={tmp_path / 'images'}", "recipe.num_workers=0", "train.steps=2",
               "train.eval.every=2"]
-    summary, _ = train(tmp_path / "run", *folder, f"recipe.eval_root={tmp_path / 'held_out'}", base=QUIET)
+    summary, _ = train_here(tmp_path / "run", *folder, f"recipe.eval_root={tmp_path / 'held_out'}", base=QUIET)
     assert round(summary["eval"]["eval/accuracy"] * 6) == pytest.approx(summary["eval"]["eval/accuracy"] * 6)  # k of 6
     with pytest.raises(SystemExit) as exit_info:
         main(["train", *folder, *QUIET, f"hydra.run.dir={tmp_path / 'refused'}"])

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from ampctl.engine.precision import fp32_math
-from tests.conftest import build, train
 from tests.support.configs import MODES
 from tests.support.simulated_cpu import AVX512_BF16, use_simulated
+from tests.support.training import build, train_here
 
 
 @pytest.mark.parametrize("overrides", MODES, ids=lambda o: " ".join(x.split("=")[1] for x in o))
 def test_every_mode_trains_the_mlp(tmp_path, overrides):
-    summary, rows = train(tmp_path, *overrides, "train.steps=60", "optimizer.lr=0.005")
+    summary, rows = train_here(tmp_path, *overrides, "train.steps=60", "optimizer.lr=0.005")
     assert len(rows) == 60
     first = sum(r["loss"] for r in rows[:5]) / 5
     assert summary["tail_loss"] < 0.8 * first, (first, summary["tail_loss"])
@@ -28,7 +28,7 @@ def test_fp32_is_true_fp32_and_global_flags_are_restored(tmp_path):
         with policy:
             inside = fp32_math.snapshot()
         assert all(v in ("ieee", "highest", False) for v in inside.values()), inside
-        train(tmp_path, "precision=fp32", "train.steps=2")
+        train_here(tmp_path, "precision=fp32", "train.steps=2")
         assert fp32_math.snapshot() == before
     finally:
         fp32_math.restore(saved)
@@ -44,7 +44,7 @@ def test_fp32_is_true_fp32_and_global_flags_are_restored(tmp_path):
 def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
     from ampctl.runner.plan import plan_run
     from ampctl.runner.run import run_training
-    from tests.conftest import FAST, compose_cfg
+    from tests.support.training import FAST, compose_cfg
 
     lines: list[str] = []
     run_training(plan_run(compose_cfg(*FAST, *overrides, "train.steps=2"), tmp_path), echo=lines.append)
@@ -63,7 +63,7 @@ def test_suspicious_combinations_warn_once(tmp_path, overrides, warning):
 def test_a_half_mode_slower_than_fp32_on_this_cpu_warns_at_start(monkeypatch, tmp_path, precision, bf16, fp16, warning):
     from ampctl.runner.plan import plan_run
     from ampctl.runner.run import run_training
-    from tests.conftest import FAST, compose_cfg
+    from tests.support.training import FAST, compose_cfg
 
     use_simulated(monkeypatch, bf16, fp16, AVX512_BF16 if bf16 < 1 else frozenset())
     lines: list[str] = []
@@ -76,7 +76,7 @@ def test_a_half_mode_slower_than_fp32_on_this_cpu_warns_at_start(monkeypatch, tm
 def test_the_resolved_options_are_printed_at_start(tmp_path):
     from ampctl.runner.plan import plan_run
     from ampctl.runner.run import run_training
-    from tests.conftest import FAST, compose_cfg
+    from tests.support.training import FAST, compose_cfg
 
     lines: list[str] = []
     run_training(plan_run(compose_cfg(*FAST, "precision=O2", "train.steps=1"), tmp_path), echo=lines.append)

@@ -7,14 +7,14 @@ import math
 
 import pytest
 
-from tests.conftest import train
+from tests.support.training import train_here
 
 
 def test_skipped_steps_are_the_same_for_fused_and_unfused_optimizers(tmp_path):
     common = ["precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
               "scaler.growth_interval=2", "scaler.growth_factor=1000", "train.steps=30"]
-    _, fused = train(tmp_path / "fused", *common, "optimizer.fused=true")
-    _, unfused = train(tmp_path / "unfused", *common, "optimizer.fused=false")
+    _, fused = train_here(tmp_path / "fused", *common, "optimizer.fused=true")
+    _, unfused = train_here(tmp_path / "unfused", *common, "optimizer.fused=false")
     assert [r["skipped"] for r in fused] == [r["skipped"] for r in unfused]
     assert [r["loss_scale"] for r in fused] == [r["loss_scale"] for r in unfused]
     assert 3 < sum(r["skipped"] for r in fused) < 30  # it overflows, backs off, regrows, overflows again
@@ -24,7 +24,7 @@ def test_skipped_steps_are_the_same_for_fused_and_unfused_optimizers(tmp_path):
 
 @pytest.mark.parametrize("fused", ["true", "false"])
 def test_the_lr_schedule_does_not_advance_on_skipped_steps(tmp_path, fused):
-    _, rows = train(
+    _, rows = train_here(
         tmp_path, "precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
         "train.lr.schedule=linear", "train.lr.warmup_steps=10", "train.steps=20", f"optimizer.fused={fused}",
     )
@@ -42,17 +42,17 @@ def test_the_lr_schedule_does_not_advance_on_skipped_steps(tmp_path, fused):
 @pytest.mark.parametrize("fused", ["true", "false"])
 def test_the_lr_recorded_is_the_lr_the_optimizer_used(tmp_path, fused):
     """Not its float32 rounding: 5e-05 through a float32 tensor reads back as 4.999999873689376e-05."""
-    _, rows = train(tmp_path, "optimizer.lr=5e-05", "train.lr.schedule=constant", "train.steps=2",
+    _, rows = train_here(tmp_path, "optimizer.lr=5e-05", "train.lr.schedule=constant", "train.steps=2",
                     f"optimizer.fused={fused}")
     assert [r["lr"] for r in rows] == [5e-05, 5e-05]
 
 
 def test_scale_bounds_hold(tmp_path):
-    _, rows = train(tmp_path / "min", "precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
+    _, rows = train_here(tmp_path / "min", "precision=fp16", "scaler.init_scale=1e20", "scaler.backoff_factor=0.001",
                     "scaler.min_scale=1e6", "guard.stop_at_min_scale=false", "train.steps=20")
     assert [r["loss_scale"] for r in rows][:6] == pytest.approx([1e20, 1e17, 1e14, 1e11, 1e8, 1e6])
     assert min(r["loss_scale"] for r in rows) == pytest.approx(1e6)
-    _, rows = train(tmp_path / "max", "precision=fp16", "scaler.init_scale=8", "scaler.growth_interval=1",
+    _, rows = train_here(tmp_path / "max", "precision=fp16", "scaler.init_scale=8", "scaler.growth_interval=1",
                     "scaler.max_scale=64", "train.steps=10")
     assert [r["loss_scale"] for r in rows][:5] == [8, 16, 32, 64, 64]
 
@@ -62,15 +62,15 @@ def test_fused_sgd_whose_first_step_is_skipped_trains_as_unfused_sgd(tmp_path):
     step (NaN weights afterwards); ampctl zeroes them first, which leaves every step bit-identical."""
     common = ["precision=fp16", "optimizer=sgd", "scaler.init_scale=4294967296", "scaler.backoff_factor=0.125",
               "train.steps=12"]
-    _, fused = train(tmp_path / "fused", *common, "optimizer.fused=true")
-    _, unfused = train(tmp_path / "unfused", *common, "optimizer.fused=false")
+    _, fused = train_here(tmp_path / "fused", *common, "optimizer.fused=true")
+    _, unfused = train_here(tmp_path / "unfused", *common, "optimizer.fused=false")
     assert fused[0]["skipped"] and not all(r["skipped"] for r in fused)
     assert [r["loss"] for r in fused] == [r["loss"] for r in unfused]
     assert all(math.isfinite(r["loss"]) for r in fused)
 
 
 def test_a_disabled_dynamic_scaler_is_the_identity(tmp_path):
-    _, rows = train(tmp_path, "precision=bf16", "scaler=dynamic", "scaler.enabled=false", "train.steps=3")
+    _, rows = train_here(tmp_path, "precision=bf16", "scaler=dynamic", "scaler.enabled=false", "train.steps=3")
     assert [r["loss_scale"] for r in rows] == [1.0, 1.0, 1.0]
 
 
@@ -78,7 +78,7 @@ def test_a_disabled_dynamic_scaler_is_the_identity(tmp_path):
 def test_a_log_interval_longer_than_the_run_records_every_step_at_the_end(tmp_path):
     """The device buffer holds one log interval, never more rows than the run has (log_every=10**9 allocated
     40 GB before)."""
-    summary, rows = train(tmp_path, "train.log_every=1000000000", "train.steps=3")
+    summary, rows = train_here(tmp_path, "train.log_every=1000000000", "train.steps=3")
     assert [r["step"] for r in rows] == [1, 2, 3] and summary["steps"] == 3
 
 

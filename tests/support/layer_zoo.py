@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.conftest import build
+from tests.support.training import build
 
 
 class LayerZoo(nn.Module):

@@ -125,3 +125,18 @@ def test_no_library_class_is_patched_outside_the_hydra_internals_module():
                     patched.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(target)}")
     assert [p for p in patched if not p.startswith("shell/hydra_internals.py")] == []
     assert len(patched) == 1, patched  # ConfigStore.__deepcopy__ (share_one_config_store)
+
+
+def test_the_tests_share_helpers_through_tests_support_alone():
+    """No test module imports conftest or another test module: what tests share lives in tests/support."""
+    tests = Path(__file__).resolve().parents[1]
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [module or ""]
+            for name in names:
+                if name == "tests.conftest" or name.startswith(("tests.unit", "tests.integration", "tests.adversarial",
+                                                                 "tests.gpu")):
+                    found.append(f"{path.relative_to(tests)}: {name}")
+    assert found == []

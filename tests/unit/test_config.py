@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from ampctl.conf.schema import validate
 from ampctl.errors import ConfigError
-from tests.conftest import compose_cfg
+from tests.support.training import compose_cfg
 
 CONF = resources.files("ampctl.conf")
 CLOSED_GROUPS = ("precision", "scaler")

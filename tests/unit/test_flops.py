@@ -96,7 +96,7 @@ def test_an_unknown_gpu_has_no_peak_and_says_why(monkeypatch):
 def test_the_matmul_dtype_of_each_mode():
     from omegaconf import OmegaConf
 
-    from tests.conftest import compose_cfg
+    from tests.support.training import compose_cfg
 
     def dtype(mode: str) -> str:
         return flops.matmul_dtype(OmegaConf.to_object(compose_cfg(f"precision={mode}").precision))

@@ -15,7 +15,7 @@ from ampctl.analysis.memory.model import (
 )
 from ampctl.engine.build import build_state
 from ampctl.errors import UsageError
-from tests.conftest import build
+from tests.support.training import build
 
 # The default mlp recipe: Linear(64,256), LayerNorm, GELU, Linear(256,256), LayerNorm, GELU,
 # Linear(256,256), LayerNorm, GELU, Linear(256,10): 8 Linear tensors and 6 LayerNorm tensors.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ampctl.errors import UnsupportedError, UsageError
-from tests.conftest import build, compose_cfg
+from tests.support.training import build, compose_cfg
 
 torchao_optim = pytest.importorskip("torchao.optim")
 

@@ -10,8 +10,8 @@ from ampctl.engine.build import build_state
 from ampctl.engine.precision import fp32_math
 from ampctl.engine.precision.half import FP32MasterWeights
 from ampctl.errors import UnsupportedError
-from tests.conftest import build
 from tests.support.simulated_cpu import AVX512_BF16, use_simulated
+from tests.support.training import build
 
 
 def layout(*overrides: str):

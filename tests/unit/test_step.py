@@ -13,7 +13,7 @@ from ampctl.engine.loop import StepSettings, StepsHooks
 from ampctl.engine.loop import run_steps as engine_steps
 from ampctl.engine.scaler import AmpGradScaler
 from ampctl.engine.telemetry import ListSink, Telemetry
-from tests.conftest import build
+from tests.support.training import build
 
 
 def run_steps(state, policy, recipe, batches, steps=1, accum=1, clip=None):
@@ -105,7 +105,7 @@ def test_gradients_that_become_non_finite_when_unscaled_skip_the_step(scaler, fu
 def test_fused_sgd_with_dampening_under_a_loss_scaler_is_refused():
     from ampctl.errors import UsageError
     from ampctl.runner.plan import check_config
-    from tests.conftest import FAST, compose_cfg
+    from tests.support.training import FAST, compose_cfg
 
     cfg = compose_cfg(*FAST, "precision=fp16", "optimizer=sgd", "+optimizer.dampening=0.1")
     with pytest.raises(UsageError, match="optimizer.dampening=0.1 with optimizer.fused=true under a loss scaler"):
