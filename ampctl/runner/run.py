@@ -5,7 +5,6 @@ NoRecorder (runner/recorder.py)."""
 
 from __future__ import annotations
 
-import platform
 import signal
 import time
 from typing import Callable, Optional
@@ -13,21 +12,19 @@ from typing import Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import machine_load, run_files
-from ampctl.analysis import flops, mode_advice
+from ampctl import machine_load
+from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
-from ampctl.conf.precision_schema import scaler_is_active
 from ampctl.conf.sweeps import stop_requested_of_this_job
-from ampctl.engine import devices, optimizer_states
+from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.loop import FitHooks, StepSettings, TrainState, fit
-from ampctl.engine.precision import layers
-from ampctl.engine.telemetry import StepRecord, Telemetry, read_metrics, summarize
+from ampctl.engine.telemetry import StepRecord, Telemetry
 from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, StopOnSignal
-from ampctl.recipes.base import Recipe, build_recipe, recipe_title
+from ampctl.recipes.base import Recipe, build_recipe
 from ampctl.recipes.failures import Context, recipe_errors
 from ampctl.runner import evaluating
 from ampctl.runner.best_checkpoints import BestCheckpoints
@@ -41,6 +38,7 @@ from ampctl.runner.plan import RunPlan
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder
 from ampctl.runner.round_windows import RoundWindows
+from ampctl.runner.run_account import announce, summary_of
 from ampctl.runner.speed_warnings import SpeedWarnings
 from ampctl.runner.watchdog import Watchdog
 
@@ -122,7 +120,7 @@ class TrainingRun:
                 if self.evaluation is not None and cfg.train.checkpoint.save_top_k:
                     # one held-out batch, first
                     self.evaluation.check_monitor(self.state.model, cfg.train.checkpoint.monitor)
-                self.announce()
+                announce(self)
                 recorder.identity = self.parallel.main_value(recorder.claim(cfg, self.choices))  # before any record
                 self.mirror = self._mirror()
                 # the trackers reached (and a resumed run's tracker ids read) before anything is set aside or written
@@ -139,7 +137,7 @@ class TrainingRun:
                     best = self._fit()
             # inside: the summary is written while the run directory is held, and ends the trackers' runs
             summary = recorder.write_summary(lambda: {
-                **self.summary(),
+                **summary_of(self),
                 **evaluating.summary_of(recorder.run_dir),
                 **({"eval_best": best.best()} if best is not None and best.best() else {})})
         learned_nothing = recorder.every_loss_nonfinite() if recorder.every_step_skipped(summary) else None
@@ -152,41 +150,6 @@ class TrainingRun:
         world = self.parallel.world_size
         recipe = build_recipe(parallelism.global_recipe_config(self.cfg.recipe, world, self.cfg.distributed.kind))
         return parallelism.RankShard(recipe, self.parallel.rank, world) if world > 1 else recipe
-
-    def announce(self) -> None:
-        """The start lines: the resolved precision options, the run, where it resumed, what to expect."""
-        cfg, policy, state, resume, parallel = self.cfg, self.policy, self.state, self.resume, self.parallel
-        echo, device = self.recorder.echo, policy.device
-        echo(policy.describe(state.scaler.describe()))
-        if policy.precision.rules or policy.converter is not None:  # layers differ from one another: show each
-            for line in layers.render(policy.layer_rows):
-                echo(f"  {line}")
-        n_params = sum(p.numel() for p in state.model.parameters())
-        echo(f"recipe={recipe_title(self.choices.get('recipe', type(self.recipe).__name__), cfg.recipe)} "
-             f"params={n_params / 1e6:.2f}M device={device.type} ({devices.device_name(device)}) "
-             f"torch={torch.__version__} run_dir={self.recorder.run_dir}"
-             + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
-                if parallel.world_size > 1 else ""))
-        if cfg.train.compile:  # the first step pauses while it compiles: say so before it does
-            blocks = getattr(self.recipe, "activation_checkpoint_blocks", lambda _model: [])(state.model)
-            echo(f"torch.compile (mode={cfg.train.compile_mode}): "
-                 + (f"each of the recipe's {len(blocks)} blocks" if blocks else "the whole model")
-                 + ", compiled during the first step (its time is reported on its own)")
-        if optimizer_states.is_torchao(cfg.optimizer):  # its first step is a silent wait of tens of seconds on a CPU
-            echo(f"optimizer {cfg.optimizer._target_}: torchao compiles its update during the first step (tens of "
-                 "seconds on a CPU, once per process and shape)")
-        for failure in resume.passed_over:
-            echo(f"warning: {failure}; passed over (set aside, kept)")
-        if resume.payload:
-            echo(f"resumed from {resume.source} at step {state.step}"
-                 + (f"; changed: {'; '.join(resume.changes)}" if resume.changes else ""))
-        elif cfg.resume == "auto":
-            echo(f"resume=auto: no checkpoint in {self.recorder.run_dir} yet, starting from step 0")
-            for path in self.recorder.set_aside_rows_without_checkpoint():
-                echo(f"resume=auto: rows of a run that left no checkpoint set aside in {path.name}")
-        for message in (mode_advice.combination_warnings(policy, scaler_is_active(cfg.scaler))
-                        + mode_advice.speed_warnings(policy, cfg.train.compile)):
-            echo(f"warning: {message}")
 
     def _telemetry(self) -> Telemetry:
         train, recipe = self.cfg.train, self.recipe
@@ -279,56 +242,6 @@ class TrainingRun:
         if failed:
             self.recorder.echo(f"warning: {len(failed)} checkpoint(s) not mirrored to {self.mirror.url}: "
                                f"{', '.join(failed)} (each said when it failed); the local ones are whole")
-
-    def summary(self) -> dict:
-        """summary.json: what ran, where, and the figures of its metrics.jsonl."""
-        cfg, policy, state, compiling = self.cfg, self.policy, self.state, self.compiling
-        run_dir = self.recorder.run_dir
-        device = policy.device
-        recipe_name = self.choices.get("recipe", type(self.recipe).__name__)
-        # steps run under the CPU memory profiler are never timed, whatever timing_warmup_steps says; nor are the
-        # steps that compiled, nor those train.profile profiled
-        timing = summarize(read_metrics(run_dir / run_files.METRICS),
-                           max(cfg.train.timing_warmup_steps, self.peak.untimed_steps),
-                           untimed=set(compiling.compiles_at) | self.profiler.untimed_steps)
-        return {
-            "precision": cfg.precision.name,
-            "precision_choice": self.choices.get("precision", cfg.precision.name),
-            # an emulated format's speed is the emulation's, never the format's: said beside every speed shown
-            "emulated": policy.emulated,
-            "converter": None if policy.converter is None else {
-                "name": policy.converter.name, "layers": len(policy.converted),
-                "checkpoints_carry": policy.converter.checkpoint_state},
-            "scaler": state.scaler.kind,
-            "recipe": recipe_name,
-            "recipe_title": recipe_title(recipe_name, cfg.recipe),  # with its model
-            "optimizer": cfg.optimizer._target_,
-            "device": device.type,
-            "device_name": devices.device_name(device),
-            "torch_version": torch.__version__,
-            "cuda_version": torch.version.cuda,
-            "python_version": platform.python_version(),
-            "parameters": sum(p.numel() for p in state.model.parameters()),
-            "world_size": self.parallel.world_size,
-            "compiled": cfg.train.compile,
-            "compile_mode": cfg.train.compile_mode if cfg.train.compile else None,
-            "compile_s": round(compiling.seconds, 3) if cfg.train.compile else None,  # left out of the step times
-            "compilations": len(compiling.compiles_at) if cfg.train.compile else None,
-            **timing,
-            **self.step_flops.summary(timing.get("median_step_time_ms")),
-            "peak_memory_bytes": self.peak.bytes(),
-            "peak_memory_source": self.peak.source,
-            "profile": self.profiler.summary(),
-            # what its throughput shared: the threads torch used, the host, and when its steps ran (Unix time), so
-            # that a sweep's table can say which jobs ran at the same time on one machine (reports/tables.py)
-            "torch_threads": torch.get_num_threads(),
-            "host": platform.node(),
-            "training_window": [round(self.steps_began_at, 3), round(time.time(), 3)],
-            # the cores other processes kept busy meanwhile: above a quarter of the machine its speed is not its own
-            "others_cpu_cores": machine_load.others_cores(self.load_at_start, machine_load.sample()),
-            "run_dir": str(run_dir),
-        }
-
 
 def _first_profiled_step(cfg: DictConfig, start_step: int, memory_steps: int) -> int:
     """The first step train.profile profiles: past the steps the run does not time (the timing warm-up, the
