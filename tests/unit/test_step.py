@@ -9,18 +9,17 @@ import pytest
 import torch
 
 from ampctl.engine.build import build_state
-from ampctl.engine.loop import StepSettings, StepsHooks
-from ampctl.engine.loop import run_steps as engine_steps
+from ampctl.engine.loop import StepSettings, StepsHooks, run_steps
 from ampctl.engine.scaler import AmpGradScaler
 from ampctl.engine.telemetry import ListSink, Telemetry
 from tests.support.training import build
 
 
-def run_steps(state, policy, recipe, batches, steps=1, accum=1, clip=None):
-    """The engine's steps on these batches, and the records of each (as a run's sinks get them)."""
+def records_of_steps(state, policy, recipe, batches, steps=1, accum=1, clip=None):
+    """engine.loop.run_steps on these batches, and the record of each step (as a run's sinks get them)."""
     sink = ListSink()
     telemetry = Telemetry(policy.device, max(steps, 1), recipe.samples_per_batch, None, [sink])
-    engine_steps(state, batches, steps, recipe, policy, StepSettings(accum, clip), StepsHooks(records=telemetry))
+    run_steps(state, batches, steps, recipe, policy, StepSettings(accum, clip), StepsHooks(records=telemetry))
     return sink.records
 
 
@@ -38,11 +37,11 @@ def test_a_skipped_step_leaves_weights_and_optimizer_state_untouched(fused):
     with policy:
         state = build_state(cfg, policy, recipe)
         batches = recipe.batches(policy.device, 0)
-        run_steps(state, policy, recipe, batches, steps=1)  # 1e20 overflows fp16: skipped
+        records_of_steps(state, policy, recipe, batches, steps=1)  # 1e20 overflows fp16: skipped
         # after one skipped step the optimizer has state only if a fused kernel ran; compare from here on
         params, opt_state = snapshot(state)
         state.scaler.update(1e20)  # force the next step to overflow too
-        [record] = run_steps(state, policy, recipe, batches, steps=1)
+        [record] = records_of_steps(state, policy, recipe, batches, steps=1)
     assert record.skipped
     after_params, after_state = snapshot(state)
     assert all(torch.equal(a, b) for a, b in zip(params, after_params))
@@ -60,7 +59,7 @@ def test_static_scaler_skips_a_nonfinite_step_and_keeps_its_scale():
         x, y = next(clean)
         poisoned = (x.clone().index_fill_(0, torch.tensor([0]), float("inf")), y)
         params, _ = snapshot(state)
-        records = run_steps(state, policy, recipe, iter([poisoned, next(clean), next(clean)]), steps=3)
+        records = records_of_steps(state, policy, recipe, iter([poisoned, next(clean), next(clean)]), steps=3)
     assert [r.skipped for r in records] == [True, False, False]
     assert [r.loss_scale for r in records] == [256, 256, 256]
     assert records[-1].skipped_total == 1
@@ -94,7 +93,7 @@ def test_gradients_that_become_non_finite_when_unscaled_skip_the_step(scaler, fu
     recipe = HugeGradientRecipe()
     with policy:
         state = build_state(cfg, policy, recipe)
-        [record] = run_steps(state, policy, recipe, recipe.batches(policy.device, 0), steps=1)
+        [record] = records_of_steps(state, policy, recipe, recipe.batches(policy.device, 0), steps=1)
     assert record.skipped and record.skipped_total == 1
     assert state.model.weight.item() == 1.0  # untouched
     assert state.schedule.applied.item() == 0  # the lr schedule did not advance
@@ -132,7 +131,7 @@ def test_grad_accumulation_equals_one_big_batch(precision):
         )
         with policy:
             state = build_state(cfg, policy, recipe)
-            [record] = run_steps(state, policy, recipe, iter(micro_batches), steps=1, accum=accum)
+            [record] = records_of_steps(state, policy, recipe, iter(micro_batches), steps=1, accum=accum)
         return record, [p.detach().clone() for p in state.weights.optimizer_params]
 
     _, _, recipe = build("recipe.batch_size=8")
