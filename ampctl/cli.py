@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import difflib
 import os
+import shutil
 import sys
+import textwrap
 from typing import TYPE_CHECKING, Optional
 
+from ampctl import io
 from ampctl.shell.outcomes import leave, refuse, said_in_one_line
 
 if TYPE_CHECKING:
@@ -30,9 +33,12 @@ def print_help() -> None:
     print("usage: ampctl <command> [overrides...]\n")
     print("A command-line runner for mixed-precision training experiments in PyTorch.\n")
     print("commands:")
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
     for name, command in registry().items():
-        print(f"  {name:<8} {command.summary}")
-    print(f"\n{EXAMPLES}")
+        line = f"  {name:<8} {command.summary}"  # on a terminal, its summary wrapped under itself
+        print(line if width is None else textwrap.fill(line, width, subsequent_indent=" " * 11,
+                                                       break_long_words=False))
+    print("\n" + io.for_the_terminal(EXAMPLES))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -28,6 +28,7 @@ from ampctl.errors import (
     write_refused,
 )
 from ampctl.interrupt import StoppedOnSignal, exit_at_once_on_another_signal, interrupt_behind, signal_exit_code
+from ampctl.io import for_the_terminal
 
 
 class Outcome(enum.Enum):
@@ -116,7 +117,8 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
 
         remove_if_only_hydra_files(run_dir)
     for line in lines() if callable(lines) else lines:
-        print_error(line, this_rank_alone=isinstance(exc, RecipeFailed))
+        # on a terminal, broken at words (the terminal broke a long line mid-word at 80 columns)
+        print_error(for_the_terminal(line, sys.stderr), this_rank_alone=isinstance(exc, RecipeFailed))
         if log is not None:
             log(line.strip())
     sys.exit(code)

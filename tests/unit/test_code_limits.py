@@ -110,8 +110,7 @@ def test_no_library_class_is_patched_outside_the_hydra_internals_module():
     each such patch pinned there by a test of the Hydra version's behaviour: the start-up time a patch buys is
     measured against the coupling it costs, once, in one place."""
     patched = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        tree = ast.parse(path.read_text())
+    for path, tree in modules().items():
         imported = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
                     and node.module and not node.module.startswith("ampctl") for alias in node.names}
         for node in ast.walk(tree):
@@ -129,14 +128,10 @@ def test_no_library_class_is_patched_outside_the_hydra_internals_module():
 
 def test_the_tests_share_helpers_through_tests_support_alone():
     """No test module imports conftest or another test module: what tests share lives in tests/support."""
+    import re
+
     tests = Path(__file__).resolve().parents[1]
-    found = []
-    for path in sorted(tests.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            module = node.module if isinstance(node, ast.ImportFrom) else None
-            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [module or ""]
-            for name in names:
-                if name == "tests.conftest" or name.startswith(("tests.unit", "tests.integration", "tests.adversarial",
-                                                                 "tests.gpu")):
-                    found.append(f"{path.relative_to(tests)}: {name}")
+    imports = re.compile(r"^\s*(?:from|import)\s+(tests\.(?:conftest|unit|integration|adversarial|gpu)\b\S*)", re.M)
+    found = [f"{path.relative_to(tests)}: {name}" for path in sorted(tests.rglob("*.py"))
+             for name in imports.findall(path.read_text())]
     assert found == []
