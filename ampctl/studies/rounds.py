@@ -79,6 +79,7 @@ class RoundProcess:
             os.close(write_fd)
             os.close(stdin_read)
         self.stdin = os.fdopen(stdin_write, "wb")
+        self.let_go_after_writing = False
         self._buffer = b""
         self.sent = 0  # how many of the stop signals received so far it was sent
 
@@ -111,6 +112,8 @@ class RoundProcess:
             self.stdin.flush()
         except (BrokenPipeError, ValueError):  # it ended, or was let go already
             pass
+        if self.let_go_after_writing:  # a stop signal's handler asked for it while this wrote
+            self.let_go()
 
     def let_go(self) -> None:
         """No more waiting: it runs on to its end (or to the stop it was asked for)."""
@@ -118,6 +121,8 @@ class RoundProcess:
             self.stdin.close()
         except BrokenPipeError:
             pass
+        except RuntimeError:  # called by a stop signal's handler while go() was writing to the same pipe (a
+            self.let_go_after_writing = True  # reentrant call on its buffer, CI): go() lets it go once it is done
 
     def catch_up(self, received: list[int]) -> None:
         """Send it each stop signal received that it was not sent yet (Ctrl-C as itself; any other stop as

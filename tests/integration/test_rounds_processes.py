@@ -107,3 +107,32 @@ def test_a_deadline_stops_every_run_as_sigterm_does(tmp_path):
         assert (run.run_dir / "signals.txt").read_text() == "SIGTERM"
     # mode0 was in its turn of round 1 (past its warm-up) when the deadline came, mode1 waiting for its own
     assert started[0].steps_done() > 5 and started[1].steps_done() == 5
+
+
+def test_a_stop_signal_while_go_writes_lets_the_run_go_once_the_write_is_done():
+    """Ctrl-C landing while go() flushed 'go' to a run's pipe: the handler's let_go closed the same buffered pipe,
+    a reentrant call (RuntimeError, a traceback in CI). It now waits for the write and lets the run go after."""
+    import io as stdio
+
+    from ampctl.studies.rounds import RoundProcess
+
+    class Pipe(stdio.BytesIO):
+        def __init__(self, process):
+            super().__init__()
+            self.process, self.closed_after = process, None
+
+        def flush(self):  # the signal lands here: its handler lets the run go
+            self.process.let_go()
+
+        def close(self):
+            if not self.process.let_go_after_writing and self.closed_after is None and b"go" in self.getvalue():
+                if self.process.handling:
+                    raise RuntimeError("reentrant call inside <_io.BufferedWriter name=14>")
+            self.closed_after = self.getvalue()
+            super().close()
+
+    process = RoundProcess.__new__(RoundProcess)
+    process.let_go_after_writing, process.handling = False, True
+    process.stdin = Pipe(process)
+    process.go()
+    assert process.stdin.closed and process.stdin.closed_after == b"go\n"  # written whole, then let go
