@@ -36,8 +36,8 @@ def main() -> None:
         for precision in args.precisions.split(","):
             base = [*RECIPES[args.recipe], f"precision={precision}", f"device={args.device}",
                     "train.lr.schedule=constant", "train.lr.warmup_steps=0"]
-            eager = AmpctlLoop([*base, "train.compile=false"])
-            compiled = AmpctlLoop([*base, "train.compile=true", f"train.compile_mode={args.mode}"])
+            eager = AmpctlLoop([*base, "train.compile.enabled=false"])
+            compiled = AmpctlLoop([*base, "train.compile.enabled=true", f"train.compile.mode={args.mode}"])
             device = eager.policy.device
             timed_steps(eager, args.warmup_steps, device)
             start = time.perf_counter()

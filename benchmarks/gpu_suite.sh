@@ -50,9 +50,9 @@ stage_fp8() {  # GPT-2 small's recipe at a width where GEMMs dominate; both comp
 
 stage_launch() {
   timeout 240 $py -m ampctl compare recipe=gpt2 "compare.precisions=[bf16]" "compare.compile=[false,true]" \
-    train.compile_mode=reduce-overhead train.steps=60 compare.warmup_steps=20 compare.rounds=4 \
+    train.compile.mode=reduce-overhead train.steps=60 compare.warmup_steps=20 compare.rounds=4 \
     hydra.run.dir=$runs/compare_cudagraphs 2>&1 | tail -14 | tee "$out/compare_cudagraphs.log"
-  timeout 150 $py -m ampctl train recipe=gpt2 recipe.batch_size=32 precision=bf16 train.compile=true \
+  timeout 150 $py -m ampctl train recipe=gpt2 recipe.batch_size=32 precision=bf16 train.compile.enabled=true \
     train.steps=40 train.timing_warmup_steps=15 device=cuda hydra.run.dir=$runs/gpt2_bf16_batch32 2>&1 | tail -3 \
     | tee "$out/gpt2_bf16_batch32.log"
 }
@@ -68,7 +68,7 @@ stage_fp8_fsdp() {  # on one GPU this proves the path on CUDA (compile, FP8, FSD
   local gpus; gpus=$($py -c "import torch; print(torch.cuda.device_count())")
   for mode in bf16 fp8; do
     timeout 240 $py -m torch.distributed.run --standalone --nproc_per_node="$gpus" -m ampctl train recipe=gpt2 \
-      recipe.d_model=2048 recipe.n_heads=16 recipe.n_layers=8 precision=$mode distributed=fsdp train.compile=true \
+      recipe.d_model=2048 recipe.n_heads=16 recipe.n_layers=8 precision=$mode distributed=fsdp train.compile.enabled=true \
       train.steps=60 train.timing_warmup_steps=20 device=cuda hydra.run.dir=$runs/fsdp_$mode 2>&1 | tail -3 \
       | tee "$out/fsdp_$mode.log"
   done
@@ -81,7 +81,7 @@ stage_tests() {
 }
 
 stage_profile() {
-  timeout 200 $py -m ampctl train recipe=gpt2 precision=bf16 train.compile=true train.steps=20 train.profile=3 \
+  timeout 200 $py -m ampctl train recipe=gpt2 precision=bf16 train.compile.enabled=true train.steps=20 train.profile=3 \
     device=cuda hydra.run.dir=$runs/profile_gpt2_bf16 2>&1 | grep -A 30 "^profile of" \
     | tee "$out/profile_gpt2_bf16.log"
 }

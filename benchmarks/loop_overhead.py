@@ -149,7 +149,7 @@ def main() -> None:
     # many short rounds: the two loops' steps interleave closely, so that drifts of a noisy machine fall on both
     add_workload_arguments(parser, recipe="gpt", precisions="bf16", rounds=100, steps_per_round=2)
     parser.add_argument("--clip", default="1.0", help="max grad norm in both loops, or 'none'")
-    parser.add_argument("--compile", action="store_true", help="both loops compiled (train.compile=true)")
+    parser.add_argument("--compile", action="store_true", help="both loops compiled (train.compile.enabled=true)")
     args = parser.parse_args()
     register_configs()
     dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -162,7 +162,7 @@ def main() -> None:
         for precision in args.precisions.split(","):
             overrides = [*RECIPES[args.recipe], f"precision={precision}", f"device={args.device}",
                          f"train.clip_grad_norm={'null' if clip is None else clip}", "train.lr.schedule=constant",
-                         "train.lr.warmup_steps=0", f"train.compile={str(args.compile).lower()}"]
+                         "train.lr.warmup_steps=0", f"train.compile.enabled={str(args.compile).lower()}"]
             ours = AmpctlLoop(overrides)
             theirs = HandWrittenLoop(ours, dtypes[precision], ours.state.scaler.kind != "none", clip, args.compile)
             device = ours.policy.device

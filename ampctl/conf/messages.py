@@ -34,12 +34,14 @@ def one_line(exc: BaseException) -> str:
     """Hydra's and OmegaConf's multi-line reports, reduced to the line a user needs."""
     for err in _chain(exc):
         if isinstance(err, OmegaConfBaseException) and getattr(err, "full_key", None):
+            # a key of the layout before train.* was grouped by concern: no such key, or (train.compile=true) a
+            # value where its group is now
+            if new_home(err.full_key) and isinstance(err, (ConfigKeyError, ConfigAttributeError, ValidationError)):
+                return (f"{err.full_key}: moved to {new_home(err.full_key)} (train.* is grouped by concern: "
+                        "lr, checkpoint, eval, ema, cluster, compile)")
             if isinstance(err, (ConfigKeyError, ConfigAttributeError)):
                 if err.full_key in REPLACED_KEYS:
                     return f"{err.full_key}: {REPLACED_KEYS[err.full_key]}"
-                if new_home(err.full_key):  # a key of the layout before train.* was grouped by concern
-                    return (f"{err.full_key}: moved to {new_home(err.full_key)} (train.* is grouped by concern: "
-                            "lr, checkpoint, eval, ema, cluster)")
                 if err.full_key in RENAMED_KEYS:
                     return (f"{err.full_key}: renamed; set precision.options.* (the options of "
                             f"precision={RENAMED_KEYS[err.full_key]})")

@@ -9,7 +9,8 @@ import copy
 from typing import Any, Optional
 
 # 2: train.* grouped by concern (train.lr, train.checkpoint, train.eval, train.ema, train.cluster)
-CONFIG_VERSION = 2
+# 3: torch.compile's keys grouped too (train.compile.enabled, train.compile.mode)
+CONFIG_VERSION = 3
 
 # version 1's flat keys -> their homes since version 2
 MOVED_IN_2 = {
@@ -33,11 +34,21 @@ MOVED_IN_2 = {
     "train.slurm_requeue": "train.cluster.slurm_requeue",
     "train.hang_after_s": "train.cluster.hang_after_s",
 }
+# version 2's flat keys -> their homes since version 3 (train.compile: a flag before, its group now)
+MOVED_IN_3 = {
+    "train.compile": "train.compile.enabled",
+    "train.compile_mode": "train.compile.mode",
+}
+# each layout's moves, by the version that made them, in order
+MOVES = {2: MOVED_IN_2, 3: MOVED_IN_3}
 
 
 def new_home(key: str) -> Optional[str]:
     """Where an old layout's key lives now (`train.eval_every` -> `train.eval.every`), or None."""
-    return MOVED_IN_2.get(key)
+    home = None
+    for moves in MOVES.values():
+        home = moves.get(home or key, home)
+    return home
 
 
 def migrated(config: dict[str, Any], version: Optional[int]) -> dict[str, Any]:
@@ -49,16 +60,23 @@ def migrated(config: dict[str, Any], version: Optional[int]) -> dict[str, Any]:
     train = moved.get("train")
     if not isinstance(train, dict):
         return moved
-    for old, new in MOVED_IN_2.items():
-        old_key, (group, key) = old.split(".", 1)[1], new.split(".", 2)[1:]
-        if old_key in train:
-            train.setdefault(group, {})[key] = train.pop(old_key)
+    for made_in, moves in MOVES.items():
+        if (version or 1) >= made_in:
+            continue
+        # a flag whose name its group takes (train.compile) leaves before the group is made
+        taken = {old.split(".", 1)[1]: train.pop(old.split(".", 1)[1]) for old in moves
+                 if old.split(".", 1)[1] in train}
+        for old, new in moves.items():
+            old_key, (group, key) = old.split(".", 1)[1], new.split(".", 2)[1:]
+            if old_key in taken:
+                train.setdefault(group, {})[key] = taken[old_key]
     return moved
 
 
 def migrated_override(override: str) -> str:
     """A recorded command line's override (a sweep's, continued) in today's layout: `train.eval_every=5` ->
-    `train.eval.every=5`; any other as it is."""
+    `train.eval.every=5`, `train.compile=true` -> `train.compile.enabled=true`; any other as it is. A recorded
+    override is of its own version's layout: today's `train.compile.mode=...` is never moved again."""
     prefix = override[: len(override) - len(override.lstrip("+~"))]
     key, equals, value = override[len(prefix):].partition("=")
     home = new_home(key)

@@ -26,7 +26,7 @@ class CompareConfig:
     seeds: int = 1
     # [false,true]: each mode without and with activation checkpointing (rows "bf16", "bf16+ac")
     activation_checkpointing: Optional[list[bool]] = None
-    # [false,true]: each mode eager and compiled (rows "bf16", "bf16+compile"); null: [train.compile], one
+    # [false,true]: each mode eager and compiled (rows "bf16", "bf16+compile"); null: [train.compile.enabled], one
     # setting for every mode, so that no mode is credited with compile's gain
     compile: Optional[list[bool]] = None
     # [adamw,adamw_8bit]: each mode with each optimizer (rows "bf16_true+adamw", "bf16_true+adamw_8bit"), a

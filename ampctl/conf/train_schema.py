@@ -1,6 +1,7 @@
 """train.*'s schema: the loop's own keys, and a group per concern (train.lr, train.checkpoint, train.eval, train.ema,
-train.cluster), each the one place for its defaults and checks, as torchtitan gives each component its own config.
-A run recorded before the groups (flat keys: train.checkpoint.every, ...) is read through conf/migration.py."""
+train.cluster, train.compile), each the one place for its defaults and checks, as torchtitan gives each component
+its own config. A run recorded before the groups (flat keys: train.checkpoint_every, train.compile_mode, ...) is read
+through conf/migration.py."""
 
 from __future__ import annotations
 
@@ -151,9 +152,22 @@ class ClusterConfig:
 
 
 @dataclass
+class CompileConfig:
+    """train.compile.*: torch.compile of each block the recipe names (as torchtitan compiles each transformer
+    block), else of the whole model (engine/compilation.py); its first steps are left out of the timings."""
+
+    enabled: bool = safe_to_change(False)
+    mode: str = safe_to_change("default")  # torch.compile's mode: one of COMPILE_MODES
+
+    def __post_init__(self) -> None:
+        require(self.mode in COMPILE_MODES, "train.compile.mode", self.mode,
+                f"one of torch.compile's modes: {', '.join(COMPILE_MODES)}")
+
+
+@dataclass
 class TrainConfig:
-    """train.*: the loop, and a group per concern (lr, checkpoint, eval, ema, cluster), each the one place for its
-    defaults and checks. safe_to_change(...): a resumed run may change it."""
+    """train.*: the loop, and a group per concern (lr, checkpoint, eval, ema, cluster, compile), each the one place
+    for its defaults and checks. safe_to_change(...): a resumed run may change it."""
 
     steps: int = safe_to_change(200)
     grad_accum_steps: int = 1
@@ -163,9 +177,6 @@ class TrainConfig:
     timing_warmup_steps: int = safe_to_change(5)  # first steps left out of median step time and throughput
     console: ConsoleMode = safe_to_change(ConsoleMode.auto)
     activation_checkpointing: bool = False  # recompute each block's activations in backward (gpt, resnet)
-    # torch.compile: each block the recipe names (as torchtitan compiles each transformer block), else the model
-    compile: bool = safe_to_change(False)
-    compile_mode: str = safe_to_change("default")  # torch.compile's mode: one of COMPILE_MODES
     # torch's intra-op threads (torch.set_num_threads); null: torch's own choice, one per core. compare sizes them to
     # the cores other processes leave free (a step waits for whichever thread the scheduler set aside)
     threads: Optional[int] = safe_to_change(None)
@@ -177,6 +188,7 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def __post_init__(self) -> None:
         for key in ("steps", "grad_accum_steps", "log_every"):
@@ -187,8 +199,6 @@ class TrainConfig:
             require(self.threads >= 1, "train.threads", self.threads, "an integer >= 1, or null for one per core")
         require(self.profile is None or self.profile >= 1, "train.profile", self.profile,
                 "a number of steps >= 1, or null for no profile")
-        require(self.compile_mode in COMPILE_MODES, "train.compile_mode", self.compile_mode,
-                f"one of torch.compile's modes: {', '.join(COMPILE_MODES)}")
         if self.clip_grad_norm is not None:
             require(positive_finite(self.clip_grad_norm), "train.clip_grad_norm", self.clip_grad_norm,
                     "a finite number > 0, or null for no clipping")

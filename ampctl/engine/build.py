@@ -37,8 +37,8 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model, recipe, cfg.recipe._target_.rsplit(".", 1)[-1])
     blocks = list(getattr(recipe, "activation_checkpoint_blocks", lambda _model: [])(model))
-    if cfg.train.compile:  # after the mode's converters and checkpointing, before DDP/FSDP wrap the blocks
-        compile_model(model, blocks, cfg.train.compile_mode, profiled=cfg.train.profile is not None)
+    if cfg.train.compile.enabled:  # after the mode's converters and checkpointing, before DDP/FSDP wrap the blocks
+        compile_model(model, blocks, cfg.train.compile.mode, profiled=cfg.train.profile is not None)
     parallel.wrap(model, blocks)
     weights = policy.weight_layout(model)
     optimizer = build_optimizer(cfg.optimizer, weights.optimizer_params, policy.device)

@@ -90,7 +90,7 @@ class TrainingRun:
         self.recipe = self._rank_recipe()
         self.peak = TrainingPeak(policy.device)
         # On a CPU the memory profiler would record torch.compile's own work too: minutes, for a peak it distorts
-        compiled_on_cpu = cfg.train.compile and policy.device.type == "cpu"
+        compiled_on_cpu = cfg.train.compile.enabled and policy.device.type == "cpu"
         measure_cpu = cfg.telemetry.profile_cpu_memory and not compiled_on_cpu
         self.measure_memory = parallel.is_main and (policy.device.type == "cuda" or measure_cpu)
         self.why_memory_not_measured = ("train.compile on a CPU" if compiled_on_cpu and cfg.telemetry.profile_cpu_memory
@@ -133,7 +133,7 @@ class TrainingRun:
                 self.profiler = StepProfiler(cfg.train.profile, self.first_profiled, self.state.step, recorder.run_dir,
                                              self.parallel.rank, policy.device, recorder.echo)
                 # torch.compile compiles in the first steps
-                with CompileWatch(lambda: self.state.step + 1, enabled=cfg.train.compile) as self.compiling:
+                with CompileWatch(lambda: self.state.step + 1, enabled=cfg.train.compile.enabled) as self.compiling:
                     best = self._fit()
             # inside: the summary is written while the run directory is held, and ends the trackers' runs
             summary = recorder.write_summary(lambda: {
@@ -248,7 +248,7 @@ def _first_profiled_step(cfg: DictConfig, start_step: int, memory_steps: int) ->
     CPU memory measurement, the compiling first step) and the profiler's own warm-up step. Refused (before
     anything is written) when the run ends before the window does."""
     n = cfg.train.profile
-    settled = max(cfg.train.timing_warmup_steps, memory_steps, 1 if cfg.train.compile else 0)
+    settled = max(cfg.train.timing_warmup_steps, memory_steps, 1 if cfg.train.compile.enabled else 0)
     first = start_step + settled + PROFILER_WARMUP_STEPS + 1
     if n is not None and first + n - 1 > cfg.train.steps:
         raise UsageError(

@@ -34,9 +34,9 @@ def announce(run: Any) -> None:
          f"torch={torch.__version__} run_dir={run.recorder.run_dir}"
          + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
             if parallel.world_size > 1 else ""))
-    if cfg.train.compile:  # the first step pauses while it compiles: say so before it does
+    if cfg.train.compile.enabled:  # the first step pauses while it compiles: say so before it does
         blocks = getattr(run.recipe, "activation_checkpoint_blocks", lambda _model: [])(state.model)
-        echo(f"torch.compile (mode={cfg.train.compile_mode}): "
+        echo(f"torch.compile (mode={cfg.train.compile.mode}): "
              + (f"each of the recipe's {len(blocks)} blocks" if blocks else "the whole model")
              + ", compiled during the first step (its time is reported on its own)")
     if optimizer_states.is_torchao(cfg.optimizer):  # its first step is a silent wait of tens of seconds on a CPU
@@ -52,7 +52,7 @@ def announce(run: Any) -> None:
         for path in run.recorder.set_aside_rows_without_checkpoint():
             echo(f"resume=auto: rows of a run that left no checkpoint set aside in {path.name}")
     for message in (mode_advice.combination_warnings(policy, scaler_is_active(cfg.scaler))
-                    + mode_advice.speed_warnings(policy, cfg.train.compile)):
+                    + mode_advice.speed_warnings(policy, cfg.train.compile.enabled)):
         echo(f"warning: {message}")
 
 
@@ -86,10 +86,10 @@ def summary_of(run: Any) -> dict:
         "python_version": platform.python_version(),
         "parameters": sum(p.numel() for p in state.model.parameters()),
         "world_size": run.parallel.world_size,
-        "compiled": cfg.train.compile,
-        "compile_mode": cfg.train.compile_mode if cfg.train.compile else None,
-        "compile_s": round(compiling.seconds, 3) if cfg.train.compile else None,  # left out of the step times
-        "compilations": len(compiling.compiles_at) if cfg.train.compile else None,
+        "compiled": cfg.train.compile.enabled,
+        "compile_mode": cfg.train.compile.mode if cfg.train.compile.enabled else None,
+        "compile_s": round(compiling.seconds, 3) if cfg.train.compile.enabled else None,  # left out of the step times
+        "compilations": len(compiling.compiles_at) if cfg.train.compile.enabled else None,
         **timing,
         **run.step_flops.summary(timing.get("median_step_time_ms")),
         "peak_memory_bytes": run.peak.bytes(),

@@ -300,7 +300,7 @@ def _machine(cfg: DictConfig) -> str:
 
 def _calibrate(run_overrides: list[str], run_dir: Path, *extra: str) -> dict:
     """The summary of a short fp32 run of the recipe (its own record, under the advice's): the step's time here,
-    the model's parameters and FLOPs; with train.compile=true, the compile time."""
+    the model's parameters and FLOPs; with train.compile.enabled=true, the compile time."""
     from ampctl.runner.plan import plan_run
     from ampctl.runner.run import run_training
 
@@ -330,7 +330,8 @@ def _with_compile_where_it_fits(advising: Advising, plans: list[ModePlan]) -> tu
     compile_s = None
     if forced or every_plan_fits(0.0):
         advising.say("calibration: fp32 compiled, for the compile time")
-        compiled = _calibrate(advising.run_overrides, advising.out_dir / "calibration_compiled", "train.compile=true")
+        compiled = _calibrate(advising.run_overrides, advising.out_dir / "calibration_compiled",
+                              "train.compile.enabled=true")
         compile_s = float(compiled["compile_s"] or 0.0)
     if forced or (compile_s is not None and every_plan_fits(compile_s)):
         return plans, compile_s or 0.0

@@ -11,8 +11,9 @@ from ampctl.conf.study_schema import AdviseGoal
 
 def compile_is_candidate(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> bool:
     """Whether compile is to be measured (the budget decides later where advise.compile is null)."""
-    if cfg.compare.compile is not None or any(o.lstrip("+~").startswith("train.compile=") for o in run_overrides):
-        notes.append("torch.compile: as set (compare.compile or train.compile), not chosen by advise")
+    set_by_hand = any(o.lstrip("+~").startswith("train.compile.enabled=") for o in run_overrides)
+    if cfg.compare.compile is not None or set_by_hand:
+        notes.append("torch.compile: as set (compare.compile or train.compile.enabled), not chosen by advise")
         return False
     if cfg.advise.compile is False:
         notes.append("torch.compile: not measured (advise.compile=false)")

@@ -86,7 +86,7 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
     checkpointing = ([cfg.train.activation_checkpointing] if cfg.compare.activation_checkpointing is None
                      else list(cfg.compare.activation_checkpointing))
     # one setting for every mode (FP8 is not credited with compile's gain), or each mode both ways
-    compiling = [cfg.train.compile] if cfg.compare.compile is None else list(cfg.compare.compile)
+    compiling = [cfg.train.compile.enabled] if cfg.compare.compile is None else list(cfg.compare.compile)
     optimizers = [None] if cfg.compare.optimizers is None else list(cfg.compare.optimizers)
     plans, skipped = [], {}
     for name in names:
@@ -114,8 +114,9 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
                 for ac in checkpointing:
                     label = row_labels.label(name, compiled, ac, both_compiled=len(compiling) > 1,
                                              both_checkpointed=len(checkpointing) > 1, optimizer=named)
-                    plans.append(ModePlan(label, [*overrides, f"train.activation_checkpointing={str(ac).lower()}",
-                                                  f"train.compile={str(compiled).lower()}"], mode_cfg.train.steps,
+                    switches = [f"train.activation_checkpointing={str(ac).lower()}",
+                                f"train.compile.enabled={str(compiled).lower()}"]
+                    plans.append(ModePlan(label, [*overrides, *switches], mode_cfg.train.steps,
                                           policy.device.type,
                                           str(policy.dtype).removeprefix("torch.") if policy.uses_half else None))
     if True in checkpointing and plans:  # refused here rather than in every mode's process

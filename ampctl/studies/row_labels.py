@@ -28,7 +28,7 @@ class Variant:
     def overrides(self) -> list[str]:
         """The train settings the label stands for, beyond precision=<mode>."""
         return [*([f"optimizer={self.optimizer}"] if self.optimizer else []),
-                *(["train.compile=true"] if self.compiled else []),
+                *(["train.compile.enabled=true"] if self.compiled else []),
                 *(["train.activation_checkpointing=true"] if self.checkpointed else [])]
 
 

@@ -275,7 +275,7 @@ def test_optimizers_are_compared_as_rows_and_a_combination_that_cannot_run_is_sk
     assert skipped["fp32+adamw_bf16_sr"].startswith("optimizer.bf16_stochastic_round=true rounds the bfloat16 weights")
     assert "optimizer=adamw_bf16_sr" in plans[2].overrides and "precision=bf16_true" in plans[2].overrides
     assert row_labels.parse("bf16_true+adamw_bf16_sr+compile").overrides() == ["optimizer=adamw_bf16_sr",
-                                                                               "train.compile=true"]
+                                                                               "train.compile.enabled=true"]
 
 
 def test_compare_runs_each_optimizer_against_the_first_one_in_fp32(tmp_path, restore_argv, capsys):

@@ -36,7 +36,7 @@ def test_a_compiled_run_trains_as_the_eager_one_and_reports_its_compile_time(tmp
     args = [*TINY_GPT, f"precision={mode}", "train.activation_checkpointing=true",
             *(["scaler.init_scale=1e9"] if mode == "fp16" else [])]
     eager = run(tmp_path / "eager", *args)
-    compiled = run(tmp_path / "compiled", *args, "train.compile=true", "train.timing_warmup_steps=0")
+    compiled = run(tmp_path / "compiled", *args, "train.compile.enabled=true", "train.timing_warmup_steps=0")
     out = capsys.readouterr().out
     assert [r["loss"] for r in rows(tmp_path / "compiled")] == pytest.approx(
         [r["loss"] for r in rows(tmp_path / "eager")], rel=1e-3)
@@ -53,9 +53,9 @@ def test_a_compiled_run_trains_as_the_eager_one_and_reports_its_compile_time(tmp
 def test_a_compiled_runs_checkpoint_resumes_eagerly(tmp_path, restore_argv, capsys):
     """Module.compile() works in place: parameter names and the checkpoint are the eager model's."""
     run_dir = tmp_path / "run"
-    run(run_dir, *TINY_GPT, "train.compile=true")
-    main(["train", f"resume={run_dir}", "train.steps=10", "train.compile=false"])
-    assert "changed: train.compile: True -> False" in capsys.readouterr().out
+    run(run_dir, *TINY_GPT, "train.compile.enabled=true")
+    main(["train", f"resume={run_dir}", "train.steps=10", "train.compile.enabled=false"])
+    assert "changed: train.compile.enabled: True -> False" in capsys.readouterr().out
     assert [r["step"] for r in rows(run_dir)] == list(range(1, 11))
 
 
@@ -63,7 +63,7 @@ def test_steps_that_recompile_are_named_and_left_out_of_the_timings(tmp_path, re
     summary = run(tmp_path / "run", "device=cpu", "recipe=mlp",
                   "recipe._target_=tests.support.shape_changing_recipe.ShapeChangingRecipe",
                   "recipe.hidden=32", "recipe.batch_size=16", "train.steps=6", "train.log_every=3",
-                  "train.console=plain", "telemetry.profile_cpu_memory=false", "train.compile=true",
+                  "train.console=plain", "telemetry.profile_cpu_memory=false", "train.compile.enabled=true",
                   "train.timing_warmup_steps=0")
     out = capsys.readouterr().out
     assert "warning: torch.compile compiled" in out and "more time(s) after step 1 (at step 2" in out, out
@@ -91,7 +91,7 @@ def test_fp8_without_compile_is_warned_about():
     from tests.support.training import compose_cfg
 
     policy = PrecisionPolicy(OmegaConf.to_object(compose_cfg("precision=fp8").precision), torch.device("cpu"))
-    assert "add train.compile=true" in mode_advice.speed_warnings(policy, compiled=False)[0]
+    assert "add train.compile.enabled=true" in mode_advice.speed_warnings(policy, compiled=False)[0]
 
 
 @pytest.mark.slow
@@ -102,7 +102,7 @@ def test_fsdp_shards_compiled_blocks_and_trains_as_eager_fsdp(tmp_path):
 
     args = [*TINY_GPT, "distributed=fsdp", "train.activation_checkpointing=true"]
     eager = torchrun(tmp_path / "eager", *args)
-    compiled = torchrun(tmp_path / "compiled", *args, "train.compile=true")
+    compiled = torchrun(tmp_path / "compiled", *args, "train.compile.enabled=true")
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-2000:]
     assert "torch.compile (mode=default): each of the recipe's 2 blocks" in compiled.stdout
     assert [r["loss"] for r in rows(tmp_path / "compiled")] == pytest.approx(

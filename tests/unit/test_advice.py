@@ -148,7 +148,7 @@ def test_a_compiled_row_is_advised_as_compile_and_notes_are_kept():
     compiled = bf16(speedup=2.2, speedup_low=2.1, speedup_high=2.3)
     advice = decide([FP32, bf16(), dataclasses.replace(compiled, mode="bf16+compile")],
                     notes=["activation checkpointing: not measured"])
-    assert advice.mode == "bf16+compile" and advice.overrides() == ["precision=bf16", "train.compile=true"]
+    assert advice.mode == "bf16+compile" and advice.overrides() == ["precision=bf16", "train.compile.enabled=true"]
     assert advice.rejected["bf16"].endswith("below bf16+compile's 2.20x")
     assert advice.notes == ["activation checkpointing: not measured"]
 

@@ -85,7 +85,7 @@ def test_O3_is_static_one_as_apex():
         ("train.checkpoint.keep=0", "train.checkpoint.keep"),
         ("guard.max_consecutive_skips=0", "guard.max_consecutive_skips"),
         ("distributed.async_checkpoint=true", "distributed.async_checkpoint"),  # async saves are sharded ones
-        ("train.compile_mode=fastest", "train.compile_mode"),
+        ("train.compile.mode=fastest", "train.compile.mode"),
     ],
 )
 def test_out_of_range_values_name_key_and_allowed(override, key):
@@ -306,7 +306,7 @@ def test_the_keys_a_resume_may_change_are_the_schemas_marked_fields():
     assert set(SAFE_TO_CHANGE) == {
         "train.steps", "train.log_every", "train.console", "train.checkpoint.every", "train.checkpoint.every_s",
         "train.checkpoint.keep", "train.checkpoint.mirror", "train.cluster.preempt_signal",
-        "train.cluster.slurm_requeue", "train.cluster.hang_after_s", "train.compile", "train.compile_mode",
+        "train.cluster.slurm_requeue", "train.cluster.hang_after_s", "train.compile.enabled", "train.compile.mode",
         "train.threads", "train.profile",
         "train.timing_warmup_steps", "train.eval.every",
         "train.eval.batches", "train.eval.fp32", "train.checkpoint.save_top_k", "telemetry.profile_cpu_memory",

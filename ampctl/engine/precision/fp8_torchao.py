@@ -5,7 +5,7 @@ torchao's convert_to_float8_training swaps the chosen nn.Linear layers for Float
 forward, e5m2 gradients, scales computed from this step's amax per tensor ("tensorwise") or per row
 ("rowwise"). The weights stay fp32 and are the optimizer's masters; everything else runs under bfloat16
 autocast (Float8Linear casts its input to the autocast dtype). torchao fuses the amax and cast kernels only
-under torch.compile: run it with train.compile=true (an eager FP8 run is warned about).
+under torch.compile: run it with train.compile.enabled=true (an eager FP8 run is warned about).
 
 Small layers are slower in FP8 (the casts cost more than the faster matmul saves), so by default only the
 Linear layers that torchao's size heuristics (from H100 benchmarks) expect to gain are converted, as
@@ -153,8 +153,8 @@ class TorchaoFp8Converter(Converter):
     def speed_warnings(self, compiled: bool) -> list[str]:
         if compiled:
             return []
-        return ["without train.compile: torchao fuses FP8's scaling and casts only under torch.compile, so eager "
-                "FP8 runs slower than bf16; add train.compile=true"]
+        return ["without train.compile.enabled: torchao fuses FP8's scaling and casts only under torch.compile, so "
+                "eager FP8 runs slower than bf16; add train.compile.enabled=true"]
 
 
 def nothing_converted_message(config: Fp8TorchaoOptions, linears: int) -> str:
