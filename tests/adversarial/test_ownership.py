@@ -39,15 +39,17 @@ def test_the_python_api_refuses_the_current_directory_and_a_missing_config_dir(t
     ("compare", "hydra.run.dir", "gs://bucket/compare"),
     ("train", "hydra.sweep.dir", "memory://sweep"),
 ])
-def test_a_url_for_a_run_directory_is_refused_and_nothing_is_written(tmp_path, command, key, url):
+def test_a_url_for_a_run_directory_is_refused_and_nothing_is_written(tmp_path, monkeypatch, command, key, url):
     """pathlib takes s3://bucket/run for the relative path s3:/bucket/run: without the refusal the run went to
     ./s3:/bucket/run/ and exited 0, the user believing it on object storage."""
+    monkeypatch.chdir(tmp_path)  # the API's relative paths land here too, where a regression would show
     sweep = ["-m", "optimizer.lr=0.1,0.2"] if key == "hydra.sweep.dir" else []
     refused = cli(command, *sweep, *MLP, "train.steps=2", f"{key}={url}", cwd=tmp_path)
     assert f"{key}={url} is a URL: expected a local directory" in one_line_refusal(refused, command)
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(UsageError, match=f"hydra.run.dir={url} is a URL"):
         ampctl.train([*MLP, "train.steps=1"], run_dir=url)
+    assert list(tmp_path.iterdir()) == []
 
 
 # --- no command writes over another's results ----------------------------------------------------------
