@@ -6,15 +6,16 @@ Dynamo that torch's optimizers import on their first parameter group; measured o
 starts one per mode and seed, each counted against advise's budget. multiprocessing's forkserver (what torch's
 DataLoader and torch.distributed.elastic offer for the same reason) imports them in a process that never
 computes, and forks each child from it: ~1 s to a trained step. Every child is still a process of its own, with
-nothing of another run's allocator caches, compiled kernels or peak memory.
+nothing of another run's allocator caches, compiled kernels or peak memory. Only multiprocessing's public API is
+used: the server is started with `set_forkserver_preload` and `ensure_running`, and children through a Process.
 
 A child is started from the command line it would be exec'd with, `[sys.executable, "-m", MODULE, *args]` or
 `[sys.executable, SCRIPT, *args]`, and has what that process would have: its argv, environment, working directory,
 sys.path (its first entry, its PYTHONPATH), stdin, stdout and stderr (line-buffered), a session of its own, the
 stop signals at their defaults, atexit handlers run at its end, an exit status as Popen's returncode (negative: the
 signal that ended it) and, like every child a command starts (ampctl/processes.py), a SIGTERM when the command is
-gone, even after `kill -9`: the server leaves when the command does, and the child is told when its parent, the
-server, goes.
+gone, even after `kill -9`: the kernel ends the server when the command dies (preloaded_server.py), and tells
+each child when its parent, the server, goes.
 What it does not have: what torch and ampctl read from the environment when they are imported is read once, in
 the server, from the environment of the command that first started a child (the server serves this process
 from then on).
@@ -37,11 +38,11 @@ from multiprocessing import forkserver, reduction, resource_tracker
 from typing import Iterator, Mapping, Optional, Sequence
 
 from ampctl.interrupt import PREEMPT_SIGNALS, STOP_SIGNALS
-from ampctl.processes import PARENT_ENV, freeze_what_the_fork_inherited
+from ampctl.processes import FORK_SERVER_PARENT_ENV, PARENT_ENV, freeze_what_the_fork_inherited
 
 # what every child imports before it does anything (`ampctl train`, a memory probe); torch._dynamo is imported by
 # torch's optimizers on first use
-PRELOAD = ["torch", "torch._dynamo", "ampctl.cli", "ampctl.commands.train", "ampctl.runner.run",
+PRELOAD = ["ampctl.preloaded_server", "torch", "torch._dynamo", "ampctl.cli", "ampctl.commands.train", "ampctl.runner.run",
            "ampctl.studies.memory_probe"]
 _STOPS = tuple(dict.fromkeys((*STOP_SIGNALS, *PREEMPT_SIGNALS)))
 _CONTEXT = multiprocessing.get_context("forkserver")
@@ -55,9 +56,19 @@ def _ensure_server() -> None:
     # blocked, which it keeps; each child unblocks them. multiprocessing's resource tracker, which the server
     # needs, is started first: starting it unblocks SIGINT and SIGTERM in this process.
     resource_tracker.ensure_running()
-    with _stop_signals_blocked():
+    with _stop_signals_blocked(), _in_the_servers_environment(FORK_SERVER_PARENT_ENV, str(os.getpid())):
         _CONTEXT.set_forkserver_preload(PRELOAD)
         forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _in_the_servers_environment(name: str, value: str) -> Iterator[None]:
+    """The server starts with this process's environment: `name` is in it while it is started, and only then."""
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 @contextlib.contextmanager
@@ -169,9 +180,8 @@ def _child_main(target: tuple[str, str], args: list[str], env: dict[str, str], c
     os.environ.clear()
     os.environ.update(env)
     os.environ.update({name: str(fd) for name, fd in fds_in_env.items()})
-    if PARENT_ENV in os.environ:  # its parent is the server, which leaves when the command does...
+    if PARENT_ENV in os.environ:  # its parent is the server, which leaves when the command does
         os.environ[PARENT_ENV] = str(os.getppid())
-    _let_the_server_go()
     os.chdir(cwd)
     _as_its_interpreter_would_find_modules(target, env)
     code = _run(target, args)
@@ -199,18 +209,6 @@ def _as_its_interpreter_would_find_modules(target: tuple[str, str], env: Mapping
     own = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry]
     rest = [entry for entry in sys.path[1:] if entry not in own]
     sys.path[:] = [first, *own, *rest]
-
-
-def _let_the_server_go() -> None:
-    """...unless a child holds the pipe whose end tells the server that the command is gone: multiprocessing hands
-    one to every child (for processes a child starts from the same server), which would keep the server, and so
-    the children, alive after a `kill -9` of the command."""
-    server = forkserver._forkserver
-    alive = getattr(server, "_forkserver_alive_fd", None)
-    if alive is not None:
-        with contextlib.suppress(OSError):
-            os.close(alive)
-        server._forkserver_alive_fd = None
 
 
 def _above_standard_streams(fd: int) -> int:

@@ -28,6 +28,7 @@ import sys
 from typing import Callable, Iterator, NoReturn
 
 PARENT_ENV = "AMPCTL_PARENT_PID"
+FORK_SERVER_PARENT_ENV = "AMPCTL_FORK_SERVER_PARENT_PID"  # the command a fork server serves (preloaded.py)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -36,17 +37,19 @@ def child_environment() -> dict[str, str]:
     return {**os.environ, PARENT_ENV: str(os.getpid())}
 
 
-def die_with_parent() -> None:
-    """In a child started with child_environment(): SIGTERM when the parent dies (now, if it already has)."""
-    parent = os.environ.pop(PARENT_ENV, None)
+def die_with_parent(signum: int = signal.SIGTERM, env: str = PARENT_ENV) -> None:
+    """In a child whose environment names its parent under `env` (child_environment()): `signum` when the parent
+    dies (now, if it already has). The kernel watches the parent's thread that started the child: a command
+    starts its children from its main thread."""
+    parent = os.environ.pop(env, None)
     if parent is None or not parent.isdigit():
         return
     if sys.platform.startswith("linux"):
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0)
     if os.getppid() != int(parent):  # it died before the kernel was asked: nothing would tell us
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
 
 @contextlib.contextmanager

@@ -188,3 +188,39 @@ def test_an_unguarded_script_that_starts_a_child_is_not_run_again_in_it(tmp_path
     done = subprocess.run([sys.executable, str(parent)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "0", done.stderr[-2000:]
     assert (tmp_path / "ran").read_text() == "parent ran\n"
+
+
+def test_a_command_killed_with_sigkill_takes_the_server_and_its_children_with_it(tmp_path):
+    """Every child holds a copy of the pipe whose end would tell multiprocessing's server that the command is gone;
+    the kernel tells it instead (preloaded_server.py), and each child is told when the server goes. A command that
+    started a child with child_environment(), then killed with SIGKILL: the server and the child end."""
+    command = tmp_path / "command.py"
+    command.write_text("import sys, time\n"
+                       "from ampctl.preloaded import PreloadedProcess\n"
+                       "from ampctl.processes import child_environment\n"
+                       f"child = PreloadedProcess([sys.executable, {str(tmp_path / 'child.py')!r}], "
+                       "env=child_environment())\n"
+                       "print(child.pid, flush=True)\n"
+                       "time.sleep(600)\n")
+    (tmp_path / "child.py").write_text("from ampctl.processes import die_with_parent\nimport time\n"
+                                       "die_with_parent()\nprint('child up', flush=True)\ntime.sleep(600)\n")
+    started = subprocess.Popen([sys.executable, str(command)], stdout=subprocess.PIPE, text=True)
+    child = int(started.stdout.readline())
+    server = _parent_of(child)
+    assert server != started.pid and _parent_of(server) == started.pid
+    started.kill()
+    started.wait()
+    for pid in (server, child):
+        _wait_until_gone(pid)
+
+
+def _wait_until_gone(pid: int, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        stat = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}").exists() else ""
+        if stat.rsplit(")", 1)[-1].split()[:1] == ["Z"]:  # ended, not yet reaped by its new parent
+            return
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists(), f"pid {pid} still runs"
