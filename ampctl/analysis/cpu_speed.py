@@ -1,8 +1,12 @@
-"""How fast this CPU multiplies matrices in fp32 and under autocast(bfloat16 / float16): the one set of figures
-behind `ampctl list`, the start warnings, compare's default modes and the MFU peak on a CPU.
+"""How fast this CPU multiplies matrices in fp32 and under autocast(bfloat16 / float16), measured and kept: the one
+set of figures (cpu_figures.py) behind `ampctl list`, the start warnings, compare's default modes and the MFU peak
+on a CPU.
 
-A CPU's flags cannot tell it alone (oneDNN may run bf16 on AVX512-BF16 or AMX, or convert it in software, as
-torch's build decides), so it is measured, in a way a busy machine cannot fool:
+The CPU's flags decide where they can: a half type without instructions for its dot products (AVX512-BF16 or
+AMX-BF16 for bfloat16) runs on fp32's after a conversion, never faster than fp32, and is timed only on a small
+screening matmul, for the figure its slowdown is said with. Where it has them (oneDNN may use them or convert in
+software, as torch's build decides), or the flags cannot be read, the type is measured at full size, in a way a
+busy machine cannot fool:
 - matmuls of real work's size (PROBE_SHAPE, a transformer's linear layer at a thousand tokens), under autocast
   as a run computes them, casts included;
 - fp32 and each half type in alternating rounds whose order rotates, so that load falls on all of them alike;
@@ -12,9 +16,7 @@ torch's build decides), so it is measured, in a way a busy machine cannot fool:
   alike) but its rates are no peak, and it is measured again later (BUSY_RETRY_S);
 - a slow type's slowdown is said as a bound its rounds support (`more than 20x`): load moves the point figure;
 - a half type the CPU has instructions for that measures slow is measured again, longer, and never described
-  as lacking them;
-- a half type many times slower than fp32 on a small screening matmul (DECISIVE) is decided there: seconds of
-  software-converted matmuls would tell nothing more.
+  as lacking them.
 Measured once per machine (CPU, instruction sets, torch, threads), kept in ~/.cache/ampctl/cpu_speed.json (one
 process measures at a time, under a lock; the others wait and read), and measured again on demand (`ampctl list
 --remeasure`) or when a run contradicts it (a run faster than the peak).
@@ -35,32 +37,23 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
 
 from ampctl.analysis.assumed_cpus import ASSUME_ENV, ASSUMED_CPUS, check_assumed
+from ampctl.analysis.cpu_figures import FP32, HALF_TYPES, CpuSpeed, DtypeSpeed, Shape
 from ampctl.engine import devices
-from ampctl.engine.devices import instructions_for, instructions_wanted
-
-FP32, HALF_TYPES = "float32", ("bfloat16", "float16")
-# a half type "runs at speed" when its autocast matmul takes at most this many times fp32's time; measured figures
-# sit far from it: AVX512-BF16 EPYC bf16 ~0.45x, AVX2-only EPYC bf16 ~16-46x, fp16 without AVX512-FP16 ~30-150x
-SLOW_FACTOR = 1.5
-DECISIVE = 8.0  # this many times slower on the screening matmul, with no instructions for it: decided as slow
+from ampctl.engine.devices import instructions_for
 
 PROBE_SHAPE = (1024, 1024, 1024)  # (m, k, n): ~2.1 GFLOP, 7-15 ms in fp32 on two cores of these machines
 SCREEN_SHAPE = (512, 512, 512)  # large enough that a trial outlasts a time slice of a busy scheduler
 SCREEN_ROUNDS = 5
 MIN_ROUNDS, FLOOR_S, CAP_S = 7, 1.0, 10.0  # per attempt: rounds, seconds of trials at least, at most
 ATTEMPTS = 3  # a half type with instructions that measures slow: measured up to this many times in all
-PROBE_VERSION = 2  # figures of an older probe (one 256x256 matmul, medians, not interleaved) are not read
-
-BUSY_SHARE, BUSY_RETRY_S = 0.8, 600.0
-
-Shape = tuple[int, int, int]
+BUSY_RETRY_S = 600.0  # a busy machine's figures are measured again after this long
 
 
 @dataclass(frozen=True)
@@ -70,133 +63,6 @@ class Trial:
 
 
 Timer = Callable[[Shape, str], Trial]  # one warm matmul of this shape in this dtype
-
-
-@dataclass(frozen=True)
-class DtypeSpeed:
-    """One dtype's measured matmul speed."""
-
-    dtype: str
-    tflops: float  # its best trial's rate
-    relative_time: float  # the median round's time over fp32's in the same round (1.0 for fp32)
-    spread: tuple[float, float]  # the quartiles of those rounds' ratios
-    rounds: int
-    shape: Shape
-    core_share: float  # of its best trial
-
-    @property
-    def runs_at_speed(self) -> bool:
-        return self.relative_time <= SLOW_FACTOR
-
-    def ratio_words(self) -> str:
-        """'0.45x fp32's time (0.44-0.47 over 40 rounds of 1024x1024x1024 matmuls)'"""
-        low, high = self.spread
-        return (f"{self.relative_time:.2g}x fp32's time ({low:.2g}-{high:.2g} over {self.rounds} rounds of "
-                f"{'x'.join(map(str, self.shape))} matmuls)")
-
-
-@dataclass(frozen=True)
-class CpuSpeed:
-    speeds: dict[str, DtypeSpeed]  # fp32 and each half type CPU autocast computes in
-    flags: frozenset[str]
-    threads: int
-    measured_at: str  # ISO time
-    attempts: int
-    seconds: float  # of trials
-    assumed: Optional[str] = None  # the kind of CPU AMPCTL_ASSUME_CPU named (its half types are that CPU's)
-
-    @property
-    def busy(self) -> bool:
-        """Measured while other work held the cores: the rates are too low to be a peak."""
-        return self.speeds[FP32].core_share < BUSY_SHARE
-
-    def relative_time(self, dtype: str) -> float:
-        """dtype's matmul time over fp32's; inf where CPU autocast cannot compute in it."""
-        return self.speeds[dtype].relative_time if dtype in self.speeds else math.inf
-
-    def runs_at_speed(self, dtype: str) -> bool:
-        return dtype == FP32 or (dtype in self.speeds and self.speeds[dtype].runs_at_speed)
-
-    def peak_tflops(self, dtype: str) -> Optional[float]:
-        """The measured peak for MFU: fp32's, and a half type's where it runs at speed; software-converted half
-        matmuls have no peak (their rate depends on the shape)."""
-        if self.busy or not self.runs_at_speed(dtype) or dtype not in self.speeds:
-            return None
-        return self.speeds[dtype].tflops
-
-    def why_no_peak(self, dtype: str) -> str:
-        if self.busy:
-            return (f"the machine was busy when this CPU was measured (the probe got {self.speeds[FP32].core_share:.0%}"
-                    " of its cores): no peak to measure MFU against; `ampctl list --remeasure` when it is quiet")
-        return f"{dtype} matmuls are converted in software on this CPU: no peak to measure MFU against"
-
-    def why_slow(self, dtype: str) -> Optional[str]:
-        """Why dtype's matmuls are slow here, in a few words; None where they run at speed."""
-        if self.runs_at_speed(dtype):
-            return None
-        if dtype not in self.speeds:
-            return f"torch {torch.__version__} has no CPU autocast for {dtype}"
-        speed, has = self.speeds[dtype], instructions_for(dtype, self.flags)
-        if has:  # measured again and still slow: the build does not use them here
-            hardware = (f"measured {self.attempts} times; the CPU has {' and '.join(has)}, which torch "
-                        f"{torch.__version__} did not use here")
-        else:
-            hardware = f"measured; no {instructions_wanted(dtype)}"
-        size = "x".join(map(str, speed.shape))  # what the figure holds for: smaller matmuls differ (issue 51)
-        return f"{dtype} matmuls ({size}) run {slowdown_words(speed)} than fp32 on this CPU ({hardware})"
-
-    def describe(self) -> list[str]:
-        """One line per half type, for `ampctl list`."""
-        threads = f"{self.threads} thread{'s' if self.threads != 1 else ''}"
-        lines = [f"fp32 matmuls: {self.speeds[FP32].tflops:.3g} TFLOP/s on {threads} (the MFU peak)"]
-        for dtype in HALF_TYPES:
-            has = instructions_for(dtype, self.flags)
-            instructions = f"{' and '.join(has)}: yes" if has else f"{instructions_wanted(dtype)}: no"
-            if dtype not in self.speeds:
-                lines.append(f"{dtype}: {instructions}; no CPU autocast for it in torch {torch.__version__}")
-                continue
-            verdict = "runs at speed" if self.speeds[dtype].runs_at_speed else "slow"
-            lines.append(f"{dtype} autocast matmuls: {self.speeds[dtype].ratio_words()}: {verdict} ({instructions})")
-        lines.append(f"measured {self.measured_at} in {self.seconds:.1f} s of trials"
-                     + (f", {self.attempts} attempts" if self.attempts > 1 else "")
-                     + (f"; the machine was busy (the probe got {self.speeds[FP32].core_share:.0%} of its cores): "
-                        "the rates are no peak, and a slow type's ratio may read low (load falls on fp32's trials "
-                        "too); the verdicts stand" if self.busy else ""))
-        if self.assumed is not None:
-            lines.append(f"assumed: {ASSUME_ENV}={self.assumed} (its half types' figures, not this CPU's)")
-        return lines
-
-    def to_json(self) -> dict:
-        return {"probe_version": PROBE_VERSION, "speeds": {k: asdict(v) for k, v in self.speeds.items()},
-                "flags": sorted(self.flags), "threads": self.threads, "measured_at": self.measured_at,
-                "attempts": self.attempts, "seconds": self.seconds}
-
-    @classmethod
-    def from_json(cls, data: dict) -> Optional["CpuSpeed"]:
-        if not isinstance(data, dict) or data.get("probe_version") != PROBE_VERSION:
-            return None
-        try:
-            speeds = {k: DtypeSpeed(**{**v, "spread": tuple(v["spread"]), "shape": tuple(v["shape"])})
-                      for k, v in data["speeds"].items()}
-            if FP32 not in speeds:
-                return None
-            return cls(speeds, frozenset(data["flags"]), int(data["threads"]), str(data["measured_at"]),
-                       int(data["attempts"]), float(data["seconds"]))
-        except (KeyError, TypeError, ValueError):
-            return None
-
-
-BOUNDS = (1.5, 2, 3, 5, 10, 20, 50, 100, 200, 500)  # what a slowdown is said to exceed
-
-
-def slowdown_words(speed: DtypeSpeed) -> str:
-    """A slow type's slowdown as a bound its rounds support: `more than 20x slower`, the largest of BOUNDS under
-    their lower quartile. A point figure moves with the load (a slow type read 13-21x on a busy machine and ~60x on
-    a quiet one); the bound holds on both."""
-    bound = max((b for b in BOUNDS if b <= speed.spread[0]), default=None)
-    if bound is None:
-        return f"{speed.relative_time:.2g}x slower ({speed.spread[0]:.2g}-{speed.spread[1]:.2g})"
-    return f"more than {bound:g}x slower"
 
 
 # --- measuring ------------------------------------------------------------------------------------------------
@@ -261,13 +127,12 @@ def summarize(times: dict[str, list[Trial]], shape: Shape) -> dict[str, DtypeSpe
 
 
 def probe(timer: Timer, half_types: list[str], flags: frozenset[str]) -> CpuSpeed:
-    """Measure fp32 and half_types (those CPU autocast computes in) on this CPU, as the module says."""
-    screen = alternating_rounds(timer, SCREEN_SHAPE, [FP32, *half_types], SCREEN_ROUNDS, 0.0)
-    screened = summarize(screen, SCREEN_SHAPE)
-    # decided by the rounds (each half trial beside an fp32 one), three in four of them that slow: one trial that
-    # load slowed, or one lucky fp32 trial, does not decide
-    decided = {d: screened[d] for d in half_types
-               if screened[d].spread[0] >= DECISIVE and not instructions_for(d, flags)}
+    """Measure fp32 and half_types (those CPU autocast computes in) on this CPU, as the module says; flags: the
+    CPU's (empty where they could not be read: nothing is decided from them)."""
+    converted = [d for d in half_types if flags and not instructions_for(d, flags)]
+    screen = alternating_rounds(timer, SCREEN_SHAPE, [FP32, *converted], SCREEN_ROUNDS, 0.0) if converted else {}
+    decided = {d: replace(speed, decided_by_flags=True)
+               for d, speed in summarize(screen, SCREEN_SHAPE).items() if d != FP32}
     measured = [FP32, *(d for d in half_types if d not in decided)]
     times = alternating_rounds(timer, PROBE_SHAPE, measured, MIN_ROUNDS, FLOOR_S)
     attempts = 1
@@ -355,7 +220,8 @@ def assumed(kind: str, here: CpuSpeed) -> CpuSpeed:
     flags, relative = ASSUMED_CPUS[kind]
     fp32 = here.speeds[FP32]
     speeds = {FP32: fp32, **{dtype: replace(fp32, dtype=dtype, tflops=fp32.tflops / ratio, relative_time=ratio,
-                                            spread=(ratio, ratio)) for dtype, ratio in relative.items()}}
+                                            spread=(ratio, ratio), decided_by_flags=not instructions_for(dtype, flags))
+                             for dtype, ratio in relative.items()}}
     return CpuSpeed(speeds, flags, here.threads, here.measured_at, here.attempts, here.seconds, assumed=kind)
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ampctl import io
-from ampctl.analysis import cpu_speed
+from ampctl.analysis import cpu_figures, cpu_speed
 from ampctl.engine import devices
 from ampctl.engine.parallel import unsharded
 from ampctl.engine.precision import converters
@@ -95,12 +95,12 @@ def device_peak(device: torch.device, dtype: str) -> Peak:
                     return Peak(None, f"{name} has no {dtype} peak in ampctl's table")
                 return Peak(peaks[dtype], f"{name} datasheet, dense {dtype}: {peaks[dtype]:g} TFLOP/s")
         return Peak(None, f"{name} is not in ampctl's peak table (analysis/flops.py)")
-    if device.type == "cpu" and dtype in ("float32", *cpu_speed.HALF_TYPES):
+    if device.type == "cpu" and dtype in ("float32", *cpu_figures.HALF_TYPES):
         return cpu_peak(dtype, cpu_speed.measured())
     return Peak(None, f"no {dtype} peak known for {device.type}")
 
 
-def cpu_peak(dtype: str, speed: cpu_speed.CpuSpeed) -> Peak:
+def cpu_peak(dtype: str, speed: cpu_figures.CpuSpeed) -> Peak:
     """The probe's best rate for dtype. Software-converted half matmuls have none: their rate depends on the
     shape (a small one ran 2.5x "faster" than a large one); nor has a probe taken on a busy machine."""
     tflops = speed.peak_tflops(dtype)

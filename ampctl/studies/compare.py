@@ -29,7 +29,7 @@ from rich.progress import (
 )
 
 from ampctl import io, run_files
-from ampctl.analysis import cpu_speed, mode_advice
+from ampctl.analysis import cpu_figures, cpu_speed, mode_advice
 from ampctl.conf.composing import compose_job
 from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
@@ -246,8 +246,8 @@ def recheck_cpu_probe(plans: list[ModePlan], out_dir: Path) -> list[str]:
             continue
         if row_labels.parse(plan.mode).optimizer != optimizer:  # its speed is its optimizer's too, not the dtype's
             continue
-        at_speed = probe.runs_at_speed(plan.half)
-        if (not at_speed and row["speedup_low"] > 1) or (at_speed and row["speedup_high"] < 1 / cpu_speed.SLOW_FACTOR):
+        at_speed, slow_speedup = probe.runs_at_speed(plan.half), 1 / cpu_figures.SLOW_FACTOR
+        if (not at_speed and row["speedup_low"] > 1) or (at_speed and row["speedup_high"] < slow_speedup):
             contradicted.append(f"{plan.mode} measured {row['speedup']:.2f}x fp32's speed here "
                                 f"({row['speedup_low']:.2f}-{row['speedup_high']:.2f}) where the CPU probe said "
                                 f"{plan.half} {'runs at speed' if at_speed else 'is slow'}")

@@ -208,7 +208,7 @@ def test_console_script_help_and_list():
 def test_list_remeasure_measures_the_cpu_into_a_fresh_cache_and_every_line_agrees_with_it(tmp_path):
     """The bottom lines are the probe's figures; the table's "runs here" column and a run's start warning say the
     same of each half type (one set of figures), and a CPU with the instructions is never said to lack them."""
-    from ampctl.analysis import cpu_speed
+    from ampctl.analysis import cpu_figures, cpu_speed
     from ampctl.engine import devices
 
     env = {"XDG_CACHE_HOME": str(tmp_path), "COLUMNS": "400"}  # one table row a line
@@ -216,7 +216,7 @@ def test_list_remeasure_measures_the_cpu_into_a_fresh_cache_and_every_line_agree
     assert result.returncode == 0, result.stderr
     cached = json.loads((tmp_path / "ampctl" / "cpu_speed.json").read_text())
     (figures,) = cached.values()
-    speed = cpu_speed.CpuSpeed.from_json(figures)
+    speed = cpu_figures.CpuSpeed.from_json(figures)
     if os.environ.get(cpu_speed.ASSUME_ENV):  # the suite run as on another kind of CPU: what ampctl says is its
         speed = cpu_speed.assumed(os.environ[cpu_speed.ASSUME_ENV], speed)
     out = " ".join(result.stdout.split())

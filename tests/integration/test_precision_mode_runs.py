@@ -6,7 +6,7 @@ import pytest
 
 from ampctl.engine.precision import fp32_math
 from tests.support.configs import MODES
-from tests.support.simulated_cpu import AVX512_BF16, use_simulated
+from tests.support.simulated_cpu import AMX, AVX2_ONLY, AVX512_BF16, use_simulated
 from tests.support.training import build, train_here
 
 
@@ -65,7 +65,7 @@ def test_a_half_mode_slower_than_fp32_on_this_cpu_warns_at_start(monkeypatch, tm
     from ampctl.runner.run import run_training
     from tests.support.training import FAST, compose_cfg
 
-    use_simulated(monkeypatch, bf16, fp16, AVX512_BF16 if bf16 < 1 else frozenset())
+    use_simulated(monkeypatch, bf16, fp16, AMX if fp16 < 1 else AVX512_BF16 if bf16 < 1 else AVX2_ONLY)
     lines: list[str] = []
     cfg = compose_cfg(*FAST, f"precision={precision}", "device=cpu", "train.steps=1")
     run_training(plan_run(cfg, tmp_path), echo=lines.append)

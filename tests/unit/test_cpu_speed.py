@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from ampctl.analysis import cpu_speed, flops
-from tests.support.simulated_cpu import AVX2_ONLY, AVX512_BF16, SimulatedCpu, always, bursts, simulated
+from ampctl.analysis import cpu_figures, cpu_speed, flops
+from tests.support.simulated_cpu import AMX, AVX2_ONLY, AVX512_BF16, SimulatedCpu, always, bursts, simulated
 
 
 def probe_shape_trials(cpu: SimulatedCpu, dtype: str) -> int:
@@ -30,6 +30,38 @@ def test_an_idle_avx512_bf16_cpu_reads_bf16_fast_and_fp16_slow_with_its_peaks():
     assert speed.why_slow("float16") == ("float16 matmuls (512x512x512) run more than 20x slower than fp32 on this CPU "
                                          "(measured; no AVX512-FP16 or AMX-FP16)")  # the size it was decided at
     assert speed.why_slow("bfloat16") is None
+
+
+def screen_trials(cpu: SimulatedCpu) -> int:
+    return sum(1 for shape, _ in cpu.trials if shape == cpu_speed.SCREEN_SHAPE)
+
+
+def test_a_half_type_without_instructions_is_decided_by_the_flags_whatever_it_measures():
+    """Without instructions for its dot products a half type runs on fp32's after a conversion: never faster. One
+    that measures near fp32 on the screen (1.2x: a busy fp32 trial, or a good conversion) is still slow, and is
+    never timed at full size."""
+    cpu = SimulatedCpu(relative_time={"bfloat16": 1.2, "float16": 1.1})
+    speed = cpu_speed.probe(cpu, ["bfloat16", "float16"], AVX2_ONLY)
+    assert not speed.runs_at_speed("bfloat16") and not speed.runs_at_speed("float16")
+    assert speed.speeds["bfloat16"].decided_by_flags and speed.peak_tflops("bfloat16") is None
+    assert probe_shape_trials(cpu, "bfloat16") == probe_shape_trials(cpu, "float16") == 0
+    assert speed.why_slow("bfloat16").endswith("(measured; no AVX512-BF16 or AMX-BF16)")
+
+
+def test_a_cpu_with_instructions_for_every_half_type_is_not_screened():
+    cpu = SimulatedCpu(relative_time={"bfloat16": 0.2, "float16": 0.25})
+    speed = cpu_speed.probe(cpu, ["bfloat16", "float16"], AMX)
+    assert screen_trials(cpu) == 0 and speed.runs_at_speed("bfloat16") and speed.runs_at_speed("float16")
+    assert not any(s.decided_by_flags for s in speed.speeds.values())
+
+
+def test_where_the_flags_cannot_be_read_every_half_type_is_measured_at_full_size():
+    cpu = SimulatedCpu(relative_time={"bfloat16": 1.2, "float16": 34.0})
+    speed = cpu_speed.probe(cpu, ["bfloat16", "float16"], frozenset())
+    assert screen_trials(cpu) == 0
+    assert probe_shape_trials(cpu, "bfloat16") >= cpu_speed.MIN_ROUNDS and probe_shape_trials(cpu, "float16") >= 2
+    assert speed.runs_at_speed("bfloat16") and not speed.runs_at_speed("float16")  # decided by the times alone
+    assert speed.why_slow("float16").endswith("(measured; no flags to read)")
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -78,8 +110,8 @@ def test_one_slow_burst_on_an_avx512_bf16_cpu_is_measured_again_and_read_right()
 
 def test_the_figures_survive_the_cache_round_trip():
     speed = simulated(0.45, 34.0, AVX512_BF16)
-    assert cpu_speed.CpuSpeed.from_json(json.loads(json.dumps(speed.to_json()))) == speed
-    assert cpu_speed.CpuSpeed.from_json({"bfloat16": 20.8, "peak_tflops_float32": 0.038}) is None  # the old probe's
+    assert cpu_figures.CpuSpeed.from_json(json.loads(json.dumps(speed.to_json()))) == speed
+    assert cpu_figures.CpuSpeed.from_json({"bfloat16": 20.8, "peak_tflops_float32": 0.038}) is None  # the old probe's
 
 
 @pytest.fixture
@@ -141,7 +173,7 @@ def test_a_read_only_cache_directory_measures_without_failing(fresh_cache, monke
 
 def test_a_run_faster_than_the_peak_has_the_cpu_measured_again_and_never_reports_mfu_over_100(fresh_cache):
     stale = simulated(0.45, 34.0, AVX512_BF16)  # what the cache holds: measured when fp32 ran at 0.05
-    stale.speeds["float32"] = cpu_speed.DtypeSpeed("float32", 0.05, 1.0, (1.0, 1.0), 7, cpu_speed.PROBE_SHAPE, 1.0)
+    stale.speeds["float32"] = cpu_figures.DtypeSpeed("float32", 0.05, 1.0, (1.0, 1.0), 7, cpu_speed.PROBE_SHAPE, 1.0)
     cpu_speed._measured[cpu_speed.machine_key()] = stale
     assert cpu_speed.remeasure_if_contradicted("float32", 0.04) is None and not fresh_cache
     step = flops.StepFlops(per_step=int(0.12e12), source="counted", peak=flops.cpu_peak("float32", stale),
@@ -159,7 +191,7 @@ def test_a_slow_types_slowdown_is_a_bound_that_holds_busy_or_quiet():
     """The same fp16 read 13-21x under load and 60-90x quiet: both say a bound true of both; a type near the cut,
     its figure with its quartiles."""
     def words(relative: float, low: float, high: float) -> str:
-        return cpu_speed.slowdown_words(cpu_speed.DtypeSpeed("float16", 0.001, relative, (low, high), 7,
+        return cpu_figures.slowdown_words(cpu_figures.DtypeSpeed("float16", 0.001, relative, (low, high), 7,
                                                              cpu_speed.PROBE_SHAPE, 1.0))
 
     busy, quiet = words(17.0, 13.0, 21.0), words(78.0, 70.0, 90.0)
@@ -171,7 +203,7 @@ def test_a_slow_types_slowdown_is_a_bound_that_holds_busy_or_quiet():
         loaded = simulated(16.0, 78.0, AVX2_ONLY, load=bursts(0.5, 4.0, seed))
         for dtype, truth in (("bfloat16", 16.0), ("float16", 78.0)):
             said = float(re.search(r"more than ([\d.]+)x slower", loaded.why_slow(dtype)).group(1))
-            assert cpu_speed.SLOW_FACTOR <= said < truth, (seed, dtype, loaded.why_slow(dtype))
+            assert cpu_figures.SLOW_FACTOR <= said < truth, (seed, dtype, loaded.why_slow(dtype))
 
 
 @pytest.mark.parametrize("kind", list(cpu_speed.ASSUMED_CPUS))
@@ -185,12 +217,13 @@ def test_an_assumed_kind_of_cpu_keeps_this_cpus_fp32_and_takes_that_kinds_half_t
     flags, relative = cpu_speed.ASSUMED_CPUS[kind]
     assert speed.assumed == kind and speed.flags == flags and speed.speeds["float32"] == here.speeds["float32"]
     for dtype, ratio in relative.items():
-        assert speed.relative_time(dtype) == ratio and speed.runs_at_speed(dtype) == (ratio <= cpu_speed.SLOW_FACTOR)
+        assert speed.relative_time(dtype) == ratio and speed.runs_at_speed(dtype) == (ratio <= cpu_figures.SLOW_FACTOR)
+        assert speed.speeds[dtype].decided_by_flags == (not cpu_speed.instructions_for(dtype, flags))
         assert speed.peak_tflops(dtype) == (here.speeds["float32"].tflops / ratio if ratio <= 1.5 else None)
     assert speed.describe()[-1] == f"assumed: AMPCTL_ASSUME_CPU={kind} (its half types' figures, not this CPU's)"
     cached = json.loads(cpu_speed.cache_path().read_text())
     assert len(fresh_cache) == 1 and list(cached) == [cpu_speed.machine_key()]
-    assert cpu_speed.CpuSpeed.from_json(cached[cpu_speed.machine_key()]) == here
+    assert cpu_figures.CpuSpeed.from_json(cached[cpu_speed.machine_key()]) == here
 
 
 def test_an_assumed_cpu_of_no_known_kind_is_refused(fresh_cache, monkeypatch):
