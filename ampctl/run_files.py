@@ -4,7 +4,7 @@ constants; docstrings and messages may say the names.
     <run_dir>/
       identity.json        the run's identity, written once when it starts (runner/identity.py)
       metrics.jsonl        one row per optimizer step (engine/telemetry.py)
-      evals.jsonl          one row per held-out evaluation (runner/evaluating.py)
+      evals.jsonl          one row per held-out evaluation (runner/eval_records.py)
       ranges.jsonl         telemetry.ranges_every's per-layer value ranges (analysis/ranges.py)
       summary.json         what ran, and its figures, when it ends (runner/run.py)
       diagnosis.json       the layer a guard's stop found (runner/diagnose.py)

@@ -7,8 +7,9 @@ import argparse
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from hydra.core.config_loader import ConfigLoader
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 from rich.console import Console
@@ -18,6 +19,9 @@ from rich.table import Table
 from ampctl.errors import OneLineArgumentParser, UsageError
 from ampctl.shell.command import Command, Section
 from ampctl.shell.hydra_internals import config_loader
+
+if TYPE_CHECKING:
+    import torch
 
 GROUPS = ("scaler", "recipe", "optimizer", "logger")
 DTYPE_ORDER = ("float32", "float16", "bfloat16")
@@ -95,19 +99,45 @@ def complete(done: list[str], current: str) -> list[str]:
 def main() -> None:
     args = parse_args(sys.argv[1:])  # argparse: --help, and a bad argument is one line, exit 2
     # torch, from here: --help answers without it
-    from ampctl.analysis import cpu_speed, mode_advice
     from ampctl.engine import devices
-    from ampctl.engine.precision.policy import PrecisionPolicy
-    from ampctl.reports import tables
 
     device = devices.resolve_device(args.device)
     console = Console()
-    if device.type == "cpu" and (args.remeasure or cpu_speed.measuring_needed()):  # a wait of 5-30 s: said
-        tables.print_line(console, "measuring this CPU's matmuls (fp32, bfloat16 and float16 in alternating rounds, "
-                          f"~5-30 s; kept in {cpu_speed.cache_path()} for every command)")
-        with console.status("measuring this CPU's matmuls"):
-            cpu_speed.measured(remeasure=args.remeasure)
+    if device.type == "cpu":
+        _measure_the_cpu_if_needed(console, args.remeasure)
     loader = config_loader(args.config_dir)
+    console.print(_modes_table(loader, device))
+    for group in GROUPS:
+        table = Table(title=f"{group} options")
+        table.add_column(group)
+        table.add_column("description")
+        for option in loader.get_group_options(group):
+            table.add_row(option, option_description(loader, group, option))
+        console.print(table)
+    if args.config_dir is not None:
+        _print_experiment_configs(console, args.config_dir)
+    if device.type == "cpu":
+        _print_the_cpus_figures(console)
+
+
+def _measure_the_cpu_if_needed(console: Console, remeasure: bool) -> None:
+    """The CPU's figures, measured here where none are kept (or --remeasure): a wait of seconds, said."""
+    from ampctl.analysis import cpu_speed
+    from ampctl.reports import tables
+
+    if remeasure or cpu_speed.measuring_needed():
+        tables.print_line(console, "measuring this CPU's matmuls (fp32, and the half types its flags do not decide, "
+                          f"in alternating rounds, ~5-30 s; kept in {cpu_speed.cache_path()} for every command)")
+        with console.status("measuring this CPU's matmuls"):
+            cpu_speed.measured(remeasure=remeasure)
+
+
+def _modes_table(loader: ConfigLoader, device: torch.device) -> Table:
+    """Every precision mode of the config search path: what it is, its default scaler, whether it runs here."""
+    from ampctl.analysis import mode_advice
+    from ampctl.engine import devices
+    from ampctl.engine.precision.policy import PrecisionPolicy
+
     table = Table(title=f"precision modes on {device.type} ({devices.device_name(device)})")
     for column in ("precision", "description", "default scaler", "runs here"):
         table.add_column(column)
@@ -125,32 +155,35 @@ def main() -> None:
             runs = f"[red]no[/]: {str(exc).split(';')[0].split(': ', 1)[-1]}"
         label = option if option == precision.name else f"{option} (= {precision.name})"
         table.add_row(label, precision.description, cfg.scaler.kind, runs)
-    console.print(table)
-    for group in GROUPS:
-        table = Table(title=f"{group} options")
-        table.add_column(group)
-        table.add_column("description")
-        for option in loader.get_group_options(group):
-            table.add_row(option, option_description(loader, group, option))
-        console.print(table)
-    if args.config_dir is not None:
-        experiments = sorted(args.config_dir.glob("*.yaml"))
-        table = Table(title=f"experiment configs in {args.config_dir}")
-        table.add_column("NAME")
-        table.add_column("description")
-        for path in experiments:
-            table.add_row(path.stem, first_comment(path))
-        console.print(table if experiments else f"no experiment configs (*.yaml) at the top of {args.config_dir}")
-        if experiments:
-            tables.print_line(console, f"run one with: ampctl train -cd {args.config_dir} -cn NAME")
-    if device.type == "cpu":
-        speed = cpu_speed.measured()
-        mixed = f", with the half types of an assumed {speed.assumed} CPU" if speed.assumed else ""
-        tables.print_line(console, f"This CPU ({devices.cpu_model()}{mixed}), as measured (the figures behind the "
-                          f"table above, the start warnings, compare's default modes and MFU; "
-                          f"{cpu_speed.cache_path()}; again with --remeasure):")
-        for line in speed.describe():
-            tables.print_line(console, f"  {escape(line)}")
+    return table
+
+
+def _print_experiment_configs(console: Console, config_dir: Path) -> None:
+    from ampctl.reports import tables
+
+    experiments = sorted(config_dir.glob("*.yaml"))
+    table = Table(title=f"experiment configs in {config_dir}")
+    table.add_column("NAME")
+    table.add_column("description")
+    for path in experiments:
+        table.add_row(path.stem, first_comment(path))
+    console.print(table if experiments else f"no experiment configs (*.yaml) at the top of {config_dir}")
+    if experiments:
+        tables.print_line(console, f"run one with: ampctl train -cd {config_dir} -cn NAME")
+
+
+def _print_the_cpus_figures(console: Console) -> None:
+    from ampctl.analysis import cpu_speed
+    from ampctl.engine import devices
+    from ampctl.reports import tables
+
+    speed = cpu_speed.measured()
+    mixed = f", with the half types of an assumed {speed.assumed} CPU" if speed.assumed else ""
+    tables.print_line(console, f"This CPU ({devices.cpu_model()}{mixed}), as measured (the figures behind the "
+                      f"table above, the start warnings, compare's default modes and MFU; "
+                      f"{cpu_speed.cache_path()}; again with --remeasure):")
+    for line in speed.describe():
+        tables.print_line(console, f"  {escape(line)}")
 
 
 COMMAND = Command(name="list", summary="list precision modes, scalers, recipes and optimizers, and what runs here",

@@ -122,6 +122,22 @@ def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
     for mode in skipped:
         rows.append([mode, "skipped"] + [None] * (len(columns) - 2))
     notes += _timing_notes(spans, seeds, baseline, timings) + _other_notes(done, skipped, baseline, base)
+    headers, formats, cells = _presentation(unit, metrics, baseline, n_rounds)
+    # shown in the table only where they say something: columns empty (or "no") in every row stay in the files
+    empty = {c for i, c in enumerate(columns) if all(row[i] is None or row[i] is False for row in rows)}
+    file_only = frozenset({"step_time_ms_low", "step_time_ms_high", "speedup_low", "speedup_high", "speed_verdict",
+                           "eval_loss_sd", "eval_loss_delta_interval", "parity", *([] if seeds > 1 else ["seeds"]),
+                           *empty})
+    # a terminal shows what decides (80 columns hold it whole); report.md and the CSV every column
+    screen = ["precision", "speed", *(["held_out"] if "loss" in metrics else []), "skipped_steps", "final_loss_scale"]
+    return ReportTable("precision comparison", columns, rows, notes, headers, formats, file_only, cells, screen,
+                       f"every column (step ms, {RATES[unit]}, MFU, peak memory, losses) in report.md and "
+                       "comparison.csv")
+
+
+def _presentation(unit: str, metrics: list[str], baseline: Optional[str], n_rounds: int) -> tuple[dict, dict, dict]:
+    """The comparison's headers, number formats and composed cells (the screen's speed and held-out columns among
+    them)."""
     headers = {"precision": "mode", "step_time_ms": "step ms (rounds' range)", unit: RATES[unit],
                "speedup": "speedup (interval)", "peak_memory_mib": "peak MiB (allocator)", "memory_ratio": "memory",
                "final_loss": "final loss", "loss_delta": "Δ loss", "skipped_steps": "skipped",
@@ -138,19 +154,10 @@ def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
                                                                 if r.get("eval_loss_sd") is not None else ""),
              "eval_loss_delta": lambda r: f"{r['eval_loss_delta']:+.4f}" + (
                  f" ± {r['eval_loss_delta_interval']:.4f}" if r.get("eval_loss_delta_interval") is not None else "")}
-    # shown in the table only where they say something: columns empty (or "no") in every row stay in the files
-    empty = {c for i, c in enumerate(columns) if all(row[i] is None or row[i] is False for row in rows)}
-    file_only = frozenset({"step_time_ms_low", "step_time_ms_high", "speedup_low", "speedup_high", "speed_verdict",
-                           "eval_loss_sd", "eval_loss_delta_interval", "parity", *([] if seeds > 1 else ["seeds"]),
-                           *empty})
-    # a terminal shows what decides (80 columns hold it whole); report.md and the CSV every column
-    screen = ["precision", "speed", *(["held_out"] if "loss" in metrics else []), "skipped_steps", "final_loss_scale"]
     cells.update(speed=lambda r: _speed_on_screen(r, baseline, n_rounds), held_out=lambda r: r.get("parity") or (
         "baseline" if r["precision"] == baseline and r["status"] == "ok" else "-"))
     headers.update(speed="speed against " + (baseline or "fp32"), held_out="held-out loss")
-    return ReportTable("precision comparison", columns, rows, notes, headers, formats, file_only, cells, screen,
-                       f"every column (step ms, {RATES[unit]}, MFU, peak memory, losses) in report.md and "
-                       "comparison.csv")
+    return headers, formats, cells
 
 
 def _speed_on_screen(row: dict[str, Any], baseline: Optional[str], rounds: int) -> str:

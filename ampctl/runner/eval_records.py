@@ -1,8 +1,8 @@
-"""train.eval.every: evaluate the model on the recipe's held-out batches after every N-th step and after the last
-(engine/evaluation.py), and record each evaluation: a row in evals.jsonl, the trackers (eval/<metric>), a line on
-the console. Evaluation is no step's time: the rows before it are written and the step timer starts again after
-it. A compiled model compiles again for evaluation (no grad, eval mode): those compilations are not counted
-as the training step's recompilations.
+"""The records of a run's evaluations. train.eval.every: the model evaluated on the recipe's held-out batches
+after every N-th step and after the last (engine/evaluation.py does the evaluating), and each evaluation recorded:
+a row in evals.jsonl, the trackers (eval/<metric>), a line on the console. Evaluation is no step's time: the rows
+before it are written and the step timer starts again after it. A compiled model compiles again for evaluation
+(no grad, eval mode): those compilations are not counted as the training step's recompilations.
 """
 
 from __future__ import annotations

@@ -26,12 +26,12 @@ from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.recipes.base import Recipe, build_recipe
 from ampctl.recipes.failures import Context, recipe_errors
-from ampctl.runner import evaluating
+from ampctl.runner import eval_records
 from ampctl.runner.best_checkpoints import BestCheckpoints
 from ampctl.runner.checkpointer import Checkpointer
 from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
-from ampctl.runner.evaluating import RunEvaluation
+from ampctl.runner.eval_records import RunEvaluation
 from ampctl.runner.guards import Guard, GuardStop
 from ampctl.runner.mirror import Mirror
 from ampctl.runner.plan import RunPlan
@@ -138,7 +138,7 @@ class TrainingRun:
             # inside: the summary is written while the run directory is held, and ends the trackers' runs
             summary = recorder.write_summary(lambda: {
                 **summary_of(self),
-                **evaluating.summary_of(recorder.run_dir),
+                **eval_records.summary_of(recorder.run_dir),
                 **({"eval_best": best.best()} if best is not None and best.best() else {})})
         learned_nothing = recorder.every_loss_nonfinite() if recorder.every_step_skipped(summary) else None
         if learned_nothing is not None:  # recorded whole, and said as the failure it is (exit 1)

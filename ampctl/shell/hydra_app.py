@@ -11,7 +11,7 @@ import io
 import os
 import sys
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, NoReturn, Optional
 
 from ampctl.errors import CommandLineRefused, SomeRunsFailed, UsageError, cannot_write, write_refused
 from ampctl.shell.outcomes import leave, refuse, write_refused_line
@@ -46,7 +46,7 @@ def run_hydra_app(command: str, entry) -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from ampctl.conf.messages import key_under_null_node, one_line, unparsable_override, yaml_error
+    from ampctl.conf.messages import yaml_error
 
     os.environ["HYDRA_FULL_ERROR"] = "1"
     from ampctl.interrupt import interrupts_surfaced
@@ -57,15 +57,7 @@ def run_hydra_app(command: str, entry) -> None:
         with job_config_with_its_defaults(command), interrupts_surfaced():
             entry()  # raises SystemExit when the run fails
     except KeyboardInterrupt as exc:
-        report_the_unfinished_sweep(command, exc)  # a sweep's launcher waiting for its jobs: the table, one line
-        # between Hydra making the run directory and the task function taking over: it holds only Hydra's files
-        planned_dir = THIS_PROCESS.plan_dir
-        if planned_dir is not None:
-            from ampctl.processes import is_main_process
-            from ampctl.runner.ownership import remove_if_only_hydra_files
-
-            if is_main_process():
-                remove_if_only_hydra_files(planned_dir)
+        _stopped_before_the_task(command, exc)
         raise
     except CommandLineRefused as exc:
         refuse(command, str(exc))
@@ -74,12 +66,7 @@ def run_hydra_app(command: str, entry) -> None:
     except (UsageError, HydraException, OmegaConfBaseException, AssertionError, ValueError) as exc:
         if raised_in(exc, entry.__wrapped__):
             raise  # an error inside a job is not the command line's: the job reported it, or it is a bug
-        refused = write_refused_in(exc)
-        if refused is not None:  # Hydra could not open the run's log in it (logging's "Unable to configure handler")
-            leave(refused, [write_refused_line(command, refused, "; the run directory refuses writes (read-only, "
-                                                                 "full): nothing was changed in it")])
-        refuse(command, str(exc) if isinstance(exc, UsageError) else (
-            key_under_null_node(sys.argv[1:]) or unparsable_override(sys.argv[1:], exc) or one_line(exc)))
+        _refuse_what_composing_refused(command, exc)
     except yaml.YAMLError as exc:  # a config file under -cd that is not YAML
         if raised_in(exc, entry.__wrapped__):
             raise
@@ -96,6 +83,31 @@ def run_hydra_app(command: str, entry) -> None:
         if not raised_in(exc, entry.__wrapped__):
             report_the_unfinished_sweep(command, exc)
         raise
+
+
+def _stopped_before_the_task(command: str, stop: KeyboardInterrupt) -> None:
+    """A stop while Hydra composed or launched: a sweep's launcher waiting for its jobs says its table in one
+    line; a run directory Hydra made before the task function took over holds only Hydra's files, removed."""
+    from ampctl.processes import is_main_process
+    from ampctl.runner.ownership import remove_if_only_hydra_files
+    from ampctl.shell.unfinished_sweep import report_the_unfinished_sweep
+
+    report_the_unfinished_sweep(command, stop)
+    planned_dir = THIS_PROCESS.plan_dir
+    if planned_dir is not None and is_main_process():
+        remove_if_only_hydra_files(planned_dir)
+
+
+def _refuse_what_composing_refused(command: str, exc: Exception) -> NoReturn:
+    """The command line's mistake as one line, exit 2; a run directory that refused Hydra's log, exit 74."""
+    from ampctl.conf.messages import key_under_null_node, one_line, unparsable_override
+
+    refused = write_refused_in(exc)
+    if refused is not None:  # Hydra could not open the run's log in it (logging's "Unable to configure handler")
+        leave(refused, [write_refused_line(command, refused, "; the run directory refuses writes (read-only, "
+                                                             "full): nothing was changed in it")])
+    refuse(command, str(exc) if isinstance(exc, UsageError) else (
+        key_under_null_node(sys.argv[1:]) or unparsable_override(sys.argv[1:], exc) or one_line(exc)))
 
 
 def config_includes_itself(command: str) -> str:

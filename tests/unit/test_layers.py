@@ -43,8 +43,8 @@ def test_no_module_shadows_the_standard_library():
 
 # Bottom to top; a package imports only from its own layer and those below (function-level imports included).
 LAYERS = (
-    ("ampctl.errors", "ampctl.io", "ampctl.processes", "ampctl.preloaded", "ampctl.machine_load", "ampctl.interrupt",
-     "ampctl.run_files",
+    ("ampctl.errors", "ampctl.io", "ampctl.processes", "ampctl.preloaded_server", "ampctl.preloaded",
+     "ampctl.machine_load", "ampctl.interrupt", "ampctl.run_files",
      "ampctl.conf", "ampctl.version", "ampctl.__init__"),
     ("ampctl.recipes",),
     ("ampctl.engine",),

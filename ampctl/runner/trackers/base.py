@@ -99,7 +99,7 @@ class Tracker:
         raise NotImplementedError
 
     def write_eval(self, row: dict[str, Any]) -> None:
-        """An evaluation (evaluating.py's row: step, eval/<metric>...), after the records of its step."""
+        """An evaluation (runner/eval_records.py's row: step, eval/<metric>...), after the records of its step."""
         raise NotImplementedError
 
     def flush(self) -> None:
