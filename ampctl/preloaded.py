@@ -42,8 +42,8 @@ from ampctl.processes import FORK_SERVER_PARENT_ENV, PARENT_ENV, freeze_what_the
 
 # what every child imports before it does anything (`ampctl train`, a memory probe); torch._dynamo is imported by
 # torch's optimizers on first use
-PRELOAD = ["ampctl.preloaded_server", "torch", "torch._dynamo", "ampctl.cli", "ampctl.commands.train", "ampctl.runner.run",
-           "ampctl.studies.memory_probe"]
+PRELOAD = ["ampctl.preloaded_server", "torch", "torch._dynamo", "ampctl.cli", "ampctl.commands.train",
+           "ampctl.runner.run", "ampctl.studies.memory_probe"]
 _STOPS = tuple(dict.fromkeys((*STOP_SIGNALS, *PREEMPT_SIGNALS)))
 _CONTEXT = multiprocessing.get_context("forkserver")
 

@@ -106,8 +106,9 @@ def test_fp8_trains_its_large_linears_on_fp8_tensor_cores(tmp_path):
         pytest.skip(f"precision=fp8 {reason}")
     shape = ["recipe=gpt2", "recipe.n_layers=2", "recipe.block_size=256", "recipe.max_corpus_bytes=300000",
              "train.steps=30"]
-    _, bf16 = train_here(tmp_path / "bf16", "device=cuda", "precision=bf16", "train.compile.enabled=true", *shape, base=QUIET)
-    _, fp8 = train_here(tmp_path / "fp8", "device=cuda", "precision=fp8", "train.compile.enabled=true", *shape, base=QUIET)
+    compiled = ["device=cuda", "train.compile.enabled=true", *shape]
+    _, bf16 = train_here(tmp_path / "bf16", "precision=bf16", *compiled, base=QUIET)
+    _, fp8 = train_here(tmp_path / "fp8", "precision=fp8", *compiled, base=QUIET)
     assert fp8[-1]["loss"] < fp8[0]["loss"] - 1.0
     assert abs(fp8[-1]["loss"] - bf16[-1]["loss"]) < 0.1, (fp8[-1]["loss"], bf16[-1]["loss"])
 
@@ -132,8 +133,8 @@ def test_cuda_graphs_train_and_evaluate_a_compiled_gpt(tmp_path):
 
     args = ["device=cuda", "precision=bf16", *TINY_GPT, "train.steps=12", "train.eval.every=4"]
     _, eager = train_here(tmp_path / "eager", *args, base=QUIET)
-    _, graphed = train_here(tmp_path / "graphed", *args, "train.compile.enabled=true", "train.compile.mode=reduce-overhead",
-                       base=QUIET)
+    _, graphed = train_here(tmp_path / "graphed", *args, "train.compile.enabled=true",
+                            "train.compile.mode=reduce-overhead", base=QUIET)
     assert [r["loss"] for r in graphed] == pytest.approx([r["loss"] for r in eager], rel=2e-2)
     evals = [json.loads(line) for line in (tmp_path / "graphed" / "evals.jsonl").read_text().splitlines()]
     assert [row["step"] for row in evals] == [4, 8, 12]

@@ -1,8 +1,8 @@
 """A run directory written before train.* was grouped by concern (tests/data/run_before_config_v2: made by ampctl's
 train with the flat keys, train.checkpoint_every=2 train.eval_every=2 train.ema_decay=0.9 ..., 4 steps), or before
 torch.compile's keys were (tests/data/run_before_config_v3: layout 2, the same run's settings in their groups and
-train.compile_mode=max-autotune-no-cudagraphs) still resumes: its checkpoint's config and its identity are read through conf/migration.py. An old key typed today is
-refused in one line naming its new home."""
+train.compile_mode=max-autotune-no-cudagraphs) still resumes: its checkpoint's config and its identity are read
+through conf/migration.py. An old key typed today is refused in one line naming its new home."""
 
 from __future__ import annotations
 
