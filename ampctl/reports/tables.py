@@ -159,7 +159,9 @@ def sweep_table(runs: Sequence[RunRecord], continue_with: Optional[str] = None, 
                **{k: (lambda v: f"{v:.2%}") if k.endswith("accuracy") else (lambda v: f"{v:.4f}") for k in held_out}}
     headers = {"final_loss": "final loss", "skipped_total": "skipped", "final_loss_scale": "scale", "mfu": "MFU",
                **RATES, **{k: f"held-out {k.split('/', 1)[1]}" for k in held_out}}
-    return ReportTable("sweep", columns, rows, notes, headers, formats)
+    # a figure no job has (MFU where no peak is known) says nothing on screen: in the files it is an empty column
+    empty = frozenset(c for i, c in enumerate(columns) if c in ("mfu", *rates) and all(r[i] is None for r in rows))
+    return ReportTable("sweep", columns, rows, notes, headers, formats, file_only=empty)
 
 
 def not_comparable_throughput(runs: Sequence[RunRecord]) -> str:
@@ -226,21 +228,34 @@ def print_line(console: Console, text: str, **options: Any) -> None:
 def print_table(table: ReportTable, console: Optional[Console] = None) -> None:
     """The table on the console: its screen columns where it has them (the files hold every column)."""
     console = console or make_console()
-    columns = table.screen or table.shown
-    rich_table = Table(title=table.title)
-    for i, (column, header) in enumerate(zip(columns, table.display_headers(columns))):
-        # the first column names the row (a mode, a tensor kind): whole, the others' headers wrap to make room
-        rich_table.add_column(header, justify="left" if column in LEFT_ALIGNED else "right", no_wrap=i == 0)
-    for row, cells in zip(table.rows, table.display_rows(columns)):
-        status = dict(zip(table.columns, row)).get("status", "ok")
-        style = {"ok": None, "failed": "red"}.get(status, "yellow")
-        rich_table.add_row(*cells, style=style)
+    rich_table = _rich_table(table)
+    natural = console.measure(rich_table, options=console.options.update_width(10_000)).maximum
+    if natural > console.width:  # `optimizer.lr` would be cut to `optimi…`
+        rich_table = _rich_table(table, break_after=".")
     console.print(rich_table)
     for note in table.notes + ([table.screen_note] if table.screen and table.screen_note else []):
         print_line(console, f"  {note}")
 
 
 LEFT_ALIGNED = ("precision", "status", "job", "key", "kind", "layer", "speed", "held_out")
+
+
+def _rich_table(table: ReportTable, break_after: str = "") -> Table:
+    """rich's table of the screen's columns; break_after: where the table is wider than the terminal, the character
+    a header line breaks after (rich breaks headers at spaces only, and cuts a dotted key), the padding between
+    cells collapsed to one space."""
+    columns = table.screen or table.shown
+    rich_table = Table(title=table.title, collapse_padding=bool(break_after))
+    for i, (column, header) in enumerate(zip(columns, table.display_headers(columns))):
+        if break_after:
+            header = header.replace(break_after, break_after + "\n")
+        # the first column names the row (a mode, a tensor kind): whole, the others' headers wrap to make room
+        rich_table.add_column(header, justify="left" if column in LEFT_ALIGNED else "right", no_wrap=i == 0)
+    for row, cells in zip(table.rows, table.display_rows(columns)):
+        status = dict(zip(table.columns, row)).get("status", "ok")
+        style = {"ok": None, "failed": "red"}.get(status, "yellow")
+        rich_table.add_row(*cells, style=style)
+    return rich_table
 
 
 def markdown(table: ReportTable) -> str:

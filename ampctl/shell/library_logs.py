@@ -26,3 +26,13 @@ def quiet_library_deprecations() -> None:
     # and AOTAutograd warns, on that compile, that torchao's optimizer-state tensor subclasses lack a hash for its
     # cache: advice to torchao's authors, two lines in the middle of the user's run
     warnings.filterwarnings("ignore", message=r".* does not implement _stable_hash_for_caching", category=UserWarning)
+
+
+class WordWrappingFormatter(logging.Formatter):
+    """Hydra's console lines (conf/hydra/hydra_logging/terminal.yaml) broken at word boundaries on a terminal, as
+    ampctl's own are (io.for_the_terminal); off a terminal, one line per record."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        from ampctl.io import for_the_terminal
+
+        return for_the_terminal(super().format(record))

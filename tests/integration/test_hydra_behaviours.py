@@ -180,6 +180,8 @@ def test_a_sweep_with_a_path_among_its_overrides_keeps_each_job_in_a_directory_o
     result = ampctl("train", "-m", *QUICK, f"train.checkpoint.mirror={mirror}/${{hydra:job.num}}",
                     "optimizer.lr=0.001,0.002", "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
+    # Hydra's basic launcher's "Launching 2 jobs locally" and "#0 : overrides": ampctl's sweep line says each job
+    assert "[HYDRA]" not in result.stdout and "ampctl sweep: job #1 (2 of 2: " in result.stdout + result.stderr
     jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
     assert [name[:2] for name in jobs] == ["0_", "1_"] and all("/" not in name for name in jobs), jobs
     assert [row["status"] for row in json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"]] == \

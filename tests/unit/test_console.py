@@ -115,3 +115,26 @@ def test_a_log_interval_while_other_processes_took_the_machine_says_so_where_the
     plain = PlainConsole(total_steps=10, tokens=False, peak_memory=lambda: None)
     plain.write([record(1)])
     assert "busy" not in capsys.readouterr().out
+
+
+def test_hydras_own_lines_break_at_words_on_a_terminal_and_stay_whole_off_one(monkeypatch):
+    """conf/hydra/hydra_logging/terminal.yaml's formatter: a sweeper's line longer than the terminal broke mid-word
+    (`optimizer` / `.lr=0.1`)."""
+    import logging
+
+    from ampctl.shell.library_logs import WordWrappingFormatter
+
+    class Terminal(stdio.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    record = logging.LogRecord("hydra", logging.INFO, __file__, 1, "#3 : recipe=mlp train.steps=20 "
+                               "optimizer.lr=0.1 precision=fp16 scaler.init_scale=65536", None, None)
+    formatter = WordWrappingFormatter("[HYDRA] %(message)s")
+    monkeypatch.setenv("COLUMNS", "40")
+    monkeypatch.setattr("sys.stdout", Terminal())
+    lines = formatter.format(record).splitlines()
+    assert len(lines) > 1 and max(map(len, lines)) <= 40
+    assert " ".join(line.strip() for line in lines) == f"[HYDRA] {record.getMessage()}"  # broken at spaces only
+    monkeypatch.setattr("sys.stdout", stdio.StringIO())
+    assert formatter.format(record) == f"[HYDRA] {record.getMessage()}"
