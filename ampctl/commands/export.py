@@ -53,7 +53,7 @@ def export_settings(overrides: Sequence[str]) -> "ExportConfig":
 
 def main() -> None:
     args = sys.argv[1:]
-    if args in (["-h"], ["--help"]):
+    if "-h" in args or "--help" in args:  # anywhere, as argparse takes it: `ampctl export RUN --help`
         print(USAGE)
         return
     if not args or "=" in args[0]:

@@ -20,7 +20,7 @@ def complete(done: list[str], current: str) -> list[str]:
 
 def main() -> None:
     args = sys.argv[1:]
-    if args in (["-h"], ["--help"]):
+    if "-h" in args or "--help" in args:  # anywhere, as argparse takes it: `ampctl report PATH --help`
         print(USAGE)
         return
     with said_in_one_line("report", " (the report's files were not written; what is on the screen is the report)"):

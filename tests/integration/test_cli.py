@@ -392,6 +392,16 @@ def test_help_and_completion_answer_without_importing_torch(tmp_path, command):
     assert not completion["torch"]
 
 
+@pytest.mark.parametrize("command", ["train", "compare", "memory", "inspect", "advise", "export", "report", "list",
+                                     "init"])
+def test_help_after_a_commands_arguments_is_its_help(tmp_path, command):
+    """`ampctl report RUN --help` said `expected one PATH ..., got 2 arguments` (exit 2): --help is help wherever
+    it stands, as argparse and Hydra take it."""
+    result = ampctl(command, "recipe=mlp", "--help", cwd=tmp_path)
+    assert result.returncode == 0 and "error" not in result.stdout + result.stderr, result.stderr
+    assert f"ampctl {command}" in result.stdout and list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("source,shape", [
     ("gpt2", ["recipe.n_layers=2", "recipe.d_model=64", "recipe.n_heads=2", "recipe.block_size=32",
               "recipe.batch_size=4", "recipe.max_corpus_bytes=200000"]),
