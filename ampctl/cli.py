@@ -10,13 +10,10 @@ import os
 import shutil
 import sys
 import textwrap
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from ampctl import io
 from ampctl.shell.outcomes import leave, refuse, said_in_one_line
-
-if TYPE_CHECKING:
-    from ampctl.shell.command import Command
 
 EXAMPLES = """examples:
   ampctl train precision=bf16
@@ -124,6 +121,8 @@ def dispatch(args: list[str]) -> None:
     # argv[0] is the program's name for Hydra: the shell-completion script it writes registers `ampctl`
     sys.argv = ["ampctl", *rest]
     if command.is_hydra_app:
+        from ampctl.shell.hydra_app import run_a_hydra_command
+
         run_a_hydra_command(command, rest, answering)
     else:
         with said_in_one_line(name):  # its refusal, or a write the machine refused: one line (shell/outcomes.py)
@@ -136,37 +135,6 @@ def refuse_at_the_door(line: str) -> None:
     from ampctl.errors import UsageError
 
     leave(UsageError(line), [line])
-
-
-def run_a_hydra_command(command: Command, rest: list[str], answering: bool) -> None:
-    """A Hydra app's command line checked (its flags, its config, the sweep a resume continues), then the app run;
-    answering: Hydra's completion of it."""
-    from ampctl.errors import UsageError
-    from ampctl.shell.hydra_app import refuse_bad_hydra_flags, run_hydra_app
-    from ampctl.shell.hydra_internals import put_config_dir_on_path, refuse_a_config_that_is_not_ampctls
-
-    put_config_dir_on_path(rest)
-    try:
-        refuse_bad_hydra_flags(rest)
-        refuse_a_config_that_is_not_ampctls(command.name, command.name, rest)
-        if command.continues_sweeps:  # a sweep resumed: its own command line (conf/sweeps.py)
-            from ampctl.shell.sweep_resume import with_the_sweep_to_continue
-
-            sys.argv = ["ampctl", *with_the_sweep_to_continue(rest)]
-    except UsageError as exc:
-        refuse(command.name, str(exc))
-    if answering:
-        from ampctl.shell.completion import list_keys_completed_whole
-
-        with list_keys_completed_whole(command):
-            run_hydra_app(command.name, command.main)
-        return
-    from ampctl.processes import start_kept_out_of_collections
-    from ampctl.shell.this_process import THIS_PROCESS
-
-    with start_kept_out_of_collections() as start_is_over:  # until the run is planned (shell/checks.py)
-        THIS_PROCESS.start_is_over = start_is_over
-        run_hydra_app(command.name, command.main)
 
 
 def refuse_an_unknown_assumed_cpu(command: str) -> None:

@@ -11,11 +11,14 @@ import io
 import os
 import sys
 from pathlib import Path
-from typing import Iterator, NoReturn, Optional
+from typing import TYPE_CHECKING, Iterator, NoReturn, Optional
 
 from ampctl.errors import CommandLineRefused, SomeRunsFailed, UsageError, cannot_write, write_refused
 from ampctl.shell.outcomes import leave, refuse, write_refused_line
 from ampctl.shell.this_process import THIS_PROCESS
+
+if TYPE_CHECKING:
+    from ampctl.shell.command import Command
 
 # Hydra's flags whose value is one of a few: argparse would answer a wrong one with its whole usage block
 HYDRA_FLAG_CHOICES = {"cfg": ("job", "hydra", "all"),
@@ -36,6 +39,34 @@ def refuse_bad_hydra_flags(args: list[str]) -> None:
             close = difflib.get_close_matches(value, choices, n=1)
             raise UsageError(f"--{name} {value}: no such choice{f' (did you mean {close[0]}?)' if close else ''}; "
                              f"choose one of {', '.join(choices)}")
+
+
+def run_a_hydra_command(command: Command, rest: list[str], answering: bool) -> None:
+    """A Hydra app's command line checked (its flags, its config, the sweep a resume continues), then the app run;
+    answering: Hydra's completion of it."""
+    from ampctl.shell.hydra_internals import put_config_dir_on_path, refuse_a_config_that_is_not_ampctls
+
+    put_config_dir_on_path(rest)
+    try:
+        refuse_bad_hydra_flags(rest)
+        refuse_a_config_that_is_not_ampctls(command.name, command.name, rest)
+        if command.continues_sweeps:  # a sweep resumed: its own command line (conf/sweeps.py)
+            from ampctl.shell.sweep_resume import with_the_sweep_to_continue
+
+            sys.argv = ["ampctl", *with_the_sweep_to_continue(rest)]
+    except UsageError as exc:
+        refuse(command.name, str(exc))
+    if answering:
+        from ampctl.shell.completion import list_keys_completed_whole
+
+        with list_keys_completed_whole(command):
+            run_hydra_app(command.name, command.main)
+        return
+    from ampctl.processes import start_kept_out_of_collections
+
+    with start_kept_out_of_collections() as start_is_over:  # until the run is planned (shell/checks.py)
+        THIS_PROCESS.start_is_over = start_is_over
+        run_hydra_app(command.name, command.main)
 
 
 def run_hydra_app(command: str, entry) -> None:
