@@ -123,8 +123,9 @@ def readable_override(override: str) -> str:
 
 
 def count_of(n: int, noun: str) -> str:
-    """1 step, 2 steps: a count with its noun (English plurals by s)."""
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+    """1 step, 2 steps, 2 batches: a count with its noun (English plurals by s, es after s, x, z, ch, sh)."""
+    plural = "es" if noun.endswith(("s", "x", "z", "ch", "sh")) else "s"
+    return f"{n:,} {noun}{'' if n == 1 else plural}"
 
 
 def si_prefixed(value: float) -> tuple[str, str]:

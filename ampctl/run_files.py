@@ -37,9 +37,9 @@ HYDRA = ".hydra"
 ROWS = (METRICS, EVALS, RANGES)  # appended to step by step; a resume cuts them back to its checkpoint
 RECORDS = (*ROWS, SUMMARY, DIAGNOSIS)  # what a run recorded: another run never replaces them
 # the studies' table stems: comparison.json, memory.json, ranges.json are their records
-COMPARISON, MEMORY, INSPECTION, ADVICE = "comparison", "memory", "ranges", "advice"
+COMPARISON, MEMORY, INSPECTION, ADVICE, DIFF = "comparison", "memory", "ranges", "advice", "diff"
 # advice first: an advice's directory holds the other studies' in directories of their own
-STUDY_RECORDS = tuple(f"{stem}.json" for stem in (ADVICE, COMPARISON, MEMORY, INSPECTION))
+STUDY_RECORDS = tuple(f"{stem}.json" for stem in (ADVICE, COMPARISON, MEMORY, INSPECTION, DIFF))
 
 COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log", "advise.log")  # each command's log, by its name
 # What a command that recorded nothing leaves (Hydra's own files, its log, the lock): a directory holding only

@@ -23,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from ampctl.conf.precision_schema import SCALER_SCHEMAS, PrecisionConfig
-from ampctl.conf.study_schema import AdviseConfig, CompareConfig, InspectConfig, MemoryConfig
+from ampctl.conf.study_schema import AdviseConfig, CompareConfig, DiffConfig, InspectConfig, MemoryConfig
 from ampctl.conf.train_schema import TrainConfig, safe_to_change
 from ampctl.conf.value_checks import require
 from ampctl.errors import UsageError
@@ -134,6 +134,14 @@ class InspectAppConfig(AmpctlConfig):
     """The primary config of `ampctl inspect`: a train config plus what to inspect."""
 
     inspect: InspectConfig = field(default_factory=InspectConfig)
+
+
+@dataclass
+class DiffAppConfig(AmpctlConfig):
+    """The primary config of `ampctl diff`: a train config (the candidate: its precision mode) plus what to measure
+    it against."""
+
+    diff: DiffConfig = field(default_factory=DiffConfig)
 
 
 @dataclass

@@ -80,6 +80,23 @@ class InspectConfig:
         require(self.steps >= 1, "inspect.steps", self.steps, "an integer >= 1")
 
 
+@dataclass
+class DiffConfig:
+    """diff.*: the reference the run's precision mode is measured against, layer by layer (studies/diff.py)."""
+
+    against: str = "fp32"  # the reference precision mode
+    batches: int = 8  # batches through both, the same weights (the gradient's noise is measured across them)
+    # the candidate's gradient error counts as below the gradient's batch-to-batch noise under this share of it
+    noise_share: float = 0.1
+    top: int = 10  # the layers ranked on the screen (every layer in diff.csv)
+
+    def __post_init__(self) -> None:
+        require(self.batches >= 2, "diff.batches", self.batches,
+                "an integer >= 2 (the yardstick is the gradient's spread from batch to batch)")
+        require(0.0 < self.noise_share <= 1.0, "diff.noise_share", self.noise_share, "a share in (0, 1]")
+        require(self.top >= 1, "diff.top", self.top, "an integer >= 1")
+
+
 class AdviseGoal(Enum):
     speed = "speed"  # the fastest mode whose accuracy matches fp32's
     memory = "memory"  # the mode with the smallest peak whose accuracy matches fp32's

@@ -268,3 +268,29 @@ def speed_and_accuracy(points: Sequence[dict[str, Any]], chosen: str, path: Path
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def layer_errors(rows: Sequence[dict[str, Any]], allowed: Optional[float], path: Path, title: str,
+                 context: str = "") -> Path:
+    """Each layer's local relative error (output, dgrad, wgrad) along the model's depth, on a log scale; the
+    gradient error the yardstick allows drawn across (the whole model's, for scale: a layer's local error far
+    under it adds little). A layer with no error, or none of a kind, has no point."""
+    ordered = sorted(rows, key=lambda r: r["depth"])
+    fig, ax = pyplot().subplots(figsize=(max(9.0, 0.18 * len(ordered) + 5), 4.6))
+    for key, label, marker in (("out_local", "output", "o"), ("dgrad_local", "gradient to its input", "s"),
+                               ("wgrad_local", "weight gradient", "^")):
+        points = [(i, r[key]) for i, r in enumerate(ordered) if r.get(key) and 0 < r[key] < float("inf")]
+        if points:
+            ax.scatter(*zip(*points), marker=marker, s=18, label=label, zorder=3)
+    if allowed:
+        ax.axhline(allowed, color="red", linestyle="--", linewidth=1,
+                   label="gradient error the yardstick allows (noise x diff.noise_share)")
+    ax.set_yscale("log")
+    step = max(1, len(ordered) // 30)  # at most ~30 names along the axis
+    ax.set_xticks(range(0, len(ordered), step), [ordered[i]["layer"] for i in range(0, len(ordered), step)],
+                  rotation=90, fontsize=7)
+    ax.set(ylabel="local relative RMS error", title=title + (f"\n{context}" if context else ""))
+    ax.grid(axis="y", alpha=0.3)
+    legend_outside(ax)
+    fig.tight_layout()
+    return save_figure(fig, path)

@@ -45,7 +45,7 @@ def render(path: Path) -> int:
         return write_sweep_report(path, console)
     raise UsageError(
         f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
-        "no comparison.json, memory.json or ranges.json)"
+        "no comparison.json, memory.json, ranges.json, advice.json or diff.json)"
     )
 
 
@@ -61,7 +61,7 @@ def _render_unfinished(run, console) -> None:
 
 
 def _render_record(path: Path, record: str, console) -> int:
-    """A compare, memory or inspect directory, from the JSON record its command wrote."""
+    """A compare, memory, inspect, advise or diff directory, from the JSON record its command wrote."""
     if record == f"{run_files.COMPARISON}.json":
         from ampctl.studies.compare import write_comparison_report  # torch: not for --help
 
@@ -73,6 +73,8 @@ def _render_record(path: Path, record: str, console) -> int:
         from ampctl.studies.advice_report import rerender
     elif record == f"{run_files.MEMORY}.json":
         from ampctl.studies.memory import rerender
+    elif record == f"{run_files.DIFF}.json":
+        from ampctl.studies.diff import rerender
     else:
         from ampctl.studies.inspect_ranges import rerender
     rerender(path, console)

@@ -55,7 +55,7 @@ def test_a_url_for_a_run_directory_is_refused_and_nothing_is_written(tmp_path, m
 # --- no command writes over another's results ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["compare", "inspect", "memory", "advise"])
+@pytest.mark.parametrize("command", ["compare", "inspect", "memory", "advise", "diff"])
 def test_a_command_into_a_directory_that_holds_results_is_refused_and_touches_nothing(tmp_path, command):
     run_dir = tmp_path / "done"
     first = cli("train", *MLP, "train.steps=2", f"hydra.run.dir={run_dir}", cwd=tmp_path)

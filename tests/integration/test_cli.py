@@ -189,7 +189,7 @@ def test_unknown_command_is_refused(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"unknown command 'trian'; did you mean 'train'? choose one of: {', '.join(COMMANDS)}" in err
-    assert ", ".join(COMMANDS) == "train, advise, compare, inspect, memory, export, report, init, list"
+    assert ", ".join(COMMANDS) == "train, advise, compare, diff, inspect, memory, export, report, init, list"
 
 
 # --- real processes ---------------------------------------------------------------------------------
@@ -382,8 +382,7 @@ def imported_after(args: list[str], cwd: Path, env: Optional[dict] = None, exit_
     return ast.literal_eval(result.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("command", ["train", "compare", "memory", "inspect", "advise", "export", "report", "list",
-                                     "init"])
+@pytest.mark.parametrize("command", list(COMMANDS))
 def test_help_and_completion_answer_without_importing_torch(tmp_path, command):
     """`ampctl train --help` and every Tab of shell completion: ~1 s here, where importing torch alone is 1.5 s
     (benchmarks/startup.py measures them); `ampctl report --help` took 7 s on a busy machine."""
@@ -392,8 +391,7 @@ def test_help_and_completion_answer_without_importing_torch(tmp_path, command):
     assert not completion["torch"]
 
 
-@pytest.mark.parametrize("command", ["train", "compare", "memory", "inspect", "advise", "export", "report", "list",
-                                     "init"])
+@pytest.mark.parametrize("command", list(COMMANDS))
 def test_help_after_a_commands_arguments_is_its_help(tmp_path, command):
     """`ampctl report RUN --help` said `expected one PATH ..., got 2 arguments` (exit 2): --help is help wherever
     it stands, as argparse and Hydra take it."""

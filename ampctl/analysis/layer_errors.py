@@ -1,0 +1,330 @@
+"""Where a precision mode loses accuracy, layer by layer (`ampctl diff`): the same weights and the same batches
+through a reference (fp32 by default) and a candidate mode, and for every leaf layer the error of
+- its output (forward), of the gradient it passes back to its input (dgrad) and of its weight gradient (wgrad):
+  relative RMS error (||candidate - reference|| / ||reference||), the output's cosine similarity and largest
+  absolute error, and the share of its output the candidate's type flushed to zero or saturated;
+- local: the layer run in the candidate's precision on the reference's own input and output gradient, against the
+  reference's own result: the error it adds itself (its input rounded into the type it takes, and whatever its
+  computation makes of that: a sum that cancels, a range its format cannot hold); total: what the candidate
+  computed end to end, its own error and what it inherited; and the inherited error itself, of the input and of
+  the gradient that reach the layer. One bad layer is blamed once, not in every layer after it;
+and for the whole model, the error of the loss and of the whole gradient against the gradient's own
+batch-to-batch noise at these weights: a precision error far below the noise SGD already lives with does not
+change training, one near it can (the yardstick).
+
+The candidate's backward runs under the loss scale its training would start with (fp16's GradScaler scale), its
+gradients divided by it before they are compared, so that what the scale saves from underflow is not counted as
+lost. Dropout is off in both (a diff compares computation, not random masks); every buffer a forward updates
+(BatchNorm's running statistics, FP8's amax histories) is restored after each layer's re-run. Error that no leaf
+adds (a functional op between layers: attention's softmax, a residual add) shows as the inherited error of the
+next layer growing past what the layers before it added. Every sum is kept in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+QUANTITIES = ("out", "dgrad", "wgrad")  # a layer's output, the gradient to its input, its weight gradient
+_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+@dataclass
+class ErrorSums:
+    """Running float64 sums of one quantity's candidate against its reference, over every batch."""
+
+    diff_sq: float = 0.0
+    ref_sq: float = 0.0
+    cand_sq: float = 0.0
+    dot: float = 0.0
+    max_abs: float = 0.0
+    values: int = 0
+    nonfinite: int = 0  # candidate values that are inf or NaN where the reference's are finite
+    flushed: int = 0  # candidate values that are 0 where the reference's are not
+    saturated: int = 0  # at the candidate type's largest finite magnitude, or beyond it
+
+    def add(self, cand: torch.Tensor, ref: torch.Tensor) -> None:
+        c, r = cand.detach().double().flatten(), ref.detach().double().flatten()
+        bad = ~torch.isfinite(c) & torch.isfinite(r)
+        self.nonfinite += int(bad.sum())
+        self.flushed += int(((c == 0) & (r != 0)).sum())
+        if cand.is_floating_point():
+            self.saturated += int((c.abs() >= torch.finfo(cand.dtype).max).sum())
+        good = ~bad
+        c, r = c[good], r[good]
+        d = c - r
+        self.diff_sq += float(d @ d)
+        self.ref_sq += float(r @ r)
+        self.cand_sq += float(c @ c)
+        self.dot += float(c @ r)
+        self.max_abs = max(self.max_abs, float(d.abs().max()) if d.numel() else 0.0)
+        self.values += cand.numel()
+
+    @property
+    def rel_rms(self) -> float:
+        """||candidate - reference|| / ||reference|| over every batch; inf where the candidate was not finite."""
+        if self.nonfinite:
+            return math.inf
+        if self.ref_sq == 0.0:
+            return 0.0 if self.diff_sq == 0.0 else math.inf
+        return math.sqrt(self.diff_sq / self.ref_sq)
+
+    @property
+    def cosine(self) -> Optional[float]:
+        if self.nonfinite or self.ref_sq == 0.0 or self.cand_sq == 0.0:
+            return None
+        return self.dot / math.sqrt(self.ref_sq * self.cand_sq)
+
+    def share(self, count: int) -> float:
+        return count / self.values if self.values else 0.0
+
+
+@dataclass
+class LayerErrors:
+    """One leaf layer's sums: local and total per quantity, and what it inherited."""
+
+    name: str
+    kind: str  # its class name
+    local: dict[str, ErrorSums] = field(default_factory=lambda: {q: ErrorSums() for q in QUANTITIES})
+    total: dict[str, ErrorSums] = field(default_factory=lambda: {q: ErrorSums() for q in QUANTITIES})
+    inherited_input: ErrorSums = field(default_factory=ErrorSums)
+    inherited_grad: ErrorSums = field(default_factory=ErrorSums)  # of the gradient reaching its output
+
+    def local_error(self) -> float:
+        """What ranks it: the largest local relative error of its output, dgrad and wgrad."""
+        return max((s.rel_rms for s in self.local.values() if s.values), default=0.0)
+
+
+@dataclass
+class ModelErrors:
+    """The whole model's: the loss's and the gradient's error, and the gradient's batch-to-batch noise."""
+
+    losses: list[tuple[float, float]] = field(default_factory=list)  # (reference, candidate) per batch
+    gradient: ErrorSums = field(default_factory=ErrorSums)
+    grad_sq: list[float] = field(default_factory=list)  # ||g_b||^2 of the reference, per batch
+    grad_sum: Optional[list[torch.Tensor]] = None  # sum over batches of the reference's gradient, per parameter
+    by_param: dict[str, float] = field(default_factory=dict)  # each parameter's squared error, over the batches
+    by_layer: dict[str, float] = field(default_factory=dict)  # each layer's share of the gradient's squared error
+    backoffs: int = 0  # the candidate's loss scale halved on a non-finite gradient, as GradScaler would
+
+    def noise(self) -> Optional[float]:
+        """The reference gradient's batch-to-batch spread, relative: sqrt(mean ||g_b - mean g||^2) (unbiased) over
+        sqrt(mean ||g_b||^2). None with fewer than two batches."""
+        n = len(self.grad_sq)
+        if n < 2 or self.grad_sum is None:
+            return None
+        mean_sq = sum(float(s.double().pow(2).sum()) for s in self.grad_sum) / n ** 2
+        spread = max(sum(self.grad_sq) / n - mean_sq, 0.0) * n / (n - 1)
+        return math.sqrt(spread / (sum(self.grad_sq) / n)) if sum(self.grad_sq) else None
+
+    def loss_error(self) -> float:
+        """The mean absolute difference of the candidate's loss from the reference's, batch by batch."""
+        return sum(abs(c - r) for r, c in self.losses) / len(self.losses) if self.losses else 0.0
+
+    def loss_noise(self) -> Optional[float]:
+        """The standard deviation of the reference's loss from batch to batch."""
+        refs = [r for r, _ in self.losses]
+        if len(refs) < 2:
+            return None
+        mean = sum(refs) / len(refs)
+        return math.sqrt(sum((r - mean) ** 2 for r in refs) / (len(refs) - 1))
+
+
+@dataclass
+class Side:
+    """One precision's model: the mode's policy (entered around its computations), its forward context (autocast)
+    and the loss scale its backward runs under."""
+
+    model: nn.Module
+    enter: Callable[[], Any]  # the policy as a context manager (its matmul flags)
+    forward_context: Callable[[], Any]  # its autocast
+    scale: float = 1.0
+
+
+@dataclass
+class _Seen:
+    """What a layer saw in one forward and backward: its call's arguments (the input at index `at`), output and
+    the gradient that reached the output."""
+
+    args: tuple
+    kwargs: dict
+    at: int
+    output: torch.Tensor
+    grad: Optional[torch.Tensor] = None
+
+
+class _Capture:
+    """Forward hooks on the named layers: each call's arguments and output, cloned (a later in-place op must not
+    change them), and the gradient reaching the output. The hook hands the next layers a clone of the output, so
+    that an in-place op after it (ReLU(inplace=True)) modifies the clone and the gradient hook sees its own."""
+
+    def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
+        self.model, self.names = model, list(names)
+        self.seen: dict[str, _Seen] = {}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "_Capture":
+        for name in self.names:
+            self._handles.append(self.model.get_submodule(name).register_forward_hook(
+                self._hook(name), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, name: str) -> Callable:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            at = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
+            if at is None or not isinstance(output, torch.Tensor):
+                return None  # no tensor in, or not one tensor out: not compared
+            seen = _Seen(tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args),
+                         dict(kwargs), at, output.detach().clone())
+            self.seen[name] = seen
+            if not output.requires_grad:
+                return None
+
+            def keep(grad: torch.Tensor) -> None:
+                seen.grad = grad.detach().clone()
+
+            output.register_hook(keep)
+            return output.clone()
+
+        return hook
+
+
+def leaf_layers(model: nn.Module) -> dict[str, str]:
+    """The model's leaf modules, by name: their class names."""
+    return {name: type(m).__name__ for name, m in model.named_modules() if name and not list(m.children())}
+
+
+def quiet_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, _DROPOUT):
+            module.eval()
+
+
+def measure(reference: Side, candidate: Side, loss: Callable[[nn.Module, Any], torch.Tensor],
+            batches: Iterable[Any], on_batch: Callable[[int], None] = lambda done: None) -> tuple[
+                dict[str, LayerErrors], ModelErrors]:
+    """Every batch through both sides; the sums of every leaf layer of the reference that the candidate has by the
+    same name, and the whole model's."""
+    kinds = leaf_layers(reference.model)
+    cand_modules = dict(candidate.model.named_modules())
+    names = [n for n in kinds if n in cand_modules]
+    layers = {n: LayerErrors(n, type(cand_modules[n]).__name__) for n in names}
+    model = ModelErrors()
+    for side in (reference, candidate):
+        side.model.train()
+        quiet_dropout(side.model)
+    for done, batch in enumerate(batches, start=1):
+        ref_seen, ref_loss, ref_grads = _forward_backward(reference, loss, batch, names)
+        cand_seen, cand_loss, cand_grads = _forward_backward(candidate, loss, batch, names)
+        while candidate.scale > 1 and not all(bool(torch.isfinite(g).all()) for g in cand_grads.values()):
+            # a scaled backward that overflows: its training would skip the step and halve the scale (GradScaler's
+            # backoff), until the gradient is finite; the scale it ends at is the one compared under
+            candidate.scale /= 2
+            model.backoffs += 1
+            cand_seen, cand_loss, cand_grads = _forward_backward(candidate, loss, batch, names)
+        model.losses.append((ref_loss, cand_loss))
+        _add_gradients(model, ref_grads, cand_grads, candidate.scale)
+        for name in names:
+            if name in ref_seen and name in cand_seen:
+                _compare_layer(layers[name], reference, candidate, ref_seen[name], cand_seen[name])
+        on_batch(done)
+    _attribute(model, layers, reference.model)
+    return layers, model
+
+
+def _forward_backward(side: Side, loss: Callable, batch: Any, names: list[str]) -> tuple[
+        dict[str, _Seen], float, dict[str, torch.Tensor]]:
+    side.model.zero_grad(set_to_none=True)
+    with side.enter(), _Capture(side.model, names) as capture:
+        with side.forward_context():
+            value = loss(side.model, batch)
+        (value * side.scale).backward()
+    grads = {n: p.grad.detach().double() / side.scale for n, p in side.model.named_parameters() if p.grad is not None}
+    side.model.zero_grad(set_to_none=True)
+    return capture.seen, float(value.detach()), grads
+
+
+def _add_gradients(model: ModelErrors, ref: dict[str, torch.Tensor], cand: dict[str, torch.Tensor],
+                   scale: float) -> None:
+    shared = [n for n in ref if n in cand and ref[n].shape == cand[n].shape]
+    for n in shared:
+        model.gradient.add(cand[n], ref[n])
+        err = float((cand[n] - ref[n]).pow(2).nan_to_num(math.inf).sum())
+        model.by_param[n] = model.by_param.get(n, 0.0) + err
+    model.grad_sq.append(sum(float(ref[n].pow(2).sum()) for n in shared))
+    flat = [ref[n].float() for n in shared]
+    model.grad_sum = flat if model.grad_sum is None else [s + g for s, g in zip(model.grad_sum, flat)]
+
+
+def _compare_layer(errors: LayerErrors, reference: Side, candidate: Side, ref: _Seen, cand: _Seen) -> None:
+    """The reference's layer re-run on what it saw (its own output, dgrad and wgrad); the candidate's end to end
+    (re-run on what it saw) and locally: on the reference's input and output gradient, held in the types the
+    candidate's layer takes them in, so that the rounding into them and every error the layer makes of it (a
+    sum that cancels, a range its format cannot hold) are its own."""
+    ref_module = reference.model.get_submodule(errors.name)
+    cand_module = candidate.model.get_submodule(errors.name)
+    errors.inherited_input.add(cand.args[cand.at], ref.args[ref.at])
+    errors.total["out"].add(cand.output, ref.output)
+    if ref.grad is None or cand.grad is None:
+        return
+    errors.inherited_grad.add(cand.grad.double() / candidate.scale, ref.grad.double() / reference.scale)
+    exact = _layer_vjp(reference, ref_module, ref, ref.args[ref.at], ref.grad)
+    total = _layer_vjp(candidate, cand_module, cand, cand.args[cand.at], cand.grad)
+    upstream = (ref.grad.double() * (candidate.scale / reference.scale)).to(cand.grad.dtype)
+    local = _layer_vjp(candidate, cand_module, cand, ref.args[ref.at].to(cand.args[cand.at].dtype), upstream)
+    for index, quantity in enumerate(QUANTITIES):
+        if exact[index] is None:
+            continue
+        if local[index] is not None:
+            errors.local[quantity].add(local[index], exact[index])
+        if quantity != "out" and total[index] is not None:
+            errors.total[quantity].add(total[index], exact[index])
+
+
+def _layer_vjp(side: Side, module: nn.Module, seen: _Seen, x: torch.Tensor, upstream: torch.Tensor) -> tuple[
+        torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The layer's output for input x, and the gradients to x and to its weights for the gradient `upstream` at its
+    output (scaled, as this side's backward has it), computed as this side computes (its matmul flags, its
+    autocast): (output, dgrad, wgrad), the gradients in float64, unscaled, None where there is none."""
+    x = x.detach().requires_grad_(x.is_floating_point())
+    args = list(seen.args)
+    args[seen.at] = x
+    params = [p for p in module.parameters() if p.requires_grad]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    try:
+        with side.enter():
+            with side.forward_context():
+                out = module(*args, **seen.kwargs)
+            wanted = [*([x] if x.requires_grad else []), *params]
+            grads = torch.autograd.grad(out, wanted, grad_outputs=upstream.to(out.dtype), allow_unused=True) if (
+                wanted and out.requires_grad) else [None] * len(wanted)
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    dgrad = grads[0].double() / side.scale if x.requires_grad and grads[0] is not None else None
+    weight = [g.double().flatten() / side.scale for g in grads[1 if x.requires_grad else 0:] if g is not None]
+    return out.detach(), dgrad, (torch.cat(weight) if weight else None)
+
+
+def _attribute(model: ModelErrors, layers: dict[str, LayerErrors], reference: nn.Module) -> None:
+    """Each leaf layer's share of the whole gradient's squared error (its own parameters'), by parameter name; where
+    the error is not finite, the layers whose gradients are not share it."""
+    total = sum(model.by_param.values())
+    if math.isinf(total):
+        model.by_param = {param: 1.0 if math.isinf(err) else 0.0 for param, err in model.by_param.items()}
+        total = sum(model.by_param.values())
+    owners = {f"{name}.{p}": name for name in layers for p, _ in reference.get_submodule(name).named_parameters()}
+    for param, err in model.by_param.items():
+        owner = owners.get(param)
+        if owner is not None and total > 0:
+            model.by_layer[owner] = model.by_layer.get(owner, 0.0) + err / total

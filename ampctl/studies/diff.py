@@ -1,0 +1,197 @@
+"""`ampctl diff`: the run's precision mode (the candidate) measured against a reference (diff.against, fp32) on the
+same weights (a fresh init at train.seed) and the same diff.batches batches (analysis/layer_errors.py), layer by
+layer; its table, files and plot, and `ampctl report`'s rendering of them again from diff.json."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+from rich.console import Console
+
+from ampctl import io, run_files
+from ampctl.analysis.layer_errors import QUANTITIES, LayerErrors, ModelErrors, Side, measure
+from ampctl.conf.composing import compose_job
+from ampctl.engine.build import build_state
+from ampctl.engine.loop import batch_stream
+from ampctl.errors import UsageError
+from ampctl.recipes.base import build_recipe
+from ampctl.reports import plots, tables
+from ampctl.reports.progress import Phases
+from ampctl.runner.plan import check_config
+
+TITLE = "error by layer, ranked by the error each adds itself (local)"
+# the columns a terminal shows: what ranks a layer, what it inherits, and its share of the gradient's error
+SCREEN = ["layer", "out_local", "input_inherited", "dgrad_local", "wgrad_local", "gradient_share"]
+HEADERS = {"out_local": "out local", "out_total": "out total", "input_inherited": "input err",
+           "dgrad_local": "dgrad local", "dgrad_total": "dgrad total", "grad_inherited": "grad in err",
+           "wgrad_local": "wgrad local", "wgrad_total": "wgrad total", "gradient_share": "grad err share",
+           "out_cosine": "output cosine", "out_max_abs": "output max abs err"}
+# a key of the candidate's own (its mode and what belongs to it) that the reference does not take
+_CANDIDATES_OWN = ("precision", "scaler")
+
+
+def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
+    console = tables.make_console()
+    against, candidate = cfg.diff.against, cfg.precision.name
+    console.print(f"ampctl diff: precision={candidate} against {against}, "
+                  f"{io.count_of(cfg.diff.batches, 'batch')} of recipe={plots.recipe_label(cfg)} at the weights "
+                  f"of train.seed={cfg.train.seed} -> {out_dir}")
+    phase = Phases(console)
+    reference_cfg = compose_job("diff", [*(o for o in overrides if not o.lstrip("+~").startswith(_CANDIDATES_OWN)),
+                                         f"precision={against}"])
+    recipe = build_recipe(cfg.recipe)
+    reference, device = _side(reference_cfg, recipe)
+    cand, _ = _side(cfg, recipe)
+    phase(f"built the model twice, {against} and {candidate}")
+    batches = list(itertools.islice(batch_stream(recipe, device, cfg.train.seed), cfg.diff.batches))
+    layers, model = measure(reference, cand, recipe.loss, batches,
+                            on_batch=lambda done: phase(f"batch {done}/{len(batches)} through both, layer by layer"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = model_summary(model, candidate, against, cfg.diff.noise_share, cand.scale)
+    report = DiffReport(layer_table(layers, model), summary,
+                        candidate, against, cfg.diff.noise_share, cfg.diff.top, overrides,
+                        tables.machine_info([{"device": device.type}]),
+                        f"recipe={plots.recipe_label(cfg)} · {candidate} against {against} · "
+                        f"{io.count_of(len(batches), 'batch')}")
+    report.write(out_dir, console)
+
+
+def _side(cfg: DictConfig, recipe: Any) -> tuple[Side, Any]:
+    """The model of cfg's precision mode at train.seed's weights, as its training would start (its loss scale)."""
+    policy = check_config(cfg)
+    with policy:
+        state = build_state(cfg, policy, recipe)
+    scale = float(state.scaler.current_scale()) if state.scaler.can_skip else 1.0
+    return Side(state.model, lambda: policy, policy.forward_context, scale), policy.device
+
+
+# --- what it found --------------------------------------------------------------------------------------------
+
+
+def layer_table(layers: dict[str, LayerErrors], model: ModelErrors) -> tables.ReportTable:
+    """Every layer, ranked by the error it adds itself."""
+    columns = ["rank", "layer", "type", "depth", *(f"{q}_{s}" for q in QUANTITIES for s in ("local", "total")),
+               "input_inherited", "grad_inherited", "out_cosine", "out_max_abs", "flushed", "saturated", "nonfinite",
+               "gradient_share"]
+    depth = {name: i for i, name in enumerate(layers)}
+    ranked = sorted(layers.values(), key=lambda layer: -layer.local_error())
+    rows = []
+    for rank, layer in enumerate(ranked, start=1):
+        out = layer.total["out"]
+        rows.append([rank, layer.name, layer.kind, depth[layer.name],
+                     *(_rel(sums[q]) for q in QUANTITIES for sums in (layer.local, layer.total)),
+                     _rel(layer.inherited_input), _rel(layer.inherited_grad), out.cosine, out.max_abs,
+                     out.share(out.flushed), out.share(out.saturated), out.share(out.nonfinite),
+                     model.by_layer.get(layer.name)])
+    return tables.ReportTable(TITLE, columns, rows, headers=HEADERS, formats=FORMATS, screen=SCREEN,
+                              screen_note="every column (totals, cosine, flushed, saturated) in report.md and "
+                                          "diff.csv")
+
+
+def _rel(sums: Any) -> Optional[float]:
+    return sums.rel_rms if sums.values else None
+
+
+def error_cell(value: float) -> str:
+    return "inf" if math.isinf(value) else "0" if value == 0 else f"{value:.1e}"
+
+
+FORMATS = {**{f"{q}_{s}": error_cell for q in QUANTITIES for s in ("local", "total")},
+           "input_inherited": error_cell, "grad_inherited": error_cell, "out_max_abs": error_cell,
+           "out_cosine": lambda v: f"{v:.6f}", "flushed": tables.fraction_cell, "saturated": tables.fraction_cell,
+           "nonfinite": tables.fraction_cell, "gradient_share": lambda v: f"{v:.0%}"}
+
+
+def model_summary(model: ModelErrors, candidate: str, against: str, noise_share: float,
+                  loss_scale: float) -> dict[str, Any]:
+    """The whole model's figures and the yardstick's verdict."""
+    noise, error = model.noise(), model.gradient.rel_rms
+    ratio = error / noise if noise else None
+    below = ratio is not None and ratio <= noise_share
+    worst = sorted(model.by_layer.items(), key=lambda item: -item[1])[:3]
+    return {"loss_error": model.loss_error(), "loss_noise": model.loss_noise(), "gradient_error": error,
+            "gradient_cosine": model.gradient.cosine, "gradient_noise": noise, "error_over_noise": ratio,
+            "below_the_noise": below, "noise_share": noise_share, "largest_shares": worst,
+            "candidate": candidate, "against": against, "batches": len(model.losses),
+            "loss_scale": loss_scale, "scale_backoffs": model.backoffs}
+
+
+def verdict_lines(summary: dict[str, Any]) -> list[str]:
+    """What the whole model's figures say, in words."""
+    candidate, against = summary["candidate"], summary["against"]
+    loss_noise = summary["loss_noise"]
+    lines = [f"loss: {candidate} differs from {against} by {error_cell(summary['loss_error'])} on average"
+             + (f" (its batch-to-batch spread: {loss_noise:.3g})" if loss_noise else "")]
+    if summary.get("scale_backoffs"):
+        lines.append(f"loss scale: its gradient overflowed; compared under {summary['loss_scale']:g}, halved "
+                     f"{summary['scale_backoffs']} times as GradScaler would")
+    ratio, share = summary["error_over_noise"], summary["noise_share"]
+    gradient = f"gradient: relative error {error_cell(summary['gradient_error'])}"
+    if ratio is None:
+        return [*lines, f"{gradient}; the gradient's batch-to-batch noise could not be measured (diff.batches >= 2)"]
+    noise = (f"the gradient's batch-to-batch noise is {summary['gradient_noise']:.3g}: the error is "
+             f"{'all' if math.isinf(ratio) else f'{ratio:.2g}x'} of it")
+    if summary["below_the_noise"]:
+        return [*lines, f"{gradient}; {noise}, below diff.noise_share={share:g}: at these weights {candidate}'s "
+                        "error is far inside what SGD's own noise already does to training"]
+    largest = ", ".join(f"{name} ({part:.0%})" for name, part in summary["largest_shares"])
+    return [*lines, f"{gradient}; {noise}, not below diff.noise_share={share:g}: at these weights {candidate} can "
+                    f"change training. Largest shares of the gradient's error: {largest}"]
+
+
+@dataclass
+class DiffReport:
+    """What a diff's directory holds: diff.csv / diff.json / report.md and its plot; diff.json has everything
+    `ampctl report` needs to write them again."""
+
+    layers: tables.ReportTable
+    summary: dict[str, Any]
+    candidate: str
+    against: str
+    noise_share: float
+    top: int
+    overrides: list[str]
+    machine: dict
+    context: str = ""
+
+    def write(self, out_dir: Path, console: Console) -> None:
+        lines = verdict_lines(self.summary)
+        self.layers.notes = lines
+        images = [plots.layer_errors(self.layers.as_dicts(), self._allowed(), out_dir / "layer_errors.png",
+                                     f"{self.candidate} against {self.against}: error each layer adds", self.context)]
+        extra = {"kind": "diff", "context": self.context, "overrides": self.overrides, "candidate": self.candidate,
+                 "against": self.against, "noise_share": self.noise_share, "top": self.top, "model": self.summary}
+        files = tables.write_files(self.layers, out_dir, run_files.DIFF, self.machine, images, extra)
+        shown = tables.ReportTable(self.layers.title, self.layers.columns, self.layers.rows[:self.top], lines,
+                                   self.layers.headers, self.layers.formats, screen=self.layers.screen,
+                                   screen_note=f"{len(self.layers.rows)} layers; " + self.layers.screen_note)
+        tables.print_table(shown, console)
+        console.print(tables.wrote([*files, *images], out_dir))
+
+    def _allowed(self) -> Optional[float]:
+        """The gradient error the yardstick allows (diff.noise_share of the noise), drawn on the plot."""
+        noise = self.summary.get("gradient_noise")
+        return None if noise is None else self.noise_share * noise
+
+    @classmethod
+    def read(cls, out_dir: Path) -> "DiffReport":
+        data = json.loads((out_dir / f"{run_files.DIFF}.json").read_text())
+        if data.get("kind") != "diff":
+            raise UsageError(f"{out_dir / run_files.DIFF}.json is not an ampctl diff record")
+        rows = data["rows"]
+        columns = list(rows[0]) if rows else []
+        table = tables.ReportTable(TITLE, columns, [list(r.values()) for r in rows], headers=HEADERS, formats=FORMATS,
+                                   screen=SCREEN, screen_note="every column in report.md and diff.csv")
+        return cls(table, data["model"], data["candidate"], data["against"], data["noise_share"], data["top"],
+                   data.get("overrides", []), data["machine"], data.get("context", ""))
+
+
+def rerender(out_dir: Path, console: Console) -> None:
+    """`ampctl report` on a diff directory: the table, files and plot again from diff.json."""
+    DiffReport.read(out_dir).write(out_dir, console)
