@@ -48,21 +48,28 @@ class ErrorSums:
     saturated: int = 0  # at the candidate type's largest finite magnitude, or beyond it
 
     def add(self, cand: torch.Tensor, ref: torch.Tensor) -> None:
-        c, r = cand.detach().double().flatten(), ref.detach().double().flatten()
-        bad = ~torch.isfinite(c) & torch.isfinite(r)
-        self.nonfinite += int(bad.sum())
-        self.flushed += int(((c == 0) & (r != 0)).sum())
-        if cand.is_floating_point():
-            self.saturated += int((c.abs() >= torch.finfo(cand.dtype).max).sum())
-        good = ~bad
-        c, r = c[good], r[good]
-        d = c - r
-        self.diff_sq += float(d @ d)
-        self.ref_sq += float(r @ r)
-        self.cand_sq += float(c @ c)
-        self.dot += float(c @ r)
-        self.max_abs = max(self.max_abs, float(d.abs().max()) if d.numel() else 0.0)
+        c, r = cand.detach().flatten().double(), ref.detach().flatten().double()
+        sums = self._sums(c, r)
+        if not all(math.isfinite(v) for v in sums):  # rare: only then the masks and copies
+            bad = ~torch.isfinite(c) & torch.isfinite(r)
+            self.nonfinite += int(bad.sum())
+            c, r = c[~bad], r[~bad]
+            sums = self._sums(c, r)
+        self.diff_sq += sums[0]
+        self.ref_sq += sums[1]
+        self.cand_sq += sums[2]
+        self.dot += sums[3]
+        self.max_abs = max(self.max_abs, sums[4])
         self.values += cand.numel()
+        if cand.is_floating_point() and cand.dtype != torch.float64:  # as the candidate holds it: what its type lost
+            self.flushed += int(((c == 0) & (r != 0)).sum())
+            self.saturated += int((c.abs() >= torch.finfo(cand.dtype).max).sum())
+
+    @staticmethod
+    def _sums(c: torch.Tensor, r: torch.Tensor) -> list[float]:
+        """||c - r||^2, ||r||^2, ||c||^2, c.r and max |c - r|: one read back."""
+        d = c - r
+        return torch.stack([d @ d, r @ r, c @ c, c @ r, d.abs().max() if d.numel() else d.new_zeros(())]).tolist()
 
     @property
     def rel_rms(self) -> float:
