@@ -10,7 +10,7 @@ constants; docstrings and messages may say the names.
       diagnosis.json       the layer a guard's stop found (runner/diagnose.py)
       trackers.json        the tracker runs a resume continues (runner/trackers/)
       checkpoints/         step_NNNNNNNN.pt (or .dcp/) with .sha256 sidecars, best/ (runner/checkpoint_files.py)
-      train.log            the run's log (compare.log, memory.log, inspect.log, advise.log for those commands)
+      train.log            the run's log (compare.log, memory.log, inspect.log, advise.log, diff.log for those)
       error.txt            a failed multirun job's one line (the sweep's table shows it)
       .ampctl.lock         held (flock) by the process recording into the directory; the kernel frees it on kill
       .hydra/              Hydra's record of the composed config
@@ -41,7 +41,8 @@ COMPARISON, MEMORY, INSPECTION, ADVICE, DIFF = "comparison", "memory", "ranges",
 # advice first: an advice's directory holds the other studies' in directories of their own
 STUDY_RECORDS = tuple(f"{stem}.json" for stem in (ADVICE, COMPARISON, MEMORY, INSPECTION, DIFF))
 
-COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log", "advise.log")  # each command's log, by its name
+# each command's log, by its name
+COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log", "advise.log", "diff.log")
 # What a command that recorded nothing leaves (Hydra's own files, its log, the lock): a directory holding only
 # these is free for a new run, and is removed when a run is refused (commands/train.py)
 LEFTOVERS = frozenset({HYDRA, *COMMAND_LOGS, LOCK})

@@ -85,6 +85,9 @@ class DiffConfig:
     """diff.*: the reference the run's precision mode is measured against, layer by layer (studies/diff.py)."""
 
     against: str = "fp32"  # the reference precision mode
+    # the weights both start from: null, a fresh init at train.seed; a run directory (its newest checkpoint that
+    # passes its check) or a checkpoint: where training has taken them (divergence often starts late)
+    weights: Optional[str] = None
     batches: int = 8  # batches through both, the same weights (the gradient's noise is measured across them)
     # the candidate's gradient error counts as below the gradient's batch-to-batch noise under this share of it
     noise_share: float = 0.1

@@ -72,6 +72,28 @@ def find_checkpoint(path: Path) -> Path:
     raise UsageError(f"PATH={str(path)!r}: no checkpoint passes its check: {'; '.join(failures)}")
 
 
+@dataclass
+class SavedWeights:
+    """A checkpoint's weights in fp32, by the names the recipe's model gives them (`ampctl diff` at a run's weights)."""
+
+    state: dict[str, torch.Tensor]
+    recipe: dict[str, Any]  # the run's recipe config, resolved
+    step: int
+    source: Path
+
+
+def saved_weights(path: Path) -> SavedWeights:
+    """The weights of a checkpoint, or of a run directory's newest checkpoint that passes its check: the model's
+    own in fp32, O2's fp32 masters where the model's are their half copies."""
+    source = find_checkpoint(path).resolve()
+    payload = checkpoint.load(source, mmap=True)
+    cfg = OmegaConf.create(payload["config"])
+    model_state, _ = _saved_weights(source, payload, False)
+    model = _model_holding(cfg, model_state, None, payload.get("weights", {}).get("masters"))
+    recipe = OmegaConf.to_container(cfg.recipe, resolve=True)
+    return SavedWeights(model.float().state_dict(), recipe, payload["step"], source)
+
+
 def destination(source: Path, step: int, options: ExportConfig) -> Path:
     if options.dir is not None:
         return Path(options.dir).expanduser()

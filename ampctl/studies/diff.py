@@ -1,6 +1,7 @@
 """`ampctl diff`: the run's precision mode (the candidate) measured against a reference (diff.against, fp32) on the
-same weights (a fresh init at train.seed) and the same diff.batches batches (analysis/layer_errors.py), layer by
-layer; its table, files and plot, and `ampctl report`'s rendering of them again from diff.json."""
+same weights (a fresh init at train.seed, or a run's checkpoint: diff.weights) and the same diff.batches batches
+(analysis/layer_errors.py), layer by layer; its table, files and plot, and `ampctl report`'s rendering of them
+again from diff.json."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ampctl import io, run_files
@@ -23,6 +24,7 @@ from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
+from ampctl.runner.export import SavedWeights, saved_weights
 from ampctl.runner.plan import check_config
 
 TITLE = "error by layer, ranked by the error each adds itself (local)"
@@ -40,15 +42,16 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     console = tables.make_console()
     against, candidate = cfg.diff.against, cfg.precision.name
     console.print(f"ampctl diff: precision={candidate} against {against}, "
-                  f"{io.count_of(cfg.diff.batches, 'batch')} of recipe={plots.recipe_label(cfg)} at the weights "
-                  f"of train.seed={cfg.train.seed} -> {out_dir}")
+                  f"{io.count_of(cfg.diff.batches, 'batch')} of recipe={plots.recipe_label(cfg)} -> {out_dir}")
     phase = Phases(console)
     reference_cfg = compose_job("diff", [*(o for o in overrides if not o.lstrip("+~").startswith(_CANDIDATES_OWN)),
                                          f"precision={against}"])
     recipe = build_recipe(cfg.recipe)
-    reference, device = _side(reference_cfg, recipe)
-    cand, _ = _side(cfg, recipe)
-    phase(f"built the model twice, {against} and {candidate}")
+    saved = _saved_weights(cfg)
+    reference, device = _side(reference_cfg, recipe, saved)
+    cand, _ = _side(cfg, recipe, saved)
+    at = f"step {saved.step} of {saved.source}" if saved else f"a fresh init at train.seed={cfg.train.seed}"
+    phase(f"built the model twice, {against} and {candidate}, at the weights of {at}")
     batches = list(itertools.islice(batch_stream(recipe, device, cfg.train.seed), cfg.diff.batches))
     layers, model = measure(reference, cand, recipe.loss, batches,
                             on_batch=lambda done: phase(f"batch {done}/{len(batches)} through both, layer by layer"))
@@ -62,11 +65,36 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
     report.write(out_dir, console)
 
 
-def _side(cfg: DictConfig, recipe: Any) -> tuple[Side, Any]:
-    """The model of cfg's precision mode at train.seed's weights, as its training would start (its loss scale)."""
+def _saved_weights(cfg: DictConfig) -> Optional[SavedWeights]:
+    """diff.weights' checkpoint, refused in one line where its run trained another recipe than this config's."""
+    if cfg.diff.weights is None:
+        return None
+    saved = saved_weights(Path(cfg.diff.weights).expanduser())
+    ours = OmegaConf.to_container(cfg.recipe, resolve=True)
+    differing = sorted(k for k in set(ours) | set(saved.recipe) if ours.get(k) != saved.recipe.get(k))
+    if differing:
+        theirs = " ".join(f"recipe.{k}={saved.recipe.get(k)}" for k in differing if k != "_target_")
+        raise UsageError(f"diff.weights={cfg.diff.weights}: its run trained another recipe ("
+                         f"{', '.join(f'recipe.{k}' for k in differing)} differ); give its recipe: "
+                         f"recipe._target_={saved.recipe.get('_target_')} {theirs}".rstrip())
+    return saved
+
+
+def _side(cfg: DictConfig, recipe: Any, saved: Optional[SavedWeights]) -> tuple[Side, Any]:
+    """The model of cfg's precision mode at train.seed's weights or the saved ones, as its training would start
+    (its loss scale)."""
     policy = check_config(cfg)
     with policy:
         state = build_state(cfg, policy, recipe)
+        if saved is not None:  # the run's fp32 weights, in this mode's layout (O2's half copies, FP8's layers)
+            loaded = state.model.load_state_dict(saved.state, strict=False)
+            params = dict(state.model.named_parameters())
+            unloaded = [name for name in loaded.missing_keys if name in params]
+            if unloaded:  # a layer this mode renamed: it would keep its fresh init without a word
+                raise UsageError(f"diff.weights: precision={cfg.precision.name}'s model names {len(unloaded)} weights "
+                                 f"the checkpoint does not hold ({', '.join(unloaded[:3])})")
+            if policy.converter is not None:
+                policy.converter.weights_changed(state.model)
     scale = float(state.scaler.current_scale()) if state.scaler.can_skip else 1.0
     return Side(state.model, lambda: policy, policy.forward_context, scale), policy.device
 
@@ -115,7 +143,9 @@ def model_summary(model: ModelErrors, candidate: str, against: str, noise_share:
     ratio = error / noise if noise else None
     below = ratio is not None and ratio <= noise_share
     worst = sorted(model.by_layer.items(), key=lambda item: -item[1])[:3]
-    return {"loss_error": model.loss_error(), "loss_noise": model.loss_noise(), "gradient_error": error,
+    reference_loss = sum(r for r, _ in model.losses) / len(model.losses) if model.losses else None
+    return {"reference_loss": reference_loss, "loss_error": model.loss_error(), "loss_noise": model.loss_noise(),
+            "gradient_error": error,
             "gradient_cosine": model.gradient.cosine, "gradient_noise": noise, "error_over_noise": ratio,
             "below_the_noise": below, "noise_share": noise_share, "largest_shares": worst,
             "candidate": candidate, "against": against, "batches": len(model.losses),
@@ -126,7 +156,8 @@ def verdict_lines(summary: dict[str, Any]) -> list[str]:
     """What the whole model's figures say, in words."""
     candidate, against = summary["candidate"], summary["against"]
     loss_noise = summary["loss_noise"]
-    lines = [f"loss: {candidate} differs from {against} by {error_cell(summary['loss_error'])} on average"
+    lines = [f"loss: {against}'s {summary['reference_loss']:.4f}; {candidate}'s differs by "
+             f"{error_cell(summary['loss_error'])} on average"
              + (f" (its batch-to-batch spread: {loss_noise:.3g})" if loss_noise else "")]
     if summary.get("scale_backoffs"):
         lines.append(f"loss scale: its gradient overflowed; compared under {summary['loss_scale']:g}, halved "

@@ -137,3 +137,23 @@ def test_a_diff_that_cannot_be_measured_is_one_line_and_writes_nothing(tmp_path,
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     assert refused.stderr.startswith("ampctl diff: error: ") and said in refused.stderr, refused.stderr
     assert not (tmp_path / "diff").exists()
+
+
+def test_a_diff_at_a_runs_weights_starts_from_its_checkpoint(tmp_path):
+    """diff.weights=<run dir>: both models hold the run's trained weights (the reference's loss over the diff's
+    batches is the trained model's, computed here from the checkpoint by hand); a run of another recipe is refused
+    in one line naming what differs, and nothing is written."""
+    trained = ampctl.train([*MLP, "train.steps=20", "train.console=quiet"], run_dir=tmp_path / "run")
+    result = ampctl.diff([*MLP, "precision=bf16", "diff.batches=2", f"diff.weights={trained.run_dir}"],
+                         out_dir=tmp_path / "diff")
+    payload = torch.load(next((trained.run_dir / "checkpoints").glob("step_*.pt")), weights_only=False)
+    recipe = MLPRecipe(hidden=32, batch_size=16)
+    net = recipe.build_model()
+    net.load_state_dict(payload["model"])
+    losses = [recipe.loss(net, batch).item() for batch in itertools.islice(recipe.batches(torch.device("cpu"), 0), 2)]
+    assert result.summary["model"]["reference_loss"] == pytest.approx(sum(losses) / 2, rel=1e-6)
+    refused = run_ampctl("diff", "device=cpu", "recipe=mlp", "precision=bf16", f"diff.weights={trained.run_dir}",
+                         f"hydra.run.dir={tmp_path / 'other'}", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "its run trained another recipe (recipe.batch_size, recipe.hidden differ)" in refused.stderr
+    assert not (tmp_path / "other").exists()
