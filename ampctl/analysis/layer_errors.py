@@ -217,13 +217,14 @@ def quiet_dropout(model: nn.Module) -> None:
 
 
 def measure(reference: Side, candidate: Side, loss: Callable[[nn.Module, Any], torch.Tensor],
-            batches: Iterable[Any], on_batch: Callable[[int], None] = lambda done: None) -> tuple[
-                dict[str, LayerErrors], ModelErrors]:
+            batches: Iterable[Any], on_batch: Callable[[int], None] = lambda done: None,
+            per_layer: bool = True) -> tuple[dict[str, LayerErrors], ModelErrors]:
     """Every batch through both sides; the sums of every leaf layer of the reference that the candidate has by the
-    same name, and the whole model's."""
+    same name (per_layer=False: none, only the whole model's: two forwards and backwards a batch), and the whole
+    model's."""
     kinds = leaf_layers(reference.model)
     cand_modules = dict(candidate.model.named_modules())
-    names = [n for n in kinds if n in cand_modules]
+    names = [n for n in kinds if n in cand_modules] if per_layer else []
     layers = {n: LayerErrors(n, type(cand_modules[n]).__name__) for n in names}
     model = ModelErrors()
     for side in (reference, candidate):

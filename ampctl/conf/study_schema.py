@@ -92,12 +92,17 @@ class DiffConfig:
     # the candidate's gradient error counts as below the gradient's batch-to-batch noise under this share of it
     noise_share: float = 0.1
     top: int = 10  # the layers ranked on the screen (every layer in diff.csv)
+    # the fewest layers, raised one step (a format -> unconverted, half -> fp32), that bring the gradient's error
+    # under the yardstick; repaired.yaml runs them (studies/diff_repair.py). At most repair_layers of them
+    repair: bool = False
+    repair_layers: int = 8
 
     def __post_init__(self) -> None:
         require(self.batches >= 2, "diff.batches", self.batches,
                 "an integer >= 2 (the yardstick is the gradient's spread from batch to batch)")
         require(0.0 < self.noise_share <= 1.0, "diff.noise_share", self.noise_share, "a share in (0, 1]")
         require(self.top >= 1, "diff.top", self.top, "an integer >= 1")
+        require(self.repair_layers >= 1, "diff.repair_layers", self.repair_layers, "an integer >= 1")
 
 
 class AdviseGoal(Enum):

@@ -20,12 +20,14 @@ from ampctl.analysis.layer_errors import QUANTITIES, LayerErrors, ModelErrors, S
 from ampctl.conf.composing import compose_job
 from ampctl.engine.build import build_state
 from ampctl.engine.loop import batch_stream
+from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import UsageError
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
 from ampctl.runner.export import SavedWeights, saved_weights
 from ampctl.runner.plan import check_config
+from ampctl.studies.diff_repair import Repair, Tried, own_rules, repair_lines, repaired_config, run_repair
 
 TITLE = "error by layer, ranked by the error each adds itself (local)"
 # the columns a terminal shows: what ranks a layer, what it inherits, and its share of the gradient's error
@@ -48,8 +50,9 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
                                          f"precision={against}"])
     recipe = build_recipe(cfg.recipe)
     saved = _saved_weights(cfg)
-    reference, device = _side(reference_cfg, recipe, saved)
-    cand, _ = _side(cfg, recipe, saved)
+    reference, _ = _side(reference_cfg, recipe, saved)
+    cand, policy = _side(cfg, recipe, saved)
+    device = policy.device
     at = f"step {saved.step} of {saved.source}" if saved else f"a fresh init at train.seed={cfg.train.seed}"
     phase(f"built the model twice, {against} and {candidate}, at the weights of {at}")
     batches = list(itertools.islice(batch_stream(recipe, device, cfg.train.seed), cfg.diff.batches))
@@ -57,11 +60,26 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
                             on_batch=lambda done: phase(f"batch {done}/{len(batches)} through both, layer by layer"))
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = model_summary(model, candidate, against, cfg.diff.noise_share, cand.scale)
-    report = DiffReport(layer_table(layers, model), summary,
+    table = layer_table(layers, model)
+    repair = None
+    if cfg.diff.repair and summary["gradient_noise"]:
+        def measure_candidate(variant: DictConfig) -> ModelErrors:
+            return measure(reference, _side(variant, recipe, saved)[0], recipe.loss, batches, per_layer=False)[1]
+
+        if summary["below_the_noise"]:  # nothing to repair: its config is the run's
+            repair = Repair(chosen=Tried([], summary["gradient_error"], summary["error_over_noise"]))
+        else:
+            ranked = [row[1] for row in table.rows if row[4] is not None and row[4] > 0]
+            repair = run_repair(cfg, overrides, measure_candidate, ranked, policy.converted,
+                                summary["gradient_noise"])
+            phase(f"repair: {io.count_of(len(repair.tried), 'set')} of raised layers measured")
+            if repair.chosen is not None:
+                repair.config = repaired_config(overrides, own_rules(cfg), repair, out_dir)
+    report = DiffReport(table, summary,
                         candidate, against, cfg.diff.noise_share, cfg.diff.top, overrides,
                         tables.machine_info([{"device": device.type}]),
                         f"recipe={plots.recipe_label(cfg)} · {candidate} against {against} · "
-                        f"{io.count_of(len(batches), 'batch')}")
+                        f"{io.count_of(len(batches), 'batch')}", None if repair is None else repair.to_json())
     report.write(out_dir, console)
 
 
@@ -80,7 +98,7 @@ def _saved_weights(cfg: DictConfig) -> Optional[SavedWeights]:
     return saved
 
 
-def _side(cfg: DictConfig, recipe: Any, saved: Optional[SavedWeights]) -> tuple[Side, Any]:
+def _side(cfg: DictConfig, recipe: Any, saved: Optional[SavedWeights]) -> tuple[Side, PrecisionPolicy]:
     """The model of cfg's precision mode at train.seed's weights or the saved ones, as its training would start
     (its loss scale)."""
     policy = check_config(cfg)
@@ -96,7 +114,7 @@ def _side(cfg: DictConfig, recipe: Any, saved: Optional[SavedWeights]) -> tuple[
             if policy.converter is not None:
                 policy.converter.weights_changed(state.model)
     scale = float(state.scaler.current_scale()) if state.scaler.can_skip else 1.0
-    return Side(state.model, lambda: policy, policy.forward_context, scale), policy.device
+    return Side(state.model, lambda: policy, policy.forward_context, scale), policy
 
 
 # --- what it found --------------------------------------------------------------------------------------------
@@ -190,14 +208,18 @@ class DiffReport:
     overrides: list[str]
     machine: dict
     context: str = ""
+    repair: Optional[dict[str, Any]] = None  # diff_repair.Repair.to_json(), where diff.repair=true
 
     def write(self, out_dir: Path, console: Console) -> None:
         lines = verdict_lines(self.summary)
+        if self.repair is not None:
+            lines += repair_lines(Repair.of(self.repair), self.summary, out_dir)
         self.layers.notes = lines
         images = [plots.layer_errors(self.layers.as_dicts(), self._allowed(), out_dir / "layer_errors.png",
                                      f"{self.candidate} against {self.against}: error each layer adds", self.context)]
         extra = {"kind": "diff", "context": self.context, "overrides": self.overrides, "candidate": self.candidate,
-                 "against": self.against, "noise_share": self.noise_share, "top": self.top, "model": self.summary}
+                 "against": self.against, "noise_share": self.noise_share, "top": self.top, "model": self.summary,
+                 "repair": self.repair}
         files = tables.write_files(self.layers, out_dir, run_files.DIFF, self.machine, images, extra)
         shown = tables.ReportTable(self.layers.title, self.layers.columns, self.layers.rows[:self.top], lines,
                                    self.layers.headers, self.layers.formats, screen=self.layers.screen,
@@ -220,7 +242,7 @@ class DiffReport:
         table = tables.ReportTable(TITLE, columns, [list(r.values()) for r in rows], headers=HEADERS, formats=FORMATS,
                                    screen=SCREEN, screen_note="every column in report.md and diff.csv")
         return cls(table, data["model"], data["candidate"], data["against"], data["noise_share"], data["top"],
-                   data.get("overrides", []), data["machine"], data.get("context", ""))
+                   data.get("overrides", []), data["machine"], data.get("context", ""), data.get("repair"))
 
 
 def rerender(out_dir: Path, console: Console) -> None:

@@ -157,3 +157,31 @@ def test_a_diff_at_a_runs_weights_starts_from_its_checkpoint(tmp_path):
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
     assert "its run trained another recipe (recipe.batch_size, recipe.hidden differ)" in refused.stderr
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("mode,raised", [("fp16", "fp32"), ("bf16", "fp32"), ("fp8_emulated", "unconverted"),
+                                         ("mxfp8", "unconverted")])
+def test_repair_raises_the_broken_layer_and_no_other_and_its_config_runs_as_written(tmp_path, mode, raised):
+    """diff.repair=true on the recipe built to break: the one rule it writes raises `cancel` one step (a format to
+    unconverted, a half type to fp32); the error it recorded for that rule is what a diff with the rule typed on
+    the command line measures; repaired.yaml trains as written, the rule in its config."""
+    out = tmp_path / "diff"
+    result = ampctl.diff([*FRAGILE, f"precision={mode}", "diff.batches=3", "diff.repair=true"], out_dir=out)
+    repair = result.summary["repair"]
+    assert repair["chosen"]["rules"] == [{"match": "cancel", "run_in": raised}]
+    assert repair["chosen"]["error_over_noise"] <= 0.1 < result.summary["model"]["error_over_noise"]
+    rules = "[{match:cancel,run_in:" + raised + "}]"
+    again = ampctl.diff([*FRAGILE, f"precision={mode}", "diff.batches=3", f"precision.rules={rules}"],
+                        out_dir=tmp_path / "again")
+    assert again.summary["model"]["gradient_error"] == pytest.approx(repair["chosen"]["gradient_error"], rel=1e-9)
+    trained = run_ampctl("train", "-cd", str(out), "-cn", "repaired", "train.steps=3", "train.console=quiet",
+                         f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr
+    config = json.loads((tmp_path / "run" / "identity.json").read_text())["config"]
+    assert config["precision"]["rules"][0] == {"match": "cancel", "type": None, "run_in": raised}
+
+
+def test_repair_of_a_mode_already_under_the_yardstick_raises_nothing(tmp_path):
+    result = ampctl.diff([*MLP, "precision=bf16", "diff.batches=3", "diff.repair=true"], out_dir=tmp_path / "diff")
+    assert result.summary["model"]["below_the_noise"]
+    assert result.summary["repair"]["chosen"]["rules"] == [] and not (tmp_path / "diff" / "repaired.yaml").exists()

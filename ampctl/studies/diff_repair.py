@@ -1,0 +1,142 @@
+"""`ampctl diff diff.repair=true`: the fewest layers whose precision, raised one step, brings the candidate's
+gradient error under the yardstick (diff.noise_share of the gradient's batch-to-batch noise), measured, not guessed.
+
+One step up: a layer the mode converts to a format (FP8, MX) runs `unconverted`, as the rest of the model does; any
+other runs in fp32. The layers are tried in the diff's ranking (the error each adds itself), one more at a time,
+each set measured again on the same weights and batches (the whole model's error only: two forwards and backwards
+a batch), until the error is under the yardstick or diff.repair_layers layers are raised; then each chosen layer
+whose removal keeps the error under it is dropped, so that the set is the fewest that does it in that order. The
+rules go before the mode's own (the first rule that matches a layer decides it), which are kept; repaired.yaml is
+the run's config with them, as `ampctl train -cd DIR -cn repaired` runs it. Whether the repaired mode then trains
+as fp32 does is a comparison's to say (`ampctl compare` of the two configs over seeds), not this measurement's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from ampctl import io
+from ampctl.analysis.layer_errors import ModelErrors
+from ampctl.conf.composing import compose_job, defaults_of_a_job, without_hydra_node
+from ampctl.studies.advice import Preparation
+
+REPAIRED = "repaired"  # <diff dir>/repaired.yaml
+
+
+@dataclass
+class Tried:
+    """One set of raised layers, measured: the whole gradient's error and its ratio to the noise."""
+
+    rules: list[dict[str, str]]
+    gradient_error: float
+    error_over_noise: Optional[float]
+
+
+@dataclass
+class Repair:
+    """What the search found: every set it measured, in order, and the one it chose (None: none was enough)."""
+
+    tried: list[Tried] = field(default_factory=list)
+    chosen: Optional[Tried] = None
+    config: Optional[str] = None  # repaired.yaml's name in the diff's directory
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, data: dict[str, Any]) -> "Repair":
+        """From to_json()'s dict (diff.json)."""
+        chosen = data.get("chosen")
+        return cls([Tried(**t) for t in data.get("tried", [])], Tried(**chosen) if chosen else None,
+                   data.get("config"))
+
+
+def step_up(layer: str, converted: dict[str, str]) -> str:
+    """A format -> unconverted; anything else -> fp32."""
+    return "unconverted" if layer in converted else "fp32"
+
+
+def search(ranked: list[str], converted: dict[str, str], limit: int, noise_share: float,
+           measure_with: Callable[[list[dict[str, str]]], ModelErrors], noise: float) -> Repair:
+    """The fewest layers of `ranked` (tried in its order, at most `limit`) whose raised precision brings the
+    gradient's error under noise_share of the noise; measure_with(rules) measures the candidate with those rules
+    before its own."""
+    repair = Repair()
+
+    def tried(layers: list[str]) -> Tried:
+        rules = [{"match": name, "run_in": step_up(name, converted)} for name in layers]
+        error = measure_with(rules).gradient.rel_rms
+        result = Tried(rules, error, error / noise if noise else None)
+        repair.tried.append(result)
+        return result
+
+    def enough(result: Tried) -> bool:
+        return result.error_over_noise is not None and result.error_over_noise <= noise_share
+
+    chosen: list[str] = []
+    for name in ranked[:limit]:
+        chosen.append(name)
+        if enough(last := tried(chosen)):
+            break
+    else:
+        return repair
+    for name in list(chosen[:-1]):  # the last one added was needed; each earlier one only if it still is
+        fewer = [n for n in chosen if n != name]
+        if enough(result := tried(fewer)):
+            chosen, last = fewer, result
+    repair.chosen = last
+    return repair
+
+
+def repaired_config(overrides: list[str], own_rules: list[dict[str, str]], repair: Repair, out_dir: Path) -> str:
+    """repaired.yaml: the run's config with the repair's rules before the mode's own; returns its name."""
+    rules = [*repair.chosen.rules, *own_rules] if repair.chosen else own_rules
+    trains = [o for o in overrides if not o.lstrip("+~").startswith("diff.")]  # a train config: no diff node
+    job = compose_job("train", [*trains, *Preparation({}, rules).overrides()], with_hydra=True)
+    path = out_dir / f"{REPAIRED}.yaml"
+    io.atomic_write_text(path, defaults_of_a_job("train", dict(job.hydra.runtime.choices))
+                         + OmegaConf.to_yaml(without_hydra_node(job)))
+    return path.name
+
+
+def own_rules(cfg: DictConfig) -> list[dict[str, str]]:
+    """The mode's rules as the config has them (its defaults included), without unset keys."""
+    rules = OmegaConf.to_container(cfg.precision.rules, resolve=True, enum_to_str=True) or []
+    return [{k: str(v) for k, v in rule.items() if v is not None} for rule in rules]
+
+
+def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list[str]:
+    """What the repair found, in words."""
+    before = summary["error_over_noise"]
+    if repair.chosen is None:
+        return [f"repair: raising the {len(repair.tried)} layers ranked first, one more at a time, did not bring the "
+                f"gradient's error under the yardstick (its best: {min(t.gradient_error for t in repair.tried):.1e}"
+                f"); the error is not a few layers': see the ranking"]
+    if not repair.chosen.rules:
+        return ["repair: nothing to repair: the gradient's error is already under the yardstick"]
+    rules = ", ".join(f"{r['match']} -> {r['run_in']}" for r in repair.chosen.rules)
+    n = len(repair.chosen.rules)
+    lines = [f"repair: {io.count_of(n, 'layer')} raised ({rules}) {'brings' if n == 1 else 'bring'} the gradient's "
+             f"error from {summary['gradient_error']:.1e} ({before:.2g}x the noise) to "
+             f"{repair.chosen.gradient_error:.1e} ({repair.chosen.error_over_noise:.2g}x); "
+             f"{io.count_of(len(repair.tried), 'set')} of layers measured"]
+    if repair.config:
+        lines.append(f"run it: ampctl train -cd {out_dir} -cn {Path(repair.config).stem}   (whether it trains as "
+                     "fp32 does: ampctl compare it against fp32 over seeds)")
+    return lines
+
+
+def run_repair(cfg: DictConfig, overrides: list[str], measure_candidate: Callable[[DictConfig], ModelErrors],
+               ranked: list[str], converted: dict[str, str], noise: float) -> Repair:
+    """The search with the candidate composed again for each set of rules; measure_candidate(config): its whole
+    model's errors against the reference on the diff's weights and batches."""
+    own = own_rules(cfg)
+
+    def measure_with(rules: list[dict[str, str]]) -> ModelErrors:
+        return measure_candidate(compose_job("diff", [*overrides, *Preparation({}, [*rules, *own]).overrides()]))
+
+    return search(ranked, converted, cfg.diff.repair_layers, cfg.diff.noise_share, measure_with, noise)
