@@ -25,7 +25,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from ampctl.conf.precision_schema import SCALER_SCHEMAS, PrecisionConfig
 from ampctl.conf.study_schema import AdviseConfig, CompareConfig, DiffConfig, InspectConfig, MemoryConfig
 from ampctl.conf.train_schema import TrainConfig, safe_to_change
-from ampctl.conf.value_checks import require
+from ampctl.conf.value_checks import positive_finite, require
 from ampctl.errors import UsageError
 
 
@@ -88,11 +88,22 @@ class GuardConfig:
     max_consecutive_skips: Optional[int] = 100  # this many skipped steps in a row stop the run; null: never
     stop_at_min_scale: bool = True  # an overflow at scaler.min_scale stops the run: it cannot back off further
     on_nonfinite: NonfiniteAction = NonfiniteAction.stop  # stop | warn, for a non-finite loss no scaler can absorb
+    # a finite loss spike stops the run: a step's loss more than this many robust deviations (1.4826 x the median
+    # absolute deviation, at least 1% of the median) above the median of the last loss_spike_window steps' losses,
+    # checked once that many are in (its warm-up); null: not watched (Lightning's SpikeDetection, llm-foundry's
+    # idea). A watch, not the run's numerics: a resumed run may start or change it
+    loss_spike: Optional[float] = safe_to_change(None)
+    loss_spike_window: int = safe_to_change(50)
 
     def __post_init__(self) -> None:
         if self.max_consecutive_skips is not None:
             require(self.max_consecutive_skips >= 1, "guard.max_consecutive_skips", self.max_consecutive_skips,
                     "an integer >= 1, or null to never stop on skipped steps")
+        if self.loss_spike is not None:
+            require(positive_finite(self.loss_spike), "guard.loss_spike", self.loss_spike,
+                    "a number of robust deviations > 0 (6: far out of the loss's own wiggle), or null for none")
+        require(self.loss_spike_window >= 10, "guard.loss_spike_window", self.loss_spike_window,
+                "an integer >= 10 (the steps whose median and spread a spike is measured against)")
 
 
 @dataclass

@@ -1,10 +1,13 @@
 """Numeric guards, checked on the step records as they come back from the device (log steps only, so the
-training step never syncs for them): too many skipped steps in a row, an overflow at the minimum loss scale,
-a non-finite loss that no loss scaler can absorb."""
+training step never syncs for them; every step's record is checked): too many skipped steps in a row, an overflow
+at the minimum loss scale, a non-finite loss that no loss scaler can absorb, and (guard.loss_spike) a finite loss
+spike: a loss far above the median of the steps before it, by their own robust spread."""
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Optional
 
@@ -35,6 +38,8 @@ class Guard:
         self.min_scale = min_scale
         self.streak_start: Optional[int] = None
         self.streak = 0
+        self.spike: Optional[float] = cfg.get("loss_spike")
+        self.window: collections.deque[float] = collections.deque(maxlen=cfg.get("loss_spike_window", 50))
 
     def check(self, records: list[StepRecord]) -> tuple[Optional[GuardTrip], list[str]]:
         """The first trip in these records (if any), and warnings to print."""
@@ -58,8 +63,28 @@ class Guard:
                 trip = GuardTrip(r.step, f"step {r.step} overflowed at the minimum loss scale "
                                          f"(scaler.min_scale={self.min_scale:g}): the scale cannot back off further")
                 return trip, warnings
+            if self.spike is not None and not r.skipped and math.isfinite(r.loss):
+                spike = self._spike(r)
+                if spike is not None:
+                    return spike, warnings
             if self.max_skips is not None and self.streak >= self.max_skips:
                 return GuardTrip(self.streak_start or r.step, f"{self.streak} consecutive skipped steps "
                                  f"({self.streak_start}..{r.step}), loss scale now {r.loss_scale:g}: the run is "
                                  "not recovering (guard.max_consecutive_skips)"), warnings
         return None, warnings
+
+    def _spike(self, r: StepRecord) -> Optional[GuardTrip]:
+        """The loss of a step against the last window's: a trip where it is more than guard.loss_spike robust
+        deviations above their median; the loss joins the window otherwise. Nothing until the window is full."""
+        if len(self.window) == self.window.maxlen:
+            median = statistics.median(self.window)
+            spread = 1.4826 * statistics.median(abs(v - median) for v in self.window)
+            # a loss flat to within 1% has no meaningful spread: 1% of it stands for one
+            deviation = max(spread, 0.01 * abs(median))
+            z = (r.loss - median) / deviation if deviation > 0 else 0.0
+            if z > self.spike:  # type: ignore[operator]
+                return GuardTrip(r.step, f"loss spike at step {r.step}: {r.loss:.4g}, {z:.1f} robust deviations "
+                                         f"above the median {median:.4g} of the {len(self.window)} steps before it "
+                                         f"(guard.loss_spike={self.spike:g})")
+        self.window.append(r.loss)
+        return None

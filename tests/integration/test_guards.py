@@ -93,3 +93,30 @@ def test_hysteresis_tolerates_overflows_before_backing_off(tmp_path, restore_arg
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in rows[:4]] == [True] * 4
     assert [r["loss_scale"] for r in rows[:5]] == [1e9, 1e9, 1e9, 5e8, 2.5e8]  # backs off from the 3rd on
+
+
+# no norm layer: it would normalize the spiking batch's gain away
+SPIKE = ["recipe=mlp", "recipe._target_=tests.support.spike_recipe.SpikeRecipe", "recipe.hidden=32",
+         "recipe.norm=none", "guard.loss_spike=6", "guard.loss_spike_window=20", "train.log_every=10", *QUIET]
+
+
+def test_a_loss_spike_is_caught_at_its_step_and_the_run_stops_with_its_replay(tmp_path, capsys, restore_argv):
+    """The batch of step 45 spikes the loss (tests/support/spike_recipe.py): the guard, which reads every step's
+    record on log steps, names step 45, not the log step after it, and the replay finds every value finite."""
+    run = tmp_path / "run"
+    err = stopped(capsys, ["train", *SPIKE, "+recipe.spike_at=45", "train.steps=80", f"hydra.run.dir={run}"])
+    assert "loss spike at step 45: " in err and "robust deviations above the median" in err
+    assert "of the 20 steps before it (guard.loss_spike=6)" in err
+    assert strict_json(run / "diagnosis.json")["step"] == 45
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 50  # recorded up to the log step that read it, as the other guards
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_a_smooth_run_is_never_taken_for_a_spike(tmp_path, precision, restore_argv):
+    """The same recipe without its spike, 200 steps from a fresh init (its loss falls fast, then wiggles), in
+    three modes: the guard never trips."""
+    run = tmp_path / "run"
+    main(["train", *SPIKE, "+recipe.spike_at=0", "train.steps=200", f"precision={precision}",
+          f"hydra.run.dir={run}"])
+    assert json.loads((run / "summary.json").read_text())["steps"] == 200
