@@ -28,9 +28,13 @@ def check(cfg: DictConfig) -> None:
 
 
 def run(study: Study) -> Optional[int]:
-    from ampctl.studies.diff import run_diff  # torch: imported by a diff, not by --help
+    import functools
 
-    run_diff(study.cfg, study.out_dir, study.overrides)
+    from ampctl.studies.diff import run_diff  # torch: imported by a diff, not by --help
+    from ampctl.studies.diff_proof import prove
+
+    prover = functools.partial(prove, config_dir=study.config_dir) if study.cfg.diff.prove else None
+    run_diff(study.cfg, study.out_dir, study.overrides, prover)
     return None
 
 

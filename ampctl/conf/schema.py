@@ -153,6 +153,7 @@ class DiffAppConfig(AmpctlConfig):
     it against."""
 
     diff: DiffConfig = field(default_factory=DiffConfig)
+    compare: CompareConfig = field(default_factory=lambda: CompareConfig(seeds=3, warmup_steps=5))  # diff.prove's
 
 
 @dataclass

@@ -96,6 +96,10 @@ class DiffConfig:
     # under the yardstick; repaired.yaml runs them (studies/diff_repair.py). At most repair_layers of them
     repair: bool = False
     repair_layers: int = 8
+    # the reference, the candidate and the repaired candidate trained side by side over compare.seeds seeds (compare's
+    # rounds and held-out parity, studies/diff_proof.py), within what is left of diff.budget
+    prove: bool = False
+    budget: str = "10min"  # the whole diff's: 90s, 10min, 1h30m
 
     def __post_init__(self) -> None:
         require(self.batches >= 2, "diff.batches", self.batches,
@@ -103,6 +107,8 @@ class DiffConfig:
         require(0.0 < self.noise_share <= 1.0, "diff.noise_share", self.noise_share, "a share in (0, 1]")
         require(self.top >= 1, "diff.top", self.top, "an integer >= 1")
         require(self.repair_layers >= 1, "diff.repair_layers", self.repair_layers, "an integer >= 1")
+        require(budget_seconds(self.budget) is not None, "diff.budget", self.budget,
+                "a duration such as 90s, 10min, 1h or 1h30m")
 
 
 class AdviseGoal(Enum):

@@ -8,9 +8,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -40,7 +41,14 @@ HEADERS = {"out_local": "out local", "out_total": "out total", "input_inherited"
 _CANDIDATES_OWN = ("precision", "scaler")
 
 
-def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
+# diff.prove's training (studies/diff_proof.prove): (cfg, out_dir, overrides, repair, started) -> its verdict
+Prover = Callable[[DictConfig, Path, list[str], Optional[Repair], float], Any]
+
+
+def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Optional[Prover] = None) -> None:
+    """The diff, its repair where diff.repair is set, and its proof where a prover is given (the command gives
+    studies/diff_proof.prove where diff.prove is set: a comparison's machinery the diff itself does not need)."""
+    started = time.monotonic()  # diff.budget's clock
     console = tables.make_console()
     against, candidate = cfg.diff.against, cfg.precision.name
     console.print(f"ampctl diff: precision={candidate} against {against}, "
@@ -75,11 +83,15 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str]) -> None:
             phase(f"repair: {io.count_of(len(repair.tried), 'set')} of raised layers measured")
             if repair.chosen is not None:
                 repair.config = repaired_config(overrides, own_rules(cfg), repair, out_dir)
+    proof = None
+    if prove is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        proof = asdict(prove(cfg, out_dir, overrides, repair, started))
     report = DiffReport(table, summary,
                         candidate, against, cfg.diff.noise_share, cfg.diff.top, overrides,
                         tables.machine_info([{"device": device.type}]),
                         f"recipe={plots.recipe_label(cfg)} · {candidate} against {against} · "
-                        f"{io.count_of(len(batches), 'batch')}", None if repair is None else repair.to_json())
+                        f"{io.count_of(len(batches), 'batch')}", None if repair is None else repair.to_json(), proof)
     report.write(out_dir, console)
 
 
@@ -209,17 +221,21 @@ class DiffReport:
     machine: dict
     context: str = ""
     repair: Optional[dict[str, Any]] = None  # diff_repair.Repair.to_json(), where diff.repair=true
+    proof: Optional[dict[str, Any]] = None  # diff_proof.Proof's fields, where diff.prove=true
 
     def write(self, out_dir: Path, console: Console) -> None:
         lines = verdict_lines(self.summary)
         if self.repair is not None:
             lines += repair_lines(Repair.of(self.repair), self.summary, out_dir)
+        if self.proof is not None:
+            lines.append(f"proof (proof/, trained from a fresh init over the comparison's seeds): "
+                         f"{self.proof['words']}")
         self.layers.notes = lines
         images = [plots.layer_errors(self.layers.as_dicts(), self._allowed(), out_dir / "layer_errors.png",
                                      f"{self.candidate} against {self.against}: error each layer adds", self.context)]
         extra = {"kind": "diff", "context": self.context, "overrides": self.overrides, "candidate": self.candidate,
                  "against": self.against, "noise_share": self.noise_share, "top": self.top, "model": self.summary,
-                 "repair": self.repair}
+                 "repair": self.repair, "proof": self.proof}
         files = tables.write_files(self.layers, out_dir, run_files.DIFF, self.machine, images, extra)
         shown = tables.ReportTable(self.layers.title, self.layers.columns, self.layers.rows[:self.top], lines,
                                    self.layers.headers, self.layers.formats, screen=self.layers.screen,
@@ -242,7 +258,8 @@ class DiffReport:
         table = tables.ReportTable(TITLE, columns, [list(r.values()) for r in rows], headers=HEADERS, formats=FORMATS,
                                    screen=SCREEN, screen_note="every column in report.md and diff.csv")
         return cls(table, data["model"], data["candidate"], data["against"], data["noise_share"], data["top"],
-                   data.get("overrides", []), data["machine"], data.get("context", ""), data.get("repair"))
+                   data.get("overrides", []), data["machine"], data.get("context", ""), data.get("repair"),
+                   data.get("proof"))
 
 
 def rerender(out_dir: Path, console: Console) -> None:

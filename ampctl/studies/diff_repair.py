@@ -8,7 +8,7 @@ a batch), until the error is under the yardstick or diff.repair_layers layers ar
 whose removal keeps the error under it is dropped, so that the set is the fewest that does it in that order. The
 rules go before the mode's own (the first rule that matches a layer decides it), which are kept; repaired.yaml is
 the run's config with them, as `ampctl train -cd DIR -cn repaired` runs it. Whether the repaired mode then trains
-as fp32 does is a comparison's to say (`ampctl compare` of the two configs over seeds), not this measurement's.
+as the reference does is decided by training, not by this measurement (diff.prove, studies/diff_proof.py).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def search(ranked: list[str], converted: dict[str, str], limit: int, noise_share
 def repaired_config(overrides: list[str], own_rules: list[dict[str, str]], repair: Repair, out_dir: Path) -> str:
     """repaired.yaml: the run's config with the repair's rules before the mode's own; returns its name."""
     rules = [*repair.chosen.rules, *own_rules] if repair.chosen else own_rules
-    trains = [o for o in overrides if not o.lstrip("+~").startswith("diff.")]  # a train config: no diff node
+    trains = [o for o in overrides if not o.lstrip("+~").startswith(("diff.", "compare."))]  # train has neither
     job = compose_job("train", [*trains, *Preparation({}, rules).overrides()], with_hydra=True)
     path = out_dir / f"{REPAIRED}.yaml"
     io.atomic_write_text(path, defaults_of_a_job("train", dict(job.hydra.runtime.choices))
@@ -126,7 +126,7 @@ def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list
              f"{io.count_of(len(repair.tried), 'set')} of layers measured"]
     if repair.config:
         lines.append(f"run it: ampctl train -cd {out_dir} -cn {Path(repair.config).stem}   (whether it trains as "
-                     "fp32 does: ampctl compare it against fp32 over seeds)")
+                     "the reference does: diff.prove=true trains both over seeds)")
     return lines
 
 
