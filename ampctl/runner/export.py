@@ -51,16 +51,16 @@ class Exported:
     bytes: int
 
 
-def find_checkpoint(path: Path) -> Path:
+def find_checkpoint(path: Path, key: str = "PATH") -> Path:
     """A checkpoint as given (a file, a DCP directory, a best/ one); for a run directory its newest checkpoint that
-    passes its check, newer ones that do not named."""
+    passes its check, newer ones that do not named. key: what the user called it (`PATH`, `diff.weights`)."""
     if is_checkpoint(path) or path.is_file():
         return path
     if not path.is_dir():
-        raise UsageError(f"PATH={str(path)!r} does not exist; give a run directory or a checkpoint")
+        raise UsageError(f"{key}={str(path)!r} does not exist; give a run directory or a checkpoint")
     found = list_checkpoints(path)
     if not found:
-        raise UsageError(f"PATH={str(path)!r} holds no checkpoint (checkpoints/step_*.pt or .dcp); give a run "
+        raise UsageError(f"{key}={str(path)!r} holds no checkpoint (checkpoints/step_*.pt or .dcp); give a run "
                          "directory or a checkpoint")
     failures = []
     for candidate in reversed(found):
@@ -69,7 +69,7 @@ def find_checkpoint(path: Path) -> Path:
             return candidate
         except UsageError as exc:
             failures.append(str(exc))
-    raise UsageError(f"PATH={str(path)!r}: no checkpoint passes its check: {'; '.join(failures)}")
+    raise UsageError(f"{key}={str(path)!r}: no checkpoint passes its check: {'; '.join(failures)}")
 
 
 @dataclass
@@ -82,10 +82,10 @@ class SavedWeights:
     source: Path
 
 
-def saved_weights(path: Path) -> SavedWeights:
+def saved_weights(path: Path, key: str = "PATH") -> SavedWeights:
     """The weights of a checkpoint, or of a run directory's newest checkpoint that passes its check: the model's
-    own in fp32, O2's fp32 masters where the model's are their half copies."""
-    source = find_checkpoint(path).resolve()
+    own in fp32, O2's fp32 masters where the model's are their half copies. key: what the user called the path."""
+    source = find_checkpoint(path, key).resolve()
     payload = checkpoint.load(source, mmap=True)
     cfg = OmegaConf.create(payload["config"])
     model_state, _ = _saved_weights(source, payload, False)

@@ -99,7 +99,7 @@ def _saved_weights(cfg: DictConfig) -> Optional[SavedWeights]:
     """diff.weights' checkpoint, refused in one line where its run trained another recipe than this config's."""
     if cfg.diff.weights is None:
         return None
-    saved = saved_weights(Path(cfg.diff.weights).expanduser())
+    saved = saved_weights(Path(cfg.diff.weights).expanduser(), "diff.weights")
     ours = OmegaConf.to_container(cfg.recipe, resolve=True)
     differing = sorted(k for k in set(ours) | set(saved.recipe) if ours.get(k) != saved.recipe.get(k))
     if differing:

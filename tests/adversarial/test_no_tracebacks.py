@@ -67,6 +67,11 @@ from tests.support.runs import snapshot
       "train.eval.every=1", "train.checkpoint.save_top_k=1"],
      "train.checkpoint.monitor=ema_nope: the recipe's evaluation gives no such metric; it gives "
                              "accuracy, ema_accuracy, ema_loss, loss"),
+    # the loss-spike guard (issue 53)
+    (["guard.loss_spike=0"], "guard.loss_spike=0.0 is not allowed: expected a number of robust deviations > 0"),
+    (["guard.loss_spike=inf"], "guard.loss_spike=inf is not allowed"),
+    (["guard.loss_spike=6", "guard.loss_spike_window=5"],
+     "guard.loss_spike_window=5 is not allowed: expected an integer >= 10"),
     # sizes torch cannot build or train (issue 35)
     (["recipe.in_features=9223372036854775807"], "its model cannot be built, its tensors are too large to allocate "
      "(Storage size calculation overflowed with sizes=[32, 9223372036854775807]); its largest size option: "
@@ -76,6 +81,22 @@ def test_bad_values_are_one_line_exit_2_and_leave_nothing(tmp_path, args, named)
     refused = cli("train", *MLP, "train.steps=1", f"hydra.run.dir={tmp_path / 'run'}", *args, cwd=tmp_path)
     assert named in one_line_refusal(refused, "train")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args,named", [
+    (["diff.noise_share=0"], "diff.noise_share=0.0 is not allowed: expected a share in (0, 1]"),
+    (["diff.top=0"], "diff.top=0 is not allowed: expected an integer >= 1"),
+    (["diff.repair_layers=0"], "diff.repair_layers=0 is not allowed: expected an integer >= 1"),
+    (["diff.budget=forever"], "diff.budget='forever' is not allowed: expected a duration"),
+    (["diff.weights=/nonexistent/run"], "diff.weights='/nonexistent/run' does not exist; give a run directory or a "
+                                        "checkpoint"),
+    (["diff.against=bf16", "precision=bf16"], "precision=bf16 is the reference (diff.against=bf16)"),
+])
+def test_a_diff_given_bad_values_is_one_line_exit_2_and_leaves_nothing(tmp_path, args, named):
+    refused = cli("diff", *MLP, "precision=bf16", "diff.batches=2", f"hydra.run.dir={tmp_path / 'diff'}", *args,
+                  cwd=tmp_path)
+    assert named in one_line_refusal(refused, "diff")
+    assert not (tmp_path / "diff").exists()
 
 
 @pytest.mark.parametrize("command,named", [
