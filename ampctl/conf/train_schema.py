@@ -165,6 +165,22 @@ class CompileConfig:
 
 
 @dataclass
+class LayerErrorWatchConfig:
+    """train.diff.*: every N steps, each layer's error against fp32 at the run's current weights (`ampctl diff`'s
+    measurement, on the first `batches` batches of train.seed, the same each time): diffs.jsonl, and a layer-by-step
+    heatmap in the run's report (runner/layer_error_log.py). Where a layer starts to drift, without a rerun."""
+
+    every: Optional[int] = None  # null: off
+    batches: int = 2  # the gradient's noise is measured across them
+
+    def __post_init__(self) -> None:
+        require(self.every is None or self.every >= 1, "train.diff.every", self.every,
+                "an integer >= 1, or null for none")
+        require(self.batches >= 2, "train.diff.batches", self.batches,
+                "an integer >= 2 (the yardstick is the gradient's spread from batch to batch)")
+
+
+@dataclass
 class TrainConfig:
     """train.*: the loop, and a group per concern (lr, checkpoint, eval, ema, cluster, compile), each the one place
     for its defaults and checks. safe_to_change(...): a resumed run may change it."""
@@ -189,6 +205,7 @@ class TrainConfig:
     ema: EmaConfig = field(default_factory=EmaConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    diff: LayerErrorWatchConfig = safe_to_change(default_factory=LayerErrorWatchConfig)  # a watch: may change
 
     def __post_init__(self) -> None:
         for key in ("steps", "grad_accum_steps", "log_every"):

@@ -294,3 +294,30 @@ def layer_errors(rows: Sequence[dict[str, Any]], allowed: Optional[float], path:
     legend_outside(ax)
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def layer_error_heatmap(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
+    """train.diff.every's record (diffs.jsonl): each layer's largest local error (output, dgrad, wgrad) at each
+    measured step, on a log colour scale; where a layer starts to drift shows as its row changing colour."""
+    from matplotlib.colors import LogNorm
+
+    layers = list(rows[0]["layers"])
+    steps = [row["step"] for row in rows]
+
+    def largest(layer: dict[str, Any]) -> float:
+        values = [float("inf") if v == "inf" else v for k, v in layer.items() if k.endswith("_local") and v is not None]
+        return max(values, default=float("nan"))
+
+    grid = [[largest(row["layers"].get(name, {})) for row in rows] for name in layers]
+    finite = [v for line in grid for v in line if 0 < v < float("inf")]
+    fig, ax = pyplot().subplots(figsize=(max(6.0, 0.35 * len(steps) + 4), max(3.0, 0.22 * len(layers) + 1.5)))
+    image = ax.imshow([[min(max(v, min(finite, default=1e-8)), max(finite, default=1.0)) if v == v else v
+                        for v in line] for line in grid], aspect="auto", cmap="viridis",
+                      norm=LogNorm(vmin=min(finite, default=1e-8), vmax=max(finite, default=1.0)))
+    ax.set_yticks(range(len(layers)), layers, fontsize=7)
+    every = max(1, len(steps) // 20)
+    ax.set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]], fontsize=7)
+    ax.set(xlabel="step", title=title)
+    fig.colorbar(image, ax=ax, label="largest local relative error (output, dgrad, wgrad)")
+    fig.tight_layout()
+    return save_figure(fig, path)

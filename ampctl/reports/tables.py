@@ -7,6 +7,7 @@ rendered again at any time (`ampctl report PATH`) without re-training.
 from __future__ import annotations
 
 import csv
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ampctl import io, machine_load
+from ampctl import io, machine_load, run_files
 from ampctl.engine import devices
 from ampctl.reports import plots
 from ampctl.reports.runs import RunRecord
@@ -305,4 +306,11 @@ def run_images(runs: Sequence[tuple[str, RunRecord]], out_dir: Path) -> list[Pat
         return []
     images = [plots.loss_curves(done, out_dir / "loss.png", "loss per step")]
     scale = plots.loss_scale_curves(done, out_dir / "loss_scale.png", "loss scale (x = skipped step)")
-    return images + ([scale] if scale else [])
+    images += [scale] if scale else []
+    if len(runs) == 1:  # one run's report: its layers' errors over training, where train.diff.every recorded them
+        diffs = runs[0][1].path / run_files.LAYER_ERRORS
+        rows = [json.loads(line) for line in diffs.read_text().splitlines() if line.strip()] if diffs.is_file() else []
+        if rows:
+            images.append(plots.layer_error_heatmap(rows, out_dir / "layer_errors.png",
+                                                    "each layer's error against fp32 over training"))
+    return images

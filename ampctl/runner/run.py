@@ -33,6 +33,7 @@ from ampctl.runner.console import say
 from ampctl.runner.diagnose import replay
 from ampctl.runner.eval_records import RunEvaluation
 from ampctl.runner.guards import Guard, GuardStop
+from ampctl.runner.layer_error_log import LayerErrorLog, refuse_what_it_cannot_watch
 from ampctl.runner.mirror import Mirror
 from ampctl.runner.plan import RunPlan
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
@@ -105,6 +106,7 @@ class TrainingRun:
                                       cfg.train.grad_accum_steps)
         # refuses a recipe without held-out batches, before anything is written
         self.evaluation = RunEvaluation(cfg, self.recipe, policy) if cfg.train.eval.every else None
+        refuse_what_it_cannot_watch(cfg, parallel.world_size)  # train.diff.every: before anything is written
         self.steps_began_at = time.time()  # set again when the steps begin
         self.load_at_start: Optional[machine_load.Sample] = None  # taken there too
         self.mirror: Optional[Mirror] = None  # train.checkpoint.mirror's uploader, once the run has its identity
@@ -179,6 +181,8 @@ class TrainingRun:
         windows = RoundWindows.from_env() if parallel.world_size == 1 else None  # compare's rounds: take turns
         hang_after_s = cfg.train.cluster.hang_after_s if parallel.is_main else None
         watchdog = Watchdog(recorder.run_dir, recorder.echo, hang_after_s)
+        layer_errors = (LayerErrorLog(cfg, state, self.policy, self.recipe, recorder.run_dir)
+                        if cfg.train.diff.every and parallel.is_main else None)
 
         def after_step(last: bool) -> None:
             watchdog.step_done(state.step)
@@ -186,6 +190,8 @@ class TrainingRun:
             evaluated = (self.evaluation(state.step, state.model, telemetry, self.compiling, recorder, state.ema)
                          if self.evaluation is not None and self.evaluation.due(state.step, last) else None)
             self.peak.after_step()
+            if layer_errors is not None and layer_errors.due(state.step):
+                layer_errors.between_steps(state.step, telemetry, watchdog.pause, recorder.echo)
             checks(telemetry.take_fresh())  # non-empty on log steps, when values came back from the device
             checkpointer(last, evaluated)
             if windows is not None and not last:
