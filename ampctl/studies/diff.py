@@ -77,7 +77,8 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
         if summary["below_the_noise"]:  # nothing to repair: its config is the run's
             repair = Repair(chosen=Tried([], summary["gradient_error"], summary["error_over_noise"]))
         else:
-            ranked = [row[1] for row in table.rows if row[4] is not None and row[4] > 0]
+            ranked = [row["layer"] for row in table.as_dicts() if row["out_local"] or row["dgrad_local"]
+                      or row["wgrad_local"]]  # in the table's order: the error each adds itself
             repair = run_repair(cfg, overrides, measure_candidate, ranked, policy.converted,
                                 summary["gradient_noise"])
             phase(f"repair: {io.count_of(len(repair.tried), 'set')} of raised layers measured")
