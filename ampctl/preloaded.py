@@ -168,8 +168,11 @@ def _child_main(target: tuple[str, str], args: list[str], env: dict[str, str], c
     """In the child: become the exec'd process the command names, run it, leave as its interpreter would."""
     freeze_what_the_fork_inherited()
     os.setsid()  # a session of its own: the terminal's Ctrl-C reaches it once, forwarded by the command
-    for signum in _STOPS:  # as an interpreter starts: Ctrl-C raises KeyboardInterrupt, the others end it
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+    # As an interpreter starts: until it runs the program every stop signal ends it by default (a stop the command
+    # forwards while the child is being started ends it there, quietly, as such a signal ends a starting
+    # interpreter); then Ctrl-C raises KeyboardInterrupt.
+    for signum in _STOPS:
+        signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
     # The server received the descriptors as the lowest free numbers, which may be 0-2 (the server closed its
     # stdin; its other standard streams are whatever the command that started it had): lift them all above 2
@@ -184,6 +187,7 @@ def _child_main(target: tuple[str, str], args: list[str], env: dict[str, str], c
         os.environ[PARENT_ENV] = str(os.getppid())
     os.chdir(cwd)
     _as_its_interpreter_would_find_modules(target, env)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     code = _run(target, args)
     # The interpreter's own end, in its order (multiprocessing ends a child with os._exit, without it): threading's
     # exit hooks, which stop concurrent.futures' pools (Inductor keeps one for compiling), then the non-daemon

@@ -39,4 +39,7 @@ def run(study: Study) -> Optional[int]:
 
 
 COMMAND = Command(name="diff", summary=SUMMARY, section=Section.STUDY, schema=DiffAppConfig, check=check,
-                  main=study_app("diff", run), api=study_api("diff", run, run_files.DIFF, SUMMARY))
+                  main=study_app("diff", run, stopped_with="the diff's figures are in {out_dir}, its proof's runs so "
+                                                          "far in {out_dir}/proof (each continues with its line "
+                                                          "above)"),
+                  api=study_api("diff", run, run_files.DIFF, SUMMARY))

@@ -23,6 +23,7 @@ from ampctl.engine.build import build_state
 from ampctl.engine.loop import batch_stream
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import UsageError
+from ampctl.interrupt import StoppedOnSignal
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases
@@ -84,16 +85,30 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
             phase(f"repair: {io.count_of(len(repair.tried), 'set')} of raised layers measured")
             if repair.chosen is not None:
                 repair.config = repaired_config(overrides, own_rules(cfg), repair, out_dir)
-    proof = None
-    if prove is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        proof = asdict(prove(cfg, out_dir, overrides, repair, started))
+    out_dir.mkdir(parents=True, exist_ok=True)
     report = DiffReport(table, summary,
                         candidate, against, cfg.diff.noise_share, cfg.diff.top, overrides,
                         tables.machine_info([{"device": device.type}]),
                         f"recipe={plots.recipe_label(cfg)} · {candidate} against {against} · "
-                        f"{io.count_of(len(batches), 'batch')}", None if repair is None else repair.to_json(), proof)
-    report.write(out_dir, console)
+                        f"{io.count_of(len(batches), 'batch')}", None if repair is None else repair.to_json())
+    report.write(out_dir, console)  # the diff's figures first: a proof that is stopped leaves them whole
+    if prove is not None:
+        _proved(report, lambda: asdict(prove(cfg, out_dir, overrides, repair, started)), out_dir, console)
+
+
+def _proved(report: "DiffReport", proof: Callable[[], dict[str, Any]], out_dir: Path, console: Console) -> None:
+    """The proof's verdict into the diff's files and on the screen; stopped by a signal, the files say it was
+    (the comparison's runs so far are in proof/, each with the line that continues it)."""
+    try:
+        report.proof = proof()
+    except StoppedOnSignal:
+        report.proof = {"verdict": "interrupted", "parity": {},
+                        "words": "stopped before its seeds finished; the runs so far are in proof/, each continued "
+                                 "by the line compare printed for it"}
+        report.write(out_dir, console, files_only=True)
+        raise
+    report.write(out_dir, console, files_only=True)
+    tables.print_line(console, proof_line(report.proof))
 
 
 def _saved_weights(cfg: DictConfig) -> Optional[SavedWeights]:
@@ -224,13 +239,13 @@ class DiffReport:
     repair: Optional[dict[str, Any]] = None  # diff_repair.Repair.to_json(), where diff.repair=true
     proof: Optional[dict[str, Any]] = None  # diff_proof.Proof's fields, where diff.prove=true
 
-    def write(self, out_dir: Path, console: Console) -> None:
+    def write(self, out_dir: Path, console: Console, files_only: bool = False) -> None:
+        """diff.csv, diff.json, report.md and the plot, and (unless files_only) the table and its lines."""
         lines = verdict_lines(self.summary)
         if self.repair is not None:
             lines += repair_lines(Repair.of(self.repair), self.summary, out_dir)
         if self.proof is not None:
-            lines.append(f"proof (proof/, trained from a fresh init over the comparison's seeds): "
-                         f"{self.proof['words']}")
+            lines.append(proof_line(self.proof))
         self.layers.notes = lines
         images = [plots.layer_errors(self.layers.as_dicts(), self._allowed(), out_dir / "layer_errors.png",
                                      f"{self.candidate} against {self.against}: error each layer adds", self.context)]
@@ -238,6 +253,8 @@ class DiffReport:
                  "against": self.against, "noise_share": self.noise_share, "top": self.top, "model": self.summary,
                  "repair": self.repair, "proof": self.proof}
         files = tables.write_files(self.layers, out_dir, run_files.DIFF, self.machine, images, extra)
+        if files_only:
+            return
         shown = tables.ReportTable(self.layers.title, self.layers.columns, self.layers.rows[:self.top], lines,
                                    self.layers.headers, self.layers.formats, screen=self.layers.screen,
                                    screen_note=f"{len(self.layers.rows)} layers; " + self.layers.screen_note)
@@ -261,6 +278,10 @@ class DiffReport:
         return cls(table, data["model"], data["candidate"], data["against"], data["noise_share"], data["top"],
                    data.get("overrides", []), data["machine"], data.get("context", ""), data.get("repair"),
                    data.get("proof"))
+
+
+def proof_line(proof: dict[str, Any]) -> str:
+    return f"proof (proof/, trained from a fresh init over the comparison's seeds): {proof['words']}"
 
 
 def rerender(out_dir: Path, console: Console) -> None:

@@ -82,6 +82,9 @@ def verdict(candidate: str, against: str, parity: dict[str, Optional[str]], part
     repaired = candidate + REPAIRED_SUFFIX
     alone, fixed = parity.get(candidate), parity.get(repaired)
     cut = " (diff.budget ran out: the seeds trained until then)" if partial else ""
+    if partial and alone is None and fixed is None:
+        return Proof("partial", "diff.budget ran out before the runs reached their held-out evaluation: nothing "
+                                "decided; a longer diff.budget or fewer train.steps", parity)
     if repaired not in parity:
         words = f"{candidate} alone: {alone or 'not trained'} against {against}'s held-out loss{cut}"
         return Proof("not needed" if alone == "matches" else "not decided", words, parity)

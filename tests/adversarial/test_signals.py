@@ -278,3 +278,21 @@ def test_wandb_online_without_a_login_is_refused_before_the_run(tmp_path):
                              env=env, timeout=300)
     assert "logger=wandb: online mode needs a W&B login" in one_line_refusal(refused, "train")
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_during_a_diffs_proof_keeps_the_diffs_figures_and_says_the_proof_was_stopped(tmp_path):
+    """The diff's figures are written before its proof trains; a Ctrl-C there stops the comparison's runs with their
+    checkpoints, marks the proof interrupted in diff.json, and says in one line where each part is."""
+    out = tmp_path / "diff"
+    process = popen("diff", "device=cpu", "recipe=mlp", "recipe._target_=tests.support.fragile_layer_recipe."
+                    "FragileRecipe", "precision=bf16", "diff.batches=2", "diff.repair=true", "diff.prove=true",
+                    "train.steps=100000", "compare.seeds=2", f"hydra.run.dir={out}", cwd=tmp_path)
+    wait_for(lambda: row_count(out / "proof" / "fp32" / "seed_0" / "metrics.jsonl") >= 2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=240)
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.strip().endswith("its proof's runs so far in "
+                                                          f"{out}/proof (each continues with its line above)")
+    record = json.loads((out / "diff.json").read_text())
+    assert record["proof"]["verdict"] == "interrupted" and record["rows"][0]["layer"] == "cancel"
+    assert list((out / "proof" / "fp32" / "seed_0" / "checkpoints").glob("step_*.pt"))
