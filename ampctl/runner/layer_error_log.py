@@ -80,7 +80,7 @@ class LayerErrorLog:
         noise = whole.noise()
         row = {"step": step, "gradient_error": _finite(whole.gradient.rel_rms),
                "error_over_noise": _finite(whole.gradient.rel_rms / noise) if noise else None,
-               "layers": {name: {"out_local": _finite(layer.local["out"].rel_rms),
+               "layers": {name: {"type": layer.kind, "out_local": _finite(layer.local["out"].rel_rms),
                                  "dgrad_local": _finite(layer.local["dgrad"].rel_rms) if layer.local["dgrad"].values
                                  else None,
                                  "wgrad_local": _finite(layer.local["wgrad"].rel_rms) if layer.local["wgrad"].values
@@ -97,7 +97,7 @@ class LayerErrorLog:
         worst = max(row["layers"].items(), key=lambda item: _rank(item[1]), default=None)
         ratio = row["error_over_noise"]
         noise = f" ({ratio:.2g}x its noise)" if isinstance(ratio, float) else ""
-        largest = f"; largest local: {worst[0]} {_said(_rank(worst[1]))}" if worst else ""
+        largest = f"; largest local: {worst[0]} ({worst[1]['type']}) {_said(_rank(worst[1]))}" if worst else ""
         return f"layer errors at step {row['step']}: gradient {_said(row['gradient_error'])}{noise}{largest}"
 
     def _load_reference_weights(self, model: nn.Module) -> None:
