@@ -7,6 +7,7 @@ constants; docstrings and messages may say the names.
       evals.jsonl          one row per held-out evaluation (runner/eval_records.py)
       ranges.jsonl         telemetry.ranges_every's per-layer value ranges (analysis/ranges.py)
       diffs.jsonl          train.diff.every's per-layer error against fp32 (runner/layer_error_log.py)
+      escalations.jsonl    guard.on_trip=escalate's escalations: layers raised, from which step (runner/escalation.py)
       summary.json         what ran, and its figures, when it ends (runner/run.py)
       diagnosis.json       the layer a guard's stop found (runner/diagnose.py)
       trackers.json        the tracker runs a resume continues (runner/trackers/)
@@ -27,6 +28,7 @@ METRICS = "metrics.jsonl"
 EVALS = "evals.jsonl"
 RANGES = "ranges.jsonl"
 LAYER_ERRORS = "diffs.jsonl"
+ESCALATIONS = "escalations.jsonl"
 SUMMARY = "summary.json"
 DIAGNOSIS = "diagnosis.json"
 TRACKER_IDS = "trackers.json"
@@ -36,7 +38,8 @@ ERROR = "error.txt"
 LOCK = ".ampctl.lock"
 HYDRA = ".hydra"
 
-ROWS = (METRICS, EVALS, RANGES, LAYER_ERRORS)  # appended to step by step; a resume cuts them back to its checkpoint
+# appended to step by step; a resume cuts them back to its checkpoint
+ROWS = (METRICS, EVALS, RANGES, LAYER_ERRORS, ESCALATIONS)
 RECORDS = (*ROWS, SUMMARY, DIAGNOSIS)  # what a run recorded: another run never replaces them
 # the studies' table stems: comparison.json, memory.json, ranges.json are their records
 COMPARISON, MEMORY, INSPECTION, ADVICE, DIFF = "comparison", "memory", "ranges", "advice", "diff"

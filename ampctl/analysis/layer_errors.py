@@ -282,7 +282,10 @@ def _compare_layer(errors: LayerErrors, reference: Side, candidate: Side, ref: _
     cand_module = candidate.model.get_submodule(errors.name)
     errors.inherited_input.add(cand.args[cand.at], ref.args[ref.at])
     errors.total["out"].add(cand.output, ref.output)
-    if ref.grad is None or cand.grad is None:
+    if ref.grad is None or cand.grad is None:  # no gradient reaches it (a frozen first layer): its output alone
+        exact = _layer_vjp(reference, ref_module, ref, ref.args[ref.at], None)
+        local = _layer_vjp(candidate, cand_module, cand, ref.args[ref.at].to(cand.args[cand.at].dtype), None)
+        errors.local["out"].add(local[0], exact[0])
         return
     errors.inherited_grad.add(cand.grad.double() / candidate.scale, ref.grad.double() / reference.scale)
     exact = _layer_vjp(reference, ref_module, ref, ref.args[ref.at], ref.grad)
@@ -298,11 +301,12 @@ def _compare_layer(errors: LayerErrors, reference: Side, candidate: Side, ref: _
             errors.total[quantity].add(total[index], exact[index])
 
 
-def _layer_vjp(side: Side, module: nn.Module, seen: _Seen, x: torch.Tensor, upstream: torch.Tensor) -> tuple[
-        torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _layer_vjp(side: Side, module: nn.Module, seen: _Seen, x: torch.Tensor, upstream: Optional[torch.Tensor]
+               ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The layer's output for input x, and the gradients to x and to its weights for the gradient `upstream` at its
     output (scaled, as this side's backward has it), computed as this side computes (its matmul flags, its
-    autocast): (output, dgrad, wgrad), the gradients in float64, unscaled, None where there is none."""
+    autocast): (output, dgrad, wgrad), the gradients in float64, unscaled, None where there is none (no upstream:
+    the output only)."""
     x = x.detach().requires_grad_(x.is_floating_point())
     args = list(seen.args)
     args[seen.at] = x
@@ -314,7 +318,7 @@ def _layer_vjp(side: Side, module: nn.Module, seen: _Seen, x: torch.Tensor, upst
                 out = module(*args, **seen.kwargs)
             wanted = [*([x] if x.requires_grad else []), *params]
             grads = torch.autograd.grad(out, wanted, grad_outputs=upstream.to(out.dtype), allow_unused=True) if (
-                wanted and out.requires_grad) else [None] * len(wanted)
+                wanted and out.requires_grad and upstream is not None) else [None] * len(wanted)
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:

@@ -81,6 +81,11 @@ class NonfiniteAction(Enum):
     warn = "warn"
 
 
+class TripAction(Enum):
+    stop = "stop"  # the run stops, the step replayed to name the layer (diagnosis.json)
+    escalate = "escalate"  # back to the newest good checkpoint, the named layer(s) one step up: runner/escalation.py
+
+
 @dataclass
 class GuardConfig:
     """Checked on log steps (when values come back from the device anyway): never a per-step sync."""
@@ -94,6 +99,12 @@ class GuardConfig:
     # idea). A watch, not the run's numerics: a resumed run may start or change it
     loss_spike: Optional[float] = safe_to_change(None)
     loss_spike_window: int = safe_to_change(50)
+    # what a trip does: stop, or escalate: go back to the newest good checkpoint, raise the precision of the
+    # layer(s) the replay names (or, where nothing is non-finite, the one adding the largest error against fp32),
+    # and continue, at most max_escalations times in the run, then stop. A reaction, not the run's numerics: its
+    # escalations are recorded as the run's scheduled rule changes (escalations.jsonl), which a resume keeps
+    on_trip: TripAction = safe_to_change(TripAction.stop)
+    max_escalations: int = safe_to_change(3)
 
     def __post_init__(self) -> None:
         if self.max_consecutive_skips is not None:
@@ -102,6 +113,8 @@ class GuardConfig:
         if self.loss_spike is not None:
             require(positive_finite(self.loss_spike), "guard.loss_spike", self.loss_spike,
                     "a number of robust deviations > 0 (6: far out of the loss's own wiggle), or null for none")
+        require(self.max_escalations >= 1, "guard.max_escalations", self.max_escalations,
+                "an integer >= 1 (the escalations a run may make before it stops as guard.on_trip=stop does)")
         require(self.loss_spike_window >= 10, "guard.loss_spike_window", self.loss_spike_window,
                 "an integer >= 10 (the steps whose median and spread a spike is measured against)")
 

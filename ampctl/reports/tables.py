@@ -300,6 +300,21 @@ def wrote(paths: Sequence[Path], out_dir: Path) -> str:
     return f"wrote {', '.join(p.name for p in paths)} in {out_dir}"
 
 
+def escalations_table(run: RunRecord) -> Optional[ReportTable]:
+    """A run's escalations (guard.on_trip=escalate), from its summary: None for a run that made none."""
+    rows = (run.summary or {}).get("escalations") or []
+    if not rows:
+        return None
+    return ReportTable(
+        "Escalations", ["number", "tripped_at", "step", "raised", "reason", "evidence"],
+        [[r["number"], r["tripped_at"], r["step"], ", ".join(f"{k} -> {v}" for k, v in r["raised"].items()),
+          r["reason"], r["evidence"]] for r in rows],
+        headers={"number": "#", "tripped_at": "tripped at", "step": "from step"},
+        notes=["each escalation raised the layers named, and the run trained again from the step's checkpoint "
+               "(escalations.jsonl holds the rules in force from there)"],
+        screen=["number", "tripped_at", "step", "raised", "reason"])
+
+
 def run_images(runs: Sequence[tuple[str, RunRecord]], out_dir: Path) -> list[Path]:
     done = [(label, run) for label, run in runs if run.metrics]
     if not done:

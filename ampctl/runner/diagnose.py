@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from ampctl import io, run_files
+from ampctl import io
 from ampctl.engine.build import build_state
 from ampctl.engine.loop import StepSettings, TrainState, batch_stream, run_steps
 from ampctl.engine.precision.policy import PrecisionPolicy
@@ -50,12 +50,17 @@ def _problem(tensors: list[torch.Tensor], half_max: Optional[float]) -> Optional
     return None
 
 
+MAX_FORWARD_PROBLEMS = 16  # the layers a problem passes through after the first, in order (escalation reads them)
+
+
 class LayerWatch:
-    """Forward and backward hooks on every leaf module; keeps the first problem found in each direction."""
+    """Forward and backward hooks on every leaf module; keeps the first problem found in each direction, and the
+    first forward problems in the order the layers ran (the first layer may already compute in fp32, the next not)."""
 
     def __init__(self, model: nn.Module, half_max: Optional[float]) -> None:
         self.half_max = half_max
         self.forward: Optional[Finding] = None
+        self.forward_problems: list[Finding] = []
         self.backward: Optional[Finding] = None
         self._backward_seen = False
         self._handles = []
@@ -67,8 +72,11 @@ class LayerWatch:
 
     def _on_forward(self, name: str):
         def hook(module: nn.Module, _args: Any, output: Any) -> None:
-            if self.forward is None and (found := _problem(_float_tensors(output), self.half_max)):
-                self.forward = Finding(name, type(module).__name__, found[2], found[1], found[0])
+            if len(self.forward_problems) >= MAX_FORWARD_PROBLEMS:
+                return
+            if found := _problem(_float_tensors(output), self.half_max):
+                self.forward_problems.append(Finding(name, type(module).__name__, found[2], found[1], found[0]))
+                self.forward = self.forward or self.forward_problems[0]
         return hook
 
     def _on_backward(self, name: str):
@@ -93,18 +101,35 @@ class LayerWatch:
             handle.remove()
 
 
-def replay(
-    cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir: Path, bad_step: int, reason: str
-) -> dict[str, Any]:
-    """Rebuild the state before bad_step, replay it under hooks; write and return the diagnosis."""
+@dataclass
+class Replayed:
+    """A run replayed up to the step before a bad one: its state there, its batches from there on, and the checkpoint
+    it started from (None: the initial state)."""
+
+    state: TrainState
+    batches: Iterator[Any]
+    checkpoint: Optional[Path]
+    bad_batches: list[Any] = field(default_factory=list)  # the bad step's (micro-)batches, once watched
+
+
+def replay_to(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir: Path, bad_step: int) -> Replayed:
+    """The state before bad_step: the newest checkpoint before it restored (or the initial state, which is seeded),
+    then the steps up to it trained exactly as the run trained them."""
     state: TrainState = build_state(cfg, policy, recipe)
     earlier = [p for p in checkpoint_files.list_checkpoints(run_dir) if checkpoint_files.checkpoint_step(p) < bad_step]
     if earlier:
         checkpoint.restore(checkpoint.load(earlier[-1]), state, earlier[-1])
-    accum = cfg.train.grad_accum_steps
-    batches = batch_stream(recipe, policy.device, cfg.train.seed, state.step * accum)
+    batches = batch_stream(recipe, policy.device, cfg.train.seed, state.step * cfg.train.grad_accum_steps)
     run_steps(state, batches, bad_step - 1 - state.step, recipe, policy, StepSettings.of(cfg.train))
+    return Replayed(state, batches, earlier[-1] if earlier else None)
 
+
+def replay(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir: Path, bad_step: int, reason: str,
+           replayed: Optional[Replayed] = None) -> dict[str, Any]:
+    """Replay bad_step under hooks (from `replayed`, else replayed to it here); return the diagnosis. Its
+    forward and backward leave the weights as they were (no optimizer step); its batches are kept in replayed."""
+    replayed = replayed or replay_to(cfg, policy, recipe, run_dir, bad_step)
+    state, accum = replayed.state, cfg.train.grad_accum_steps
     half_max = float(torch.finfo(torch.float16).max) if policy.uses_half and policy.dtype == torch.float16 else None
     watch = LayerWatch(state.model, half_max)
     losses = []
@@ -113,8 +138,9 @@ def replay(
             # full backward hooks warn on a first layer whose input needs no grad: expected here
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(accum):
+                replayed.bad_batches.append(batch := next(replayed.batches))
                 with policy.forward_context():
-                    loss = recipe.loss(state.model, next(batches))
+                    loss = recipe.loss(state.model, batch)
                 losses.append(float(loss.detach()))
                 state.scaler.scale(loss / accum).backward()
     finally:
@@ -131,11 +157,11 @@ def replay(
         "loss_scale": scale,
         "forward": asdict(watch.forward) if watch.forward else None,
         "backward": asdict(watch.backward) if watch.backward else None,
+        "forward_problems": [asdict(f) for f in watch.forward_problems],
         "parameters_with_nonfinite_grads": bad_grads,
-        "checkpoint_replayed_from": str(earlier[-1]) if earlier else None,
+        "checkpoint_replayed_from": str(replayed.checkpoint) if replayed.checkpoint else None,
     }
     diagnosis["summary"] = describe(diagnosis)
-    io.write_json(run_dir / run_files.DIAGNOSIS, diagnosis)
     return diagnosis
 
 

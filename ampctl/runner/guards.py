@@ -21,6 +21,7 @@ from ampctl.engine.telemetry import StepRecord
 class GuardTrip:
     step: int  # the step to replay: the first bad one
     reason: str
+    spike_above: Optional[float] = None  # a loss spike's: the loss beyond which a step's loss was a spike
 
 
 class GuardStop(Exception):
@@ -40,6 +41,13 @@ class Guard:
         self.streak = 0
         self.spike: Optional[float] = cfg.get("loss_spike")
         self.window: collections.deque[float] = collections.deque(maxlen=cfg.get("loss_spike_window", 50))
+
+    def prime(self, earlier: list[StepRecord]) -> None:
+        """The records of the steps before this process's first (a resumed run's own, or those before the checkpoint
+        an escalation went back to): the spike watch's window goes on from them instead of warming up again."""
+        for r in earlier:
+            if not r.skipped and math.isfinite(r.loss):
+                self.window.append(r.loss)
 
     def check(self, records: list[StepRecord]) -> tuple[Optional[GuardTrip], list[str]]:
         """The first trip in these records (if any), and warnings to print."""
@@ -85,6 +93,7 @@ class Guard:
             if z > self.spike:  # type: ignore[operator]
                 return GuardTrip(r.step, f"loss spike at step {r.step}: {r.loss:.4g}, {z:.1f} robust deviations "
                                          f"above the median {median:.4g} of the {len(self.window)} steps before it "
-                                         f"(guard.loss_spike={self.spike:g})")
+                                         f"(guard.loss_spike={self.spike:g})",
+                                 spike_above=median + self.spike * deviation)  # type: ignore[operator]
         self.window.append(r.loss)
         return None

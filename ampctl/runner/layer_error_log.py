@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from ampctl import run_files
-from ampctl.analysis.layer_errors import Side, measure
+from ampctl.analysis.layer_errors import LayerErrors, ModelErrors, Side, measure
 from ampctl.engine.loop import TrainState, batch_stream
 from ampctl.engine.precision import fp32_math
 from ampctl.engine.precision.policy import PrecisionPolicy
@@ -44,16 +44,46 @@ def refuse_what_it_cannot_watch(cfg: DictConfig, world_size: int) -> None:
                          "checkpoint with ampctl diff diff.weights=<its run>")
 
 
+class Fp32Reference:
+    """An fp32 copy of the recipe's model, no mode applied, given a training model's current weights to measure that
+    model against (diff's measurement: analysis/layer_errors.py), leaving the model as it was."""
+
+    def __init__(self, recipe: Recipe, policy: PrecisionPolicy) -> None:
+        self.recipe, self.policy = recipe, policy
+        with building_model(recipe):
+            self.model = recipe.build_model().to(policy.device)  # the weights come with each measurement
+        self.trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def measure(self, state: TrainState, batches: list[Any]) -> tuple[dict[str, LayerErrors], ModelErrors]:
+        """state's model, as it computes now (its loss scale included), against the reference at its weights."""
+        model = state.model
+        self._load_weights(model)
+        reference = Side(self.model, _true_fp32, lambda: torch.autocast(self.policy.device.type, enabled=False))
+        scale = float(state.scaler.current_scale()) if state.scaler.can_skip else 1.0
+        # the run's policy is entered around its steps already: its flags are in effect
+        candidate = Side(model, contextlib.nullcontext, self.policy.forward_context, scale)
+        with _left_as_it_was(model):
+            return measure(reference, candidate, self.recipe.loss, batches)
+
+    def _load_weights(self, model: nn.Module) -> None:
+        """The training model's weights now, in fp32 (O2's half copies as they are: the reference computes on the
+        weights the candidate computes on)."""
+        state = {k: v.detach().float() if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        loaded = self.model.load_state_dict(state, strict=False)
+        missing = [name for name in loaded.missing_keys if name in self.trainable]
+        if missing:
+            raise UsageError(f"precision={self.policy.precision.name}'s model names its weights otherwise than the "
+                             f"recipe's ({', '.join(missing[:3])}): measure it with ampctl diff")
+
+
 class LayerErrorLog:
     def __init__(self, cfg: DictConfig, state: TrainState, policy: PrecisionPolicy, recipe: Recipe,
                  run_dir: Path) -> None:
-        self.every, self.state, self.policy, self.recipe = cfg.train.diff.every, state, policy, recipe
+        self.every, self.state = cfg.train.diff.every, state
         self.path = run_dir / run_files.LAYER_ERRORS
         self.batches = list(itertools.islice(batch_stream(recipe, policy.device, cfg.train.seed),
                                              cfg.train.diff.batches))
-        with building_model(recipe):
-            self.reference = recipe.build_model().to(policy.device)  # fp32, no mode applied: the weights come later
-        self.trainable = {name for name, p in self.reference.named_parameters() if p.requires_grad}
+        self.reference = Fp32Reference(recipe, policy)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -69,14 +99,7 @@ class LayerErrorLog:
 
     def __call__(self, step: int) -> dict[str, Any]:
         """Measure at the current weights; append the row to diffs.jsonl and return it."""
-        model = self.state.model
-        self._load_reference_weights(model)
-        reference = Side(self.reference, _true_fp32, lambda: torch.autocast(self.policy.device.type, enabled=False))
-        scale = float(self.state.scaler.current_scale()) if self.state.scaler.can_skip else 1.0
-        # the run's policy is entered around its steps already: its flags are in effect
-        candidate = Side(model, contextlib.nullcontext, self.policy.forward_context, scale)
-        with _left_as_it_was(model):
-            layers, whole = measure(reference, candidate, self.recipe.loss, self.batches)
+        layers, whole = self.reference.measure(self.state, self.batches)
         noise = whole.noise()
         row = {"step": step, "gradient_error": _finite(whole.gradient.rel_rms),
                "error_over_noise": _finite(whole.gradient.rel_rms / noise) if noise else None,
@@ -99,16 +122,6 @@ class LayerErrorLog:
         noise = f" ({ratio:.2g}x its noise)" if isinstance(ratio, float) else ""
         largest = f"; largest local: {worst[0]} ({worst[1]['type']}) {_said(_rank(worst[1]))}" if worst else ""
         return f"layer errors at step {row['step']}: gradient {_said(row['gradient_error'])}{noise}{largest}"
-
-    def _load_reference_weights(self, model: nn.Module) -> None:
-        """The training model's weights now, in fp32 (O2's half copies as they are: the reference computes on the
-        weights the candidate computes on)."""
-        state = {k: v.detach().float() if v.is_floating_point() else v for k, v in model.state_dict().items()}
-        loaded = self.reference.load_state_dict(state, strict=False)
-        missing = [name for name in loaded.missing_keys if name in self.trainable]
-        if missing:
-            raise UsageError(f"train.diff.every: precision={self.policy.precision.name}'s model names its weights "
-                             f"otherwise than the recipe's ({', '.join(missing[:3])}): measure it with ampctl diff")
 
 
 def _rank(layer: dict[str, Any]) -> float:

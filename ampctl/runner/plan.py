@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl.analysis import mode_advice
 from ampctl.conf.precision_schema import scaler_is_active
-from ampctl.conf.schema import CheckpointFormat, ParallelKind, validate
+from ampctl.conf.schema import CheckpointFormat, ParallelKind, TripAction, validate
 from ampctl.engine import devices, optimizer_states
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.optim import check_optimizer_arguments, check_optimizer_with_scaler
@@ -54,7 +54,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     if mirror and cfg.resume == "auto" and holds_none_of_the_run(run_dir):
         pull_from_mirror(mirror, run_dir, world_size)
     if overrides is None:
-        resume = Resume.find(cfg, run_dir, world_size)
+        cfg, resume = Resume.find(cfg, run_dir, world_size)
     else:
         cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
     if cfg.train.checkpoint.mirror:
@@ -103,6 +103,7 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     device = parallelism.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind)
     policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     mode_advice.check(policy)
+    refuse_what_cannot_escalate(cfg, policy)
     check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
     check_optimizer_arguments(cfg.optimizer)
     optimizer_states.check(cfg.optimizer, policy.precision.dtype.name,
@@ -110,6 +111,20 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
                            cfg.distributed.kind is ParallelKind.fsdp
                            and cfg.distributed.checkpoint_format is CheckpointFormat.full)
     return policy
+
+
+def refuse_what_cannot_escalate(cfg: DictConfig, policy: PrecisionPolicy) -> None:
+    """guard.on_trip=escalate (runner/escalation.py) in one process, in a mode with a layer to raise."""
+    if cfg.guard.on_trip is not TripAction.escalate:
+        return
+    if cfg.distributed.kind is not ParallelKind.none:
+        raise UsageError(f"guard.on_trip=escalate with distributed={cfg.distributed.kind.value}: the replay that "
+                         "names the layers runs in one process; use guard.on_trip=stop, and resume with "
+                         "precision.rules for the layers its diagnosis names")
+    p = policy.precision
+    if not (p.autocast or p.cast_model or policy.converts_layers() or p.rules):
+        raise UsageError(f"guard.on_trip=escalate with precision={p.name}: no layer runs in a half type or a "
+                         "converter's format, so there is none a rule can raise; use guard.on_trip=stop")
 
 
 def continuing_a_requeued_job(cfg: DictConfig, run_dir: Path) -> DictConfig:

@@ -70,6 +70,11 @@ class StepProfiler:
     def __exit__(self, *exc_info: object) -> None:
         self._open.__exit__(*exc_info)
 
+    def stop_profiling(self) -> None:
+        """Profile no more (its window, profiled or not, stays what summary() and untimed_steps say): a run that
+        goes back to a checkpoint (guard.on_trip=escalate) profiles its first timeline only."""
+        self._profiler, self._open = None, ExitStack()
+
     def _ready(self, prof: profile) -> None:
         last = self.first_step + self.steps - 1
         folder = self.run_dir / PROFILE_DIR

@@ -119,11 +119,12 @@ class Recorder:
 
         return RangesLog(state.model, state.scaler, device, every, self.run_dir / run_files.RANGES)
 
-    def explain_stop(self, reason: str, step: int, diagnose: Callable[[], dict[str, Any]]) -> str:
-        """A guard stopped the run: replay the step to find the layer (diagnosis.json); the stop's message."""
-
-        self.echo(f"stopped: {reason}; replaying step {step} to find the layer...")
-        return f"{reason}. {diagnose()['summary']}. Written to {self.run_dir / run_files.DIAGNOSIS}"
+    def explain_stop(self, reason: str, diagnosis: dict[str, Any], why_not_escalated: Optional[str]) -> str:
+        """A guard stopped the run: its replay's diagnosis written (diagnosis.json); the stop's message, with why it
+        did not escalate where it would have (guard.on_trip=escalate)."""
+        io.write_json(self.run_dir / run_files.DIAGNOSIS, diagnosis)
+        not_escalated = f" Not escalated: {why_not_escalated}." if why_not_escalated else ""
+        return f"{reason}. {diagnosis['summary']}.{not_escalated} Written to {self.run_dir / run_files.DIAGNOSIS}"
 
     def write_summary(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         from ampctl.runner.ownership import set_aside_unreadable_rows
@@ -200,9 +201,6 @@ class NoRecorder(Recorder):
     def ranges_log(self, *_args: Any):
         return None
 
-    def explain_stop(self, reason: str, step: int, diagnose: Callable[[], dict[str, Any]]) -> str:
-        return reason  # rank 0 replays and explains
-
     def write_summary(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return {"run_dir": str(self.run_dir)}
 
@@ -238,6 +236,9 @@ def final_line(summary: dict, run_dir: Path) -> str:
         + (f", {summary['achieved_tflops']:.3g} TFLOP/s = {summary['mfu']:.1%} MFU" if summary.get("mfu") else "")
         + (" (an emulation's speed, not the format's)" if summary.get("emulated") else "")
         + (f" | compiled in {summary['compile_s']:.1f} s (not in the step times)" if summary.get("compiled") else "")
+        + (f" | escalated {len(summary['escalations'])}x: " + ", ".join(
+            f"{layer} -> {run_in}" for row in summary["escalations"] for layer, run_in in row["raised"].items())
+           if summary.get("escalations") else "")
         + (f" | the machine was busy ({machine_load.said(summary['others_cpu_cores'])}): its speed is not its own"
            if machine_load.busy(summary.get("others_cpu_cores")) else "")
         + f" | {run_dir / run_files.SUMMARY}"

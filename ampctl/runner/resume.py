@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl.conf.train_schema import Schedule
 from ampctl.conf.typed import as_recorded_now, typed_config
 from ampctl.engine.optim import lr_factor
-from ampctl.runner import checkpoint, checkpoint_files, identity
+from ampctl.runner import checkpoint, checkpoint_files, escalation_rules, identity
 
 if TYPE_CHECKING:  # annotations only: the state's class is the engine's
     from ampctl.engine.loop import TrainState
@@ -53,13 +53,15 @@ def plan(cfg: DictConfig, choices: dict[str, str], overrides: list[str], run_dir
     if found is None and own is None:
         return cfg, choices, Resume(run_dir)
     saved_config, saved_choices = (found.config, found.choices) if found is not None else (own.config, own.choices)
-    saved_config = as_recorded_now(saved_config)
+    escalated = _escalation_rules(found, run_dir)
+    saved_config = escalation_rules.with_rules(as_recorded_now(saved_config), escalated)
     names = named_keys(overrides)
     resumed = OmegaConf.create(saved_config)
     for name in names:
         value = OmegaConf.select(cfg, name, default=None)
         OmegaConf.update(resumed, name, value, merge=False, force_add=True)
-    resumed = typed_config(resumed)
+    # a named precision node (a requeued job's command line names its mode again) keeps the run's escalations too
+    resumed = typed_config(OmegaConf.create(escalation_rules.with_rules(_resolved(resumed), escalated)))
     checkpoint.config_changes(saved_config, resumed)  # raises on an unsafe change
     resumed_choices = {**saved_choices, **{g: c for g, c in choices.items() if _named(g, names)}}
     return resumed, resumed_choices, Resume.of(found, resumed, run_dir, world_size)
@@ -76,10 +78,14 @@ class Resume:
     passed_over: list[str] = field(default_factory=list)  # newer checkpoints that failed their check
 
     @classmethod
-    def find(cls, cfg: DictConfig, run_dir: Path, world_size: int = 1) -> "Resume":
-        """For a config that plan() did not resolve (a run started from Python with its config as it is)."""
+    def find(cls, cfg: DictConfig, run_dir: Path, world_size: int = 1) -> tuple[DictConfig, "Resume"]:
+        """For a config that plan() did not resolve (a run started from Python with its config as it is): the
+        config with the run's escalation rules where it continues an escalated run, and where it starts."""
         found = checkpoint.resolve_resume(cfg.resume, run_dir) if cfg.resume else None
-        return cls.of(found, cfg, run_dir, world_size)
+        escalated = _escalation_rules(found, run_dir)
+        if escalated:
+            cfg = typed_config(OmegaConf.create(escalation_rules.with_rules(_resolved(cfg), escalated)))
+        return cfg, cls.of(found, cfg, run_dir, world_size)
 
     @classmethod
     def of(cls, found: Optional[checkpoint.Found], cfg: DictConfig, run_dir: Path, world_size: int) -> "Resume":
@@ -101,6 +107,20 @@ class Resume:
     @property
     def skipped_total(self) -> int:
         return self.payload["skipped_total"] if self.payload else 0
+
+
+def _escalation_rules(found: Optional[checkpoint.Found], run_dir: Path) -> list[dict[str, str]]:
+    """The rules guard.on_trip=escalate scheduled for the run from the step it resumes at (runner/escalation.py),
+    put into the checkpoint's config too: one written before the escalation it went back to lacks them."""
+    step, where = (found.payload["step"], checkpoint_files.run_dir_of(found.path)) if found else (0, run_dir)
+    rules = escalation_rules.resume_rules(where, step)
+    if found is not None and rules:
+        found.payload["config"] = escalation_rules.with_rules(found.payload["config"], rules)
+    return rules
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
 def _world_size_change(payload: dict[str, Any], cfg: DictConfig, world_size: int) -> list[str]:

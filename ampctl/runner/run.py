@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ampctl import machine_load
+from ampctl import machine_load, run_files
 from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.sweeps import stop_requested_of_this_job
@@ -21,7 +22,7 @@ from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.loop import FitHooks, StepSettings, TrainState, fit
-from ampctl.engine.telemetry import StepRecord, Telemetry
+from ampctl.engine.telemetry import StepRecord, Telemetry, read_metrics
 from ampctl.errors import RunStopped, UsageError
 from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.recipes.base import Recipe, build_recipe
@@ -30,14 +31,17 @@ from ampctl.runner import eval_records
 from ampctl.runner.best_checkpoints import BestCheckpoints
 from ampctl.runner.checkpointer import Checkpointer
 from ampctl.runner.console import say
-from ampctl.runner.diagnose import replay
+from ampctl.runner.diagnose import replay, replay_to
+from ampctl.runner.escalation import Decision, Escalator
 from ampctl.runner.eval_records import RunEvaluation
 from ampctl.runner.guards import Guard, GuardStop
 from ampctl.runner.layer_error_log import LayerErrorLog, refuse_what_it_cannot_watch
 from ampctl.runner.mirror import Mirror
-from ampctl.runner.plan import RunPlan
+from ampctl.runner.ownership import start_timeline_at
+from ampctl.runner.plan import RunPlan, check_config
 from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
-from ampctl.runner.recorder import NoRecorder, Recorder
+from ampctl.runner.recorder import NoRecorder, Recorder, log
+from ampctl.runner.resume import Resume
 from ampctl.runner.round_windows import RoundWindows
 from ampctl.runner.run_account import announce, summary_of
 from ampctl.runner.speed_warnings import SpeedWarnings
@@ -110,6 +114,7 @@ class TrainingRun:
         self.steps_began_at = time.time()  # set again when the steps begin
         self.load_at_start: Optional[machine_load.Sample] = None  # taken there too
         self.mirror: Optional[Mirror] = None  # train.checkpoint.mirror's uploader, once the run has its identity
+        self.rebuilt_at: set[int] = set()  # the first steps after an escalation built the run again: not timed
 
     def train(self) -> dict:
         cfg, policy, recorder, resume = self.cfg, self.policy, self.recorder, self.resume
@@ -136,7 +141,7 @@ class TrainingRun:
                                              self.parallel.rank, policy.device, recorder.echo)
                 # torch.compile compiles in the first steps
                 with CompileWatch(lambda: self.state.step + 1, enabled=cfg.train.compile.enabled) as self.compiling:
-                    best = self._fit()
+                    best = self._fit_escalating()
             # inside: the summary is written while the run directory is held, and ends the trackers' runs
             summary = recorder.write_summary(lambda: {
                 **summary_of(self),
@@ -214,23 +219,61 @@ class TrainingRun:
                 finished = fit(state, self.recipe, self.policy, self.settings, telemetry, cfg.train.steps,
                                cfg.train.seed, hooks)
             checkpointer.writer.finish()  # every rank here together: the last async save agreed
-        except GuardStop as stop_exc:
-            telemetry.close()
-            trip = stop_exc.trip
-            raise RunStopped(recorder.explain_stop(
-                trip.reason, trip.step,
-                lambda: replay(cfg, self.policy, self.recipe, recorder.run_dir, trip.step, trip.reason))) from None
         finally:
             telemetry.close()
-            try:
-                checkpointer.writer.close()  # a pending async save completes: the last checkpoint exists from here
-            finally:
-                self._close_mirror()  # its uploads complete: a preempted machine's stop checkpoint is off it
+            checkpointer.writer.close()  # a pending async save completes: the last checkpoint exists from here
         if not finished:
             # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
             raise Interrupted(stop.signum or signal.SIGTERM, state.step,
                               str(checkpointer.last) if checkpointer.last else None)
         return checkpointer.best
+
+    def _fit_escalating(self) -> Optional[BestCheckpoints]:
+        """_fit(); a guard's trip stops the run, its step replayed to name the layer, or (guard.on_trip=escalate)
+        raises that layer's precision and trains again from the newest good checkpoint (runner/escalation.py)."""
+        recorder = self.recorder
+        escalator = Escalator(self.cfg, recorder.run_dir, recorder.identity, check_config)
+        try:
+            while True:
+                try:
+                    return self._fit()
+                except GuardStop as stop:
+                    trip = stop.trip
+                    if not self.parallel.is_main:
+                        raise RunStopped(trip.reason) from None  # rank 0 replays and explains
+                    recorder.echo(f"{'tripped' if escalator.enabled else 'stopped'}: {trip.reason}; replaying step "
+                                  f"{trip.step} to find the layer...")
+                    replayed = replay_to(self.cfg, self.policy, self.recipe, recorder.run_dir, trip.step)
+                    diagnosis = replay(self.cfg, self.policy, self.recipe, recorder.run_dir, trip.step, trip.reason,
+                                       replayed)
+                    decision = escalator.decide(trip, diagnosis, replayed, self.cfg, self.policy, self.recipe)
+                    if decision.escalation is None:
+                        raise RunStopped(recorder.explain_stop(
+                            trip.reason, decision.diagnosis, decision.why_not if escalator.enabled else None)) from None
+                    self._go_back(decision, escalator)
+        finally:
+            self._close_mirror()  # its uploads complete: a preempted machine's stop checkpoint is off it
+
+    def _go_back(self, decision: Decision, escalator: Escalator) -> None:
+        """Train on from the escalation's checkpoint with its rules: what lies past it set aside, the state built
+        again with the raised layers and the checkpoint restored, as a run resumed there with those rules is."""
+        escalation, recorder = decision.escalation, self.recorder
+        for line in start_timeline_at(recorder.run_dir, escalation.step):
+            log.info("escalation %d: %s", escalation.number, line)
+        escalator.record(escalation)
+        recorder.echo(escalation.line(escalator.most))
+        recorder.record_config(decision.cfg)
+        self.cfg, self.policy = decision.cfg, decision.policy
+        self.resume = Resume(recorder.run_dir, Path(escalation.checkpoint) if escalation.checkpoint else None,
+                             decision.payload)
+        self.recipe = self._rank_recipe()  # as a resumed process's: a user recipe's own state starts again
+        self.evaluation = (RunEvaluation(self.cfg, self.recipe, self.policy) if self.cfg.train.eval.every else None)
+        self.state = build_state(self.cfg, self.policy, self.recipe, self.parallel)
+        self.resume.restore(self.state)
+        self.telemetry = self._telemetry()
+        self.telemetry.skipped_total = self.resume.skipped_total
+        self.profiler.stop_profiling()  # its window is the first timeline's: profiled once
+        self.rebuilt_at.add(escalation.step + 1)
 
     def _mirror(self) -> Optional[Mirror]:
         """train.checkpoint.mirror's uploader, on rank 0 (the one that writes whole files and the manifests)."""
@@ -273,6 +316,9 @@ class LogStepChecks:
         cfg, scaler = run.cfg, run.state.scaler
         min_scale = cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None
         self.guard = Guard(cfg.guard, scaler.can_skip, min_scale)
+        metrics = run.recorder.run_dir / run_files.METRICS
+        if self.guard.spike is not None and metrics.is_file():  # the watch's window goes on where the run was
+            self.guard.prime([r for r in read_metrics(metrics) if r.step <= run.state.step])
         self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, run.compiling, run.peak.device.type)
         self.echo = run.recorder.echo
 

@@ -16,6 +16,7 @@ from ampctl.engine import devices, optimizer_states
 from ampctl.engine.precision import layers
 from ampctl.engine.telemetry import read_metrics, summarize
 from ampctl.recipes.base import recipe_title
+from ampctl.runner import escalation_rules
 
 # run: a runner/run.py TrainingRun, built and trained (typed loosely: that module imports this one)
 
@@ -66,7 +67,7 @@ def summary_of(run: Any) -> dict:
     # steps that compiled, nor those train.profile profiled
     timing = summarize(read_metrics(run_dir / run_files.METRICS),
                        max(cfg.train.timing_warmup_steps, run.peak.untimed_steps),
-                       untimed=set(compiling.compiles_at) | run.profiler.untimed_steps)
+                       untimed=set(compiling.compiles_at) | run.profiler.untimed_steps | run.rebuilt_at)
     return {
         "precision": cfg.precision.name,
         "precision_choice": run.choices.get("precision", cfg.precision.name),
@@ -102,5 +103,8 @@ def summary_of(run: Any) -> dict:
         "training_window": [round(run.steps_began_at, 3), round(time.time(), 3)],
         # the cores other processes kept busy meanwhile: above a quarter of the machine its speed is not its own
         "others_cpu_cores": machine_load.others_cores(run.load_at_start, machine_load.sample()),
+        # guard.on_trip=escalate's: the layers raised and from which step (escalations.jsonl holds each whole)
+        "escalations": [{key: row[key] for key in ("number", "tripped_at", "step", "raised", "reason", "evidence")}
+                        for row in escalation_rules.recorded(run_dir)],
         "run_dir": str(run_dir),
     }

@@ -35,10 +35,12 @@ def render(path: Path) -> int:
             _render_unfinished(run, console)
             return 0
         table = tables.single_run_table(run)
-        tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
+        also = [t] if (t := tables.escalations_table(run)) is not None else []
+        for shown in (table, *also):  # first: a directory that cannot be written still shows its report
+            tables.print_table(shown, console)
         images = tables.run_images([(run.name, run)], path)
         machine = tables.machine_info([run.summary] if run.summary else [])
-        files = tables.write_files(table, path, "run", machine, images, {"kind": "run"})
+        files = tables.write_files(table, path, "run", machine, images, {"kind": "run"}, also)
         console.print(tables.wrote([*files, *images], path))
         return int(run.failed)
     if (path / "multirun.yaml").is_file() or find_runs(path):

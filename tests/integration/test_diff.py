@@ -41,6 +41,31 @@ def test_a_reference_against_itself_reads_exactly_zero():
     assert model.noise() is not None and model.noise() > 0
 
 
+def test_a_layer_no_gradient_reaches_has_the_local_error_of_its_output():
+    """The offset recipe's first layer, `center`, is frozen and takes the data (which needs no gradient): nothing
+    flows back into it, and its output's local error is still measured: bf16's identity Linear on 512 + x against
+    fp32's, computed by hand (the relative RMS error of the output)."""
+    from tests.support.offset_spike_recipe import OffsetSpikeRecipe
+
+    recipe = OffsetSpikeRecipe(spike_at=1)
+    torch.manual_seed(0)
+    reference, candidate = recipe.build_model(), recipe.build_model()
+    candidate.load_state_dict(reference.state_dict())
+    off = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    batch = next(recipe.batches(torch.device("cpu"), 0))
+    layers, _ = measure(Side(reference, contextlib.nullcontext, off), Side(candidate, contextlib.nullcontext, bf16),
+                        recipe.loss, [batch])
+    x = batch[0]
+    exact = (x - x.mean(-1, keepdim=True)).double()
+    with bf16():
+        h = F.linear(x, torch.eye(16))
+        by_hand = (h - h.mean(-1, keepdim=True)).double()
+    expected = math.sqrt(float((by_hand - exact).pow(2).sum() / exact.pow(2).sum()))
+    assert layers["center"].local["out"].rel_rms == pytest.approx(expected, rel=1e-6) and expected > 0.1
+    assert layers["center"].local["dgrad"].values == 0 and layers["center"].local["wgrad"].values == 0
+
+
 @pytest.mark.parametrize("mode", ["fp16", "bf16", "fp8_emulated", "mxfp8", "mxfp4"])
 def test_the_layer_built_to_break_ranks_first_and_the_layer_after_it_is_not_blamed(tmp_path, mode):
     result = ampctl.diff([*FRAGILE, f"precision={mode}", "diff.batches=3"], out_dir=tmp_path / "diff")
