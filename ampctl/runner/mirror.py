@@ -29,7 +29,8 @@ from ampctl.runner import checkpoint_files
 from ampctl.runner.checkpoint_files import CHECKSUM_SUFFIX
 from ampctl.runner.sharded_checkpoint import MANIFEST  # a sharded checkpoint's commit marker, uploaded last
 
-RECORDS = (run_files.METRICS, run_files.EVALS)  # uploaded with each checkpoint; pulled with the newest
+# uploaded with each checkpoint; pulled with the newest (escalations.jsonl: the rules a resume keeps)
+RECORDS = (run_files.METRICS, run_files.EVALS, run_files.ESCALATIONS)
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # the ampctl extra that installs each protocol
 
 

@@ -171,3 +171,20 @@ def test_what_cannot_escalate_is_refused_before_anything_is_written(tmp_path, co
     done = train(conf_dir, run, *OFFSET_SPIKE, *args)
     assert done.returncode == 2 and said in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert not run.exists()
+
+
+def test_a_mirrored_escalated_run_continues_on_another_machine_with_its_escalations(tmp_path, conf_dir):
+    """escalations.jsonl goes to the mirror with each checkpoint and comes back with the newest: the run continued
+    elsewhere records its escalations and trains with their rules."""
+    mirror = f"file://{tmp_path / 'mirror'}"
+    assert train(conf_dir, tmp_path / "m1", *EXPLODING, f"train.checkpoint.mirror={mirror}").returncode == 0
+    assert (tmp_path / "mirror" / "escalations.jsonl").read_bytes() == \
+        (tmp_path / "m1" / "escalations.jsonl").read_bytes()
+    pulled = train(conf_dir, tmp_path / "m2", *EXPLODING, "train.steps=30", f"train.checkpoint.mirror={mirror}",
+                   "resume=auto")
+    assert pulled.returncode == 0, pulled.stderr
+    assert "escalation " not in pulled.stdout
+    assert [r["raised"] for r in rows(tmp_path / "m2" / "escalations.jsonl")] == [{"amplifier": "fp32"},
+                                                                                   {"out": "fp32"}]
+    last = torch.load(tmp_path / "m2" / "checkpoints" / "step_00000030.pt", weights_only=True)
+    assert [r["match"] for r in last["config"]["precision"]["rules"]] == ["amplifier", "out"]
