@@ -88,13 +88,15 @@ class LayerErrorLog:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def between_steps(self, step: int, telemetry: Any, pause: Callable[[], Any], echo: Callable[[str], None]
-                      ) -> None:
+    def between_steps(self, step: int, telemetry: Any, pause: Callable[[], Any], recorder: Any) -> None:
         """The measurement after `step`, no step's time: the rows up to it written first (the step timer is
-        drained), the hang watch paused while it runs, the timer restarted after it."""
+        drained), the hang watch paused while it runs, the timer restarted after it; said, and handed to the
+        recorder's trackers."""
         telemetry.flush()
         with pause():
-            echo(self.line(self(step)))
+            row = self(step)
+            recorder.echo(self.line(row))
+            recorder.record_layer_errors(row)
         telemetry.timer.restart()
 
     def __call__(self, step: int) -> dict[str, Any]:

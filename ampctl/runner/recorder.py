@@ -111,6 +111,11 @@ class Recorder:
             self.trackers.write_eval(row)
         self.echo(line)
 
+    def record_layer_errors(self, row: dict[str, Any]) -> None:
+        """train.diff.every's measurement, written to diffs.jsonl already: to the trackers as diff/... scalars."""
+        if self.trackers is not None:
+            self.trackers.write_layer_errors(row)
+
     def ranges_log(self, state: TrainState, device: Any, every: Optional[int]):
         """telemetry.ranges_every's per-layer value ranges (ranges.jsonl), or None."""
         if not every:

@@ -196,7 +196,7 @@ class TrainingRun:
                          if self.evaluation is not None and self.evaluation.due(state.step, last) else None)
             self.peak.after_step()
             if layer_errors is not None and layer_errors.due(state.step):
-                layer_errors.between_steps(state.step, telemetry, watchdog.pause, recorder.echo)
+                layer_errors.between_steps(state.step, telemetry, watchdog.pause, recorder)
             checks(telemetry.take_fresh())  # non-empty on log steps, when values came back from the device
             checkpointer(last, evaluated)
             if windows is not None and not last:

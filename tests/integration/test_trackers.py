@@ -168,6 +168,40 @@ def test_every_tracker_holds_every_evaluation_across_a_resume(tmp_path, restore_
                                                        10: pytest.approx(evals[-1]["eval/loss"])}
 
 
+def test_every_tracker_holds_train_diff_measurements_across_a_resume(tmp_path, restore_argv, monkeypatch):
+    """train.diff.every=3 over 9 steps, resumed after 6: each tracker holds each diffs.jsonl row once, under
+    diff/gradient_error, diff/error_over_noise and diff/local/<layer> (the largest of its local errors)."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    common = [*RUN, "train.diff.every=3", f"logger.mlflow.tracking_uri={uri}", f"hydra.run.dir={run}"]
+    main(["train", *common, "train.steps=6"])
+    main(["train", *common, "train.steps=9", "resume=auto"])
+    diffs = [json.loads(line) for line in (run / "diffs.jsonl").read_text().splitlines()]
+    assert [d["step"] for d in diffs] == [3, 6, 9]
+    expected = {d["step"]: {"diff/gradient_error": d["gradient_error"], "diff/error_over_noise": d["error_over_noise"],
+                            **{f"diff/local/{name}": max(v for k, v in layer.items() if k.endswith("_local")
+                                                         and v is not None)
+                               for name, layer in d["layers"].items()}} for d in diffs}
+    names = list(expected[3])
+    assert "diff/local/0" in names  # the MLP's first Linear (a Sequential names its layers by number)
+
+    with (run / "metrics_diff.csv").open(newline="") as f:
+        table = list(csv.DictReader(f))
+    assert {int(r["step"]): {n: float(r[n]) for n in names} for r in table} == expected
+
+    scalars = tracker_readers.tensorboard_scalars(run / "tensorboard")
+    for name in names:
+        assert scalars[name] == {s: pytest.approx(v[name], rel=1e-6) for s, v in expected.items()}
+    history = {}
+    for folder in sorted((run / "wandb").glob("offline-run-*")):
+        history.update(tracker_readers.wandb_records_of(folder)["history"])
+    for step, values in expected.items():
+        assert {n: history[step][n] for n in names} == values
+    mlflow = tracker_readers.mlflow_run(uri, json.loads((run / run_files.TRACKER_IDS).read_text())["mlflow"])
+    for name in names:
+        assert mlflow["metrics"][name] == {s: pytest.approx(v[name]) for s, v in expected.items()}
+
+
 def test_each_sink_spells_a_non_finite_value_by_its_documented_rule(tmp_path):
     """A skipped step's grad norm, inf or NaN: metrics.jsonl null (strict JSON); the CSV Python's `inf`/`nan`;
     TensorBoard the float itself (as W&B, which logs what it is given); MLflow keeps NaN and leaves an infinity out

@@ -25,7 +25,7 @@ from ampctl.conf.messages import one_line
 from ampctl.conf.options import typed_options
 from ampctl.engine.telemetry import StepRecord
 from ampctl.errors import UsageError
-from ampctl.runner.trackers.base import METRICS, Tracker
+from ampctl.runner.trackers.base import METRICS, Tracker, layer_error_values
 
 __all__ = ["METRICS", "Tracker", "Trackers", "check_loggers", "chosen", "tracker_class"]
 
@@ -103,7 +103,7 @@ class Trackers:
                 raise UsageError(f"logger={name}: could not start: {one_line(exc)}") from None
         self._start_after = start_after_steps
         self._waiting: list[StepRecord] = []
-        self._waiting_evals: list[dict[str, Any]] = []
+        self._waiting_evals: list[tuple[str, dict[str, Any]]] = []  # (the tracker's verb, its row)
         self._started = self._ended = False
         if start_after_steps == 0:
             self._start()
@@ -147,15 +147,21 @@ class Trackers:
 
     def write_eval(self, row: dict[str, Any]) -> None:
         """An evaluation; one inside the trackers' waiting window waits with its step's records."""
-        self._waiting_evals.append(row)
+        self._waiting_evals.append(("write_eval", row))
+        if self._started:
+            self._write_waiting_evals()
+
+    def write_layer_errors(self, row: dict[str, Any]) -> None:
+        """train.diff.every's measurement (a diffs.jsonl row), as diff/... scalars; waits as an evaluation does."""
+        self._waiting_evals.append(("write_layer_errors", layer_error_values(row)))
         if self._started:
             self._write_waiting_evals()
 
     def _write_waiting_evals(self) -> None:
         rows, self._waiting_evals = self._waiting_evals, []
-        for row in rows:
+        for verb, row in rows:
             for tracker in self.trackers:
-                tracker.write_eval(row)
+                getattr(tracker, verb)(row)
 
     def close(self) -> None:
         """The loop ended (a Sink's close): what was written is flushed; the runs end with the summary."""

@@ -68,6 +68,21 @@ def eval_values(row: dict[str, Any]) -> dict[str, float]:
     return {k: float(v) for k, v in row.items() if "/" in k and v is not None}
 
 
+def layer_error_values(row: dict[str, Any]) -> dict[str, Any]:
+    """train.diff.every's measurement (a diffs.jsonl row) as a tracker's scalars: step, diff/gradient_error,
+    diff/error_over_noise and each layer's local error (the largest of its output's, dgrad's and wgrad's) as
+    diff/local/<layer>; an infinite one as inf (MLflow leaves it out)."""
+    def number(value: Any) -> Optional[float]:
+        return None if value is None else float(value)  # "inf": JSON's stand-in for infinity
+
+    values: dict[str, Any] = {"step": row["step"], "diff/gradient_error": number(row["gradient_error"]),
+                              "diff/error_over_noise": number(row["error_over_noise"])}
+    for layer, figures in row["layers"].items():
+        local = [number(figures[k]) for k in ("out_local", "dgrad_local", "wgrad_local") if figures[k] is not None]
+        values[f"diff/local/{layer}"] = max(local) if local else None
+    return values
+
+
 class Tracker:
     """A tracker is this class's subclass in a module of its own and ampctl/conf/logger/<name>.yaml, whose node
     names it (`_target_`) with every option at its default; `logger=<name>` chooses it.
@@ -101,6 +116,12 @@ class Tracker:
     def write_eval(self, row: dict[str, Any]) -> None:
         """An evaluation (runner/eval_records.py's row: step, eval/<metric>...), after the records of its step."""
         raise NotImplementedError
+
+    def write_layer_errors(self, row: dict[str, Any]) -> None:
+        """train.diff.every's measurement (layer_error_values' row: step, diff/...), after the records of its step:
+        scalars at the step, as an evaluation's are (a tracker whose evaluations go to a file of their own
+        overrides this)."""
+        self.write_eval(row)
 
     def flush(self) -> None:
         pass

@@ -36,9 +36,9 @@ class CsvTracker(Tracker):
 
     def start(self, cfg: DictConfig) -> None:
         self._keep_rows_up_to_resume(self.path, list(self.COLUMNS))
-        eval_path = self._eval_path()
-        if eval_path.is_file():
-            self._keep_rows_up_to_resume(eval_path, None)
+        for path in (self._eval_path(), self._side_path("diff")):
+            if path.is_file():
+                self._keep_rows_up_to_resume(path, None)
         self._file = self.path.open("a", newline="", encoding="utf-8")
         self._writer = csv.writer(self._file)
 
@@ -62,19 +62,28 @@ class CsvTracker(Tracker):
         os.replace(tmp, path)
 
     def _eval_path(self) -> Path:
-        return self.path.with_name(f"{self.path.stem}_eval.csv")
+        return self._side_path("eval")
+
+    def _side_path(self, kind: str) -> Path:
+        return self.path.with_name(f"{self.path.stem}_{kind}.csv")
 
     def write_eval(self, row: dict[str, Any]) -> None:
         """Into <file>_eval.csv beside the step rows (its columns are the evaluation's: the recipe decides)."""
-        values = eval_values(row)
+        self._append(self._eval_path(), row["step"], eval_values(row))
+
+    def write_layer_errors(self, row: dict[str, Any]) -> None:
+        """Into <file>_diff.csv: diff/gradient_error, diff/error_over_noise, diff/local/<layer> (empty: none)."""
+        self._append(self._side_path("diff"), row["step"], {k: v for k, v in row.items() if k != "step"})
+
+    def _append(self, path: Path, step: int, values: dict[str, Any]) -> None:
+        """A row of a side file whose columns are its rows' (a file of other columns begins again)."""
         columns = ["step", *values]
-        path = self._eval_path()
         fresh = not path.is_file() or path.read_text(encoding="utf-8").splitlines()[:1] != [",".join(columns)]
         with path.open("w" if fresh else "a", newline="", encoding="utf-8") as f:
             writer = csv.writer(f)
             if fresh:
                 writer.writerow(columns)
-            writer.writerow([row["step"], *values.values()])
+            writer.writerow([step, *("" if v is None else v for v in values.values())])
 
     def fail(self) -> None:
         self._file.close()
