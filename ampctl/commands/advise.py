@@ -26,8 +26,9 @@ def check(cfg: DictConfig) -> None:
 
 def run(study: Study) -> Optional[int]:
     from ampctl.studies.advise import run_advise  # torch: imported by the advice, not by --help
+    from ampctl.studies.diff import run_diff  # a mode ruled out by its accuracy is repaired with it
 
-    run_advise(study.cfg, study.out_dir, study.overrides, study.config_dir)
+    run_advise(study.cfg, study.out_dir, study.overrides, study.config_dir, run_diff)
     return None
 
 

@@ -168,7 +168,7 @@ def decide(modes: list[ModeEvidence], prepared: Optional[dict[str, Preparation]]
     comparison measured it, adopted with the mode chosen."""
     prepared = prepared or {}
     # fp32's row: "fp32", or "fp32+adamw" where optimizers were compared too (the comparison's baseline)
-    reference = next((m for m in modes if _is_reference(m.mode)), None)
+    reference = next((m for m in modes if is_reference(m.mode)), None)
     reference_label = reference.mode if reference is not None else BASELINE
     rejected: dict[str, str] = {}
     matching: list[ModeEvidence] = []
@@ -187,18 +187,23 @@ def decide(modes: list[ModeEvidence], prepared: Optional[dict[str, Preparation]]
         chosen, reasons = _choose(goal, reference, matching, rejected)
         chosen = reference_label if chosen == BASELINE else chosen
     for label in rejected:
-        summary = getattr(prepared.get(row_labels.parse(label).mode), "summary", "")
+        summary = getattr(_preparation(prepared, label), "summary", "")
         if summary and label not in {m.mode for m in modes if m.skipped is not None}:
             rejected[label] += f" (as advise would set it: {summary})"
     advice = Advice(chosen, goal, reasons, rejected, notes=list(notes))
-    preparation = prepared.get(row_labels.parse(chosen).mode)
+    preparation = _preparation(prepared, chosen)
     if preparation is not None:
         advice.scaler, advice.rules = dict(preparation.scaler), list(preparation.rules)
         advice.reasons += preparation.reasons
     return advice
 
 
-def _is_reference(label: str) -> bool:
+def _preparation(prepared: dict[str, Preparation], label: str) -> Optional[Preparation]:
+    """A row's settings: its label's own (a repaired mode's), else its mode's."""
+    return prepared.get(label) or prepared.get(row_labels.parse(label).mode)
+
+
+def is_reference(label: str) -> bool:
     variant = row_labels.parse(label)
     return variant.mode == BASELINE and not variant.compiled and not variant.checkpointed
 

@@ -22,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -36,9 +36,10 @@ from ampctl.errors import UsageError
 from ampctl.reports import tables
 from ampctl.reports.comparison import baseline_of
 from ampctl.studies import row_labels
-from ampctl.studies.advice import GradientEvidence, Preparation, decide, prepare
+from ampctl.studies.advice import GradientEvidence, ModeEvidence, Preparation, decide, is_reference, prepare
 from ampctl.studies.advice_report import Findings, write_advice
 from ampctl.studies.advise_evidence import gradient_evidence, layer_losses, mode_evidence, model_facts
+from ampctl.studies.advise_repair import repaired_plans
 from ampctl.studies.advise_variants import compile_is_candidate, with_variants
 from ampctl.studies.budget import (
     CALIBRATION_STEPS,
@@ -98,6 +99,9 @@ class Advising:
     console: Any
     notes: list[str] = field(default_factory=list)
     step_s: float = 0.0
+    # studies/diff.run_diff, which a mode ruled out by its accuracy is repaired with (advise_repair.py): handed over
+    # by the command, as the diff's own prover is
+    run_diff: Optional[Callable[..., None]] = None
 
     def say(self, text: str, clocked: bool = True) -> None:
         line = self.clock.line(text) if clocked else text
@@ -105,11 +109,12 @@ class Advising:
         log.info(line)
 
 
-def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str]) -> None:
+def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str],
+               run_diff: Optional[Callable[..., None]] = None) -> None:
     budget = budget_seconds(cfg.advise.budget)
     assert budget is not None  # the schema refused anything else
     advising = Advising(cfg, runs_overrides(task_overrides), out_dir, BudgetClock(budget, seconds_since_start()),
-                        tables.make_console())
+                        tables.make_console(), run_diff=run_diff)
     out_dir.mkdir(parents=True, exist_ok=True)
     ends = time.strftime("%H:%M:%S", time.localtime(time.time() + advising.clock.left()))
     advising.say(f"ampctl advise: goal={cfg.advise.goal.value}, budget {cfg.advise.budget} from its start: ends by "
@@ -137,6 +142,10 @@ def run_advise(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
     plans = [_sized(_prepared_plan(p, prepared), size.steps) for p in plans if p.mode in size.kept]
     interrupted = _compare(advising, size, plans, skipped, config_dir)
     evidence = mode_evidence(out_dir / "compare" if size.runs else None, skipped, size.kept)
+    if interrupted is None and run_diff is not None:  # ruled out by its accuracy alone: repaired (advise_repair.py)
+        repaired, unhelped = repaired_plans(advising, evidence, plans, prepared)
+        evidence += unhelped + (_compare_repaired(advising, [p for p in plans if is_reference(p.mode)] + repaired,
+                                                  config_dir) if repaired else [])
     advice = decide(evidence, prepared, advising.cfg.advise.goal.value, advising.notes)
     advising.say("the advice, from what was measured:")
     findings = Findings(advice, evidence, gradients, facts, _partial(interrupted))
@@ -188,6 +197,29 @@ def _compare(advising: Advising, size: ComparisonSize, plans: list[ModePlan], sk
     finally:
         _seeds_that_ran(advising, size)
     return None
+
+
+def _compare_repaired(advising: Advising, plans: list[ModePlan], config_dir: Optional[str]) -> list[ModeEvidence]:
+    """fp32 and the repaired modes, in rounds over advise's seeds, in what is left of the budget: their rows."""
+    size = size_comparison([_candidate(p, plans) for p in plans], advising.step_s,
+                           PLANNED_SHARE * advising.clock.left(), advising.cfg.compare.seeds)
+    labels = [p.mode for p in plans[1:]]
+    if not size.runs or size.seeds < advising.cfg.compare.seeds:
+        why = ("not compared: fp32 and it do not fit what was left of advise.budget with the comparison's seeds "
+               "(ampctl diff diff.repair=true diff.prove=true compares them)")
+        return [ModeEvidence(label, skipped=why) for label in labels]
+    advising.say(f"compare {', '.join(p.mode for p in plans)} x {io.count_of(size.seeds, 'seed')} x "
+                 f"{io.count_of(size.steps, 'step')}: the repaired modes")
+    out_dir = advising.out_dir / "compare_repaired"
+    try:
+        run_compare(advising.cfg, out_dir, [*advising.run_overrides, f"train.steps={size.steps}"], config_dir,
+                    planned=([_sized(p, size.steps) for p in plans if p.mode in size.kept], {}),
+                    deadline=advising.clock.deadline())
+    except CompareInterrupted as exc:
+        if not exc.out_of_time:
+            raise
+        advising.notes.append("the repaired modes' comparison was cut by advise.budget: what it measured is weighed")
+    return [m for m in mode_evidence(out_dir, {}) if m.mode in labels]
 
 
 def _seeds_that_ran(advising: Advising, size: ComparisonSize) -> None:

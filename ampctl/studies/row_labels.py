@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 COMPILE, CHECKPOINTING = "+compile", "+ac"
+REPAIRED = "+repaired"  # advise's: a mode with the layers ampctl diff's repair raised (studies/advise_repair.py)
 
 
 def label(mode: str, compiled: bool, checkpointed: bool, *, both_compiled: bool, both_checkpointed: bool,
@@ -24,6 +25,7 @@ class Variant:
     compiled: bool = False  # True where the label says +compile (False: eager, or not said)
     checkpointed: bool = False
     optimizer: Optional[str] = None  # where the label names one
+    repaired: bool = False  # its rules are the repair's (advise's preparation of the label holds them)
 
     def overrides(self) -> list[str]:
         """The train settings the label stands for, beyond precision=<mode>."""
@@ -33,8 +35,10 @@ class Variant:
 
 
 def parse(row_label: str) -> Variant:
+    repaired = row_label.endswith(REPAIRED)
+    row_label = row_label.removesuffix(REPAIRED)
     mode, checkpointed = (row_label[:-len(CHECKPOINTING)], True) if row_label.endswith(CHECKPOINTING) \
         else (row_label, False)
     mode, compiled = (mode[:-len(COMPILE)], True) if mode.endswith(COMPILE) else (mode, False)
     mode, _, optimizer = mode.partition("+")  # a mode's name has no +
-    return Variant(mode, compiled, checkpointed, optimizer or None)
+    return Variant(mode, compiled, checkpointed, optimizer or None, repaired)

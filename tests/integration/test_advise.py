@@ -281,3 +281,43 @@ def test_advise_skips_what_cannot_fit_and_cites_only_what_it_wrote(tmp_path):
     assert "not O0: not compared in the budget" in advised.stdout
     assert "(the evidence: calibration/, advice.json)" in advised.stdout
     assert "the model: " in advised.stdout and "leaf layer" not in advised.stdout  # no inspection to count them
+
+
+def test_a_mode_ruled_out_by_its_accuracy_is_repaired_and_compared_again(tmp_path):
+    """The comparison's figures stand in for a machine where bf16 is faster (on these CPUs it may not be): bf16 on
+    the recipe built to break differs from fp32, so advise runs ampctl diff's repair on it and compares
+    bf16+repaired with fp32 again, for real: its rules raise `cancel` first, and its held-out loss matches fp32's."""
+    from hydra import initialize_config_module
+
+    with initialize_config_module(config_module="ampctl.conf", version_base=None):
+        _repair_and_compare_again(tmp_path)
+
+
+def _repair_and_compare_again(tmp_path: Path) -> None:
+    from ampctl.conf.composing import compose_job
+    from ampctl.reports import tables
+    from ampctl.studies.advice import ModeEvidence, Preparation
+    from ampctl.studies.advise import Advising, _compare_repaired
+    from ampctl.studies.advise_repair import repaired_plans
+    from ampctl.studies.budget import BudgetClock
+    from ampctl.studies.compare import plan_modes
+    from ampctl.studies.diff import run_diff
+
+    run = ["device=cpu", "recipe=mlp", "recipe._target_=tests.support.fragile_layer_recipe.FragileRecipe",
+           "train.eval.batches=4", "telemetry.profile_cpu_memory=false"]
+    cfg = compose_job("advise", [*run, "compare.seeds=3", "compare.rounds=2", "advise.budget=5min",
+                                 "compare.precisions=[fp32,bf16]"])
+    advising = Advising(cfg, run, tmp_path / "advice", BudgetClock(300.0), tables.make_console(), run_diff=run_diff)
+    advising.step_s = 0.15  # sizes the comparison to a few hundred steps a run
+    plans, _ = plan_modes(cfg, run)
+    measured = [ModeEvidence("fp32", 1.0, 1.0, 1.0, seeds=3),
+                ModeEvidence("bf16", 1.5, 1.3, 1.7, "differs", 0.76, 0.01, 3)]
+    prepared = {"bf16": Preparation()}
+    planned, unhelped = repaired_plans(advising, measured, plans, prepared)
+    assert unhelped == [] and [p.mode for p in planned] == ["bf16+repaired"]
+    (repaired,) = _compare_repaired(advising, [plans[0], *planned], None)
+    assert repaired.mode == "bf16+repaired" and repaired.skipped is None and repaired.failed is None
+    assert repaired.parity == "matches", repaired
+    assert prepared["bf16+repaired"].rules[0] == {"match": "cancel", "run_in": "fp32"}
+    assert (tmp_path / "advice" / "diff_bf16" / "repaired.yaml").is_file()
+    assert (tmp_path / "advice" / "compare_repaired" / "comparison.json").is_file()

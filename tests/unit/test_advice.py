@@ -178,3 +178,33 @@ def test_a_scale_lowered_only_for_headroom_is_not_said_to_overflow():
     assert prepared.scaler["init_scale"] == 2.0**15
     assert "leaves less than a factor 2 below fp16's max (4.273e+04 of 65504)" in prepared.reasons[0]
     assert "overflows" not in prepared.reasons[0]
+
+
+def test_a_mode_that_differs_is_worth_repairing_only_where_the_goal_would_take_it():
+    """Faster and differing: repaired; slower and differing: not (speed would rule it out anyway); a mode compared
+    several ways is repaired once, from its best row; under goal=memory, a peak below fp32's is what counts."""
+    from ampctl.studies.advise_repair import worth_repairing
+
+    differs = dict(parity="differs", eval_loss_delta=0.5)
+    compiled = ModeEvidence("bf16+compile", 2.2, 2.1, 2.3, "differs", 0.5, None, 3, 70.0)
+    rows = [FP32, bf16(**differs), compiled, fp16(**differs, speedup=0.5, speedup_low=0.4, speedup_high=0.6)]
+    assert [m.mode for m in worth_repairing(rows, "speed")] == ["bf16+compile"]
+    assert [m.mode for m in worth_repairing(rows, "memory")] == ["fp16", "bf16"]  # the smallest peak of each mode
+    assert worth_repairing([FP32, bf16()], "speed") == []  # matches: nothing to repair
+    assert worth_repairing(rows, "accuracy") == []
+
+
+def test_a_repaired_row_is_advised_with_the_repairs_rules_before_the_modes_own():
+    """bf16 differs; bf16+repaired (compared with fp32 on its own) matches and is faster: it is the advice, run as
+    precision=bf16 with its rules (its label's preparation), and bf16 alone stays rejected with its loss."""
+    from ampctl.studies.advice import Preparation
+
+    repaired = dataclasses.replace(bf16(speedup=1.6, speedup_low=1.5, speedup_high=1.7), mode="bf16+repaired")
+    rules = [{"match": "cancel", "run_in": "fp32"}]
+    prepared = {"bf16+repaired": Preparation(rules=rules, reasons=["repaired by ampctl diff's repair"],
+                                             summary="repaired: cancel -> fp32")}
+    advice = decide([FP32, bf16(parity="differs", eval_loss_delta=0.7), repaired], prepared)
+    assert advice.mode == "bf16+repaired" and advice.precision == "bf16"
+    assert advice.overrides() == ["precision=bf16", "precision.rules=[{match:'cancel',run_in:'fp32'}]"]
+    assert "repaired by ampctl diff's repair" in advice.reasons
+    assert "+0.7000" in advice.rejected["bf16"]
