@@ -193,6 +193,10 @@ class TrainConfig:
     timing_warmup_steps: int = safe_to_change(5)  # first steps left out of median step time and throughput
     console: ConsoleMode = safe_to_change(ConsoleMode.auto)
     activation_checkpointing: bool = False  # recompute each block's activations in backward (gpt, resnet)
+    # the same config, the same bits: torch's deterministic algorithms (an op without one is refused in one line),
+    # cuDNN's deterministic kernels, cuBLAS's fixed workspace (engine/determinism.py). Kernels, not the model: a
+    # resumed run may turn it on or off
+    deterministic: bool = safe_to_change(False)
     # torch's intra-op threads (torch.set_num_threads); null: torch's own choice, one per core. compare sizes them to
     # the cores other processes leave free (a step waits for whichever thread the scheduler set aside)
     threads: Optional[int] = safe_to_change(None)

@@ -3,8 +3,10 @@ memory, diagnose and the benchmarks share."""
 
 from __future__ import annotations
 
+import random
 from typing import Optional
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 
@@ -23,12 +25,20 @@ from ampctl.engine.weight_average import WeightAverage
 from ampctl.recipes.base import Recipe, building_model, checked_model
 
 
+def seed_everything(seed: int) -> None:
+    """torch's generators (every device's), Python's and NumPy's: a recipe that draws from any of them starts the
+    same way each run (a resumed run then restores each from its checkpoint)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
                 parallel: Optional[parallelism.Parallel] = None) -> TrainState:
     """Seed, build the model the policy's way (wrapped for data parallelism: DDP, or sharded by FSDP before
     the optimizer sees its parameters), then its optimizer, loss scaler and lr schedule."""
     parallel = parallel or parallelism.Parallel()
-    torch.manual_seed(cfg.train.seed)
+    seed_everything(cfg.train.seed)
     with building_model(recipe):
         model = recipe.build_model()
     if policy.converter is not None and parallel.shards_gradients:

@@ -32,6 +32,7 @@ _MEMBERS = {
     "batches": "batches(device, seed) returns an endless iterator of batches, on `device`",
     "loss": "loss(model, batch) gets one batch exactly as batches() yielded it and returns a scalar tensor",
 }
+NOT_DETERMINISTIC = "does not have a deterministic implementation"  # torch's words (torch.use_deterministic_algorithms)
 TYPE_LEVEL = (TypeError, ValueError, AttributeError, KeyError, IndexError)
 
 
@@ -71,6 +72,12 @@ def recipe_error(exc: BaseException, recipe: Recipe, context: Callable[[], Optio
     cls = type(getattr(recipe, "_recipe", recipe))
     if isinstance(exc, (UsageError, RunStopped)):  # said already (ampctl's checks, or a recipe that used them)
         return None
+    if isinstance(exc, RuntimeError) and NOT_DETERMINISTIC in str(exc):  # any code's op: the config's choice
+        op = str(exc).split(NOT_DETERMINISTIC)[0].strip()
+        ctx = context()
+        where = f" ({ctx.where})" if ctx is not None else ""
+        return UsageError(f"train.deterministic=true: {op} has no deterministic implementation in torch{where}; "
+                          f"run without train.deterministic, or replace {op} in recipe {recipe_name(recipe)}")
     if isinstance(exc, ValueError) and "more than 1 value per channel when training" in str(exc):
         # any recipe's (a built-in's too): its batch or input size, not its code
         return UsageError(f"recipe {recipe_name(recipe)}: a BatchNorm layer got one value per channel "

@@ -21,6 +21,7 @@ from ampctl.engine import devices
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state
 from ampctl.engine.compilation import CompileWatch
+from ampctl.engine.determinism import deterministic
 from ampctl.engine.loop import FitHooks, StepSettings, TrainState, fit
 from ampctl.engine.telemetry import StepRecord, Telemetry, read_metrics
 from ampctl.errors import RunStopped, UsageError
@@ -62,7 +63,8 @@ def run_training(plan: RunPlan, echo: Callable[[str], None] = say) -> dict:
             raise UsageError(f"rank {parallel.rank} resolved a different config than rank 0 (resume={cfg.resume}): "
                              "every rank must see the same run directory and checkpoints")
         try:
-            summary = TrainingRun(plan, echo, parallel).train()
+            with deterministic(cfg.train.deterministic):
+                summary = TrainingRun(plan, echo, parallel).train()
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             what = devices.out_of_memory(exc)
             if what is None:

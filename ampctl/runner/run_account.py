@@ -12,7 +12,7 @@ import torch
 from ampctl import machine_load, run_files
 from ampctl.analysis import mode_advice
 from ampctl.conf.precision_schema import scaler_is_active
-from ampctl.engine import devices, optimizer_states
+from ampctl.engine import determinism, devices, optimizer_states
 from ampctl.engine.precision import layers
 from ampctl.engine.telemetry import read_metrics, summarize
 from ampctl.recipes.base import recipe_title
@@ -35,6 +35,8 @@ def announce(run: Any) -> None:
          f"torch={torch.__version__} run_dir={run.recorder.run_dir}"
          + (f" | {parallel.describe()}; global batch = recipe.batch_size x {parallel.world_size}"
             if parallel.world_size > 1 else ""))
+    if cfg.train.deterministic:
+        echo(determinism.described())
     if cfg.train.compile.enabled:  # the first step pauses while it compiles: say so before it does
         blocks = getattr(run.recipe, "activation_checkpoint_blocks", lambda _model: [])(state.model)
         echo(f"torch.compile (mode={cfg.train.compile.mode}): "
@@ -87,6 +89,7 @@ def summary_of(run: Any) -> dict:
         "python_version": platform.python_version(),
         "parameters": sum(p.numel() for p in state.model.parameters()),
         "world_size": run.parallel.world_size,
+        "deterministic": cfg.train.deterministic,  # train.deterministic: torch's deterministic algorithms
         "compiled": cfg.train.compile.enabled,
         "compile_mode": cfg.train.compile.mode if cfg.train.compile.enabled else None,
         "compile_s": round(compiling.seconds, 3) if cfg.train.compile.enabled else None,  # left out of the step times

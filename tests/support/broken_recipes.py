@@ -58,6 +58,9 @@ class BrokenRecipe:
         out = model(x)
         if self.mistake == "half_overflow":  # a constant the half type cannot hold, made in the autocast's dtype
             out = out + torch.full_like(out, 1e5) * 0
+        if self.mistake == "nondeterministic_op":  # put_ has no deterministic implementation (train.deterministic)
+            out = out + torch.zeros(out.numel(), device=out.device).put_(
+                torch.tensor([0], device=out.device), torch.ones(1, device=out.device)).view_as(out) * 0
         if self.mistake == "mixed_dtypes":  # a matmul of autocast's half output with an fp32 tensor, outside autocast
             with torch.autocast(out.device.type, enabled=False):
                 out = out @ torch.ones(1, 1, device=out.device)
