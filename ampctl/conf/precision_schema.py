@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig
 
+from ampctl.conf.fields import safe_to_change
 from ampctl.conf.value_checks import LOSS_SCALE_ALLOWED, loss_scale_ok, require, yaml_text
 
 
@@ -60,6 +61,11 @@ class PrecisionConfig:
     # when the run is planned.
     options: Optional[dict[str, Any]] = None
     rules: list[LayerRule] = field(default_factory=list)  # per-layer precision, first match wins (O2: norms in fp32)
+    # the type micro-batch gradients add up in (train.grad_accum_steps > 1) where weights are half (O2's model, O3,
+    # bf16_true): null, the weights' own; float32, an fp32 gradient per parameter (O2: its master's; otherwise a
+    # buffer, 4 bytes a parameter) rounded once into the half one the optimizer steps from (engine/precision/half.py).
+    # A buffer within a step, not the run's state: a resumed run may change it
+    grad_accum_dtype: Optional[str] = safe_to_change(None)
 
     def __post_init__(self) -> None:
         half = self.dtype in (Dtype.float16, Dtype.bfloat16)
@@ -73,6 +79,8 @@ class PrecisionConfig:
                 "false unless cast_model=true (fp32 weights are already their own masters)")
         require(not (self.tf32 and half), "precision.tf32", self.tf32,
                 "false for half-precision modes (tf32 is its own mode: precision=tf32)")
+        require(self.grad_accum_dtype in (None, "float32"), "precision.grad_accum_dtype", self.grad_accum_dtype,
+                "float32 (an fp32 gradient per parameter), or null for the weights' own type")
 
 
 @dataclass

@@ -22,9 +22,10 @@ from typing import Any, Dict, Mapping, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
+from ampctl.conf.fields import safe_to_change
 from ampctl.conf.precision_schema import SCALER_SCHEMAS, PrecisionConfig
 from ampctl.conf.study_schema import AdviseConfig, CompareConfig, DiffConfig, InspectConfig, MemoryConfig
-from ampctl.conf.train_schema import TrainConfig, safe_to_change
+from ampctl.conf.train_schema import TrainConfig
 from ampctl.conf.value_checks import positive_finite, require
 from ampctl.errors import UsageError
 

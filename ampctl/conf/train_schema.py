@@ -5,11 +5,11 @@ through conf/migration.py."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Optional
 
+from ampctl.conf.fields import safe_to_change
 from ampctl.conf.value_checks import positive_finite, require
 
 
@@ -43,13 +43,6 @@ def monitor_direction(monitor: str) -> Optional[str]:
 
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
-
-
-def safe_to_change(default: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
-    """A field a resumed run may change (a node: any key under it), with its default. Every other difference
-    from the checkpoint's config is refused, and left out of the hash that identifies a run (runner/identity.py);
-    safe_to_change_keys() lists them."""
-    return field(default=default, metadata={"safe_to_change": True}, **kwargs)
 
 
 @dataclass

@@ -50,7 +50,7 @@ def build_state(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe,
     if cfg.train.compile.enabled:  # after the mode's converters and checkpointing, before DDP/FSDP wrap the blocks
         compile_model(model, blocks, cfg.train.compile.mode, profiled=cfg.train.profile is not None)
     parallel.wrap(model, blocks)
-    weights = policy.weight_layout(model)
+    weights = policy.weight_layout(model, cfg.train.grad_accum_steps)
     optimizer = build_optimizer(cfg.optimizer, weights.optimizer_params, policy.device)
     half_grads = any(p.dtype != torch.float32 for p in weights.optimizer_params)
     scaler = build_scaler(cfg.scaler, policy.device, half_grads=half_grads)

@@ -104,6 +104,10 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     mode_advice.check(policy)
     refuse_what_cannot_escalate(cfg, policy)
+    if policy.precision.grad_accum_dtype is not None and cfg.distributed.kind is not ParallelKind.none:
+        raise UsageError(f"precision.grad_accum_dtype={policy.precision.grad_accum_dtype} with distributed="
+                         f"{cfg.distributed.kind.value}: not supported yet (the gradients' reduction across ranks "
+                         "does not follow it); run it in one process, or without precision.grad_accum_dtype")
     check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
     check_optimizer_arguments(cfg.optimizer)
     optimizer_states.check(cfg.optimizer, policy.precision.dtype.name,

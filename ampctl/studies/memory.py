@@ -149,8 +149,10 @@ def measure_mode(label: str, cfg: DictConfig, budget: Optional[int], settings: D
             _steps(state, recipe, batches, policy, cfg, n, lambda done: phase(f"measured step {done}/{n}"))
         if policy.device.type == "cpu":  # the profiler's timeline is read when the measurement ends
             phase("read the CPU memory timeline of the build and the measured steps")
+        accumulation = state.weights.accumulation
         states = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer,
-                                       weight_average=state.ema is not None)
+                                       weight_average=state.ema is not None,
+                                       grad_accumulators=accumulation.buffer_bytes if accumulation else 0)
         n = settings.timed_steps
         times = _steps(state, recipe, batches, policy, cfg, n, lambda done: phase(f"timed step {done}/{n}"))
         # Counted after the measurement, so that the counting (and its recomputation of a checkpointed
@@ -228,10 +230,13 @@ def search_batch(overrides: list[str], config_dir: Optional[str], budget: int, s
 def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Optional[str]) -> tables.ReportTable:
     # byte counts, their unit in the column name (memory.csv holds numbers only); shorter headers on screen
     sizes = {"weights_bytes": "weights", "gradients_bytes": "grads", "master_weights_bytes": "masters",
-             "optimizer_states_bytes": "optimizer", "weight_average_bytes": "EMA", "activations_bytes": "activations",
+             "optimizer_states_bytes": "optimizer", "weight_average_bytes": "EMA",
+             "grad_accumulators_bytes": "fp32 accum", "activations_bytes": "activations",
              "estimate_bytes": "estimate", "measured_peak_bytes": "peak", "difference_bytes": "peak − est."}
     if not any(r.states.weight_average for r in rows):  # a column only where train.ema.decay keeps an average
         del sizes["weight_average_bytes"]
+    if not any(r.states.grad_accumulators for r in rows):  # and where precision.grad_accum_dtype keeps buffers
+        del sizes["grad_accumulators_bytes"]
     columns = ["precision", *sizes, "step_time_ms"]
     if budget is not None:
         columns += ["batch_estimate", "batch_found"]
@@ -241,7 +246,8 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
         values = {
             "precision": r.label, "weights_bytes": s.weights, "gradients_bytes": s.gradients,
             "master_weights_bytes": s.master_weights, "optimizer_states_bytes": s.optimizer_states,
-            "weight_average_bytes": s.weight_average, "activations_bytes": r.activations,
+            "weight_average_bytes": s.weight_average, "grad_accumulators_bytes": s.grad_accumulators,
+            "activations_bytes": r.activations,
             "estimate_bytes": r.estimate, "measured_peak_bytes": r.peak.bytes,
             "difference_bytes": None if r.estimate is None or r.peak.bytes is None else r.peak.bytes - r.estimate,
             "step_time_ms": r.step_time_ms, "batch_estimate": r.batch_estimate, "batch_found": r.batch_found,
@@ -259,6 +265,8 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
 
 def memory_notes(rows: list[ModeMemory], budget: Optional[int]) -> list[str]:
     ema = " + EMA (train.ema.decay's fp32 average of the weights)" if any(r.states.weight_average for r in rows) else ""
+    if any(r.states.grad_accumulators for r in rows):
+        ema += " + fp32 accum (precision.grad_accum_dtype=float32's gradient buffers, 4 bytes a half weight)"
     notes = [f"estimate = weights + grads + masters (O2's fp32 master weights) + optimizer states{ema} + activations "
              "(the bytes autograd saves in one forward, autocast's half weight copies included). grads: the most "
              "gradient memory alive at once; under O2 the fp32 master gradients replace the half ones as they are "
@@ -321,7 +329,8 @@ def run_memory(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config
 
 # the stacked bars of memory.png: each part of the estimate, from ModelStateBytes (None: the activations)
 MEMORY_PARTS = (("weights", "weights"), ("gradients", "gradients"), ("fp32 masters", "master_weights"),
-                ("optimizer states", "optimizer_states"), ("fp32 EMA", "weight_average"), ("activations", None))
+                ("optimizer states", "optimizer_states"), ("fp32 EMA", "weight_average"),
+                ("fp32 grad accum", "grad_accumulators"), ("activations", None))
 
 
 def write_memory_report(out_dir: Path, results: list[ModeMemory], budget_text: Optional[str], machine: dict,

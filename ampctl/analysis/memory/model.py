@@ -51,12 +51,15 @@ class ModelStateBytes:
     master_weights: int
     optimizer_states: Optional[int]
     weight_average: int = 0  # train.ema.decay's fp32 copy of the trainable weights (4 bytes per parameter)
+    # precision.grad_accum_dtype=float32's fp32 gradient buffers of half weights without masters (4 bytes each)
+    grad_accumulators: int = 0
 
     @property
     def total(self) -> Optional[int]:
         if self.optimizer_states is None:
             return None
-        return self.weights + self.gradients + self.master_weights + self.optimizer_states + self.weight_average
+        return (self.weights + self.gradients + self.master_weights + self.optimizer_states + self.weight_average
+                + self.grad_accumulators)
 
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total}
@@ -122,9 +125,11 @@ def optimizer_state_bytes(kind: str, optimizer_cfg: DictConfig, params: Iterable
 
 
 def estimate_model_states(model: nn.Module, optimizer_params: list[nn.Parameter],
-                          optimizer_cfg: DictConfig, weight_average: bool = False) -> ModelStateBytes:
+                          optimizer_cfg: DictConfig, weight_average: bool = False,
+                          grad_accumulators: int = 0) -> ModelStateBytes:
     """Model states of a model prepared by its precision mode, with the parameters its optimizer steps on
-    (the model's own, or the fp32 masters of O2), and an fp32 average of them where train.ema.decay keeps one."""
+    (the model's own, or the fp32 masters of O2), an fp32 average of them where train.ema.decay keeps one, and the
+    bytes of fp32 gradient buffers where precision.grad_accum_dtype keeps them (O2's are its master gradients)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     model_ids = {id(p) for p in trainable}
     masters = [p for p in optimizer_params if id(p) not in model_ids]
@@ -136,6 +141,7 @@ def estimate_model_states(model: nn.Module, optimizer_params: list[nn.Parameter]
         master_weights=sum(_nbytes(p) for p in masters),
         optimizer_states=optimizer_state_bytes(optimizer_kind(optimizer_cfg), optimizer_cfg, optimizer_params),
         weight_average=4 * sum(p.numel() for p in optimizer_params) if weight_average else 0,
+        grad_accumulators=grad_accumulators,
     )
 
 

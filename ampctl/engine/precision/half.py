@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -41,14 +41,55 @@ def cast_floats(value: Any, dtype: torch.dtype) -> Any:
     return io.map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
-class WeightLayout:
-    """The weights the optimizer steps on are the model's own (every mode but O2)."""
+class FP32GradAccumulation:
+    """precision.grad_accum_dtype=float32 with train.grad_accum_steps > 1 where weights are half: each micro-batch's
+    half gradient, as backward makes it, is added into an fp32 gradient of its own and freed (a post-accumulate-grad
+    hook, as Megatron's `main_grad`), so that the small contributions are not rounded away at every addition in the
+    half type. O2: the fp32 gradient is its master's (the optimizer steps from it); otherwise a buffer kept from step
+    to step (4 bytes a parameter), rounded once into the half gradient the optimizer steps from, and zeroed."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, params: list[nn.Parameter], masters: Optional[dict[nn.Parameter, nn.Parameter]] = None) -> None:
+        self.masters = masters
+        self.buffers = {} if masters is not None else {p: torch.zeros_like(p, dtype=torch.float32) for p in params}
+        self._handles = [p.register_post_accumulate_grad_hook(self._add) for p in params]
+
+    @torch.no_grad()
+    def _add(self, param: nn.Parameter) -> None:
+        if self.masters is not None:
+            master = self.masters[param]
+            if master.grad is None:
+                master.grad = param.grad.float()
+            else:
+                master.grad.add_(param.grad)
+        else:
+            self.buffers[param].add_(param.grad)
+        param.grad = None
+
+    @torch.no_grad()
+    def hand_over(self) -> None:
+        """After the step's last backward: the sums, rounded once, as the half parameters' gradients."""
+        for param, buffer in self.buffers.items():
+            param.grad = buffer.to(param.dtype)
+            buffer.zero_()
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
+class WeightLayout:
+    """The weights the optimizer steps on are the model's own (every mode but O2). accumulate_in_fp32: the half
+    ones' micro-batch gradients add up in fp32 (FP32GradAccumulation)."""
+
+    def __init__(self, model: nn.Module, accumulate_in_fp32: bool = False) -> None:
         self.optimizer_params = [p for p in model.parameters() if p.requires_grad]
+        half = [p for p in self.optimizer_params if p.dtype != torch.float32]
+        self.accumulation = FP32GradAccumulation(half) if accumulate_in_fp32 and half else None
 
     def grads_to_masters(self) -> None:
         """Called after the last backward of a step, before unscale_."""
+        if self.accumulation is not None:
+            self.accumulation.hand_over()
 
     def masters_to_model(self) -> None:
         """Called after the optimizer step."""
@@ -66,10 +107,11 @@ class FP32MasterWeights(WeightLayout):
     Half gradients are copied into fp32 master gradients before unscale_ (torch's GradScaler refuses to
     unscale fp16 gradients, and the update must be computed in fp32 to not lose small steps). After the
     step the masters are copied back into the half model. Weights that are already fp32 (norm layers)
-    are their own masters. A skipped step leaves the masters, and so the model, untouched.
+    are their own masters. A skipped step leaves the masters, and so the model, untouched. accumulate_in_fp32:
+    each micro-batch's half gradient goes straight into its master's fp32 gradient (FP32GradAccumulation).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, accumulate_in_fp32: bool = False) -> None:
         self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
         self.optimizer_params = []
         for p in model.parameters():
@@ -81,8 +123,12 @@ class FP32MasterWeights(WeightLayout):
             master = nn.Parameter(p.detach().float())
             self._pairs.append((p, master))
             self.optimizer_params.append(master)
+        self.accumulation = (FP32GradAccumulation([p for p, _ in self._pairs], dict(self._pairs))
+                             if accumulate_in_fp32 and self._pairs else None)
 
     def grads_to_masters(self) -> None:
+        if self.accumulation is not None:
+            return  # every micro-batch's gradient is in its master's already
         for model_param, master in self._pairs:
             master.grad = None if model_param.grad is None else model_param.grad.float()
             model_param.grad = None

@@ -121,8 +121,12 @@ class PrecisionPolicy:
         """The layers a converter swapped, by name: their format."""
         return {} if self.layer_plan is None else {f: fmt for f, (_, fmt) in self.layer_plan.converted.items()}
 
-    def weight_layout(self, model: nn.Module) -> WeightLayout:
-        return FP32MasterWeights(model) if self.precision.master_weights else WeightLayout(model)
+    def weight_layout(self, model: nn.Module, grad_accum_steps: int = 1) -> WeightLayout:
+        """The weights the optimizer steps on; their micro-batch gradients added up in fp32 where
+        precision.grad_accum_dtype says so and a step has more than one."""
+        in_fp32 = self.precision.grad_accum_dtype == "float32" and grad_accum_steps > 1
+        layout = FP32MasterWeights if self.precision.master_weights else WeightLayout
+        return layout(model, accumulate_in_fp32=in_fp32)
 
     def describe(self, scaler_description: str) -> str:
         """The resolved options, printed once at start (as Apex's "Selected optimization level")."""
