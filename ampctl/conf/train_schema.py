@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from ampctl.conf.fields import safe_to_change
 from ampctl.conf.value_checks import positive_finite, require
@@ -70,6 +70,9 @@ class CheckpointConfig:
     # an fsspec URL (s3://bucket/run, gs://..., memory://...) each checkpoint is uploaded to as well, its checksum
     # last; resume=auto in an empty run directory pulls the newest that verifies (runner/mirror.py). null: none
     mirror: Optional[str] = safe_to_change(None)
+    # the mirror's fsspec storage_options, as its file system takes them (s3fs: endpoint_url, profile, client_kwargs,
+    # config_kwargs={retries: {max_attempts: 10}}; gcsfs: project, token): retries and endpoints are the library's
+    mirror_options: Dict[str, Any] = safe_to_change(default_factory=dict)
     # the K best checkpoints by the eval metric `monitor`, in checkpoints/best/, beside the newest ones
     save_top_k: int = safe_to_change(0)
     monitor: str = "loss"  # an eval metric of the recipe's: loss, accuracy, perplexity, or its own

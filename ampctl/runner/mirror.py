@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from ampctl import run_files
 from ampctl.errors import UsageError
@@ -34,9 +34,10 @@ RECORDS = (run_files.METRICS, run_files.EVALS, run_files.ESCALATIONS)
 EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}  # the ampctl extra that installs each protocol
 
 
-def open_mirror(url: str) -> tuple[Any, str]:
-    """The fsspec file system and root path of a mirror URL; UsageError naming what to install when its protocol
-    is not (s3fs for s3://, gcsfs for gs://) or is unknown."""
+def open_mirror(url: str, options: Optional[Mapping[str, Any]] = None) -> tuple[Any, str]:
+    """The fsspec file system and root path of a mirror URL, made with its storage options
+    (train.checkpoint.mirror_options); UsageError naming what to install when its protocol is not (s3fs for s3://,
+    gcsfs for gs://) or is unknown, or saying which option its file system refuses."""
     import fsspec
 
     key = "train.checkpoint.mirror"
@@ -50,7 +51,11 @@ def open_mirror(url: str) -> tuple[Any, str]:
         extra = EXTRAS.get(protocol)
         how = f"pip install 'ampctl[{extra}]'" if extra else f"install what it names: {exc}"
         raise UsageError(f"{key}={url}: the {protocol}:// file system is not installed; {how}") from None
-    fs, root = fsspec.core.url_to_fs(url)
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **dict(options or {}))
+    except TypeError as exc:  # an option the file system's constructor does not take
+        raise UsageError(f"train.checkpoint.mirror_options={dict(options or {})}: the {protocol}:// file system "
+                         f"refuses them ({str(exc).strip()[:200]}); see its storage options") from None
     return fs, root.rstrip("/")
 
 
@@ -71,9 +76,10 @@ def _whole_lines(path: Path) -> Optional[bytes]:
 class Mirror:
     """The mirror of one run: its identity claimed when the run starts, each checkpoint uploaded by a thread."""
 
-    def __init__(self, url: str, run_dir: Path, warn: Callable[[str], None]) -> None:
+    def __init__(self, url: str, run_dir: Path, warn: Callable[[str], None],
+                 options: Optional[Mapping[str, Any]] = None) -> None:
         self.url, self.run_dir, self.warn = url, run_dir, warn
-        self.fs, self.root = open_mirror(url)
+        self.fs, self.root = open_mirror(url, options)
         self.failed: list[str] = []
         self._queue: "queue.Queue[Optional[Path]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
@@ -171,12 +177,12 @@ class Mirror:
                 self.fs.rm(f"{folder}/{name}", recursive=name.endswith(".dcp"))
 
 
-def check(url: str, run_dir: Path, continuing: bool) -> None:
+def check(url: str, run_dir: Path, continuing: bool, options: Optional[Mapping[str, Any]] = None) -> None:
     """Before anything is written: the mirror's file system is installed and readable, and it holds no run or
     this one (the run in run_dir, when the run continues it). UsageError otherwise."""
     from ampctl.runner import identity
 
-    fs, root = open_mirror(url)
+    fs, root = open_mirror(url, options)
     try:
         theirs = read_identity(fs, f"{root}/{run_files.IDENTITY}")
     except UsageError:
@@ -270,11 +276,11 @@ def mirrored_checkpoints(fs: Any, folder: str) -> list[str]:
             if (fs.exists(f"{folder}/{n}/{MANIFEST}") if n.endswith(".dcp") else n + CHECKSUM_SUFFIX in names)]
 
 
-def pull(url: str, run_dir: Path, say: Callable[[str], None]) -> bool:
+def pull(url: str, run_dir: Path, say: Callable[[str], None], options: Optional[Mapping[str, Any]] = None) -> bool:
     """Into a run directory that holds none of the run: the mirror's identity, records and newest checkpoint that
     verifies (newer ones that do not are said and left). False when the mirror holds no run. UsageError when it
     holds one but no checkpoint of it verifies (nothing is left in run_dir then)."""
-    fs, root = open_mirror(url)
+    fs, root = open_mirror(url, options)
     identity = root + "/" + run_files.IDENTITY
     if read_identity(fs, identity) is None:
         return False

@@ -50,9 +50,9 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     UsageError for what the run would refuse. With the command line's overrides, a resumed run takes its own
     config, with the keys they name taken from cfg (runner/resume.py's plan); without (a config made in Python),
     cfg is the run's config as it is."""
-    mirror = cfg.train.checkpoint.mirror
+    mirror, options = cfg.train.checkpoint.mirror, _mirror_options(cfg)
     if mirror and cfg.resume == "auto" and holds_none_of_the_run(run_dir):
-        pull_from_mirror(mirror, run_dir, world_size)
+        pull_from_mirror(mirror, run_dir, world_size, options)
     if overrides is None:
         cfg, resume = Resume.find(cfg, run_dir, world_size)
     else:
@@ -60,7 +60,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     if cfg.train.checkpoint.mirror:
         from ampctl.runner import mirror as mirroring
 
-        mirroring.check(cfg.train.checkpoint.mirror, resume.run_dir, continuing=bool(cfg.resume))
+        mirroring.check(cfg.train.checkpoint.mirror, resume.run_dir, bool(cfg.resume), _mirror_options(cfg))
     policy = check_config(cfg)
     return RunPlan(cfg, dict(choices or {}), policy, resume, check_loggers(cfg.logger))
 
@@ -73,7 +73,12 @@ def holds_none_of_the_run(run_dir: Path) -> bool:
     return not (run_dir / run_files.IDENTITY).is_file() and not list_checkpoints(run_dir)
 
 
-def pull_from_mirror(url: str, run_dir: Path, world_size: int) -> None:
+def _mirror_options(cfg: DictConfig) -> dict[str, Any]:
+    """train.checkpoint.mirror_options as plain values (fsspec's storage_options)."""
+    return OmegaConf.to_container(cfg.train.checkpoint.mirror_options, resolve=True)  # type: ignore[return-value]
+
+
+def pull_from_mirror(url: str, run_dir: Path, world_size: int, options: dict[str, Any]) -> None:
     """resume=auto on a machine without the run: the mirror's run into run_dir (runner/mirror.py)."""
     from ampctl.runner import mirror as mirroring
 
@@ -81,7 +86,7 @@ def pull_from_mirror(url: str, run_dir: Path, world_size: int) -> None:
         raise UsageError(f"resume=auto with train.checkpoint.mirror={url}: {run_dir} holds none of the run, and "
                          f"{world_size} ranks would each pull it; pull it with one process first (the same command "
                          "without torchrun pulls it as it starts), or copy the mirror's files into it")
-    mirroring.pull(url, run_dir, lambda line: print(line, flush=True))
+    mirroring.pull(url, run_dir, lambda line: print(line, flush=True), options)
 
 
 def refuse_parallelism_without_torchrun(kind: ParallelKind) -> None:

@@ -282,7 +282,8 @@ class TrainingRun:
         url = self.cfg.train.checkpoint.mirror
         if not url or not self.parallel.is_main:
             return None
-        mirror = Mirror(url, self.recorder.run_dir, self.recorder.echo)
+        options = OmegaConf.to_container(self.cfg.train.checkpoint.mirror_options, resolve=True)
+        mirror = Mirror(url, self.recorder.run_dir, self.recorder.echo, options)  # type: ignore[arg-type]
         mirror.claim()
         return mirror
 

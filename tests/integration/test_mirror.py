@@ -300,3 +300,23 @@ def test_on_a_store_without_exclusive_create_a_later_claim_is_seen_before_the_fi
     assert "was claimed by another run (run theirs)" in warnings[0], warnings
     assert not fs.exists(f"{root}/checkpoints") and json.loads(fs.cat_file(f"{root}/identity.json")) == {
         "run_id": "theirs"}
+
+
+@pytest.mark.slow
+def test_the_mirrors_storage_options_reach_its_file_system(tmp_path, s3_server):
+    """The endpoint given as train.checkpoint.mirror_options (fsspec's storage_options), not in the environment: the
+    run mirrors through it; options that are not a mapping are one line."""
+    env = {k: v for k, v in {**os.environ, **s3_server, "PYTHONPATH": str(REPO)}.items()
+           if k != "FSSPEC_S3_ENDPOINT_URL"}
+    endpoint = s3_server["FSSPEC_S3_ENDPOINT_URL"]
+    done = subprocess.run([sys.executable, "-m", "ampctl", "train", *RUN, "train.steps=10",
+                           "train.checkpoint.mirror=s3://ampctl-runs/options",
+                           f"+train.checkpoint.mirror_options.endpoint_url={endpoint}", "hydra.run.dir=m1"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "not mirrored" not in done.stdout + done.stderr, done.stderr[-2000:]
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    assert "step_00000010.pt" in [p.rsplit("/", 1)[-1] for p in fs.ls("ampctl-runs/options/checkpoints")]
+    refused = run_ampctl("train", *RUN, "train.checkpoint.mirror=memory://options", "train.checkpoint.mirror_options=5",
+                         "hydra.run.dir=m2", cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "train.checkpoint.mirror_options" in refused.stderr and not (tmp_path / "m2").exists()
