@@ -69,6 +69,7 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
                             on_batch=lambda done: phase(f"batch {done}/{len(batches)} through both, layer by layer"))
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = model_summary(model, candidate, against, cfg.diff.noise_share, cand.scale)
+    summary["converted_layers"] = sorted(policy.converted)  # a repair that raises them all leaves no format
     table = layer_table(layers, model)
     repair = None
     if cfg.diff.repair and summary["gradient_noise"]:

@@ -120,6 +120,9 @@ def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list
         return ["repair: nothing to repair: the gradient's error is already under the yardstick"]
     rules = ", ".join(f"{r['match']} -> {r['run_in']}" for r in repair.chosen.rules)
     n = len(repair.chosen.rules)
+    converted = set(summary.get("converted_layers") or [])
+    if converted and converted <= {r["match"] for r in repair.chosen.rules}:
+        rules += "; every layer the mode converts: what is left is the mode without its format"
     lines = [f"repair: {io.count_of(n, 'layer')} raised ({rules}) {'brings' if n == 1 else 'bring'} the gradient's "
              f"error from {summary['gradient_error']:.1e} ({before:.2g}x the noise) to "
              f"{repair.chosen.gradient_error:.1e} ({repair.chosen.error_over_noise:.2g}x); "

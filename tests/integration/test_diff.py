@@ -186,7 +186,7 @@ def test_a_diff_at_a_runs_weights_starts_from_its_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("mode,raised", [("fp16", "fp32"), ("bf16", "fp32"), ("fp8_emulated", "unconverted"),
-                                         ("mxfp8", "unconverted")])
+                                         ("mxfp8", "unconverted"), ("mxfp4", "unconverted")])
 def test_repair_raises_the_broken_layer_first_and_its_config_runs_as_written(tmp_path, mode, raised):
     """diff.repair=true on the recipe built to break: `cancel` is raised first, one step (a format to unconverted, a
     half type to fp32), and no set without it is enough; what else the chosen set holds is what its measurement
@@ -209,6 +209,11 @@ def test_repair_raises_the_broken_layer_first_and_its_config_runs_as_written(tmp
     assert trained.returncode == 0, trained.stderr
     config = json.loads((tmp_path / "run" / "identity.json").read_text())["config"]
     assert config["precision"]["rules"][:len(chosen)] == [{**r, "type": None} for r in chosen]
+    # a repair that raises every layer the mode converts says what is left: the mode without its format
+    converted = set(result.summary["model"]["converted_layers"])
+    whole = bool(converted) and converted <= {r["match"] for r in chosen}
+    assert ("what is left is the mode without its format" in (out / "report.md").read_text()) == whole
+    assert whole == (mode == "mxfp4")  # mxfp4 needs all three of the fragile recipe's Linear layers raised
 
 
 def test_repair_of_a_mode_already_under_the_yardstick_raises_nothing(tmp_path):
