@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from ampctl import io
 from ampctl.analysis import step_time as breakdowns
+from ampctl.analysis.matmul_dtypes import MatmulDtypes, matmul_dtypes
 from ampctl.analysis.memory.measure import quiet_kineto
 
 PROFILE_DIR = "profile"
@@ -37,12 +38,15 @@ class StepProfiler:
         self.steps, self.first_step, self.run_dir, self.rank = steps, first_step, run_dir, rank
         self.device, self.echo = device, echo
         self.result: Optional[breakdowns.StepBreakdown] = None
+        self.matmuls: Optional[MatmulDtypes] = None  # what precision the window's matmuls ran in
         self.trace: Optional[Path] = None
         self._profiler: Optional[profile] = None
         self._open = ExitStack()
         if steps is not None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            self._profiler = profile(activities=activities, on_trace_ready=self._ready, schedule=schedule(
+            # record_shapes: each matmul's operand shapes and dtypes, for the FLOPs by dtype (analysis/matmul_dtypes.py)
+            self._profiler = profile(activities=activities, on_trace_ready=self._ready, record_shapes=True,
+                                     schedule=schedule(
                 skip_first=first_step - PROFILER_WARMUP_STEPS, wait=0, warmup=PROFILER_WARMUP_STEPS, active=steps,
                 repeat=1))
             # the schedule's step count is the run's step under way: the trace's ProfilerStep#N is step N
@@ -88,10 +92,13 @@ class StepProfiler:
         plain.unlink()
         os.replace(packed, trace)  # whole or not at all: a kill leaves *.tmp, removed when the run starts again
         self.trace = trace
-        self.result = breakdowns.breakdown(list(prof.events()), self.device.type)
+        events = list(prof.events())
+        self.result = breakdowns.breakdown(events, self.device.type)
+        self.matmuls = matmul_dtypes(events, self.result.steps)
         lines = breakdowns.render(self.result, self.first_step, str(trace.relative_to(self.run_dir)))
         io.atomic_write_text(folder / f"rank{self.rank}.steps{self.first_step}-{last}.txt", "\n".join(lines) + "\n")
-        for line in lines:
+        matmul_line = self.matmuls.line()
+        for line in [*lines, *([matmul_line] if matmul_line else [])]:
             self.echo(line)
 
     def summary(self) -> Optional[dict]:
@@ -99,4 +106,4 @@ class StepProfiler:
         if self.result is None:
             return None
         return {"first_step": self.first_step, "trace": str(self.trace.relative_to(self.run_dir)),
-                **self.result.as_dict()}
+                **self.result.as_dict(), "matmul_dtypes": self.matmuls.as_dict() if self.matmuls else None}

@@ -1,0 +1,100 @@
+"""Which precision the matmuls of a profiled window actually ran in: their FLOPs and time by operand dtype, read
+from torch.profiler's events (recorded with their input shapes and dtypes), so that a mode's name is checked
+against what ran (FP8 flags that ran bf16 GEMMs, LlamaFactory#9500; NVFP4 flags that ran no NVFP4 kernel,
+Megatron-LM#3423). The GEMM ops counted: aten::mm, addmm, bmm, baddbmm, _scaled_mm and _int_mm, each once (not
+again inside another counted one), the model's (not a recipe's own inside the data fetch); a convolution's FLOPs
+are not among them. FLOPs are 2·M·N·K a product (per
+batch for the batched ones); the dtype is the first matrix operand's."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ampctl.engine.loop import DATA_RANGE
+
+# op -> (index of the first matrix operand, of the second) in its inputs
+GEMMS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
+         "aten::_scaled_mm": (0, 1), "aten::_int_mm": (0, 1)}
+_DTYPES = {"float": "float32", "c10::BFloat16": "bfloat16", "c10::Half": "float16", "double": "float64",
+           "c10::Float8_e4m3fn": "float8_e4m3fn", "c10::Float8_e5m2": "float8_e5m2", "signed char": "int8",
+           "c10::Float4_e2m1fn_x2": "float4_e2m1fn_x2"}
+
+
+@dataclass
+class MatmulDtypes:
+    """Per step of the window: the matmul FLOPs and milliseconds by operand dtype, and the calls by op."""
+
+    steps: int
+    flops: dict[str, float] = field(default_factory=dict)
+    ms: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, float] = field(default_factory=dict)  # op -> calls a step
+
+    def shares(self) -> dict[str, float]:
+        total = sum(self.flops.values())
+        return {dtype: f / total for dtype, f in sorted(self.flops.items(), key=lambda item: -item[1])} if total \
+            else {}
+
+    def line(self) -> Optional[str]:
+        """`matmul precision: 97.0% of FLOPs in bfloat16, 3.0% in float32 (...)`; None without a matmul."""
+        shares = self.shares()
+        if not shares:
+            return None
+        parts = [f"{share:.1%} {'of FLOPs ' if i == 0 else ''}in {dtype}"
+                 for i, (dtype, share) in enumerate(shares.items())]
+        return (f"matmul precision: {', '.join(parts)} (what ran in the profiled steps: "
+                f"{', '.join(f'{op} x{n:g}' for op, n in sorted(self.calls.items()))} a step)")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"flops_per_step": {k: round(v) for k, v in self.flops.items()},
+                "ms_per_step": {k: round(v, 3) for k, v in self.ms.items()},
+                "shares": {k: round(v, 6) for k, v in self.shares().items()},
+                "calls_per_step": {k: round(v, 2) for k, v in self.calls.items()}}
+
+
+def gemm_flops(name: str, shapes: list[list[int]]) -> Optional[float]:
+    """2·M·N·K (times the batch) of one GEMM op from its input shapes; None where they are not a GEMM's."""
+    a_at, b_at = GEMMS[name]
+    if len(shapes) <= max(a_at, b_at):
+        return None
+    a, b = shapes[a_at], shapes[b_at]
+    if len(a) == 2 and len(b) == 2:
+        return 2.0 * a[0] * a[1] * b[1]
+    if len(a) == 3 and len(b) == 3:
+        return 2.0 * a[0] * a[1] * a[2] * b[2]
+    return None
+
+
+def _not_the_models(event: Any) -> bool:
+    """Inside another counted GEMM (counted there), or inside the data fetch (a recipe's own arithmetic on its
+    batches, not the model's)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in GEMMS or parent.name == DATA_RANGE:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def matmul_dtypes(events: list[Any], steps: int) -> MatmulDtypes:
+    """The window's GEMMs (FunctionEvents recorded with record_shapes=True), per step. Time: the op's own CPU time
+    on a CPU, its kernels' device time on a GPU."""
+    flops: dict[str, float] = defaultdict(float)
+    us: dict[str, float] = defaultdict(float)
+    calls: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.name not in GEMMS or e.device_type.name != "CPU" or _not_the_models(e):
+            continue
+        count = gemm_flops(e.name, list(e.input_shapes or []))
+        dtypes = list(getattr(e, "input_dtypes", None) or [])
+        if count is None or len(dtypes) <= GEMMS[e.name][0]:
+            continue
+        dtype = _DTYPES.get(dtypes[GEMMS[e.name][0]], dtypes[GEMMS[e.name][0]])
+        flops[dtype] += count
+        device_us = sum(k.duration for k in e.kernels)
+        us[dtype] += device_us if device_us else e.cpu_time_total
+        calls[e.name.removeprefix("aten::")] += 1
+    steps = max(steps, 1)
+    return MatmulDtypes(steps, {k: v / steps for k, v in flops.items()}, {k: v / steps / 1e3 for k, v in us.items()},
+                        {k: v / steps for k, v in calls.items()})

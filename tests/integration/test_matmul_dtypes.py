@@ -1,0 +1,60 @@
+"""What precision the matmuls ran in (analysis/matmul_dtypes.py, train.profile's line and summary.json's
+profile.matmul_dtypes): each mode's matmul FLOPs by operand dtype, read from the profiler's events, equal a count
+taken another way: a TorchDispatchMode that sees every aten GEMM of one training step on ampctl's own state (its
+operands' shapes and dtypes) and adds up 2·M·N·K by dtype."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampctl
+from ampctl.engine.build import build_state
+from ampctl.engine.loop import StepSettings, batch_stream, train_step
+from ampctl.engine.telemetry import Telemetry
+from tests.support.training import FAST, build
+
+aten = torch.ops.aten
+FIRST_MATRIX = {aten.mm.default: 0, aten.addmm.default: 1, aten.bmm.default: 0, aten.baddbmm.default: 1}
+NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class CountGemms(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops: dict[str, float] = defaultdict(float)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in FIRST_MATRIX:
+            a, b = args[FIRST_MATRIX[func]], args[FIRST_MATRIX[func] + 1]
+            batch = a.shape[0] if a.dim() == 3 else 1
+            self.flops[NAMES[a.dtype]] += 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+        return func(*args, **(kwargs or {}))
+
+
+def counted(overrides: list[str]) -> dict[str, float]:
+    """One step's GEMM FLOPs by dtype, its batches drawn before the count (a recipe's own arithmetic is not the
+    model's)."""
+    cfg, policy, recipe = build(*overrides)
+    with policy:
+        state = build_state(cfg, policy, recipe)
+        batches = [next(batch_stream(recipe, policy.device, cfg.train.seed)) for _ in range(cfg.train.grad_accum_steps)]
+        telemetry = Telemetry(policy.device, 1, recipe.samples_per_batch, None, [])
+        with CountGemms() as count:
+            train_step(state, iter(batches), recipe, policy, StepSettings.of(cfg.train), telemetry)
+    return dict(count.flops)
+
+
+@pytest.mark.parametrize("overrides", [["precision=fp32"], ["precision=bf16"], ["precision=fp16"], ["precision=O2"],
+                                       ["precision=bf16", "precision.rules=[{match:'9',run_in:fp32}]"],
+                                       ["precision=bf16_true"]], ids=lambda o: " ".join(o))
+def test_the_profiled_matmul_dtypes_equal_a_dispatch_count(tmp_path, overrides):
+    run = ampctl.train([*FAST, *overrides, "train.steps=10", "train.profile=2"], run_dir=tmp_path / "run")
+    recorded = run.summary["profile"]["matmul_dtypes"]
+    assert recorded["flops_per_step"] == pytest.approx(counted(overrides), rel=1e-9)
+    assert sum(recorded["shares"].values()) == pytest.approx(1.0)
+    if "precision.rules=[{match:'9',run_in:fp32}]" in overrides:  # the head, kept in fp32 by its rule
+        assert set(recorded["flops_per_step"]) == {"bfloat16", "float32"}
