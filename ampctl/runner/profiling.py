@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import ProfilerAction, ProfilerActivity, profile, schedule
 
 from ampctl import io
 from ampctl.analysis import step_time as breakdowns
-from ampctl.analysis.matmul_dtypes import MatmulDtypes, matmul_dtypes
+from ampctl.analysis.matmul_dtypes import LayerRanges, MatmulDtypes, matmul_dtypes
 from ampctl.analysis.memory.measure import quiet_kineto
 
 PROFILE_DIR = "profile"
@@ -39,6 +39,8 @@ class StepProfiler:
         self.device, self.echo = device, echo
         self.result: Optional[breakdowns.StepBreakdown] = None
         self.matmuls: Optional[MatmulDtypes] = None  # what precision the window's matmuls ran in
+        self._layers: Optional[LayerRanges] = None
+        self._rows: list = []
         self.trace: Optional[Path] = None
         self._profiler: Optional[profile] = None
         self._open = ExitStack()
@@ -67,9 +69,20 @@ class StepProfiler:
             self._open.enter_context(self._profiler)  # a window cut short by a stop is written as far as it went
         return self
 
+    def watch(self, model: torch.nn.Module, layer_rows: list) -> None:
+        """The model whose leaf layers' forwards are ranged in the window (so that each matmul is the layer's that
+        ran it), and the precision each was meant to compute in (PrecisionPolicy.layer_rows)."""
+        if self._profiler is not None:
+            self._layers = LayerRanges(model)
+            self._rows = layer_rows
+
     def step(self) -> None:
         if self._profiler is not None:
             self._profiler.step()
+            recording = self._profiler.current_action in (ProfilerAction.WARMUP, ProfilerAction.RECORD,
+                                                          ProfilerAction.RECORD_AND_SAVE)
+            if recording and self._layers is not None:
+                self._layers.attach()
 
     def __exit__(self, *exc_info: object) -> None:
         self._open.__exit__(*exc_info)
@@ -77,7 +90,9 @@ class StepProfiler:
     def stop_profiling(self) -> None:
         """Profile no more (its window, profiled or not, stays what summary() and untimed_steps say): a run that
         goes back to a checkpoint (guard.on_trip=escalate) profiles its first timeline only."""
-        self._profiler, self._open = None, ExitStack()
+        if self._layers is not None:
+            self._layers.detach()
+        self._profiler, self._open, self._layers = None, ExitStack(), None
 
     def _ready(self, prof: profile) -> None:
         last = self.first_step + self.steps - 1
@@ -92,13 +107,15 @@ class StepProfiler:
         plain.unlink()
         os.replace(packed, trace)  # whole or not at all: a kill leaves *.tmp, removed when the run starts again
         self.trace = trace
+        if self._layers is not None:
+            self._layers.detach()
         events = list(prof.events())
         self.result = breakdowns.breakdown(events, self.device.type)
-        self.matmuls = matmul_dtypes(events, self.result.steps)
+        self.matmuls = matmul_dtypes(events, self.result.steps, self._rows)
         lines = breakdowns.render(self.result, self.first_step, str(trace.relative_to(self.run_dir)))
         io.atomic_write_text(folder / f"rank{self.rank}.steps{self.first_step}-{last}.txt", "\n".join(lines) + "\n")
-        matmul_line = self.matmuls.line()
-        for line in [*lines, *([matmul_line] if matmul_line else [])]:
+        matmul_lines = self.matmuls.lines()
+        for line in [*lines, *matmul_lines]:
             self.echo(line)
 
     def summary(self) -> Optional[dict]:

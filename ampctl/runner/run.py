@@ -141,6 +141,7 @@ class TrainingRun:
                 self.telemetry.skipped_total = resume.skipped_total
                 self.profiler = StepProfiler(cfg.train.profile, self.first_profiled, self.state.step, recorder.run_dir,
                                              self.parallel.rank, policy.device, recorder.echo)
+                self.profiler.watch(self.state.model, policy.layer_rows)  # what ran, layer by layer
                 # torch.compile compiles in the first steps
                 with CompileWatch(lambda: self.state.step + 1, enabled=cfg.train.compile.enabled) as self.compiling:
                     best = self._fit_escalating()

@@ -5,6 +5,7 @@ operands' shapes and dtypes) and adds up 2·M·N·K by dtype."""
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 import pytest
@@ -58,3 +59,20 @@ def test_the_profiled_matmul_dtypes_equal_a_dispatch_count(tmp_path, overrides):
     assert sum(recorded["shares"].values()) == pytest.approx(1.0)
     if "precision.rules=[{match:'9',run_in:fp32}]" in overrides:  # the head, kept in fp32 by its rule
         assert set(recorded["flops_per_step"]) == {"bfloat16", "float32"}
+
+
+def test_a_layer_whose_matmuls_ran_otherwise_than_the_mode_meant_is_named(tmp_path):
+    """The last Linear turns autocast off in its forward: bf16's plan says bfloat16, its matmuls ran in float32; the
+    run's line says which layer, the record holds it. Without it (the plain MLP), nothing is said."""
+    from tests.support.in_process import run_ampctl
+
+    common = [*FAST, "precision=bf16", "train.steps=10", "train.profile=2", "train.console=plain"]
+    sneaky = run_ampctl("train", *common, "recipe._target_=tests.support.sneaky_fp32_recipe.SneakyFP32Recipe",
+                        f"hydra.run.dir={tmp_path / 'sneaky'}")
+    assert sneaky.returncode == 0, sneaky.stderr
+    assert "warning: layers whose matmuls ran otherwise than the mode meant: 9 (meant bfloat16, ran float32)" \
+        in sneaky.stdout
+    summary = json.loads((tmp_path / "sneaky" / "summary.json").read_text())
+    assert summary["profile"]["matmul_dtypes"]["ran_otherwise"] == {"9": {"meant": "bfloat16", "ran": "float32"}}
+    plain = run_ampctl("train", *common, f"hydra.run.dir={tmp_path / 'plain'}")
+    assert "matmul precision: 100.0% of FLOPs in bfloat16" in plain.stdout and "ran otherwise" not in plain.stdout
