@@ -1,9 +1,10 @@
 """Which precision the matmuls of a profiled window actually ran in: their FLOPs and time by operand dtype, read
 from torch.profiler's events (recorded with their input shapes and dtypes), so that a mode's name is checked
 against what ran (FP8 flags that ran bf16 GEMMs, LlamaFactory#9500; NVFP4 flags that ran no NVFP4 kernel,
-Megatron-LM#3423). The GEMM ops counted: aten::mm, addmm, bmm, baddbmm, _scaled_mm and _int_mm, each once (not
-again inside another counted one), the model's (not a recipe's own inside the data fetch); a convolution's FLOPs
-are not among them. FLOPs are 2·M·N·K a product (per
+Megatron-LM#3423). The GEMM ops counted: aten::mm, addmm, bmm, baddbmm, _scaled_mm and _int_mm, each once: a scaled
+GEMM as itself (not the tensor subclass's mm around it, in its nominal dtype, nor a CPU reference kernel's fp32
+matmul inside it), any other the outermost; the model's (not a recipe's own inside the data fetch); a convolution's
+FLOPs are not among them. FLOPs are 2·M·N·K a product (per
 batch for the batched ones); the dtype is the first matrix operand's."""
 
 from __future__ import annotations
@@ -151,12 +152,24 @@ def _otherwise(by_layer: dict[str, dict[str, float]], layer_rows: list[Any]) -> 
     return out
 
 
+SCALED = ("aten::_scaled_mm", "aten::_int_mm")  # the low-precision GEMMs: counted whatever they run inside
+
+
 def _not_the_models(event: Any) -> bool:
-    """Inside another counted GEMM (counted there), or inside the data fetch (a recipe's own arithmetic on its
-    batches, not the model's)."""
+    """Not counted: a GEMM inside another (a CPU _scaled_mm's fp32 reference matmul; an op inside a counted one), one
+    around a scaled GEMM (a tensor subclass's aten::mm in its nominal dtype, which runs torchao's _scaled_mm), and
+    one inside the data fetch (a recipe's own arithmetic on its batches, not the model's)."""
+    outer = SCALED if event.name in SCALED else GEMMS  # a scaled GEMM counts inside the subclass's mm around it
+    if event.name not in SCALED:
+        stack = list(event.cpu_children)
+        while stack:
+            child = stack.pop()
+            if child.name in SCALED:
+                return True
+            stack.extend(child.cpu_children)
     parent = event.cpu_parent
     while parent is not None:
-        if parent.name in GEMMS or parent.name == DATA_RANGE:
+        if parent.name == DATA_RANGE or parent.name in outer:
             return True
         parent = parent.cpu_parent
     return False

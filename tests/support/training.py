@@ -42,10 +42,10 @@ def train_here(tmp_path: Path, *overrides: str, base: list[str] = FAST) -> tuple
     return summary, rows
 
 
-def build(*overrides: str):
+def build(*overrides: str, base: list[str] = FAST):
     """(cfg, policy, recipe) for driving train_step by hand; use `with policy:` around the steps."""
     from ampctl.recipes.base import build_recipe
     from ampctl.runner.plan import check_config
 
-    cfg = compose_cfg(*FAST, *overrides)
+    cfg = compose_cfg(*base, *overrides)
     return cfg, check_config(cfg), build_recipe(cfg.recipe)
