@@ -292,6 +292,22 @@ def _other_notes(done: Sequence[ModeRuns], skipped: dict[str, str], baseline: Op
     if base and base[0].summary.get("peak_memory_source"):
         notes.append(f"peak MiB: tensor memory held by torch's allocator, as ampctl memory measures it "
                      f"({base[0].summary['peak_memory_source']}).")
+    return notes + _what_ran(done)
+
+
+def _what_ran(done: Sequence[ModeRuns]) -> list[str]:
+    """With train.profile: what each mode's matmuls ran in (its first seed's profiled window), and the layers that
+    ran otherwise than the mode meant."""
+    notes = []
+    for mode, runs in done:
+        ran = (runs[0].summary.get("profile") or {}).get("matmul_dtypes")
+        if not ran or not ran.get("shares"):
+            continue
+        shares = ", ".join(f"{share:.1%} in {dtype}" for dtype, share in ran["shares"].items())
+        otherwise = ", ".join(f"{layer} (meant {v['meant']}, ran {v['ran']})"
+                              for layer, v in (ran.get("ran_otherwise") or {}).items())
+        notes.append(f"{mode} matmul FLOPs (its profiled steps): {shares}"
+                     + (f"; ran otherwise than the mode meant: {otherwise}" if otherwise else "") + ".")
     return notes
 
 

@@ -480,3 +480,16 @@ def test_on_a_busy_cpu_every_mode_runs_on_the_threads_left_free_and_the_comparis
     assert "the machine is busy (other processes used 2.0 of 2 cores): every mode runs on 1 thread " \
            "(train.threads=1)" in " ".join(printed.split())
     assert json.loads((out / "fp32" / "summary.json").read_text())["torch_threads"] == 1
+
+
+def test_compare_with_train_profile_says_what_each_modes_matmuls_ran_in(tmp_path):
+    """train.profile=N reaches each mode's run; the comparison's notes say each mode's matmul FLOPs by dtype (its
+    first seed's profiled window), as its run's summary records them."""
+    from tests.support.in_process import run_ampctl
+
+    done = run_ampctl("compare", *TINY, "train.steps=20", "train.profile=2", "compare.precisions=[fp32,bf16]",
+                      "compare.seeds=1", f"hydra.run.dir={tmp_path / 'cmp'}")
+    assert done.returncode == 0, done.stderr
+    notes = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["notes"]
+    assert "fp32 matmul FLOPs (its profiled steps): 100.0% in float32." in notes
+    assert "bf16 matmul FLOPs (its profiled steps): 100.0% in bfloat16." in notes
