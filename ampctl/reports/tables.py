@@ -312,7 +312,8 @@ def escalations_table(run: RunRecord) -> Optional[ReportTable]:
         headers={"number": "#", "tripped_at": "tripped at", "step": "from step"},
         notes=["each escalation raised the layers named, and the run trained again from the step's checkpoint "
                "(escalations.jsonl holds the rules in force from there)"],
-        screen=["number", "tripped_at", "step", "raised", "reason"])
+        screen=["number", "tripped_at", "step", "raised"],
+        screen_note="each escalation's reason and evidence in report.md and summary.json")
 
 
 def run_images(runs: Sequence[tuple[str, RunRecord]], out_dir: Path) -> list[Path]:
