@@ -22,7 +22,8 @@ SUMMARY = "a checkpoint's weights in the dtype you serve: safetensors, pt or a t
 SETTINGS = {"export.dtype": ExportDtype, "export.format": ExportFormat, "export.weights": ExportWeights}
 USAGE = ("usage: ampctl export PATH " + " ".join(f"[{key}={'|'.join(v.value for v in kind)}]"
                                                   for key, kind in SETTINGS.items())
-         + " [export.dir=DIR]   (PATH: a run directory or a checkpoint)")
+         + " [export.dir=DIR] [export.max_file_mb=MiB] [export.consolidate=true|false]"
+         "   (PATH: a run directory or a checkpoint; under torchrun, a sharded one, each rank writing its part)")
 
 
 def complete(done: list[str], current: str) -> list[str]:
@@ -32,7 +33,9 @@ def complete(done: list[str], current: str) -> list[str]:
     key, typed_equals, _ = current.partition("=")
     if typed_equals and key in SETTINGS:
         return [f"{key}={value.value}" for value in SETTINGS[key]]
-    return [f"{key}=" for key in (*SETTINGS, "export.dir")]
+    if typed_equals and key == "export.consolidate":
+        return [f"{key}={value}" for value in ("true", "false")]
+    return [f"{key}=" for key in (*SETTINGS, "export.dir", "export.max_file_mb", "export.consolidate")]
 
 
 def export_settings(overrides: Sequence[str]) -> "ExportConfig":
@@ -64,7 +67,8 @@ def main() -> None:
     from ampctl.runner.export import export  # torch: imported for an export, not for its usage line
 
     exported = export(Path(args[0]), settings)  # a full disk, a read-only directory: nothing was written
-    print(f"exported {exported.parameters:,} parameters ({io.format_bytes(exported.bytes)}) to {exported.path}")
+    if exported.is_main:
+        print(f"exported {exported.parameters:,} parameters ({io.format_bytes(exported.bytes)}) to {exported.path}")
 
 
 def export_from_python(path: PathLike, overrides: Sequence[str] = ()) -> Result:

@@ -36,9 +36,16 @@ class ExportConfig:
     weights: ExportWeights = ExportWeights.model
     # the directory the export is written to, which must not exist; null: <run dir>/exports/step_<N>-<weights>-<dtype>
     dir: Optional[str] = None
+    # a sharded (DCP) checkpoint's safetensors export (runner/export_sharded.py): HuggingFace's sharded layout, each
+    # file at most this many MiB of tensors (transformers' save_pretrained shards at 5 GB)
+    max_file_mb: float = 5000.0
+    # under torchrun, each rank writes its row block of every tensor; rank 0 then joins them into whole tensors
+    # (false: the ranks' blocks are left as DCP wrote them, for DCP's HuggingFaceStorageReader)
+    consolidate: bool = True
 
     def __post_init__(self) -> None:
         require(self.dir is None or bool(str(self.dir).strip()), "export.dir", self.dir, "a directory, or null")
+        require(self.max_file_mb > 0, "export.max_file_mb", self.max_file_mb, "a number of MiB > 0")
 
 
 @dataclass

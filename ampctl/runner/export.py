@@ -1,7 +1,8 @@
 """`ampctl export PATH`: the weights of a checkpoint ampctl wrote (a whole file or a DCP directory), in the dtype
 they are served in, weights only: safetensors (`model.safetensors`, written by safetensors' own save_model, which
 keeps one copy of tied weights), `model.pt` (torch.save of the state dict) or, for recipe=hf_causal_lm, a
-directory transformers' `from_pretrained` loads (its own save_pretrained).
+directory transformers' `from_pretrained` loads (its own save_pretrained). A sharded checkpoint's safetensors export
+goes through DCP instead, a part at a time and, under torchrun, a part per rank (runner/export_sharded.py).
 
 The weights are the ones the optimizer stepped on, at their full precision: O2's fp32 masters rather than their
 half copies, the fp32 weight average (export.weights=ema) rather than the model, each rounded once to export.dtype.
@@ -27,8 +28,9 @@ from torch import nn
 
 from ampctl import io
 from ampctl.conf.export_schema import ExportConfig, ExportFormat, ExportWeights
+from ampctl.engine.parallel import Parallel
 from ampctl.errors import UsageError, naming_refused_writes
-from ampctl.runner import checkpoint
+from ampctl.runner import checkpoint, export_sharded
 from ampctl.runner.checkpoint_files import (
     cached_sha256,
     is_checkpoint,
@@ -36,6 +38,7 @@ from ampctl.runner.checkpoint_files import (
     list_checkpoints,
     run_dir_of,
 )
+from ampctl.runner.rank_zero import told_to_every_rank
 
 EXPORTS = "exports"  # the folder of a run's exports, beside its checkpoints
 RECORD = "export.json"  # what an export holds and where it came from
@@ -49,6 +52,7 @@ class Exported:
     step: int
     parameters: int
     bytes: int
+    is_main: bool = True  # this process is the export's rank 0 (under torchrun, the one that says it)
 
 
 def find_checkpoint(path: Path, key: str = "PATH") -> Path:
@@ -106,13 +110,48 @@ def export(path: Path, options: ExportConfig, say: Callable[[str], None] = print
     payload = checkpoint.load(source, mmap=True)
     step = payload["step"]
     out = destination(source, step, options)
-    if out.exists():
-        raise UsageError(f"export.dir={out} exists already; choose another export.dir (nothing was written)")
     cfg = OmegaConf.create(payload["config"])
     target = str(cfg.recipe.get("_target_", ""))
+    through_dcp = is_sharded(source) and options.format is ExportFormat.safetensors
+    ranks = export_sharded.ranks_of_this_job() if through_dcp else _one_process()
+    if out.exists():
+        raise UsageError(f"export.dir={out} exists already; choose another export.dir (nothing was written)")
     if options.format is ExportFormat.hf and not target.endswith(HF_RECIPE):
         raise UsageError(f"export.format=hf is for recipe=hf_causal_lm (a transformers model); this run's recipe is "
                          f"{target}: choose export.format=safetensors or pt")
+    record = {
+        "source": str(source), "source_sha256": _sha256_of(source), "step": step,
+        "run_id": payload.get("run_id"), "weights": options.weights.value, "dtype": options.dtype.value,
+        "format": options.format.value,
+        "recipe": OmegaConf.to_container(cfg.recipe, resolve=True),
+        "trained_in": cfg.precision.name,
+    }
+    try:
+        if through_dcp:
+            write_files, parameters = _through_dcp(source, cfg, options, ranks)
+        else:
+            write_files, parameters = _through_one_model(source, payload, cfg, options, record)
+        ranks.barrier()  # every rank checked the export's directory absent before rank 0 claims it
+        if ranks.is_main:
+            say(f"exporting step {step} of {source} ({options.weights.value} weights as {options.dtype.value}, "
+                f"{options.format.value}{f', {ranks.world_size} ranks' if ranks.world_size > 1 else ''})")
+        record["parameters"] = parameters
+        written = _write(out, record, write_files, ranks)
+    finally:
+        ranks.close()
+    return Exported(out, source, step, parameters, written, ranks.is_main)
+
+
+def _one_process() -> Parallel:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("ampctl export under torchrun is for a sharded checkpoint (a .dcp directory) as "
+                         "export.format=safetensors, each rank writing its part; run this export as one process")
+    return Parallel()
+
+
+def _through_one_model(source: Path, payload: dict[str, Any], cfg: Any, options: ExportConfig,
+                       record: dict[str, Any]) -> tuple[Callable[[Path], None], int]:
+    """The recipe's model holding the checkpoint's weights, in export.dtype; what writes it into a directory."""
     ema = options.weights is ExportWeights.ema
     model_state, average = _saved_weights(source, payload, ema)
     if ema and average is None:
@@ -121,17 +160,21 @@ def export(path: Path, options: ExportConfig, say: Callable[[str], None] = print
     model = _model_holding(cfg, model_state, average if ema else None,
                            payload.get("weights", {}).get("masters"))
     model.to(getattr(torch, options.dtype.value))
-    say(f"exporting step {step} of {source} ({options.weights.value} weights as {options.dtype.value}, "
-        f"{options.format.value})")
-    written = _write(model, out, options, {
-        "source": str(source), "source_sha256": _sha256_of(source), "step": step,
-        "run_id": payload.get("run_id"), "weights": options.weights.value, "dtype": options.dtype.value,
-        "format": options.format.value,
-        "recipe": OmegaConf.to_container(cfg.recipe, resolve=True),
-        "trained_in": cfg.precision.name,
-    })
-    parameters = sum(p.numel() for p in model.parameters())
-    return Exported(out, source, step, parameters, written)
+    return (lambda tmp: _write_model(model, tmp, options, record)), sum(p.numel() for p in model.parameters())
+
+
+def _through_dcp(source: Path, cfg: Any, options: ExportConfig, ranks: Parallel
+                 ) -> tuple[Callable[[Path], None], int]:
+    """A sharded checkpoint read and written a part at a time by DCP (runner/export_sharded.py), its names checked
+    against the recipe's model built on the meta device (no memory)."""
+    from ampctl.recipes.base import build_recipe, building_model
+
+    recipe = build_recipe(cfg.recipe)
+    with building_model(recipe), torch.device("meta"):
+        model = recipe.build_model()
+    sources = export_sharded.sources_of(source, export_sharded.names_to_export(model), options.weights)
+    return (lambda tmp: export_sharded.write(source, sources, tmp, options, ranks)), \
+        sum(p.numel() for p in model.parameters())
 
 
 def _saved_weights(source: Path, payload: dict[str, Any], with_average: bool
@@ -184,39 +227,53 @@ def _model_holding(cfg: Any, model_state: dict[str, torch.Tensor], average: Opti
     return model
 
 
-def _write(model: nn.Module, out: Path, options: ExportConfig, record: dict[str, Any]) -> int:
-    """The export into a directory beside out, renamed into place whole; its bytes. Nothing is left on failure."""
-    made = [parent for parent in reversed(out.parents) if not parent.exists()]
-    out.mkdir(parents=True)  # claimed: an export that appears meanwhile is not replaced
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
-        tmp.mkdir()
-        with naming_refused_writes(out):  # safetensors' and torch's writers carry a full disk inside their errors
-            if options.format is ExportFormat.safetensors:
-                from safetensors.torch import save_model
+def _write_model(model: nn.Module, tmp: Path, options: ExportConfig, record: dict[str, Any]) -> None:
+    if options.format is ExportFormat.safetensors:
+        from safetensors.torch import save_model
 
-                save_model(model, str(tmp / "model.safetensors"), metadata={
-                    "format": "pt", **{f"ampctl_{k}": str(record[k]) for k in ("step", "weights", "dtype", "source")}})
-            elif options.format is ExportFormat.pt:
-                with open(tmp / "model.pt", "wb") as file:  # a Python file: a full disk is its OSError
-                    torch.save(model.state_dict(), file)
-            else:
-                model.save_pretrained(tmp, safe_serialization=True)
-        files = sorted(p.name for p in tmp.iterdir())
-        record["files"] = files
-        record["parameters"] = sum(p.numel() for p in model.parameters())
-        io.atomic_write_text(tmp / RECORD, json.dumps(record, indent=2) + "\n")
-        size = sum(p.stat().st_size for p in tmp.iterdir())
-        os.replace(tmp, out)  # over the empty directory claimed above
+        save_model(model, str(tmp / "model.safetensors"), metadata={
+            "format": "pt", **{f"ampctl_{k}": str(record[k]) for k in ("step", "weights", "dtype", "source")}})
+    elif options.format is ExportFormat.pt:
+        with open(tmp / "model.pt", "wb") as file:  # a Python file: a full disk is its OSError
+            torch.save(model.state_dict(), file)
+    else:
+        model.save_pretrained(tmp, safe_serialization=True)
+
+
+def _write(out: Path, record: dict[str, Any], write_files: Callable[[Path], None], ranks: Parallel) -> int:
+    """The export into a directory beside out (every rank its part), renamed into place whole by rank 0 with its
+    record; its bytes. Nothing is left on failure, on any rank's."""
+    made = [parent for parent in reversed(out.parents) if not parent.exists()]
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+
+    def claim() -> None:
+        out.mkdir(parents=True)  # claimed: an export that appears meanwhile is not replaced
+        tmp.mkdir()
+
+    try:
+        told_to_every_rank(ranks, "claiming the export's directory", claim)
+        tmp = ranks.main_value(tmp)  # rank 0's name for it
+        with naming_refused_writes(out):  # safetensors' and torch's writers carry a full disk inside their errors
+            write_files(tmp)
+        told_to_every_rank(ranks, "finishing the export", lambda: _finish(tmp, out, record))
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
-        for parent in reversed(made):
-            if parent.is_dir() and not any(parent.iterdir()):
-                parent.rmdir()
+        if ranks.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if out.is_dir() and not any(out.iterdir()):
+                out.rmdir()
+            for parent in reversed(made):
+                if parent.is_dir() and not any(parent.iterdir()):
+                    parent.rmdir()
         raise
-    return size
+    return sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+
+
+def _finish(tmp: Path, out: Path, record: dict[str, Any]) -> None:
+    """Rank 0, every part written: the record of what the export holds, then the rename into place."""
+    record["files"] = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    with naming_refused_writes(out):
+        io.atomic_write_text(tmp / RECORD, json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, out)  # over the empty directory claimed above
 
 
 def _sha256_of(source: Path) -> Optional[str]:

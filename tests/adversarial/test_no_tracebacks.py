@@ -236,7 +236,8 @@ def exportable_run(tmp_path_factory):
     (["RUN", "export.format=onnx"], "export.format='onnx' is not allowed: expected one of safetensors, pt, hf"),
     (["RUN", "export.weights=swa"], "export.weights='swa' is not allowed: expected one of model, ema"),
     (["RUN", "export.dtyp=float16"], "export.dtyp: no such key (did you mean export.dtype?); allowed: dtype, format, "
-                                     "weights, dir"),
+                                     "weights, dir, max_file_mb, consolidate"),
+    (["RUN", "export.max_file_mb=0"], "export.max_file_mb=0.0 is not allowed: expected a number of MiB > 0"),
     (["RUN", "dtype=float16"], "dtype: no such key; allowed: export"),
     (["RUN", "export.weights=ema"], "export.weights=ema: RUN/checkpoints/step_00000002.pt holds no weight average "
                                     "(the run was trained without train.ema.decay); choose export.weights=model"),
@@ -279,13 +280,20 @@ def test_export_never_replaces_a_directory_and_a_changed_checkpoint_is_refused(e
     assert snapshot(exportable_run / "exports") == written
 
 
-@pytest.mark.parametrize("format", ["safetensors", "pt"])
-def test_an_export_onto_a_full_disk_is_one_line_and_exit_74(exportable_run, tmp_path, format):
+@pytest.mark.parametrize("format,checkpoint", [("safetensors", "full"), ("pt", "full"), ("safetensors", "sharded")])
+def test_an_export_onto_a_full_disk_is_one_line_and_exit_74(exportable_run, tmp_path, format, checkpoint):
     """The writers' own errors: safetensors' Rust writer says "(os error 27)" in a SafetensorError, torch's zip
-    writer a RuntimeError with the OSError as its context; both were a traceback and exit 1. A file size limit
-    refuses the write as a full disk would (EFBIG, SIGXFSZ ignored), without filling the machine's disk."""
+    writer a RuntimeError with the OSError as its context, DCP's HuggingFace writer (a sharded checkpoint's export)
+    a CheckpointException around it; each was a traceback and exit 1. A file size limit refuses the write as a full
+    disk would (EFBIG, SIGXFSZ ignored), without filling the machine's disk."""
     import resource
     import signal
+
+    if checkpoint == "sharded":
+        trained = cli("train", *MLP, "train.steps=2", "distributed.checkpoint_format=sharded",
+                      f"hydra.run.dir={tmp_path / 'sharded'}", cwd=tmp_path)
+        assert trained.returncode == 0, trained.stderr
+        exportable_run = tmp_path / "sharded"
 
     def small_files() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -97,16 +97,6 @@ def test_o2_exports_its_fp32_masters_not_their_half_copies(tmp_path):
                for n in payload["model"])
 
 
-def test_a_sharded_checkpoint_exports_as_the_whole_one_does(tmp_path):
-    for fmt in ("full", "sharded"):
-        assert run_ampctl(*RUN, "train.ema.decay=0.7", f"distributed.checkpoint_format={fmt}",
-                          f"hydra.run.dir={tmp_path / fmt}").returncode == 0
-    files = {fmt: load_file(f"{exported(tmp_path / fmt, 'export.weights=ema')}/model.safetensors")
-             for fmt in ("full", "sharded")}
-    assert files["full"].keys() == files["sharded"].keys()
-    assert all(torch.equal(files["full"][n], files["sharded"][n]) for n in files["full"])
-
-
 @pytest.mark.slow
 def test_an_hf_export_is_a_directory_transformers_loads_and_evaluates_as_the_run_did(tmp_path):
     transformers = pytest.importorskip("transformers")
