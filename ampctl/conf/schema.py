@@ -55,6 +55,13 @@ class ParallelKind(Enum):
     fsdp = "fsdp"
 
 
+class AsyncCheckpointer(Enum):
+    """What writes an async sharded checkpoint while training goes on (DCP's async_checkpointer_type's names)."""
+
+    thread = "thread"  # DCP's async_save in a thread of the training process (contends with training for the GIL)
+    process = "process"  # a process of its own on each rank (runner/checkpoint_process.py)
+
+
 class CheckpointFormat(Enum):
     full = "full"  # one file (step_N.pt): rank 0 writes the whole state, gathered from the shards under fsdp
     sharded = "sharded"  # torch.distributed.checkpoint (step_N.dcp/): each rank writes its own shard
@@ -67,14 +74,22 @@ class DistributedConfig:
     reshard_after_forward: bool = True  # fsdp: free the gathered weights after forward (ZeRO-3), or keep (ZeRO-2)
     # either format resumes on any number of ranks (DCP reshards a sharded one); fsdp.yaml chooses sharded
     checkpoint_format: CheckpointFormat = CheckpointFormat.full
-    # sharded: the state is copied to CPU memory and written by a background thread while training goes on
+    # sharded: the state is copied to CPU memory and written in the background while training goes on, by
+    # async_checkpointer: a thread of the training process, or (distributed runs) a process of its own on each rank
     async_checkpoint: bool = False
+    async_checkpointer: AsyncCheckpointer = AsyncCheckpointer.thread
 
     def __post_init__(self) -> None:
         require(self.timeout_s >= 1, "distributed.timeout_s", self.timeout_s, "an integer >= 1")
         require(not self.async_checkpoint or self.checkpoint_format == CheckpointFormat.sharded,
                 "distributed.async_checkpoint", self.async_checkpoint,
                 "false with distributed.checkpoint_format=full (async saves are sharded ones)")
+        process = self.async_checkpointer is AsyncCheckpointer.process
+        require(not process or self.async_checkpoint, "distributed.async_checkpointer", "process",
+                "thread unless distributed.async_checkpoint=true (it says what writes an async checkpoint)")
+        require(not process or self.kind is not ParallelKind.none, "distributed.async_checkpointer", "process",
+                "thread without a distributed run (distributed=ddp or fsdp under torchrun): the saving processes "
+                "meet as the ranks do")
 
 
 class NonfiniteAction(Enum):

@@ -143,7 +143,9 @@ def writer(cfg: DictConfig, run_dir: Path, state: TrainState,
     rank 0 once a checkpoint is whole and in place (an async one: from the writer's thread)."""
     keep = cfg.train.checkpoint.keep
     if cfg.distributed.checkpoint_format is CheckpointFormat.sharded:
-        return sharded_checkpoint.ShardedWriter(run_dir, keep, state, cfg.distributed.async_checkpoint, on_saved)
+        background = cfg.distributed.async_checkpointer if cfg.distributed.async_checkpoint else None
+        return sharded_checkpoint.ShardedWriter(run_dir, keep, state, background, on_saved,
+                                                cfg.distributed.timeout_s)
     return FullWriter(run_dir, keep, state.parallel, on_saved)
 
 

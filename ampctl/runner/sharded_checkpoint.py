@@ -10,7 +10,8 @@ a crash at any moment leaves the earlier checkpoints whole.
 
 Async (distributed.async_checkpoint): DCP copies the states to CPU memory, then writes them in a background
 thread, whose collectives run over a gloo process group of their own so that they never interleave with
-training's; training goes on meanwhile. The next save and the end of the run wait for it (as torchtitan's
+training's; training goes on meanwhile. With distributed.async_checkpointer=process a process of its own on each
+rank writes them (runner/checkpoint_process.py). The next save and the end of the run wait for it (as torchtitan's
 async mode does).
 """
 
@@ -26,8 +27,10 @@ import torch
 import torch.distributed as dist
 
 from ampctl import io
+from ampctl.conf.schema import AsyncCheckpointer
 from ampctl.errors import UsageError, naming_refused_writes
 from ampctl.runner import checkpoint_files
+from ampctl.runner.checkpoint_process import SavingProcess
 from ampctl.runner.rank_zero import told_to_every_rank
 
 if TYPE_CHECKING:  # annotations only: the state's class is the engine's
@@ -59,17 +62,21 @@ def _no_dist(state: TrainState) -> bool:
 class ShardedWriter:
     """Saves checkpoints as DCP directories; every rank calls save() with its payload (a collective)."""
 
-    def __init__(self, run_dir: Path, keep: int, state: TrainState, async_save: bool,
-                 on_saved: Optional[Callable[[Path], None]] = None) -> None:
+    def __init__(self, run_dir: Path, keep: int, state: TrainState, background: Optional[AsyncCheckpointer],
+                 on_saved: Optional[Callable[[Path], None]] = None, timeout_s: int = 600) -> None:
+        """background: what writes a save while training goes on (None: the save is written before it returns)."""
         self.run_dir, self.keep, self.state, self.on_saved = run_dir, keep, state, on_saved
         self.is_main = state.parallel.is_main
         self._pending: Optional[Future] = None  # an async save under way, writing into _pending_path
         self._pending_path = run_dir
         self._group = None
+        self._process: Optional[SavingProcess] = None
         self._executor: Optional[ThreadPoolExecutor] = None
-        if async_save:
-            if not _no_dist(state):
-                self._group = dist.new_group(backend="gloo")  # a collective: every rank builds it here
+        if background is AsyncCheckpointer.process:  # a collective: every rank starts its own here
+            self._process = SavingProcess(state.parallel, timeout_s)
+        elif background is AsyncCheckpointer.thread and not _no_dist(state):
+            self._group = dist.new_group(backend="gloo")  # a collective: every rank builds it here
+        if background is not None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ampctl-checkpoint")
 
     def save(self, payload: dict[str, Any]) -> Path:
@@ -93,7 +100,10 @@ class ShardedWriter:
                 told_to_every_rank(self.state.parallel, f"the checkpoint {final.name}",
                                    lambda: self._finish(tmp, final))
                 return final
-            written = dcp.async_save(shards, checkpoint_id=str(tmp), process_group=self._group, no_dist=no_dist)
+            if self._process is not None:
+                written = self._process.save(shards, str(tmp))
+            else:
+                written = dcp.async_save(shards, checkpoint_id=str(tmp), process_group=self._group, no_dist=no_dist)
         except BaseException:
             _remove_what_this_node_wrote(tmp, self.run_dir)
             raise
@@ -168,6 +178,9 @@ class ShardedWriter:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._process is not None:
+                self._process.close()
+                self._process = None
             if self._group is not None:
                 dist.destroy_process_group(self._group)
                 self._group = None

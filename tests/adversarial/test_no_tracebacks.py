@@ -72,6 +72,14 @@ from tests.support.runs import snapshot
     (["guard.loss_spike=inf"], "guard.loss_spike=inf is not allowed"),
     (["guard.loss_spike=6", "guard.loss_spike_window=5"],
      "guard.loss_spike_window=5 is not allowed: expected an integer >= 10"),
+    # what users of the anchors rely on (issue 54)
+    (["precision=O2", "precision.grad_accum_dtype=int8"], "precision.grad_accum_dtype"),
+    (["train.checkpoint.mirror=memory://x", "train.checkpoint.mirror_options=5"], "train.checkpoint.mirror_options"),
+    (["distributed.checkpoint_format=sharded", "distributed.async_checkpoint=true",
+      "distributed.async_checkpointer=process"],
+     "distributed.async_checkpointer='process' is not allowed: expected thread without a distributed run"),
+    (["distributed.async_checkpointer=fork"], "distributed.async_checkpointer='fork' is not allowed: expected one of "
+                                              "thread, process"),
     # sizes torch cannot build or train (issue 35)
     (["recipe.in_features=9223372036854775807"], "its model cannot be built, its tensors are too large to allocate "
      "(Storage size calculation overflowed with sizes=[32, 9223372036854775807]); its largest size option: "

@@ -5,6 +5,8 @@ resumable on another number of ranks, async saves, and faults (a bit flip, a kil
 from __future__ import annotations
 
 import json
+import os
+import re
 import resource
 import signal
 import subprocess
@@ -169,3 +171,64 @@ def test_two_nodes_on_shared_storage_write_whole_checkpoints_and_on_local_disks_
     assert all("[rank1]" not in a.stderr for a in halves)
     assert not list((local[0] / "checkpoints").glob("step_*")), "no checkpoint of rank 0's shard alone"
     assert not local[1].exists(), "node 1's half-written shard is removed with the folders made for it"
+
+
+@pytest.mark.slow
+def test_a_checkpointing_process_writes_what_the_thread_writes_and_says_nothing(tmp_path, restore_argv):
+    """distributed.async_checkpointer=process: each rank's states go to a saving process of its own (shared
+    memory, a gloo group of the saving processes). Its checkpoints hold what the thread's hold, tensor for tensor;
+    nothing of it reaches the terminal (DCP's own process mode printed five INFO lines a checkpoint on each rank and
+    an EOFError traceback at every rank's end); a resume from it continues as the thread's does."""
+    thread = torchrun(tmp_path / "thread", *FSDP, "distributed.async_checkpoint=true")
+    assert thread.returncode == 0, thread.stderr
+    process = torchrun(tmp_path / "process", *FSDP, "distributed.async_checkpoint=true",
+                       "distributed.async_checkpointer=process")
+    assert process.returncode == 0, process.stderr
+    assert "INFO" not in process.stderr and "Traceback" not in process.stderr, process.stderr
+    assert process.stderr == thread.stderr  # whatever torchrun itself says, and nothing more
+    for step in (4, 8):
+        read = {}
+        for run in ("thread", "process"):
+            dcp_to_torch_save(tmp_path / run / "checkpoints" / f"step_{step:08d}.dcp", tmp_path / f"{run}.pt")
+            read[run] = torch.load(tmp_path / f"{run}.pt", weights_only=True)
+        assert read["process"]["model"].keys() == read["thread"]["model"].keys()
+        assert all(torch.equal(read["process"]["model"][k], v) for k, v in read["thread"]["model"].items())
+        assert all(torch.equal(torch.as_tensor(read["process"]["optimizer"]["state"][name][key]), torch.as_tensor(v))
+                   for name, state in read["thread"]["optimizer"]["state"].items() for key, v in state.items())
+    resumed = torchrun(tmp_path / "process", *FSDP, "distributed.async_checkpoint=true",
+                       "distributed.async_checkpointer=process", "train.steps=12", "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr
+    continued = torchrun(tmp_path / "thread", *FSDP, "distributed.async_checkpoint=true", "train.steps=12",
+                         "resume=auto")
+    assert continued.returncode == 0, continued.stderr
+    assert rows(tmp_path / "process") == rows(tmp_path / "thread")
+
+
+@pytest.mark.slow
+def test_shared_memory_too_small_for_a_checkpointing_process_is_one_line_exit_74_on_every_rank(tmp_path):
+    """The states reach the saving process through shared memory (/dev/shm, a container's --shm-size): where it
+    cannot hold them, each rank says so in one line and how to go on, and exits 74. A file size limit refuses the
+    shared memory's files as a full /dev/shm would (torch's 'unable to resize file', a traceback before)."""
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))  # Hydra's own files fit, the states do not
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    full = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "ampctl",
+         "train", *FSDP, "recipe.hidden=1024", "distributed.async_checkpoint=true",
+         "distributed.async_checkpointer=process", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env, preexec_fn=small_files)
+    said = {line for line in full.stderr.splitlines() if line.startswith("ampctl train: error:")}
+    full_shm = ("ampctl train: error: cannot write /dev/shm: File too large (the states are handed to the saving "
+                "process in shared memory; give it more, as a container's --shm-size, or use "
+                "distributed.async_checkpointer=thread); no checkpoint was written")
+    # a rank whose own states fitted (the limit met on the other first) says why it stopped too
+    told = ("ampctl train: error: another rank could not hand its checkpoint over to its saving process (that "
+            "rank's line says why)")
+    assert full_shm in said and said <= {full_shm, told}, full.stderr
+    # the first rank to end ends with 74; torchrun then terminates a rank that had not yet ended (-15)
+    codes = re.findall(r"exitcode  : (-?\d+)", full.stderr)
+    assert "74" in codes and set(codes) <= {"74", "-15"} and "[rank" not in full.stderr, full.stderr
+    assert not list(run_dir.glob("checkpoints/*"))  # nothing half-written left

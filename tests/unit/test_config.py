@@ -121,6 +121,22 @@ def test_fsdp_checkpoints_are_sharded_and_may_be_saved_asynchronously():
     validate(cfg)
     assert cfg.distributed.checkpoint_format.value == "sharded"
     assert compose_cfg("distributed=ddp").distributed.checkpoint_format.value == "full"
+    validate(compose_cfg("distributed=ddp", "distributed.checkpoint_format=sharded",
+                         "distributed.async_checkpoint=true", "distributed.async_checkpointer=process"))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["distributed=fsdp", "distributed.async_checkpointer=process"],
+     "distributed.async_checkpointer='process' is not allowed: expected thread unless "
+     "distributed.async_checkpoint=true"),
+    (["distributed.checkpoint_format=sharded", "distributed.async_checkpoint=true",
+      "distributed.async_checkpointer=process"],
+     "distributed.async_checkpointer='process' is not allowed: expected thread without a distributed run"),
+])
+def test_a_checkpointing_process_is_refused_where_there_is_no_async_distributed_save(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        validate(compose_cfg(*overrides))
+    assert str(info.value).startswith(message), str(info.value)
 
 
 def test_loss_scales_at_the_edges_of_their_ranges_are_allowed():

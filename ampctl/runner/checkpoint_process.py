@@ -1,0 +1,233 @@
+"""distributed.async_checkpointer=process: each rank's sharded checkpoint written by DCP in a process of its own,
+so that the writing (DCP's planning and pickling, the file writes) never contends with training for the GIL, as the
+thread does (pytorch#147039).
+
+The training process copies its states into shared CPU memory (the only part the step waits for) and hands them
+over through a pipe (torch's pickler passes shared memory as a handle, not its bytes); the saving process runs
+`torch.distributed.checkpoint.save` with the other ranks' saving processes over a gloo process group of their own
+(its store on rank 0, its address torchrun's MASTER_ADDR), and answers with the outcome.
+
+Not DCP's own `async_save(..., async_checkpointer_type=PROCESS)`, which does the same: its process sets the root
+logger to INFO and prints every request on the terminal (five lines a checkpoint on each rank), and there is no
+public way to end it, so that every rank's end printed its EOFError traceback (torch 2.11 to 2.14). This one says
+nothing, ends when told or when its parent is gone, and raises a full disk as the OSError it is.
+
+A sharded tensor (FSDP's DTensor, one dimension of ranks) travels as its local shard with its placements, global
+shape and stride, and is made a DTensor again on the saving processes' own mesh of the same ranks.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from concurrent.futures import Future
+from dataclasses import dataclass
+from threading import Thread
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ampctl.engine.parallel import Parallel
+from ampctl.errors import RunStopped, refused_write_inside
+
+_STOP = "stop"
+SHARED_MEMORY = "/dev/shm"  # where torch's shared CPU tensors live (files of a tmpfs) on Linux
+
+
+@dataclass
+class _Shard:
+    """A DTensor's local part on its way to the saving process: what makes it a DTensor again there."""
+
+    local: torch.Tensor
+    placements: tuple
+    shape: tuple
+    stride: tuple
+
+
+class SavingProcess:
+    """This rank's saving process. Created by every rank together (a collective: rank 0's store address is
+    broadcast), like the thread's process group."""
+
+    def __init__(self, parallel: Parallel, timeout_s: int) -> None:
+        import torch.multiprocessing as mp  # registers torch's reductions: shared tensors cross as handles
+
+        self._parallel = parallel
+        rank, world_size = parallel.rank, parallel.world_size
+        self._store = None
+        address: Optional[tuple[str, int]] = None
+        if world_size > 1:
+            if rank == 0:  # the saving processes meet at a store this process keeps for them
+                self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False)
+                address = (os.environ.get("MASTER_ADDR", "127.0.0.1"), self._store.port)
+            address = parallel.main_value(address)
+        context = mp.get_context("spawn")
+        self._pipe, child_end = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child_end, address, rank, world_size, timeout_s),
+                                        name=f"ampctl-checkpoint-rank{rank}", daemon=True)
+        self._process.start()
+        child_end.close()  # a recv() here fails at once if the saving process dies
+        self._staged: Any = None  # the last save's shared copies: the next save copies into them
+
+    def save(self, state_dict: dict[str, Any], checkpoint_id: str) -> Future:
+        """The states copied into shared memory now (training may change them after this returns); written by the
+        saving process. The future's result is None, or the saving process's failure raised here. The caller
+        waits for the previous save's future first: its shared copies are then free to be written again. Every
+        rank calls it (a collective): a rank that cannot hand its states over (shared memory too small) ends every
+        rank here, before any saving process starts a save that could not be finished."""
+        failure: Optional[OSError] = None
+        try:
+            self._staged = _staged(state_dict, self._staged)
+        except OSError as exc:
+            failure, self._staged = exc, None
+        if self._parallel.agree(failure is not None):
+            raise failure or RunStopped("another rank could not hand its checkpoint over to its saving process "
+                                        "(that rank's line says why)")
+        self._pipe.send((self._staged, checkpoint_id))
+        written: Future = Future()
+        Thread(target=self._answer, args=(written,), name="ampctl-checkpoint-answer", daemon=True).start()
+        return written
+
+    def _answer(self, written: Future) -> None:
+        try:
+            answer = self._pipe.recv()
+        except (EOFError, OSError):
+            written.set_exception(RuntimeError(f"the checkpoint's saving process ended (exit code "
+                                               f"{self._process.exitcode}) before it said the save was written"))
+            return
+        if answer is None:
+            written.set_result(None)
+        else:
+            written.set_exception(_raised(answer))
+
+    def close(self) -> None:
+        """Ends the saving process (after the pending save: a caller waits for its future first) and the store."""
+        try:
+            self._pipe.send(_STOP)
+        except (BrokenPipeError, OSError):
+            pass  # it has ended already
+        self._process.join(timeout=60)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join()
+        self._pipe.close()
+        self._store = None
+
+
+def _staged(value: Any, previous: Any = None) -> Any:
+    """The state dict with every tensor copied into shared CPU memory (a DTensor as its local shard): into the
+    previous save's copy of the same name where it has the same shape and dtype (a shared tensor is made once, and
+    crosses the pipe again as the same handle), into a new one otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        if value.device_mesh.ndim != 1:
+            raise NotImplementedError("a checkpoint's saving process takes DTensors on one dimension of ranks")
+        into = previous.local if isinstance(previous, _Shard) else None
+        return _Shard(_shared_copy(value.to_local(), into), tuple(value.placements), tuple(value.shape),
+                      tuple(value.stride()))
+    if isinstance(value, torch.Tensor):
+        return _shared_copy(value, previous if isinstance(previous, torch.Tensor) else None)
+    if isinstance(value, dict):
+        before = previous if isinstance(previous, dict) else {}
+        return {key: _staged(item, before.get(key)) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        before = previous if isinstance(previous, type(value)) and len(previous) == len(value) else [None] * len(value)
+        return type(value)(_staged(item, old) for item, old in zip(value, before))
+    return value
+
+
+def _shared_copy(tensor: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if into is None or into.shape != tensor.shape or into.dtype != tensor.dtype:
+        try:
+            into = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+        except RuntimeError as exc:  # torch's "unable to resize file <...> to the right size: No space left (28)"
+            number = re.search(r"\((\d+)\)\s*$", str(exc).strip())
+            raise OSError(int(number.group(1)) if number else errno.ENOSPC,
+                          f"{os.strerror(int(number.group(1))) if number else 'full'} (the states are handed to the "
+                          "saving process in shared memory; give it more, as a container's --shm-size, or use "
+                          "distributed.async_checkpointer=thread)", SHARED_MEMORY) from None
+    return into.copy_(tensor.detach())
+
+
+def _raised(answer: tuple) -> BaseException:
+    kind, *details = answer
+    if kind == "refused":
+        number, reason, filename = details
+        return OSError(number, reason, filename)
+    return RuntimeError(f"the checkpoint's saving process failed: {details[0]}")
+
+
+def _serve(pipe: Any, address: Optional[tuple[str, int]], rank: int, world_size: int, timeout_s: int) -> None:
+    """The saving process: joins the other ranks' saving processes, then saves what it is sent until told to stop
+    or its parent is gone (the pipe closed: it ends without a word). The signals that stop a run (a Ctrl-C reaches
+    the terminal's whole process group, a cluster's preemption every process of the job) are its parent's to
+    handle: the parent's stop checkpoint is written through this process, which ends when told."""
+    import signal
+    import warnings
+
+    # as in the training process (sharded_checkpoint.py): DCP warns that one process saves alone, as it is told to
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                            category=UserWarning)
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(stop, signal.SIG_IGN)
+    try:
+        mesh = _joined(address, rank, world_size, timeout_s)
+        failure = None
+    except Exception as exc:  # noqa: BLE001 - said as the answer to each request
+        mesh, failure = None, ("failed", f"it could not join the other ranks' ({type(exc).__name__}: {exc})")
+    try:
+        while True:
+            try:
+                request = pipe.recv()
+            except (EOFError, OSError):
+                return
+            if request == _STOP:
+                return
+            pipe.send(failure or _saved(*request, mesh))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _joined(address: Optional[tuple[str, int]], rank: int, world_size: int, timeout_s: int) -> Any:
+    """The saving processes' process group and their mesh of the ranks (None for one process)."""
+    import datetime
+
+    if address is None:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address[0], address[1], is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=dist.PrefixStore("ampctl-checkpoint", store), rank=rank,
+                            world_size=world_size, timeout=timeout)
+    return init_device_mesh("cpu", (world_size,))
+
+
+def _saved(state_dict: dict[str, Any], checkpoint_id: str, mesh: Any) -> Optional[tuple]:
+    """DCP's save of what was sent; None, or the failure as the training process raises it (picklable)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.save(_unstaged(state_dict, mesh), checkpoint_id=checkpoint_id, no_dist=mesh is None)
+        return None
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back (DCP's CheckpointException is a BaseException)
+        refused = refused_write_inside(exc)
+        if refused is not None:
+            return "refused", refused.errno, refused.strerror, refused.filename
+        return "failed", f"{type(exc).__name__}: {exc}"
+
+
+def _unstaged(value: Any, mesh: Any) -> Any:
+    if isinstance(value, _Shard):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(value.local, mesh, value.placements, run_check=False, shape=torch.Size(value.shape),
+                                  stride=value.stride)
+    if isinstance(value, dict):
+        return {key: _unstaged(item, mesh) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unstaged(item, mesh) for item in value)
+    return value
