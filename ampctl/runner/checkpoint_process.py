@@ -24,13 +24,15 @@ import re
 from concurrent.futures import Future
 from dataclasses import dataclass
 from threading import Thread
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from ampctl.engine.parallel import Parallel
 from ampctl.errors import RunStopped, refused_write_inside
+
+if TYPE_CHECKING:  # annotations only: the ranks' interface is the engine's
+    from ampctl.engine.parallel import Parallel
 
 _STOP = "stop"
 SHARED_MEMORY = "/dev/shm"  # where torch's shared CPU tensors live (files of a tmpfs) on Linux
