@@ -109,10 +109,14 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     mode_advice.check(policy)
     refuse_what_cannot_escalate(cfg, policy)
-    if policy.precision.grad_accum_dtype is not None and cfg.distributed.kind is not ParallelKind.none:
-        raise UsageError(f"precision.grad_accum_dtype={policy.precision.grad_accum_dtype} with distributed="
-                         f"{cfg.distributed.kind.value}: not supported yet (the gradients' reduction across ranks "
-                         "does not follow it); run it in one process, or without precision.grad_accum_dtype")
+    # FSDP2 keeps fp32 parameters, reduces in float32 and accumulates unsynced micro-batches in its reduce dtype:
+    # float32 accumulation is its own; DDP all-reduces half weights' gradients in their own dtype
+    if (policy.precision.grad_accum_dtype is not None and cfg.distributed.kind is ParallelKind.ddp
+            and policy.precision.cast_model):
+        raise UsageError(f"precision.grad_accum_dtype={policy.precision.grad_accum_dtype} with distributed=ddp and "
+                         f"precision={cfg.precision.name}: not supported yet (DDP all-reduces the half weights' "
+                         "gradients in their own dtype); run it in one process, or under distributed=fsdp with "
+                         "precision=bf16 or fp16 (fp32 parameters: FSDP reduces and accumulates in float32)")
     check_optimizer_with_scaler(cfg.optimizer, scaler_is_active(cfg.scaler))
     check_optimizer_arguments(cfg.optimizer)
     optimizer_states.check(cfg.optimizer, policy.precision.dtype.name,

@@ -111,4 +111,22 @@ def test_a_distributed_run_is_refused_in_one_line(tmp_path):
                       "train.grad_accum_steps=2", "precision.grad_accum_dtype=float32",
                       f"hydra.run.dir={tmp_path / 'run'}", env=torchrun)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "precision.grad_accum_dtype=float32 with distributed=ddp: not supported yet" in done.stderr
+    assert ("precision.grad_accum_dtype=float32 with distributed=ddp and precision=bf16_true: not supported yet"
+            in done.stderr)
+
+
+@pytest.mark.slow
+def test_under_fsdp_float32_accumulation_is_fsdps_own(tmp_path):
+    """FSDP2 keeps fp32 sharded parameters and reduces (and accumulates unsynced micro-batches) in its reduce dtype,
+    float32: the option is accepted and the run is the same run, step for step, bit for bit."""
+    from tests.support.runs import rows, torchrun
+
+    run = ["device=cpu", "recipe=mlp", "recipe.hidden=64", "recipe.batch_size=8", "precision=bf16",
+           "train.grad_accum_steps=3", "train.steps=6", "train.log_every=1", "train.console=quiet",
+           "distributed=fsdp", "telemetry.profile_cpu_memory=false"]
+    plain = torchrun(tmp_path / "plain", *run)
+    assert plain.returncode == 0, plain.stderr
+    fp32 = torchrun(tmp_path / "fp32", *run, "precision.grad_accum_dtype=float32")
+    assert fp32.returncode == 0, fp32.stderr
+    assert "reduce_dtype=float32" in (tmp_path / "fp32" / "train.log").read_text()
+    assert rows(tmp_path / "fp32") == rows(tmp_path / "plain") and len(rows(tmp_path / "plain")) == 6
