@@ -20,10 +20,15 @@ if TYPE_CHECKING:
 
 SUMMARY = "a checkpoint's weights in the dtype you serve: safetensors, pt or a transformers directory"
 SETTINGS = {"export.dtype": ExportDtype, "export.format": ExportFormat, "export.weights": ExportWeights}
-USAGE = ("usage: ampctl export PATH " + " ".join(f"[{key}={'|'.join(v.value for v in kind)}]"
-                                                  for key, kind in SETTINGS.items())
-         + " [export.dir=DIR] [export.max_file_mb=MiB] [export.consolidate=true|false]"
-         "   (PATH: a run directory or a checkpoint; under torchrun, a sharded one, each rank writing its part)")
+USAGE = "\n".join([
+    "usage: ampctl export PATH [export.KEY=VALUE ...]",
+    "  PATH                 a run directory or a checkpoint",
+    "                       (under torchrun: a sharded one, each rank its part)",
+    *(f"  {key + '=':<21}{'|'.join(v.value for v in kind)}" for key, kind in SETTINGS.items()),
+    "  export.dir=          a directory that does not exist (default RUN/exports/...)",
+    "  export.max_file_mb=  MiB at most per file of a sharded checkpoint (5000)",
+    "  export.consolidate=  true|false: join the ranks' parts (torchrun; true)",
+])
 
 
 def complete(done: list[str], current: str) -> list[str]:
