@@ -38,11 +38,25 @@ _STOP = "stop"
 SHARED_MEMORY = "/dev/shm"  # where torch's shared CPU tensors live (files of a tmpfs) on Linux
 
 
+@dataclass(frozen=True)
+class _Place:
+    """Where a tensor's copy lies in the shared buffer: the buffer crosses the pipe once, as one handle, and each
+    tensor as its place in it (a handle per tensor would take a file descriptor each on both sides)."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        nbytes = self.dtype.itemsize * int(torch.Size(self.shape).numel())
+        return buffer[self.offset:self.offset + nbytes].view(self.dtype).view(self.shape)
+
+
 @dataclass
 class _Shard:
     """A DTensor's local part on its way to the saving process: what makes it a DTensor again there."""
 
-    local: torch.Tensor
+    local: _Place
     placements: tuple
     shape: tuple
     stride: tuple
@@ -70,7 +84,7 @@ class SavingProcess:
                                         name=f"ampctl-checkpoint-rank{rank}", daemon=True)
         self._process.start()
         child_end.close()  # a recv() here fails at once if the saving process dies
-        self._staged: Any = None  # the last save's shared copies: the next save copies into them
+        self._buffer: Optional[torch.Tensor] = None  # the shared memory the last save was copied into
 
     def save(self, state_dict: dict[str, Any], checkpoint_id: str) -> Future:
         """The states copied into shared memory now (training may change them after this returns); written by the
@@ -80,13 +94,13 @@ class SavingProcess:
         rank here, before any saving process starts a save that could not be finished."""
         failure: Optional[OSError] = None
         try:
-            self._staged = _staged(state_dict, self._staged)
+            staged, self._buffer = _staged(state_dict, self._buffer)
         except OSError as exc:
-            failure, self._staged = exc, None
+            failure = exc
         if self._parallel.agree(failure is not None):
             raise failure or RunStopped("another rank could not hand its checkpoint over to its saving process "
                                         "(that rank's line says why)")
-        self._pipe.send((self._staged, checkpoint_id))
+        self._pipe.send((self._buffer, staged, checkpoint_id))
         written: Future = Future()
         Thread(target=self._answer, args=(written,), name="ampctl-checkpoint-answer", daemon=True).start()
         return written
@@ -117,40 +131,67 @@ class SavingProcess:
         self._store = None
 
 
-def _staged(value: Any, previous: Any = None) -> Any:
-    """The state dict with every tensor copied into shared CPU memory (a DTensor as its local shard): into the
-    previous save's copy of the same name where it has the same shape and dtype (a shared tensor is made once, and
-    crosses the pipe again as the same handle), into a new one otherwise."""
+ALIGNMENT = 64  # bytes: each tensor's place in the shared buffer starts at a multiple (any dtype's alignment)
+
+
+def _staged(state_dict: dict[str, Any], buffer: Optional[torch.Tensor]) -> tuple[Any, torch.Tensor]:
+    """Every tensor of the state dict (a DTensor's local shard) copied into one buffer of shared CPU memory, and the
+    state dict with each tensor's place in it instead: the previous save's buffer where it is large enough (made
+    once, it crosses the pipe again as the same handle), a new one otherwise."""
+    tensors = list(_local_tensors(state_dict))
+    places, end = [], 0
+    for tensor in tensors:
+        places.append(_Place(end, tensor.dtype, tuple(tensor.shape)))
+        end += -(-tensor.numel() * tensor.element_size() // ALIGNMENT) * ALIGNMENT
+    if buffer is None or buffer.numel() < end:
+        buffer = _shared_bytes(max(end, 1))
+    for tensor, place in zip(tensors, places):
+        place.view(buffer).copy_(tensor.detach())
+    return _with_places(state_dict, iter(places)), buffer
+
+
+def _local_tensors(value: Any) -> Any:
+    """Every tensor of the state dict, in order (a DTensor's local shard)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
         if value.device_mesh.ndim != 1:
             raise NotImplementedError("a checkpoint's saving process takes DTensors on one dimension of ranks")
-        into = previous.local if isinstance(previous, _Shard) else None
-        return _Shard(_shared_copy(value.to_local(), into), tuple(value.placements), tuple(value.shape),
-                      tuple(value.stride()))
+        yield value.to_local()
+    elif isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _local_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _local_tensors(item)
+
+
+def _with_places(value: Any, places: Any) -> Any:
+    """The state dict's structure with its tensors replaced, in _local_tensors' order, by their places."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return _Shard(next(places), tuple(value.placements), tuple(value.shape), tuple(value.stride()))
     if isinstance(value, torch.Tensor):
-        return _shared_copy(value, previous if isinstance(previous, torch.Tensor) else None)
+        return next(places)
     if isinstance(value, dict):
-        before = previous if isinstance(previous, dict) else {}
-        return {key: _staged(item, before.get(key)) for key, item in value.items()}
+        return {key: _with_places(item, places) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        before = previous if isinstance(previous, type(value)) and len(previous) == len(value) else [None] * len(value)
-        return type(value)(_staged(item, old) for item, old in zip(value, before))
+        return type(value)(_with_places(item, places) for item in value)
     return value
 
 
-def _shared_copy(tensor: torch.Tensor, into: Optional[torch.Tensor] = None) -> torch.Tensor:
-    if into is None or into.shape != tensor.shape or into.dtype != tensor.dtype:
-        try:
-            into = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
-        except RuntimeError as exc:  # torch's "unable to resize file <...> to the right size: No space left (28)"
-            number = re.search(r"\((\d+)\)\s*$", str(exc).strip())
-            raise OSError(int(number.group(1)) if number else errno.ENOSPC,
-                          f"{os.strerror(int(number.group(1))) if number else 'full'} (the states are handed to the "
-                          "saving process in shared memory; give it more, as a container's --shm-size, or use "
-                          "distributed.async_checkpointer=thread)", SHARED_MEMORY) from None
-    return into.copy_(tensor.detach())
+def _shared_bytes(nbytes: int) -> torch.Tensor:
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    except RuntimeError as exc:  # torch's "unable to resize file <...> to the right size: No space left (28)"
+        number = re.search(r"\((\d+)\)\s*$", str(exc).strip())
+        raise OSError(int(number.group(1)) if number else errno.ENOSPC,
+                      f"{os.strerror(int(number.group(1))) if number else 'full'} (the states are handed to the "
+                      "saving process in shared memory; give it more, as a container's --shm-size, or use "
+                      "distributed.async_checkpointer=thread)", SHARED_MEMORY) from None
 
 
 def _raised(answer: tuple) -> BaseException:
@@ -208,12 +249,13 @@ def _joined(address: Optional[tuple[str, int]], rank: int, world_size: int, time
     return init_device_mesh("cpu", (world_size,))
 
 
-def _saved(state_dict: dict[str, Any], checkpoint_id: str, mesh: Any) -> Optional[tuple]:
-    """DCP's save of what was sent; None, or the failure as the training process raises it (picklable)."""
+def _saved(buffer: torch.Tensor, state_dict: dict[str, Any], checkpoint_id: str, mesh: Any) -> Optional[tuple]:
+    """DCP's save of what was sent (the shared buffer, the state dict with its tensors' places in it); None, or the
+    failure as the training process raises it (picklable)."""
     import torch.distributed.checkpoint as dcp
 
     try:
-        dcp.save(_unstaged(state_dict, mesh), checkpoint_id=checkpoint_id, no_dist=mesh is None)
+        dcp.save(_unstaged(state_dict, buffer, mesh), checkpoint_id=checkpoint_id, no_dist=mesh is None)
         return None
     except BaseException as exc:  # noqa: BLE001 - every failure goes back (DCP's CheckpointException is a BaseException)
         refused = refused_write_inside(exc)
@@ -222,14 +264,17 @@ def _saved(state_dict: dict[str, Any], checkpoint_id: str, mesh: Any) -> Optiona
         return "failed", f"{type(exc).__name__}: {exc}"
 
 
-def _unstaged(value: Any, mesh: Any) -> Any:
+def _unstaged(value: Any, buffer: torch.Tensor, mesh: Any) -> Any:
+    """The state dict's tensors as views of the shared buffer (a DTensor made again on the saving processes' mesh)."""
+    if isinstance(value, _Place):
+        return value.view(buffer)
     if isinstance(value, _Shard):
         from torch.distributed.tensor import DTensor
 
-        return DTensor.from_local(value.local, mesh, value.placements, run_check=False, shape=torch.Size(value.shape),
-                                  stride=value.stride)
+        return DTensor.from_local(value.local.view(buffer), mesh, value.placements, run_check=False,
+                                  shape=torch.Size(value.shape), stride=value.stride)
     if isinstance(value, dict):
-        return {key: _unstaged(item, mesh) for key, item in value.items()}
+        return {key: _unstaged(item, buffer, mesh) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_unstaged(item, mesh) for item in value)
+        return type(value)(_unstaged(item, buffer, mesh) for item in value)
     return value
