@@ -205,7 +205,11 @@ def test_a_command_killed_with_sigkill_takes_the_server_and_its_children_with_it
     (tmp_path / "child.py").write_text("from ampctl.processes import die_with_parent\nimport time\n"
                                        "die_with_parent()\nprint('child up', flush=True)\ntime.sleep(600)\n")
     started = subprocess.Popen([sys.executable, str(command)], stdout=subprocess.PIPE, text=True)
-    child = int(started.stdout.readline())
+    # the child's line and the command's share the pipe, in either order (seen in CI: 'child up' first); the
+    # child's says it asked to die with its parent, so the kill below cannot come before it
+    said = sorted(started.stdout.readline().strip() for _ in range(2))
+    assert said[1] == "child up", said
+    child = int(said[0])
     server = _parent_of(child)
     assert server != started.pid and _parent_of(server) == started.pid
     started.kill()
