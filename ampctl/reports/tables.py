@@ -38,6 +38,8 @@ class ReportTable:
     # says where the others are
     screen: Optional[list[str]] = None
     screen_note: str = ""
+    # the screen's columns only where every column does not fit the terminal (else the screen always)
+    screen_when_narrow: bool = False
 
     def as_dicts(self) -> list[dict[str, Any]]:
         return [dict(zip(self.columns, row)) for row in self.rows]
@@ -229,23 +231,29 @@ def print_line(console: Console, text: str, **options: Any) -> None:
 def print_table(table: ReportTable, console: Optional[Console] = None) -> None:
     """The table on the console: its screen columns where it has them (the files hold every column)."""
     console = console or make_console()
-    rich_table = _rich_table(table)
-    natural = console.measure(rich_table, options=console.options.update_width(10_000)).maximum
-    if natural > console.width:  # `optimizer.lr` would be cut to `optimi…`
-        rich_table = _rich_table(table, break_after=".")
+    columns = table.screen or table.shown
+    if table.screen and table.screen_when_narrow and _width(console, _rich_table(table, table.shown)) <= console.width:
+        columns = table.shown
+    rich_table = _rich_table(table, columns)
+    if _width(console, rich_table) > console.width:  # `optimizer.lr` would be cut to `optimi…`
+        rich_table = _rich_table(table, columns, break_after=".")
     console.print(rich_table)
-    for note in table.notes + ([table.screen_note] if table.screen and table.screen_note else []):
+    for note in table.notes + ([table.screen_note] if columns != table.shown and table.screen_note else []):
         print_line(console, f"  {note}")
+
+
+def _width(console: Console, rich_table: Table) -> int:
+    """The table's natural width: what it takes with no cell wrapped or cut."""
+    return console.measure(rich_table, options=console.options.update_width(10_000)).maximum
 
 
 LEFT_ALIGNED = ("precision", "status", "job", "key", "kind", "layer", "speed", "held_out")
 
 
-def _rich_table(table: ReportTable, break_after: str = "") -> Table:
-    """rich's table of the screen's columns; break_after: where the table is wider than the terminal, the character
-    a header line breaks after (rich breaks headers at spaces only, and cuts a dotted key), the padding between
-    cells collapsed to one space."""
-    columns = table.screen or table.shown
+def _rich_table(table: ReportTable, columns: list[str], break_after: str = "") -> Table:
+    """rich's table of those columns; break_after: where the table is wider than the terminal, the character a header
+    line breaks after (rich breaks headers at spaces only, and cuts a dotted key), the padding between cells
+    collapsed to one space."""
     rich_table = Table(title=table.title, collapse_padding=bool(break_after))
     for i, (column, header) in enumerate(zip(columns, table.display_headers(columns))):
         if break_after:

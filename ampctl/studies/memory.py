@@ -255,12 +255,21 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
         table_rows.append([values[c] for c in columns])
     headers = {"precision": "mode", **sizes, "step_time_ms": "step ms", "batch_estimate": "batch (est.)",
                "batch_found": "batch (found)"}
-    formats = {**{c: io.format_bytes for c in sizes if c != "difference_bytes"},
-               "difference_bytes": lambda v: ("+" if v >= 0 else "−") + io.format_bytes(abs(v)),
+    formats = {**{c: lambda v: io.format_bytes(v, 1) for c in sizes if c != "difference_bytes"},
+               "difference_bytes": lambda v: ("+" if v >= 0 else "−") + io.format_bytes(abs(v), 1),
                "step_time_ms": lambda v: f"{v:,.1f}"}
     title = "memory per precision mode" + (f" (budget {budget_text})" if budget is not None else "")
-    return tables.ReportTable(title, columns, table_rows, notes=memory_notes(rows, budget), headers=headers,
-                              formats=formats)
+    # a terminal too narrow for every column shows the states' sum in one (each in report.md and memory.csv)
+    held = [c for c in sizes if c not in ("activations_bytes", "estimate_bytes", "measured_peak_bytes",
+                                          "difference_bytes")]
+    screen = ["precision", "states", "activations_bytes", "estimate_bytes", "measured_peak_bytes", "difference_bytes",
+              "step_time_ms", *columns[len(sizes) + 2:]]
+    states = {"states": lambda row: io.format_bytes(sum(row[c] or 0 for c in held), 1)}
+    return tables.ReportTable(title, columns, table_rows, notes=memory_notes(rows, budget),
+                              headers={**headers, "states": "states"},
+                              formats=formats, cells=states, screen=screen, screen_when_narrow=True,
+                              screen_note=f"states = {' + '.join(sizes[c] for c in held)}: each in report.md and "
+                                          "memory.csv")
 
 
 def memory_notes(rows: list[ModeMemory], budget: Optional[int]) -> list[str]:

@@ -15,7 +15,8 @@ COLUMNS = 80
     ["train", "recipe=mlp", "precision=bf16", "train.steps=20", "hydra.run.dir=live"],  # the live view
     ["inspect", "recipe=mlp", "precision=fp16", "inspect.steps=1", "hydra.run.dir=inspect"],
     ["list"],
-], ids=["train", "train-live", "inspect", "list"])
+    ["memory", "recipe=mlp", "memory.precisions=[fp32,O2]", "hydra.run.dir=memory"],
+], ids=["train", "train-live", "inspect", "list", "memory"])
 def test_the_first_screen_fits_80_columns_whole(tmp_path, args):
     code, lines = in_a_terminal(args, tmp_path, COLUMNS)
     assert code == 0, "\n".join(lines[-30:])
@@ -24,5 +25,7 @@ def test_the_first_screen_fits_80_columns_whole(tmp_path, args):
     if args[0] == "inspect":  # the summary's columns of an fp16 run, its tensor kinds whole
         assert any(line.startswith("│ activation_grad ") for line in lines), "\n".join(lines)
         assert any("×2^16" in line for line in lines)
+    if args[0] == "memory":  # the states summed in one column at 80 (each in report.md), every row whole
+        assert any(line.startswith("│ O2 ") for line in lines) and any("states =" in line for line in lines)
     if args[0] == "train" and "train.console=plain" in args:
         assert lines[0].startswith("Selected precision=fp16: ") and lines[1].startswith("  ")  # its continuation
