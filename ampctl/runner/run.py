@@ -40,7 +40,7 @@ from ampctl.runner.layer_error_log import LayerErrorLog, refuse_what_it_cannot_w
 from ampctl.runner.mirror import Mirror
 from ampctl.runner.ownership import start_timeline_at
 from ampctl.runner.plan import RunPlan, check_config
-from ampctl.runner.profiling import PROFILER_WARMUP_STEPS, StepProfiler
+from ampctl.runner.profiling import StepProfiler, first_profiled_step
 from ampctl.runner.recorder import NoRecorder, Recorder, log
 from ampctl.runner.resume import Resume
 from ampctl.runner.round_windows import RoundWindows
@@ -298,18 +298,9 @@ class TrainingRun:
 
 def _first_profiled_step(cfg: DictConfig, start_step: int, memory_steps: int) -> int:
     """The first step train.profile profiles: past the steps the run does not time (the timing warm-up, the
-    CPU memory measurement, the compiling first step) and the profiler's own warm-up step. Refused (before
-    anything is written) when the run ends before the window does."""
-    n = cfg.train.profile
+    CPU memory measurement, the compiling first step) and the profiler's own warm-up step."""
     settled = max(cfg.train.timing_warmup_steps, memory_steps, 1 if cfg.train.compile.enabled else 0)
-    first = start_step + settled + PROFILER_WARMUP_STEPS + 1
-    if n is not None and first + n - 1 > cfg.train.steps:
-        raise UsageError(
-            f"train.profile={n}: the profiled steps would be {first}-{first + n - 1}, past train.steps="
-            f"{cfg.train.steps} (the run {'resumes at step ' + str(start_step) + ' and ' if start_step else ''}"
-            f"leaves out {settled} warm-up step(s), then the profiler warms up for {PROFILER_WARMUP_STEPS}); "
-            f"raise train.steps to {first + n - 1} or more, or lower train.profile")
-    return first
+    return first_profiled_step(cfg.train.profile, cfg.train.steps, settled, start_step)
 
 
 class LogStepChecks:

@@ -163,6 +163,19 @@ def every_runs_overrides(cfg: DictConfig, plans: list[ModePlan], console: Consol
     return overrides
 
 
+def refuse_a_profile_past_the_end(cfg: DictConfig, plans: list[ModePlan]) -> None:
+    """train.profile=N with too few steps for any mode's run: refused once, before any mode runs (each run refused
+    it alone, each mode a failed row)."""
+    from ampctl.analysis.memory.measure import MEASURED_STEPS
+    from ampctl.runner.profiling import first_profiled_step
+
+    for plan in plans:
+        memory = MEASURED_STEPS if plan.device == "cpu" and cfg.telemetry.profile_cpu_memory else 0
+        said = [o.split("=", 1)[1] for o in plan.overrides if o.startswith("train.compile.enabled=")]
+        compiled = said[-1] == "true" if said else cfg.train.compile.enabled
+        first_profiled_step(cfg.train.profile, plan.steps, max(cfg.compare.warmup_steps, memory, int(compiled)))
+
+
 def evaluation_overrides(cfg: DictConfig, steps: int) -> tuple[list[str], Optional[str]]:
     """train.eval.every for every mode's run: the user's own, or (none set) one evaluation at the end where the
     recipe has held-out batches; and why there is none, where there is none."""
@@ -183,6 +196,7 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
     plans, skipped = planned if planned is not None else plan_modes(cfg, split_overrides(task_overrides))
     skipped = dict(skipped)
     spans = round_spans(cfg, plans[0].steps)
+    refuse_a_profile_past_the_end(cfg, plans)
     seeds = [cfg.train.seed + i for i in range(cfg.compare.seeds)]
     console = tables.make_console()
     out_dir.mkdir(parents=True, exist_ok=True)

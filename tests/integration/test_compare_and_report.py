@@ -493,3 +493,9 @@ def test_compare_with_train_profile_says_what_each_modes_matmuls_ran_in(tmp_path
     notes = json.loads((tmp_path / "cmp" / "comparison.json").read_text())["notes"]
     assert "fp32 matmul FLOPs (its profiled steps): 100.0% in float32." in notes
     assert "bf16 matmul FLOPs (its profiled steps): 100.0% in bfloat16." in notes
+    # too few steps for the window: refused once, before any mode runs (each mode was a failed row)
+    short = run_ampctl("compare", *TINY, "train.steps=14", "train.profile=4", "compare.precisions=[fp32,bf16]",
+                       f"hydra.run.dir={tmp_path / 'short'}")
+    assert short.returncode == 2 and short.stderr.count("\n") == 1, short.stderr
+    assert "train.profile=4: the profiled steps would be 12-15, past train.steps=14" in short.stderr
+    assert not (tmp_path / "short").exists()
