@@ -114,11 +114,6 @@ def export(path: Path, options: ExportConfig, say: Callable[[str], None] = print
     target = str(cfg.recipe.get("_target_", ""))
     through_dcp = is_sharded(source) and options.format is ExportFormat.safetensors
     ranks = export_sharded.ranks_of_this_job() if through_dcp else _one_process()
-    if out.exists():
-        raise UsageError(f"export.dir={out} exists already; choose another export.dir (nothing was written)")
-    if options.format is ExportFormat.hf and not target.endswith(HF_RECIPE):
-        raise UsageError(f"export.format=hf is for recipe=hf_causal_lm (a transformers model); this run's recipe is "
-                         f"{target}: choose export.format=safetensors or pt")
     record = {
         "source": str(source), "source_sha256": _sha256_of(source), "step": step,
         "run_id": payload.get("run_id"), "weights": options.weights.value, "dtype": options.dtype.value,
@@ -126,7 +121,12 @@ def export(path: Path, options: ExportConfig, say: Callable[[str], None] = print
         "recipe": OmegaConf.to_container(cfg.recipe, resolve=True),
         "trained_in": cfg.precision.name,
     }
-    try:
+    try:  # a refusal too ends the ranks' process group
+        if out.exists():
+            raise UsageError(f"export.dir={out} exists already; choose another export.dir (nothing was written)")
+        if options.format is ExportFormat.hf and not target.endswith(HF_RECIPE):
+            raise UsageError(f"export.format=hf is for recipe=hf_causal_lm (a transformers model); this run's recipe "
+                             f"is {target}: choose export.format=safetensors or pt")
         if through_dcp:
             write_files, parameters = _through_dcp(source, cfg, options, ranks)
         else:
