@@ -12,6 +12,7 @@ from ampctl.cli import main
 from ampctl.engine.build import build_state
 from ampctl.engine.precision import layers
 from ampctl.engine.precision.half import is_norm_layer
+from ampctl.errors import UsageError
 from tests.support.golden import GOLDEN, canonical_loop
 from tests.support.layer_zoo import check_the_layer_table_against_hooks
 from tests.support.training import build, train_here
@@ -152,6 +153,17 @@ def test_a_rule_that_cannot_be_honoured_is_refused_in_one_line(tmp_path, restore
     (line,) = capsys.readouterr().err.splitlines()
     assert message in line, line
     assert not run.exists()
+
+
+@pytest.mark.parametrize("precision", ["nvfp4", "fp8_emulated"])
+def test_a_model_that_is_one_linear_is_refused_by_a_mode_that_converts_layers(precision):
+    """The converters swap layers inside the model, never the model object itself: a recipe whose model is one
+    nn.Linear (docs/models.md's linear regression) would train in fp32 under the format's name."""
+    _, policy, _ = build(f"precision={precision}")
+    with pytest.raises(UsageError, match=f"precision={precision}: the model is itself one Linear"):
+        policy.convert_module(nn.Linear(8, 1))
+    converted = policy.convert_module(nn.Sequential(nn.Linear(8, 1)))  # inside a container it is converted
+    assert type(converted[0]).__name__ != "Linear"
 
 
 def test_the_start_lines_show_the_resolved_table(tmp_path, restore_argv, capsys):

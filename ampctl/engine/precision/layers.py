@@ -110,6 +110,12 @@ def plan(model: nn.Module, precision: PrecisionConfig, converter: Optional[conve
     layer_plan = LayerPlan(rules, decided, own, {})
     layer_plan.converted = _conversions(layer_plan, modules, owners, converter, device)
     _check_effects(layer_plan, modules, owners, hits, device)
+    if converter is not None and not layer_plan.converted and converter.wants(model, ""):
+        # the model object is the caller's: a converter swaps layers inside it, never the model itself
+        kind = type(model).__name__
+        raise UsageError(f"precision={precision.name}: the model is itself one {kind}, and the mode converts the "
+                         f"{kind} layers inside a model, so it would run as fp32: return it inside a container from "
+                         f"build_model (nn.Sequential({kind}(...)))")
     if converter is not None:
         converter.check_converted([f for f, (c, _) in layer_plan.converted.items() if c is converter],
                                   sum(isinstance(m, nn.Linear) for m in modules.values()))
