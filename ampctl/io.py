@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -164,12 +165,19 @@ def for_the_terminal(text: str, stream: Any = None) -> str:
     return wrap_words(text, shutil.get_terminal_size().columns)
 
 
+def is_command(line: str) -> bool:
+    """A line that is a shell command for the user to copy (`ampctl train -cd DIR -cn NAME`), not a command's own
+    line about itself (`ampctl diff: ...`, `ampctl train: error: ...`)."""
+    return re.match(r"\s*ampctl [a-z]+ ", line) is not None
+
+
 def wrap_words(text: str, width: int) -> str:
     """Each line of text longer than width broken at word boundaries, its continuation indented two more than it: a
-    terminal breaks a long line wherever its last column falls, mid-word (`run_dir=/tmp/t8` / `0`)."""
+    terminal breaks a long line wherever its last column falls, mid-word (`run_dir=/tmp/t8` / `0`). A line that is a
+    command to copy (`ampctl ...`) is left whole: broken into lines it would no longer run as copied."""
     out = []
     for line in text.split("\n"):
         indent = line[:len(line) - len(line.lstrip(" "))]
-        out.append(line if len(line) <= width else textwrap.fill(
+        out.append(line if len(line) <= width or is_command(line) else textwrap.fill(
             line, width=width, subsequent_indent=indent + "  ", break_long_words=False, break_on_hyphens=False))
     return "\n".join(out)

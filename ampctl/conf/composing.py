@@ -8,7 +8,7 @@ import copy
 
 from hydra import compose
 from hydra.errors import HydraException
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from ampctl.conf.messages import one_line
@@ -34,13 +34,25 @@ def without_hydra_node(config: DictConfig) -> DictConfig:
 GROUPS_OF_A_RUN = ("precision", "scaler", "recipe", "optimizer", "distributed")
 
 
-def defaults_of_a_job(app_config: str, choices: dict) -> str:
-    """The head `ampctl <command> --cfg job` prints before the config: the defaults list that makes the dump an
-    ampctl config again (its app config and the group options it was composed from), so that `-cd DIR -cn NAME`
-    runs it with ampctl's checks, run directory and logging."""
+def defaults_of_a_job(app_config: str, job: DictConfig) -> str:
+    """The head `ampctl <command> --cfg job` prints before the config (job: composed with its hydra node): the
+    defaults list that makes the dump an ampctl config again (its app config and the group options it was composed
+    from), so that `-cd DIR -cn NAME` runs it with ampctl's checks, run directory and logging; and where the user's
+    own configs and recipe module are (conf/config_dirs.py), so that it runs from any directory."""
+    from ampctl.conf.config_dirs import searchpath_of
+
+    choices = job.hydra.runtime.choices
     lines = [f"# ampctl's composed {app_config} config; loadable as it is: ampctl {app_config} -cd DIR -cn NAME",
              "defaults:", f"  - {app_config}",
              *(f"  - override {group}: {choices[group]}" for group in GROUPS_OF_A_RUN if choices.get(group)),
              "  - _self_", ""]
+    searchpath = searchpath_of(job)
+    if searchpath:  # Hydra's own key: the primary config may extend the search path
+        lines += ["# composed from these directories too (your configs, your recipe's module): Hydra's search path",
+                  "hydra:", "  searchpath:", *(f"  - {entry}" for entry in searchpath), ""]
     return "\n".join(lines) + "\n"
 
+
+def loadable_config(app_config: str, job: DictConfig) -> str:
+    """A config ampctl writes for the user to run (repaired.yaml, advised.yaml): its head, then its values."""
+    return defaults_of_a_job(app_config, job) + OmegaConf.to_yaml(without_hydra_node(job))

@@ -18,6 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from ampctl.conf.composing import compose_job
+from ampctl.conf.config_dirs import make_importable, user_config_dirs
 from ampctl.conf.schema import ParallelKind, validate
 from ampctl.conf.sweeps import SWEEP_RECORD, SweepIdentity, base_overrides, planned_jobs, sweep_overrides
 from ampctl.errors import CommandLineRefused, UsageError
@@ -78,6 +79,7 @@ class CheckEveryJob(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         jobs = planned_jobs(config) or [base_overrides(sweep_overrides(config))]
+        make_importable(user_config_dirs(config.hydra))  # a written config's hydra.searchpath: its user's recipe
         try:
             for job in jobs:
                 cfg = check_command(self.command, compose_job(config.hydra.job.config_name, job))

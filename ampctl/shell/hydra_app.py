@@ -165,7 +165,7 @@ def job_config_with_its_defaults(command: str) -> Iterator[None]:
         yield
     config_dir = flags.get("config_dir")
     with composed(flags.get("config_name") or command, overrides, Path(config_dir) if config_dir else None) as cfg:
-        head = defaults_of_a_job(command, dict(cfg.hydra.runtime.choices))
+        head = defaults_of_a_job(command, cfg)
         # its values too, as a run would check them (train.steps=-1), before the dump is shown as loadable
         from ampctl.conf.composing import without_hydra_node
         from ampctl.conf.schema import validate

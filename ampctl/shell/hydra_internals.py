@@ -8,8 +8,6 @@ No other module of ampctl reaches into Hydra's internals or patches a library's 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence
 
@@ -66,16 +64,11 @@ def register_schemas(names: Optional[Iterable[str]] = None) -> None:
 def put_config_dir_on_path(args: list[str]) -> None:
     """Modules beside the configs of `-cd DIR` are importable (a recipe's `_target_: my_recipe.Recipe`), as
     the directory of a script Python runs is: a user's experiment directory works without PYTHONPATH."""
-    for i, arg in enumerate(args):
-        value = None
-        if arg in ("-cd", "--config-dir") and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith("--config-dir="):
-            value = arg.split("=", 1)[1]
-        if value and os.path.isdir(value):
-            sys.path.insert(0, os.path.abspath(value))
-            os.environ["PYTHONPATH"] = os.pathsep.join(  # the processes compare and memory start see it too
-                [os.path.abspath(value), *filter(None, [os.environ.get("PYTHONPATH")])])
+    from ampctl.conf.config_dirs import make_importable
+
+    value = hydra_flags(args)[0].get("config_dir")
+    if value:
+        make_importable([value])
 
 
 # Hydra's flags that take a value, and those that take none: what is left of a command line is its overrides

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ampctl.conf.composing import without_hydra_node
+from ampctl.conf.config_dirs import make_importable, user_config_dirs
 from ampctl.conf.messages import one_line
 from ampctl.conf.typed import typed_config
 from ampctl.errors import ConfigError, UsageError
@@ -108,6 +109,7 @@ def plan_a_single_run(command: str, config: DictConfig) -> Plan:
     refused."""
     from ampctl.runner.ownership import refuse_another_commands_directory
 
+    make_importable(user_config_dirs(config.hydra))  # a written config's hydra.searchpath: its user's recipe
     cfg = typed(command, without_hydra_node(config))
     refuse_numbers_for_booleans(cfg, task_overrides(config.hydra))
     claim = command_named(command).claim_directory
@@ -124,4 +126,5 @@ def plan_of(command: str, cfg: DictConfig, hydra_cfg: DictConfig) -> Plan:
     planned = THIS_PROCESS.take_plan(Path(hydra_cfg.runtime.output_dir))
     if planned is not None:
         return planned
+    make_importable(user_config_dirs(hydra_cfg))  # a sweep's job, in a process of its own (submitit, Ray)
     return plan_of_a_job(command, typed(command, cfg), hydra_cfg)

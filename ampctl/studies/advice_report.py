@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from ampctl import io, run_files
-from ampctl.conf.composing import compose_job, defaults_of_a_job, without_hydra_node
+from ampctl.conf.composing import compose_job, loadable_config
 from ampctl.reports import tables
 from ampctl.studies.advice import Advice, GradientEvidence, ModeEvidence
 
@@ -39,8 +39,7 @@ def write_advice(out_dir: Path, cfg: DictConfig, findings: Findings, run_overrid
                                                    findings.facts, findings.partial)
     config = out_dir / f"{cfg.advise.name}.yaml"
     job = compose_job("train", [*run_overrides, *advice.overrides()], with_hydra=True)
-    io.atomic_write_text(config, defaults_of_a_job("train", dict(job.hydra.runtime.choices))
-                         + OmegaConf.to_yaml(without_hydra_node(job)))
+    io.atomic_write_text(config, loadable_config("train", job))
     record = {"kind": "advise", "advice": advice.to_json(), "partial": partial,
               "evidence": [vars(e) for e in evidence],
               "gradients": None if gradients is None else vars(gradients),
@@ -95,5 +94,5 @@ def advice_lines(advice: Advice, partial: Optional[str], config: Path, out_dir: 
     evidence = [name + "/" for name in EVIDENCE_DIRS if (out_dir / name).is_dir()] + sorted(
         p.name + "/" for p in out_dir.glob("inspect_*") if p.is_dir()) + [
         name for name in (f"{run_files.ADVICE}.json", "advice.png") if (out_dir / name).is_file()]
-    lines.append(f"run it: ampctl train -cd {out_dir} -cn {config.stem}   (the evidence: {', '.join(evidence)})")
+    lines += [f"run it (the evidence: {', '.join(evidence)}):", f"ampctl train -cd {out_dir} -cn {config.stem}"]
     return lines

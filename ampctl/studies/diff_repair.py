@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io
 from ampctl.analysis.layer_errors import ModelErrors
-from ampctl.conf.composing import compose_job, defaults_of_a_job, without_hydra_node
+from ampctl.conf.composing import compose_job, loadable_config
 from ampctl.studies.advice import Preparation
 
 REPAIRED = "repaired"  # <diff dir>/repaired.yaml
@@ -98,8 +98,7 @@ def repaired_config(overrides: list[str], own_rules: list[dict[str, str]], repai
     trains = [o for o in overrides if not o.lstrip("+~").startswith(("diff.", "compare."))]  # train has neither
     job = compose_job("train", [*trains, *Preparation({}, rules).overrides()], with_hydra=True)
     path = out_dir / f"{REPAIRED}.yaml"
-    io.atomic_write_text(path, defaults_of_a_job("train", dict(job.hydra.runtime.choices))
-                         + OmegaConf.to_yaml(without_hydra_node(job)))
+    io.atomic_write_text(path, loadable_config("train", job))
     return path.name
 
 
@@ -128,8 +127,8 @@ def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list
              f"{repair.chosen.gradient_error:.1e} ({repair.chosen.error_over_noise:.2g}x); "
              f"{io.count_of(len(repair.tried), 'set')} of layers measured"]
     if repair.config:
-        lines.append(f"run it: ampctl train -cd {out_dir} -cn {Path(repair.config).stem}   (whether it trains as "
-                     "the reference does: diff.prove=true trains both over seeds)")
+        lines += ["run it (whether it trains as the reference does: diff.prove=true trains both over seeds):",
+                  f"ampctl train -cd {out_dir} -cn {Path(repair.config).stem}"]
     return lines
 
 

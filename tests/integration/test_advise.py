@@ -36,7 +36,7 @@ def test_advise_writes_the_evidence_and_a_config_that_runs_and_agrees_with_an_in
     advice = record["advice"]
     assert {"inspect", "calibration", "advice.md", "advised.yaml"} <= {p.name for p in out.iterdir()}
     assert f"advice (goal=speed): precision={advice['mode'].split('+')[0]}" in advised.stdout
-    assert advice["reasons"] and "run it: ampctl train -cd" in advised.stdout
+    assert advice["reasons"] and "\nampctl train -cd " in advised.stdout
     # what advise did not measure is said: checkpointing (goal=speed), compile (30 s leave too few steps for it)
     assert "note: activation checkpointing: not measured" in advised.stdout
     assert "note: torch.compile: not measured" in advised.stdout

@@ -103,7 +103,9 @@ def test_cfg_job_output_loads_back_as_a_primary_config(tmp_path):
     (tmp_path / "x.yaml").write_text(dumped.stdout)
     again = ampctl("train", "-cd", ".", "-cn", "x", "--cfg", "job", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
-    assert yaml.safe_load(again.stdout) == yaml.safe_load(dumped.stdout)
+    reloaded = yaml.safe_load(again.stdout)  # loaded with -cd ., it names that directory in Hydra's search path
+    assert reloaded.pop("hydra") == {"searchpath": [f"file://{tmp_path.resolve()}"]}
+    assert reloaded == yaml.safe_load(dumped.stdout)
     assert dumped.stdout.startswith("# ampctl's composed train config")
     assert "  - override precision: bf16\n" in dumped.stdout
     trained = ampctl("train", "-cd", ".", "-cn", "x", "train.steps=1", "train.console=plain", cwd=tmp_path)
@@ -231,6 +233,7 @@ def test_the_private_composition_agrees_with_hydras_own_app(tmp_path):
         assert app.returncode == 0, app.stderr
         printed = yaml.safe_load(app.stdout)
         printed.pop("defaults")  # ampctl's dump names its choices, so that it loads back as a primary config
+        assert printed.pop("hydra") == {"searchpath": [f"file://{conf.resolve()}"]}  # and where it came from
         assert ours == printed, mode
         assert ours["precision"]["name"] == mode and not ours["precision"]["description"].startswith("MINE")
 

@@ -16,7 +16,8 @@ COLUMNS = 80
     ["inspect", "recipe=mlp", "precision=fp16", "inspect.steps=1", "hydra.run.dir=inspect"],
     ["list"],
     ["memory", "recipe=mlp", "memory.precisions=[fp32,O2]", "hydra.run.dir=memory"],
-], ids=["train", "train-live", "inspect", "list", "memory"])
+    ["diff", "recipe=mlp", "precision=nvfp4", "diff.batches=2", "diff.repair=true", "hydra.run.dir=diff"],
+], ids=["train", "train-live", "inspect", "list", "memory", "diff"])
 def test_the_first_screen_fits_80_columns_whole(tmp_path, args):
     code, lines = in_a_terminal(args, tmp_path, COLUMNS)
     assert code == 0, "\n".join(lines[-30:])
@@ -27,5 +28,7 @@ def test_the_first_screen_fits_80_columns_whole(tmp_path, args):
         assert any("×2^16" in line for line in lines)
     if args[0] == "memory":  # the states summed in one column at 80 (each in report.md), every row whole
         assert any(line.startswith("│ O2 ") for line in lines) and any("states =" in line for line in lines)
+    if args[0] == "diff":  # the command that runs the repair on a line of its own, whole, to copy as it is
+        assert f"ampctl train -cd {tmp_path / 'diff'} -cn repaired" in [line.strip() for line in lines], lines
     if args[0] == "train" and "train.console=plain" in args:
         assert lines[0].startswith("Selected precision=fp16: ") and lines[1].startswith("  ")  # its continuation

@@ -52,5 +52,8 @@ def in_a_terminal(args: list[str], cwd: Path, columns: int = 80, timeout: float 
 
 def cut_mid_word(lines: list[str], columns: int) -> list[str]:
     """The lines the terminal would break inside a word: longer than its width, with a space before the last column
-    where they could have been broken (a single word longer than the width cannot be)."""
-    return [line for line in lines if len(line) > columns and " " in line[:columns].strip()]
+    where they could have been broken (a single word longer than the width cannot be; a command to copy must not be,
+    io.is_command)."""
+    from ampctl.io import is_command
+
+    return [line for line in lines if len(line) > columns and " " in line[:columns].strip() and not is_command(line)]
