@@ -204,7 +204,10 @@ def unparsable_override(args: list[str], exc: BaseException) -> Optional[str]:
         try:
             parser.parse_override(arg)
         except HydraException:
-            key = arg.split("=", 1)[0]
+            key, _, value = arg.partition("=")
+            if value.startswith("~"):  # a shell expands ~ only in a variable's assignment, which key.path= is not
+                return (f"{key}={value}: the shell leaves ~ as it is after a config key's =, and Hydra's grammar "
+                        f"refuses it: write $HOME{value[1:]} (or the path in full)")
             return (f"{key}: its value cannot be parsed ({one_line(exc)}): a list or dict needs its closing bracket, "
                     "and the whole override quotes in a shell")
     return None

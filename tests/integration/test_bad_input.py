@@ -134,3 +134,11 @@ def test_an_image_folder_without_images(tmp_path, capsys, restore_argv):
     (tmp_path / "images" / "cat").mkdir(parents=True)
     err = refused(tmp_path, capsys, "recipe=timm", "recipe.data=imagefolder", f"recipe.data_root={tmp_path / 'images'}")
     assert f"recipe.data_root='{tmp_path / 'images'}' holds no images: Found no valid file for the classes cat" in err
+
+
+def test_a_tilde_the_shell_left_in_a_path_says_what_to_write(tmp_path, capsys, restore_argv):
+    """`recipe.data_root=~/data`: a shell expands ~ only in a variable's assignment, so Hydra gets it, and its grammar
+    refuses it (docs/models.md showed such lines once)."""
+    err = refused(tmp_path, capsys, "recipe=resnet", "recipe.data_root=~/data/pets")
+    assert ("recipe.data_root=~/data/pets: the shell leaves ~ as it is after a config key's =, and Hydra's grammar "
+            "refuses it: write $HOME/data/pets (or the path in full)") in err
