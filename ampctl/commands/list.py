@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 GROUPS = ("scaler", "recipe", "optimizer", "logger")
+# how the YAML of a shipped option built to fail one known way opens (recipes/demonstrations.py)
+DEMONSTRATION = "Demonstration:"
 DTYPE_ORDER = ("float32", "float16", "bfloat16")
 
 
@@ -108,16 +110,28 @@ def main() -> None:
     loader = config_loader(args.config_dir)
     console.print(_modes_table(loader, device))
     for group in GROUPS:
-        table = Table(title=f"{group} options")
-        table.add_column(group)
-        table.add_column("description")
-        for option in loader.get_group_options(group):
-            table.add_row(option, option_description(loader, group, option))
-        console.print(table)
+        described = {option: option_description(loader, group, option) for option in loader.get_group_options(group)}
+        shown = {option: text for option, text in described.items() if not text.startswith(DEMONSTRATION)}
+        demonstrations = {option: text[len(DEMONSTRATION):].strip() for option, text in described.items()
+                          if option not in shown}
+        demonstrations = {option: text[:1].upper() + text[1:] for option, text in demonstrations.items()}
+        console.print(_options_table(f"{group} options", group, shown))
+        if demonstrations:
+            console.print(_options_table(f"demonstration {group}s: built to fail one known way", group,
+                                         demonstrations))
     if args.config_dir is not None:
         _print_experiment_configs(console, args.config_dir)
     if device.type == "cpu":
         _print_the_cpus_figures(console)
+
+
+def _options_table(title: str, group: str, descriptions: dict[str, str]) -> Table:
+    table = Table(title=title)
+    table.add_column(group)
+    table.add_column("description")
+    for option, text in descriptions.items():
+        table.add_row(option, text)
+    return table
 
 
 def _measure_the_cpu_if_needed(console: Console, remeasure: bool) -> None:

@@ -166,14 +166,16 @@ def replay(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir: Pa
 
 
 def describe(d: dict[str, Any]) -> str:
-    parts = [f"replayed step {d['step']} (loss {d['loss']}, loss scale {d['loss_scale']:g})"]
+    losses = d["loss"] if isinstance(d["loss"], list) else [d["loss"]]
+    named = "loss" if len(losses) == 1 else "micro-batch losses"
+    parts = [f"replayed step {d['step']} ({named} {', '.join(f'{v:.4g}' for v in losses)}, loss scale "
+             f"{d['loss_scale']:g})"]
     if d["forward"]:
         f = d["forward"]
         parts.append(f"forward: first problem at '{f['module']}' ({f['type']}, {f['dtype']} output): {f['problem']}, "
                      f"max |x| = {f['max_abs']:.4g}")
     else:
         parts.append("forward: every layer's output finite and in range")
-    losses = d["loss"] if isinstance(d["loss"], list) else [d["loss"]]
     if not all(math.isfinite(v) for v in losses):
         parts.append("backward: not located (the loss itself is non-finite)")
     elif d["backward"]:

@@ -284,9 +284,8 @@ def test_ctrl_c_during_a_diffs_proof_keeps_the_diffs_figures_and_says_the_proof_
     """The diff's figures are written before its proof trains; a Ctrl-C there stops the comparison's runs with their
     checkpoints, marks the proof interrupted in diff.json, and says in one line where each part is."""
     out = tmp_path / "diff"
-    process = popen("diff", "device=cpu", "recipe=mlp", "recipe._target_=tests.support.fragile_layer_recipe."
-                    "FragileRecipe", "precision=bf16", "diff.batches=2", "diff.repair=true", "diff.prove=true",
-                    "train.steps=100000", "compare.seeds=2", f"hydra.run.dir={out}", cwd=tmp_path)
+    process = popen("diff", "device=cpu", "recipe=fragile", "precision=bf16", "diff.batches=2", "diff.repair=true",
+                    "diff.prove=true", "train.steps=100000", "compare.seeds=2", f"hydra.run.dir={out}", cwd=tmp_path)
     wait_for(lambda: row_count(out / "proof" / "fp32" / "seed_0" / "metrics.jsonl") >= 2)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=240)

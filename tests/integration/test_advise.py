@@ -303,7 +303,7 @@ def _repair_and_compare_again(tmp_path: Path) -> None:
     from ampctl.studies.compare import plan_modes
     from ampctl.studies.diff import run_diff
 
-    run = ["device=cpu", "recipe=mlp", "recipe._target_=tests.support.fragile_layer_recipe.FragileRecipe",
+    run = ["device=cpu", "recipe=fragile",
            "train.eval.batches=4", "telemetry.profile_cpu_memory=false"]
     cfg = compose_job("advise", [*run, "compare.seeds=3", "compare.rounds=2", "advise.budget=5min",
                                  "compare.precisions=[fp32,bf16]"])

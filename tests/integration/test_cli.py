@@ -305,6 +305,11 @@ def test_list_shows_the_users_own_options_and_experiment_configs(tmp_path, capsy
     assert "tinymlp │ My tiny MLP." in out and "gpt │" in out  # the user's recipe among the built-in ones
     assert f"ampctl train -cd {tmp_path} -cn NAME" in out and "fp16_sweep │ The base of my [fp16] sweeps." in out
     assert "logger options" in out and "tensorboard" in out
+    # the demonstration recipes, in a table of their own after the others (conf/recipe/*.yaml: "Demonstration: ...")
+    recipes, demonstrations = out.split("recipe options")[1].split("demonstration recipes: built to fail one known way")
+    assert all(f"{name} │" in demonstrations and f"{name} │" not in recipes
+               for name in ("exploding", "fragile", "loss_spike", "rounding_spike"))
+    assert "exploding │ A layer ('amplifier')" in demonstrations and "Demonstration:" not in out
 
 
 @pytest.mark.parametrize("args,message", [

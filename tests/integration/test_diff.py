@@ -1,5 +1,5 @@
 """`ampctl diff` (analysis/layer_errors.py, studies/diff.py): a reference against itself reads exactly 0; a recipe
-built to break in one known layer (tests/support/fragile_layer_recipe.py) has that layer ranked first by local error
+built to break in one known layer (recipe=fragile, recipes/demonstrations.py) has that layer ranked first by local error
 in fp16, bf16, an FP8 and two MX modes, and the layer after it, which inherits the whole error, is not blamed; the
 figures against the definitions computed by hand (hooks, hand-cast tensors, a hand-written scaled backward); the
 files, and `ampctl report` writing them again; the repair's search and its proof by training."""
@@ -20,7 +20,7 @@ from ampctl.analysis.layer_errors import Side, measure
 from ampctl.recipes.mlp import MLPRecipe
 from tests.support.in_process import run_ampctl
 
-FRAGILE = ["device=cpu", "recipe=mlp", "recipe._target_=tests.support.fragile_layer_recipe.FragileRecipe"]
+FRAGILE = ["device=cpu", "recipe=fragile"]
 MLP = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16"]
 
 
@@ -45,9 +45,9 @@ def test_a_layer_no_gradient_reaches_has_the_local_error_of_its_output():
     """The offset recipe's first layer, `center`, is frozen and takes the data (which needs no gradient): nothing
     flows back into it, and its output's local error is still measured: bf16's identity Linear on 512 + x against
     fp32's, computed by hand (the relative RMS error of the output)."""
-    from tests.support.offset_spike_recipe import OffsetSpikeRecipe
+    from ampctl.recipes.demonstrations import RoundingSpikeRecipe
 
-    recipe = OffsetSpikeRecipe(spike_at=1)
+    recipe = RoundingSpikeRecipe(spike_at=1)
     torch.manual_seed(0)
     reference, candidate = recipe.build_model(), recipe.build_model()
     candidate.load_state_dict(reference.state_dict())

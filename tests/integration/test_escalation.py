@@ -26,34 +26,23 @@ QUIET = ["device=cpu", "train.console=quiet", "train.lr.warmup_steps=0", "teleme
 EXPLODING = ["recipe=exploding", "precision=fp16", "scaler.init_scale=1", "guard.max_consecutive_skips=4",
              "train.steps=24", "train.log_every=2", "train.checkpoint.every=2", "train.checkpoint.keep=100",
              "guard.on_trip=escalate", *QUIET]
-# the batch of step 60 is shifted by 512: 'center' loses it in bf16, not in fp32 (tests/support/offset_spike_recipe.py)
-OFFSET_SPIKE = ["recipe=offset_spike", "precision=bf16", "optimizer.lr=0.01", "guard.loss_spike=6",
+# the batch of step 60 is shifted by 512: 'center' loses it in bf16, not in fp32 (recipes/demonstrations.py)
+OFFSET_SPIKE = ["recipe=rounding_spike", "precision=bf16", "optimizer.lr=0.01", "guard.loss_spike=6",
                 "guard.loss_spike_window=20", "train.steps=70", "train.log_every=10", "train.checkpoint.every=10",
                 "guard.on_trip=escalate", *QUIET]
-
-
-@pytest.fixture
-def conf_dir(tmp_path) -> Path:
-    recipes = tmp_path / "conf" / "recipe"
-    recipes.mkdir(parents=True)
-    (recipes / "exploding.yaml").write_text("_target_: tests.support.exploding_recipe.ExplodingRecipe\n"
-                                            "factor: 1000.0\ninput_gain: 100.0\n")
-    (recipes / "offset_spike.yaml").write_text("_target_: tests.support.offset_spike_recipe.OffsetSpikeRecipe\n"
-                                               "spike_at: 60\n")
-    return tmp_path / "conf"
 
 
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def train(conf_dir: Path, run: Path, *args: str):
-    return run_ampctl("train", "-cd", str(conf_dir), *args, f"hydra.run.dir={run}")
+def train(run: Path, *args: str):
+    return run_ampctl("train", *args, f"hydra.run.dir={run}")
 
 
-def test_an_fp16_overflow_escalates_layer_by_layer_and_the_run_finishes(tmp_path, conf_dir):
+def test_an_fp16_overflow_escalates_layer_by_layer_and_the_run_finishes(tmp_path):
     run = tmp_path / "run"
-    done = train(conf_dir, run, *EXPLODING)
+    done = train(run, *EXPLODING)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("escalation ")]
     assert lines == [
@@ -80,11 +69,11 @@ def test_an_fp16_overflow_escalates_layer_by_layer_and_the_run_finishes(tmp_path
     assert report.returncode == 0 and "Escalations" in (run / "report.md").read_text()
 
 
-def test_the_escalated_timeline_equals_the_engines_steps_from_its_checkpoint_with_its_rules(tmp_path, conf_dir):
+def test_the_escalated_timeline_equals_the_engines_steps_from_its_checkpoint_with_its_rules(tmp_path):
     """The reference: the run's config with the two rules written by hand, its state built by the engine, the
     checkpoint at step 4 restored, fit() to step 24; every loss, scale and grad norm the same bits."""
     run = tmp_path / "run"
-    assert train(conf_dir, run, *EXPLODING).returncode == 0
+    assert train(run, *EXPLODING).returncode == 0
     config = json.loads((run / "identity.json").read_text())["config"]
     config["precision"]["rules"] = [{"match": "amplifier", "run_in": "fp32"}, {"match": "out", "run_in": "fp32"}]
     cfg = typed_config(OmegaConf.create(config))
@@ -102,14 +91,14 @@ def test_the_escalated_timeline_equals_the_engines_steps_from_its_checkpoint_wit
     assert escalated == [{k: r[k] for k in keys} for r in rows(tmp_path / "reference.jsonl")]
 
 
-def test_a_resume_from_before_the_escalations_rules_keeps_them(tmp_path, conf_dir):
+def test_a_resume_from_before_the_escalations_rules_keeps_them(tmp_path):
     """Resumed from the checkpoint the escalations went back to (written before them, without their rules), with the
     original command line (a requeued job names precision=fp16 again): the rules are applied, nothing trips, and the
     steps are the escalated run's, bit for bit."""
     run = tmp_path / "run"
-    assert train(conf_dir, run, *EXPLODING).returncode == 0
+    assert train(run, *EXPLODING).returncode == 0
     escalated = rows(run / "metrics.jsonl")
-    again = train(conf_dir, run, *EXPLODING, f"resume={run / 'checkpoints' / 'step_00000004.pt'}")
+    again = train(run, *EXPLODING, f"resume={run / 'checkpoints' / 'step_00000004.pt'}")
     assert again.returncode == 0, again.stderr
     assert "escalation" not in again.stdout.replace("escalations.jsonl", "")
     keys = ("step", "loss", "loss_scale", "grad_norm")
@@ -118,9 +107,9 @@ def test_a_resume_from_before_the_escalations_rules_keeps_them(tmp_path, conf_di
     assert len(rows(run / "escalations.jsonl")) == 2  # their step (4) is the resume's: kept
 
 
-def test_max_escalations_then_it_stops_as_a_stop_does(tmp_path, conf_dir):
+def test_max_escalations_then_it_stops_as_a_stop_does(tmp_path):
     run = tmp_path / "run"
-    done = train(conf_dir, run, *EXPLODING, "guard.max_escalations=1")
+    done = train(run, *EXPLODING, "guard.max_escalations=1")
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "Not escalated: guard.max_escalations=1 escalations made already" \
         in done.stderr
@@ -128,9 +117,9 @@ def test_max_escalations_then_it_stops_as_a_stop_does(tmp_path, conf_dir):
     assert json.loads((run / "diagnosis.json").read_text())["forward_problems"][1]["module"] == "out"
 
 
-def test_a_finite_spike_that_is_precisions_is_escalated_by_the_layers_own_error(tmp_path, conf_dir):
+def test_a_finite_spike_that_is_precisions_is_escalated_by_the_layers_own_error(tmp_path):
     run = tmp_path / "run"
-    done = train(conf_dir, run, *OFFSET_SPIKE)
+    done = train(run, *OFFSET_SPIKE)
     assert done.returncode == 0, done.stderr
     (row,) = rows(run / "escalations.jsonl")
     assert row["raised"] == {"center": "fp32"} and row["step"] == 50 and row["tripped_at"] == 60
@@ -138,11 +127,11 @@ def test_a_finite_spike_that_is_precisions_is_escalated_by_the_layers_own_error(
     assert rows(run / "metrics.jsonl")[59]["loss"] < 0.5  # step 60 again, with center in fp32: no spike
 
 
-def test_a_spike_fp32_shares_is_not_escalated(tmp_path, conf_dir):
+def test_a_spike_fp32_shares_is_not_escalated(tmp_path):
     """The MLP spike recipe multiplies a batch's inputs by 30: fp32's loss spikes as well; the run stops saying so."""
     run = tmp_path / "run"
-    done = run_ampctl("train", "recipe=mlp", "recipe._target_=tests.support.spike_recipe.SpikeRecipe",
-                      "recipe.hidden=32", "recipe.norm=none", "+recipe.spike_at=45", "guard.loss_spike=6",
+    done = run_ampctl("train", "recipe=loss_spike",
+                      "recipe.hidden=32", "recipe.norm=none", "recipe.spike_at=45", "guard.loss_spike=6",
                       "guard.loss_spike_window=20", "train.steps=60", "train.log_every=10", "precision=bf16",
                       "guard.on_trip=escalate", *QUIET, f"hydra.run.dir={run}")
     assert done.returncode == 1 and done.stderr.count("\n") == 1
@@ -150,13 +139,13 @@ def test_a_spike_fp32_shares_is_not_escalated(tmp_path, conf_dir):
     assert not (run / "escalations.jsonl").exists()
 
 
-def test_a_resumed_run_watches_for_spikes_from_its_first_step(tmp_path, conf_dir):
+def test_a_resumed_run_watches_for_spikes_from_its_first_step(tmp_path):
     """The spike watch's window is filled from the run's own rows: a resume at step 50 catches the spike at 60,
     which a window warming up again over 20 steps would miss."""
     run = tmp_path / "run"
     args = [*OFFSET_SPIKE, "guard.on_trip=stop"]
-    assert train(conf_dir, run, *args, "train.steps=50").returncode == 0
-    resumed = train(conf_dir, run, *args, "train.steps=70", "resume=auto")
+    assert train(run, *args, "train.steps=50").returncode == 0
+    resumed = train(run, *args, "train.steps=70", "resume=auto")
     assert resumed.returncode == 1 and "loss spike at step 60" in resumed.stderr
 
 
@@ -166,21 +155,21 @@ def test_a_resumed_run_watches_for_spikes_from_its_first_step(tmp_path, conf_dir
     (["guard.max_escalations=0"], "guard.max_escalations=0 is not allowed: expected an integer >= 1"),
     (["guard.on_trip=rollback"], "guard.on_trip"),
 ])
-def test_what_cannot_escalate_is_refused_before_anything_is_written(tmp_path, conf_dir, args, said):
+def test_what_cannot_escalate_is_refused_before_anything_is_written(tmp_path, args, said):
     run = tmp_path / "run"
-    done = train(conf_dir, run, *OFFSET_SPIKE, *args)
+    done = train(run, *OFFSET_SPIKE, *args)
     assert done.returncode == 2 and said in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert not run.exists()
 
 
-def test_a_mirrored_escalated_run_continues_on_another_machine_with_its_escalations(tmp_path, conf_dir):
+def test_a_mirrored_escalated_run_continues_on_another_machine_with_its_escalations(tmp_path):
     """escalations.jsonl goes to the mirror with each checkpoint and comes back with the newest: the run continued
     elsewhere records its escalations and trains with their rules."""
     mirror = f"file://{tmp_path / 'mirror'}"
-    assert train(conf_dir, tmp_path / "m1", *EXPLODING, f"train.checkpoint.mirror={mirror}").returncode == 0
+    assert train(tmp_path / "m1", *EXPLODING, f"train.checkpoint.mirror={mirror}").returncode == 0
     assert (tmp_path / "mirror" / "escalations.jsonl").read_bytes() == \
         (tmp_path / "m1" / "escalations.jsonl").read_bytes()
-    pulled = train(conf_dir, tmp_path / "m2", *EXPLODING, "train.steps=30", f"train.checkpoint.mirror={mirror}",
+    pulled = train(tmp_path / "m2", *EXPLODING, "train.steps=30", f"train.checkpoint.mirror={mirror}",
                    "resume=auto")
     assert pulled.returncode == 0, pulled.stderr
     assert "escalation " not in pulled.stdout

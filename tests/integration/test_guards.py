@@ -13,17 +13,6 @@ QUIET = ["device=cpu", "train.console=quiet", "train.lr.warmup_steps=0",
          "telemetry.profile_cpu_memory=false"]  # the memory timeline is not under test here
 
 
-@pytest.fixture
-def conf_dir(tmp_path) -> Path:
-    recipe_dir = tmp_path / "conf" / "recipe"
-    recipe_dir.mkdir(parents=True)
-    (recipe_dir / "exploding.yaml").write_text(
-        "# 'amplifier' blows up from step 5 on\n_target_: tests.support.exploding_recipe.ExplodingRecipe\n"
-        "factor: 1000.0\ninput_gain: 100.0\n"
-    )
-    return tmp_path / "conf"
-
-
 def strict_json(path: Path):
     """Parse as strict JSON readers do: a bare NaN or Infinity is an error, not a float."""
     def refuse(token):
@@ -40,9 +29,9 @@ def stopped(capsys, argv: list[str]) -> str:
     return err
 
 
-def test_fp16_overflow_in_a_named_layer_is_found_by_the_replay(tmp_path, conf_dir, capsys, restore_argv):
+def test_fp16_overflow_in_a_named_layer_is_found_by_the_replay(tmp_path, capsys, restore_argv):
     run = tmp_path / "run"
-    err = stopped(capsys, ["train", "-cd", str(conf_dir), "recipe=exploding", "precision=fp16", "scaler.init_scale=1",
+    err = stopped(capsys, ["train", "recipe=exploding", "precision=fp16", "scaler.init_scale=1",
                            "guard.max_consecutive_skips=4", "train.steps=40", "train.log_every=2",
                            "train.checkpoint.every=2", *QUIET, f"hydra.run.dir={run}"])
     assert "4 consecutive skipped steps (5..8)" in err and "'amplifier'" in err
@@ -53,9 +42,9 @@ def test_fp16_overflow_in_a_named_layer_is_found_by_the_replay(tmp_path, conf_di
     assert diagnosis["checkpoint_replayed_from"].endswith("step_00000004.pt")  # replayed from the last good one
 
 
-def test_a_nonfinite_loss_without_a_scaler_stops_at_once(tmp_path, conf_dir, capsys, restore_argv):
+def test_a_nonfinite_loss_without_a_scaler_stops_at_once(tmp_path, capsys, restore_argv):
     run = tmp_path / "run"
-    err = stopped(capsys, ["train", "-cd", str(conf_dir), "recipe=exploding", "recipe.factor=1e36",
+    err = stopped(capsys, ["train", "recipe=exploding", "recipe.factor=1e36",
                            "recipe.input_gain=1e4", "precision=bf16", "train.steps=40", "train.log_every=1", *QUIET,
                            f"hydra.run.dir={run}"])
     assert "non-finite loss nan at step 5" in err
@@ -66,9 +55,9 @@ def test_a_nonfinite_loss_without_a_scaler_stops_at_once(tmp_path, conf_dir, cap
     assert len(rows) == 5  # with log_every=1 it stops on the very step
 
 
-def test_on_nonfinite_warn_trains_on(tmp_path, conf_dir, capsys, restore_argv):
+def test_on_nonfinite_warn_trains_on(tmp_path, capsys, restore_argv):
     run = tmp_path / "run"
-    main(["train", "-cd", str(conf_dir), "recipe=exploding", "recipe.factor=1e36", "recipe.input_gain=1e4",
+    main(["train", "recipe=exploding", "recipe.factor=1e36", "recipe.input_gain=1e4",
           "precision=bf16", "guard.on_nonfinite=warn", "train.steps=8", "train.log_every=4", *QUIET,
           f"hydra.run.dir={run}"])
     assert "warning: non-finite loss" in capsys.readouterr().out
@@ -96,15 +85,15 @@ def test_hysteresis_tolerates_overflows_before_backing_off(tmp_path, restore_arg
 
 
 # no norm layer: it would normalize the spiking batch's gain away
-SPIKE = ["recipe=mlp", "recipe._target_=tests.support.spike_recipe.SpikeRecipe", "recipe.hidden=32",
+SPIKE = ["recipe=loss_spike", "recipe.hidden=32",
          "recipe.norm=none", "guard.loss_spike=6", "guard.loss_spike_window=20", "train.log_every=10", *QUIET]
 
 
 def test_a_loss_spike_is_caught_at_its_step_and_the_run_stops_with_its_replay(tmp_path, capsys, restore_argv):
-    """The batch of step 45 spikes the loss (tests/support/spike_recipe.py): the guard, which reads every step's
+    """The batch of step 45 spikes the loss (recipe=loss_spike): the guard, which reads every step's
     record on log steps, names step 45, not the log step after it, and the replay finds every value finite."""
     run = tmp_path / "run"
-    err = stopped(capsys, ["train", *SPIKE, "+recipe.spike_at=45", "train.steps=80", f"hydra.run.dir={run}"])
+    err = stopped(capsys, ["train", *SPIKE, "recipe.spike_at=45", "train.steps=80", f"hydra.run.dir={run}"])
     assert "loss spike at step 45: " in err and "robust deviations above the median" in err
     assert "of the 20 steps before it (guard.loss_spike=6)" in err
     assert strict_json(run / "diagnosis.json")["step"] == 45
@@ -117,6 +106,6 @@ def test_a_smooth_run_is_never_taken_for_a_spike(tmp_path, precision, restore_ar
     """The same recipe without its spike, 200 steps from a fresh init (its loss falls fast, then wiggles), in
     three modes: the guard never trips."""
     run = tmp_path / "run"
-    main(["train", *SPIKE, "+recipe.spike_at=0", "train.steps=200", f"precision={precision}",
+    main(["train", *SPIKE, "recipe.spike_at=0", "train.steps=200", f"precision={precision}",
           f"hydra.run.dir={run}"])
     assert json.loads((run / "summary.json").read_text())["steps"] == 200

@@ -108,15 +108,11 @@ def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra(tmp_pat
 def test_a_run_a_guard_stops_ends_its_tracker_runs_as_failed_with_every_recorded_step(tmp_path, restore_argv):
     """From step 5 the recipe's loss is not finite: the guard stops the run (exit 1). The trackers hold the
     steps the run recorded, and MLflow's run is FAILED, not left RUNNING."""
-    conf = tmp_path / "conf" / "recipe"
-    conf.mkdir(parents=True)
-    (conf / "exploding.yaml").write_text("# blows up from step 5\n"
-                                         "_target_: tests.support.exploding_recipe.ExplodingRecipe\n"
-                                         "factor: 1.0e36\ninput_gain: 1.0e4\n")
     run, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "-cd", str(tmp_path / "conf"), "recipe=exploding", "precision=bf16", "device=cpu",
-              "train.steps=40", "train.log_every=1", "train.console=quiet", "telemetry.profile_cpu_memory=false",
+        main(["train", "recipe=exploding", "recipe.factor=1e36", "recipe.input_gain=1e4", "precision=bf16",
+              "device=cpu", "train.steps=40", "train.log_every=1", "train.console=quiet",
+              "telemetry.profile_cpu_memory=false",
               "logger=[csv,mlflow]", f"logger.mlflow.tracking_uri={uri}", f"hydra.run.dir={run}"])
     assert exit_info.value.code == 1 and not (run / "summary.json").exists()
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
