@@ -44,10 +44,21 @@ class Guard:
 
     def prime(self, earlier: list[StepRecord]) -> None:
         """The records of the steps before this process's first (a resumed run's own, or those before the checkpoint
-        an escalation went back to): the spike watch's window goes on from them instead of warming up again."""
+        an escalation went back to): every state that decides a trip goes on from them, as in the process that
+        recorded them, instead of starting again: the streak of skipped steps (a run stopped inside one trips where
+        it would have, at the streak's first step) and the spike watch's window. A checkpoint is written after its
+        step's checks, so these records tripped nothing under the run's settings."""
         for r in earlier:
+            self._follow_streak(r)
             if not r.skipped and math.isfinite(r.loss):
                 self.window.append(r.loss)
+
+    def _follow_streak(self, r: StepRecord) -> None:
+        if r.skipped:
+            self.streak_start = r.step if self.streak == 0 else self.streak_start
+            self.streak += 1
+        else:
+            self.streak = 0
 
     def check(self, records: list[StepRecord]) -> tuple[Optional[GuardTrip], list[str]]:
         """The first trip in these records (if any), and warnings to print."""
@@ -62,11 +73,7 @@ class Guard:
                 if not warnings:
                     warnings.append(message + " (guard.on_nonfinite=warn: training on)")
                 continue
-            if r.skipped:
-                self.streak_start = r.step if self.streak == 0 else self.streak_start
-                self.streak += 1
-            else:
-                self.streak = 0
+            self._follow_streak(r)
             if self.stop_at_min_scale and r.skipped and r.loss_scale <= self.min_scale * (1 + 1e-6):  # type: ignore[operator]
                 trip = GuardTrip(r.step, f"step {r.step} overflowed at the minimum loss scale "
                                          f"(scaler.min_scale={self.min_scale:g}): the scale cannot back off further")

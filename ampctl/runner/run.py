@@ -312,7 +312,7 @@ class LogStepChecks:
         min_scale = cfg.scaler.get("min_scale") if scaler.kind == "dynamic" else None
         self.guard = Guard(cfg.guard, scaler.can_skip, min_scale)
         metrics = run.recorder.run_dir / run_files.METRICS
-        if self.guard.spike is not None and metrics.is_file():  # the watch's window goes on where the run was
+        if metrics.is_file():  # the guards go on where the run was (a skip streak, the spike watch's window)
             self.guard.prime([r for r in read_metrics(metrics) if r.step <= run.state.step])
         self.speed = SpeedWarnings(cfg.train.timing_warmup_steps, run.compiling, run.peak.device.type)
         self.echo = run.recorder.echo

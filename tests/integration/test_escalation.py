@@ -107,6 +107,26 @@ def test_a_resume_from_before_the_escalations_rules_keeps_them(tmp_path):
     assert len(rows(run / "escalations.jsonl")) == 2  # their step (4) is the resume's: kept
 
 
+def test_a_run_stopped_inside_a_skip_streak_escalates_as_the_uninterrupted_one_after_its_resume(tmp_path):
+    """Stopped at step 7 (steps 5-7 skipped, one short of max_consecutive_skips=4) and resumed: the streak goes on
+    from the run's own rows, so step 8 trips naming step 5 and both escalations go back to step 4, as in the run
+    that never stopped; the weights at the end are the same bits. (A constant learning rate: the stopped run's own
+    schedule would be another.)"""
+    constant = [*EXPLODING, "train.lr.schedule=constant"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert train(whole, *constant).returncode == 0
+    assert train(stopped, *constant, "train.steps=7").returncode == 0
+    resumed = train(stopped, *constant, "resume=auto")
+    assert resumed.returncode == 0, resumed.stderr
+    kept = ("number", "step", "tripped_at", "reason", "raised", "rules")
+    assert [{k: r[k] for k in kept} for r in rows(stopped / "escalations.jsonl")] == [
+        {k: r[k] for k in kept} for r in rows(whole / "escalations.jsonl")]
+    assert [r["step"] for r in rows(stopped / "escalations.jsonl")] == [4, 4]
+    final = [torch.load(run / "checkpoints" / "step_00000024.pt", weights_only=True)["model"]
+             for run in (whole, stopped)]
+    assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
+
+
 def test_max_escalations_then_it_stops_as_a_stop_does(tmp_path):
     run = tmp_path / "run"
     done = train(run, *EXPLODING, "guard.max_escalations=1")

@@ -44,3 +44,23 @@ def test_the_windows_own_spread_sets_the_scale_and_a_spike_stays_out_of_the_wind
 def test_a_skipped_step_is_a_scalers_overflow_not_a_loss():
     steps = [record(s, 1.0) for s in range(1, 11)]
     assert guard().check([*steps, record(11, 1e4, skipped=True), record(12, 1.0)])[0] is None
+
+
+def test_a_guard_primed_inside_a_skip_streak_trips_where_the_uninterrupted_one_does():
+    """A run stopped inside a streak of skipped steps (its checkpoint at step 6, steps 5 and 6 skipped) and resumed:
+    the streak goes on from the run's own rows, so 7 and 8 skipped trip at max_consecutive_skips=4 naming step 5,
+    the streak's first, as the run that never stopped did; not 7..10, naming step 7."""
+    cfg = OmegaConf.create({"max_consecutive_skips": 4, "stop_at_min_scale": False, "on_nonfinite": "stop",
+                            "loss_spike": None, "loss_spike_window": 10})
+    rows = [record(s, 1.0, skipped=s >= 5) for s in range(1, 9)]
+    uninterrupted, _ = Guard(cfg, can_skip=True, min_scale=None).check(rows)
+    resumed = Guard(cfg, can_skip=True, min_scale=None)
+    resumed.prime(rows[:6])
+    trip, _ = resumed.check(rows[6:])
+    assert uninterrupted is not None and trip is not None
+    assert (trip.step, trip.reason) == (uninterrupted.step, uninterrupted.reason) == (
+        5, "4 consecutive skipped steps (5..8), loss scale now 1: the run is not recovering "
+           "(guard.max_consecutive_skips)")
+    after_a_good_step = Guard(cfg, can_skip=True, min_scale=None)
+    after_a_good_step.prime([*rows[:6], record(7, 1.0)])  # a step that was not skipped ends the streak
+    assert after_a_good_step.check([record(8, 1.0, skipped=True)])[0] is None
