@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 from ampctl import run_files
 from ampctl.errors import UsageError
@@ -81,7 +81,8 @@ class Mirror:
         self.url, self.run_dir, self.warn = url, run_dir, warn
         self.fs, self.root = open_mirror(url, options)
         self.failed: list[str] = []
-        self._queue: "queue.Queue[Optional[Path]]" = queue.Queue()
+        # checkpoints to upload, and start_timeline_at's (step, done) in their turn; None: the end
+        self._queue: "queue.Queue[Optional[Union[Path, tuple[int, threading.Event]]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._checked_before_uploading = False
 
@@ -122,6 +123,43 @@ class Mirror:
             self._thread.start()
         self._queue.put(checkpoint)
 
+    def start_timeline_at(self, step: int) -> None:
+        """The run went back to its checkpoint at `step` (a resume to an older one, an escalation) and set aside what
+        lay past it: so does the mirror, before the run trains on, after the uploads queued before (a pull must never
+        take the abandoned timeline's newer checkpoint). The abandoned checkpoints' markers go first, then their
+        data, then the records (escalations.jsonl among them): a mirror cut short in between offers the checkpoint
+        at `step` with the old records, from which a resume sets aside the same and trips again as this run did."""
+        done = threading.Event()
+        if self._thread is None:
+            self._set_aside_after(step)
+            return
+        self._queue.put((step, done))
+        done.wait()
+
+    def _set_aside_after(self, step: int) -> None:
+        folder = self._path(run_files.CHECKPOINTS)
+        try:
+            for name in checkpoint_names(self.fs, folder):
+                if checkpoint_files.checkpoint_step(Path(name)) > step:
+                    self._remove(folder, name)
+            for name in RECORDS:
+                data = _whole_lines(self.run_dir / name)
+                if data is not None:
+                    self.fs.pipe_file(self._path(name), data)
+                elif self.fs.exists(self._path(name)):
+                    self.fs.rm(self._path(name))
+        except Exception as exc:  # noqa: BLE001 - the network's failure is said; the run directory is whole
+            self.warn(f"warning: the mirror {self.url} could not set aside what lies past step {step} ("
+                      f"{type(exc).__name__}: {str(exc).strip()[:200]}): a resume=auto from it may take an abandoned "
+                      "checkpoint")
+
+    def _remove(self, folder: str, name: str) -> None:
+        """A mirrored checkpoint, its commit marker first: removal cut short leaves data no one takes."""
+        marker = f"{folder}/{_marker(name)}"
+        if self.fs.exists(marker):
+            self.fs.rm(marker)
+        self.fs.rm(f"{folder}/{name}", recursive=name.endswith(".dcp"))
+
     def close(self) -> list[str]:
         """Wait for the uploads under way; the checkpoints that could not be mirrored (each said when it failed)."""
         if self._thread is not None:
@@ -132,6 +170,11 @@ class Mirror:
 
     def _upload_queued(self) -> None:
         while (checkpoint := self._queue.get()) is not None:
+            if isinstance(checkpoint, tuple):  # start_timeline_at's, in its turn among the uploads
+                step, done = checkpoint
+                self._set_aside_after(step)
+                done.set()
+                continue
             try:
                 self._upload(checkpoint)
                 self._prune()
@@ -171,10 +214,7 @@ class Mirror:
         folder = self._path(run_files.CHECKPOINTS)
         for name in checkpoint_names(self.fs, folder):  # with a marker or not (an upload cut short, superseded)
             if checkpoint_files.checkpoint_step(Path(name)) < oldest:
-                marker = f"{folder}/{_marker(name)}"
-                if self.fs.exists(marker):
-                    self.fs.rm(marker)
-                self.fs.rm(f"{folder}/{name}", recursive=name.endswith(".dcp"))
+                self._remove(folder, name)
 
 
 def check(url: str, run_dir: Path, continuing: bool, options: Optional[Mapping[str, Any]] = None) -> None:

@@ -135,6 +135,8 @@ class TrainingRun:
                 # the trackers reached (and a resumed run's tracker ids read) before anything is set aside or written
                 recorder.start_trackers(self.plan.trackers, cfg, resume.step, after_steps=self.peak.untimed_steps)
                 recorder.open(resume.step)
+                if self.mirror is not None and resume.step is not None:
+                    self.mirror.start_timeline_at(resume.step)  # what the directory set aside, the mirror too
                 if cfg.resume:
                     recorder.record_config(cfg)
                 self.telemetry = self._telemetry()
@@ -264,6 +266,8 @@ class TrainingRun:
         for line in start_timeline_at(recorder.run_dir, escalation.step):
             log.info("escalation %d: %s", escalation.number, line)
         escalator.record(escalation)
+        if self.mirror is not None:  # before training on: a pull must not take the abandoned timeline
+            self.mirror.start_timeline_at(escalation.step)
         recorder.echo(escalation.line(escalator.most))
         recorder.record_config(decision.cfg)
         self.cfg, self.policy = decision.cfg, decision.policy

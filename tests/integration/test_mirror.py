@@ -90,6 +90,47 @@ def test_a_checkpoint_whose_upload_did_not_finish_or_whose_data_changed_is_never
     assert not (tmp_path / "m3").exists()
 
 
+def test_what_a_resume_to_an_older_checkpoint_sets_aside_the_mirror_sets_aside_too(tmp_path, memory_mirror):
+    """Resumed at step 10 of a run mirrored to step 30 and stopped at 15: the run directory set aside 20 and 30, and
+    so did the mirror, before the run trained on; a new machine continues the timeline the run is on (15), not the
+    abandoned one (30)."""
+    mirror = [*RUN, "train.checkpoint.keep=3", f"train.checkpoint.mirror={memory_mirror}"]
+    assert run_ampctl("train", *mirror, "train.steps=30", "hydra.run.dir=m1", cwd=tmp_path).returncode == 0
+    older = tmp_path / "m1" / "checkpoints" / "step_00000010.pt"
+    again = run_ampctl("train", *mirror, "train.steps=15", f"resume={older}", "train.checkpoint.every=5",
+                       "hydra.run.dir=m1", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    fs, root = fsspec.core.url_to_fs(memory_mirror)
+    mirrored = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/checkpoints", detail=False))
+    local = sorted(p.name for p in (tmp_path / "m1" / "checkpoints").glob("step_*"))
+    assert local == ["step_00000010.pt", "step_00000010.pt.sha256", "step_00000015.pt", "step_00000015.pt.sha256"]
+    assert mirrored == local and all(fs.cat_file(f"{root}/checkpoints/{name}") == (
+        tmp_path / "m1" / "checkpoints" / name).read_bytes() for name in mirrored)
+
+
+def test_an_escalation_sets_aside_the_mirrors_abandoned_timeline_before_training_on(tmp_path, memory_mirror):
+    """The mirror of a run that went back to step 4 (its checkpoints 2, 4, 6 uploaded): 6 set aside, the records
+    those of the timeline from 4 with escalations.jsonl; a machine that pulls the run then takes step 4 and the
+    escalation's rules, whichever moment it was killed after the escalation's line."""
+    from ampctl.runner.mirror import Mirror, pull
+    from ampctl.runner.ownership import start_timeline_at
+
+    run = tmp_path / "run"
+    assert run_ampctl("train", *RUN, "train.steps=6", "train.checkpoint.every=2", "train.checkpoint.keep=3",
+                      f"train.checkpoint.mirror={memory_mirror}", f"hydra.run.dir={run}", cwd=tmp_path).returncode == 0
+    start_timeline_at(run, 4)  # as the escalation does, then its record
+    (run / "escalations.jsonl").write_text('{"number": 1, "step": 4, "rules": []}\n')
+    mirror = Mirror(memory_mirror, run, print)
+    mirror.upload(run / "checkpoints" / "step_00000004.pt")  # a queued upload: the set-aside waits its turn
+    mirror.start_timeline_at(4)
+    assert mirror.close() == []
+    pulled = tmp_path / "pulled"
+    assert pull(memory_mirror, pulled, print)
+    assert sorted(p.name for p in (pulled / "checkpoints").glob("step_*.pt")) == ["step_00000004.pt"]
+    assert steps(pulled / "metrics.jsonl") == [1, 2, 3, 4]
+    assert (pulled / "escalations.jsonl").read_bytes() == (run / "escalations.jsonl").read_bytes()
+
+
 def test_a_mirror_holds_one_run_and_a_mirror_that_cannot_be_used_is_one_line(tmp_path, memory_mirror):
     assert run_ampctl("train", *RUN, "train.steps=10", f"train.checkpoint.mirror={memory_mirror}",
                       "hydra.run.dir=m1", cwd=tmp_path).returncode == 0
