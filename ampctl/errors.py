@@ -9,6 +9,7 @@ import errno
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, Iterator, NoReturn, Optional
 
 USAGE_EXIT_CODE = 2
@@ -130,6 +131,16 @@ class CommandLineRefused(BaseException):
 
     def __init__(self, error: UsageError) -> None:
         super().__init__(str(error))
+
+
+class NothingToDo(BaseException):
+    """A command whose work is done already (a finished run resumed with its own number of steps): said in one line,
+    exit 0, nothing written. A BaseException, as CommandLineRefused, to leave Hydra's callback that finds it before
+    Hydra writes anything."""
+
+    def __init__(self, message: str, run_dir: Path) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
 
 
 class SomeRunsFailed(BaseException):

@@ -4,6 +4,7 @@ dirs all work; ampctl.train() from Python."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shlex
@@ -21,7 +22,7 @@ from omegaconf import DictConfig
 from ampctl import io, run_files
 from ampctl.conf.schema import AmpctlConfig
 from ampctl.conf.sweeps import SweepIdentity
-from ampctl.errors import RecipeFailed, RunStopped, UsageError
+from ampctl.errors import NothingToDo, RecipeFailed, RunStopped, UsageError
 from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
 from ampctl.runner import checkpoint_files
@@ -199,7 +200,23 @@ def plan(cfg: DictConfig, hydra_cfg: DictConfig) -> "RunPlan":
     cfg = continuing_a_requeued_job(cfg, run_dir)
     if hydra_cfg.mode == RunMode.MULTIRUN:
         cfg = continuing_a_jobs_earlier_attempt(cfg, run_dir, hydra_cfg.job.num)
-    return plan_run(cfg, run_dir, dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg), torchrun_world_size())
+    planned = plan_run(cfg, run_dir, dict(hydra_cfg.runtime.choices), task_overrides(hydra_cfg),
+                       torchrun_world_size())
+    if hydra_cfg.mode != RunMode.MULTIRUN:  # a sweep's finished job is kept in its turn (train, above)
+        nothing_to_do_in_a_finished_run(planned)
+    return planned
+
+
+def nothing_to_do_in_a_finished_run(run: "RunPlan") -> None:
+    """A resume into a run that finished where this one would (its summary, of train.steps steps, and its last
+    checkpoint at that step): NothingToDo, before anything is written. One whose end was not recorded (killed after
+    its last checkpoint) is resumed: it records its end."""
+    step = run.resume.step
+    if step is None or step != run.cfg.train.steps or finished_job(run.run_dir, step) is None:
+        return
+    raise NothingToDo(f"{run.run_dir} finished at step {step} ({run.run_dir / run_files.SUMMARY}): nothing to do, "
+                      f"nothing changed; to train it longer: resume={run.cfg.resume} train.steps=N with N > {step}",
+                      run.run_dir)
 
 
 def claim_directory(cfg: DictConfig, run_dir: str) -> None:
@@ -228,8 +245,11 @@ def train_from_python(overrides: Sequence[str] = (), *, run_dir: Optional[PathLi
     """`ampctl train [overrides]`: one training run; returns its summary and run directory."""
     from ampctl.runner.run import run_training
 
-    with planned_run("train", config_name, overrides, run_dir, config_dir) as (run, _hydra_cfg, _out):
-        summary = run_training(run)
+    try:
+        with planned_run("train", config_name, overrides, run_dir, config_dir) as (run, _hydra_cfg, _out):
+            summary = run_training(run)
+    except NothingToDo as finished:  # the run's own summary, untouched
+        return Result(finished.run_dir, json.loads((finished.run_dir / run_files.SUMMARY).read_text()))
     return Result(Path(summary["run_dir"]), summary)
 
 

@@ -75,6 +75,7 @@ class CheckEveryJob(Callback):
         except UsageError as exc:
             raise CommandLineRefused(exc) from None
         THIS_PROCESS.plan_dir = Path(config.hydra.run.dir)
+        THIS_PROCESS.keep_earlier_hydra_files(THIS_PROCESS.plan_dir)  # before Hydra writes over them
         THIS_PROCESS.end_the_start()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

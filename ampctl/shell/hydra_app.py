@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, NoReturn, Optional
 
-from ampctl.errors import CommandLineRefused, SomeRunsFailed, UsageError, cannot_write, write_refused
+from ampctl.errors import CommandLineRefused, NothingToDo, SomeRunsFailed, UsageError, cannot_write, write_refused
 from ampctl.shell.outcomes import leave, refuse, write_refused_line
 from ampctl.shell.this_process import THIS_PROCESS
 
@@ -92,6 +92,8 @@ def run_hydra_app(command: str, entry) -> None:
         raise
     except CommandLineRefused as exc:
         refuse(command, str(exc))
+    except NothingToDo as exc:  # found before Hydra wrote anything: said, exit 0
+        print(f"ampctl {command}: {exc}")
     except SomeRunsFailed as exc:  # a sweep whose table names failed jobs (reports/sweep.py)
         leave(exc, [])
     except (UsageError, HydraException, OmegaConfBaseException, AssertionError, ValueError) as exc:

@@ -29,6 +29,7 @@ from ampctl.errors import (
 )
 from ampctl.interrupt import StoppedOnSignal, exit_at_once_on_another_signal, interrupt_behind, signal_exit_code
 from ampctl.io import for_the_terminal
+from ampctl.shell.this_process import THIS_PROCESS
 
 
 class Outcome(enum.Enum):
@@ -116,6 +117,7 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
         from ampctl.runner.ownership import remove_if_only_hydra_files
 
         remove_if_only_hydra_files(run_dir)
+        THIS_PROCESS.put_back_earlier_hydra_files()  # an earlier run's, Hydra wrote this command's over them
     for line in lines() if callable(lines) else lines:
         # on a terminal, broken at words (the terminal broke a long line mid-word at 80 columns)
         print_error(for_the_terminal(line, sys.stderr), this_rank_alone=isinstance(exc, RecipeFailed))

@@ -6,7 +6,7 @@ assigned in functions)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -21,6 +21,23 @@ class ThisProcess:
     sweep_dir: Optional[Path] = None  # the sweep this process launched, until its end (its table on a stop)
     # the end of the start's uncollected imports, once the run is planned (processes.start_kept_out_of_collections)
     start_is_over: Optional[Callable[[], None]] = None
+    # an earlier run's .hydra/ files in the planned directory, read before Hydra writes this command's over them: a
+    # command that ends keeping nothing (refused, interrupted) puts them back (shell/outcomes.leave)
+    earlier_hydra_files: dict[Path, bytes] = field(default_factory=dict)
+
+    def keep_earlier_hydra_files(self, run_dir: Path) -> None:
+        hydra_dir = run_dir / ".hydra"
+        self.earlier_hydra_files = ({p: p.read_bytes() for p in hydra_dir.iterdir() if p.is_file()}
+                                    if hydra_dir.is_dir() else {})
+
+    def put_back_earlier_hydra_files(self) -> None:
+        """What this process wrote over an earlier run's .hydra/ files, undone (where the directory is still there)."""
+        earlier, self.earlier_hydra_files = self.earlier_hydra_files, {}
+        for path, data in earlier.items():
+            if path.parent.is_dir() and (not path.is_file() or path.read_bytes() != data):
+                from ampctl import io
+
+                io.atomic_write_bytes(path, data)
 
     def take_plan(self, output_dir: Path) -> Any:
         """The plan made for the run in output_dir, once (None: another run's, or none)."""

@@ -54,6 +54,37 @@ def test_a_checkpoint_with_its_checksum_deleted_and_a_bit_flipped_is_never_loade
     assert f"resumed from {run_dir / 'checkpoints' / 'step_00000004.pt'} at step 4" in out
 
 
+def test_a_finished_run_resumed_again_says_so_and_touches_nothing(tmp_path, capsys, restore_argv):
+    """resume=auto into a run that finished at train.steps: one line naming its step, exit 0, every file as it was
+    (its summary was set aside on every try, and its .hydra/ files rewritten); ampctl.train returns its summary."""
+    import ampctl
+
+    run = tmp_path / "run"
+    main(["train", *MLP, "train.steps=6", f"hydra.run.dir={run}"])
+    before = snapshot(run)
+    capsys.readouterr()
+    main(["train", *MLP, "train.steps=6", f"hydra.run.dir={run}", "resume=auto"])  # returns: exit 0
+    assert capsys.readouterr().out == (f"ampctl train: {run} finished at step 6 ({run / 'summary.json'}): nothing to "
+                                       "do, nothing changed; to train it longer: resume=auto train.steps=N with N > "
+                                       "6\n")
+    again = ampctl.train([*MLP, "train.steps=6", "resume=auto"], run_dir=run)
+    assert again.run_dir == run and again.summary == json.loads((run / "summary.json").read_text())
+    assert snapshot(run) == before
+
+
+def test_a_resume_refused_inside_its_run_leaves_the_earlier_runs_files_as_they_were(tmp_path, capsys, restore_argv):
+    """Hydra writes the command's .hydra/ files into the run directory before the run refuses (here: held-out
+    batches the recipe does not give, found as the run builds its evaluation): the earlier run's are put back."""
+    run = tmp_path / "run"
+    main(["train", "device=cpu", "recipe=exploding", "precision=bf16", "train.steps=4", "train.console=quiet",
+          f"hydra.run.dir={run}"])
+    before = snapshot(run)
+    err = one_line_refusal(cli("train", "device=cpu", "recipe=exploding", "precision=bf16", "train.steps=8",
+                               "train.eval.every=4", f"hydra.run.dir={run}", "resume=auto", cwd=tmp_path), "train")
+    assert "gives no held-out batches" in err
+    assert snapshot(run) == before
+
+
 def test_a_run_without_its_identity_is_refused_whatever_else_it_holds(tmp_path):
     """identity.json is written before a run's first record: a directory with records and no identity lost it, and
     a resume there could not tell the run's own checkpoints and config from another's. (a) killed before its first
