@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
+from ampctl.conf.fields import OptionsOf, one_of
 from ampctl.conf.value_checks import require
 
 
@@ -84,7 +85,7 @@ class InspectConfig:
 class DiffConfig:
     """diff.*: the reference the run's precision mode is measured against, layer by layer (studies/diff.py)."""
 
-    against: str = "fp32"  # the reference precision mode
+    against: str = one_of("fp32", OptionsOf("precision"))  # the reference precision mode
     # the weights both start from: null, a fresh init at train.seed; a run directory (its newest checkpoint that
     # passes its check) or a checkpoint: where training has taken them (divergence often starts late)
     weights: Optional[str] = None

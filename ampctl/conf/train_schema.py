@@ -153,7 +153,7 @@ class CompileConfig:
     block), else of the whole model (engine/compilation.py); its first steps are left out of the timings."""
 
     enabled: bool = safe_to_change(False)
-    mode: str = safe_to_change("default")  # torch.compile's mode: one of COMPILE_MODES
+    mode: str = safe_to_change("default", choices=COMPILE_MODES)  # torch.compile's mode
 
     def __post_init__(self) -> None:
         require(self.mode in COMPILE_MODES, "train.compile.mode", self.mode,

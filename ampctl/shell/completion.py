@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from pathlib import Path
 from typing import Iterator, Optional
 
 from ampctl.shell.command import Command, registry
@@ -32,7 +33,23 @@ def list_keys_completed_whole(command: Command) -> Iterator[None]:
         yield
     separator = "\n" if "\n" in answer.getvalue().strip() else " "
     words = answer.getvalue().split()
-    print(separator.join(set_lists_whole(words, command.schema)))
+    print(separator.join(the_values_it_may_take(command) or set_lists_whole(words, command.schema)))
+
+
+def the_values_it_may_take(command: Command) -> Optional[list[str]]:
+    """`key=` being typed, where the schema says what the key's value may be (conf/completion.value_choices): those
+    that start as typed. None: Hydra's answer stands."""
+    from ampctl.conf.completion import value_choices
+    from ampctl.shell.hydra_internals import config_loader, hydra_flags
+
+    done, current = completion_words()
+    key, typed_equals, typed = current.partition("=")
+    if not typed_equals or command.schema is None:
+        return None
+    config_dir = hydra_flags(done)[0].get("config_dir")
+    loader = config_loader(Path(config_dir) if config_dir else None)
+    choices = value_choices(command.schema, key.lstrip("+~"), loader.get_group_options)
+    return None if choices is None else [f"{key}={choice}" for choice in choices if choice.startswith(typed)]
 
 
 def answer_its_own_completion(command: Command, rest: list[str]) -> None:

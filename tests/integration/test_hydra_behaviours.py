@@ -65,6 +65,14 @@ def test_bash_completion_installs_for_ampctl_and_completes_a_commands_config(tmp
     assert "memory.precisions=" in complete("ampctl memory memory.pre")
     assert "advise.budget=" in complete("ampctl advise advise.bu")
     assert "inspect.steps=" in complete("ampctl inspect inspect.st")
+    # a value that is one of a few: an Enum's by their values (Hydra offered `guard.on_trip=TripAction.stop`), a
+    # key whose schema names its choices (diff.against: a precision mode; torch.compile's modes)
+    assert complete("ampctl train guard.on_trip=") == ["guard.on_trip=stop", "guard.on_trip=escalate"]
+    assert complete("ampctl train train.console=p") == ["train.console=plain"]
+    assert complete("ampctl train guard.on_nonfinite=") == ["guard.on_nonfinite=stop", "guard.on_nonfinite=warn"]
+    assert {"diff.against=fp32", "diff.against=bf16", "diff.against=O2"} <= set(complete("ampctl diff diff.against="))
+    assert complete("ampctl diff diff.against=bf") == ["diff.against=bf16", "diff.against=bf16_true"]
+    assert "train.compile.mode=max-autotune" in complete("ampctl train train.compile.mode=")
     # the commands that are not Hydra apps complete their own arguments (they refused the query as an argument)
     (tmp_path / "run").mkdir()
     assert "export.dtype=" in complete("ampctl export run export.")
