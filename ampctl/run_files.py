@@ -45,6 +45,8 @@ RECORDS = (*ROWS, SUMMARY, DIAGNOSIS)  # what a run recorded: another run never 
 COMPARISON, MEMORY, INSPECTION, ADVICE, DIFF = "comparison", "memory", "ranges", "advice", "diff"
 # advice first: an advice's directory holds the other studies' in directories of their own
 STUDY_RECORDS = tuple(f"{stem}.json" for stem in (ADVICE, COMPARISON, MEMORY, INSPECTION, DIFF))
+# what `ampctl report PATH` renders again, in its usage line and its refusals
+REPORTABLE = "a run, multirun, compare, memory, inspect, diff or advise directory"
 
 # each command's log, by its name
 COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log", "advise.log", "diff.log")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ampctl import run_files
 from ampctl.errors import SomeRunsFailed, UsageError
 from ampctl.shell.command import Command, Section
 from ampctl.shell.outcomes import leave, said_in_one_line
 
-USAGE = "usage: ampctl report PATH   (a run, multirun, compare, memory or inspect directory)"
+USAGE = (f"usage: ampctl report PATH   ({run_files.REPORTABLE})\n\n"
+         "The table, files and plots of PATH again, from what its command recorded: nothing is trained again.")
 
 
 def complete(done: list[str], current: str) -> list[str]:
@@ -25,8 +27,7 @@ def main() -> None:
         return
     with said_in_one_line("report", " (the report's files were not written; what is on the screen is the report)"):
         if len(args) != 1:
-            raise UsageError(f"expected one PATH (a run, multirun, compare, memory or inspect directory), got "
-                             f"{len(args)} arguments")
+            raise UsageError(f"expected one PATH ({run_files.REPORTABLE}), got {len(args)} arguments")
         from ampctl.studies.rerender import render  # torch, rich's tables: not for --help
 
         failed = render(Path(args[0]))
@@ -34,5 +35,5 @@ def main() -> None:
         leave(SomeRunsFailed(failed), [])  # the table names them
 
 
-COMMAND = Command(name="report", summary="the table, files and plots of a run, multirun or compare directory, again",
+COMMAND = Command(name="report", summary="the table, files and plots of any directory ampctl wrote, again",
                   section=Section.FILES, main=main, complete=complete)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ampctl import run_files
+from ampctl.conf.sweeps import SWEEP_RECORD
 from ampctl.errors import UsageError
 from ampctl.reports import tables
 from ampctl.reports.runs import find_runs, is_run_dir, load_run, row_problems
@@ -16,9 +17,9 @@ from ampctl.reports.sweep import write_sweep_report
 def render(path: Path) -> int:
     """Render the report for path; returns the number of failed runs in it. Raises UsageError."""
     if not path.exists():
-        raise UsageError(f"PATH={str(path)!r} does not exist; give a run, multirun or compare directory")
+        raise UsageError(f"PATH={str(path)!r} does not exist; give {run_files.REPORTABLE}")
     if not path.is_dir():
-        raise UsageError(f"PATH={str(path)!r} is a file; give a run, multirun or compare directory")
+        raise UsageError(f"PATH={str(path)!r} is a file; give {run_files.REPORTABLE}")
     console = tables.make_console()
     for record in run_files.STUDY_RECORDS:
         if (path / record).is_file():
@@ -43,8 +44,10 @@ def render(path: Path) -> int:
         files = tables.write_files(table, path, "run", machine, images, {"kind": "run"}, also)
         console.print(tables.wrote([*files, *images], path))
         return int(run.failed)
-    if (path / "multirun.yaml").is_file() or find_runs(path):
+    if (path / SWEEP_RECORD).is_file():
         return write_sweep_report(path, console)
+    if find_runs(path):  # runs of ampctl's in a directory it did not make (outputs/, a folder of the user's)
+        return write_sweep_report(path, console, writes=False)
     raise UsageError(
         f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
         "no comparison.json, memory.json, ranges.json, advice.json or diff.json)"
