@@ -24,18 +24,18 @@ EXAMPLES = """examples:
   ampctl init my_exp && ampctl train -cd . -cn my_exp   an experiment of your own"""
 
 
-def print_help() -> None:
+def help_text(stream) -> str:
+    """`ampctl --help`'s text, its summaries wrapped under themselves where stream is a terminal."""
     from ampctl.shell.command import registry
 
-    print("usage: ampctl <command> [overrides...]\n")
-    print("A command-line runner for mixed-precision training experiments in PyTorch.\n")
-    print("commands:")
-    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None
+    width = shutil.get_terminal_size().columns if stream.isatty() else None
+    lines = ["usage: ampctl <command> [overrides...]", "",
+             "A command-line runner for mixed-precision training experiments in PyTorch.", "", "commands:"]
     for name, command in registry().items():
-        line = f"  {name:<8} {command.summary}"  # on a terminal, its summary wrapped under itself
-        print(line if width is None else textwrap.fill(line, width, subsequent_indent=" " * 11,
-                                                       break_long_words=False))
-    print("\n" + io.for_the_terminal(EXAMPLES))
+        line = f"  {name:<8} {command.summary}"
+        lines.append(line if width is None else textwrap.fill(line, width, subsequent_indent=" " * 11,
+                                                              break_long_words=False))
+    return "\n".join(lines) + "\n\n" + io.for_the_terminal(EXAMPLES, stream)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -83,8 +83,10 @@ def stdout_is_devnull() -> bool:
 
 
 def dispatch(args: list[str]) -> None:
-    if not args or args[0] in ("-h", "--help", "help"):
-        print_help()
+    if not args:  # a command is needed: the usage on stderr, exit 2 (as argparse and git)
+        refuse_at_the_door(help_text(sys.stderr).rstrip("\n"))
+    if args[0] in ("-h", "--help", "help"):
+        print(help_text(sys.stdout))
         return
     if args[0] in ("-V", "--version"):
         from ampctl.version import VERSION

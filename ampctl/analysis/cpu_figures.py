@@ -90,13 +90,18 @@ class CpuSpeed:
         if dtype not in self.speeds:
             return f"torch {torch.__version__} has no CPU autocast for {dtype}"
         speed, has = self.speeds[dtype], instructions_for(dtype, self.flags)
+        # the figure with its spread and size, never a bound read off it: a slow type's figure moves with the load
+        # (fp16 read 9.4x-20x within half an hour here), and a bound moved with it
+        low, high = speed.spread
+        measured = (f"measured: {speed.relative_time:.2g}x fp32's time, {low:.2g}-{high:.2g} over {speed.rounds} "
+                    f"rounds of {'x'.join(map(str, speed.shape))} matmuls")
         if has:  # measured again and still slow: the build does not use them here
-            hardware = (f"measured {self.attempts} times; the CPU has {' and '.join(has)}, which torch "
-                        f"{torch.__version__} did not use here")
-        else:  # decided by the flags (measured for the figure), or the flags could not be read
-            hardware = f"measured; no {instructions_wanted(dtype)}" if self.flags else "measured; no flags to read"
-        size = "x".join(map(str, speed.shape))  # what the figure holds for: smaller matmuls differ (issue 51)
-        return f"{dtype} matmuls ({size}) run {slowdown_words(speed)} than fp32 on this CPU ({hardware})"
+            return (f"{dtype} matmuls ran slow on this CPU, which has {' and '.join(has)}: torch "
+                    f"{torch.__version__} did not use them here ({measured}; {self.attempts} attempts)")
+        if self.flags:  # decided by the flags, whatever the load: no instructions for its dot products
+            return (f"{dtype} matmuls are converted in software on this CPU, which has no "
+                    f"{instructions_wanted(dtype)} ({measured})")
+        return f"{dtype} matmuls ran slow on this CPU ({measured}; no CPU flags to read)"
 
     def describe(self) -> list[str]:
         """One line per half type, for `ampctl list`."""
@@ -139,16 +144,3 @@ class CpuSpeed:
                        int(data["attempts"]), float(data["seconds"]))
         except (KeyError, TypeError, ValueError):
             return None
-
-
-BOUNDS = (1.5, 2, 3, 5, 10, 20, 50, 100, 200, 500)  # what a slowdown is said to exceed
-
-
-def slowdown_words(speed: DtypeSpeed) -> str:
-    """A slow type's slowdown as a bound its rounds support: `more than 20x slower`, the largest of BOUNDS under
-    their lower quartile. A point figure moves with the load (a slow type read 13-21x on a busy machine and ~60x on
-    a quiet one); the bound holds on both."""
-    bound = max((b for b in BOUNDS if b <= speed.spread[0]), default=None)
-    if bound is None:
-        return f"{speed.relative_time:.2g}x slower ({speed.spread[0]:.2g}-{speed.spread[1]:.2g})"
-    return f"more than {bound:g}x slower"

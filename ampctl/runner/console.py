@@ -127,10 +127,12 @@ def say(line: str) -> None:
 
 
 class PlainConsole:
-    """One line per log interval (and one after the first step), for CI logs and pipes."""
+    """One line per log interval (and one after the first step), for CI logs and pipes. scaled: the run has a loss
+    scaler (a mode without one shows no scale: its "scale 1" was no scale's)."""
 
-    def __init__(self, total_steps: int, tokens: bool, peak_memory: Callable[[], Optional[int]]) -> None:
-        self.total = total_steps
+    def __init__(self, total_steps: int, tokens: bool, peak_memory: Callable[[], Optional[int]],
+                 scaled: bool = True) -> None:
+        self.total, self.scaled = total_steps, scaled
         self.latest = _Latest(tokens)
         self.pace = Pace(total_steps)
         self.peak_memory = peak_memory
@@ -142,8 +144,10 @@ class PlainConsole:
         assert r is not None
         last = "-" if self.latest.last_skipped is None else str(self.latest.last_skipped)
         say(
-            f"step {r.step}/{self.total} | loss {r.loss:.4f} | scale {io.scale_label(r.loss_scale)} | "
-            f"skipped {r.skipped_total} (last {last}) | grad_norm {r.grad_norm:.3g} | lr {r.lr:.3g} | "
+            f"step {r.step}/{self.total} | loss {r.loss:.4f} | "
+            + (f"scale {io.scale_label(r.loss_scale)} | skipped {r.skipped_total} (last {last}) | " if self.scaled
+               else "")
+            + f"grad_norm {r.grad_norm:.3g} | lr {r.lr:.3g} | "
             f"{self.latest.throughput(why_busy=True)}{'' if r.mfu is None else f' | MFU {self.latest.mfu()}'} | "
             f"{r.step_time_ms:.1f} ms/step | peak {io.format_bytes(self.peak_memory(), decimals=1)} | "
             f"eta {format_duration(self.pace.remaining_s(r.step))}"
@@ -197,9 +201,10 @@ class LiveConsole:
     the latest step's numbers (the first after step 1); skipped steps in red. Fits the terminal's width."""
 
     def __init__(
-        self, total_steps: int, tokens: bool, peak_memory: Callable[[], Optional[int]], console: Console
+        self, total_steps: int, tokens: bool, peak_memory: Callable[[], Optional[int]], console: Console,
+        scaled: bool = True
     ) -> None:
-        self.console = console
+        self.console, self.scaled = console, scaled
         self.latest = _Latest(tokens)
         self.pace = Pace(total_steps)
         self.peak_memory = peak_memory
@@ -218,8 +223,9 @@ class LiveConsole:
 
     def _cells(self) -> dict[str, Any]:
         r = self.latest.record
+        unscaled = () if self.scaled else ("loss scale", "skipped")
         if r is None:
-            return {name: "-" for name in LIVE_COLUMNS if name != "MFU"}
+            return {name: "-" for name in LIVE_COLUMNS if name != "MFU" and name not in unscaled}
         skipped = Text(f"{r.skipped_total}")
         if self.latest.last_skipped is not None:
             skipped.append(f" (last {self.latest.last_skipped})")
@@ -238,7 +244,7 @@ class LiveConsole:
         }
         if r.mfu is not None:
             cells["MFU"] = self.latest.mfu()
-        return cells
+        return {name: cell for name, cell in cells.items() if name not in unscaled}
 
     def _render(self) -> Group:
         return Group(self.progress, fit_columns(self._cells(), self.console.width, self.console))
@@ -259,12 +265,12 @@ class LiveConsole:
 
 
 def make_console_sink(
-    mode: ConsoleMode, total_steps: int, tokens: bool, peak_memory: Callable[[], Optional[int]]
+    mode: ConsoleMode, total_steps: int, tokens: bool, peak_memory: Callable[[], Optional[int]], scaled: bool = True
 ) -> Optional[object]:
     if mode is ConsoleMode.quiet:
         return None
     console = Console()
     live = mode is ConsoleMode.live or (mode is ConsoleMode.auto and console.is_terminal and sys.stdout.isatty())
     if live:
-        return LiveConsole(total_steps, tokens, peak_memory, console)
-    return PlainConsole(total_steps, tokens, peak_memory)
+        return LiveConsole(total_steps, tokens, peak_memory, console, scaled)
+    return PlainConsole(total_steps, tokens, peak_memory, scaled)

@@ -224,11 +224,11 @@ def check(url: str, run_dir: Path, continuing: bool, options: Optional[Mapping[s
 
     fs, root = open_mirror(url, options)
     try:
-        theirs = read_identity(fs, f"{root}/{run_files.IDENTITY}")
+        theirs = answered(lambda: read_identity(fs, f"{root}/{run_files.IDENTITY}"), url, fs)
     except UsageError:
-        raise  # an identity that is not one: said as it is
+        raise  # an identity that is not one, a mirror that does not answer: said as it is
     except Exception as exc:  # noqa: BLE001 - credentials, a bucket that is not there, the network: one line
-        raise UsageError(f"train.checkpoint.mirror={url} cannot be read ({type(exc).__name__}: "
+        raise UsageError(f"train.checkpoint.mirror={url} cannot be read at {where(fs)} ({type(exc).__name__}: "
                          f"{str(exc).strip()[:200]})") from None
     if theirs is None:
         held = sorted(_names(fs, root))
@@ -243,6 +243,45 @@ def check(url: str, run_dir: Path, continuing: bool, options: Optional[Mapping[s
         raise UsageError(f"train.checkpoint.mirror={url} holds another run's checkpoints (run "
                          f"{str(theirs.get('run_id'))[:8]}): a mirror holds one run; choose another URL, or continue "
                          "that run with resume=auto in an empty run directory")
+
+
+CHECK_PATIENCE_S = 60.0  # for the mirror to answer the start's one small read (an S3 client retries for minutes)
+SAY_WAITING_AFTER_S = 2.0
+
+
+def where(fs: Any) -> str:
+    """The mirror's endpoint, in words: an object store's URL where one is set (mirror_options.endpoint_url, the
+    environment), else its file system's default."""
+    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return f"endpoint {endpoint}" if endpoint else f"{protocol}'s default endpoint"
+
+
+def answered(read: Callable[[], Any], url: str, fs: Any) -> Any:
+    """read() of the mirror, said after SAY_WAITING_AFTER_S and given up after CHECK_PATIENCE_S with a line naming the
+    endpoint: a store that takes the connection and never answers held the run's start silent for 6 min 40 s (s3fs
+    and botocore retrying), then named nothing but the client's error."""
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = read()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=call, name="ampctl-mirror-check", daemon=True)
+    thread.start()
+    thread.join(SAY_WAITING_AFTER_S)
+    if thread.is_alive():
+        print(f"checking train.checkpoint.mirror={url} at {where(fs)} (up to {CHECK_PATIENCE_S:.0f} s)...", flush=True)
+        thread.join(max(CHECK_PATIENCE_S - SAY_WAITING_AFTER_S, 0.0))
+    if thread.is_alive():  # left to the file system's own timeouts, in a thread nothing waits for
+        raise UsageError(f"train.checkpoint.mirror={url}: {where(fs)} did not answer within {CHECK_PATIENCE_S:.0f} s; "
+                         "check that it is up and reachable from here (or give its file system's timeouts in "
+                         "train.checkpoint.mirror_options)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def _settled_identity(fs: Any, path: str, patience_s: float = 5.0) -> dict:

@@ -95,8 +95,8 @@ class Recorder:
         self.trackers = Trackers(chosen, cfg, self.run_dir, resumed_at, after_steps)
 
     def sinks(self, console_mode: Any, total_steps: int, tokens: bool,
-              peak_memory: Callable[[], Optional[int]]) -> list[Sink]:
-        console = make_console_sink(console_mode, total_steps, tokens, peak_memory)
+              peak_memory: Callable[[], Optional[int]], scaled: bool = True) -> list[Sink]:
+        console = make_console_sink(console_mode, total_steps, tokens, peak_memory, scaled)
         # before the console: a log interval's skips and scale changes are said before its step's line
         self.scale_story = ScaleStory(self.echo)
         return [JsonlSink(self.run_dir / run_files.METRICS), *([self.trackers] if self.trackers is not None else []),
@@ -235,9 +235,11 @@ def final_line(summary: dict, run_dir: Path) -> str:
     rate = (f"{summary['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in summary
             else f"{summary['samples_per_s']:,.0f} samples/s")
     return (
-        f"done: {io.count_of(summary['steps'], 'step')} | final loss {summary['final_loss']:.4f} | skipped "
-        f"{summary['skipped_total']} | final scale {io.scale_label(summary['final_loss_scale'])} | median "
-        f"{summary['median_step_time_ms']:.1f} ms/step, {rate}"
+        f"done: {io.count_of(summary['steps'], 'step')} | final loss {summary['final_loss']:.4f} | "
+        # a mode without a loss scaler skips no step and has no scale to say
+        + (f"skipped {summary['skipped_total']} | final scale {io.scale_label(summary['final_loss_scale'])} | "
+           if summary.get("scaler") != "none" else "")
+        + f"median {summary['median_step_time_ms']:.1f} ms/step, {rate}"
         + (f", {summary['achieved_tflops']:.3g} TFLOP/s = {summary['mfu']:.1%} MFU" if summary.get("mfu") else "")
         + (" (an emulation's speed, not the format's)" if summary.get("emulated") else "")
         + (f" | compiled in {summary['compile_s']:.1f} s (not in the step times)" if summary.get("compiled") else "")

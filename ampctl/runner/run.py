@@ -167,7 +167,8 @@ class TrainingRun:
         train, recipe = self.cfg.train, self.recipe
         per_step = train.grad_accum_steps * self.parallel.world_size  # throughput is the whole job's: every rank's
         tokens = None if recipe.tokens_per_batch is None else recipe.tokens_per_batch * per_step
-        sinks = self.recorder.sinks(train.console, train.steps, tokens is not None, self.peak.bytes)
+        sinks = self.recorder.sinks(train.console, train.steps, tokens is not None, self.peak.bytes,
+                                    scaled=self.state.scaler.kind != "none")
         # its device buffer holds one log interval: never more rows than the run has (log_every=10**9 is "at the end")
         log_every = min(train.log_every, train.steps)
         return Telemetry(self.policy.device, log_every, recipe.samples_per_batch * per_step, tokens, sinks,
@@ -290,6 +291,7 @@ class TrainingRun:
         options = OmegaConf.to_container(self.cfg.train.checkpoint.mirror_options, resolve=True)
         mirror = Mirror(url, self.recorder.run_dir, self.recorder.echo, options)  # type: ignore[arg-type]
         mirror.claim()
+        self.recorder.echo(f"mirror: each checkpoint also to {url} (train.checkpoint.mirror), its records with it")
         return mirror
 
     def _close_mirror(self) -> None:

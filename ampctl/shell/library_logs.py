@@ -19,6 +19,9 @@ def quiet_library_deprecations() -> None:
     # variables." at INFO: printed through that handler before the run's own first line, in every run with an S3 mirror
     for name in ("botocore.credentials", "aiobotocore.credentials"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # MLflow logs its SQLite store's set-up ("Creating initial MLflow database tables...") at INFO through a console
+    # handler of its own, between a run's step lines (logger=mlflow with a sqlite:/// tracking URI)
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
     # inductor (torchao's optimizers compile their update) asks for CUDA_HOME on a CPU-only machine with a CUDA
     # build of torch, and torch logs that it found no CUDA runtime there: a line about torch's install mid-run
     logging.getLogger("torch.utils.cpp_extension").addFilter(

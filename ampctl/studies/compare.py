@@ -163,6 +163,23 @@ def every_runs_overrides(cfg: DictConfig, plans: list[ModePlan], console: Consol
     return overrides
 
 
+def enough_steps(cfg: DictConfig, plans: list[ModePlan]) -> list[tuple[int, int]]:
+    """The rounds' steps, where train.steps holds them and train.profile's window; refused in one line naming each
+    key that needs more steps (the rounds alone were said first, and train.profile's refusal came after the fix)."""
+    problems, spans = [], []
+    try:
+        spans = round_spans(cfg, plans[0].steps)
+    except UsageError as exc:
+        problems.append(str(exc))
+    try:
+        refuse_a_profile_past_the_end(cfg, plans)
+    except UsageError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise UsageError("; and ".join(problems))
+    return spans
+
+
 def refuse_a_profile_past_the_end(cfg: DictConfig, plans: list[ModePlan]) -> None:
     """train.profile=N with too few steps for any mode's run: refused once, before any mode runs (each run refused
     it alone, each mode a failed row)."""
@@ -195,8 +212,7 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
     runs still going when it passes are stopped, as by SIGTERM (CompareInterrupted, out_of_time)."""
     plans, skipped = planned if planned is not None else plan_modes(cfg, split_overrides(task_overrides))
     skipped = dict(skipped)
-    spans = round_spans(cfg, plans[0].steps)
-    refuse_a_profile_past_the_end(cfg, plans)
+    spans = enough_steps(cfg, plans)
     seeds = [cfg.train.seed + i for i in range(cfg.compare.seeds)]
     console = tables.make_console()
     out_dir.mkdir(parents=True, exist_ok=True)

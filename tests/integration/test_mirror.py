@@ -42,6 +42,8 @@ def test_each_checkpoint_is_mirrored_whole_and_a_new_machine_continues_the_run_f
     assert first.returncode == 0, first.stderr
     fs, root = fsspec.core.url_to_fs(memory_mirror)
     local = tmp_path / "m1"
+    said = f"mirror: each checkpoint also to {memory_mirror} (train.checkpoint.mirror), its records with it"
+    assert said in first.stdout and said in (local / "train.log").read_text()  # where the run's copies are
     # the newest keep_checkpoints, each byte for byte the local one, with its checksum; the identity and records
     mirrored = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/checkpoints", detail=False))
     assert mirrored == ["step_00000020.pt", "step_00000020.pt.sha256", "step_00000030.pt", "step_00000030.pt.sha256"]
@@ -129,6 +131,35 @@ def test_an_escalation_sets_aside_the_mirrors_abandoned_timeline_before_training
     assert sorted(p.name for p in (pulled / "checkpoints").glob("step_*.pt")) == ["step_00000004.pt"]
     assert steps(pulled / "metrics.jsonl") == [1, 2, 3, 4]
     assert (pulled / "escalations.jsonl").read_bytes() == (run / "escalations.jsonl").read_bytes()
+
+
+def test_an_s3_endpoint_that_never_answers_is_said_as_it_waits_and_refused_naming_it(tmp_path, monkeypatch):
+    """A server that takes the connection and never answers: the run's start said what it waited for, then one line
+    naming the endpoint (it was silent for 6 min 40 s of the S3 client's retries, then named only the client's
+    error); nothing written. The patience shortened for the test."""
+    import socket
+
+    from ampctl.runner import mirror
+
+    pytest.importorskip("s3fs")
+    monkeypatch.setattr(mirror, "CHECK_PATIENCE_S", 3.0)
+    monkeypatch.setattr(mirror, "SAY_WAITING_AFTER_S", 0.5)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # the kernel takes the connections; nothing ever reads them
+    endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        done = run_ampctl("train", *RUN, "train.checkpoint.mirror=s3://bucket/run", "hydra.run.dir=run",
+                          f"+train.checkpoint.mirror_options.endpoint_url={endpoint}", cwd=tmp_path,
+                          env={"AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"})
+    finally:
+        silent.close()
+    assert f"checking train.checkpoint.mirror=s3://bucket/run at endpoint {endpoint} (up to 3 s)..." in done.stdout
+    assert one_line_refusal(done, "train").strip() == (
+        f"ampctl train: error: train.checkpoint.mirror=s3://bucket/run: endpoint {endpoint} did not answer within 3 "
+        "s; check that it is up and reachable from here (or give its file system's timeouts in "
+        "train.checkpoint.mirror_options)")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_mirror_holds_one_run_and_a_mirror_that_cannot_be_used_is_one_line(tmp_path, memory_mirror):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io as stdio
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +102,26 @@ def test_plain_lines_carry_the_time_left_and_the_scale_as_a_power_of_two(capsys)
     lines = capsys.readouterr().out.splitlines()
     assert "scale 2^16" in lines[0] and lines[0].endswith("eta 0:01:39")  # 99 steps at the first step's 1 s
     assert re.search(r"step 10/100 .* eta 0:00:09$", lines[1])  # 90 steps at the median 100 ms
+
+
+def test_a_mode_without_a_loss_scaler_shows_no_scale_and_no_skips(capsys):
+    """bf16, nvfp4, fp32 have no scaler: their "scale 1" and "skipped 0" were no scale's and no skip's (the plain line,
+    the live table, the done line); a mode with one shows both."""
+    from ampctl.runner.recorder import final_line
+
+    plain = PlainConsole(total_steps=100, tokens=False, peak_memory=lambda: None, scaled=False)
+    plain.write([record(1)])
+    [line] = capsys.readouterr().out.splitlines()
+    assert line.startswith("step 1/100 | loss ") and "scale" not in line and "skipped" not in line
+    live = LiveConsole(total_steps=10, tokens=False, peak_memory=lambda: None, scaled=False,
+                       console=Console(file=stdio.StringIO(), width=200, force_terminal=True, color_system=None))
+    live.write([record(1)])
+    live.close()
+    assert "loss" in live._cells() and not {"loss scale", "skipped"} & set(live._cells())
+    summary = {"steps": 4, "final_loss": 2.0, "skipped_total": 0, "final_loss_scale": 1.0, "median_step_time_ms": 1.0,
+               "samples_per_s": 10.0}
+    assert "scale" not in final_line({**summary, "scaler": "none"}, Path("run"))
+    assert "skipped 0 | final scale 1 | " in final_line({**summary, "scaler": "static"}, Path("run"))
 
 
 def test_a_log_interval_while_other_processes_took_the_machine_says_so_where_the_speed_is_shown(capsys, monkeypatch):

@@ -17,6 +17,9 @@ def probe_shape_trials(cpu: SimulatedCpu, dtype: str) -> int:
     return sum(1 for shape, d in cpu.trials if shape == cpu_speed.PROBE_SHAPE and d == dtype)
 
 
+NO_BF16_INSTRUCTIONS = "bfloat16 matmuls are converted in software on this CPU, which has no AVX512-BF16 or AMX-BF16"
+
+
 def test_an_idle_avx512_bf16_cpu_reads_bf16_fast_and_fp16_slow_with_its_peaks():
     cpu = SimulatedCpu(fp32_tflops=0.19, relative_time={"bfloat16": 0.45, "float16": 34.0})
     speed = cpu_speed.probe(cpu, ["bfloat16", "float16"], AVX512_BF16)
@@ -27,8 +30,9 @@ def test_an_idle_avx512_bf16_cpu_reads_bf16_fast_and_fp16_slow_with_its_peaks():
     assert speed.peak_tflops("float16") is None and not speed.busy
     # fp16 is decided on the screening matmul: not one software-converted 1024^3 matmul is timed
     assert probe_shape_trials(cpu, "float16") == 0
-    assert speed.why_slow("float16") == ("float16 matmuls (512x512x512) run more than 20x slower than fp32 on this CPU "
-                                         "(measured; no AVX512-FP16 or AMX-FP16)")  # the size it was decided at
+    assert speed.why_slow("float16") == ("float16 matmuls are converted in software on this CPU, which has no "
+                                         "AVX512-FP16 or AMX-FP16 (measured: 34x fp32's time, 34-34 over 5 rounds of "
+                                         "512x512x512 matmuls)")  # the size it was decided at
     assert speed.why_slow("bfloat16") is None
 
 
@@ -45,7 +49,7 @@ def test_a_half_type_without_instructions_is_decided_by_the_flags_whatever_it_me
     assert not speed.runs_at_speed("bfloat16") and not speed.runs_at_speed("float16")
     assert speed.speeds["bfloat16"].decided_by_flags and speed.peak_tflops("bfloat16") is None
     assert probe_shape_trials(cpu, "bfloat16") == probe_shape_trials(cpu, "float16") == 0
-    assert speed.why_slow("bfloat16").endswith("(measured; no AVX512-BF16 or AMX-BF16)")
+    assert speed.why_slow("bfloat16").startswith(NO_BF16_INSTRUCTIONS)
 
 
 def test_a_cpu_with_instructions_for_every_half_type_is_not_screened():
@@ -61,7 +65,7 @@ def test_where_the_flags_cannot_be_read_every_half_type_is_measured_at_full_size
     assert screen_trials(cpu) == 0
     assert probe_shape_trials(cpu, "bfloat16") >= cpu_speed.MIN_ROUNDS and probe_shape_trials(cpu, "float16") >= 2
     assert speed.runs_at_speed("bfloat16") and not speed.runs_at_speed("float16")  # decided by the times alone
-    assert speed.why_slow("float16").endswith("(measured; no flags to read)")
+    assert speed.why_slow("float16").endswith("; no CPU flags to read)")
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -76,7 +80,7 @@ def test_a_machine_busy_in_bursts_gives_the_same_verdicts_and_figures_near_the_t
     assert near_the_cut.runs_at_speed("bfloat16")
     emulated = simulated(16.0, 30.0, AVX2_ONLY, load=bursts(0.5, 4.0, seed))
     assert not emulated.runs_at_speed("bfloat16") and not emulated.runs_at_speed("float16")
-    assert emulated.why_slow("bfloat16").endswith("(measured; no AVX512-BF16 or AMX-BF16)")
+    assert emulated.why_slow("bfloat16").startswith(NO_BF16_INSTRUCTIONS)
 
 
 def test_a_machine_busy_throughout_keeps_its_ratios_but_claims_no_peak():
@@ -95,8 +99,9 @@ def test_a_cpu_with_bf16_instructions_that_measures_slow_is_measured_again_and_n
     # never decided on the screen, whatever it measured there: timed at full size, attempt after attempt
     assert probe_shape_trials(cpu, "bfloat16") >= cpu_speed.ATTEMPTS * cpu_speed.MIN_ROUNDS
     why = speed.why_slow("bfloat16")
-    assert why == (f"bfloat16 matmuls (1024x1024x1024) run more than 10x slower than fp32 on this CPU (measured 3 "
-                   f"times; the CPU has AVX512-BF16, which torch {torch.__version__} did not use here)")
+    assert why.startswith(f"bfloat16 matmuls ran slow on this CPU, which has AVX512-BF16: torch {torch.__version__} "
+                          "did not use them here (measured: 12x fp32's time, ") and why.endswith(
+        " rounds of 1024x1024x1024 matmuls; 3 attempts)")
     assert "no AVX512-BF16" not in " ".join(speed.describe())
 
 
@@ -187,23 +192,18 @@ def test_a_run_faster_than_the_peak_has_the_cpu_measured_again_and_never_reports
     assert faster["mfu"] is None and "so no MFU is given" in faster["peak_source"]
 
 
-def test_a_slow_types_slowdown_is_a_bound_that_holds_busy_or_quiet():
-    """The same fp16 read 13-21x under load and 60-90x quiet: both say a bound true of both; a type near the cut,
-    its figure with its quartiles."""
-    def words(relative: float, low: float, high: float) -> str:
-        return cpu_figures.slowdown_words(cpu_figures.DtypeSpeed("float16", 0.001, relative, (low, high), 7,
-                                                             cpu_speed.PROBE_SHAPE, 1.0))
-
-    busy, quiet = words(17.0, 13.0, 21.0), words(78.0, 70.0, 90.0)
-    assert (busy, quiet) == ("more than 10x slower", "more than 50x slower")
-    assert words(1.7, 1.4, 1.9) == "1.7x slower (1.4-1.9)"
-    import re
-
-    for seed in range(6):  # half of all trials slowed up to 4x: what it says is still true, and still slow
+def test_a_slow_types_words_are_the_flags_and_its_figure_comes_with_its_spread():
+    """The same fp16 read 13-21x under load and 60-90x quiet (9.4x-20x within half an hour here): the verdict is the
+    flags' and reads the same on both (converted in software); the figure is said with its quartiles, never as a
+    bound taken from it, which moved with the load. Half of all trials slowed up to 4x: still slow, said so."""
+    for seed in range(6):
         loaded = simulated(16.0, 78.0, AVX2_ONLY, load=bursts(0.5, 4.0, seed))
-        for dtype, truth in (("bfloat16", 16.0), ("float16", 78.0)):
-            said = float(re.search(r"more than ([\d.]+)x slower", loaded.why_slow(dtype)).group(1))
-            assert cpu_figures.SLOW_FACTOR <= said < truth, (seed, dtype, loaded.why_slow(dtype))
+        for dtype, wanted in (("bfloat16", "AVX512-BF16 or AMX-BF16"), ("float16", "AVX512-FP16 or AMX-FP16")):
+            said = loaded.why_slow(dtype)
+            assert said.startswith(f"{dtype} matmuls are converted in software on this CPU, which has no {wanted} "
+                                   "(measured: "), said
+            low, high = loaded.speeds[dtype].spread
+            assert f", {low:.2g}-{high:.2g} over " in said and "more than" not in said
 
 
 @pytest.mark.parametrize("kind", list(cpu_speed.ASSUMED_CPUS))

@@ -46,3 +46,14 @@ def test_every_table_is_whole():
             if not starts_a_table or (i and lines[i - 1].strip()):
                 broken.append(f"{page.name}:{i + 1}: {line[:60]}")
     assert not broken, broken
+
+
+def test_every_extra_ampctl_recommends_is_in_the_readmes_install_block():
+    """What a description or a refusal tells a user to install (`pip install "ampctl[torchao]"`) the README's install
+    block installs too: [torchao] was missing while `ampctl list` recommended it."""
+    sources = [*(REPO / "ampctl").rglob("*.py"), *(REPO / "ampctl" / "conf").rglob("*.yaml")]
+    named = {extra for path in sources for extra in re.findall(r"ampctl\[([a-z0-9_-]+)\]", path.read_text())}
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    install = readme[readme.index("## Install"):readme.index("## A two-minute tour")]
+    listed = set(re.findall(r"\.\[([a-z0-9_-]+)\]", install)) | set(re.findall(r"\[([a-z0-9_-]+)\]", install))
+    assert named and not named - listed, sorted(named - listed)
