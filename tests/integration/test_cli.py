@@ -431,3 +431,28 @@ def test_init_from_a_built_in_recipe_copies_it_to_run_as_the_original_does(tmp_p
     assert copy["model_flops_per_step"] == built_in["model_flops_per_step"]
     refused = run_ampctl("init", "other", "--from", "gtp", "--dir", str(exp), cwd=tmp_path)
     assert refused.returncode == 2 and "--from gtp: no such built-in recipe (did you mean gpt?)" in refused.stderr
+
+
+def test_ampctl_without_a_command_prints_its_usage_on_stderr_and_exits_2(tmp_path):
+    """As argparse and git do; `ampctl --help` is the usage asked for (stdout, exit 0)."""
+    bare = run_ampctl(cwd=tmp_path)
+    assert bare.returncode == 2 and bare.stdout == "" and bare.stderr.startswith("usage: ampctl <command>")
+    assert "commands:" in bare.stderr and "  train " in bare.stderr
+    asked = run_ampctl("--help", cwd=tmp_path)
+    assert asked.returncode == 0 and asked.stdout.startswith("usage: ampctl <command>") and asked.stderr == ""
+
+
+def test_report_of_a_directory_that_is_no_sweep_writes_nothing_into_it(tmp_path):
+    """A folder of the user's holding runs (outputs/, /tmp): its table on the screen, no file written there (its own
+    report.md stays theirs); a multirun directory gets its files as ever."""
+    folder = tmp_path / "mine"
+    assert run_ampctl("train", "recipe=mlp", "recipe.hidden=16", "train.steps=2", "device=cpu", "train.console=quiet",
+                      f"hydra.run.dir={folder / 'a'}", cwd=tmp_path).returncode == 0
+    (folder / "report.md").write_text("my notes\n")
+    shown = run_ampctl("report", str(folder), cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert f"nothing written in {folder}: it holds runs but is no multirun directory" in " ".join(shown.stdout.split())
+    assert sorted(p.name for p in folder.iterdir()) == ["a", "report.md"]
+    assert (folder / "report.md").read_text() == "my notes\n"
+    helped = run_ampctl("report", "--help", cwd=tmp_path)
+    assert "a run, multirun, compare, memory, inspect, diff or advise directory" in helped.stdout
