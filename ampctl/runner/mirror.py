@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import queue
 import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -217,73 +216,6 @@ class Mirror:
                 self._remove(folder, name)
 
 
-def check(url: str, run_dir: Path, continuing: bool, options: Optional[Mapping[str, Any]] = None) -> None:
-    """Before anything is written: the mirror's file system is installed and readable, and it holds no run or
-    this one (the run in run_dir, when the run continues it). UsageError otherwise."""
-    from ampctl.runner import identity
-
-    fs, root = open_mirror(url, options)
-    try:
-        theirs = answered(lambda: read_identity(fs, f"{root}/{run_files.IDENTITY}"), url, fs)
-    except UsageError:
-        raise  # an identity that is not one, a mirror that does not answer: said as it is
-    except Exception as exc:  # noqa: BLE001 - credentials, a bucket that is not there, the network: one line
-        raise UsageError(f"train.checkpoint.mirror={url} cannot be read at {where(fs)} ({type(exc).__name__}: "
-                         f"{str(exc).strip()[:200]})") from None
-    if theirs is None:
-        held = sorted(_names(fs, root))
-        if held:  # a prefix of someone else's: the uploads would replace files ampctl did not write
-            raise UsageError(f"train.checkpoint.mirror={url} holds files of its own ({', '.join(held[:3])}"
-                             f"{', ...' if len(held) > 3 else ''}) and no run: a mirror is a URL of the run's own; "
-                             "choose an empty one")
-        _check_writable(fs, root, url)
-        return
-    ours = identity.read(run_dir) if continuing else None
-    if ours is None or ours.run_id != theirs.get("run_id"):
-        raise UsageError(f"train.checkpoint.mirror={url} holds another run's checkpoints (run "
-                         f"{str(theirs.get('run_id'))[:8]}): a mirror holds one run; choose another URL, or continue "
-                         "that run with resume=auto in an empty run directory")
-
-
-CHECK_PATIENCE_S = 60.0  # for the mirror to answer the start's one small read (an S3 client retries for minutes)
-SAY_WAITING_AFTER_S = 2.0
-
-
-def where(fs: Any) -> str:
-    """The mirror's endpoint, in words: an object store's URL where one is set (mirror_options.endpoint_url, the
-    environment), else its file system's default."""
-    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    return f"endpoint {endpoint}" if endpoint else f"{protocol}'s default endpoint"
-
-
-def answered(read: Callable[[], Any], url: str, fs: Any) -> Any:
-    """read() of the mirror, said after SAY_WAITING_AFTER_S and given up after CHECK_PATIENCE_S with a line naming the
-    endpoint: a store that takes the connection and never answers held the run's start silent for 6 min 40 s (s3fs
-    and botocore retrying), then named nothing but the client's error."""
-    box: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            box["value"] = read()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=call, name="ampctl-mirror-check", daemon=True)
-    thread.start()
-    thread.join(SAY_WAITING_AFTER_S)
-    if thread.is_alive():
-        print(f"checking train.checkpoint.mirror={url} at {where(fs)} (up to {CHECK_PATIENCE_S:.0f} s)...", flush=True)
-        thread.join(max(CHECK_PATIENCE_S - SAY_WAITING_AFTER_S, 0.0))
-    if thread.is_alive():  # left to the file system's own timeouts, in a thread nothing waits for
-        raise UsageError(f"train.checkpoint.mirror={url}: {where(fs)} did not answer within {CHECK_PATIENCE_S:.0f} s; "
-                         "check that it is up and reachable from here (or give its file system's timeouts in "
-                         "train.checkpoint.mirror_options)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
 def _settled_identity(fs: Any, path: str, patience_s: float = 5.0) -> dict:
     """The identity at path, once whole: a run that won an exclusive create on a local path writes it after creating
     it, and a reader in between sees it empty or cut short."""
@@ -302,30 +234,6 @@ def _settled_identity(fs: Any, path: str, patience_s: float = 5.0) -> dict:
         time.sleep(0.05)
 
 
-BUCKETED = ("s3", "s3a", "gs", "gcs", "abfs", "az")  # object stores whose first path part is a bucket (a container)
-
-
-def _check_writable(fs: Any, root: str, url: str) -> None:
-    """A new mirror can be written, before the run directory is made: a local (or mounted) path's nearest existing
-    folder takes a file (a read-only mount or folder is said now, not as the run's first checkpoint fails); an object
-    store's bucket exists (s3fs's makedirs would create one a typo named). UsageError otherwise."""
-    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
-    if "file" in protocols:
-        folder = Path(root)
-        while not folder.exists():
-            folder = folder.parent
-        try:
-            tempfile.TemporaryFile(dir=folder).close()
-        except OSError as exc:
-            raise UsageError(f"train.checkpoint.mirror={url}: {folder} cannot be written ({exc.strerror}); choose a "
-                             "writable path") from None
-    elif any(p in BUCKETED for p in protocols):
-        bucket = root.split("/", 1)[0]
-        if not fs.exists(bucket):
-            raise UsageError(f"train.checkpoint.mirror={url}: the bucket {bucket!r} does not exist; create it, or "
-                             "name one that does") from None
-
-
 def read_identity(fs: Any, path: str) -> Optional[dict]:
     try:
         return json.loads(fs.cat_file(path))
@@ -335,7 +243,7 @@ def read_identity(fs: Any, path: str) -> Optional[dict]:
         raise UsageError(f"the mirror's {path} cannot be read: it is not a run's identity") from None
 
 
-def _names(fs: Any, folder: str) -> set[str]:
+def names_in(fs: Any, folder: str) -> set[str]:
     try:
         return {entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(folder, detail=False, refresh=True)}
     except FileNotFoundError:
@@ -344,13 +252,13 @@ def _names(fs: Any, folder: str) -> set[str]:
 
 def checkpoint_names(fs: Any, folder: str) -> list[str]:
     """Every checkpoint name in a mirror's checkpoints/, whole or not, oldest first."""
-    return sorted((n for n in _names(fs, folder) if checkpoint_files.is_checkpoint_name(n)),
+    return sorted((n for n in names_in(fs, folder) if checkpoint_files.is_checkpoint_name(n)),
                   key=lambda n: checkpoint_files.checkpoint_step(Path(n)))
 
 
 def mirrored_checkpoints(fs: Any, folder: str) -> list[str]:
     """The checkpoint names in a mirror's checkpoints/ with their commit marker, oldest first."""
-    names = _names(fs, folder)
+    names = names_in(fs, folder)
     return [n for n in checkpoint_names(fs, folder)
             if (fs.exists(f"{folder}/{n}/{MANIFEST}") if n.endswith(".dcp") else n + CHECKSUM_SUFFIX in names)]
 

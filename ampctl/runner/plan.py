@@ -58,9 +58,9 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     else:
         cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
     if cfg.train.checkpoint.mirror:
-        from ampctl.runner import mirror as mirroring
+        from ampctl.runner import mirror_check
 
-        mirroring.check(cfg.train.checkpoint.mirror, resume.run_dir, bool(cfg.resume), _mirror_options(cfg))
+        mirror_check.check(cfg.train.checkpoint.mirror, resume.run_dir, bool(cfg.resume), _mirror_options(cfg))
     policy = check_config(cfg)
     return RunPlan(cfg, dict(choices or {}), policy, resume, check_loggers(cfg.logger))
 

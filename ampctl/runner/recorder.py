@@ -197,7 +197,7 @@ class NoRecorder(Recorder):
                        after_steps: int) -> None:
         pass
 
-    def sinks(self, *_args: Any) -> list[Sink]:
+    def sinks(self, *_args: Any, **_kwargs: Any) -> list[Sink]:
         return []
 
     def record_eval(self, row: dict[str, Any], line: str) -> None:

@@ -139,11 +139,11 @@ def test_an_s3_endpoint_that_never_answers_is_said_as_it_waits_and_refused_namin
     error); nothing written. The patience shortened for the test."""
     import socket
 
-    from ampctl.runner import mirror
+    from ampctl.runner import mirror_check
 
     pytest.importorskip("s3fs")
-    monkeypatch.setattr(mirror, "CHECK_PATIENCE_S", 3.0)
-    monkeypatch.setattr(mirror, "SAY_WAITING_AFTER_S", 0.5)
+    monkeypatch.setattr(mirror_check, "CHECK_PATIENCE_S", 3.0)
+    monkeypatch.setattr(mirror_check, "SAY_WAITING_AFTER_S", 0.5)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)  # the kernel takes the connections; nothing ever reads them
