@@ -1,6 +1,6 @@
 """What `ampctl diff` costs, as a multiple of one training step of the same model in the same mode: each batch of a
-diff runs both models forward and backward, then every leaf layer's forward and backward three times (the
-reference's, the candidate's on its own input and on the reference's); a few steps' worth, not one step per layer.
+diff runs both models forward and backward (each layer's own results taken from them), then every leaf layer's
+forward and backward once more (the candidate's on the reference's input); a few steps' worth, not one step per layer.
 Measured in one process in alternating rounds (a round: a diff of one batch, then three training steps), so that
 the machine's load falls on both alike; prints the median ratio and its quartiles.
 

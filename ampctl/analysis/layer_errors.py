@@ -48,28 +48,37 @@ class ErrorSums:
     saturated: int = 0  # at the candidate type's largest finite magnitude, or beyond it
 
     def add(self, cand: torch.Tensor, ref: torch.Tensor) -> None:
-        c, r = cand.detach().flatten().double(), ref.detach().flatten().double()
-        sums = self._sums(c, r)
-        if not all(math.isfinite(v) for v in sums):  # rare: only then the masks and copies
+        held, reference = cand.detach().reshape(-1), ref.detach().reshape(-1)
+        # as the candidate holds them: what its type lost (compared in its own type, one pass each, no copy)
+        low = held.is_floating_point() and held.dtype != torch.float64
+        counts = [((held == 0) & (reference != 0)).sum(), (held.abs() >= torch.finfo(held.dtype).max).sum()] if low \
+            else []
+        c, r = held.double(), reference.double()
+        sums = self._sums(c, r, counts)
+        if not all(math.isfinite(v) for v in sums[:5]):  # rare: only then the masks and copies
             bad = ~torch.isfinite(c) & torch.isfinite(r)
             self.nonfinite += int(bad.sum())
-            c, r = c[~bad], r[~bad]
-            sums = self._sums(c, r)
+            held, reference = held[~bad], reference[~bad]
+            counts = [((held == 0) & (reference != 0)).sum(), (held.abs() >= torch.finfo(held.dtype).max).sum()] \
+                if low else []
+            sums = self._sums(c[~bad], r[~bad], counts)
         self.diff_sq += sums[0]
         self.ref_sq += sums[1]
         self.cand_sq += sums[2]
         self.dot += sums[3]
         self.max_abs = max(self.max_abs, sums[4])
         self.values += cand.numel()
-        if cand.is_floating_point() and cand.dtype != torch.float64:  # as the candidate holds it: what its type lost
-            self.flushed += int(((c == 0) & (r != 0)).sum())
-            self.saturated += int((c.abs() >= torch.finfo(cand.dtype).max).sum())
+        if low:
+            self.flushed += int(sums[5])
+            self.saturated += int(sums[6])
 
     @staticmethod
-    def _sums(c: torch.Tensor, r: torch.Tensor) -> list[float]:
-        """||c - r||^2, ||r||^2, ||c||^2, c.r and max |c - r|: one read back."""
+    def _sums(c: torch.Tensor, r: torch.Tensor, counts: list[torch.Tensor]) -> list[float]:
+        """||c - r||^2, ||r||^2, ||c||^2, c.r, max |c - r| and the counts: one read back (aminmax: no |c - r| made)."""
         d = c - r
-        return torch.stack([d @ d, r @ r, c @ c, c @ r, d.abs().max() if d.numel() else d.new_zeros(())]).tolist()
+        low, high = torch.aminmax(d) if d.numel() else (d.new_zeros(()), d.new_zeros(()))
+        return torch.stack([d @ d, r @ r, c @ c, c @ r, torch.maximum(high, -low), *(n.double() for n in counts)
+                            ]).tolist()
 
     @property
     def rel_rms(self) -> float:
@@ -154,30 +163,37 @@ class Side:
 
 @dataclass
 class _Seen:
-    """What a layer saw in one forward and backward: its call's arguments (the input at index `at`), output and
-    the gradient that reached the output."""
+    """What a layer saw in one forward and backward: its call's arguments (the input at index `at`), output, the
+    gradient that reached the output and the one it passed back to its input (its own: its input was a copy only it
+    took), and how many times it was called."""
 
     args: tuple
     kwargs: dict
     at: int
     output: torch.Tensor
     grad: Optional[torch.Tensor] = None
+    dgrad: Optional[torch.Tensor] = None
+    calls: int = 1
 
 
 class _Capture:
-    """Forward hooks on the named layers: each call's arguments and output, cloned (a later in-place op must not
-    change them), and the gradient reaching the output. The hook hands the next layers a clone of the output, so
-    that an in-place op after it (ReLU(inplace=True)) modifies the clone and the gradient hook sees its own."""
+    """Hooks on the named layers: each call's arguments and output, cloned (a later in-place op must not change
+    them), the gradient reaching the output and the one the layer passes back to its input. The input is handed to
+    the layer as a copy of its own (a residual stream's other uses do not add to its gradient), where it requires
+    one (the graph is the model's own); the output to the next layers as a clone (an in-place op
+    after it, ReLU(inplace=True), modifies the clone and the gradient hook sees the layer's own)."""
 
     def __init__(self, model: nn.Module, names: Iterable[str]) -> None:
         self.model, self.names = model, list(names)
         self.seen: dict[str, _Seen] = {}
+        self._inputs: dict[str, torch.Tensor] = {}
         self._handles: list[Any] = []
 
     def __enter__(self) -> "_Capture":
         for name in self.names:
-            self._handles.append(self.model.get_submodule(name).register_forward_hook(
-                self._hook(name), with_kwargs=True))
+            module = self.model.get_submodule(name)
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -185,14 +201,32 @@ class _Capture:
             handle.remove()
         self._handles.clear()
 
+    def _pre_hook(self, name: str) -> Callable:
+        def pre_hook(_module: nn.Module, args: tuple, kwargs: dict) -> Any:
+            at = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
+            if at is None or not args[at].requires_grad:  # the data (the first layer's): re-run for its dgrad
+                return None
+            own = args[at].clone()
+            self._inputs[name] = own
+            return (*args[:at], own, *args[at + 1:]), kwargs
+
+        return pre_hook
+
     def _hook(self, name: str) -> Callable:
         def hook(_module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             at = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
             if at is None or not isinstance(output, torch.Tensor):
                 return None  # no tensor in, or not one tensor out: not compared
+            earlier = self.seen.get(name)
             seen = _Seen(tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args),
-                         dict(kwargs), at, output.detach().clone())
+                         dict(kwargs), at, output.detach().clone(), calls=earlier.calls + 1 if earlier else 1)
             self.seen[name] = seen
+            own_input = self._inputs.pop(name, None)
+            if own_input is not None and own_input.requires_grad:
+                def keep_dgrad(grad: torch.Tensor) -> None:
+                    seen.dgrad = grad.detach().clone()
+
+                own_input.register_hook(keep_dgrad)
             if not output.requires_grad:
                 return None
 
@@ -218,10 +252,12 @@ def quiet_dropout(model: nn.Module) -> None:
 
 def measure(reference: Side, candidate: Side, loss: Callable[[nn.Module, Any], torch.Tensor],
             batches: Iterable[Any], on_batch: Callable[[int], None] = lambda done: None,
-            per_layer: bool = True) -> tuple[dict[str, LayerErrors], ModelErrors]:
+            per_layer: bool = True, on_layer: Callable[[int, int, int], None] = lambda batch, done, of: None
+            ) -> tuple[dict[str, LayerErrors], ModelErrors]:
     """Every batch through both sides; the sums of every leaf layer of the reference that the candidate has by the
     same name (per_layer=False: none, only the whole model's: two forwards and backwards a batch), and the whole
-    model's."""
+    model's. on_layer(batch, layers done, layers): after each layer's comparison; on_batch(batch): after each
+    batch's."""
     kinds = leaf_layers(reference.model)
     cand_modules = dict(candidate.model.named_modules())
     names = [n for n in kinds if n in cand_modules] if per_layer else []
@@ -230,6 +266,8 @@ def measure(reference: Side, candidate: Side, loss: Callable[[nn.Module, Any], t
     for side in (reference, candidate):
         side.model.train()
         quiet_dropout(side.model)
+    shared = {id(reference.model): _shared_parameters(reference.model),
+              id(candidate.model): _shared_parameters(candidate.model)}
     for done, batch in enumerate(batches, start=1):
         ref_seen, ref_loss, ref_grads = _forward_backward(reference, loss, batch, names)
         cand_seen, cand_loss, cand_grads = _forward_backward(candidate, loss, batch, names)
@@ -241,9 +279,12 @@ def measure(reference: Side, candidate: Side, loss: Callable[[nn.Module, Any], t
             cand_seen, cand_loss, cand_grads = _forward_backward(candidate, loss, batch, names)
         model.losses.append((ref_loss, cand_loss))
         _add_gradients(model, ref_grads, cand_grads, candidate.scale)
-        for name in names:
+        for index, name in enumerate(names, start=1):
             if name in ref_seen and name in cand_seen:
-                _compare_layer(layers[name], reference, candidate, ref_seen[name], cand_seen[name])
+                ref = _Pass(reference, ref_seen[name], ref_grads, shared[id(reference.model)])
+                cand = _Pass(candidate, cand_seen[name], cand_grads, shared[id(candidate.model)])
+                _compare_layer(layers[name], ref, cand)
+            on_layer(done, index, len(names))
         on_batch(done)
     _attribute(model, layers, reference.model)
     return layers, model
@@ -256,7 +297,8 @@ def _forward_backward(side: Side, loss: Callable, batch: Any, names: list[str]) 
         with side.forward_context():
             value = loss(side.model, batch)
         (value * side.scale).backward()
-    grads = {n: p.grad.detach().double() / side.scale for n, p in side.model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.detach().double() / side.scale if side.scale != 1 else p.grad.detach().double()
+             for n, p in side.model.named_parameters() if p.grad is not None}
     side.model.zero_grad(set_to_none=True)
     return capture.seen, float(value.detach()), grads
 
@@ -273,25 +315,64 @@ def _add_gradients(model: ModelErrors, ref: dict[str, torch.Tensor], cand: dict[
     model.grad_sum = flat if model.grad_sum is None else [s + g for s, g in zip(model.grad_sum, flat)]
 
 
-def _compare_layer(errors: LayerErrors, reference: Side, candidate: Side, ref: _Seen, cand: _Seen) -> None:
-    """The reference's layer re-run on what it saw (its own output, dgrad and wgrad); the candidate's end to end
-    (re-run on what it saw) and locally: on the reference's input and output gradient, held in the types the
-    candidate's layer takes them in, so that the rounding into them and every error the layer makes of it (a
-    sum that cancels, a range its format cannot hold) are its own."""
+@dataclass
+class _Pass:
+    """One side's full forward and backward, as one layer saw it."""
+
+    side: Side
+    seen: _Seen
+    grads: dict[str, torch.Tensor]  # every parameter's gradient, float64, unscaled
+    shared: set[int]  # the ids of the parameters more than one module holds (a tied embedding)
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    owners: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        owners[id(p)] = owners.get(id(p), 0) + 1
+    return {key for key, count in owners.items() if count > 1}
+
+
+# a layer's output, dgrad and wgrad (the gradients float64 and unscaled; None where there is none)
+Results = tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]
+
+
+def _as_computed(name: str, run: _Pass) -> Optional[Results]:
+    """The layer's (output, dgrad, wgrad) as the full forward and backward computed them, where they are its alone:
+    called once, and no parameter of its held by another module (a tied weight's gradient is both users'). None
+    where they are not (the layer is run again on what it saw). The full pass is the same computation on the same
+    values as a re-run: measuring each layer's end-to-end results once (a diff batch cost 16 training steps)."""
+    module = run.side.model.get_submodule(name)
+    params = [(pname, p) for pname, p in module.named_parameters() if p.requires_grad]
+    if run.seen.calls != 1 or any(id(p) in run.shared for _, p in params):
+        return None
+    x = run.seen.args[run.seen.at]
+    if x.is_floating_point() and run.seen.dgrad is None:  # its input's gradient did not come back: re-run it
+        return None
+    dgrad = run.seen.dgrad.double() / run.side.scale if run.seen.dgrad is not None else None
+    weight = [run.grads[f"{name}.{pname}"].flatten() for pname, _ in params if f"{name}.{pname}" in run.grads]
+    return run.seen.output, dgrad, (torch.cat(weight) if weight else None)
+
+
+def _compare_layer(errors: LayerErrors, ref: _Pass, cand: _Pass) -> None:
+    """The reference's layer as it computed (its own output, dgrad and wgrad); the candidate's end to end, and
+    locally: re-run on the reference's input and output gradient, held in the types the candidate's layer takes
+    them in, so that the rounding into them and every error the layer makes of it (a sum that cancels, a range its
+    format cannot hold) are its own."""
+    reference, candidate = ref.side, cand.side
     ref_module = reference.model.get_submodule(errors.name)
     cand_module = candidate.model.get_submodule(errors.name)
-    errors.inherited_input.add(cand.args[cand.at], ref.args[ref.at])
-    errors.total["out"].add(cand.output, ref.output)
-    if ref.grad is None or cand.grad is None:  # no gradient reaches it (a frozen first layer): its output alone
-        exact = _layer_vjp(reference, ref_module, ref, ref.args[ref.at], None)
-        local = _layer_vjp(candidate, cand_module, cand, ref.args[ref.at].to(cand.args[cand.at].dtype), None)
-        errors.local["out"].add(local[0], exact[0])
+    r, c = ref.seen, cand.seen
+    errors.inherited_input.add(c.args[c.at], r.args[r.at])
+    errors.total["out"].add(c.output, r.output)
+    if r.grad is None or c.grad is None:  # no gradient reaches it (a frozen first layer): its output alone
+        local = _layer_vjp(candidate, cand_module, c, r.args[r.at].to(c.args[c.at].dtype), None)
+        errors.local["out"].add(local[0], r.output)
         return
-    errors.inherited_grad.add(cand.grad.double() / candidate.scale, ref.grad.double() / reference.scale)
-    exact = _layer_vjp(reference, ref_module, ref, ref.args[ref.at], ref.grad)
-    total = _layer_vjp(candidate, cand_module, cand, cand.args[cand.at], cand.grad)
-    upstream = (ref.grad.double() * (candidate.scale / reference.scale)).to(cand.grad.dtype)
-    local = _layer_vjp(candidate, cand_module, cand, ref.args[ref.at].to(cand.args[cand.at].dtype), upstream)
+    errors.inherited_grad.add(c.grad.double() / candidate.scale, r.grad.double() / reference.scale)
+    exact = _as_computed(errors.name, ref) or _layer_vjp(reference, ref_module, r, r.args[r.at], r.grad)
+    total = _as_computed(errors.name, cand) or _layer_vjp(candidate, cand_module, c, c.args[c.at], c.grad)
+    upstream = (r.grad.double() * (candidate.scale / reference.scale)).to(c.grad.dtype)
+    local = _layer_vjp(candidate, cand_module, c, r.args[r.at].to(c.args[c.at].dtype), upstream)
     for index, quantity in enumerate(QUANTITIES):
         if exact[index] is None:
             continue
@@ -302,7 +383,7 @@ def _compare_layer(errors: LayerErrors, reference: Side, candidate: Side, ref: _
 
 
 def _layer_vjp(side: Side, module: nn.Module, seen: _Seen, x: torch.Tensor, upstream: Optional[torch.Tensor]
-               ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+               ) -> Results:
     """The layer's output for input x, and the gradients to x and to its weights for the gradient `upstream` at its
     output (scaled, as this side's backward has it), computed as this side computes (its matmul flags, its
     autocast): (output, dgrad, wgrad), the gradients in float64, unscaled, None where there is none (no upstream:

@@ -1,12 +1,15 @@
-"""Progress of the commands that measure rather than train (memory, inspect): one line per finished phase,
-with its seconds, so that a long measurement is never a silent terminal (or CI log)."""
+"""Progress of the commands that measure rather than train (memory, inspect, diff): one line per finished phase,
+with its seconds, and within a long phase a bar with the time left (a terminal) or a line every few seconds (a
+log), so that a long measurement is never a silent terminal (or CI log)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from ampctl.reports.tables import print_line
 
@@ -26,3 +29,31 @@ class Phases:
     def steps(self, total: int, what: str = "step") -> Callable[[int], None]:
         """An after_step callback for engine.loop.run_steps: `step 2/3 (0.4 s)`."""
         return lambda done: self(f"{what} {done}/{total}")
+
+
+LOG_EVERY_S = 10.0  # off a terminal, a line within a phase this often (a CI log shows the phase is moving)
+
+
+@contextlib.contextmanager
+def ticking(console: Console, total: int, what: str, indent: str = "    ") -> Iterator[Callable[[int, str], None]]:
+    """Within a phase of `total` units: tick(done, where) after each. On a terminal a bar with the time left after
+    `where` (`batch 2/8, layer 30/74`: short, so that the bar fits 80 columns whole), gone when the phase ends; off
+    one a line every LOG_EVERY_S seconds."""
+    if console.is_terminal:
+        with Progress(TextColumn(f"{indent}{{task.description}}"), BarColumn(bar_width=20), TimeElapsedColumn(),
+                      TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True) as progress:
+            task = progress.add_task(what, total=total)
+            yield lambda done, where: progress.update(task, completed=done, description=where)
+        return
+    started = last = time.perf_counter()
+
+    def tick(done: int, where: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        if now - last >= LOG_EVERY_S and done < total:
+            left = (now - started) / done * (total - done)
+            print_line(console, f"{indent}{what}: {where}, {done}/{total} ({now - started:.0f} s, about {left:.0f} s "
+                                "left)", highlight=False)
+            last = now
+
+    yield tick

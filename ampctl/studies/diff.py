@@ -17,16 +17,16 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ampctl import io, run_files
-from ampctl.analysis.layer_errors import QUANTITIES, LayerErrors, ModelErrors, Side, measure
+from ampctl.analysis.layer_errors import QUANTITIES, LayerErrors, ModelErrors, Side, leaf_layers, measure
 from ampctl.conf.composing import compose_job
 from ampctl.engine.build import build_state
 from ampctl.engine.loop import batch_stream
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import UsageError
-from ampctl.interrupt import StoppedOnSignal
+from ampctl.interrupt import Interrupted, StoppedOnSignal
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
-from ampctl.reports.progress import Phases
+from ampctl.reports.progress import Phases, ticking
 from ampctl.runner.export import SavedWeights, saved_weights
 from ampctl.runner.plan import check_config
 from ampctl.studies.diff_repair import Repair, Tried, own_rules, repair_lines, repaired_config, run_repair
@@ -65,13 +65,22 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
     at = f"step {saved.step} of {saved.source}" if saved else f"a fresh init at train.seed={cfg.train.seed}"
     phase(f"built the model twice, {against} and {candidate}, at the weights of {at}")
     batches = list(itertools.islice(batch_stream(recipe, device, cfg.train.seed), cfg.diff.batches))
-    layers, model = measure(reference, cand, recipe.loss, batches,
-                            on_batch=lambda done: phase(f"batch {done}/{len(batches)} through both, layer by layer"))
+    theirs = dict(cand.model.named_modules())
+    compared = sum(name in theirs for name in leaf_layers(reference.model))
+    with ticking(console, len(batches) * compared, "through both, layer by layer") as tick:
+        layers, model = measure(
+            reference, cand, recipe.loss, batches,
+            on_batch=lambda done: phase(f"batch {done}/{len(batches)} through both, layer by layer"),
+            on_layer=lambda batch, done, of: tick((batch - 1) * of + done, f"batch {batch}/{len(batches)}, layer "
+                                                                           f"{done}/{of}:"))
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = model_summary(model, candidate, against, cfg.diff.noise_share, cand.scale)
     summary["converted_layers"] = sorted(policy.converted)  # a repair that raises them all leaves no format
     table = layer_table(layers, model)
-    repair = None
+    report = DiffReport(table, summary, candidate, against, cfg.diff.noise_share, cfg.diff.top, overrides,
+                        tables.machine_info([{"device": device.type}]),
+                        f"recipe={plots.recipe_label(cfg)} · {candidate} against {against} · "
+                        f"{io.count_of(len(batches), 'batch')}", repairs=cfg.diff.repair, proves=prove is not None)
     if cfg.diff.repair and summary["gradient_noise"]:
         def measure_candidate(variant: DictConfig) -> ModelErrors:
             return measure(reference, _side(variant, recipe, saved)[0], recipe.loss, batches, per_layer=False)[1]
@@ -79,22 +88,39 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
         if summary["below_the_noise"]:  # nothing to repair: its config is the run's
             repair = Repair(chosen=Tried([], summary["gradient_error"], summary["error_over_noise"]))
         else:
+            report.write(out_dir, console, files_only=True)  # the ranking first: a repair stopped leaves it whole
             ranked = [row["layer"] for row in table.as_dicts() if row["out_local"] or row["dgrad_local"]
                       or row["wgrad_local"]]  # in the table's order: the error each adds itself
-            repair = run_repair(cfg, overrides, measure_candidate, ranked, policy.converted,
-                                summary["gradient_noise"])
-            phase(f"repair: {io.count_of(len(repair.tried), 'set')} of raised layers measured")
-            if repair.chosen is not None:
-                repair.config = repaired_config(overrides, own_rules(cfg), repair, out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = DiffReport(table, summary,
-                        candidate, against, cfg.diff.noise_share, cfg.diff.top, overrides,
-                        tables.machine_info([{"device": device.type}]),
-                        f"recipe={plots.recipe_label(cfg)} · {candidate} against {against} · "
-                        f"{io.count_of(len(batches), 'batch')}", None if repair is None else repair.to_json())
+            repair = _repaired(cfg, overrides, measure_candidate, ranked, policy.converted, summary, report,
+                               out_dir, console, phase)
+        report.repair = repair.to_json()
     report.write(out_dir, console)  # the diff's figures first: a proof that is stopped leaves them whole
     if prove is not None:
         _proved(report, lambda: asdict(prove(cfg, out_dir, overrides, repair, started)), out_dir, console)
+
+
+def _repaired(cfg: DictConfig, overrides: list[str], measure_candidate: Callable[[DictConfig], ModelErrors],
+              ranked: list[str], converted: dict[str, str], summary: dict[str, Any], report: "DiffReport",
+              out_dir: Path, console: Console, phase: Phases) -> Repair:
+    """The repair's search, each set measured said as it ends; stopped by a signal, the files say how far it got
+    (the ranking written before it stands) and the stop goes on."""
+    tried: list[Tried] = []
+
+    def said(result: Tried) -> None:
+        tried.append(result)
+        raised = ", ".join(f"{rule['match']} -> {rule['run_in']}" for rule in result.rules)
+        over = "" if result.error_over_noise is None else f" ({result.error_over_noise:.2g}x the noise)"
+        phase(f"repair: set {len(tried)} ({raised}): the gradient's error {result.gradient_error:.1e}{over}")
+
+    try:
+        repair = run_repair(cfg, overrides, measure_candidate, ranked, converted, summary["gradient_noise"], said)
+    except (KeyboardInterrupt, Interrupted):
+        report.repair = Repair(tried=tried, interrupted=True).to_json()
+        report.write(out_dir, console, files_only=True)
+        raise
+    if repair.chosen is not None:
+        repair.config = repaired_config(overrides, own_rules(cfg), repair, out_dir)
+    return repair
 
 
 def _proved(report: "DiffReport", proof: Callable[[], dict[str, Any]], out_dir: Path, console: Console) -> None:
@@ -239,6 +265,8 @@ class DiffReport:
     context: str = ""
     repair: Optional[dict[str, Any]] = None  # diff_repair.Repair.to_json(), where diff.repair=true
     proof: Optional[dict[str, Any]] = None  # diff_proof.Proof's fields, where diff.prove=true
+    repairs: bool = False  # diff.repair and diff.prove as the diff ran: what the next step says
+    proves: bool = False
 
     def write(self, out_dir: Path, console: Console, files_only: bool = False) -> None:
         """diff.csv, diff.json, report.md and the plot, and (unless files_only) the table and its lines."""
@@ -247,12 +275,14 @@ class DiffReport:
             lines += repair_lines(Repair.of(self.repair), self.summary, out_dir)
         if self.proof is not None:
             lines.append(proof_line(self.proof))
+        lines += next_step_lines(self.summary, None if self.repair is None else Repair.of(self.repair), self.repairs,
+                                 self.proves)
         self.layers.notes = lines
         images = [plots.layer_errors(self.layers.as_dicts(), self._allowed(), out_dir / "layer_errors.png",
                                      f"{self.candidate} against {self.against}: error each layer adds", self.context)]
         extra = {"kind": "diff", "context": self.context, "overrides": self.overrides, "candidate": self.candidate,
                  "against": self.against, "noise_share": self.noise_share, "top": self.top, "model": self.summary,
-                 "repair": self.repair, "proof": self.proof}
+                 "repair": self.repair, "proof": self.proof, "repairs": self.repairs, "proves": self.proves}
         files = tables.write_files(self.layers, out_dir, run_files.DIFF, self.machine, images, extra)
         if files_only:
             return
@@ -278,7 +308,29 @@ class DiffReport:
                                    screen=SCREEN, screen_note="every column in report.md and diff.csv")
         return cls(table, data["model"], data["candidate"], data["against"], data["noise_share"], data["top"],
                    data.get("overrides", []), data["machine"], data.get("context", ""), data.get("repair"),
-                   data.get("proof"))
+                   data.get("proof"), data.get("repairs", data.get("repair") is not None),
+                   data.get("proves", data.get("proof") is not None))
+
+
+def next_step_lines(summary: dict[str, Any], repair: Optional[Repair], repairs: bool, proves: bool) -> list[str]:
+    """What to do next, from what the diff found: one line, the decision first."""
+    if summary["error_over_noise"] is None:
+        return ["next: diff.batches=2 or more measures the gradient's noise, the yardstick the error is judged by"]
+    if summary["below_the_noise"]:
+        return ["next: nothing at these weights; diff.weights=RUN measures where training has taken them (divergence "
+                "often starts late), train.diff.every=N watches it over a run"]
+    if repair is None:
+        return ["next: diff.repair=true finds the fewest layers to raise where this error matters (and writes the "
+                "config that trains them raised)"]
+    if repair.interrupted:
+        return []
+    if repair.chosen is None:
+        return ["next: raise diff.repair_layers (more layers tried), choose a higher precision mode, or "
+                "diff.prove=true to learn over training whether the error matters"]
+    if not proves:
+        return ["next: train the repaired config as printed; diff.prove=true trains it beside both modes over seeds "
+                "to prove it matches"]
+    return []
 
 
 def proof_line(proof: dict[str, Any]) -> str:

@@ -43,6 +43,7 @@ class Repair:
     tried: list[Tried] = field(default_factory=list)
     chosen: Optional[Tried] = None
     config: Optional[str] = None  # repaired.yaml's name in the diff's directory
+    interrupted: bool = False  # stopped by a signal before it chose (the ranking stands, written first)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,7 +53,7 @@ class Repair:
         """From to_json()'s dict (diff.json)."""
         chosen = data.get("chosen")
         return cls([Tried(**t) for t in data.get("tried", [])], Tried(**chosen) if chosen else None,
-                   data.get("config"))
+                   data.get("config"), bool(data.get("interrupted")))
 
 
 def step_up(layer: str, converted: dict[str, str]) -> str:
@@ -61,10 +62,11 @@ def step_up(layer: str, converted: dict[str, str]) -> str:
 
 
 def search(ranked: list[str], converted: dict[str, str], limit: int, noise_share: float,
-           measure_with: Callable[[list[dict[str, str]]], ModelErrors], noise: float) -> Repair:
+           measure_with: Callable[[list[dict[str, str]]], ModelErrors], noise: float,
+           said: Callable[[Tried], None] = lambda tried: None) -> Repair:
     """The fewest layers of `ranked` (tried in its order, at most `limit`) whose raised precision brings the
     gradient's error under noise_share of the noise; measure_with(rules) measures the candidate with those rules
-    before its own."""
+    before its own; said(tried) after each set is measured (the repair's progress)."""
     repair = Repair()
 
     def tried(layers: list[str]) -> Tried:
@@ -72,6 +74,7 @@ def search(ranked: list[str], converted: dict[str, str], limit: int, noise_share
         error = measure_with(rules).gradient.rel_rms
         result = Tried(rules, error, error / noise if noise else None)
         repair.tried.append(result)
+        said(result)
         return result
 
     def enough(result: Tried) -> bool:
@@ -111,6 +114,9 @@ def own_rules(cfg: DictConfig) -> list[dict[str, str]]:
 def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list[str]:
     """What the repair found, in words."""
     before = summary["error_over_noise"]
+    if repair.interrupted:
+        return [f"repair: stopped by a signal after {io.count_of(len(repair.tried), 'set')} of layers measured, before "
+                "it chose; the ranking stands (diff.repair=true again searches from the start)"]
     if repair.chosen is None:
         return [f"repair: raising the {len(repair.tried)} layers ranked first, one more at a time, did not bring the "
                 f"gradient's error under the yardstick (its best: {min(t.gradient_error for t in repair.tried):.1e}"
@@ -127,18 +133,18 @@ def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list
              f"{repair.chosen.gradient_error:.1e} ({repair.chosen.error_over_noise:.2g}x); "
              f"{io.count_of(len(repair.tried), 'set')} of layers measured"]
     if repair.config:
-        lines += ["run it (whether it trains as the reference does: diff.prove=true trains both over seeds):",
-                  f"ampctl train -cd {out_dir} -cn {Path(repair.config).stem}"]
+        lines += ["the repaired config trains with:", f"ampctl train -cd {out_dir} -cn {Path(repair.config).stem}"]
     return lines
 
 
 def run_repair(cfg: DictConfig, overrides: list[str], measure_candidate: Callable[[DictConfig], ModelErrors],
-               ranked: list[str], converted: dict[str, str], noise: float) -> Repair:
+               ranked: list[str], converted: dict[str, str], noise: float,
+               said: Callable[[Tried], None] = lambda tried: None) -> Repair:
     """The search with the candidate composed again for each set of rules; measure_candidate(config): its whole
-    model's errors against the reference on the diff's weights and batches."""
+    model's errors against the reference on the diff's weights and batches; said(tried): after each set."""
     own = own_rules(cfg)
 
     def measure_with(rules: list[dict[str, str]]) -> ModelErrors:
         return measure_candidate(compose_job("diff", [*overrides, *Preparation({}, [*rules, *own]).overrides()]))
 
-    return search(ranked, converted, cfg.diff.repair_layers, cfg.diff.noise_share, measure_with, noise)
+    return search(ranked, converted, cfg.diff.repair_layers, cfg.diff.noise_share, measure_with, noise, said)

@@ -295,3 +295,22 @@ def test_ctrl_c_during_a_diffs_proof_keeps_the_diffs_figures_and_says_the_proof_
     record = json.loads((out / "diff.json").read_text())
     assert record["proof"]["verdict"] == "interrupted" and record["rows"][0]["layer"] == "cancel"
     assert list((out / "proof" / "fp32" / "seed_0" / "checkpoints").glob("step_*.pt"))
+
+
+def test_ctrl_c_during_a_diffs_repair_keeps_its_ranking_and_says_the_repair_was_stopped(tmp_path):
+    """The ranking is written before the repair searches: a Ctrl-C in the search leaves diff.json, report.md and the
+    plot whole, the repair marked interrupted with the sets measured so far, and one line naming the directory (it
+    said "interrupted before anything was recorded" after every batch was measured)."""
+    out = tmp_path / "diff"
+    process = popen("diff", "device=cpu", "recipe=mlp", "recipe.batch_size=2048", "precision=nvfp4",
+                    "diff.batches=32", "diff.repair=true", f"hydra.run.dir={out}", cwd=tmp_path)
+    wait_for(lambda: (out / "diff.json").is_file() and (out / "layer_errors.png").is_file())
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=240)
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.strip() == f"ampctl diff: interrupted (SIGINT); what was measured until " \
+                                                     f"then is in {out}", err
+    record = json.loads((out / "diff.json").read_text())
+    assert record["repair"]["interrupted"] and record["rows"] and record["repair"]["chosen"] is None
+    assert "repair: stopped by a signal after " in (out / "report.md").read_text()
+    assert not (out / "repaired.yaml").exists()
