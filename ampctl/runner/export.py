@@ -15,6 +15,7 @@ failure leaves nothing (not even the exports/ folder it made). Nothing else is t
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -105,8 +106,29 @@ def destination(source: Path, step: int, options: ExportConfig) -> Path:
     return run_dir_of(source) / EXPORTS / f"step_{step:08d}-{options.weights.value}-{options.dtype.value}{suffix}"
 
 
+PRUNED_TRIES = 3  # a run that checkpoints every step prunes its newest-but-keep as fast as an export picks one
+
+
 def export(path: Path, options: ExportConfig, say: Callable[[str], None] = print) -> Exported:
-    source = find_checkpoint(path).resolve()
+    """The newest good checkpoint of a run directory (or the checkpoint given), exported. A run still training may
+    prune the checkpoint chosen while it is read (train.checkpoint.keep): the export then takes the newest again, a
+    few times, and otherwise says so in one line; what it wrote is removed either way."""
+    for attempt in itertools.count(1):
+        source = find_checkpoint(path).resolve()
+        try:
+            return _export(source, options, say)
+        except (OSError, UsageError) as exc:
+            if source.exists() or (isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError)):
+                raise  # not a checkpoint that went away
+            if is_checkpoint(path) or path.is_file() or attempt == PRUNED_TRIES:
+                raise UsageError(f"{source} was removed while it was read ({attempt} "
+                                 f"{'try' if attempt == 1 else 'tries'}): its run prunes its older checkpoints "
+                                 "(train.checkpoint.keep); export a checkpoint the run keeps (checkpoints/best/...), "
+                                 "or once it has stopped (nothing was written)") from None
+            say(f"{source.name} was pruned by its run while it was read; taking the newest again")
+
+
+def _export(source: Path, options: ExportConfig, say: Callable[[str], None]) -> Exported:
     payload = checkpoint.load(source, mmap=True)
     step = payload["step"]
     out = destination(source, step, options)

@@ -122,3 +122,35 @@ def test_an_hf_export_is_a_directory_transformers_loads_and_evaluates_as_the_run
             assert metrics["loss"] == pytest.approx(recorded, rel=1e-6)
         else:
             assert metrics["loss"] == pytest.approx(recorded, rel=2e-2)
+
+
+@pytest.mark.parametrize("pruned", [1, 3])
+def test_a_checkpoint_its_running_run_prunes_while_it_is_read_is_taken_again_or_said_in_one_line(
+        tmp_path, monkeypatch, pruned):
+    """A run training with train.checkpoint.every=1 removes the checkpoint an export chose (train.checkpoint.keep):
+    the export takes the newest again; pruned every time it tries, one line and nothing written (it was a
+    FileNotFoundError traceback). The prune is made as the export's load opens the file, as the run's would."""
+    from ampctl.runner import checkpoint, export
+
+    run_dir = tmp_path / "run"
+    assert run_ampctl(*RUN, "train.checkpoint.every=4", "train.checkpoint.keep=4",
+                      f"hydra.run.dir={run_dir}").returncode == 0
+    load, removed = checkpoint.load, []
+
+    def pruned_first(path, mmap=False):
+        if len(removed) < pruned:  # the run's prune lands between the export's choice and its read
+            removed.append(path.name)
+            path.unlink()
+        return load(path, mmap=mmap)
+
+    monkeypatch.setattr(checkpoint, "load", pruned_first)
+    result = run_ampctl("export", str(run_dir))
+    if pruned < export.PRUNED_TRIES:
+        assert result.returncode == 0, result.stderr
+        assert "step_00000012.pt was pruned by its run while it was read; taking the newest again" in result.stdout
+        assert (run_dir / "exports" / "step_00000008-model-float32").is_dir()
+    else:
+        assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        assert "was removed while it was read (3 tries): its run prunes its older checkpoints" in result.stderr
+        assert not (run_dir / "exports").exists()
+    assert removed == [f"step_{step:08d}.pt" for step in (12, 8, 4)][:pruned]
