@@ -91,19 +91,21 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
             report.write(out_dir, console, files_only=True)  # the ranking first: a repair stopped leaves it whole
             ranked = [row["layer"] for row in table.as_dicts() if row["out_local"] or row["dgrad_local"]
                       or row["wgrad_local"]]  # in the table's order: the error each adds itself
-            repair = _repaired(cfg, overrides, measure_candidate, ranked, policy.converted, summary, report,
-                               out_dir, console, phase)
+            noise = summary["gradient_noise"]
+            repair = _repaired(lambda said: run_repair(cfg, overrides, measure_candidate, ranked, policy.converted,
+                                                       noise, said), report, out_dir, console, phase)
+            if repair.chosen is not None:
+                repair.config = repaired_config(overrides, own_rules(cfg), repair, out_dir)
         report.repair = repair.to_json()
     report.write(out_dir, console)  # the diff's figures first: a proof that is stopped leaves them whole
     if prove is not None:
         _proved(report, lambda: asdict(prove(cfg, out_dir, overrides, repair, started)), out_dir, console)
 
 
-def _repaired(cfg: DictConfig, overrides: list[str], measure_candidate: Callable[[DictConfig], ModelErrors],
-              ranked: list[str], converted: dict[str, str], summary: dict[str, Any], report: "DiffReport",
-              out_dir: Path, console: Console, phase: Phases) -> Repair:
-    """The repair's search, each set measured said as it ends; stopped by a signal, the files say how far it got
-    (the ranking written before it stands) and the stop goes on."""
+def _repaired(search: Callable[[Callable[[Tried], None]], Repair], report: "DiffReport", out_dir: Path,
+              console: Console, phase: Phases) -> Repair:
+    """The repair's search (search(said): run_repair's), each set measured said as it ends; stopped by a signal, the
+    files say how far it got (the ranking written before it stands) and the stop goes on."""
     tried: list[Tried] = []
 
     def said(result: Tried) -> None:
@@ -113,14 +115,11 @@ def _repaired(cfg: DictConfig, overrides: list[str], measure_candidate: Callable
         phase(f"repair: set {len(tried)} ({raised}): the gradient's error {result.gradient_error:.1e}{over}")
 
     try:
-        repair = run_repair(cfg, overrides, measure_candidate, ranked, converted, summary["gradient_noise"], said)
+        return search(said)
     except (KeyboardInterrupt, Interrupted):
         report.repair = Repair(tried=tried, interrupted=True).to_json()
         report.write(out_dir, console, files_only=True)
         raise
-    if repair.chosen is not None:
-        repair.config = repaired_config(overrides, own_rules(cfg), repair, out_dir)
-    return repair
 
 
 def _proved(report: "DiffReport", proof: Callable[[], dict[str, Any]], out_dir: Path, console: Console) -> None:
