@@ -117,8 +117,8 @@ def dispatch(args: list[str]) -> None:
         return
     from ampctl.processes import NON_MAIN_HYDRA_OVERRIDES, exit_worker, is_main_process, torchrun_world_size
 
-    under_torchrun = command.spans_torchrun_ranks and torchrun_world_size() > 1
-    if under_torchrun and not is_main_process():
+    under_torchrun = torchrun_world_size() > 1  # train, or export of a sharded checkpoint (its ranks' parts)
+    if under_torchrun and command.spans_torchrun_ranks and not is_main_process():
         rest = [*rest, *NON_MAIN_HYDRA_OVERRIDES]  # the other ranks record nothing of their own (run.dir=.)
     # argv[0] is the program's name for Hydra: the shell-completion script it writes registers `ampctl`
     sys.argv = ["ampctl", *rest]

@@ -103,12 +103,13 @@ def torchrun_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def exit_worker() -> NoReturn:
-    """End a torchrun worker whose run succeeded: flush what it wrote, then leave without interpreter
+def exit_worker(code: int = 0) -> NoReturn:
+    """End a torchrun worker (a run's, an export's): flush what it wrote, then leave without interpreter
     shutdown. The process group is destroyed by then, but C++ objects of the backend that are still
-    referenced (gloo's worker threads) would be destroyed during shutdown, where they can abort the process
-    ("terminate called without an active exception") and fail a finished job."""
+    referenced (gloo's worker threads, DCP's) would be destroyed during shutdown, where they can abort the process
+    ("terminate called without an active exception": a two-rank export aborted so about once in seven) and fail a
+    finished job, or turn a refusal's exit 2 into a SIGABRT."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -123,6 +123,10 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
         print_error(for_the_terminal(line, sys.stderr), this_rank_alone=isinstance(exc, RecipeFailed))
         if log is not None:
             log(line.strip())
+    from ampctl.processes import exit_worker, torchrun_world_size
+
+    if torchrun_world_size() > 1:  # a torchrun worker leaves without interpreter shutdown (processes.exit_worker)
+        exit_worker(code)
     sys.exit(code)
 
 
