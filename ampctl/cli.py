@@ -13,7 +13,7 @@ import textwrap
 from typing import Optional
 
 from ampctl import io
-from ampctl.shell.outcomes import leave, refuse, said_in_one_line
+from ampctl.shell.outcomes import leave, refuse, said_in_one_line, stdout_reader_gone
 
 EXAMPLES = """examples:
   ampctl train precision=bf16
@@ -53,6 +53,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             dispatch(sys.argv[1:] if argv is None else list(argv))
         sys.stdout.flush()  # inside the try: a reader that stopped early is seen here, not at exit
     except BrokenPipeError as exc:
+        if not stdout_reader_gone():  # another pipe's (a child process's): no reader's choice, not an exit 0
+            raise
         # `ampctl list | head -1`: the reader has what it wanted; not an error. Python's own flush at exit
         # would fail again on the closed pipe, so stdout goes to /dev/null (the recipe in Python's docs).
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -62,13 +62,35 @@ def refused_write_inside(exc: BaseException) -> Optional[OSError]:
     return None
 
 
+FULL_BELOW_BYTES = 1 << 20  # a file system with less room than this after a failed write is taken for full
+
+
+def full_disk_at(path: Any) -> Optional[OSError]:
+    """ENOSPC for path where its file system is full, or as good as (a write that failed there did so for want of
+    room, whatever the library made of the OSError: DCP's writers in another process say "unexpected pos 704 vs
+    598", their OSError lost crossing back); None otherwise."""
+    folder = os.path.abspath(str(path))
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        stats = os.statvfs(folder)
+    except OSError:
+        return None
+    if stats.f_bavail * stats.f_frsize >= FULL_BELOW_BYTES:
+        return None
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
 @contextlib.contextmanager
 def naming_refused_writes(path: Any) -> Iterator[None]:
-    """A library's error that carries a refused write (refused_write_inside) raised as that OSError, naming path."""
+    """A library's error that carries a refused write (refused_write_inside) raised as that OSError, naming path; a
+    failure while path's file system is full, as its ENOSPC."""
     try:
         yield
     except BaseException as exc:
-        refused = refused_write_inside(exc)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        refused = refused_write_inside(exc) or full_disk_at(path)
         if refused is None:
             raise
         raise OSError(refused.errno, refused.strerror, str(path)) from None
@@ -115,8 +137,17 @@ class ModeUnsupported(UnsupportedError):
 class RunStopped(Exception):
     """A guard stopped the run (non-finite values, the scale at its minimum): not the user's typing, exit 1."""
 
+    this_rank_alone = False  # an end one rank met alone (its recipe raised, its saving process died): it says it
 
-class RecipeFailed(RunStopped):
+
+class RankStopped(RunStopped):
+    """A run one rank stopped for a reason of its own (its checkpoint saving process died): that rank says why;
+    the others end as torchrun ends them."""
+
+    this_rank_alone = True
+
+
+class RecipeFailed(RankStopped):
     """The user's recipe raised while the run trained (recipes/failures.py): the line, then the user's own frames;
     the whole traceback for the run's log."""
 

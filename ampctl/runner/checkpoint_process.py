@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 from concurrent.futures import Future
 from dataclasses import dataclass
 from threading import Thread
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from ampctl.errors import RunStopped, refused_write_inside
+from ampctl.errors import RankStopped, RunStopped, full_disk_at, refused_write_inside
 
 if TYPE_CHECKING:  # annotations only: the ranks' interface is the engine's
     from ampctl.engine.parallel import Parallel
@@ -100,17 +101,29 @@ class SavingProcess:
         if self._parallel.agree(failure is not None):
             raise failure or RunStopped("another rank could not hand its checkpoint over to its saving process "
                                         "(that rank's line says why)")
-        self._pipe.send((self._buffer, staged, checkpoint_id))
+        try:
+            self._pipe.send((self._buffer, staged, checkpoint_id))
+        except OSError:  # BrokenPipeError: it is gone (killed), not stdout's reader
+            raise self._gone("before this checkpoint was handed to it") from None
         written: Future = Future()
         Thread(target=self._answer, args=(written,), name="ampctl-checkpoint-answer", daemon=True).start()
         return written
+
+    def _gone(self, when: str) -> RankStopped:
+        """The run's stop when its saving process died (a kill, the machine's OOM killer): the checkpoints it wrote
+        before are whole (each committed by its metadata file, last)."""
+        self._process.join(timeout=5)
+        code = self._process.exitcode
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
+               signal.valid_signals() else f"exit code {code}")
+        return RankStopped(f"rank {self._parallel.rank}'s checkpoint saving process died ({how}) {when}; the "
+                          "checkpoints it wrote before are whole: resume=auto continues from the newest")
 
     def _answer(self, written: Future) -> None:
         try:
             answer = self._pipe.recv()
         except (EOFError, OSError):
-            written.set_exception(RuntimeError(f"the checkpoint's saving process ended (exit code "
-                                               f"{self._process.exitcode}) before it said the save was written"))
+            written.set_exception(self._gone("before it said this checkpoint was written"))
             return
         if answer is None:
             written.set_result(None)
@@ -258,7 +271,7 @@ def _saved(buffer: torch.Tensor, state_dict: dict[str, Any], checkpoint_id: str,
         dcp.save(_unstaged(state_dict, buffer, mesh), checkpoint_id=checkpoint_id, no_dist=mesh is None)
         return None
     except BaseException as exc:  # noqa: BLE001 - every failure goes back (DCP's CheckpointException is a BaseException)
-        refused = refused_write_inside(exc)
+        refused = refused_write_inside(exc) or full_disk_at(checkpoint_id)
         if refused is not None:
             return "refused", refused.errno, refused.strerror, refused.filename
         return "failed", f"{type(exc).__name__}: {exc}"

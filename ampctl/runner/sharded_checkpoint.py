@@ -149,11 +149,17 @@ class ShardedWriter:
             return
         tmp = self._pending_path
         try:
-            if not self.is_main:  # this rank's own shard
-                with naming_refused_writes(tmp):
-                    pending.result()
+            own: Optional[Exception] = None
+            if not self.is_main:  # this rank's own shard: its failure raised after rank 0's is told (DCP fails the
+                try:  # save on every rank alike; a rank that left first had rank 0 ended by torchrun, unsaid)
+                    with naming_refused_writes(tmp):
+                        pending.result()
+                except Exception as exc:  # noqa: BLE001 - raised below, after the collective
+                    own = exc
             told_to_every_rank(self.state.parallel, f"the checkpoint {tmp.name.removesuffix('.tmp')}",
                                lambda: self._result(pending, tmp))
+            if own is not None:
+                raise own
         except BaseException:
             _remove_what_this_node_wrote(tmp, self.run_dir)
             raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -19,7 +20,6 @@ from ampctl.errors import (
     USAGE_EXIT_CODE,
     WRITE_FAILED_EXIT_CODE,
     CommandLineRefused,
-    RecipeFailed,
     RunStopped,
     SomeRunsFailed,
     UsageError,
@@ -79,11 +79,28 @@ def outcome_of(exc: BaseException) -> Outcome:
         return Outcome.TRAINING_FAILED
     if isinstance(exc, SomeRunsFailed):
         return Outcome.SOME_RUNS_FAILED
-    if isinstance(exc, BrokenPipeError):
+    if isinstance(exc, BrokenPipeError) and stdout_reader_gone():
         return Outcome.READER_GONE
     if write_refused(exc):
         return Outcome.WRITE_REFUSED
     return Outcome.BUG
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader closed it (`ampctl list | head -1`): a broken pipe of another (a child
+    process's, a socket's) is no reader's choice, and was once taken for one (a dead checkpoint-saving process, exit
+    0 and nothing said). Stdout already sent to /dev/null after the reader left counts as gone."""
+    import select
+
+    try:
+        fd = sys.__stdout__.fileno()
+        if os.path.samestat(os.fstat(fd), os.stat(os.devnull)):
+            return True
+        poller = select.poll()
+        poller.register(fd, select.POLLERR)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def ending_of(exc: BaseException) -> Ending:
@@ -120,7 +137,7 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
         THIS_PROCESS.put_back_earlier_hydra_files()  # an earlier run's, Hydra wrote this command's over them
     for line in lines() if callable(lines) else lines:
         # on a terminal, broken at words (the terminal broke a long line mid-word at 80 columns)
-        print_error(for_the_terminal(line, sys.stderr), this_rank_alone=isinstance(exc, RecipeFailed))
+        print_error(for_the_terminal(line, sys.stderr), this_rank_alone=getattr(exc, "this_rank_alone", False))
         if log is not None:
             log(line.strip())
     from ampctl.processes import exit_worker, torchrun_world_size

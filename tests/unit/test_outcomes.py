@@ -4,6 +4,7 @@ whether a sweep goes on past it; and leave() doing what the table says."""
 from __future__ import annotations
 
 import errno
+import os
 import signal
 import subprocess
 import sys
@@ -56,12 +57,30 @@ TABLE = [
 ]
 
 
+@pytest.fixture
+def stdout_reader_gone(monkeypatch):
+    """stdout a pipe whose reader has closed it (`ampctl list | head -1` after head's line)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stdout = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "__stdout__", stdout)
+    yield
+    stdout.close()
+
+
 @pytest.mark.parametrize("exc, outcome, code, removes, sweep_goes_on", TABLE, ids=lambda v: type(v).__name__)
-def test_every_outcome_has_its_exit_code_clean_up_and_sweep_rule(exc, outcome, code, removes, sweep_goes_on):
+def test_every_outcome_has_its_exit_code_clean_up_and_sweep_rule(exc, outcome, code, removes, sweep_goes_on, request):
+    if isinstance(exc, BrokenPipeError):  # stdout's reader gone: the one broken pipe that is no failure
+        request.getfixturevalue("stdout_reader_gone")
     assert outcome_of(exc) is outcome
     assert exit_code_of(exc) == code
     assert ENDINGS[outcome].removes_an_empty_run_dir is removes
     assert ENDINGS[outcome].sweep_goes_on is sweep_goes_on
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_a_failure_not_a_reader_gone():
+    """A child process's pipe (a checkpoint saving process killed): it ended the run with exit 0 and nothing said."""
+    assert outcome_of(BrokenPipeError(errno.EPIPE, "Broken pipe")) is Outcome.BUG
 
 
 def test_the_table_covers_every_outcome():
