@@ -160,9 +160,10 @@ def render(result: StepBreakdown, first_step: int, trace: str) -> list[str]:
         lines.append(f"  {category:<24} {ms:10.3f} ms  {share:6.1%}")
     if result.device_type == "cuda" and result.data_host_ms:
         lines.append(f"  (the host waited {result.data_host_ms:.3f} ms a step for batches)")
-    lines.append(f"  top {'kernels' if result.device_type == 'cuda' else 'ops'} by {what}:")
-    for entry in result.top:
+    lines.append(f"  top {'kernels' if result.device_type == 'cuda' else 'ops'} by {what}, a step:")
+    for entry in result.top:  # the figures first, the name after: a line an 80-column terminal holds
+        calls = entry.calls_per_step
+        count = f"{calls:.0f}" if abs(calls - round(calls)) < 0.05 else f"{calls:.1f}"  # 35 calls, not 35.0
         name = entry.name if len(entry.name) <= 60 else entry.name[:57] + "..."
-        lines.append(f"    {name:<60} {entry.ms_per_step:9.3f} ms {entry.calls_per_step:7.1f} calls  "
-                     f"({entry.category})")
+        lines.append(f"    {entry.ms_per_step:9.3f} ms {count:>5}x  {name} ({entry.category})")
     return lines

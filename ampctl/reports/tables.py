@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -253,8 +254,10 @@ LEFT_ALIGNED = ("precision", "status", "job", "key", "kind", "layer", "speed", "
 def _rich_table(table: ReportTable, columns: list[str], break_after: str = "") -> Table:
     """rich's table of those columns; break_after: where the table is wider than the terminal, the character a header
     line breaks after (rich breaks headers at spaces only, and cuts a dotted key), the padding between cells
-    collapsed to one space."""
-    rich_table = Table(title=table.title, collapse_padding=bool(break_after))
+    collapsed to one space and the table drawn without vertical borders (with them, collapsed padding left the
+    cells touching the borders)."""
+    rich_table = Table(title=table.title, box=box.SIMPLE_HEAD if break_after else box.HEAVY_HEAD,
+                       collapse_padding=bool(break_after))
     for i, (column, header) in enumerate(zip(columns, table.display_headers(columns))):
         if break_after:
             header = header.replace(break_after, break_after + "\n")

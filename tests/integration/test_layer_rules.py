@@ -172,11 +172,13 @@ def test_the_start_lines_show_the_resolved_table(tmp_path, restore_argv, capsys)
     log = (tmp_path / "run" / "train.log").read_text()
     assert "rules=[match=0 run_in=fp32; match=9 run_in=fp32]" in log
     table = [line.split(" - ", 1)[1].strip() for line in log.splitlines() if " - " in line][1:9]
-    assert table[0].split() == ["layer", "type", "compute", "weights", "converter", "rule"]
-    assert table[1].split() == ["0", "Linear", "float32", "float32", "-", "rules[0]"]
-    assert table[2].split() == ["*", "x3", "LayerNorm", "as", "input", "float32", "-", "mode"]
-    assert table[3].split() == ["*", "x2", "Linear", "bfloat16", "float32", "-", "mode"]
-    assert table[4].split() == ["9", "Linear", "float32", "float32", "-", "rules[1]"]
+    # the columns that say the same of every layer said once below (weights; the converter, none here)
+    assert table[0].split() == ["layer", "type", "compute", "rule"]
+    assert table[1].split() == ["0", "Linear", "float32", "rules[0]"]
+    assert table[2].split() == ["*", "x3", "LayerNorm", "as", "input", "mode"]
+    assert table[3].split() == ["*", "x2", "Linear", "bfloat16", "mode"]
+    assert table[4].split() == ["9", "Linear", "float32", "rules[1]"]
+    assert table[5] == "weights: float32, every layer"
 
 
 def test_a_format_rule_under_a_plain_mode_labels_the_runs_speed_as_an_emulations(tmp_path):

@@ -24,7 +24,8 @@ def test_the_first_screen_fits_80_columns_whole(tmp_path, args):
     assert not cut_mid_word(lines, COLUMNS), "\n".join(cut_mid_word(lines, COLUMNS))
     assert not [line for line in lines if "…" in line], "\n".join(lines)
     if args[0] == "inspect":  # the summary's columns of an fp16 run, its tensor kinds whole
-        assert any(line.startswith("│ activation_grad ") for line in lines), "\n".join(lines)
+        # (drawn without vertical borders where the bordered table would be wider than the terminal)
+        assert any(line.lstrip(" │").startswith("activation_grad ") for line in lines), "\n".join(lines)
         assert any("×2^16" in line for line in lines)
     if args[0] == "memory":  # the states summed in one column at 80 (each in report.md), every row whole
         assert any(line.startswith("│ O2 ") for line in lines) and any("states =" in line for line in lines)

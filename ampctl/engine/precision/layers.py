@@ -352,12 +352,25 @@ def display_name(row: LayerRow) -> str:
 
 
 def render(rows: list[LayerRow]) -> list[str]:
-    """The table as aligned text lines (the start line's, in the console and train.log), and what its words mean."""
+    """The table as aligned text lines (the start line's, in the console and train.log), and what its words mean. A
+    column that says the same of every layer is said once below it, and the converter's where the compute column
+    names it already (fp8_emulated's table was 118 columns wide, every row two lines at 80)."""
     header = ("layer", "type", "compute", "weights", "converter", "rule")
     cells = [header] + [(display_name(r), r.type, r.compute, r.weights, r.converter,
                          r.rule) for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells] + \
+    shown, said = list(range(len(header))), []
+    converter, rule, weights = 4, 5, 3
+    if all(c[converter] == "-" or c[2].split(" ")[0] == c[converter] for c in cells[1:]):
+        shown.remove(converter)  # the format the compute column names is its converter's
+    for column in (weights, rule):
+        values = {c[column] for c in cells[1:]}
+        if len(cells) > 2 and len(values) == 1:
+            shown.remove(column)
+            value = values.pop()
+            said.append("rule: none, the mode decides every layer" if column == rule and value == "mode" else
+                        f"{header[column]}: {value}, every layer")
+    widths = {i: max(len(row[i]) for row in cells) for i in shown}
+    return ["  ".join(row[i].ljust(widths[i]) for i in shown).rstrip() for row in cells] + said + \
         legend(r.compute for r in rows)
 
 
