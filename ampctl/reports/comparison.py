@@ -121,7 +121,9 @@ def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
         notes += words
     for mode in skipped:
         rows.append([mode, "skipped"] + [None] * (len(columns) - 2))
-    notes += _timing_notes(spans, seeds, baseline, timings) + _other_notes(done, skipped, baseline, base)
+    timing, busy = _timing_notes(spans, seeds, baseline, timings)
+    notes += busy + _skipped_notes(skipped) + _what_ran(done)
+    details = timing + _definitions(done, baseline, base)
     headers, formats, cells = _presentation(unit, metrics, baseline, n_rounds)
     # shown in the table only where they say something: columns empty (or "no") in every row stay in the files
     empty = {c for i, c in enumerate(columns) if all(row[i] is None or row[i] is False for row in rows)}
@@ -131,8 +133,8 @@ def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
     # a terminal shows what decides (80 columns hold it whole); report.md and the CSV every column
     screen = ["precision", "speed", *(["held_out"] if "loss" in metrics else []), "skipped_steps", "final_loss_scale"]
     return ReportTable("precision comparison", columns, rows, notes, headers, formats, file_only, cells, screen,
-                       f"every column (step ms, {RATES[unit]}, MFU, peak memory, losses) in report.md and "
-                       "comparison.csv")
+                       f"every column (step ms, {RATES[unit]}, MFU, peak memory, losses), how each figure is taken "
+                       "and against which peak, in report.md and comparison.csv", details=details)
 
 
 def _presentation(unit: str, metrics: list[str], baseline: Optional[str], n_rounds: int) -> tuple[dict, dict, dict]:
@@ -255,9 +257,10 @@ def _with_range(row: dict, key: str, number: Callable[[float], str]) -> str:
 
 
 def _timing_notes(spans: Optional[Sequence[Span]], seeds: int, baseline: Optional[str],
-                  timings: dict[str, ModeTiming]) -> list[str]:
+                  timings: dict[str, ModeTiming]) -> tuple[list[str], list[str]]:
+    """How the timings were taken (report.md's), and the warning where the rounds disagree (the screen's too)."""
     if not spans:
-        return ["timings: each run's summary median (recorded before compare took rounds): no spread."]
+        return ["timings: each run's summary median (recorded before compare took rounds): no spread."], []
     first, last = spans[0][0], spans[-1][1]
     n = len(spans) * seeds
     each_seed = f" in each of {seeds} seeds" if seeds > 1 else ""
@@ -268,12 +271,21 @@ def _timing_notes(spans: Optional[Sequence[Span]], seeds: int, baseline: Optiona
              f"{spans[0][1] - spans[0][0] + 1} steps a round, in turns, its first step left out); step ms is the "
              f"median of a mode's {n} rounds (their range in brackets){speedup}."]
     busy = round_stats.busy_rounds({mode: t.round_ms for mode, t in timings.items()})
-    return notes + ([f"warning: {busy}."] if busy else [])
+    return notes, ([f"warning: {busy}."] if busy else [])
 
 
-def _other_notes(done: Sequence[ModeRuns], skipped: dict[str, str], baseline: Optional[str],
+def _skipped_notes(skipped: dict[str, str]) -> list[str]:
+    """Each reason once, with every mode it skipped (fp16 and O2 share theirs)."""
+    modes: dict[str, list[str]] = {}
+    for mode, reason in skipped.items():
+        modes.setdefault(reason, []).append(mode)
+    return [f"{', '.join(names)} skipped: {reason}" for reason, names in modes.items()]
+
+
+def _definitions(done: Sequence[ModeRuns], baseline: Optional[str],
                  base: Optional[Sequence[RunRecord]]) -> list[str]:
-    notes = [f"{mode} skipped: {reason}" for mode, reason in skipped.items()]
+    """What the columns mean and against what they are measured: report.md's."""
+    notes = []
     if baseline and baseline.split("+", 1)[0] not in BASELINES:
         notes.append(f"fp32 is not in the list: speedup, memory ratio and loss delta are against {baseline}.")
     elif baseline:
@@ -292,7 +304,7 @@ def _other_notes(done: Sequence[ModeRuns], skipped: dict[str, str], baseline: Op
     if base and base[0].summary.get("peak_memory_source"):
         notes.append(f"peak MiB: tensor memory held by torch's allocator, as ampctl memory measures it "
                      f"({base[0].summary['peak_memory_source']}).")
-    return notes + _what_ran(done)
+    return notes
 
 
 def _what_ran(done: Sequence[ModeRuns]) -> list[str]:

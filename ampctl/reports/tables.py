@@ -41,6 +41,9 @@ class ReportTable:
     screen_note: str = ""
     # the screen's columns only where every column does not fit the terminal (else the screen always)
     screen_when_narrow: bool = False
+    # what the figures mean (definitions, peaks, the timing scheme): report.md's, never the screen's, where the notes
+    # say the decision and why
+    details: list[str] = field(default_factory=list)
 
     def as_dicts(self) -> list[dict[str, Any]]:
         return [dict(zip(self.columns, row)) for row in self.rows]
@@ -273,7 +276,7 @@ def _rich_table(table: ReportTable, columns: list[str], break_after: str = "") -
 def markdown(table: ReportTable) -> str:
     lines = ["| " + " | ".join(table.display_headers()) + " |", "|" + "---|" * len(table.shown)]
     lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table.display_rows()]
-    return "\n".join(lines + [""] + [f"- {n}" for n in table.notes]) + "\n"
+    return "\n".join(lines + [""] + [f"- {n}" for n in [*table.notes, *table.details]]) + "\n"
 
 
 def fraction_cell(v: float) -> str:

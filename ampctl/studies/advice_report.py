@@ -89,7 +89,10 @@ def advice_lines(advice: Advice, partial: Optional[str], config: Path, out_dir: 
     if partial:
         lines.append(f"partial: {partial}")
     lines += [f"why: {reason}" for reason in advice.reasons]
-    lines += [f"not {mode}: {why}" for mode, why in advice.rejected.items()]
+    modes_of: dict[str, list[str]] = {}  # each reason once, with every mode it rules out (fp16 and O2 share one)
+    for mode, why in advice.rejected.items():
+        modes_of.setdefault(why, []).append(mode)
+    lines += [f"not {', '.join(modes)}: {why}" for why, modes in modes_of.items()]
     lines += [f"note: {note}" for note in advice.notes]
     evidence = [name + "/" for name in EVIDENCE_DIRS if (out_dir / name).is_dir()] + sorted(
         p.name + "/" for p in out_dir.glob("inspect_*") if p.is_dir()) + [

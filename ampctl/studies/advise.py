@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf, open_dict
+from rich.console import Console
 
 from ampctl import io, run_files
 from ampctl.analysis import cpu_speed
@@ -191,7 +192,7 @@ def _compare(advising: Advising, size: ComparisonSize, plans: list[ModePlan], sk
                  f"about {size.estimate_s / 60:.1f} min, done near {done_near}")
     try:
         run_compare(advising.cfg, advising.out_dir / "compare", [*advising.run_overrides, f"train.steps={size.steps}"],
-                    config_dir, planned=(plans, skipped), deadline=advising.clock.deadline())
+                    config_dir, planned=(plans, skipped), deadline=advising.clock.deadline(), part_of="advise")
     except CompareInterrupted as exc:
         return exc
     finally:
@@ -214,7 +215,7 @@ def _compare_repaired(advising: Advising, plans: list[ModePlan], config_dir: Opt
     try:
         run_compare(advising.cfg, out_dir, [*advising.run_overrides, f"train.steps={size.steps}"], config_dir,
                     planned=([_sized(p, size.steps) for p in plans if p.mode in size.kept], {}),
-                    deadline=advising.clock.deadline())
+                    deadline=advising.clock.deadline(), part_of="advise")
     except CompareInterrupted as exc:
         if not exc.out_of_time:
             raise
@@ -286,7 +287,8 @@ def _inspect(advising: Advising, out_dir: Path, mode: str, relative: float = 1.0
         return 0
     advising.say(f"inspect in {mode}: {what}, {io.count_of(steps, 'step')}")
     inspect_cfg = compose_job("advise", [*run_overrides, f"precision={mode}", f"inspect.steps={steps}"])
-    return run_inspect(inspect_cfg, out_dir, [*run_overrides, f"precision={mode}"], clock.deadline(INSPECT_SHARE))
+    return run_inspect(inspect_cfg, out_dir, [*run_overrides, f"precision={mode}"], clock.deadline(INSPECT_SHARE),
+                       Console(quiet=True))  # what it found is advise's to say: its tables in inspect*/report.md
 
 
 def _prepare(advising: Advising, plans: list[ModePlan], skipped: dict[str, str],

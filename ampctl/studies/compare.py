@@ -204,12 +204,14 @@ def evaluation_overrides(cfg: DictConfig, steps: int) -> tuple[list[str], Option
 
 def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], config_dir: Optional[str],
                 planned: Optional[tuple[list[ModePlan], dict[str, str]]] = None,
-                deadline: Optional[float] = None) -> int:
+                deadline: Optional[float] = None, part_of: Optional[str] = None) -> int:
     """Run every mode in turns, seed after seed, then write the table, CSV, JSON, report.md and plots. Returns the
     number of failed runs. Interrupted, it writes the comparison of the runs so far and raises CompareInterrupted.
     planned: the plans and skipped modes of plan_modes, with settings of their own (ampctl advise's). deadline
     (time.monotonic()): a seed whose runs would end past it (as long as the seed before took) is not started, and
-    runs still going when it passes are stopped, as by SIGTERM (CompareInterrupted, out_of_time)."""
+    runs still going when it passes are stopped, as by SIGTERM (CompareInterrupted, out_of_time). part_of: the
+    study it is a phase of (advise), which says what it compares and what it found: its progress alone on the
+    screen, its table and notes in its report.md (they repeated the study's own lines)."""
     plans, skipped = planned if planned is not None else plan_modes(cfg, split_overrides(task_overrides))
     skipped = dict(skipped)
     spans = enough_steps(cfg, plans)
@@ -219,10 +221,11 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
     turns = (f"in {len(spans)} rounds of turns (steps {spans[0][0]}-{spans[-1][1]})" if len(spans) > 1
              else "one after another")
     each_seed = f"seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
-    tables.print_line(console, f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe and batches, "
-                               f"{each_seed}; each run in its own process, {turns} -> {out_dir}")
-    for mode, reason in skipped.items():
-        tables.print_line(console, f"  skipped {mode}: {reason}")
+    if part_of is None:
+        tables.print_line(console, f"ampctl compare: {', '.join(p.mode for p in plans)} on the same recipe and "
+                                   f"batches, {each_seed}; each run in its own process, {turns} -> {out_dir}")
+        if skipped:  # why, once, under the table
+            tables.print_line(console, f"  skipped {', '.join(skipped)}: why under the table")
     every_run = every_runs_overrides(cfg, plans, console)
     started: list[RoundRun] = []
     interrupted, ran_seeds, seed_s = None, [], 0.0
@@ -252,7 +255,7 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
             if plan.mode not in modes:
                 skipped[plan.mode] = f"not run: the comparison {why} before it started"
     failed = write_comparison_report(out_dir, modes, skipped, task_overrides, console, spans, ran_seeds,
-                                     len(seeds) > 1)
+                                     len(seeds) > 1, shown=part_of is None)
     for line in recheck_cpu_probe(plans, out_dir):
         tables.print_line(console, line)
     if interrupted is not None:
@@ -296,21 +299,25 @@ def child_command(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: 
 
 def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, str], overrides: list[str],
                             console: Console, spans: Optional[list[tuple[int, int]]],
-                            seeds: Optional[list[int]] = None, per_seed: Optional[bool] = None) -> int:
+                            seeds: Optional[list[int]] = None, per_seed: Optional[bool] = None,
+                            shown: bool = True) -> int:
     """Table, comparison.csv/.json, report.md and plots from the runs' directories (per_seed: a directory for each
-    seed's run, as a comparison planned with several seeds has, however many ran). Returns the failed runs."""
+    seed's run, as a comparison planned with several seeds has, however many ran); shown: the table and its notes
+    on the screen too. Returns the failed runs."""
     seeds = seeds or [None]  # type: ignore[list-item]  # a comparison recorded before seeds: one run a mode
     per_seed = len(seeds) > 1 if per_seed is None else per_seed
     directories = {mode: [comparison.run_dir(out_dir, mode, seed, per_seed) for seed in seeds] for mode in modes}
     runs = [(mode, [load_run(d) for d in dirs if d.is_dir()]) for mode, dirs in directories.items()]
     table = comparison.comparison_table(runs, skipped, spans)
-    tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
+    if shown:
+        tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
     images = comparison.comparison_images(runs, table, out_dir)
     machine = tables.machine_info([run.summary for _, records in runs for run in records if run.summary])
     extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides,
              "rounds": [list(span) for span in spans] if spans else None, "seeds": seeds, "per_seed": per_seed}
     files = tables.write_files(table, out_dir, run_files.COMPARISON, machine, images, extra)
-    console.print(tables.wrote([*files, *images], out_dir))
+    if shown:
+        console.print(tables.wrote([*files, *images], out_dir))
     return sum(run.failed for _, records in runs for run in records)
 
 
@@ -333,9 +340,9 @@ def run_with_progress(runs: list[RoundRun], spans: list[tuple[int, int]], consol
     said_every = max(1, round(len(spans) / ROUND_LINES))  # many short rounds: a line every few of them
 
     def on_round(r: int) -> None:
-        progress.update(overall, description=f"round {min(r + 1, len(spans))}/{len(spans)}")
-        if r % said_every and r != len(spans):
-            return
+        progress.update(overall, description=f"{prefix}round {min(r + 1, len(spans))}/{len(spans)}")
+        if console.is_terminal or (r % said_every and r != len(spans)):
+            return  # a terminal has the bar (the table below says what the rounds came to); a log a line a few
         figures = []
         for run in runs:
             (ms,) = round_stats.round_medians(load_rows(run.run_dir), [spans[r - 1]])

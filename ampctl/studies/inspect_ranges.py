@@ -225,10 +225,12 @@ def _merged(inspection: Inspection, kind: str) -> Optional[RangeStats]:
     return merged
 
 
-def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str], deadline: Optional[float] = None) -> int:
+def run_inspect(cfg: DictConfig, out_dir: Path, overrides: list[str], deadline: Optional[float] = None,
+                console: Optional[Console] = None) -> int:
     """The inspection, its tables, files and plots; returns the steps it recorded (fewer than inspect.steps where
-    the deadline, time.monotonic(), came first)."""
-    console = tables.make_console()
+    the deadline, time.monotonic(), came first). console: where it says so (a quiet one for a study it is a phase
+    of: advise says what it inspects, its tables are in its report.md)."""
+    console = console or tables.make_console()
     console.print(f"ampctl inspect: {io.count_of(cfg.inspect.steps, 'step')} of precision={cfg.precision.name} with "
                   f"range hooks on every leaf module -> {out_dir}")
     inspection = inspect_run(cfg, Phases(console), deadline)

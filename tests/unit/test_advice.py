@@ -208,3 +208,16 @@ def test_a_repaired_row_is_advised_with_the_repairs_rules_before_the_modes_own()
     assert advice.overrides() == ["precision=bf16", "precision.rules=[{match:'cancel',run_in:'fp32'}]"]
     assert "repaired by ampctl diff's repair" in advice.reasons
     assert "+0.7000" in advice.rejected["bf16"]
+
+
+def test_each_reason_a_mode_is_ruled_out_for_is_said_once_with_every_mode_it_rules_out(tmp_path):
+    """fp16 and O2 are slow for one reason: one line names both (advise said fp16's slowness six times)."""
+    from ampctl.studies.advice_report import advice_lines
+
+    slow = "float16 matmuls are converted in software on this CPU, which has no AVX512-FP16 or AMX-FP16"
+    advice = decide([FP32, ModeEvidence("fp16", skipped=slow), ModeEvidence("O2", skipped=slow),
+                     ModeEvidence("bf16", skipped="bfloat16 matmuls ran slow")], None)
+    lines = advice_lines(advice, None, tmp_path / "advised.yaml", tmp_path)
+    assert [line for line in lines if line.startswith("not ")] == [f"not fp16, O2: {slow}",
+                                                                   "not bf16: bfloat16 matmuls ran slow"]
+    assert " ".join(lines).count(slow) == 1

@@ -132,7 +132,8 @@ def test_the_terminal_shows_the_columns_that_decide_whole_at_80_columns(tmp_path
     for cell in ("speed against fp32", "fp16+compile+ac", "interrupted", "skipped", "baseline", "faster",
                  "1.32× (1.27-1.43×)"):
         assert cell in shown, (cell, out.getvalue())
-    assert "every column (step ms, samples/s, MFU, peak memory, losses) in report.md and comparison.csv" in \
+    assert ("every column (step ms, samples/s, MFU, peak memory, losses), how each figure is taken and against which "
+            "peak, in report.md and comparison.csv") in \
         " ".join(out.getvalue().split())
     assert {"step_time_ms", "samples_per_s", "peak_memory_mib", "speedup_low"} <= set(table.columns)
 
