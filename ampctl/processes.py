@@ -103,13 +103,14 @@ def torchrun_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def exit_worker(code: int = 0) -> NoReturn:
-    """End a torchrun worker (a run's, an export's): flush what it wrote, then leave without interpreter
-    shutdown. The process group is destroyed by then, but C++ objects of the backend that are still
-    referenced (gloo's worker threads, DCP's) would be destroyed during shutdown, where they can abort the process
-    ("terminate called without an active exception": a two-rank export aborted so about once in seven) and fail a
-    finished job, or turn a refusal's exit 2 into a SIGABRT."""
+def exit_worker() -> NoReturn:
+    """End a torchrun worker whose command succeeded (a run's, an export's): flush what it wrote, then leave
+    without interpreter shutdown. The process group is destroyed by then, but C++ objects of the backend that are
+    still referenced (gloo's worker threads, DCP's) would be destroyed during shutdown, where they can abort the
+    process ("terminate called without an active exception": a two-rank export aborted so about once in seven) and
+    fail a finished job. A failing worker leaves through shell/outcomes.leave as any process does: its interpreter
+    shutdown gives the node's first rank the moment to say why before torchrun ends it."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(0)

@@ -140,10 +140,6 @@ def leave(exc: BaseException, lines: Lines, run_dir: Optional[Path] = None,
         print_error(for_the_terminal(line, sys.stderr), this_rank_alone=getattr(exc, "this_rank_alone", False))
         if log is not None:
             log(line.strip())
-    from ampctl.processes import exit_worker, torchrun_world_size
-
-    if torchrun_world_size() > 1:  # a torchrun worker leaves without interpreter shutdown (processes.exit_worker)
-        exit_worker(code)
     sys.exit(code)
 
 

@@ -254,8 +254,8 @@ def run_compare(cfg: DictConfig, out_dir: Path, task_overrides: list[str], confi
         for plan in plans:
             if plan.mode not in modes:
                 skipped[plan.mode] = f"not run: the comparison {why} before it started"
-    failed = write_comparison_report(out_dir, modes, skipped, task_overrides, console, spans, ran_seeds,
-                                     len(seeds) > 1, shown=part_of is None)
+    failed = write_comparison_report(out_dir, modes, skipped, task_overrides, console if part_of is None else None,
+                                     spans, ran_seeds, len(seeds) > 1)
     for line in recheck_cpu_probe(plans, out_dir):
         tables.print_line(console, line)
     if interrupted is not None:
@@ -298,25 +298,24 @@ def child_command(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: 
 
 
 def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, str], overrides: list[str],
-                            console: Console, spans: Optional[list[tuple[int, int]]],
-                            seeds: Optional[list[int]] = None, per_seed: Optional[bool] = None,
-                            shown: bool = True) -> int:
+                            console: Optional[Console], spans: Optional[list[tuple[int, int]]],
+                            seeds: Optional[list[int]] = None, per_seed: Optional[bool] = None) -> int:
     """Table, comparison.csv/.json, report.md and plots from the runs' directories (per_seed: a directory for each
-    seed's run, as a comparison planned with several seeds has, however many ran); shown: the table and its notes
-    on the screen too. Returns the failed runs."""
+    seed's run, as a comparison planned with several seeds has, however many ran); the table and its notes on the
+    console too (None: the files alone). Returns the failed runs."""
     seeds = seeds or [None]  # type: ignore[list-item]  # a comparison recorded before seeds: one run a mode
     per_seed = len(seeds) > 1 if per_seed is None else per_seed
     directories = {mode: [comparison.run_dir(out_dir, mode, seed, per_seed) for seed in seeds] for mode in modes}
     runs = [(mode, [load_run(d) for d in dirs if d.is_dir()]) for mode, dirs in directories.items()]
     table = comparison.comparison_table(runs, skipped, spans)
-    if shown:
+    if console is not None:
         tables.print_table(table, console)  # first: a directory that cannot be written still shows its report
     images = comparison.comparison_images(runs, table, out_dir)
     machine = tables.machine_info([run.summary for _, records in runs for run in records if run.summary])
     extra = {"kind": "compare", "modes": modes, "skipped": skipped, "overrides": overrides,
              "rounds": [list(span) for span in spans] if spans else None, "seeds": seeds, "per_seed": per_seed}
     files = tables.write_files(table, out_dir, run_files.COMPARISON, machine, images, extra)
-    if shown:
+    if console is not None:
         console.print(tables.wrote([*files, *images], out_dir))
     return sum(run.failed for _, records in runs for run in records)
 
