@@ -196,6 +196,10 @@ class TrainConfig:
     # torch's intra-op threads (torch.set_num_threads); null: torch's own choice, one per core. compare sizes them to
     # the cores other processes leave free (a step waits for whichever thread the scheduler set aside)
     threads: Optional[int] = safe_to_change(None)
+    # on a CPU, glibc's malloc keeps what each step frees instead of returning it to the kernel and faulting it back
+    # in on the next step (engine/host_memory.py: 5-13% of a small GPT's step here); the process's memory stays at
+    # its peak, for the process's life. false: glibc's defaults
+    hold_host_memory: bool = safe_to_change(True)
     # N: a torch.profiler trace of N steady steps (after the timing warm-up) in the run's profile/, and a summary
     # of where their time went (matmuls, other ops, optimizer, data, ...); null: no profiler
     profile: Optional[int] = safe_to_change(None)

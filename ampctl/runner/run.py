@@ -17,7 +17,7 @@ from ampctl import machine_load, run_files
 from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
 from ampctl.conf.sweeps import stop_requested_of_this_job
-from ampctl.engine import devices
+from ampctl.engine import devices, host_memory
 from ampctl.engine import parallel as parallelism
 from ampctl.engine.build import build_state
 from ampctl.engine.compilation import CompileWatch
@@ -94,6 +94,10 @@ class TrainingRun:
         self.settings = StepSettings.of(cfg.train)
         self.resume = plan.resume
         self.recorder = Recorder(self.resume.run_dir, echo) if parallel.is_main else NoRecorder(self.resume.run_dir)
+        # a setting of the process (engine/host_memory.py), before the model is built: on a CPU, what each step
+        # frees stays in malloc's heap rather than being faulted in again
+        self.host_memory_held = (policy.device.type == "cpu" and cfg.train.hold_host_memory
+                                 and host_memory.hold_freed_memory())
         self.recipe = self._rank_recipe()
         self.peak = TrainingPeak(policy.device)
         # On a CPU the memory profiler would record torch.compile's own work too: minutes, for a peak it distorts

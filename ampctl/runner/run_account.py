@@ -102,6 +102,7 @@ def summary_of(run: Any) -> dict:
         # what its throughput shared: the threads torch used, the host, and when its steps ran (Unix time), so
         # that a sweep's table can say which jobs ran at the same time on one machine (reports/tables.py)
         "torch_threads": torch.get_num_threads(),
+        "host_memory_held": run.host_memory_held,  # train.hold_host_memory made (glibc, a CPU run)
         "host": platform.node(),
         "training_window": [round(run.steps_began_at, 3), round(time.time(), 3)],
         # the cores other processes kept busy meanwhile: above a quarter of the machine its speed is not its own

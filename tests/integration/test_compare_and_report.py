@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ampctl.cli import main
+from ampctl.engine import host_memory
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["device=cpu", "recipe=mlp", "recipe.hidden=32", "recipe.batch_size=16", "train.steps=8", "train.log_every=4"]
@@ -179,6 +180,7 @@ def test_sweep_over_scaler_settings_has_one_column_per_swept_key(tmp_path, resto
     windows = [s["training_window"] for s in summaries]
     assert all(a[1] <= b[0] for a, b in zip(windows, windows[1:])) and all(w[0] < w[1] for w in windows)
     assert {s["torch_threads"] for s in summaries} == {torch.get_num_threads()}
+    assert {s["host_memory_held"] for s in summaries} == {host_memory.glibc()}  # train.hold_host_memory's default
     assert "not comparable" not in (sweep / "report.md").read_text()
     # the same sweep beside other processes that take the machine: its table says its throughputs are not the jobs'
     quiet_or_busy(monkeypatch, 0.9 * (os.cpu_count() or 1))

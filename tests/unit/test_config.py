@@ -323,7 +323,7 @@ def test_the_keys_a_resume_may_change_are_the_schemas_marked_fields():
         "train.steps", "train.log_every", "train.console", "train.checkpoint.every", "train.checkpoint.every_s",
         "train.checkpoint.keep", "train.checkpoint.mirror", "train.cluster.preempt_signal",
         "train.cluster.slurm_requeue", "train.cluster.hang_after_s", "train.compile.enabled", "train.compile.mode",
-        "train.threads", "train.profile", "train.deterministic",
+        "train.threads", "train.hold_host_memory", "train.profile", "train.deterministic",
         "train.timing_warmup_steps", "train.eval.every",
         "train.eval.batches", "train.eval.fp32", "train.checkpoint.save_top_k", "telemetry.profile_cpu_memory",
         "guard.loss_spike", "guard.loss_spike_window", "guard.on_trip", "guard.max_escalations", "train.diff.",
