@@ -64,6 +64,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# What the terminal a test runs in says of itself: rich reads every one of these (TERM=dumb makes a forced
+# terminal 80 columns wide whatever width it is given; COLUMNS sets the width; NO_COLOR and FORCE_COLOR the
+# colours; TTY_* whether it is a terminal). Cleared for every test and the processes it starts, so that the suite
+# says the same under any terminal, or none; a test that wants one sets its own (monkeypatch.setenv, after this).
+TERMINAL_VARIABLES = ("TERM", "COLUMNS", "LINES", "NO_COLOR", "FORCE_COLOR", "CLICOLOR", "CLICOLOR_FORCE",
+                      "TTY_COMPATIBLE", "TTY_INTERACTIVE", "JUPYTER_COLUMNS", "JUPYTER_LINES")
+
+
+@pytest.fixture(autouse=True)
+def no_terminal_of_the_runners(monkeypatch):
+    for name in TERMINAL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(autouse=True)
 def cpu_only_subprocesses(request, monkeypatch):
     """`ampctl` started by a test that is not marked gpu sees no GPU (this process's CUDA, if any, is

@@ -9,8 +9,6 @@ step) -> step -> record -> update -> lr schedule -> masters back into the model 
 from __future__ import annotations
 
 import contextlib
-import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Optional
@@ -24,6 +22,7 @@ from ampctl.engine.precision.half import WeightLayout
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.engine.scaler import LossScaler
 from ampctl.engine.telemetry import Telemetry
+from ampctl.engine.thread_clock import ThreadClock
 from ampctl.engine.weight_average import WeightAverage
 from ampctl.errors import UsageError
 from ampctl.recipes.base import Recipe, checked_batches, checked_loss, recipe_name, starts_anywhere
@@ -91,46 +90,36 @@ DATA_RANGE = "ampctl.data"  # the profiler range around each fetch of a batch (a
 class BatchStream:
     """The recipe's batches, and how long the loop waited for them: host time in next(), which is the whole
     making of a batch when the recipe makes it in the loop's thread, and the wait for a DataLoader's workers
-    when they are behind; and, of that, the time the loop's thread was idle (the wall time less its own CPU
-    time): waiting on workers, a disk or the network, rather than making the batch itself. Idle counts only
-    where the thread blocked (a voluntary context switch: a queue, a sleep, I/O); a thread that only the
-    scheduler took off the CPU (involuntary switches: a busy machine) was not waiting on its data. Reading the
-    clocks costs nothing on the device; inside a torch.profiler window each fetch is also a range named
-    DATA_RANGE (a range costs ~20 us, too much for every step of a run)."""
+    when they are behind; and, of that, the time the loop's thread was idle: blocked on workers, a disk or the
+    network (engine/thread_clock.py), rather than making the batch itself or waiting for a CPU that other
+    processes held (a busy machine is not a wait on data). Reading the clocks costs nothing on the device;
+    inside a torch.profiler window each fetch is also a range named DATA_RANGE (a range costs ~20 us, too much
+    for every step of a run)."""
 
     def __init__(self, batches: Iterator[Any]) -> None:
         self._batches = batches
         self._wait_s = self._idle_s = 0.0
+        self._clock = ThreadClock()
 
     def __iter__(self) -> "BatchStream":
         return self
 
     def __next__(self) -> Any:
-        blocks_before = _voluntary_switches()
-        start, own_start = time.perf_counter(), time.thread_time()
+        start = self._clock.mark()
         if torch._C._autograd._profiler_enabled():
             with torch.profiler.record_function(DATA_RANGE):
                 batch = next(self._batches)
         else:
             batch = next(self._batches)
-        own, wall = time.thread_time() - own_start, time.perf_counter() - start
+        wall, blocked = self._clock.since(start)
         self._wait_s += wall
-        if blocks_before is None or _voluntary_switches() != blocks_before:
-            self._idle_s += max(0.0, wall - own)
+        self._idle_s += blocked
         return batch
 
     def take_wait_s(self) -> tuple[float, float]:
         """Seconds spent in next() since the last call, and of them the seconds the loop's thread was idle."""
         wait, idle, self._wait_s, self._idle_s = self._wait_s, self._idle_s, 0.0, 0.0
         return wait, idle
-
-
-def _voluntary_switches() -> Optional[int]:
-    """The times this thread gave up the CPU itself (blocked or slept); None where the OS does not count them."""
-    return resource.getrusage(resource.RUSAGE_THREAD).ru_nvcsw if _THREAD_USAGE else None
-
-
-_THREAD_USAGE = sys.platform.startswith("linux")  # RUSAGE_THREAD: Linux's
 
 
 def train_step(

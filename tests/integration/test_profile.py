@@ -89,14 +89,15 @@ def test_the_data_wait_and_the_breakdown_hold_in_half_precision_modes(tmp_path, 
 
 
 def test_on_a_cpu_a_batch_made_in_the_loops_thread_is_its_own_cost_not_a_wait(tmp_path, restore_argv, capsys):
-    """30 ms of the thread's own CPU work per batch (most of each step): data_ms has it, the idle part is ~0, and
-    no warning says the run waits on its data; a batch that sleeps as long (a pipeline behind) is said to."""
+    """30 ms of the thread's own CPU work per batch (most of each step): data_ms has it, none of it idle, and no
+    warning says the run waits on its data; a batch that sleeps as long (a pipeline behind) is said to."""
     run = tmp_path / "run"
     main(["train", *MLP, "recipe=mlp", "recipe._target_=tests.support.slow_data_recipe.BusyDataRecipe",
           "+recipe.data_work_s=0.03", "train.steps=14", f"hydra.run.dir={run}"])
     assert "waited for their batches" not in capsys.readouterr().out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(row["data_ms"] >= 30.0 and row["data_idle_ms"] < 0.3 * row["data_ms"] for row in rows)
+    # the thread's own CPU time is never idle, on a machine as busy as it may be (engine/thread_clock.py)
+    assert all(row["data_ms"] - row["data_idle_ms"] >= 29.9 for row in rows), rows
     slept = tmp_path / "slept"
     main(["train", *MLP, *SLOW, "train.steps=14", f"hydra.run.dir={slept}"])
     assert "waited for their batches" in capsys.readouterr().out
