@@ -4,10 +4,11 @@ extend, with their range checks (see conf/schema.py)."""
 
 from __future__ import annotations
 
+import glob
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from omegaconf import MISSING, DictConfig
 
@@ -40,6 +41,30 @@ class LayerRule:
     def __post_init__(self) -> None:
         require(bool(self.match or self.type), "precision.rules[].match", None,
                 "a glob over layer names, or a type (each rule needs at least one: match=head or type=LayerNorm)")
+
+    @classmethod
+    def for_layer(cls, name: str, run_in: str) -> "LayerRule":
+        """The rule for one layer by its qualified name (escaped: a name is not a glob)."""
+        return cls(run_in=run_in, match=glob.escape(name))
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any]) -> "LayerRule":
+        """From a config's or a record's rule (a dict, a DictConfig)."""
+        return cls(run_in=str(data["run_in"]), match=data.get("match"), type=data.get("type"))
+
+    def as_record(self) -> dict[str, str]:
+        """As ampctl's records (diff.json, advice.json, escalations.jsonl) hold it: the keys that are set."""
+        return {key: value for key, value in (("match", self.match), ("type", self.type), ("run_in", self.run_in))
+                if value is not None}
+
+    def override(self) -> str:
+        """As an element of a `precision.rules=[...]` override: {match:'head',run_in:'fp32'}."""
+        return "{" + ",".join(f"{key}:'{value}'" for key, value in self.as_record().items()) + "}"
+
+
+def rules_of(precision: Any) -> list[LayerRule]:
+    """A composed precision config's rules (precision.rules, its defaults included)."""
+    return [LayerRule.of(rule) for rule in precision.get("rules") or []]
 
 
 @dataclass

@@ -3,11 +3,11 @@ newest good checkpoint instead of stopping.
 
 Which layers: the tripped step is replayed (runner/diagnose.py). Where a value went non-finite or out of the half
 type's range, the layers it names, in the order they ran, the first that can go one step up (a layer a converter
-computes in a format -> `unconverted`; a half one -> fp32: studies/diff_repair.step_up's steps), and the layer where
-the gradient first went bad on its way back. Where nothing is non-finite (a finite loss spike), the step's batch is
-measured as `ampctl diff` measures (runner/layer_error_log.Fp32Reference) at the replayed weights: when fp32 on those
-weights spikes as well, the spike is the data's or the optimizer's, not precision's, and the run stops saying so;
-otherwise the layer that adds the largest error of its own goes up.
+computes in a format -> `unconverted`; a half one -> fp32: PrecisionPolicy.one_step_up, diff's repair's too), and
+the layer where the gradient first went bad on its way back. Where nothing is non-finite (a finite loss spike), the
+step's batch is measured as `ampctl diff` measures (runner/layer_error_log.Fp32Reference) at the replayed weights:
+when fp32 on those weights spikes as well, the spike is the data's or the optimizer's, not precision's, and the run
+stops saying so; otherwise the layer that adds the largest error of its own goes up.
 
 Where from: the newest checkpoint before the tripped step that belongs to the run and whose weights are finite (none:
 the start, which is seeded). What is past it (rows, later checkpoints) is set aside as a resume to an older
@@ -23,7 +23,6 @@ layer is replaced by the escalation's (the first rule that matches decides; the 
 
 from __future__ import annotations
 
-import glob
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,14 +32,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io, run_files
-from ampctl.conf.precision_schema import UNCONVERTED
+from ampctl.conf.precision_schema import LayerRule
 from ampctl.conf.schema import TripAction
 from ampctl.conf.typed import typed_config
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import UsageError
 from ampctl.recipes.base import Recipe
 from ampctl.runner import checkpoint, checkpoint_files
-from ampctl.runner.escalation_rules import recorded, with_rules
+from ampctl.runner.escalation_rules import recorded, rules_in, with_rules
 from ampctl.runner.guards import GuardTrip
 from ampctl.runner.identity import RunIdentity, resolved
 
@@ -57,10 +56,14 @@ class Escalation:
     tripped_at: int  # the step the guard tripped at
     reason: str  # the guard's
     raised: dict[str, str]  # layer -> what it runs in from `step` on
-    rules: list[dict[str, str]]  # every escalation rule in force from `step` on, earlier escalations' included
+    rules: list[LayerRule]  # every escalation rule in force from `step` on, earlier escalations' included
     evidence: str  # why these layers, in one line
     checkpoint: Optional[str]  # the checkpoint it went back to (None: the start)
     diagnosis: str = ""  # the replay's summary
+
+    def to_json(self) -> dict[str, Any]:
+        """Its row in escalations.jsonl."""
+        return {**asdict(self), "rules": [rule.as_record() for rule in self.rules]}
 
     def line(self, most: int) -> str:
         """`escalation 1 of at most 3: amplifier -> fp32 (the replay finds ...); from step 4's checkpoint on`"""
@@ -81,18 +84,6 @@ class Decision:
     payload: Optional[dict[str, Any]] = field(default=None, repr=False)  # the checkpoint's, to restore
 
 
-def one_step_up(layer: str, policy: PrecisionPolicy) -> Optional[str]:
-    """What `layer` runs in one step up from what it runs in now; None where it computes in fp32 already."""
-    if layer in policy.converted:
-        return UNCONVERTED
-    now = policy.layer_plan.run_in(layer) if policy.layer_plan is not None else None
-    if now == "fp32":
-        return None
-    if now in ("bf16", "fp16"):
-        return "fp32"
-    return "fp32" if policy.precision.autocast or policy.precision.cast_model else None
-
-
 class Escalator:
     """The run's escalations: how many it made (the rows in force where it starts), and the decision at a trip."""
 
@@ -104,7 +95,7 @@ class Escalator:
         self.run_dir, self.identity = run_dir, identity
         rows = recorded(run_dir)  # read after the run set aside what lies past its resume step
         self.made = len(rows)
-        self.rules: list[dict[str, str]] = rows[-1]["rules"] if rows else []
+        self.rules = rules_in(rows[-1]) if rows else []
 
     def decide(self, trip: GuardTrip, diagnosis: dict[str, Any], replayed: Replayed, cfg: DictConfig,
                policy: PrecisionPolicy, recipe: Recipe) -> Decision:
@@ -127,14 +118,14 @@ class Escalator:
 
     def _plan(self, decision: Decision, trip: GuardTrip, cfg: DictConfig, raised: dict[str, str],
               evidence: str) -> None:
-        rules = [dict(rule) for rule in self.rules]
+        rules = list(self.rules)
         for layer, run_in in raised.items():
-            match = glob.escape(layer)
-            same = [rule for rule in rules if rule["match"] == match]
+            rule = LayerRule.for_layer(layer, run_in)
+            same = [i for i, earlier in enumerate(rules) if earlier.match == rule.match]
             if same:
-                same[0]["run_in"] = run_in
+                rules[same[0]] = rule
             else:
-                rules.append({"match": match, "run_in": run_in})
+                rules.append(rule)
         try:
             decision.cfg = typed_config(OmegaConf.create(with_rules(resolved(cfg), rules)))
             decision.policy = self.check(decision.cfg)
@@ -166,7 +157,7 @@ class Escalator:
     def record(self, escalation: Escalation) -> None:
         """Its row, after the rows past its step were set aside (its own step's are kept)."""
         with (self.run_dir / run_files.ESCALATIONS).open("a", encoding="utf-8") as f:
-            f.write(io.dumps(asdict(escalation)) + "\n")
+            f.write(io.dumps(escalation.to_json()) + "\n")
         self.made, self.rules = escalation.number, escalation.rules
 
 
@@ -182,7 +173,7 @@ def _from_the_replay(diagnosis: dict[str, Any], policy: PrecisionPolicy) -> tupl
     for group in (forward, backward):
         for finding in group:
             seen.append(finding)
-            run_in = one_step_up(finding["module"], policy)
+            run_in = policy.one_step_up(finding["module"])
             if run_in is not None:
                 raised.setdefault(finding["module"], run_in)
                 break
@@ -190,7 +181,7 @@ def _from_the_replay(diagnosis: dict[str, Any], policy: PrecisionPolicy) -> tupl
         return raised, "the replay finds " + ", then ".join(_found(f) for f in seen)
     for name in diagnosis.get("parameters_with_nonfinite_grads") or []:
         layer = name.rpartition(".")[0]
-        if (run_in := one_step_up(layer, policy)) is not None:
+        if (run_in := policy.one_step_up(layer)) is not None:
             return {layer: run_in}, f"the replay finds the gradient of {name} non-finite"
     if seen:
         return {}, "the replay finds " + ", then ".join(_found(f) for f in seen)
@@ -217,7 +208,7 @@ def _from_the_error(trip: GuardTrip, replayed: Replayed, policy: PrecisionPolicy
                           "spike is the data's or the optimizer's, not precision's")
     ranked = sorted(layers.values(), key=lambda layer: layer.local_error(), reverse=True)
     for layer in ranked:
-        run_in = one_step_up(layer.name, policy)
+        run_in = policy.one_step_up(layer.name)
         if run_in is not None and layer.local_error() > 0:
             return ({layer.name: run_in}, f"{said}; the largest error a layer adds itself: {layer.name!r} "
                     f"({layer.kind}) {layer.local_error():.2g}", "")

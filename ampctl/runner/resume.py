@@ -17,6 +17,7 @@ import torch
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
+from ampctl.conf.precision_schema import LayerRule
 from ampctl.conf.train_schema import Schedule
 from ampctl.conf.typed import as_recorded_now, typed_config
 from ampctl.engine.optim import lr_factor
@@ -109,7 +110,7 @@ class Resume:
         return self.payload["skipped_total"] if self.payload else 0
 
 
-def _escalation_rules(found: Optional[checkpoint.Found], run_dir: Path) -> list[dict[str, str]]:
+def _escalation_rules(found: Optional[checkpoint.Found], run_dir: Path) -> list[LayerRule]:
     """The rules guard.on_trip=escalate scheduled for the run from the step it resumes at (runner/escalation.py),
     put into the checkpoint's config too: one written before the escalation it went back to lacks them."""
     step, where = (found.payload["step"], checkpoint_files.run_dir_of(found.path)) if found else (0, run_dir)

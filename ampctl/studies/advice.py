@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 from ampctl import io
 from ampctl.analysis.numerics import FP16, largest_safe_scale
-from ampctl.conf.precision_schema import GRADSCALER_GROWTH_INTERVAL, GRADSCALER_INIT_SCALE
+from ampctl.conf.precision_schema import GRADSCALER_GROWTH_INTERVAL, GRADSCALER_INIT_SCALE, UNCONVERTED, LayerRule
 from ampctl.io import scale_label
 from ampctl.studies import row_labels
 
@@ -91,7 +91,7 @@ class Preparation:
     the loss scaler's settings, the per-layer rules (the advised ones first, then the mode's own), and why."""
 
     scaler: dict[str, Any] = field(default_factory=dict)
-    rules: list[dict[str, str]] = field(default_factory=list)
+    rules: list[LayerRule] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     refused: Optional[str] = None  # why the mode is not worth comparing at all
     summary: str = ""  # the settings in a few words: "scaler.init_scale=2^13, head in fp32"
@@ -99,21 +99,20 @@ class Preparation:
     def overrides(self) -> list[str]:
         out = [f"scaler.{k}={v!r}" for k, v in self.scaler.items()]
         if self.rules:
-            out.append("precision.rules=[" + ",".join("{" + ",".join(f"{k}:'{v}'" for k, v in rule.items()) + "}"
-                                                      for rule in self.rules) + "]")
+            out.append("precision.rules=[" + ",".join(rule.override() for rule in self.rules) + "]")
         return out
 
 
 def prepare(mode: str, gradients: Optional[GradientEvidence], losses: Optional[list[LayerLoss]] = None,
-            own_rules: Sequence[dict[str, str]] = (), limit: float = 0.01, measured_by: str = "") -> Preparation:
+            own_rules: Sequence[LayerRule] = (), limit: float = 0.01, measured_by: str = "") -> Preparation:
     """The settings of a mode before it is compared. A mode that scales its loss: an initial scale from the largest
     gradient measured and fp32 for the layers whose activations exceed fp16's range. A mode that converts Linear
     layers (FP8, MX): the layers whose worst operand the format loses more than `limit` of stay unconverted."""
     prepared = Preparation()
-    added: list[dict[str, str]] = []
+    added: list[LayerRule] = []
     if mode in SCALED_MODES and gradients is not None:
         _scaler(prepared, gradients)
-        added = [{"match": layer, "run_in": "fp32"} for layer in gradients.overflowing_layers]
+        added = [LayerRule.for_layer(layer, "fp32") for layer in gradients.overflowing_layers]
         init = prepared.scaler.get("init_scale")
         prepared.summary = ", ".join([*([f"scaler.init_scale={scale_label(init)}"] if init else []),
                                       *([f"{', '.join(gradients.overflowing_layers)} in fp32"] if added else [])])
@@ -127,7 +126,7 @@ def prepare(mode: str, gradients: Optional[GradientEvidence], losses: Optional[l
                                 f"{len(losses)} converted layers (least: {min(loss.share for loss in losses):.2%}): "
                                 "nothing would be left to run in it")
             return prepared
-        added = [{"match": loss.layer, "run_in": "unconverted"} for loss in beyond]
+        added = [LayerRule.for_layer(loss.layer, UNCONVERTED) for loss in beyond]
         if beyond:
             prepared.summary = f"{io.count_of(len(beyond), 'layer')} of {len(losses)} unconverted"
             worst = ", ".join(f"{loss.layer} ({loss.share:.2%} of its {loss.operand}s)" for loss in beyond[:3])
@@ -146,8 +145,11 @@ class Advice:
     reasons: list[str]
     rejected: dict[str, str]
     scaler: dict[str, Any] = field(default_factory=dict)  # scaler.<key> -> value for the chosen mode
-    rules: list[dict[str, str]] = field(default_factory=list)  # precision.rules for the chosen mode
+    rules: list[LayerRule] = field(default_factory=list)  # precision.rules for the chosen mode
     notes: list[str] = field(default_factory=list)  # what was not measured, and why
+
+    def __post_init__(self) -> None:  # from advice.json: the rules as records hold them
+        self.rules = [rule if isinstance(rule, LayerRule) else LayerRule.of(rule) for rule in self.rules]
 
     @property
     def precision(self) -> str:
@@ -159,7 +161,7 @@ class Advice:
         return [f"precision={variant.mode}", *variant.overrides(), *Preparation(self.scaler, self.rules).overrides()]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "rules": [rule.as_record() for rule in self.rules]}
 
 
 def decide(modes: list[ModeEvidence], prepared: Optional[dict[str, Preparation]] = None,

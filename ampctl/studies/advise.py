@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 from rich.console import Console
 
 from ampctl import io, run_files
@@ -59,6 +59,7 @@ from ampctl.studies.budget import (
     size_comparison,
 )
 from ampctl.studies.compare import CompareInterrupted, ModePlan, plan_modes, run_compare, split_overrides
+from ampctl.studies.diff_repair import own_rules
 from ampctl.studies.inspect_ranges import run_inspect
 from ampctl.studies.turns import rounds_of
 
@@ -301,13 +302,12 @@ def _prepare(advising: Advising, plans: list[ModePlan], skipped: dict[str, str],
     for plan in {row_labels.parse(p.mode).mode: p for p in plans}.values():
         mode = row_labels.parse(plan.mode).mode
         mode_cfg = compose_job("advise", [*run_overrides, f"precision={mode}"])
-        precision = OmegaConf.to_container(mode_cfg.precision, resolve=True, enum_to_str=True)
-        own_rules = [{k: v for k, v in rule.items() if v is not None} for rule in precision.get("rules") or []]
+        mode_rules = own_rules(mode_cfg)
         losses, measured_by = None, ""
         inspect_dir = advising.out_dir / f"inspect_{mode}"
         if mode_cfg.precision.converter is not None and _inspect(advising, inspect_dir, mode, _relative_time(plan)):
             losses, measured_by = layer_losses(inspect_dir, mode)
-        prepared[mode] = prepare(mode, gradients, losses, own_rules, cfg.advise.layer_loss_limit, measured_by)
+        prepared[mode] = prepare(mode, gradients, losses, mode_rules, cfg.advise.layer_loss_limit, measured_by)
         if prepared[mode].refused is not None:
             skipped[mode] = prepared[mode].refused
     plans[:] = [p for p in plans if row_labels.parse(p.mode).mode not in skipped]

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ampctl import run_files
 from ampctl.conf.composing import compose_job
+from ampctl.conf.precision_schema import LayerRule
 from ampctl.studies import row_labels
 from ampctl.studies.advice import ModeEvidence, Preparation, is_reference
-from ampctl.studies.diff_repair import own_rules
+from ampctl.studies.diff_repair import Repair, own_rules
 
 if TYPE_CHECKING:  # annotations only: advise compares the plans (studies/compare.py)
     from ampctl.studies.compare import ModePlan
@@ -68,7 +69,7 @@ def repaired_plans(advising: Any, evidence: list[ModeEvidence], plans: list[Mode
             rows.append(ModeEvidence(label, skipped="the diff's repair found no set of layers that brings its "
                                                     "gradient's error under the yardstick"))
             continue
-        said = ", ".join(f"{r['match']} -> {r['run_in']}" for r in raised)
+        said = ", ".join(f"{r.match} -> {r.run_in}" for r in raised)
         prepared[label] = dataclasses.replace(
             base, rules=rules, summary=f"{base.summary + '; ' if base.summary else ''}repaired: {said}",
             reasons=[*base.reasons, f"repaired by ampctl diff's repair ({said}, precision.rules), as {mode} alone "
@@ -79,7 +80,7 @@ def repaired_plans(advising: Any, evidence: list[ModeEvidence], plans: list[Mode
 
 
 def _repair(advising: Any, mode: str, preparation: Preparation
-            ) -> Optional[tuple[list[dict[str, str]], list[dict[str, str]]]]:
+            ) -> Optional[tuple[list[LayerRule], list[LayerRule]]]:
     """(the layers the repair raised, as rules; every rule the repaired mode runs with: those first, then the mode's
     own as compared); no layers where none brings it under the yardstick; None where the diff does not fit what
     is left of the budget (a note says so)."""
@@ -98,6 +99,7 @@ def _repair(advising: Any, mode: str, preparation: Preparation
     out_dir = advising.out_dir / f"diff_{mode}"
     advising.run_diff(cfg, out_dir, [*advising.run_overrides, f"precision={mode}", *preparation.overrides(),
                             "diff.repair=true"])
-    chosen = (json.loads((out_dir / f"{run_files.DIFF}.json").read_text()).get("repair") or {}).get("chosen")
-    raised = chosen["rules"] if chosen else []
+    repair = json.loads((out_dir / f"{run_files.DIFF}.json").read_text()).get("repair")
+    chosen = Repair.of(repair).chosen if repair else None
+    raised = chosen.rules if chosen else []
     return raised, [*raised, *own_rules(cfg)]

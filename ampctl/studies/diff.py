@@ -92,7 +92,7 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
             ranked = [row["layer"] for row in table.as_dicts() if row["out_local"] or row["dgrad_local"]
                       or row["wgrad_local"]]  # in the table's order: the error each adds itself
             noise = summary["gradient_noise"]
-            repair = _repaired(lambda said: run_repair(cfg, overrides, measure_candidate, ranked, policy.converted,
+            repair = _repaired(lambda said: run_repair(cfg, overrides, measure_candidate, ranked, policy.one_step_up,
                                                        noise, said), report, out_dir, console, phase)
             if repair.chosen is not None:
                 repair.config = repaired_config(overrides, own_rules(cfg), repair, out_dir)
@@ -110,7 +110,7 @@ def _repaired(search: Callable[[Callable[[Tried], None]], Repair], report: "Diff
 
     def said(result: Tried) -> None:
         tried.append(result)
-        raised = ", ".join(f"{rule['match']} -> {rule['run_in']}" for rule in result.rules)
+        raised = ", ".join(f"{rule.match} -> {rule.run_in}" for rule in result.rules)
         over = "" if result.error_over_noise is None else f" ({result.error_over_noise:.2g}x the noise)"
         phase(f"repair: set {len(tried)} ({raised}): the gradient's error {result.gradient_error:.1e}{over}")
 

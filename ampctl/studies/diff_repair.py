@@ -1,14 +1,15 @@
 """`ampctl diff diff.repair=true`: the fewest layers whose precision, raised one step, brings the candidate's
 gradient error under the yardstick (diff.noise_share of the gradient's batch-to-batch noise), measured, not guessed.
 
-One step up: a layer the mode converts to a format (FP8, MX) runs `unconverted`, as the rest of the model does; any
-other runs in fp32. The layers are tried in the diff's ranking (the error each adds itself), one more at a time,
-each set measured again on the same weights and batches (the whole model's error only: two forwards and backwards
-a batch), until the error is under the yardstick or diff.repair_layers layers are raised; then each chosen layer
-whose removal keeps the error under it is dropped, so that the set is the fewest that does it in that order. The
-rules go before the mode's own (the first rule that matches a layer decides it), which are kept; repaired.yaml is
-the run's config with them, as `ampctl train -cd DIR -cn repaired` runs it. Whether the repaired mode then trains
-as the reference does is decided by training, not by this measurement (diff.prove, studies/diff_proof.py).
+One step up (PrecisionPolicy.one_step_up, as escalation takes it): a layer the mode converts to a format (FP8, MX)
+runs `unconverted`, as the rest of the model does; a half one runs in fp32; one in fp32 already is not tried. The
+layers are tried in the diff's ranking (the error each adds itself), one more at a time, each set measured again on
+the same weights and batches (the whole model's error only: two forwards and backwards a batch), until the error is
+under the yardstick or diff.repair_layers layers are raised; then each chosen layer whose removal keeps the error
+under it is dropped, so that the set is the fewest that does it in that order. The rules go before the mode's own
+(the first rule that matches a layer decides it), which are kept; repaired.yaml is the run's config with them, as
+`ampctl train -cd DIR -cn repaired` runs it. Whether the repaired mode then trains as the reference does is decided
+by training, not by this measurement (diff.prove, studies/diff_proof.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from ampctl import io
 from ampctl.analysis.layer_errors import ModelErrors
 from ampctl.conf.composing import compose_job, loadable_config
+from ampctl.conf.precision_schema import LayerRule, rules_of
 from ampctl.studies.advice import Preparation
 
 REPAIRED = "repaired"  # <diff dir>/repaired.yaml
@@ -31,9 +33,15 @@ REPAIRED = "repaired"  # <diff dir>/repaired.yaml
 class Tried:
     """One set of raised layers, measured: the whole gradient's error and its ratio to the noise."""
 
-    rules: list[dict[str, str]]
+    rules: list[LayerRule]
     gradient_error: float
     error_over_noise: Optional[float]
+
+    def __post_init__(self) -> None:  # from diff.json: the rules as records hold them
+        self.rules = [rule if isinstance(rule, LayerRule) else LayerRule.of(rule) for rule in self.rules]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "rules": [rule.as_record() for rule in self.rules]}
 
 
 @dataclass
@@ -46,7 +54,8 @@ class Repair:
     interrupted: bool = False  # stopped by a signal before it chose (the ranking stands, written first)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "tried": [t.to_json() for t in self.tried],
+                "chosen": self.chosen.to_json() if self.chosen else None}
 
     @classmethod
     def of(cls, data: dict[str, Any]) -> "Repair":
@@ -56,21 +65,18 @@ class Repair:
                    data.get("config"), bool(data.get("interrupted")))
 
 
-def step_up(layer: str, converted: dict[str, str]) -> str:
-    """A format -> unconverted; anything else -> fp32."""
-    return "unconverted" if layer in converted else "fp32"
-
-
-def search(ranked: list[str], converted: dict[str, str], limit: int, noise_share: float,
-           measure_with: Callable[[list[dict[str, str]]], ModelErrors], noise: float,
+def search(ranked: list[str], step_up: Callable[[str], Optional[str]], limit: int, noise_share: float,
+           measure_with: Callable[[list[LayerRule]], ModelErrors], noise: float,
            said: Callable[[Tried], None] = lambda tried: None) -> Repair:
-    """The fewest layers of `ranked` (tried in its order, at most `limit`) whose raised precision brings the
-    gradient's error under noise_share of the noise; measure_with(rules) measures the candidate with those rules
-    before its own; said(tried) after each set is measured (the repair's progress)."""
+    """The fewest layers of `ranked` (tried in its order, at most `limit`, those that can go up: step_up(layer) is
+    what a layer runs in one step up, None where it cannot) whose raised precision brings the gradient's error under
+    noise_share of the noise; measure_with(rules) measures the candidate with those rules before its own;
+    said(tried) after each set is measured (the repair's progress)."""
     repair = Repair()
+    ranked = [name for name in ranked if step_up(name) is not None]
 
     def tried(layers: list[str]) -> Tried:
-        rules = [{"match": name, "run_in": step_up(name, converted)} for name in layers]
+        rules = [LayerRule.for_layer(name, step_up(name)) for name in layers]
         error = measure_with(rules).gradient.rel_rms
         result = Tried(rules, error, error / noise if noise else None)
         repair.tried.append(result)
@@ -95,7 +101,7 @@ def search(ranked: list[str], converted: dict[str, str], limit: int, noise_share
     return repair
 
 
-def repaired_config(overrides: list[str], own_rules: list[dict[str, str]], repair: Repair, out_dir: Path) -> str:
+def repaired_config(overrides: list[str], own_rules: list[LayerRule], repair: Repair, out_dir: Path) -> str:
     """repaired.yaml: the run's config with the repair's rules before the mode's own; returns its name."""
     rules = [*repair.chosen.rules, *own_rules] if repair.chosen else own_rules
     trains = [o for o in overrides if not o.lstrip("+~").startswith(("diff.", "compare."))]  # train has neither
@@ -105,10 +111,9 @@ def repaired_config(overrides: list[str], own_rules: list[dict[str, str]], repai
     return path.name
 
 
-def own_rules(cfg: DictConfig) -> list[dict[str, str]]:
-    """The mode's rules as the config has them (its defaults included), without unset keys."""
-    rules = OmegaConf.to_container(cfg.precision.rules, resolve=True, enum_to_str=True) or []
-    return [{k: str(v) for k, v in rule.items() if v is not None} for rule in rules]
+def own_rules(cfg: DictConfig) -> list[LayerRule]:
+    """The mode's rules as the config has them (its defaults included)."""
+    return rules_of(OmegaConf.to_container(cfg.precision, resolve=True, enum_to_str=True))
 
 
 def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list[str]:
@@ -123,10 +128,10 @@ def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list
                 f"); the error is not a few layers': see the ranking"]
     if not repair.chosen.rules:
         return ["repair: nothing to repair: the gradient's error is already under the yardstick"]
-    rules = ", ".join(f"{r['match']} -> {r['run_in']}" for r in repair.chosen.rules)
+    rules = ", ".join(f"{r.match} -> {r.run_in}" for r in repair.chosen.rules)
     n = len(repair.chosen.rules)
     converted = set(summary.get("converted_layers") or [])
-    if converted and converted <= {r["match"] for r in repair.chosen.rules}:
+    if converted and converted <= {r.match for r in repair.chosen.rules}:
         rules += "; every layer the mode converts: what is left is the mode without its format"
     lines = [f"repair: {io.count_of(n, 'layer')} raised ({rules}) {'brings' if n == 1 else 'bring'} the gradient's "
              f"error from {summary['gradient_error']:.1e} ({before:.2g}x the noise) to "
@@ -138,13 +143,13 @@ def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list
 
 
 def run_repair(cfg: DictConfig, overrides: list[str], measure_candidate: Callable[[DictConfig], ModelErrors],
-               ranked: list[str], converted: dict[str, str], noise: float,
+               ranked: list[str], step_up: Callable[[str], Optional[str]], noise: float,
                said: Callable[[Tried], None] = lambda tried: None) -> Repair:
     """The search with the candidate composed again for each set of rules; measure_candidate(config): its whole
     model's errors against the reference on the diff's weights and batches; said(tried): after each set."""
     own = own_rules(cfg)
 
-    def measure_with(rules: list[dict[str, str]]) -> ModelErrors:
+    def measure_with(rules: list[LayerRule]) -> ModelErrors:
         return measure_candidate(compose_job("diff", [*overrides, *Preparation({}, [*rules, *own]).overrides()]))
 
-    return search(ranked, converted, cfg.diff.repair_layers, cfg.diff.noise_share, measure_with, noise, said)
+    return search(ranked, step_up, cfg.diff.repair_layers, cfg.diff.noise_share, measure_with, noise, said)

@@ -298,6 +298,7 @@ def test_a_mode_ruled_out_by_its_accuracy_is_repaired_and_compared_again(tmp_pat
 
 def _repair_and_compare_again(tmp_path: Path) -> None:
     from ampctl.conf.composing import compose_job
+    from ampctl.conf.precision_schema import LayerRule
     from ampctl.reports import tables
     from ampctl.studies.advice import ModeEvidence, Preparation
     from ampctl.studies.advise import Advising, _compare_repaired
@@ -321,6 +322,6 @@ def _repair_and_compare_again(tmp_path: Path) -> None:
     (repaired,) = _compare_repaired(advising, [plans[0], *planned], None)
     assert repaired.mode == "bf16+repaired" and repaired.skipped is None and repaired.failed is None
     assert repaired.parity == "matches", repaired
-    assert prepared["bf16+repaired"].rules[0] == {"match": "cancel", "run_in": "fp32"}
+    assert prepared["bf16+repaired"].rules[0] == LayerRule(run_in="fp32", match="cancel")
     assert (tmp_path / "advice" / "diff_bf16" / "repaired.yaml").is_file()
     assert (tmp_path / "advice" / "compare_repaired" / "comparison.json").is_file()

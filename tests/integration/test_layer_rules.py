@@ -234,3 +234,30 @@ def test_the_layer_table_says_what_forward_hooks_see_in_every_mode(overrides):
     check_the_layer_table_against_hooks(*overrides)
 
 
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["precision=bf16"], {"0": "fp32", "2": "fp32"}),  # autocast's half layers
+    (["precision=O2"], {"0": "fp32", "2": "fp32"}),  # cast to half
+    (["precision=bf16", "precision.rules=[{match:'2',run_in:fp32}]"], {"0": "fp32", "2": None}),  # fp32 already
+    (["precision=fp32"], {"0": None, "2": None}),  # nothing higher (tf32's the same: no rule takes TF32 away)
+    (["precision=fp8_emulated"], {"0": "unconverted", "2": "unconverted"}),  # its format -> as the rest runs
+    (["precision=fp8_emulated", "precision.rules=[{match:'2',run_in:bf16}]"], {"0": "unconverted", "2": "fp32"}),
+])
+def test_one_step_up_is_the_one_escalation_and_the_repair_take(overrides, expected):
+    """PrecisionPolicy.one_step_up: escalation's raise and diff's repair's (search skips a layer it cannot raise),
+    one answer for both."""
+    from ampctl.studies.diff_repair import search
+
+    _, policy, _ = build(*overrides)
+    policy.convert_module(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1)))  # O2 keeps norms
+    assert {layer: policy.one_step_up(layer) for layer in ("0", "2")} == expected
+    measured: list[list[str]] = []
+
+    def measure_with(rules):
+        measured.append([f"{rule.match}->{rule.run_in}" for rule in rules])
+        return type("Errors", (), {"gradient": type("Sums", (), {"rel_rms": 1.0})()})()
+
+    search(["2", "0"], policy.one_step_up, 2, 0.1, measure_with, noise=1.0)
+    raisable = [layer for layer in ("2", "0") if expected[layer] is not None]
+    assert (measured[-1] if measured else []) == [f"{layer}->{expected[layer]}" for layer in raisable]  # all tried

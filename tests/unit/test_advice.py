@@ -4,7 +4,9 @@ reasons."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
+from ampctl.conf.precision_schema import LayerRule
 from ampctl.studies.advice import Advice, GradientEvidence, LayerLoss, ModeEvidence, decide, prepare
 
 FP32 = ModeEvidence("fp32", 1.0, 1.0, 1.0, peak_mib=100.0, seeds=3)
@@ -66,7 +68,7 @@ def test_the_fastest_matching_mode_wins_and_a_scaled_one_gets_its_scale_and_rule
     assert advice.mode == "fp16" and advice.rejected["bf16"].endswith("below fp16's 2.00x")
     # 65504 / 3.2 = 20470: the largest power of two below is 2^14, and one bit to spare makes it 2^13
     assert advice.scaler == {"init_scale": 2.0**13, "growth_interval": 2000}
-    assert advice.rules == [{"match": "head", "run_in": "fp32"}]
+    assert advice.rules == [LayerRule(run_in="fp32", match="head")]
     assert advice.overrides() == ["precision=fp16", "scaler.init_scale=8192.0", "scaler.growth_interval=2000",
                                   "precision.rules=[{match:'head',run_in:'fp32'}]"]
     assert any("overflows fp16 at GradScaler's 2^16" in r for r in advice.reasons)
@@ -110,13 +112,17 @@ def test_goal_accuracy_is_fp32_with_the_alternatives():
 def test_advice_round_trips_as_json():
     advice = decide([FP32, bf16()], None)
     assert Advice(**advice.to_json()) == advice
+    advice.rules = [LayerRule(run_in="fp32", match="head"), LayerRule(run_in="fp32", type="norm")]
+    record = advice.to_json()
+    assert record["rules"] == [{"match": "head", "run_in": "fp32"}, {"type": "norm", "run_in": "fp32"}]  # set keys
+    assert Advice(**json.loads(json.dumps(record))) == advice
 
 
 def test_o2s_own_rule_stays_after_the_advised_ones():
     """precision.rules replaces the mode's list: O2's norms-in-fp32 must be carried after the advised rules."""
-    norms = {"type": "norm", "run_in": "fp32"}
+    norms = LayerRule(run_in="fp32", type="norm")
     prepared = prepare("O2", GradientEvidence(3.2, 0.0, ("head",)), own_rules=[norms])
-    assert prepared.rules == [{"match": "head", "run_in": "fp32"}, norms]
+    assert prepared.rules == [LayerRule(run_in="fp32", match="head"), norms]
     assert prepare("O2", GradientEvidence(3.2, 0.0), own_rules=[norms]).rules == []  # nothing added: the mode's own
 
 
@@ -125,8 +131,8 @@ def test_a_converted_mode_keeps_the_layers_its_format_loses_too_much_of_unconver
               LayerLoss("head", "activation", 0.03)]
     prepared = prepare("fp8", None, losses, limit=0.01, measured_by="fp8 (by its tensorwise scale)")
     assert prepared.refused is None and prepared.scaler == {}
-    assert prepared.rules == [{"match": "blocks.0.fc", "run_in": "unconverted"},
-                              {"match": "head", "run_in": "unconverted"}]
+    assert prepared.rules == [LayerRule(run_in="unconverted", match="blocks.0.fc"),
+                              LayerRule(run_in="unconverted", match="head")]
     assert prepared.reasons == ["2 layers of 3 kept unconverted (precision.rules), as fp8 (by its tensorwise scale) "
                                 "loses more than advise.layer_loss_limit=0.01 of an operand there: blocks.0.fc "
                                 "(12.00% of its gradients), head (3.00% of its activations)"]
@@ -200,7 +206,7 @@ def test_a_repaired_row_is_advised_with_the_repairs_rules_before_the_modes_own()
     from ampctl.studies.advice import Preparation
 
     repaired = dataclasses.replace(bf16(speedup=1.6, speedup_low=1.5, speedup_high=1.7), mode="bf16+repaired")
-    rules = [{"match": "cancel", "run_in": "fp32"}]
+    rules = [LayerRule(run_in="fp32", match="cancel")]
     prepared = {"bf16+repaired": Preparation(rules=rules, reasons=["repaired by ampctl diff's repair"],
                                              summary="repaired: cancel -> fp32")}
     advice = decide([FP32, bf16(parity="differs", eval_loss_delta=0.7), repaired], prepared)

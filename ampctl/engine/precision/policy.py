@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ampctl.conf.options import typed_options
-from ampctl.conf.precision_schema import Dtype, PrecisionConfig
+from ampctl.conf.precision_schema import UNCONVERTED, Dtype, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import converters, fp32_math, layers
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
@@ -120,6 +120,19 @@ class PrecisionPolicy:
     def converted(self) -> dict[str, str]:
         """The layers a converter swapped, by name: their format."""
         return {} if self.layer_plan is None else {f: fmt for f, (_, fmt) in self.layer_plan.converted.items()}
+
+    def one_step_up(self, layer: str) -> Optional[str]:
+        """What `layer` runs in one step up from what it runs in now (a layer computed in a converter's format ->
+        unconverted; a half one -> fp32), the step escalation, diff's repair and advise take; None where it
+        computes in fp32 already (tf32 included: a rule cannot take TF32 from one layer)."""
+        if layer in self.converted:
+            return UNCONVERTED
+        now = self.layer_plan.run_in(layer) if self.layer_plan is not None else None
+        if now == "fp32":
+            return None
+        if now in ("bf16", "fp16"):
+            return "fp32"
+        return "fp32" if self.precision.autocast or self.precision.cast_model else None
 
     def weight_layout(self, model: nn.Module, grad_accum_steps: int = 1) -> WeightLayout:
         """The weights the optimizer steps on; their micro-batch gradients added up in fp32 where
