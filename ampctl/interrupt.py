@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Callable, Iterator, Optional
@@ -69,29 +70,46 @@ def signal_name(exc: BaseException) -> str:
     return signal.Signals(getattr(exc, "signum", signal.SIGINT)).name
 
 
-_RAISED: list[int] = []  # the stop signals raised as Signalled outside the loop (each ends the command)
-
 # A launcher forwards to its jobs the signal its process group got from the terminal (submitit's local controller,
 # torchrun's agent), so a Ctrl-C reaches a job twice, milliseconds apart: the same signal again this soon after the
 # first is that copy, not the user's second Ctrl-C (which would exit at once, without the stop's checkpoint).
 FORWARDED_WITHIN_S = 0.5
-_LAST_STOP: list[tuple[int, float]] = []  # the last stop signal that was not such a copy, and when
 
 
-def _note_stop(signum: int) -> None:
-    _LAST_STOP[:] = [(signum, time.monotonic())]
+@dataclass
+class SignalState:
+    """What this process's signal handlers have seen and set: the one place they keep it."""
+
+    raised: list[int] = field(default_factory=list)  # stop signals raised as Signalled outside the loop (each ends
+    # the command)
+    last_stop: Optional[tuple[int, float]] = None  # the last stop signal that was not a launcher's copy, and when
+    # the preemption signals whose handler the process's host set before ampctl's loop took them (submitit's job
+    # environment sets SIGUSR2's to checkpoint and requeue its job): each is handed back to it after the stop
+    hosts: dict[int, object] = field(default_factory=dict)
+    leaving_with: Optional[int] = None  # the exit code of a command that stopped on a signal and is leaving
+
+    def note_stop(self, signum: int) -> None:
+        self.last_stop = (signum, time.monotonic())
+
+    def a_forwarded_copy(self, signum: int) -> bool:
+        return self.last_stop is not None and self.last_stop[0] == signum and \
+            time.monotonic() - self.last_stop[1] < FORWARDED_WITHIN_S
+
+    def reset(self) -> None:
+        """As a fresh process has it (the tests' in-process commands: the process goes on after a command)."""
+        if self.leaving_with is not None:
+            atexit.unregister(_leave_now)
+        self.raised, self.last_stop, self.hosts, self.leaving_with = [], None, {}, None
 
 
-def _a_forwarded_copy(signum: int) -> bool:
-    return bool(_LAST_STOP) and _LAST_STOP[0][0] == signum and \
-        time.monotonic() - _LAST_STOP[0][1] < FORWARDED_WITHIN_S
+SIGNALS = SignalState()
 
 
 def _raise_signalled(signum: int, _frame: Optional[FrameType]) -> None:
-    if _a_forwarded_copy(signum):
+    if SIGNALS.a_forwarded_copy(signum):
         return
-    _note_stop(signum)
-    _RAISED.append(signum)
+    SIGNALS.note_stop(signum)
+    SIGNALS.raised.append(signum)
     raise Signalled(signum)
 
 
@@ -99,7 +117,7 @@ def _quiet_about_a_swallowed_signal(previous: Callable[[sys.UnraisableHookArgs],
                                     ) -> Callable[[sys.UnraisableHookArgs], None]:
     """A handler runs wherever the interpreter is when the signal lands, also inside a callback that cannot raise
     (importlib's module-lock clean-up, a weakref's callback, a __del__): Python prints the Signalled there as
-    "Exception ignored in" with its traceback and goes on. It is recorded (_RAISED) and ends the command as any
+    "Exception ignored in" with its traceback and goes on. It is recorded (SIGNALS.raised) and ends the command as any
     other does (raise_swallowed_signal; after a second Ctrl-C the command is ending already): its line is all that
     is said. Anything else goes to the hook that was there."""
     def hook(unraisable: sys.UnraisableHookArgs) -> None:
@@ -124,11 +142,6 @@ def raise_on_signals() -> None:
                 signal.signal(signum, _raise_signalled)
 
 
-# The preemption signals whose handler the process's host set before ampctl's loop took them (submitit's job
-# environment sets SIGUSR2's to checkpoint and requeue its job): each is handed back to it after the stop.
-_HOSTS: dict[int, object] = {}
-
-
 def _package_of(handler: object) -> str:
     return (getattr(handler, "__module__", None) or "").split(".")[0]
 
@@ -140,7 +153,7 @@ def _a_hosts_handler(handler: object) -> bool:
 
 def host_of(signum: int) -> Optional[str]:
     """The package whose handler had this preemption signal before ampctl's loop (submitit), or None."""
-    handler = _HOSTS.get(signum)
+    handler = SIGNALS.hosts.get(signum)
     return None if handler is None else (_package_of(handler) or "the process's host")
 
 
@@ -149,7 +162,7 @@ def hand_over(signum: int) -> tuple[Optional[int], Optional[str]]:
     host requeues the job and ends the process (submitit: SystemExit). Returns the exit code it chose (None when it
     returned without ending the process, as submitit's does on a rank other than 0) and, when it refused, why
     (submitit raises UncompletedJobError once a job has timed out hydra.launcher.max_num_timeout times)."""
-    handler = _HOSTS[signum]
+    handler = SIGNALS.hosts[signum]
     try:
         handler(signum, None)  # type: ignore[operator]
     except SystemExit as exc:
@@ -193,17 +206,17 @@ def raise_swallowed_signal() -> None:
     ImportError, which a library importing it optionally takes for a missing package (torch's FLOP counter
     importing triton). Blocking the signals meanwhile does not help: torch's threads would take them. Every
     Signalled that reaches ampctl ends the command, so one recorded in a command still running was swallowed."""
-    if _RAISED:
-        raise Signalled(_RAISED[-1])
+    if SIGNALS.raised:
+        raise Signalled(SIGNALS.raised[-1])
 
 
 def signal_raised() -> bool:
-    return bool(_RAISED)
+    return bool(SIGNALS.raised)
 
 
 class StopOnSignal:
     """SIGINT, SIGTERM, SIGHUP and a batch system's preemption warning (train.cluster.preempt_signal, or one its host
-    handles: _HOSTS): stop at the next step where the run can (after this step, or the next log step when ranks
+    handles: SIGNALS.hosts): stop at the next step where the run can (after this step, or the next log step when ranks
     must agree), with a checkpoint. The other preemption signals are ignored while it holds."""
 
     def __init__(self, announce: str = "after this step", preempt_signal: Optional[str] = None,
@@ -241,7 +254,7 @@ class StopOnSignal:
         if self.signum is not None:
             exit_at_once(signum, frame)
             return  # a launcher's copy of the first
-        _note_stop(signum)
+        SIGNALS.note_stop(signum)
         self.signum = signum
         if self._announce:
             print(f"\nampctl: {signal.Signals(signum).name}: stopping {self._announce} and writing a checkpoint "
@@ -253,7 +266,7 @@ class StopOnSignal:
             for signum in PREEMPT_SIGNALS:
                 handler = signal.getsignal(signum)
                 if _a_hosts_handler(handler):
-                    _HOSTS[signum] = handler
+                    SIGNALS.hosts[signum] = handler
                     self.ignored = [each for each in self.ignored if each != signum]
                     self.signals += [] if signum in self.signals else [signum]
             for signum in self.signals:
@@ -273,14 +286,11 @@ def exit_at_once(signum: int, _frame: Optional[FrameType] = None) -> None:
     """A second stop signal: one line, then exit now without unwinding (every checkpoint on disk is whole: each is
     written to a temporary name and renamed). A launcher's copy of the first signal is not another
     (FORWARDED_WITHIN_S)."""
-    if _a_forwarded_copy(signum):
+    if SIGNALS.a_forwarded_copy(signum):
         return
     os.write(2, f"\nampctl: {signal.Signals(signum).name} again: exiting at once (the checkpoints on disk are "
                 f"whole)\n".encode())
     os._exit(signal_exit_code(signum))
-
-
-_LEAVING_WITH: list[int] = []  # the exit code of a command that stopped on a signal and is leaving
 
 
 def exit_at_once_on_another_signal(signum: int, code: Optional[int] = None) -> None:
@@ -292,9 +302,9 @@ def exit_at_once_on_another_signal(signum: int, code: Optional[int] = None) -> N
         return
     for each in (*STOP_SIGNALS, *PREEMPT_SIGNALS):
         signal.signal(each, exit_at_once)
-    if not _LEAVING_WITH:
+    if SIGNALS.leaving_with is None:
         atexit.register(_leave_now)
-    _LEAVING_WITH[:] = [signal_exit_code(signum) if code is None else code]
+    SIGNALS.leaving_with = signal_exit_code(signum) if code is None else code
 
 
 def _leave_now() -> None:
@@ -305,13 +315,10 @@ def _leave_now() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(_LEAVING_WITH[0])
+    os._exit(SIGNALS.leaving_with if SIGNALS.leaving_with is not None else 0)
 
 
-_MASK_BEFORE: list[set] = []  # the main thread's signal mask before keep_ctrl_c_from_the_launchers_processes
-
-
-def keep_ctrl_c_from_the_launchers_processes() -> None:
+def keep_ctrl_c_from_the_launchers_processes() -> Optional[set]:
     """A sweep whose launcher starts a process of its own for each job (submitit's local controller) and stops it on
     Ctrl-C: the controller turns the terminal's SIGINT into a KeyboardInterrupt, sends its job SIGINT again and
     SIGKILL a second later (submitit.local.Controller.kill_tasks), which killed a job still writing its stop
@@ -319,12 +326,14 @@ def keep_ctrl_c_from_the_launchers_processes() -> None:
     a blocked signal is inherited across fork and exec, so the controller never receives it, and each ampctl job
     unblocks it (raise_on_signals) and stops on the terminal's Ctrl-C with its checkpoint; the controller then
     ends as its job does. This process still takes the Ctrl-C in its other threads (the sweep's progress watcher,
-    started before), which the interpreter hands to this thread's handler. Until give_ctrl_c_back()."""
-    if threading.current_thread() is threading.main_thread() and not _MASK_BEFORE:
-        _MASK_BEFORE.append(signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT]))
+    started before), which the interpreter hands to this thread's handler. Returns the mask it replaced, for
+    give_ctrl_c_back (None: not the main thread, nothing changed)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
 
 
-def give_ctrl_c_back() -> None:
+def give_ctrl_c_back(mask_before: Optional[set]) -> None:
     """The main thread's signal mask as it was before keep_ctrl_c_from_the_launchers_processes."""
-    if _MASK_BEFORE and threading.current_thread() is threading.main_thread():
-        signal.pthread_sigmask(signal.SIG_SETMASK, _MASK_BEFORE.pop())
+    if mask_before is not None and threading.current_thread() is threading.main_thread():
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask_before)

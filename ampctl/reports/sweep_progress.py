@@ -139,22 +139,13 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-_WATCHING: list[JobsProgress] = []  # the launcher process's watcher, while its sweep runs
-
-
 # Hydra's own launcher runs each job in the launcher's process, where the job's progress is printed already
 IN_PROCESS_LAUNCHERS = ("hydra._internal.core_plugins.basic_launcher.BasicLauncher",)
 
 
-def watch(sweep_dir: Path, total_jobs: int, started: float) -> None:
-    """Start printing the progress of the sweep's jobs from this (the launcher's) process; `started` is
-    time.perf_counter()'s when the sweep started."""
-    stop_watching()
+def watch(sweep_dir: Path, total_jobs: int, started: float) -> JobsProgress:
+    """Start printing the progress of the sweep's jobs from this (the launcher's) process, until its stop();
+    `started` is time.perf_counter()'s when the sweep started."""
     progress = JobsProgress(sweep_dir, total_jobs, started, lambda line: print(io.for_the_terminal(line), flush=True))
-    _WATCHING.append(progress)
     progress.start()
-
-
-def stop_watching() -> None:
-    while _WATCHING:
-        _WATCHING.pop().stop()
+    return progress

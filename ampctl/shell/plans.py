@@ -5,9 +5,8 @@ as it starts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
@@ -20,22 +19,11 @@ from ampctl.conf.typed import typed_config
 from ampctl.errors import ConfigError, UsageError
 from ampctl.processes import is_main_process
 from ampctl.shell.command import command_named
+from ampctl.shell.plan_kinds import Plan, StudyPlan
 from ampctl.shell.this_process import THIS_PROCESS
 
 if TYPE_CHECKING:
-    from ampctl.runner.plan import RunPlan
-
-
-@dataclass
-class StudyPlan:
-    """A study command's run as it will run, once checked: its config and its group choices."""
-
-    cfg: DictConfig
-    choices: dict[str, str]
-
-
-# A command's plan: a training run's (runner/plan.py) or a study's; each holds its checked config as .cfg
-Plan = Union["RunPlan", StudyPlan]
+    pass
 
 
 def typed(command: str, cfg: DictConfig) -> DictConfig:

@@ -15,7 +15,7 @@ from ampctl import io
 from ampctl.shell.result import Result
 
 if TYPE_CHECKING:
-    from ampctl.shell.plans import Plan
+    from ampctl.shell.plan_kinds import Plan
     from ampctl.shell.studies import Study
 
 PathLike = Union[str, Path]

@@ -16,10 +16,10 @@ from ampctl import io
 from ampctl.conf import sweeps
 from ampctl.conf.sweeps import SweepIdentity, planned_jobs
 from ampctl.errors import SomeRunsFailed
-from ampctl.interrupt import give_ctrl_c_back, keep_ctrl_c_from_the_launchers_processes
+from ampctl.interrupt import keep_ctrl_c_from_the_launchers_processes
 from ampctl.reports.sweep import write_sweep_report
-from ampctl.reports.sweep_progress import IN_PROCESS_LAUNCHERS, format_seconds, stop_watching, watch
-from ampctl.shell.this_process import THIS_PROCESS
+from ampctl.reports.sweep_progress import IN_PROCESS_LAUNCHERS, format_seconds, watch
+from ampctl.shell.this_process import THIS_PROCESS, RunningSweep
 
 # launchers whose per-job controller process kills its job a second after a Ctrl-C reaches it (submitit's local one)
 CONTROLLED_LAUNCHERS = ("hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",)
@@ -37,16 +37,17 @@ class SweepReport(Callback):
         trials = OmegaConf.select(config, "hydra.sweeper.n_trials")
         self.total_jobs = len(jobs) if jobs is not None else int(trials or 0)
         self.started = time.perf_counter()
-        sweep_dir = THIS_PROCESS.sweep_dir = Path(str(config.hydra.sweep.dir))
+        sweep = THIS_PROCESS.sweep = RunningSweep(Path(str(config.hydra.sweep.dir)))
+        sweep_dir = sweep.sweep_dir
         sweeps.clear_stop_request(sweep_dir)  # an earlier attempt's, which stopped it: this one goes on
         how_many = io.count_of(self.total_jobs, "job") if self.total_jobs else "its jobs"
         print(io.for_the_terminal(f"ampctl sweep: {how_many} in {sweep_dir}; if it stops, continue it with: "
                                   f"{SweepIdentity.of(config).command(sweep_dir)}"), flush=True)
         launcher = OmegaConf.select(config, "hydra.launcher._target_")
         if launcher not in IN_PROCESS_LAUNCHERS:
-            watch(sweep_dir, self.total_jobs, self.started)  # its jobs' progress lines are in their own logs
+            sweep.watcher = watch(sweep_dir, self.total_jobs, self.started)  # its jobs' lines are in their logs
         if launcher in CONTROLLED_LAUNCHERS:  # after the watcher's thread starts: it takes the Ctrl-C
-            keep_ctrl_c_from_the_launchers_processes()
+            sweep.mask_before = keep_ctrl_c_from_the_launchers_processes()
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or not self.total_jobs:
@@ -61,9 +62,7 @@ class SweepReport(Callback):
                                   f"elapsed {format_seconds(elapsed)} | {eta}"), flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        give_ctrl_c_back()
-        stop_watching()
-        THIS_PROCESS.sweep_dir = None
+        THIS_PROCESS.end_the_sweep()
         failed = write_sweep_report(Path(config.hydra.sweep.dir))
         if failed:
             raise SomeRunsFailed(failed)  # the table says which jobs failed and why; the exit code that some did

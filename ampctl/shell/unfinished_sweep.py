@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ampctl.conf import sweeps
 from ampctl.conf.sweeps import SweepIdentity
-from ampctl.interrupt import exit_at_once_on_another_signal, give_ctrl_c_back, interrupt_behind, signal_name
+from ampctl.interrupt import exit_at_once_on_another_signal, interrupt_behind, signal_name
 from ampctl.reports.runs import holder_pid
 from ampctl.shell.outcomes import leave
 from ampctl.shell.this_process import THIS_PROCESS
@@ -37,14 +37,10 @@ def _wait_for_stopping_jobs(sweep_dir: Path) -> None:
 def report_the_unfinished_sweep(command: str, exc: BaseException) -> None:
     """If this process launched a sweep that exc ended before its end: its table from what is on disk, and one line
     saying how it ended and what continues it; then the command leaves as the outcome table says."""
-    sweep_dir = THIS_PROCESS.take_sweep_dir()
-    give_ctrl_c_back()
+    sweep_dir = THIS_PROCESS.end_the_sweep()
     if sweep_dir is None:
         return
     from ampctl.reports.sweep import write_sweep_report  # its tables and plots: only once a sweep needs them
-    from ampctl.reports.sweep_progress import stop_watching
-
-    stop_watching()
 
     interrupt = interrupt_behind(exc)
     if interrupt is not None:  # another Ctrl-C while the jobs stop and the table is written: exit at once

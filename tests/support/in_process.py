@@ -65,14 +65,9 @@ def run_ampctl(*args: str, cwd: Optional[Path] = None, env: Optional[dict[str, s
 def _forget_a_signal_exit() -> None:
     """A command that stopped on a signal registers an exit handler that ends the process at once with its code
     (interrupt.exit_at_once_on_another_signal): here the process is the test's, which goes on."""
-    import atexit
+    from ampctl.interrupt import SIGNALS
 
-    from ampctl import interrupt
-
-    if interrupt._LEAVING_WITH:
-        atexit.unregister(interrupt._leave_now)
-        interrupt._LEAVING_WITH.clear()
-    interrupt._RAISED.clear()
+    SIGNALS.reset()
 
 
 def _forget_modules_of_experiment_dirs(added: set[str]) -> None:

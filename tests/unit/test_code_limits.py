@@ -135,3 +135,47 @@ def test_the_tests_share_helpers_through_tests_support_alone():
     found = [f"{path.relative_to(tests)}: {name}" for path in sorted(tests.rglob("*.py"))
              for name in imports.findall(path.read_text())]
     assert found == []
+
+
+# Module-level containers a function may change, each with its reason: a registry and memos of what a process makes
+# or measures once, and what the kernel holds for the process (its flocks, the files it created). Any other state
+# lives in one typed object, owned by whoever sets it (shell/this_process.THIS_PROCESS, interrupt.SIGNALS).
+MODULE_STATE_ALLOWED = {
+    ("engine/precision/converters.py", "_REGISTRY"): "the converters' registry (register_converter)",
+    ("engine/precision/layers.py", "_SCOPED"): "the class made for each scoped layer type, made once",
+    ("analysis/cpu_speed.py", "_measured"): "this process's measurement of its CPU, taken once",
+    ("runner/ownership.py", "_held"): "the run directories this process holds a flock on",
+    ("runner/identity.py", "_CREATED"): "the identity.json files this process wrote",
+}
+MUTATORS = {"append", "add", "update", "clear", "pop", "setdefault", "extend", "remove", "discard", "popitem", "insert",
+            "sort", "reverse"}
+
+
+def module_state_changed_in_functions() -> set[tuple[str, str]]:
+    """(module, name) for each module-level name a function rebinds (`global`) or changes in place (a mutating
+    method, an item assigned or deleted)."""
+    changed = set()
+    for path, tree in modules().items():
+        where = str(path.relative_to(PACKAGE))
+        names = {target.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 if isinstance(target, ast.Name)}
+        for function in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Global):
+                    changed.update((where, name) for name in node.names)
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                      and isinstance(node.func.value, ast.Name) and node.func.value.id in names
+                      and node.func.attr in MUTATORS):
+                    changed.add((where, node.func.value.id))
+                elif isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                    targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                    changed.update((where, t.value.id) for t in targets if isinstance(t, ast.Subscript)
+                                   and isinstance(t.value, ast.Name) and t.value.id in names)
+    return changed
+
+
+def test_no_module_level_container_is_changed_in_a_function_outside_the_allow_list():
+    changed = module_state_changed_in_functions()
+    assert changed - set(MODULE_STATE_ALLOWED) == set(), sorted(changed - set(MODULE_STATE_ALLOWED))
+    assert set(MODULE_STATE_ALLOWED) <= changed, "an allowed one is gone: take it off the list"
