@@ -43,15 +43,11 @@ ROWS = (METRICS, EVALS, RANGES, LAYER_ERRORS, ESCALATIONS)
 RECORDS = (*ROWS, SUMMARY, DIAGNOSIS)  # what a run recorded: another run never replaces them
 # the studies' table stems: comparison.json, memory.json, ranges.json are their records
 COMPARISON, MEMORY, INSPECTION, ADVICE, DIFF = "comparison", "memory", "ranges", "advice", "diff"
-# advice first: an advice's directory holds the other studies' in directories of their own
-STUDY_RECORDS = tuple(f"{stem}.json" for stem in (ADVICE, COMPARISON, MEMORY, INSPECTION, DIFF))
-# what `ampctl report PATH` renders again, in its usage line and its refusals
-REPORTABLE = "a run, multirun, compare, memory, inspect, diff or advise directory"
 
-# each command's log, by its name
-COMMAND_LOGS = (TRAIN_LOG, "compare.log", "memory.log", "inspect.log", "advise.log", "diff.log")
-# What a command that recorded nothing leaves (Hydra's own files, its log, the lock): a directory holding only
-# these is free for a new run, and is removed when a run is refused (commands/train.py)
-LEFTOVERS = frozenset({HYDRA, *COMMAND_LOGS, LOCK})
+# What a command that recorded nothing leaves (Hydra's own files, the lock, and its log: <hydra.job.name>.log, the
+# command's name, as its .hydra/hydra.yaml says: runner/ownership.is_leftover): a directory holding only these is
+# free for a new run, and is removed when a run is refused (commands/train.py)
+LEFTOVERS = frozenset({HYDRA, LOCK})
 # Every name a run writes at the top of its directory: a tracker's files may be none of these
-RUN_OWN_NAMES = frozenset({*RECORDS, *LEFTOVERS, IDENTITY, CHECKPOINTS, "profile", "wandb"})
+RUN_OWN_NAMES = frozenset({*RECORDS, *LEFTOVERS, TRAIN_LOG, IDENTITY, CHECKPOINTS, "profile", "wandb"})
+

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from ampctl import run_files
 from ampctl.conf.schema import AdviseAppConfig, validate
 from ampctl.shell.checks import one_device_only, options_of_their_groups
-from ampctl.shell.command import Command, Section
+from ampctl.shell.command import Command, Section, lazily
 from ampctl.shell.python_api import study_api
 from ampctl.shell.studies import Study, study_app
 
@@ -36,4 +36,5 @@ COMMAND = Command(
     name="advise", summary=SUMMARY, section=Section.STUDY, schema=AdviseAppConfig, check=check,
     main=study_app("advise", run, interrupted_means=" (nothing was compared yet: no advice)",
                    stopped_with="the advice of what was measured is in {out_dir}"),
-    api=study_api("advise", run, run_files.ADVICE, SUMMARY))
+    api=study_api("advise", run, run_files.ADVICE, SUMMARY),
+    record=run_files.ADVICE, rerender=lazily("ampctl.studies.advice_report:rerender"))

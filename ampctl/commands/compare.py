@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from ampctl import run_files
 from ampctl.conf.schema import CompareAppConfig
 from ampctl.shell.checks import one_device_only, options_of_their_groups, validate_with_loggers
-from ampctl.shell.command import Command, Section
+from ampctl.shell.command import Command, Section, lazily
 from ampctl.shell.python_api import study_api
 from ampctl.shell.studies import Study, study_app
 
@@ -35,4 +35,5 @@ COMMAND = Command(
     name="compare", summary=SUMMARY, section=Section.STUDY, schema=CompareAppConfig, check=check,
     main=study_app("compare", run, stopped_with="the modes run so far are compared in {out_dir} (each interrupted "
                                                 "mode's line above says whether and how it continues)"),
-    api=study_api("compare", run, run_files.COMPARISON, SUMMARY))
+    api=study_api("compare", run, run_files.COMPARISON, SUMMARY),
+    record=run_files.COMPARISON, rerender=lazily("ampctl.studies.compare:rerender"))

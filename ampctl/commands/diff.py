@@ -11,7 +11,7 @@ from ampctl import run_files
 from ampctl.conf.schema import DiffAppConfig, validate
 from ampctl.errors import UsageError
 from ampctl.shell.checks import one_device_only, options_of_their_groups
-from ampctl.shell.command import Command, Section
+from ampctl.shell.command import Command, Section, lazily
 from ampctl.shell.python_api import study_api
 from ampctl.shell.studies import Study, study_app
 
@@ -42,4 +42,5 @@ COMMAND = Command(name="diff", summary=SUMMARY, section=Section.STUDY, schema=Di
                   main=study_app("diff", run, stopped_with="the diff's figures are in {out_dir}, its proof's runs so "
                                                           "far in {out_dir}/proof (each continues with its line "
                                                           "above)"),
-                  api=study_api("diff", run, run_files.DIFF, SUMMARY))
+                  api=study_api("diff", run, run_files.DIFF, SUMMARY),
+                  record=run_files.DIFF, rerender=lazily("ampctl.studies.diff:rerender"))

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from ampctl import run_files
 from ampctl.conf.schema import InspectAppConfig, validate
 from ampctl.shell.checks import one_device_only
-from ampctl.shell.command import Command, Section
+from ampctl.shell.command import Command, Section, lazily
 from ampctl.shell.python_api import study_api
 from ampctl.shell.studies import Study, study_app
 
@@ -34,4 +34,5 @@ def run(study: Study) -> Optional[int]:
 
 
 COMMAND = Command(name="inspect", summary=SUMMARY, section=Section.STUDY, schema=InspectAppConfig, check=check,
-                  main=study_app("inspect", run), api=study_api("inspect", run, run_files.INSPECTION, SUMMARY))
+                  main=study_app("inspect", run), api=study_api("inspect", run, run_files.INSPECTION, SUMMARY),
+                  record=run_files.INSPECTION, rerender=lazily("ampctl.studies.inspect_ranges:rerender"))

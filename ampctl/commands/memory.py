@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from ampctl import run_files
 from ampctl.conf.schema import MemoryAppConfig, validate
 from ampctl.shell.checks import one_device_only, options_of_their_groups
-from ampctl.shell.command import Command, Section
+from ampctl.shell.command import Command, Section, lazily
 from ampctl.shell.python_api import study_api
 from ampctl.shell.studies import Study, study_app
 
@@ -35,4 +35,5 @@ def run(study: Study) -> Optional[int]:
 
 
 COMMAND = Command(name="memory", summary=SUMMARY, section=Section.STUDY, schema=MemoryAppConfig, check=check,
-                  main=study_app("memory", run), api=study_api("memory", run, run_files.MEMORY, SUMMARY))
+                  main=study_app("memory", run), api=study_api("memory", run, run_files.MEMORY, SUMMARY),
+                  record=run_files.MEMORY, rerender=lazily("ampctl.studies.memory:rerender"))

@@ -6,12 +6,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Optional
+
+import yaml
 
 from ampctl import io, run_files
 from ampctl.conf.sweeps import SWEEP_RECORD, SweepIdentity
@@ -31,16 +34,35 @@ def run_records(run_dir: Path) -> list[str]:
     return found
 
 
-def is_leftover(path: Path) -> bool:
+def is_leftover(path: Path, logs: Optional[set[str]] = None) -> bool:
+    """Whether path is what a command that recorded nothing leaves in its directory: Hydra's files, the lock, an
+    empty metrics.jsonl, or the command's log (`logs`: job_logs(its directory), read once for a directory's files)."""
     empty_metrics = path.name == run_files.METRICS and path.is_file() and not path.stat().st_size
-    return path.name in run_files.LEFTOVERS or empty_metrics
+    logs = job_logs(path.parent) if logs is None else logs
+    return path.name in run_files.LEFTOVERS or path.name in logs or empty_metrics
+
+
+def job_logs(directory: Path) -> set[str]:
+    """The logs of the commands that ran in directory: Hydra's job logging writes <hydra.job.name>.log (the
+    command's name: each command's YAML sets it), as the directory's .hydra/hydra.yaml records it, and as this
+    process's own log handlers name it (Hydra opens the log before it writes hydra.yaml: a command stopped between
+    the two has only its handler to say so)."""
+    logs = {Path(handler.baseFilename).name for handler in logging.getLogger().handlers
+            if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == directory.resolve()}
+    try:
+        recorded = yaml.safe_load((directory / run_files.HYDRA / "hydra.yaml").read_text())
+        logs.add(f"{recorded['hydra']['job']['name']}.log")
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        pass
+    return logs
 
 
 def what_it_holds(directory: Path) -> list[str]:
     """What directory holds beyond the leftovers of a command that recorded nothing (folders end in /)."""
     if not directory.is_dir():
         return []
-    return sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir() if not is_leftover(p))
+    logs = job_logs(directory)
+    return sorted(p.name + ("/" if p.is_dir() else "") for p in directory.iterdir() if not is_leftover(p, logs))
 
 
 def _listed(names: list[str]) -> str:
@@ -310,7 +332,8 @@ def _row_step(line: str) -> Optional[int]:
 
 def remove_if_only_hydra_files(run_dir: Path) -> None:
     """A run refused before it recorded a step leaves no directory behind (Hydra creates it before the job)."""
-    if run_dir.is_dir() and all(is_leftover(p) or created_here(p) for p in run_dir.iterdir()):
+    logs = job_logs(run_dir)
+    if run_dir.is_dir() and all(is_leftover(p, logs) or created_here(p) for p in run_dir.iterdir()):
         shutil.rmtree(run_dir)
         # and the dated folders Hydra made for it (outputs/<date>/), when nothing else is in them
         here = Path.cwd().resolve()

@@ -11,6 +11,7 @@ import functools
 import importlib
 import pkgutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
@@ -54,6 +55,10 @@ class Command:
     spans_torchrun_ranks: bool = False
     # `-m ... resume=auto` continues the sweep its directory holds, with that sweep's own command line
     continues_sweeps: bool = False
+    # a study's record in its directory (<record>.json: what its Python API returns, and what `ampctl report` finds
+    # there), and how `ampctl report` renders it again: (the directory, a rich console) -> the failed runs in it
+    record: Optional[str] = None
+    rerender: Optional[Callable[[Path, Any], Optional[int]]] = None
 
     @property
     def is_hydra_app(self) -> bool:
@@ -72,6 +77,22 @@ def registry() -> dict[str, Command]:
             found.append(command)
     order = list(Section)
     return {c.name: c for c in sorted(found, key=lambda c: (order.index(c.section), c.name))}
+
+
+def lazily(target: str) -> Callable[..., Any]:
+    """`package.module:function`, imported when it is first called: a study's module imports torch, which --help
+    and completion do not."""
+    module, _, function = target.partition(":")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), function)(*args, **kwargs)
+
+    return call
+
+
+def rerenderable() -> dict[str, Command]:
+    """The commands `ampctl report` renders again, by their record's file name, in the registry's order."""
+    return {f"{c.record}.json": c for c in registry().values() if c.record is not None and c.rerender is not None}
 
 
 def command_named(name: str) -> Command:

@@ -297,6 +297,14 @@ def child_command(plan: ModePlan, run_dir: Path, warmup_steps: int, config_dir: 
             *extra, f"hydra.run.dir={run_dir}", "train.console=quiet", f"train.timing_warmup_steps={warmup_steps}"]
 
 
+def rerender(out_dir: Path, console: Console) -> int:
+    """`ampctl report` of a comparison's directory, from its comparison.json."""
+    meta = json.loads((out_dir / f"{run_files.COMPARISON}.json").read_text())
+    spans = [tuple(span) for span in meta["rounds"]] if meta.get("rounds") else None
+    return write_comparison_report(out_dir, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console,
+                                   spans, meta.get("seeds"), meta.get("per_seed"))
+
+
 def write_comparison_report(out_dir: Path, modes: list[str], skipped: dict[str, str], overrides: list[str],
                             console: Optional[Console], spans: Optional[list[tuple[int, int]]],
                             seeds: Optional[list[int]] = None, per_seed: Optional[bool] = None) -> int:

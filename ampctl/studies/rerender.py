@@ -1,10 +1,13 @@
-"""What `ampctl report PATH` renders, by the kind of directory: a run, a multirun, or a study's JSON record (compare,
-memory, inspect, advise); commands/report.py is its command line."""
+"""What `ampctl report PATH` renders, by the kind of directory: a run, a multirun, or a study's JSON record (each
+study command's record and rerender, from its COMMAND: shell/command.rerenderable); commands/report.py is its
+command line."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+from rich.console import Console
 
 from ampctl import run_files
 from ampctl.conf.sweeps import SWEEP_RECORD
@@ -13,18 +16,22 @@ from ampctl.reports import tables
 from ampctl.reports.runs import find_runs, is_run_dir, load_run, row_problems
 from ampctl.reports.sweep import write_sweep_report
 
+# a study's record file -> how its directory is rendered again: (the directory, a console) -> its failed runs
+Rerenders = Mapping[str, Callable[[Path, Console], Optional[int]]]
 
-def render(path: Path) -> int:
-    """Render the report for path; returns the number of failed runs in it. Raises UsageError."""
+
+def render(path: Path, records: Rerenders, reportable: str) -> int:
+    """Render the report for path; returns the number of failed runs in it. records: the studies' (each study
+    command's record and its rerender); reportable: what PATH may be, in words. Raises UsageError."""
     if not path.exists():
-        raise UsageError(f"PATH={str(path)!r} does not exist; give {run_files.REPORTABLE}")
+        raise UsageError(f"PATH={str(path)!r} does not exist; give {reportable}")
     if not path.is_dir():
-        raise UsageError(f"PATH={str(path)!r} is a file; give {run_files.REPORTABLE}")
+        raise UsageError(f"PATH={str(path)!r} is a file; give {reportable}")
     console = tables.make_console()
-    for record in run_files.STUDY_RECORDS:
+    for record, rerender in records.items():  # advise's first: its directory holds the other studies' in their own
         if (path / record).is_file():
             try:
-                return _render_record(path, record, console)
+                return rerender(path, console) or 0
             except (ValueError, KeyError, TypeError) as exc:  # json's errors are ValueErrors
                 raise UsageError(f"{path / record} is not a whole ampctl record ({type(exc).__name__}: {exc}); "
                                  "run the command that wrote it again") from None
@@ -48,10 +55,8 @@ def render(path: Path) -> int:
         return write_sweep_report(path, console)
     if find_runs(path):  # runs of ampctl's in a directory it did not make (outputs/, a folder of the user's)
         return write_sweep_report(path, console, writes=False)
-    raise UsageError(
-        f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
-        "no comparison.json, memory.json, ranges.json, advice.json or diff.json)"
-    )
+    raise UsageError(f"PATH={str(path)!r} holds no ampctl runs (no summary.json or metrics.jsonl, no multirun.yaml, "
+                     f"no {', '.join(records)})")
 
 
 def _render_unfinished(run, console) -> None:
@@ -63,26 +68,3 @@ def _render_unfinished(run, console) -> None:
         tables.print_table(tables.ReportTable(f"run {run.path} (last row)", ["key", "value"],
                                               [[k, last[k]] for k in keys if k in last]), console)
     console.print(f"{run.unfinished}; no report written (it is written from the finished run's summary)")
-
-
-def _render_record(path: Path, record: str, console) -> int:
-    """A compare, memory, inspect, advise or diff directory, from the JSON record its command wrote."""
-    if record == f"{run_files.COMPARISON}.json":
-        from ampctl.studies.compare import write_comparison_report  # torch: not for --help
-
-        meta = json.loads((path / record).read_text())
-        spans = [tuple(span) for span in meta["rounds"]] if meta.get("rounds") else None
-        return write_comparison_report(path, meta["modes"], meta.get("skipped", {}), meta.get("overrides", []), console,
-                                       spans, meta.get("seeds"), meta.get("per_seed"))
-    if record == f"{run_files.ADVICE}.json":
-        from ampctl.studies.advice_report import rerender
-    elif record == f"{run_files.MEMORY}.json":
-        from ampctl.studies.memory import rerender
-    elif record == f"{run_files.DIFF}.json":
-        from ampctl.studies.diff import rerender
-    else:
-        from ampctl.studies.inspect_ranges import rerender
-    rerender(path, console)
-    return 0
-
-

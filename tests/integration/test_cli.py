@@ -455,4 +455,4 @@ def test_report_of_a_directory_that_is_no_sweep_writes_nothing_into_it(tmp_path)
     assert sorted(p.name for p in folder.iterdir()) == ["a", "report.md"]
     assert (folder / "report.md").read_text() == "my notes\n"
     helped = run_ampctl("report", "--help", cwd=tmp_path)
-    assert "a run, multirun, compare, memory, inspect, diff or advise directory" in helped.stdout
+    assert "a run, multirun, advise, compare, diff, inspect or memory directory" in helped.stdout

@@ -1,6 +1,7 @@
 """A command is declared once: a checkout of ampctl with three new files, the command's module (its COMMAND record),
 its YAML and its study, has the command on the command line (routing, --help, one-line refusals, Hydra's own
---help and run directories) and in Python (ampctl.<name>()), with nothing else edited. docs/architecture.md's
+--help and run directories, its log, `ampctl report` of its record) and in Python (ampctl.<name>()), with nothing
+else edited. docs/architecture.md's
 checklist names the same three files."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from omegaconf import DictConfig
 from ampctl.conf.schema import AmpctlConfig, validate
 from ampctl.conf.value_checks import require
 from ampctl.shell.checks import one_device_only
-from ampctl.shell.command import Command, Section
+from ampctl.shell.command import Command, Section, lazily
 from ampctl.shell.python_api import study_api
 from ampctl.shell.studies import Study, study_app
 
@@ -63,7 +64,8 @@ def run(study: Study) -> Optional[int]:
 
 
 COMMAND = Command(name="greet", summary=SUMMARY, section=Section.STUDY, schema=GreetAppConfig, check=check,
-                  main=study_app("greet", run), api=study_api("greet", run, "greeting", SUMMARY))
+                  main=study_app("greet", run), api=study_api("greet", run, "greeting", SUMMARY),
+                  record="greeting", rerender=lazily("ampctl.studies.greet:rerender"))
 '''
 
 COMMAND_YAML = """# Primary config of `ampctl greet`: everything of `ampctl train`, plus the greet node.
@@ -104,6 +106,14 @@ def run_greet(cfg: DictConfig, out_dir: Path) -> None:
     line = " ".join([cfg.greet.greeting] * cfg.greet.times) + f", {count} parameters"
     (out_dir / "greeting.json").write_text(json.dumps({"line": line, "parameters": count}))
     print(line)
+
+
+def rerender(out_dir: Path, console) -> int:
+    """`ampctl report` of a greeting's directory: its line again, and greeting.md."""
+    line = json.loads((out_dir / "greeting.json").read_text())["line"]
+    (out_dir / "greeting.md").write_text(f"# greeting\\n\\n{line}\\n")
+    console.print(line)
+    return 0
 '''
 
 
@@ -138,6 +148,19 @@ def test_a_command_is_its_module_its_yaml_and_its_study(checkout, tmp_path):
     record = json.loads((tmp_path / "out" / "greeting.json").read_text())
     assert record["line"].startswith("hello hello, ") and record["parameters"] > 0
     assert (tmp_path / "out" / ".hydra" / "config.yaml").is_file()  # Hydra's run directory, as every command's
+    assert (tmp_path / "out" / "greet.log").is_file()  # and its log
+
+    reported = ampctl(checkout, tmp_path, "report", "out")  # its record rendered again, from its COMMAND alone
+    assert reported.returncode == 0 and record["line"] in reported.stdout, reported.stderr[-2000:]
+    assert (tmp_path / "out" / "greeting.md").read_text() == f"# greeting\n\n{record['line']}\n"
+    assert "greet" in ampctl(checkout, tmp_path, "report", "--help").stdout
+
+    # what a start that recorded nothing leaves (Hydra's files, its log) does not hold the directory
+    left = tmp_path / "left"
+    shutil.copytree(tmp_path / "out" / ".hydra", left / ".hydra")
+    shutil.copy(tmp_path / "out" / "greet.log", left / "greet.log")
+    again = ampctl(checkout, tmp_path, "greet", "device=cpu", "recipe=mlp", "hydra.run.dir=left")
+    assert again.returncode == 0 and (left / "greeting.json").is_file(), again.stderr[-2000:]
 
     refused = ampctl(checkout, tmp_path, "greet", "device=cpu", "greet.times=0", "hydra.run.dir=bad")
     assert (refused.returncode, refused.stderr) == (2, "ampctl greet: error: greet.times=0 is not allowed: expected "
