@@ -29,7 +29,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write, fsync, rename, fsync the directory: a record a resume trusts survives a power cut whole or not at all.
     The temporary name is unique (two writers of one path, a rank and a callback, never share one) and ends in
-    `.tmp`, which a run that starts again removes (runner/checkpoint_files.remove_stale_files)."""
+    `.tmp`, which a run that starts again removes (runner/checkpointing/checkpoint_files.remove_stale_files)."""
     import secrets
 
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")

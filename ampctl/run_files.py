@@ -7,11 +7,13 @@ constants; docstrings and messages may say the names.
       evals.jsonl          one row per held-out evaluation (runner/eval_records.py)
       ranges.jsonl         telemetry.ranges_every's per-layer value ranges (analysis/ranges.py)
       diffs.jsonl          train.diff.every's per-layer error against fp32 (runner/layer_error_log.py)
-      escalations.jsonl    guard.on_trip=escalate's escalations: layers raised, from which step (runner/escalation.py)
+      escalations.jsonl    guard.on_trip=escalate's escalations: layers raised, from which step
+                           (runner/guarding/escalation.py)
       summary.json         what ran, and its figures, when it ends (runner/run.py)
-      diagnosis.json       the layer a guard's stop found (runner/diagnose.py)
+      diagnosis.json       the layer a guard's stop found (runner/guarding/diagnose.py)
       trackers.json        the tracker runs a resume continues (runner/trackers/)
-      checkpoints/         step_NNNNNNNN.pt (or .dcp/) with .sha256 sidecars, best/ (runner/checkpoint_files.py)
+      checkpoints/         step_NNNNNNNN.pt (or .dcp/) with .sha256 sidecars, best/
+                           (runner/checkpointing/checkpoint_files.py)
       train.log            the run's log (compare.log, memory.log, inspect.log, advise.log, diff.log for those)
       error.txt            a failed multirun job's one line (the sweep's table shows it)
       .ampctl.lock         held (flock) by the process recording into the directory; the kernel frees it on kill

@@ -1,4 +1,5 @@
-"""ampctl's checkpoint saving process (runner/checkpoint_process.py, distributed.async_checkpointer=process) against
+"""ampctl's checkpoint saving process (runner/checkpointing/checkpoint_process.py,
+distributed.async_checkpointer=process) against
 DCP's own, `dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)`, on the same states: what the
 training process waits for at each save (the copy out of its states), how long until the checkpoint is on disk, and
 what each prints on the terminal and at the process's end.
@@ -39,7 +40,7 @@ def one_process(side: str, mib: int, saves: int, out_dir: Path) -> None:
     blocked, written = [], []
     if side == "ampctl":
         from ampctl.engine.parallel import Parallel
-        from ampctl.runner.checkpoint_process import SavingProcess
+        from ampctl.runner.checkpointing.checkpoint_process import SavingProcess
 
         saver = SavingProcess(Parallel(), timeout_s=600)
         save = lambda step: saver.save(states, str(out_dir / f"step_{step}"))  # noqa: E731

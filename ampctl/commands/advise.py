@@ -25,8 +25,8 @@ def check(cfg: DictConfig) -> None:
 
 
 def run(study: Study) -> Optional[int]:
-    from ampctl.studies.advise import run_advise  # torch: imported by the advice, not by --help
-    from ampctl.studies.diff import run_diff  # a mode ruled out by its accuracy is repaired with it
+    from ampctl.studies.advising.advise import run_advise  # torch: imported by the advice, not by --help
+    from ampctl.studies.diffing.diff import run_diff  # a mode ruled out by its accuracy is repaired with it
 
     run_advise(study.cfg, study.out_dir, study.overrides, study.config_dir, run_diff)
     return None
@@ -37,4 +37,4 @@ COMMAND = Command(
     main=study_app("advise", run, interrupted_means=" (nothing was compared yet: no advice)",
                    stopped_with="the advice of what was measured is in {out_dir}"),
     api=study_api("advise", run, run_files.ADVICE, SUMMARY),
-    record=run_files.ADVICE, rerender=lazily("ampctl.studies.advice_report:rerender"))
+    record=run_files.ADVICE, rerender=lazily("ampctl.studies.advising.advice_report:rerender"))

@@ -30,8 +30,8 @@ def check(cfg: DictConfig) -> None:
 def run(study: Study) -> Optional[int]:
     import functools
 
-    from ampctl.studies.diff import run_diff  # torch: imported by a diff, not by --help
-    from ampctl.studies.diff_proof import prove
+    from ampctl.studies.diffing.diff import run_diff  # torch: imported by a diff, not by --help
+    from ampctl.studies.diffing.diff_proof import prove
 
     prover = functools.partial(prove, config_dir=study.config_dir) if study.cfg.diff.prove else None
     run_diff(study.cfg, study.out_dir, study.overrides, prover)
@@ -43,4 +43,4 @@ COMMAND = Command(name="diff", summary=SUMMARY, section=Section.STUDY, schema=Di
                                                           "far in {out_dir}/proof (each continues with its line "
                                                           "above)"),
                   api=study_api("diff", run, run_files.DIFF, SUMMARY),
-                  record=run_files.DIFF, rerender=lazily("ampctl.studies.diff:rerender"))
+                  record=run_files.DIFF, rerender=lazily("ampctl.studies.diffing.diff:rerender"))

@@ -1,5 +1,6 @@
 """`ampctl export PATH [export.dtype=...] [export.format=...] [export.weights=...] [export.dir=...]`: a checkpoint's
-weights in the dtype they are served in (runner/export.py). Its settings are composed from conf/export.yaml as every
+weights in the dtype they are served in (runner/checkpointing/export.py). Its settings are composed from
+conf/export.yaml as every
 command's are. A bad argument, a checkpoint that fails its check or a directory that exists is one line, exit 2,
 nothing written."""
 
@@ -69,7 +70,7 @@ def main() -> None:
                          + (f"; got {args[0]!r}" if args else ""))
     settings = export_settings(args[1:])
     from ampctl import io
-    from ampctl.runner.export import export  # torch: imported for an export, not for its usage line
+    from ampctl.runner.checkpointing.export import export  # torch: imported for an export, not for its usage line
 
     exported = export(Path(args[0]), settings)  # a full disk, a read-only directory: nothing was written
     if exported.is_main:
@@ -79,7 +80,7 @@ def main() -> None:
 def export_from_python(path: PathLike, overrides: Sequence[str] = ()) -> Result:
     """`ampctl export PATH [export.dtype=... ...]`: a checkpoint's weights (PATH: a run directory or a checkpoint)
     in the dtype you serve; returns the export's directory and its export.json."""
-    from ampctl.runner.export import RECORD, export
+    from ampctl.runner.checkpointing.export import RECORD, export
 
     exported = export(Path(path), export_settings(overrides), say=lambda _line: None)
     return Result(exported.path, json.loads((exported.path / RECORD).read_text()))

@@ -25,7 +25,7 @@ from ampctl.conf.sweeps import SweepIdentity
 from ampctl.errors import NothingToDo, RecipeFailed, RunStopped, UsageError
 from ampctl.interrupt import Interrupted, hand_over, host_of, interrupt_behind, signal_name
 from ampctl.processes import is_main_process, torchrun_world_size
-from ampctl.runner import checkpoint_files
+from ampctl.runner.checkpointing import checkpoint_files
 from ampctl.runner.ownership import holding, remove_if_only_hydra_files
 from ampctl.shell.command import Command, Section
 from ampctl.shell.outcomes import ENDINGS, Outcome, leave, outcome_of, write_refused_line

@@ -36,7 +36,8 @@ class ExportConfig:
     weights: ExportWeights = ExportWeights.model
     # the directory the export is written to, which must not exist; null: <run dir>/exports/step_<N>-<weights>-<dtype>
     dir: Optional[str] = None
-    # a sharded (DCP) checkpoint's safetensors export (runner/export_sharded.py): HuggingFace's sharded layout, each
+    # a sharded (DCP) checkpoint's safetensors export (runner/checkpointing/export_sharded.py): HuggingFace's sharded
+    # layout, each
     # file at most this many MiB of tensors (transformers' save_pretrained shards at 5 GB)
     max_file_mb: float = 5000.0
     # under torchrun, each rank writes its row block of every tensor; rank 0 then joins them into whole tensors

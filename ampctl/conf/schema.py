@@ -59,7 +59,7 @@ class AsyncCheckpointer(Enum):
     """What writes an async sharded checkpoint while training goes on (DCP's async_checkpointer_type's names)."""
 
     thread = "thread"  # DCP's async_save in a thread of the training process (contends with training for the GIL)
-    process = "process"  # a process of its own on each rank (runner/checkpoint_process.py)
+    process = "process"  # a process of its own on each rank (runner/checkpointing/checkpoint_process.py)
 
 
 class CheckpointFormat(Enum):
@@ -99,7 +99,8 @@ class NonfiniteAction(Enum):
 
 class TripAction(Enum):
     stop = "stop"  # the run stops, the step replayed to name the layer (diagnosis.json)
-    escalate = "escalate"  # back to the newest good checkpoint, the named layer(s) one step up: runner/escalation.py
+    # back to the newest good checkpoint, the named layer(s) one step up: runner/guarding/escalation.py
+    escalate = "escalate"
 
 
 @dataclass

@@ -83,7 +83,7 @@ class InspectConfig:
 
 @dataclass
 class DiffConfig:
-    """diff.*: the reference the run's precision mode is measured against, layer by layer (studies/diff.py)."""
+    """diff.*: the reference the run's precision mode is measured against, layer by layer (studies/diffing/diff.py)."""
 
     against: str = one_of("fp32", OptionsOf("precision"))  # the reference precision mode
     # the weights both start from: null, a fresh init at train.seed; a run directory (its newest checkpoint that
@@ -94,11 +94,11 @@ class DiffConfig:
     noise_share: float = 0.1
     top: int = 10  # the layers ranked on the screen (every layer in diff.csv)
     # the fewest layers, raised one step (a format -> unconverted, half -> fp32), that bring the gradient's error
-    # under the yardstick; repaired.yaml runs them (studies/diff_repair.py). At most repair_layers of them
+    # under the yardstick; repaired.yaml runs them (studies/diffing/diff_repair.py). At most repair_layers of them
     repair: bool = False
     repair_layers: int = 8
     # the reference, the candidate and the repaired candidate trained side by side over compare.seeds seeds (compare's
-    # rounds and held-out parity, studies/diff_proof.py), within what is left of diff.budget
+    # rounds and held-out parity, studies/diffing/diff_proof.py), within what is left of diff.budget
     prove: bool = False
     budget: str = "10min"  # the whole diff's: 90s, 10min, 1h30m
 

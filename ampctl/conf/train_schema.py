@@ -68,7 +68,8 @@ class CheckpointConfig:
     every_s: Optional[float] = safe_to_change(1800.0)
     keep: int = safe_to_change(2)  # the newest K checkpoints are kept
     # an fsspec URL (s3://bucket/run, gs://..., memory://...) each checkpoint is uploaded to as well, its checksum
-    # last; resume=auto in an empty run directory pulls the newest that verifies (runner/mirror.py). null: none
+    # last; resume=auto in an empty run directory pulls the newest that verifies (runner/checkpointing/mirror.py).
+    # null: none
     mirror: Optional[str] = safe_to_change(None)
     # the mirror's fsspec storage_options, as its file system takes them (s3fs: endpoint_url, profile, client_kwargs,
     # config_kwargs={retries: {max_attempts: 10}}; gcsfs: project, token): retries and endpoints are the library's

@@ -20,9 +20,9 @@ from ampctl import io, run_files
 from ampctl.conf.sweeps import SWEEP_RECORD, SweepIdentity
 from ampctl.errors import UsageError
 from ampctl.reports.runs import flock_run_dir, holder_pid
-from ampctl.runner import checkpoint_files
-from ampctl.runner.best_checkpoints import read_index, set_aside_after
-from ampctl.runner.checkpoint_files import checkpoint_step, is_checkpoint, list_checkpoints, run_dir_of
+from ampctl.runner.checkpointing import checkpoint_files
+from ampctl.runner.checkpointing.best_checkpoints import read_index, set_aside_after
+from ampctl.runner.checkpointing.checkpoint_files import checkpoint_step, is_checkpoint, list_checkpoints, run_dir_of
 from ampctl.runner.identity import created_here
 
 
@@ -139,7 +139,7 @@ def refuse_another_runs_directory(run_dir: str, resume: Optional[str]) -> None:
                              "resume would train another run among its records; start a new run in another "
                              "hydra.run.dir")
         if records:
-            return  # its checkpoints decide: a run made before identities, or one that lost it (runner/checkpoint)
+            return  # its checkpoints decide: made before identities, or one that lost it (checkpointing/checkpoint.py)
         raise UsageError(f"hydra.run.dir={run_dir} holds no ampctl train run to resume ({_listed(held)}): "
                          "choose the run's own directory, or a new one")
     raise UsageError(f"hydra.run.dir={run_dir} already holds "

@@ -58,7 +58,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     else:
         cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
     if cfg.train.checkpoint.mirror:
-        from ampctl.runner import mirror_check
+        from ampctl.runner.checkpointing import mirror_check
 
         mirror_check.check(cfg.train.checkpoint.mirror, resume.run_dir, bool(cfg.resume), _mirror_options(cfg))
     policy = check_config(cfg)
@@ -68,7 +68,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
 def holds_none_of_the_run(run_dir: Path) -> bool:
     """A run directory on a machine the run never ran on: no identity, no checkpoint (Hydra's files at most)."""
     from ampctl import run_files
-    from ampctl.runner.checkpoint_files import list_checkpoints
+    from ampctl.runner.checkpointing.checkpoint_files import list_checkpoints
 
     return not (run_dir / run_files.IDENTITY).is_file() and not list_checkpoints(run_dir)
 
@@ -79,8 +79,8 @@ def _mirror_options(cfg: DictConfig) -> dict[str, Any]:
 
 
 def pull_from_mirror(url: str, run_dir: Path, world_size: int, options: dict[str, Any]) -> None:
-    """resume=auto on a machine without the run: the mirror's run into run_dir (runner/mirror.py)."""
-    from ampctl.runner import mirror as mirroring
+    """resume=auto on a machine without the run: the mirror's run into run_dir (runner/checkpointing/mirror.py)."""
+    from ampctl.runner.checkpointing import mirror as mirroring
 
     if world_size > 1:
         raise UsageError(f"resume=auto with train.checkpoint.mirror={url}: {run_dir} holds none of the run, and "
@@ -127,7 +127,7 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
 
 
 def refuse_what_cannot_escalate(cfg: DictConfig, policy: PrecisionPolicy) -> None:
-    """guard.on_trip=escalate (runner/escalation.py) in one process, in a mode with a layer to raise."""
+    """guard.on_trip=escalate (runner/guarding/escalation.py) in one process, in a mode with a layer to raise."""
     if cfg.guard.on_trip is not TripAction.escalate:
         return
     if cfg.distributed.kind is not ParallelKind.none:

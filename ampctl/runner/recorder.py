@@ -13,10 +13,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io, machine_load, run_files
 from ampctl.engine.telemetry import JsonlSink, Sink
-from ampctl.runner import checkpoint_files, identity
-from ampctl.runner.console import make_console_sink
+from ampctl.runner import identity
+from ampctl.runner.checkpointing import checkpoint_files
 from ampctl.runner.identity import RunIdentity
-from ampctl.runner.scale_story import ScaleStory
+from ampctl.runner.reporting.console import make_console_sink
+from ampctl.runner.reporting.scale_story import ScaleStory
 
 if TYPE_CHECKING:  # annotations only: the state's class is the engine's
     from ampctl.engine.loop import TrainState

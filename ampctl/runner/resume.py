@@ -21,7 +21,9 @@ from ampctl.conf.precision_schema import LayerRule
 from ampctl.conf.train_schema import Schedule
 from ampctl.conf.typed import as_recorded_now, typed_config
 from ampctl.engine.optim import lr_factor
-from ampctl.runner import checkpoint, checkpoint_files, escalation_rules, identity
+from ampctl.runner import identity
+from ampctl.runner.checkpointing import checkpoint, checkpoint_files
+from ampctl.runner.guarding import escalation_rules
 
 if TYPE_CHECKING:  # annotations only: the state's class is the engine's
     from ampctl.engine.loop import TrainState
@@ -111,7 +113,8 @@ class Resume:
 
 
 def _escalation_rules(found: Optional[checkpoint.Found], run_dir: Path) -> list[LayerRule]:
-    """The rules guard.on_trip=escalate scheduled for the run from the step it resumes at (runner/escalation.py),
+    """The rules guard.on_trip=escalate scheduled for the run from the step it resumes at
+    (runner/guarding/escalation.py),
     put into the checkpoint's config too: one written before the escalation it went back to lacks them."""
     step, where = (found.payload["step"], checkpoint_files.run_dir_of(found.path)) if found else (0, run_dir)
     rules = escalation_rules.resume_rules(where, step)

@@ -29,23 +29,23 @@ from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.recipes.base import Recipe, build_recipe
 from ampctl.recipes.failures import Context, recipe_errors
 from ampctl.runner import eval_records
-from ampctl.runner.best_checkpoints import BestCheckpoints
-from ampctl.runner.checkpointer import Checkpointer
-from ampctl.runner.console import say
-from ampctl.runner.diagnose import replay, replay_to
-from ampctl.runner.escalation import Decision, Escalator
+from ampctl.runner.checkpointing.best_checkpoints import BestCheckpoints
+from ampctl.runner.checkpointing.checkpointer import Checkpointer
+from ampctl.runner.checkpointing.mirror import Mirror
 from ampctl.runner.eval_records import RunEvaluation
-from ampctl.runner.guards import Guard, GuardStop
+from ampctl.runner.guarding.diagnose import replay, replay_to
+from ampctl.runner.guarding.escalation import Decision, Escalator
+from ampctl.runner.guarding.guards import Guard, GuardStop
 from ampctl.runner.layer_error_log import LayerErrorLog, refuse_what_it_cannot_watch
-from ampctl.runner.mirror import Mirror
 from ampctl.runner.ownership import start_timeline_at
 from ampctl.runner.plan import RunPlan, check_config
 from ampctl.runner.profiling import StepProfiler, first_profiled_step
 from ampctl.runner.recorder import NoRecorder, Recorder, log
+from ampctl.runner.reporting.console import say
+from ampctl.runner.reporting.run_account import announce, summary_of
+from ampctl.runner.reporting.speed_warnings import SpeedWarnings
 from ampctl.runner.resume import Resume
 from ampctl.runner.round_windows import RoundWindows
-from ampctl.runner.run_account import announce, summary_of
-from ampctl.runner.speed_warnings import SpeedWarnings
 from ampctl.runner.watchdog import Watchdog
 
 
@@ -240,7 +240,8 @@ class TrainingRun:
 
     def _fit_escalating(self) -> Optional[BestCheckpoints]:
         """_fit(); a guard's trip stops the run, its step replayed to name the layer, or (guard.on_trip=escalate)
-        raises that layer's precision and trains again from the newest good checkpoint (runner/escalation.py)."""
+        raises that layer's precision and trains again from the newest good checkpoint
+        (runner/guarding/escalation.py)."""
         recorder = self.recorder
         escalator = Escalator(self.cfg, recorder.run_dir, recorder.identity, check_config)
         try:

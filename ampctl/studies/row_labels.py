@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 COMPILE, CHECKPOINTING = "+compile", "+ac"
-REPAIRED = "+repaired"  # advise's: a mode with the layers ampctl diff's repair raised (studies/advise_repair.py)
+# advise's: a mode with the layers ampctl diff's repair raised (studies/advising/advise_repair.py)
+REPAIRED = "+repaired"
 
 
 def label(mode: str, compiled: bool, checkpointed: bool, *, both_compiled: bool, both_checkpointed: bool,

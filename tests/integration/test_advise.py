@@ -153,7 +153,7 @@ def test_an_fp8_modes_layer_losses_come_from_its_converted_layers(tmp_path):
     """The FP8 path of advise's preparation on a CPU: an inspection in an FP8 mode (fp8_emulated here, whose layers
     are the converter's) records the tensorwise table on exactly its converted Linear layers, and layer_losses
     reads each one's worst operand from it."""
-    from ampctl.studies.advise_evidence import layer_losses
+    from ampctl.studies.advising.advise_evidence import layer_losses
 
     inspected = run_ampctl("inspect", "device=cpu", "recipe=mlp", "precision=fp8_emulated", "inspect.steps=1",
                        "hydra.run.dir=inspect", cwd=tmp_path)
@@ -196,7 +196,7 @@ def test_activation_checkpointing_is_measured_only_for_memory_and_a_recipe_with_
     from hydra import initialize_config_module
 
     from ampctl.conf.composing import compose_job
-    from ampctl.studies.advise_variants import with_variants
+    from ampctl.studies.advising.advise_variants import with_variants
 
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         def variants_of(*overrides: str) -> tuple[object, list[str]]:
@@ -219,7 +219,7 @@ def test_8bit_adamw_states_are_weighed_only_for_memory_and_the_runs_own_adamw(mo
     from hydra import initialize_config_module
 
     from ampctl.conf.composing import compose_job
-    from ampctl.studies.advise_variants import with_variants
+    from ampctl.studies.advising.advise_variants import with_variants
 
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
         def optimizers_of(*overrides: str) -> tuple[object, list[str]]:
@@ -300,12 +300,12 @@ def _repair_and_compare_again(tmp_path: Path) -> None:
     from ampctl.conf.composing import compose_job
     from ampctl.conf.precision_schema import LayerRule
     from ampctl.reports import tables
-    from ampctl.studies.advice import ModeEvidence, Preparation
-    from ampctl.studies.advise import Advising, _compare_repaired
-    from ampctl.studies.advise_repair import repaired_plans
+    from ampctl.studies.advising.advice import ModeEvidence, Preparation
+    from ampctl.studies.advising.advise import Advising, _compare_repaired
+    from ampctl.studies.advising.advise_repair import repaired_plans
     from ampctl.studies.budget import BudgetClock
     from ampctl.studies.compare import plan_modes
-    from ampctl.studies.diff import run_diff
+    from ampctl.studies.diffing.diff import run_diff
 
     run = ["device=cpu", "recipe=fragile",
            "train.eval.batches=4", "telemetry.profile_cpu_memory=false"]

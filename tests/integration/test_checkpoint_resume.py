@@ -320,7 +320,7 @@ def test_a_resume_reads_its_checkpoint_once(tmp_path, restore_argv, monkeypatch,
     """The resume target is resolved once, by the check before anything is written, and handed to the run: the
     checkpoint is hashed and loaded once (a 7B model's checkpoint is tens of GB)."""
     import ampctl
-    from ampctl.runner import checkpoint
+    from ampctl.runner.checkpointing import checkpoint
 
     run = tmp_path / "run"
     first = [*RUN, "train.steps=10", "train.console=quiet"]

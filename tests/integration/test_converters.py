@@ -185,7 +185,7 @@ def test_advise_weighs_every_converter_mode_but_the_emulations(halving):
     that only emulates another (fp8_emulated for fp8) is not weighed."""
     from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS
     from ampctl.shell.hydra_internals import composed
-    from ampctl.studies.advise import candidate_modes
+    from ampctl.studies.advising.advise import candidate_modes
 
     with composed("advise", [], config_dir=halving):
         candidates = candidate_modes()

@@ -1,4 +1,5 @@
-"""`ampctl diff` (analysis/layer_errors.py, studies/diff.py): a reference against itself reads exactly 0; a recipe
+"""`ampctl diff` (analysis/layer_errors.py, studies/diffing/diff.py): a reference against itself reads exactly 0; a
+recipe
 built to break in one known layer (recipe=fragile, recipes/demonstrations.py) has that layer ranked first by local error
 in fp16, bf16, an FP8 and two MX modes, and the layer after it, which inherits the whole error, is not blamed; the
 figures against the definitions computed by hand (hooks, hand-cast tensors, a hand-written scaled backward); the

@@ -1,4 +1,5 @@
-"""guard.on_trip=escalate (runner/escalation.py): a guard's trip raises the precision of the layer to blame and the run
+"""guard.on_trip=escalate (runner/guarding/escalation.py): a guard's trip raises the precision of the layer to blame
+and the run
 trains on from its newest good checkpoint. The escalated timeline equals, bit for bit, the engine's own steps from
 that checkpoint with those rules; a resume keeps the rules; a spike that fp32 shares is not escalated; the number of
 escalations is bounded; what cannot escalate is refused before anything is written."""
@@ -17,7 +18,7 @@ from ampctl.engine.build import build_state
 from ampctl.engine.loop import StepSettings, fit
 from ampctl.engine.telemetry import JsonlSink, Telemetry
 from ampctl.recipes.base import build_recipe
-from ampctl.runner import checkpoint
+from ampctl.runner.checkpointing import checkpoint
 from ampctl.runner.plan import check_config
 from tests.support.in_process import run_ampctl
 

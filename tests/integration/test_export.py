@@ -130,7 +130,7 @@ def test_a_checkpoint_its_running_run_prunes_while_it_is_read_is_taken_again_or_
     """A run training with train.checkpoint.every=1 removes the checkpoint an export chose (train.checkpoint.keep):
     the export takes the newest again; pruned every time it tries, one line and nothing written (it was a
     FileNotFoundError traceback). The prune is made as the export's load opens the file, as the run's would."""
-    from ampctl.runner import checkpoint, export
+    from ampctl.runner.checkpointing import checkpoint, export
 
     run_dir = tmp_path / "run"
     assert run_ampctl(*RUN, "train.checkpoint.every=4", "train.checkpoint.keep=4",

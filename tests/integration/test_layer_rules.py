@@ -247,7 +247,7 @@ def test_the_layer_table_says_what_forward_hooks_see_in_every_mode(overrides):
 def test_one_step_up_is_the_one_escalation_and_the_repair_take(overrides, expected):
     """PrecisionPolicy.one_step_up: escalation's raise and diff's repair's (search skips a layer it cannot raise),
     one answer for both."""
-    from ampctl.studies.diff_repair import search
+    from ampctl.studies.diffing.diff_repair import search
 
     _, policy, _ = build(*overrides)
     policy.convert_module(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1)))  # O2 keeps norms

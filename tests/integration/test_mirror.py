@@ -1,4 +1,5 @@
-"""train.checkpoint.mirror (runner/mirror.py): checkpoints kept off the machine at an fsspec URL, and a run continued
+"""train.checkpoint.mirror (runner/checkpointing/mirror.py): checkpoints kept off the machine at an fsspec URL, and a
+run continued
 from them on a machine that has none of it. Against fsspec's memory:// (in this process, whose runs share it) and
 against moto's S3 server on 127.0.0.1 through s3fs: real S3 semantics, no rename, objects whole or absent."""
 
@@ -114,7 +115,7 @@ def test_an_escalation_sets_aside_the_mirrors_abandoned_timeline_before_training
     """The mirror of a run that went back to step 4 (its checkpoints 2, 4, 6 uploaded): 6 set aside, the records
     those of the timeline from 4 with escalations.jsonl; a machine that pulls the run then takes step 4 and the
     escalation's rules, whichever moment it was killed after the escalation's line."""
-    from ampctl.runner.mirror import Mirror, pull
+    from ampctl.runner.checkpointing.mirror import Mirror, pull
     from ampctl.runner.ownership import start_timeline_at
 
     run = tmp_path / "run"
@@ -139,7 +140,7 @@ def test_an_s3_endpoint_that_never_answers_is_said_as_it_waits_and_refused_namin
     error); nothing written. The patience shortened for the test."""
     import socket
 
-    from ampctl.runner import mirror_check
+    from ampctl.runner.checkpointing import mirror_check
 
     pytest.importorskip("s3fs")
     monkeypatch.setattr(mirror_check, "CHECK_PATIENCE_S", 3.0)
@@ -298,8 +299,8 @@ def test_a_checkpoint_pruned_before_its_upload_is_passed_over_and_a_cut_short_up
                                                                                                memory_mirror):
     """The uploads lag the run (the network): a checkpoint the run directory pruned before its turn is superseded,
     not a failure to warn of; data a cut-short upload left without its marker is pruned with the old ones."""
-    from ampctl.runner.checkpoint_files import file_sha256
-    from ampctl.runner.mirror import Mirror
+    from ampctl.runner.checkpointing.checkpoint_files import file_sha256
+    from ampctl.runner.checkpointing.mirror import Mirror
 
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
@@ -353,7 +354,7 @@ def test_on_a_store_without_exclusive_create_a_later_claim_is_seen_before_the_fi
     identity another overwrote after that finds it before its first upload and uploads nothing (said in a warning)."""
     from fsspec.implementations.memory import MemoryFileSystem
 
-    from ampctl.runner import mirror as mirror_module
+    from ampctl.runner.checkpointing import mirror as mirror_module
 
     opened = MemoryFileSystem._open
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from ampctl.cli import main
-from ampctl.runner.speed_warnings import DATA_WAIT_SHARE
+from ampctl.runner.reporting.speed_warnings import DATA_WAIT_SHARE
 
 MLP = ["device=cpu", "recipe.in_features=64", "recipe.hidden=32", "recipe.depth=2", "recipe.num_classes=10",
        "recipe.batch_size=16", "train.log_every=4", "train.console=plain", "telemetry.profile_cpu_memory=false",

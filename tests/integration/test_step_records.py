@@ -83,7 +83,8 @@ def test_a_log_interval_longer_than_the_run_records_every_step_at_the_end(tmp_pa
 
 
 def test_the_terminal_keeps_every_skip_and_scale_change_of_metrics_jsonl(tmp_path, restore_argv, capsys):
-    """What the scale story says (runner/scale_story.py) against metrics.jsonl read independently: every skipped
+    """What the scale story says (runner/reporting/scale_story.py) against metrics.jsonl read independently: every
+    skipped
     step named once, in a burst's range; a line after each step whose next step used a larger scale; the end
     line's counts."""
     import re

@@ -1,4 +1,5 @@
-"""ampctl advise's decision on recorded measurements (studies/advice.py): given these figures, this mode and these
+"""ampctl advise's decision on recorded measurements (studies/advising/advice.py): given these figures, this mode and
+these
 reasons."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import dataclasses
 import json
 
 from ampctl.conf.precision_schema import LayerRule
-from ampctl.studies.advice import Advice, GradientEvidence, LayerLoss, ModeEvidence, decide, prepare
+from ampctl.studies.advising.advice import Advice, GradientEvidence, LayerLoss, ModeEvidence, decide, prepare
 
 FP32 = ModeEvidence("fp32", 1.0, 1.0, 1.0, peak_mib=100.0, seeds=3)
 
@@ -189,7 +190,7 @@ def test_a_scale_lowered_only_for_headroom_is_not_said_to_overflow():
 def test_a_mode_that_differs_is_worth_repairing_only_where_the_goal_would_take_it():
     """Faster and differing: repaired; slower and differing: not (speed would rule it out anyway); a mode compared
     several ways is repaired once, from its best row; under goal=memory, a peak below fp32's is what counts."""
-    from ampctl.studies.advise_repair import worth_repairing
+    from ampctl.studies.advising.advise_repair import worth_repairing
 
     differs = dict(parity="differs", eval_loss_delta=0.5)
     compiled = ModeEvidence("bf16+compile", 2.2, 2.1, 2.3, "differs", 0.5, None, 3, 70.0)
@@ -203,7 +204,7 @@ def test_a_mode_that_differs_is_worth_repairing_only_where_the_goal_would_take_i
 def test_a_repaired_row_is_advised_with_the_repairs_rules_before_the_modes_own():
     """bf16 differs; bf16+repaired (compared with fp32 on its own) matches and is faster: it is the advice, run as
     precision=bf16 with its rules (its label's preparation), and bf16 alone stays rejected with its loss."""
-    from ampctl.studies.advice import Preparation
+    from ampctl.studies.advising.advice import Preparation
 
     repaired = dataclasses.replace(bf16(speedup=1.6, speedup_low=1.5, speedup_high=1.7), mode="bf16+repaired")
     rules = [LayerRule(run_in="fp32", match="cancel")]
@@ -218,7 +219,7 @@ def test_a_repaired_row_is_advised_with_the_repairs_rules_before_the_modes_own()
 
 def test_each_reason_a_mode_is_ruled_out_for_is_said_once_with_every_mode_it_rules_out(tmp_path):
     """fp16 and O2 are slow for one reason: one line names both (advise said fp16's slowness six times)."""
-    from ampctl.studies.advice_report import advice_lines
+    from ampctl.studies.advising.advice_report import advice_lines
 
     slow = "float16 matmuls are converted in software on this CPU, which has no AVX512-FP16 or AMX-FP16"
     advice = decide([FP32, ModeEvidence("fp16", skipped=slow), ModeEvidence("O2", skipped=slow),

@@ -1,4 +1,5 @@
-"""The checkpointing process's hand-over (runner/checkpoint_process.py), in this process: the states copied into one
+"""The checkpointing process's hand-over (runner/checkpointing/checkpoint_process.py), in this process: the states
+copied into one
 buffer of shared memory, DCP's save of them and its failures as the training process raises them. Its processes,
 ranks and FSDP's DTensors: tests/integration/test_sharded_checkpoints.py."""
 
@@ -11,8 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ampctl.errors import write_refused
-from ampctl.runner import checkpoint_process
-from ampctl.runner.checkpoint_process import SHARED_MEMORY, _raised, _saved, _staged, _unstaged
+from ampctl.runner.checkpointing import checkpoint_process
+from ampctl.runner.checkpointing.checkpoint_process import SHARED_MEMORY, _raised, _saved, _staged, _unstaged
 
 
 def test_the_states_are_copied_into_shared_memory_and_saved_as_they_were(tmp_path):

@@ -179,3 +179,12 @@ def test_no_module_level_container_is_changed_in_a_function_outside_the_allow_li
     changed = module_state_changed_in_functions()
     assert changed - set(MODULE_STATE_ALLOWED) == set(), sorted(changed - set(MODULE_STATE_ALLOWED))
     assert set(MODULE_STATE_ALLOWED) <= changed, "an allowed one is gone: take it off the list"
+
+
+def test_the_runner_shows_its_parts_in_rooms():
+    """runner/ keeps one run's own modules at its top and its parts in rooms (checkpointing, guarding, reporting,
+    trackers): a reader finds the parts by their names."""
+    top = sorted(p.name for p in (PACKAGE / "runner").glob("*.py") if p.name != "__init__.py")
+    rooms = sorted(p.name for p in (PACKAGE / "runner").iterdir() if (p / "__init__.py").is_file())
+    assert len(top) <= 15, top
+    assert rooms == ["checkpointing", "guarding", "reporting", "trackers"], rooms

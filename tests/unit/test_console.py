@@ -13,7 +13,7 @@ from rich.console import Console
 
 from ampctl import machine_load
 from ampctl.engine.telemetry import StepRecord, Telemetry
-from ampctl.runner.console import LIVE_COLUMNS, LiveConsole, Pace, PlainConsole, fit_columns, format_duration
+from ampctl.runner.reporting.console import LIVE_COLUMNS, LiveConsole, Pace, PlainConsole, fit_columns, format_duration
 
 
 class MachineAt:

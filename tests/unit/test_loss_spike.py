@@ -7,7 +7,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from ampctl.engine.telemetry import StepRecord
-from ampctl.runner.guards import Guard
+from ampctl.runner.guarding.guards import Guard
 
 
 def guard(window: int = 10, k: float = 6.0) -> Guard:

@@ -1,9 +1,9 @@
-"""The loss scale's story (runner/scale_story.py) on records whose skips and scales are known."""
+"""The loss scale's story (runner/reporting/scale_story.py) on records whose skips and scales are known."""
 
 from __future__ import annotations
 
 from ampctl.engine.telemetry import StepRecord
-from ampctl.runner.scale_story import MAX_EVENT_LINES, ScaleStory
+from ampctl.runner.reporting.scale_story import MAX_EVENT_LINES, ScaleStory
 
 
 def records(scales: list[float], skipped: set[int]) -> list[StepRecord]:

@@ -13,7 +13,7 @@ from packaging.version import Version
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
-# Every private GradScaler member ampctl/engine/scaler.py and runner/checkpoint.py read or override.
+# Every private GradScaler member ampctl/engine/scaler.py and runner/checkpointing/checkpoint.py read or override.
 GRADSCALER_INTERNALS = ("_init_scale", "_scale", "_growth_tracker", "_growth_factor", "_backoff_factor",
                         "_growth_interval", "_enabled", "_per_optimizer_states", "_lazy_init_scale_growth_tracker",
                         "_unscale_grads_")

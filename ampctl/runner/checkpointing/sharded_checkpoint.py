@@ -11,7 +11,8 @@ a crash at any moment leaves the earlier checkpoints whole.
 Async (distributed.async_checkpoint): DCP copies the states to CPU memory, then writes them in a background
 thread, whose collectives run over a gloo process group of their own so that they never interleave with
 training's; training goes on meanwhile. With distributed.async_checkpointer=process a process of its own on each
-rank writes them (runner/checkpoint_process.py). The next save and the end of the run wait for it (as torchtitan's
+rank writes them (runner/checkpointing/checkpoint_process.py). The next save and the end of the run wait for it (as
+torchtitan's
 async mode does).
 """
 
@@ -29,8 +30,8 @@ import torch.distributed as dist
 from ampctl import io
 from ampctl.conf.schema import AsyncCheckpointer
 from ampctl.errors import UsageError, naming_refused_writes
-from ampctl.runner import checkpoint_files
-from ampctl.runner.checkpoint_process import SavingProcess
+from ampctl.runner.checkpointing import checkpoint_files
+from ampctl.runner.checkpointing.checkpoint_process import SavingProcess
 from ampctl.runner.rank_zero import told_to_every_rank
 
 if TYPE_CHECKING:  # annotations only: the state's class is the engine's

@@ -18,9 +18,9 @@ from ampctl import run_files
 from ampctl.conf.composing import compose_job
 from ampctl.conf.study_schema import budget_seconds
 from ampctl.runner.plan import check_config
-from ampctl.studies.advice import Preparation
+from ampctl.studies.advising.advice import Preparation
 from ampctl.studies.compare import CompareInterrupted, ModePlan, run_compare
-from ampctl.studies.diff_repair import Repair, own_rules
+from ampctl.studies.diffing.diff_repair import Repair, own_rules
 
 PROOF_DIR = "proof"  # <diff dir>/proof/: the comparison, one training run per mode and seed
 REPAIRED_SUFFIX = "_repaired"

@@ -16,7 +16,7 @@ from ampctl.engine import determinism, devices, optimizer_states
 from ampctl.engine.precision import layers
 from ampctl.engine.telemetry import read_metrics, summarize
 from ampctl.recipes.base import recipe_title
-from ampctl.runner import escalation_rules
+from ampctl.runner.guarding import escalation_rules
 
 # run: a runner/run.py TrainingRun, built and trained (typed loosely: that module imports this one)
 

@@ -17,8 +17,8 @@ from typing import Any, Callable, Optional
 
 from ampctl import io, run_files
 from ampctl.errors import UsageError
-from ampctl.runner import checkpoint_files
-from ampctl.runner.checkpoint_files import checkpoint_path, checkpoint_step
+from ampctl.runner.checkpointing import checkpoint_files
+from ampctl.runner.checkpointing.checkpoint_files import checkpoint_path, checkpoint_step
 
 BEST_DIR = "best"
 INDEX = "best.json"

@@ -24,9 +24,11 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from ampctl import run_files
 from ampctl.errors import UsageError
-from ampctl.runner import checkpoint_files
-from ampctl.runner.checkpoint_files import CHECKSUM_SUFFIX
-from ampctl.runner.sharded_checkpoint import MANIFEST  # a sharded checkpoint's commit marker, uploaded last
+from ampctl.runner.checkpointing import checkpoint_files
+from ampctl.runner.checkpointing.checkpoint_files import CHECKSUM_SUFFIX
+from ampctl.runner.checkpointing.sharded_checkpoint import (
+    MANIFEST,  # a sharded checkpoint's commit marker, uploaded last
+)
 
 # uploaded with each checkpoint; pulled with the newest (escalations.jsonl: the rules a resume keeps)
 RECORDS = (run_files.METRICS, run_files.EVALS, run_files.ESCALATIONS)
@@ -309,7 +311,7 @@ def _pull_checkpoint(fs: Any, remote: str, local: Path, written: list[Path]) -> 
     try:
         if local.suffix == ".dcp":
             fs.get(remote + "/", str(tmp) + "/", recursive=True)
-            from ampctl.runner.sharded_checkpoint import verify
+            from ampctl.runner.checkpointing.sharded_checkpoint import verify
 
             why = verify(tmp)
             if why is not None:

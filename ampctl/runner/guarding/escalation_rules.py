@@ -1,4 +1,4 @@
-"""The rules guard.on_trip=escalate scheduled for a run (runner/escalation.py makes them): read from the run's
+"""The rules guard.on_trip=escalate scheduled for a run (runner/guarding/escalation.py makes them): read from the run's
 escalations.jsonl, and put into a config before its mode's own. A resume at a step applies the last row's at or
 before it (runner/resume.py); a run's summary lists the rows."""
 

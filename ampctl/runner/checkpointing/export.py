@@ -2,7 +2,8 @@
 they are served in, weights only: safetensors (`model.safetensors`, written by safetensors' own save_model, which
 keeps one copy of tied weights), `model.pt` (torch.save of the state dict) or, for recipe=hf_causal_lm, a
 directory transformers' `from_pretrained` loads (its own save_pretrained). A sharded checkpoint's safetensors export
-goes through DCP instead, a part at a time and, under torchrun, a part per rank (runner/export_sharded.py).
+goes through DCP instead, a part at a time and, under torchrun, a part per rank
+(runner/checkpointing/export_sharded.py).
 
 The weights are the ones the optimizer stepped on, at their full precision: O2's fp32 masters rather than their
 half copies, the fp32 weight average (export.weights=ema) rather than the model, each rounded once to export.dtype.
@@ -31,8 +32,8 @@ from ampctl import io
 from ampctl.conf.export_schema import ExportConfig, ExportFormat, ExportWeights
 from ampctl.engine.parallel import Parallel
 from ampctl.errors import UsageError, naming_refused_writes
-from ampctl.runner import checkpoint, export_sharded
-from ampctl.runner.checkpoint_files import (
+from ampctl.runner.checkpointing import checkpoint, export_sharded
+from ampctl.runner.checkpointing.checkpoint_files import (
     cached_sha256,
     is_checkpoint,
     is_sharded,
@@ -187,7 +188,8 @@ def _through_one_model(source: Path, payload: dict[str, Any], cfg: Any, options:
 
 def _through_dcp(source: Path, cfg: Any, options: ExportConfig, ranks: Parallel
                  ) -> tuple[Callable[[Path], None], int]:
-    """A sharded checkpoint read and written a part at a time by DCP (runner/export_sharded.py), its names checked
+    """A sharded checkpoint read and written a part at a time by DCP (runner/checkpointing/export_sharded.py), its
+    names checked
     against the recipe's model built on the meta device (no memory)."""
     from ampctl.recipes.base import build_recipe, building_model
 

@@ -27,9 +27,9 @@ from ampctl.interrupt import Interrupted, StoppedOnSignal
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases, ticking
-from ampctl.runner.export import SavedWeights, saved_weights
+from ampctl.runner.checkpointing.export import SavedWeights, saved_weights
 from ampctl.runner.plan import check_config
-from ampctl.studies.diff_repair import Repair, Tried, own_rules, repair_lines, repaired_config, run_repair
+from ampctl.studies.diffing.diff_repair import Repair, Tried, own_rules, repair_lines, repaired_config, run_repair
 
 TITLE = "error by layer, ranked by the error each adds itself (local)"
 # the columns a terminal shows: what ranks a layer, what it inherits, and its share of the gradient's error
@@ -42,13 +42,14 @@ HEADERS = {"out_local": "out local", "out_total": "out total", "input_inherited"
 _CANDIDATES_OWN = ("precision", "scaler")
 
 
-# diff.prove's training (studies/diff_proof.prove): (cfg, out_dir, overrides, repair, started) -> its verdict
+# diff.prove's training (studies/diffing/diff_proof.prove): (cfg, out_dir, overrides, repair, started) -> its verdict
 Prover = Callable[[DictConfig, Path, list[str], Optional[Repair], float], Any]
 
 
 def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Optional[Prover] = None) -> None:
     """The diff, its repair where diff.repair is set, and its proof where a prover is given (the command gives
-    studies/diff_proof.prove where diff.prove is set: a comparison's machinery the diff itself does not need)."""
+    studies/diffing/diff_proof.prove where diff.prove is set: a comparison's machinery the diff itself does not
+    need)."""
     started = time.monotonic()  # diff.budget's clock
     console = tables.make_console()
     against, candidate = cfg.diff.against, cfg.precision.name

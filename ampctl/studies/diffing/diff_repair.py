@@ -9,7 +9,7 @@ under the yardstick or diff.repair_layers layers are raised; then each chosen la
 under it is dropped, so that the set is the fewest that does it in that order. The rules go before the mode's own
 (the first rule that matches a layer decides it), which are kept; repaired.yaml is the run's config with them, as
 `ampctl train -cd DIR -cn repaired` runs it. Whether the repaired mode then trains as the reference does is decided
-by training, not by this measurement (diff.prove, studies/diff_proof.py).
+by training, not by this measurement (diff.prove, studies/diffing/diff_proof.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ampctl import io
 from ampctl.analysis.layer_errors import ModelErrors
 from ampctl.conf.composing import compose_job, loadable_config
 from ampctl.conf.precision_schema import LayerRule, rules_of
-from ampctl.studies.advice import Preparation
+from ampctl.studies.advising.advice import Preparation
 
 REPAIRED = "repaired"  # <diff dir>/repaired.yaml
 

@@ -1,5 +1,5 @@
 """What `ampctl advise` recommends from what it measured: the decision alone, a pure function of the evidence
-(studies/advise.py measures it), so that each rule is tested on recorded figures.
+(studies/advising/advise.py measures it), so that each rule is tested on recorded figures.
 
 The rules, for goal=speed (the default): a mode is recommended over fp32 only where the comparison measured it
 faster (its speedup's interval above 1, from alternating rounds) *and* its held-out loss matches fp32's within

@@ -15,10 +15,10 @@ from omegaconf import DictConfig
 from ampctl import io, run_files
 from ampctl.conf.composing import compose_job, loadable_config
 from ampctl.reports import tables
-from ampctl.studies.advice import Advice, GradientEvidence, ModeEvidence
+from ampctl.studies.advising.advice import Advice, GradientEvidence, ModeEvidence
 
 EVIDENCE_DIRS = ("calibration", "inspect", "compare")  # what the advice cites, where it exists
-log = logging.getLogger("ampctl.studies.advise")  # advise.log (Hydra's job logging)
+log = logging.getLogger("ampctl.studies.advising.advise")  # advise.log (Hydra's job logging)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """When a training run writes its checkpoints: every train.checkpoint.every steps, on the first log step
 train.checkpoint.every_s seconds after the last one (the ranks agree there), at the last step, and with
 train.checkpoint.save_top_k the best by the monitored evaluation; each one through the writer of the run's checkpoint
-format (runner/checkpoint.py) and, once whole, to the mirror."""
+format (runner/checkpointing/checkpoint.py) and, once whole, to the mirror."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from ampctl.conf.schema import CheckpointFormat
 from ampctl.conf.train_schema import monitor_direction
 from ampctl.engine.loop import TrainState
 from ampctl.engine.telemetry import Telemetry
-from ampctl.runner import checkpoint
-from ampctl.runner.best_checkpoints import BestCheckpoints
+from ampctl.runner.checkpointing import checkpoint
+from ampctl.runner.checkpointing.best_checkpoints import BestCheckpoints
 from ampctl.runner.rank_zero import told_to_every_rank
 from ampctl.runner.recorder import Recorder
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from ampctl import run_files
 from ampctl.errors import UsageError
-from ampctl.runner.mirror import names_in, open_mirror, read_identity
+from ampctl.runner.checkpointing.mirror import names_in, open_mirror, read_identity
 
 
 def check(url: str, run_dir: Path, continuing: bool, options: Optional[Mapping[str, Any]] = None) -> None:

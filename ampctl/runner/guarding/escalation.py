@@ -1,7 +1,8 @@
 """guard.on_trip=escalate: a guard's trip raises the precision of the layer(s) to blame, and the run goes on from its
 newest good checkpoint instead of stopping.
 
-Which layers: the tripped step is replayed (runner/diagnose.py). Where a value went non-finite or out of the half
+Which layers: the tripped step is replayed (runner/guarding/diagnose.py). Where a value went non-finite or out of the
+half
 type's range, the layers it names, in the order they ran, the first that can go one step up (a layer a converter
 computes in a format -> `unconverted`; a half one -> fp32: PrecisionPolicy.one_step_up, diff's repair's too), and
 the layer where the gradient first went bad on its way back. Where nothing is non-finite (a finite loss spike), the
@@ -38,13 +39,13 @@ from ampctl.conf.typed import typed_config
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import UsageError
 from ampctl.recipes.base import Recipe
-from ampctl.runner import checkpoint, checkpoint_files
-from ampctl.runner.escalation_rules import recorded, rules_in, with_rules
-from ampctl.runner.guards import GuardTrip
+from ampctl.runner.checkpointing import checkpoint, checkpoint_files
+from ampctl.runner.guarding.escalation_rules import recorded, rules_in, with_rules
+from ampctl.runner.guarding.guards import GuardTrip
 from ampctl.runner.identity import RunIdentity, resolved
 
-if TYPE_CHECKING:  # annotations only: the replay is the run's to make (runner/diagnose.py)
-    from ampctl.runner.diagnose import Replayed
+if TYPE_CHECKING:  # annotations only: the replay is the run's to make (runner/guarding/diagnose.py)
+    from ampctl.runner.guarding.diagnose import Replayed
 
 
 @dataclass

@@ -8,7 +8,7 @@ compare.precisions) an inspection in that mode (what its format loses of each co
 (the candidates as they would be advised, see advice.prepare; eager and compiled where the budget leaves each run
 enough steps; with and without activation checkpointing where memory is the goal) in alternating rounds over
 advise's seeds: speedup with its interval, held-out parity with fp32, each mode's peak memory. Then it decides
-(studies/advice.py) and writes advice.md, advice.png, advice.json and an experiment config that
+(studies/advising/advice.py) and writes advice.md, advice.png, advice.json and an experiment config that
 `ampctl train -cd <dir> -cn <advise.name>` runs as written. Ctrl-C during the comparison leaves the advice of what
 was measured, said to be partial.
 """
@@ -37,11 +37,11 @@ from ampctl.errors import UsageError
 from ampctl.reports import tables
 from ampctl.reports.comparison import baseline_of
 from ampctl.studies import row_labels
-from ampctl.studies.advice import GradientEvidence, ModeEvidence, Preparation, decide, is_reference, prepare
-from ampctl.studies.advice_report import Findings, write_advice
-from ampctl.studies.advise_evidence import gradient_evidence, layer_losses, mode_evidence, model_facts
-from ampctl.studies.advise_repair import repaired_plans
-from ampctl.studies.advise_variants import compile_is_candidate, with_variants
+from ampctl.studies.advising.advice import GradientEvidence, ModeEvidence, Preparation, decide, is_reference, prepare
+from ampctl.studies.advising.advice_report import Findings, write_advice
+from ampctl.studies.advising.advise_evidence import gradient_evidence, layer_losses, mode_evidence, model_facts
+from ampctl.studies.advising.advise_repair import repaired_plans
+from ampctl.studies.advising.advise_variants import compile_is_candidate, with_variants
 from ampctl.studies.budget import (
     CALIBRATION_STEPS,
     COMPILED_MIN_STEPS,
@@ -59,7 +59,7 @@ from ampctl.studies.budget import (
     size_comparison,
 )
 from ampctl.studies.compare import CompareInterrupted, ModePlan, plan_modes, run_compare, split_overrides
-from ampctl.studies.diff_repair import own_rules
+from ampctl.studies.diffing.diff_repair import own_rules
 from ampctl.studies.inspect_ranges import run_inspect
 from ampctl.studies.turns import rounds_of
 
@@ -101,8 +101,8 @@ class Advising:
     console: Any
     notes: list[str] = field(default_factory=list)
     step_s: float = 0.0
-    # studies/diff.run_diff, which a mode ruled out by its accuracy is repaired with (advise_repair.py): handed over
-    # by the command, as the diff's own prover is
+    # studies/diffing/diff.run_diff, which a mode ruled out by its accuracy is repaired with (advise_repair.py):
+    # handed over by the command, as the diff's own prover is
     run_diff: Optional[Callable[..., None]] = None
 
     def say(self, text: str, clocked: bool = True) -> None:

@@ -28,8 +28,8 @@ from ampctl.conf.schema import CheckpointFormat
 from ampctl.engine import optimizer_states
 from ampctl.errors import UsageError
 from ampctl.runner import identity as run_identity
-from ampctl.runner import sharded_checkpoint
-from ampctl.runner.checkpoint_files import (
+from ampctl.runner.checkpointing import sharded_checkpoint
+from ampctl.runner.checkpointing.checkpoint_files import (
     cached_sha256,
     checkpoint_path,
     checksum_path,

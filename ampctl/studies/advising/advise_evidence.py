@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from ampctl import io, run_files
-from ampctl.studies.advice import GradientEvidence, LayerLoss, ModeEvidence
+from ampctl.studies.advising.advice import GradientEvidence, LayerLoss, ModeEvidence
 
 
 def layer_losses(inspect_dir: Path, mode: str) -> tuple[Optional[list[LayerLoss]], str]:

@@ -23,7 +23,7 @@ from ampctl.engine.build import build_state
 from ampctl.engine.loop import StepSettings, TrainState, batch_stream, run_steps
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.recipes.base import Recipe
-from ampctl.runner import checkpoint, checkpoint_files
+from ampctl.runner.checkpointing import checkpoint, checkpoint_files
 
 
 @dataclass

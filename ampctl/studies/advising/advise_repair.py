@@ -1,7 +1,8 @@
 """`ampctl advise`: a mode the goal would choose but for its accuracy is repaired before it is ruled out.
 
 Where the comparison measured a mode faster than fp32 (goal=speed) or with a smaller peak (goal=memory) and its
-held-out loss differs from fp32's beyond the seeds' noise, `ampctl diff`'s repair (studies/diff_repair.py) is run on
+held-out loss differs from fp32's beyond the seeds' noise, `ampctl diff`'s repair (studies/diffing/diff_repair.py) is
+run on
 it as it was compared (its prepared settings), at a fresh init: the fewest layers whose precision, raised one step,
 bring its gradient's error under the yardstick. The mode with those rules before its own, `<mode>+repaired`, is then
 trained against fp32 again in rounds over the same seeds (advise's comparison of the repaired modes, in what is left
@@ -20,8 +21,8 @@ from ampctl import run_files
 from ampctl.conf.composing import compose_job
 from ampctl.conf.precision_schema import LayerRule
 from ampctl.studies import row_labels
-from ampctl.studies.advice import ModeEvidence, Preparation, is_reference
-from ampctl.studies.diff_repair import Repair, own_rules
+from ampctl.studies.advising.advice import ModeEvidence, Preparation, is_reference
+from ampctl.studies.diffing.diff_repair import Repair, own_rules
 
 if TYPE_CHECKING:  # annotations only: advise compares the plans (studies/compare.py)
     from ampctl.studies.compare import ModePlan
@@ -54,7 +55,7 @@ def repaired_plans(advising: Any, evidence: list[ModeEvidence], plans: list[Mode
                    prepared: dict[str, Preparation]) -> tuple[list[ModePlan], list[ModeEvidence]]:
     """Each mode worth repairing, repaired: the plans `<mode>+repaired` to compare with fp32 again (their
     preparations put into `prepared` under their labels), and the rows of those the repair could not help.
-    advising: studies/advise.Advising, which compares the plans."""
+    advising: studies/advising/advise.Advising, which compares the plans."""
     by_label = {p.mode: p for p in plans}
     worth = [m for m in worth_repairing(evidence, advising.cfg.advise.goal.value) if m.mode in by_label]
     repaired, rows = [], []
