@@ -79,7 +79,11 @@ def test_compare_runs_each_mode_eager_and_compiled_and_the_table_says_which(tmp_
     table = list(csv.DictReader((out / "comparison.csv").open()))
     assert [(r["precision"], r["compiled"]) for r in table] == [("fp32", "False"), ("fp32+compile", "True")]
     assert float(table[1]["compile_s"]) > 0 and table[0]["compile_s"] == ""
-    assert all(0 < float(row["mfu"]) <= 1.5 for row in table)  # against this CPU's measured matmul peak
+    # against this CPU's measured matmul peak, where it has one: a probe taken on a busy machine gives none, and the
+    # runs say so instead of a figure
+    sources = {json.loads(p.read_text())["peak_source"] for p in out.rglob("summary.json")}
+    assert all(0 < float(row["mfu"]) <= 1.5 for row in table) or (
+        all(row["mfu"] == "" for row in table) and sources and all("was busy" in s for s in sources)), sources
 
 
 def test_fp8_without_compile_is_warned_about():
