@@ -21,6 +21,7 @@ from ampctl.engine.optim import check_optimizer_arguments, check_optimizer_with_
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import UsageError
 from ampctl.runner import resume as resuming
+from ampctl.runner.layer_error_log import refuse_what_it_cannot_watch
 from ampctl.runner.resume import Resume
 from ampctl.runner.trackers import check_loggers
 
@@ -62,6 +63,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
 
         mirror_check.check(cfg.train.checkpoint.mirror, resume.run_dir, bool(cfg.resume), _mirror_options(cfg))
     policy = check_config(cfg)
+    refuse_what_it_cannot_watch(cfg, world_size)  # train.diff.every
     return RunPlan(cfg, dict(choices or {}), policy, resume, check_loggers(cfg.logger))
 
 

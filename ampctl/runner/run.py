@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -34,9 +33,9 @@ from ampctl.runner.checkpointing.checkpointer import Checkpointer
 from ampctl.runner.checkpointing.mirror import Mirror
 from ampctl.runner.eval_records import RunEvaluation
 from ampctl.runner.guarding.diagnose import replay, replay_to
-from ampctl.runner.guarding.escalation import Decision, Escalator
+from ampctl.runner.guarding.escalation import Escalate, Escalator, Stop
 from ampctl.runner.guarding.guards import Guard, GuardStop
-from ampctl.runner.layer_error_log import LayerErrorLog, refuse_what_it_cannot_watch
+from ampctl.runner.layer_error_log import LayerErrorLog
 from ampctl.runner.ownership import start_timeline_at
 from ampctl.runner.plan import RunPlan, check_config
 from ampctl.runner.profiling import StepProfiler, first_profiled_step
@@ -44,7 +43,6 @@ from ampctl.runner.recorder import NoRecorder, Recorder, log
 from ampctl.runner.reporting.console import say
 from ampctl.runner.reporting.run_account import announce, summary_of
 from ampctl.runner.reporting.speed_warnings import SpeedWarnings
-from ampctl.runner.resume import Resume
 from ampctl.runner.round_windows import RoundWindows
 from ampctl.runner.watchdog import Watchdog
 
@@ -90,9 +88,8 @@ class TrainingRun:
 
     def __init__(self, plan: RunPlan, echo: Callable[[str], None], parallel: parallelism.Parallel) -> None:
         cfg, policy = plan.cfg, plan.policy
-        self.plan, self.cfg, self.choices, self.policy, self.parallel = plan, cfg, plan.choices, policy, parallel
-        self.settings = StepSettings.of(cfg.train)
-        self.resume = plan.resume
+        self.parallel = parallel
+        self._take_plan(plan)
         self.recorder = Recorder(self.resume.run_dir, echo) if parallel.is_main else NoRecorder(self.resume.run_dir)
         # a setting of the process (engine/host_memory.py), before the model is built: on a CPU, what each step
         # frees stays in malloc's heap rather than being faulted in again
@@ -116,7 +113,6 @@ class TrainingRun:
                                       cfg.train.grad_accum_steps)
         # refuses a recipe without held-out batches, before anything is written
         self.evaluation = RunEvaluation(cfg, self.recipe, policy) if cfg.train.eval.every else None
-        refuse_what_it_cannot_watch(cfg, parallel.world_size)  # train.diff.every: before anything is written
         self.steps_began_at = time.time()  # set again when the steps begin
         self.load_at_start: Optional[machine_load.Sample] = None  # taken there too
         self.mirror: Optional[Mirror] = None  # train.checkpoint.mirror's uploader, once the run has its identity
@@ -257,17 +253,18 @@ class TrainingRun:
                     replayed = replay_to(self.cfg, self.policy, self.recipe, recorder.run_dir, trip.step)
                     diagnosis = replay(self.cfg, self.policy, self.recipe, recorder.run_dir, trip.step, trip.reason,
                                        replayed)
-                    decision = escalator.decide(trip, diagnosis, replayed, self.cfg, self.policy, self.recipe)
-                    if decision.escalation is None:
+                    decision = escalator.decide(trip, diagnosis, replayed, self.plan, self.recipe)
+                    if isinstance(decision, Stop):
                         raise RunStopped(recorder.explain_stop(
                             trip.reason, decision.diagnosis, decision.why_not if escalator.enabled else None)) from None
                     self._go_back(decision, escalator)
         finally:
             self._close_mirror()  # its uploads complete: a preempted machine's stop checkpoint is off it
 
-    def _go_back(self, decision: Decision, escalator: Escalator) -> None:
-        """Train on from the escalation's checkpoint with its rules: what lies past it set aside, the state built
-        again with the raised layers and the checkpoint restored, as a run resumed there with those rules is."""
+    def _go_back(self, decision: Escalate, escalator: Escalator) -> None:
+        """Train on from the escalation's new plan: what lies past its checkpoint set aside, and the run built again
+        from the plan (its config with the raised layers, their policy, the checkpoint restored), as a run resumed
+        there with those rules is."""
         escalation, recorder = decision.escalation, self.recorder
         for line in start_timeline_at(recorder.run_dir, escalation.step):
             log.info("escalation %d: %s", escalation.number, line)
@@ -275,10 +272,8 @@ class TrainingRun:
         if self.mirror is not None:  # before training on: a pull must not take the abandoned timeline
             self.mirror.start_timeline_at(escalation.step)
         recorder.echo(escalation.line(escalator.most))
-        recorder.record_config(decision.cfg)
-        self.cfg, self.policy = decision.cfg, decision.policy
-        self.resume = Resume(recorder.run_dir, Path(escalation.checkpoint) if escalation.checkpoint else None,
-                             decision.payload)
+        recorder.record_config(decision.plan.cfg)
+        self._take_plan(decision.plan)
         self.recipe = self._rank_recipe()  # as a resumed process's: a user recipe's own state starts again
         self.evaluation = (RunEvaluation(self.cfg, self.recipe, self.policy) if self.cfg.train.eval.every else None)
         self.state = build_state(self.cfg, self.policy, self.recipe, self.parallel)
@@ -287,6 +282,12 @@ class TrainingRun:
         self.telemetry.skipped_total = self.resume.skipped_total
         self.profiler.stop_profiling()  # its window is the first timeline's: profiled once
         self.rebuilt_at.add(escalation.step + 1)
+
+    def _take_plan(self, plan: RunPlan) -> None:
+        """The plan the run trains on from here: its start's, or an escalation's (the rest is built from it)."""
+        self.plan, self.cfg, self.choices, self.policy, self.resume = plan, plan.cfg, plan.choices, plan.policy, \
+            plan.resume
+        self.settings = StepSettings.of(plan.cfg.train)
 
     def _mirror(self) -> Optional[Mirror]:
         """train.checkpoint.mirror's uploader, on rank 0 (the one that writes whole files and the manifests)."""

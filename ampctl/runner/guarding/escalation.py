@@ -24,10 +24,11 @@ layer is replaced by the escalation's (the first rule that matches decides; the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -43,9 +44,11 @@ from ampctl.runner.checkpointing import checkpoint, checkpoint_files
 from ampctl.runner.guarding.escalation_rules import recorded, rules_in, with_rules
 from ampctl.runner.guarding.guards import GuardTrip
 from ampctl.runner.identity import RunIdentity, resolved
+from ampctl.runner.resume import Resume
 
-if TYPE_CHECKING:  # annotations only: the replay is the run's to make (runner/guarding/diagnose.py)
+if TYPE_CHECKING:  # annotations only: the replay is the run's to make (runner/guarding/diagnose.py), the plan's
     from ampctl.runner.guarding.diagnose import Replayed
+    from ampctl.runner.plan import RunPlan
 
 
 @dataclass
@@ -74,15 +77,24 @@ class Escalation:
 
 
 @dataclass
-class Decision:
-    """What a trip leads to: an escalation (with the config and policy to train on with), or the reason not to."""
+class Escalate:
+    """A trip's escalation: its row, and the run's new plan, which the run is built from again as a resume is: its
+    config with the raised rules, their policy (checked as any plan's), and the checkpoint it goes back to as its
+    resume (none: the start)."""
+
+    escalation: Escalation
+    plan: RunPlan
+
+
+@dataclass
+class Stop:
+    """A trip that stops the run: the replay's diagnosis, and why it was not escalated ('' where escalation is off)."""
 
     diagnosis: dict[str, Any]
-    escalation: Optional[Escalation] = None
     why_not: str = ""
-    cfg: Optional[DictConfig] = None
-    policy: Optional[PrecisionPolicy] = None
-    payload: Optional[dict[str, Any]] = field(default=None, repr=False)  # the checkpoint's, to restore
+
+
+Decision = Union[Escalate, Stop]
 
 
 class Escalator:
@@ -98,27 +110,24 @@ class Escalator:
         self.made = len(rows)
         self.rules = rules_in(rows[-1]) if rows else []
 
-    def decide(self, trip: GuardTrip, diagnosis: dict[str, Any], replayed: Replayed, cfg: DictConfig,
-               policy: PrecisionPolicy, recipe: Recipe) -> Decision:
-        """From the tripped step's replay (its diagnosis, and the state it replayed to): the layers, where to go
-        back to, the config to train on with; or in words why not."""
-        decision = Decision(diagnosis)
+    def decide(self, trip: GuardTrip, diagnosis: dict[str, Any], replayed: Replayed, plan: RunPlan,
+               recipe: Recipe) -> Decision:
+        """From the tripped step's replay (its diagnosis, and the state it replayed to) and the plan the run trains
+        on: the layers and the new plan; or in words why not."""
         if not self.enabled:
-            return decision
+            return Stop(diagnosis)
         if self.made >= self.most:
-            decision.why_not = f"guard.max_escalations={self.most} escalations made already"
-            return decision
-        raised, evidence = _from_the_replay(diagnosis, policy)
+            return Stop(diagnosis, f"guard.max_escalations={self.most} escalations made already")
+        raised, evidence = _from_the_replay(diagnosis, plan.policy)
+        why_not = ""
         if not raised:
-            raised, evidence, decision.why_not = _from_the_error(trip, replayed, policy, recipe)
+            raised, evidence, why_not = _from_the_error(trip, replayed, plan.policy, recipe)
         if not raised:
-            decision.why_not = decision.why_not or f"no layer it names can go higher than it runs ({evidence})"
-            return decision
-        self._plan(decision, trip, cfg, raised, evidence)
-        return decision
+            return Stop(diagnosis, why_not or f"no layer it names can go higher than it runs ({evidence})")
+        return self._plan(diagnosis, trip, plan, raised, evidence)
 
-    def _plan(self, decision: Decision, trip: GuardTrip, cfg: DictConfig, raised: dict[str, str],
-              evidence: str) -> None:
+    def _plan(self, diagnosis: dict[str, Any], trip: GuardTrip, plan: RunPlan, raised: dict[str, str],
+              evidence: str) -> Decision:
         rules = list(self.rules)
         for layer, run_in in raised.items():
             rule = LayerRule.for_layer(layer, run_in)
@@ -128,15 +137,15 @@ class Escalator:
             else:
                 rules.append(rule)
         try:
-            decision.cfg = typed_config(OmegaConf.create(with_rules(resolved(cfg), rules)))
-            decision.policy = self.check(decision.cfg)
+            cfg = typed_config(OmegaConf.create(with_rules(resolved(plan.cfg), rules)))
+            policy = self.check(cfg)  # as any plan's
         except UsageError as exc:
-            decision.why_not = f"the raised rules are refused: {exc}"
-            return
-        path, decision.payload = self.good_checkpoint(trip.step)
-        decision.escalation = Escalation(
-            self.made + 1, decision.payload["step"] if decision.payload else 0, trip.step, trip.reason, raised, rules,
-            evidence, str(path) if path else None, decision.diagnosis["summary"])
+            return Stop(diagnosis, f"the raised rules are refused: {exc}")
+        path, payload = self.good_checkpoint(trip.step)
+        escalation = Escalation(self.made + 1, payload["step"] if payload else 0, trip.step, trip.reason, raised,
+                                rules, evidence, str(path) if path else None, diagnosis["summary"])
+        resume = Resume(self.run_dir, path, payload)
+        return Escalate(escalation, dataclasses.replace(plan, cfg=cfg, policy=policy, resume=resume))
 
     def good_checkpoint(self, before: int) -> tuple[Optional[Path], Optional[dict[str, Any]]]:
         """The newest checkpoint before step `before` that passes its check, is the run's and holds finite weights."""
