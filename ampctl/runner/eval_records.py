@@ -57,11 +57,7 @@ class RunEvaluation:
         self.every, self.steps, self.fp32 = train.eval.every, train.steps, train.eval.fp32
         self.ema = train.ema.decay is not None  # the weight average evaluated too, as eval/ema_<metric>
         self.policy = policy
-        self.evaluator = Evaluator(recipe, policy.device, train.eval.batches)
-        if self.fp32 and policy.converts_layers():
-            raise UsageError(f"train.eval.fp32=true with precision={policy.precision.name}: its converted layers "
-                             "compute in their format whatever autocast says; evaluate an fp32 run beside it "
-                             "(ampctl compare)")
+        self.evaluator = Evaluator(recipe, policy.device, train.eval.batches)  # the plan refused what it cannot
 
     def check_monitor(self, model: torch.nn.Module, monitor: str) -> None:
         """train.checkpoint.monitor is among the recipe's metrics (or the weight average's: ema_<metric>): one held-out

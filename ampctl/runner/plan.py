@@ -64,7 +64,22 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
         mirror_check.check(cfg.train.checkpoint.mirror, resume.run_dir, bool(cfg.resume), _mirror_options(cfg))
     policy = check_config(cfg)
     refuse_what_it_cannot_watch(cfg, world_size)  # train.diff.every
+    first_profiled(cfg, policy.device, resume.step or 0)  # train.profile's window within the run
     return RunPlan(cfg, dict(choices or {}), policy, resume, check_loggers(cfg.logger))
+
+
+def first_profiled(cfg: DictConfig, device: Any, start_step: int) -> int:
+    """The first step train.profile profiles: past the steps the run does not time (the timing warm-up, the CPU
+    memory measurement, the compiling first step) and the profiler's own warm-up step. UsageError where the window
+    ends past train.steps."""
+    from ampctl.analysis.memory.measure import MEASURED_STEPS
+    from ampctl.runner.profile_window import first_profiled_step
+
+    # the CPU memory profiler measures a CPU run's first steps, unless it is compiled (it would record torch.compile)
+    measures_cpu = (device.type == "cpu" and cfg.telemetry.profile_cpu_memory and not cfg.train.compile.enabled)
+    settled = max(cfg.train.timing_warmup_steps, MEASURED_STEPS if measures_cpu else 0,
+                  1 if cfg.train.compile.enabled else 0)
+    return first_profiled_step(cfg.train.profile, cfg.train.steps, settled, start_step)
 
 
 def holds_none_of_the_run(run_dir: Path) -> bool:
@@ -111,6 +126,10 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     mode_advice.check(policy)
     refuse_what_cannot_escalate(cfg, policy)
+    if cfg.train.eval.every and cfg.train.eval.fp32 and policy.converts_layers():
+        raise UsageError(f"train.eval.fp32=true with precision={policy.precision.name}: its converted layers "
+                         "compute in their format whatever autocast says; evaluate an fp32 run beside it "
+                         "(ampctl compare)")
     # FSDP2 keeps fp32 parameters, reduces in float32 and accumulates unsynced micro-batches in its reduce dtype:
     # float32 accumulation is its own; DDP all-reduces half weights' gradients in their own dtype
     if (policy.precision.grad_accum_dtype is not None and cfg.distributed.kind is ParallelKind.ddp

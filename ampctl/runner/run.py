@@ -10,11 +10,11 @@ import time
 from typing import Callable, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from ampctl import machine_load, run_files
 from ampctl.analysis import flops
-from ampctl.analysis.memory.measure import MEASURED_STEPS, TrainingPeak
+from ampctl.analysis.memory.measure import TrainingPeak
 from ampctl.conf.sweeps import stop_requested_of_this_job
 from ampctl.engine import devices, host_memory
 from ampctl.engine import parallel as parallelism
@@ -37,8 +37,8 @@ from ampctl.runner.guarding.escalation import Escalate, Escalator, Stop
 from ampctl.runner.guarding.guards import Guard, GuardStop
 from ampctl.runner.layer_error_log import LayerErrorLog
 from ampctl.runner.ownership import start_timeline_at
-from ampctl.runner.plan import RunPlan, check_config
-from ampctl.runner.profiling import StepProfiler, first_profiled_step
+from ampctl.runner.plan import RunPlan, check_config, first_profiled
+from ampctl.runner.profiling import StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder, log
 from ampctl.runner.reporting.console import say
 from ampctl.runner.reporting.run_account import announce, summary_of
@@ -103,9 +103,9 @@ class TrainingRun:
         self.measure_memory = parallel.is_main and (policy.device.type == "cuda" or measure_cpu)
         self.why_memory_not_measured = ("train.compile on a CPU" if compiled_on_cpu and cfg.telemetry.profile_cpu_memory
                                         else "")
-        # the same window on every rank (rank 0 alone measures memory, over the first steps on a CPU)
-        memory_steps = MEASURED_STEPS if policy.device.type == "cpu" and measure_cpu else 0
-        self.first_profiled = _first_profiled_step(cfg, self.resume.step or 0, memory_steps)
+        # the same window on every rank (rank 0 alone measures memory, over the first steps on a CPU); the plan
+        # refused a window past the run's end
+        self.first_profiled = first_profiled(cfg, policy.device, self.resume.step or 0)
         # model FLOPs of a step (counted on fake tensors) and the device's peak, for MFU in every record; before
         # the peak memory is measured, which the batch drawn for the count must not raise. On a recipe of its
         # own: counting calls its loss, and a user recipe's state (a call counter) must stay the run's.
@@ -307,12 +307,6 @@ class TrainingRun:
         if failed:
             self.recorder.echo(f"warning: {len(failed)} checkpoint(s) not mirrored to {self.mirror.url}: "
                                f"{', '.join(failed)} (each said when it failed); the local ones are whole")
-
-def _first_profiled_step(cfg: DictConfig, start_step: int, memory_steps: int) -> int:
-    """The first step train.profile profiles: past the steps the run does not time (the timing warm-up, the
-    CPU memory measurement, the compiling first step) and the profiler's own warm-up step."""
-    settled = max(cfg.train.timing_warmup_steps, memory_steps, 1 if cfg.train.compile.enabled else 0)
-    return first_profiled_step(cfg.train.profile, cfg.train.steps, settled, start_step)
 
 
 class LogStepChecks:

@@ -184,7 +184,7 @@ def refuse_a_profile_past_the_end(cfg: DictConfig, plans: list[ModePlan]) -> Non
     """train.profile=N with too few steps for any mode's run: refused once, before any mode runs (each run refused
     it alone, each mode a failed row)."""
     from ampctl.analysis.memory.measure import MEASURED_STEPS
-    from ampctl.runner.profiling import first_profiled_step
+    from ampctl.runner.profile_window import first_profiled_step
 
     for plan in plans:
         memory = MEASURED_STEPS if plan.device == "cpu" and cfg.telemetry.profile_cpu_memory else 0
