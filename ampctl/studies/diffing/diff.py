@@ -89,7 +89,6 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
         if summary["below_the_noise"]:  # nothing to repair: its config is the run's
             repair = Repair(chosen=Tried([], summary["gradient_error"], summary["error_over_noise"]))
         else:
-            report.write(out_dir, console, files_only=True)  # the ranking first: a repair stopped leaves it whole
             ranked = [row["layer"] for row in table.as_dicts() if row["out_local"] or row["dgrad_local"]
                       or row["wgrad_local"]]  # in the table's order: the error each adds itself
             noise = summary["gradient_noise"]
@@ -105,8 +104,9 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
 
 def _repaired(search: Callable[[Callable[[Tried], None]], Repair], report: "DiffReport", out_dir: Path,
               console: Console, phase: Phases) -> Repair:
-    """The repair's search (search(said): run_repair's), each set measured said as it ends; stopped by a signal, the
-    files say how far it got (the ranking written before it stands) and the stop goes on."""
+    """The ranking written, then the repair's search (search(said): run_repair's), each set measured said as it
+    ends; stopped by a signal, from the ranking's writing on, the files say how far it got (the ranking stands) and
+    the stop goes on."""
     tried: list[Tried] = []
 
     def said(result: Tried) -> None:
@@ -116,6 +116,7 @@ def _repaired(search: Callable[[Callable[[Tried], None]], Repair], report: "Diff
         phase(f"repair: set {len(tried)} ({raised}): the gradient's error {result.gradient_error:.1e}{over}")
 
     try:
+        report.write(out_dir, console, files_only=True)  # the ranking first: a repair stopped leaves it whole
         return search(said)
     except (KeyboardInterrupt, Interrupted):
         report.repair = Repair(tried=tried, interrupted=True).to_json()
