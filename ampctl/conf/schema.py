@@ -2,8 +2,9 @@
 
 Every YAML in ampctl/conf/ extends one of the schemas stored here (``defaults: [/schema_<group>[_<kind>]@_here_]``):
 the run's (telemetry.*, distributed.*, guard.*) are defined in this module, train.* and its groups in
-train_schema.py, a precision mode's and its scaler's in precision_schema.py, the studies' own in study_schema.py (a
-tracker's options are its class's: runner/trackers/);
+train_schema.py, a precision mode's and its scaler's in precision_schema.py; a study command's own (compare.*,
+diff.*, ...) and its primary config in its command's module (ampctl/commands/<name>.py); a tracker's options are its
+class's (runner/trackers/);
 so that a typo'd key or a wrong type is rejected by OmegaConf at compose time. The dataclasses' defaults are the
 only ones: a YAML states what differs from them and nothing else (tests/unit/test_config.py checks every
 file). Ranges and cross-field rules are each schema's __post_init__; :func:`validate` runs them all (through
@@ -24,7 +25,6 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from ampctl.conf.fields import safe_to_change
 from ampctl.conf.precision_schema import SCALER_SCHEMAS, PrecisionConfig
-from ampctl.conf.study_schema import AdviseConfig, CompareConfig, DiffConfig, InspectConfig, MemoryConfig
 from ampctl.conf.train_schema import TrainConfig
 from ampctl.conf.value_checks import positive_finite, require
 from ampctl.errors import UsageError
@@ -154,46 +154,6 @@ class AmpctlConfig:
     logger: Dict[str, Any] = safe_to_change(default_factory=dict)
     # a run dir or checkpoint file to continue from; "auto": this run dir's newest
     resume: Optional[str] = safe_to_change(None)
-
-
-@dataclass
-class CompareAppConfig(AmpctlConfig):
-    """The primary config of `ampctl compare`: a train config plus what to compare."""
-
-    compare: CompareConfig = field(default_factory=CompareConfig)
-
-
-@dataclass
-class MemoryAppConfig(AmpctlConfig):
-    """The primary config of `ampctl memory`: a train config plus what to measure."""
-
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
-
-
-@dataclass
-class InspectAppConfig(AmpctlConfig):
-    """The primary config of `ampctl inspect`: a train config plus what to inspect."""
-
-    inspect: InspectConfig = field(default_factory=InspectConfig)
-
-
-@dataclass
-class DiffAppConfig(AmpctlConfig):
-    """The primary config of `ampctl diff`: a train config (the candidate: its precision mode) plus what to measure
-    it against."""
-
-    diff: DiffConfig = field(default_factory=DiffConfig)
-    compare: CompareConfig = field(default_factory=lambda: CompareConfig(seeds=3, warmup_steps=5))  # diff.prove's
-
-
-@dataclass
-class AdviseAppConfig(AmpctlConfig):
-    """The primary config of `ampctl advise`: a train config, what to advise on, and the settings of the compare
-    and inspect studies it runs."""
-
-    advise: AdviseConfig = field(default_factory=AdviseConfig)
-    compare: CompareConfig = field(default_factory=lambda: CompareConfig(seeds=3, warmup_steps=5))
-    inspect: InspectConfig = field(default_factory=lambda: InspectConfig(steps=2))
 
 
 def validate(cfg: DictConfig) -> None:

@@ -1,9 +1,10 @@
-"""The primitives of the schema's range checks: one refusal format, the loss-scale range."""
+"""The primitives of the schemas' range checks: one refusal format, the loss-scale range, durations."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+import re
+from typing import Any, Optional
 
 from ampctl.errors import ConfigError
 
@@ -30,3 +31,14 @@ def loss_scale_ok(x: float) -> bool:
 
 def yaml_text(value: Any) -> str:
     return "null" if value is None else f"{value:g}"
+
+
+def budget_seconds(text: str) -> Optional[float]:
+    """'1h30m' -> 5400.0; None when it is no duration (a positive one of h, min or m, s)."""
+    number = r"(\d+(?:\.\d+)?)"
+    match = re.fullmatch(rf"\s*(?:{number}\s*h)?\s*(?:{number}\s*(?:min|m))?\s*(?:{number}\s*s)?\s*", str(text))
+    if match is None or not any(match.groups()):
+        return None
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    return total if total > 0 else None

@@ -59,6 +59,9 @@ class Command:
     # there), and how `ampctl report` renders it again: (the directory, a rich console) -> the failed runs in it
     record: Optional[str] = None
     rerender: Optional[Callable[[Path, Any], Optional[int]]] = None
+    # the other commands whose configs its study composes (advise repairs a mode with a diff): their schemas are
+    # stored with its own
+    composes: tuple[str, ...] = ()
 
     @property
     def is_hydra_app(self) -> bool:

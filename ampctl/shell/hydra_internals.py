@@ -58,6 +58,7 @@ def register_schemas(names: Optional[Iterable[str]] = None) -> None:
 
     share_one_config_store()
     commands = [command_named(name) for name in names] if names is not None else list(registry().values())
+    commands += [command_named(other) for command in commands for other in command.composes]
     register_configs({c.name: c.schema for c in commands if c.schema is not None})
 
 

@@ -31,7 +31,6 @@ from rich.progress import (
 from ampctl import io, run_files
 from ampctl.analysis import cpu_figures, cpu_speed, mode_advice
 from ampctl.conf.composing import compose_job
-from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.evaluation import held_out_unavailable
 from ampctl.engine.precision.policy import PrecisionPolicy
@@ -45,6 +44,9 @@ from ampctl.runner.plan import check_config
 from ampctl.studies import row_labels
 from ampctl.studies.rounds import RoundRun, run_in_rounds
 from ampctl.studies.turns import round_spans, threads_left_free
+
+# The modes `ampctl compare` runs when compare.precisions is null (those the device can run).
+DEFAULT_COMPARE_PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "O2")
 
 
 @dataclass

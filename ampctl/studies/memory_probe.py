@@ -4,8 +4,8 @@ decide whether this batch fits.
 
     python -m ampctl.studies.memory_probe BATCH_SIZE [--config-dir DIR] [overrides ...]
 
-Builds the run of `ampctl memory <overrides> recipe.batch_size=BATCH_SIZE`, takes two training steps and
-prints one JSON line: {"peak": bytes} or {"out_of_memory": true}.
+Builds the run of `ampctl train <overrides> recipe.batch_size=BATCH_SIZE` (a row of `ampctl memory`), takes two
+training steps and prints one JSON line: {"peak": bytes} or {"out_of_memory": true}.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     die_with_parent()
     from ampctl.analysis.memory.measure import measure_peak
-    from ampctl.conf.schema import MemoryAppConfig, register_configs
+    from ampctl.conf.schema import register_configs
     from ampctl.engine.build import build_state
     from ampctl.engine.loop import StepSettings, batch_stream, run_steps
     from ampctl.recipes.base import build_recipe
@@ -40,9 +40,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     overrides = [*args.overrides, f"recipe.batch_size={args.batch_size}"]
     if args.config_dir:
         overrides.append(f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]")
-    register_configs({"memory": MemoryAppConfig})
+    register_configs()  # train's: a row's overrides are its run's (memory study's own keys left out)
     with initialize_config_module(config_module="ampctl.conf", version_base=None):
-        cfg = compose(config_name="memory", overrides=overrides)
+        cfg = compose(config_name="train", overrides=overrides)
     policy = check_config(cfg)
     recipe = build_recipe(cfg.recipe)
     try:

@@ -183,9 +183,9 @@ def test_an_emulated_formats_speed_is_labelled_as_the_emulations(tmp_path, resto
 def test_advise_weighs_every_converter_mode_but_the_emulations(halving):
     """advise's candidates come from the registry: a converter's mode is one without a list to extend; the mode
     that only emulates another (fp8_emulated for fp8) is not weighed."""
-    from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS
     from ampctl.shell.hydra_internals import composed
     from ampctl.studies.advising.advise import candidate_modes
+    from ampctl.studies.compare import DEFAULT_COMPARE_PRECISIONS
 
     with composed("advise", [], config_dir=halving):
         candidates = candidate_modes()

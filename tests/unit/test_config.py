@@ -194,14 +194,15 @@ def _leaves(node, prefix=""):
 
 def _schema_of(path: str):
     from ampctl.conf import schema as config
+    from ampctl.shell.command import command_named
 
     group = path.split("/")[0] if "/" in path else None
     if group == "scaler":
         return config.SCALER_SCHEMAS[path.split("/")[1].removesuffix(".yaml")]
     return {"precision": config.PrecisionConfig, "distributed": config.DistributedConfig,
             None: {"run_defaults.yaml": config.AmpctlConfig, "train.yaml": config.AmpctlConfig,
-                   "compare.yaml": config.CompareAppConfig, "memory.yaml": config.MemoryAppConfig,
-                   "inspect.yaml": config.InspectAppConfig}.get(path)}.get(group)
+                   **{f"{name}.yaml": command_named(name).schema for name in ("compare", "memory", "inspect")}
+                   }.get(path)}.get(group)
 
 
 def test_a_yaml_states_only_what_differs_from_its_schema():

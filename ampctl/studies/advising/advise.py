@@ -31,7 +31,7 @@ from rich.console import Console
 from ampctl import io, run_files
 from ampctl.analysis import cpu_speed
 from ampctl.conf.composing import compose_job
-from ampctl.conf.study_schema import DEFAULT_COMPARE_PRECISIONS, budget_seconds
+from ampctl.conf.value_checks import budget_seconds
 from ampctl.engine.precision import converters
 from ampctl.errors import UsageError
 from ampctl.reports import tables
@@ -58,7 +58,14 @@ from ampctl.studies.budget import (
     seconds_since_start,
     size_comparison,
 )
-from ampctl.studies.compare import CompareInterrupted, ModePlan, plan_modes, run_compare, split_overrides
+from ampctl.studies.compare import (
+    DEFAULT_COMPARE_PRECISIONS,
+    CompareInterrupted,
+    ModePlan,
+    plan_modes,
+    run_compare,
+    split_overrides,
+)
 from ampctl.studies.diffing.diff_repair import own_rules
 from ampctl.studies.inspect_ranges import run_inspect
 from ampctl.studies.turns import rounds_of

@@ -85,9 +85,6 @@ def _repair(advising: Any, mode: str, preparation: Preparation
     """(the layers the repair raised, as rules; every rule the repaired mode runs with: those first, then the mode's
     own as compared); no layers where none brings it under the yardstick; None where the diff does not fit what
     is left of the budget (a note says so)."""
-    from ampctl.conf.schema import DiffAppConfig, register_configs
-
-    register_configs({"diff": DiffAppConfig})  # advise's process stores its own app schema alone: diff's, to compose it
     cfg = compose_job("diff", [*advising.run_overrides, f"precision={mode}", *preparation.overrides(),
                                "diff.repair=true"])
     cost_s = advising.step_s * cfg.diff.batches * (DIFF_BATCH_COST + 2 * REPAIR_SET_COST * cfg.diff.repair_layers)

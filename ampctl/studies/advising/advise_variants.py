@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from omegaconf import DictConfig, open_dict
 
-from ampctl.conf.study_schema import AdviseGoal
-
 
 def compile_is_candidate(cfg: DictConfig, run_overrides: list[str], notes: list[str]) -> bool:
     """Whether compile is to be measured (the budget decides later where advise.compile is null)."""
@@ -30,7 +28,7 @@ def with_variants(cfg: DictConfig, run_overrides: list[str], notes: list[str], c
         cfg = cfg.copy()
         with open_dict(cfg):
             cfg.compare.compile = [False, True]
-    if cfg.advise.goal is AdviseGoal.memory:
+    if cfg.advise.goal.value == "memory":
         cfg = with_optimizer_states(cfg, run_overrides, notes)
     if cfg.compare.activation_checkpointing is not None or any(
             o.lstrip("+~").startswith("train.activation_checkpointing=") for o in run_overrides):

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from ampctl import run_files
 from ampctl.conf.composing import compose_job
-from ampctl.conf.study_schema import budget_seconds
+from ampctl.conf.value_checks import budget_seconds
 from ampctl.runner.plan import check_config
 from ampctl.studies.advising.advice import Preparation
 from ampctl.studies.compare import CompareInterrupted, ModePlan, run_compare
