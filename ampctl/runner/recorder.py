@@ -19,8 +19,9 @@ from ampctl.runner.identity import RunIdentity
 from ampctl.runner.reporting.console import make_console_sink
 from ampctl.runner.reporting.scale_story import ScaleStory
 
-if TYPE_CHECKING:  # annotations only: the state's class is the engine's
+if TYPE_CHECKING:  # annotations only: the state's class is the engine's, the diagnosis the guard's replay's
     from ampctl.engine.loop import TrainState
+    from ampctl.runner.guarding.diagnose import Diagnosis
 
 log = logging.getLogger("ampctl.train")
 
@@ -125,12 +126,12 @@ class Recorder:
 
         return RangesLog(state.model, state.scaler, device, every, self.run_dir / run_files.RANGES)
 
-    def explain_stop(self, reason: str, diagnosis: dict[str, Any], why_not_escalated: Optional[str]) -> str:
+    def explain_stop(self, reason: str, diagnosis: "Diagnosis", why_not_escalated: Optional[str]) -> str:
         """A guard stopped the run: its replay's diagnosis written (diagnosis.json); the stop's message, with why it
         did not escalate where it would have (guard.on_trip=escalate)."""
-        io.write_json(self.run_dir / run_files.DIAGNOSIS, diagnosis)
+        io.write_json(self.run_dir / run_files.DIAGNOSIS, diagnosis.to_json())
         not_escalated = f" Not escalated: {why_not_escalated}." if why_not_escalated else ""
-        return f"{reason}. {diagnosis['summary']}.{not_escalated} Written to {self.run_dir / run_files.DIAGNOSIS}"
+        return f"{reason}. {diagnosis.summary}.{not_escalated} Written to {self.run_dir / run_files.DIAGNOSIS}"
 
     def write_summary(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         from ampctl.runner.ownership import set_aside_unreadable_rows

@@ -28,6 +28,8 @@ from ampctl.runner.checkpointing import checkpoint, checkpoint_files
 
 @dataclass
 class Finding:
+    """A layer where a value was non-finite or beyond the half type's range."""
+
     module: str
     type: str
     dtype: str
@@ -125,7 +127,7 @@ def replay_to(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir:
 
 
 def replay(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir: Path, bad_step: int, reason: str,
-           replayed: Optional[Replayed] = None) -> dict[str, Any]:
+           replayed: Optional[Replayed] = None) -> "Diagnosis":
     """Replay bad_step under hooks (from `replayed`, else replayed to it here); return the diagnosis. Its
     forward and backward leave the weights as they were (no optimizer step); its batches are kept in replayed."""
     replayed = replayed or replay_to(cfg, policy, recipe, run_dir, bad_step)
@@ -150,41 +152,49 @@ def replay(cfg: DictConfig, policy: PrecisionPolicy, recipe: Recipe, run_dir: Pa
                  if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     if not all(math.isfinite(v) for v in losses):
         watch.backward = None  # every gradient of a non-finite loss is non-finite: nothing to locate backward
-    diagnosis = {
-        "step": bad_step,
-        "reason": reason,
-        "loss": losses[0] if accum == 1 else losses,
-        "loss_scale": scale,
-        "forward": asdict(watch.forward) if watch.forward else None,
-        "backward": asdict(watch.backward) if watch.backward else None,
-        "forward_problems": [asdict(f) for f in watch.forward_problems],
-        "parameters_with_nonfinite_grads": bad_grads,
-        "checkpoint_replayed_from": str(replayed.checkpoint) if replayed.checkpoint else None,
-    }
-    diagnosis["summary"] = describe(diagnosis)
-    return diagnosis
+    return Diagnosis(bad_step, reason, losses, scale, watch.forward, watch.backward, list(watch.forward_problems),
+                     bad_grads, str(replayed.checkpoint) if replayed.checkpoint else None)
 
 
-def describe(d: dict[str, Any]) -> str:
-    losses = d["loss"] if isinstance(d["loss"], list) else [d["loss"]]
-    named = "loss" if len(losses) == 1 else "micro-batch losses"
-    parts = [f"replayed step {d['step']} ({named} {', '.join(f'{v:.4g}' for v in losses)}, loss scale "
-             f"{d['loss_scale']:g})"]
-    if d["forward"]:
-        f = d["forward"]
-        parts.append(f"forward: first problem at '{f['module']}' ({f['type']}, {f['dtype']} output): {f['problem']}, "
-                     f"max |x| = {f['max_abs']:.4g}")
-    else:
-        parts.append("forward: every layer's output finite and in range")
-    if not all(math.isfinite(v) for v in losses):
-        parts.append("backward: not located (the loss itself is non-finite)")
-    elif d["backward"]:
-        b = d["backward"]
-        parts.append(f"backward: {b['problem']}, first seen at '{b['module']}' ({b['type']}), "
-                     f"max |grad| = {b['max_abs']:.4g}")
-    elif d["parameters_with_nonfinite_grads"]:
-        parts.append("backward: activation gradients finite; non-finite parameter gradients in "
-                     + ", ".join(d["parameters_with_nonfinite_grads"][:5]))
-    else:
-        parts.append("backward: every gradient finite in the replay")
-    return "; ".join(parts)
+@dataclass
+class Diagnosis:
+    """What the replay of a tripped step found (diagnosis.json: to_json(), with its summary in words)."""
+
+    step: int
+    reason: str
+    losses: list[float]  # one per micro-batch
+    loss_scale: float
+    forward: Optional[Finding]  # the first layer whose output went bad
+    backward: Optional[Finding]  # the first layer where the gradient went bad on its way back
+    forward_problems: list[Finding]  # every layer the forward's problem passed through, in order
+    parameters_with_nonfinite_grads: list[str]
+    checkpoint_replayed_from: Optional[str]
+
+    def to_json(self) -> dict[str, Any]:
+        record = asdict(self)
+        losses = record.pop("losses")
+        return {"step": self.step, "reason": self.reason, "loss": losses[0] if len(losses) == 1 else losses,
+                **{k: v for k, v in record.items() if k not in ("step", "reason")}, "summary": self.summary}
+
+    @property
+    def summary(self) -> str:
+        named = "loss" if len(self.losses) == 1 else "micro-batch losses"
+        parts = [f"replayed step {self.step} ({named} {', '.join(f'{v:.4g}' for v in self.losses)}, loss scale "
+                 f"{self.loss_scale:g})"]
+        if self.forward:
+            f = self.forward
+            parts.append(f"forward: first problem at '{f.module}' ({f.type}, {f.dtype} output): {f.problem}, "
+                         f"max |x| = {f.max_abs:.4g}")
+        else:
+            parts.append("forward: every layer's output finite and in range")
+        if not all(math.isfinite(v) for v in self.losses):
+            parts.append("backward: not located (the loss itself is non-finite)")
+        elif self.backward:
+            b = self.backward
+            parts.append(f"backward: {b.problem}, first seen at '{b.module}' ({b.type}), max |grad| = {b.max_abs:.4g}")
+        elif self.parameters_with_nonfinite_grads:
+            parts.append("backward: activation gradients finite; non-finite parameter gradients in "
+                         + ", ".join(self.parameters_with_nonfinite_grads[:5]))
+        else:
+            parts.append("backward: every gradient finite in the replay")
+        return "; ".join(parts)

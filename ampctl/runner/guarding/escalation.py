@@ -47,7 +47,7 @@ from ampctl.runner.identity import RunIdentity, resolved
 from ampctl.runner.resume import Resume
 
 if TYPE_CHECKING:  # annotations only: the replay is the run's to make (runner/guarding/diagnose.py), the plan's
-    from ampctl.runner.guarding.diagnose import Replayed
+    from ampctl.runner.guarding.diagnose import Diagnosis, Finding, Replayed
     from ampctl.runner.plan import RunPlan
 
 
@@ -90,7 +90,7 @@ class Escalate:
 class Stop:
     """A trip that stops the run: the replay's diagnosis, and why it was not escalated ('' where escalation is off)."""
 
-    diagnosis: dict[str, Any]
+    diagnosis: Diagnosis
     why_not: str = ""
 
 
@@ -110,7 +110,7 @@ class Escalator:
         self.made = len(rows)
         self.rules = rules_in(rows[-1]) if rows else []
 
-    def decide(self, trip: GuardTrip, diagnosis: dict[str, Any], replayed: Replayed, plan: RunPlan,
+    def decide(self, trip: GuardTrip, diagnosis: Diagnosis, replayed: Replayed, plan: RunPlan,
                recipe: Recipe) -> Decision:
         """From the tripped step's replay (its diagnosis, and the state it replayed to) and the plan the run trains
         on: the layers and the new plan; or in words why not."""
@@ -126,7 +126,7 @@ class Escalator:
             return Stop(diagnosis, why_not or f"no layer it names can go higher than it runs ({evidence})")
         return self._plan(diagnosis, trip, plan, raised, evidence)
 
-    def _plan(self, diagnosis: dict[str, Any], trip: GuardTrip, plan: RunPlan, raised: dict[str, str],
+    def _plan(self, diagnosis: Diagnosis, trip: GuardTrip, plan: RunPlan, raised: dict[str, str],
               evidence: str) -> Decision:
         rules = list(self.rules)
         for layer, run_in in raised.items():
@@ -143,7 +143,7 @@ class Escalator:
             return Stop(diagnosis, f"the raised rules are refused: {exc}")
         path, payload = self.good_checkpoint(trip.step)
         escalation = Escalation(self.made + 1, payload["step"] if payload else 0, trip.step, trip.reason, raised,
-                                rules, evidence, str(path) if path else None, diagnosis["summary"])
+                                rules, evidence, str(path) if path else None, diagnosis.summary)
         resume = Resume(self.run_dir, path, payload)
         return Escalate(escalation, dataclasses.replace(plan, cfg=cfg, policy=policy, resume=resume))
 
@@ -171,25 +171,24 @@ class Escalator:
         self.made, self.rules = escalation.number, escalation.rules
 
 
-def _from_the_replay(diagnosis: dict[str, Any], policy: PrecisionPolicy) -> tuple[dict[str, str], str]:
+def _from_the_replay(diagnosis: Diagnosis, policy: PrecisionPolicy) -> tuple[dict[str, str], str]:
     """The layers the replay found a value non-finite or out of range in that can go up, and what it found: the
     first forward one that can (a layer after it carries what an earlier one made; one already in fp32 hands a
     value its next layer's half type cannot hold on), and the one where the gradient first went bad on its way back;
     where neither, the first layer whose parameters' gradients are not finite."""
-    forward = diagnosis.get("forward_problems") or []
-    backward = [diagnosis["backward"]] if diagnosis.get("backward") else []
+    backward = [diagnosis.backward] if diagnosis.backward else []
     raised: dict[str, str] = {}
-    seen: list[dict[str, Any]] = []
-    for group in (forward, backward):
+    seen: list[Finding] = []
+    for group in (diagnosis.forward_problems, backward):
         for finding in group:
             seen.append(finding)
-            run_in = policy.one_step_up(finding["module"])
+            run_in = policy.one_step_up(finding.module)
             if run_in is not None:
-                raised.setdefault(finding["module"], run_in)
+                raised.setdefault(finding.module, run_in)
                 break
     if raised:
         return raised, "the replay finds " + ", then ".join(_found(f) for f in seen)
-    for name in diagnosis.get("parameters_with_nonfinite_grads") or []:
+    for name in diagnosis.parameters_with_nonfinite_grads:
         layer = name.rpartition(".")[0]
         if (run_in := policy.one_step_up(layer)) is not None:
             return {layer: run_in}, f"the replay finds the gradient of {name} non-finite"
@@ -198,8 +197,8 @@ def _from_the_replay(diagnosis: dict[str, Any], policy: PrecisionPolicy) -> tupl
     return {}, "the replay finds every value finite"
 
 
-def _found(finding: dict[str, Any]) -> str:
-    return f"{finding['module']!r} ({finding['type']}, {finding['dtype']}) {finding['problem']}"
+def _found(finding: Finding) -> str:
+    return f"{finding.module!r} ({finding.type}, {finding.dtype}) {finding.problem}"
 
 
 def _from_the_error(trip: GuardTrip, replayed: Replayed, policy: PrecisionPolicy,

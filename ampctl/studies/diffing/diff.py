@@ -9,7 +9,7 @@ import itertools
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -42,8 +42,17 @@ HEADERS = {"out_local": "out local", "out_total": "out total", "input_inherited"
 _CANDIDATES_OWN = ("precision", "scaler")
 
 
+@dataclass
+class Proof:
+    """diff.prove's verdict (studies/diffing/diff_proof.py)."""
+
+    verdict: str  # proved | repaired matches | not needed | not proved | not decided | partial | interrupted
+    words: str
+    parity: dict[str, Optional[str]]  # each trained mode's held-out parity with the reference
+
+
 # diff.prove's training (studies/diffing/diff_proof.prove): (cfg, out_dir, overrides, repair, started) -> its verdict
-Prover = Callable[[DictConfig, Path, list[str], Optional[Repair], float], Any]
+Prover = Callable[[DictConfig, Path, list[str], Optional[Repair], float], Proof]
 
 
 def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Optional[Prover] = None) -> None:
@@ -75,31 +84,31 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
             on_layer=lambda batch, done, of: tick((batch - 1) * of + done, f"batch {batch}/{len(batches)}, layer "
                                                                            f"{done}/{of}:"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = model_summary(model, candidate, against, cfg.diff.noise_share, cand.scale)
-    summary["converted_layers"] = sorted(policy.converted)  # a repair that raises them all leaves no format
+    # the layers converted: a repair that raises them all leaves no format
+    summary = ModelSummary.of(model, candidate, against, cfg.diff.noise_share, cand.scale, sorted(policy.converted))
     table = layer_table(layers, model)
     report = DiffReport(table, summary, candidate, against, cfg.diff.noise_share, cfg.diff.top, overrides,
                         tables.machine_info([{"device": device.type}]),
                         f"recipe={plots.recipe_label(cfg)} · {candidate} against {against} · "
                         f"{io.count_of(len(batches), 'batch')}", repairs=cfg.diff.repair, proves=prove is not None)
-    if cfg.diff.repair and summary["gradient_noise"]:
+    if cfg.diff.repair and summary.gradient_noise:
         def measure_candidate(variant: DictConfig) -> ModelErrors:
             return measure(reference, _side(variant, recipe, saved)[0], recipe.loss, batches, per_layer=False)[1]
 
-        if summary["below_the_noise"]:  # nothing to repair: its config is the run's
-            repair = Repair(chosen=Tried([], summary["gradient_error"], summary["error_over_noise"]))
+        if summary.below_the_noise:  # nothing to repair: its config is the run's
+            repair = Repair(chosen=Tried([], summary.gradient_error, summary.error_over_noise))
         else:
             ranked = [row["layer"] for row in table.as_dicts() if row["out_local"] or row["dgrad_local"]
                       or row["wgrad_local"]]  # in the table's order: the error each adds itself
-            noise = summary["gradient_noise"]
+            noise = summary.gradient_noise
             repair = _repaired(lambda said: run_repair(cfg, overrides, measure_candidate, ranked, policy.one_step_up,
                                                        noise, said), report, out_dir, console, phase)
             if repair.chosen is not None:
                 repair.config = repaired_config(overrides, own_rules(cfg), repair, out_dir)
-        report.repair = repair.to_json()
+        report.repair = repair
     report.write(out_dir, console)  # the diff's figures first: a proof that is stopped leaves them whole
     if prove is not None:
-        _proved(report, lambda: asdict(prove(cfg, out_dir, overrides, repair, started)), out_dir, console)
+        _proved(report, lambda: prove(cfg, out_dir, overrides, repair, started), out_dir, console)
 
 
 def _repaired(search: Callable[[Callable[[Tried], None]], Repair], report: "DiffReport", out_dir: Path,
@@ -119,20 +128,19 @@ def _repaired(search: Callable[[Callable[[Tried], None]], Repair], report: "Diff
         report.write(out_dir, console, files_only=True)  # the ranking first: a repair stopped leaves it whole
         return search(said)
     except (KeyboardInterrupt, Interrupted):
-        report.repair = Repair(tried=tried, interrupted=True).to_json()
+        report.repair = Repair(tried=tried, interrupted=True)
         report.write(out_dir, console, files_only=True)
         raise
 
 
-def _proved(report: "DiffReport", proof: Callable[[], dict[str, Any]], out_dir: Path, console: Console) -> None:
+def _proved(report: "DiffReport", proof: Callable[[], Proof], out_dir: Path, console: Console) -> None:
     """The proof's verdict into the diff's files and on the screen; stopped by a signal, the files say it was
     (the comparison's runs so far are in proof/, each with the line that continues it)."""
     try:
         report.proof = proof()
     except StoppedOnSignal:
-        report.proof = {"verdict": "interrupted", "parity": {},
-                        "words": "stopped before its seeds finished; the runs so far are in proof/, each continued "
-                                 "by the line compare printed for it"}
+        report.proof = Proof("interrupted", "stopped before its seeds finished; the runs so far are in proof/, each "
+                                            "continued by the line compare printed for it", {})
         report.write(out_dir, console, files_only=True)
         raise
     report.write(out_dir, console, files_only=True)
@@ -210,44 +218,68 @@ FORMATS = {**{f"{q}_{s}": error_cell for q in QUANTITIES for s in ("local", "tot
            "nonfinite": tables.fraction_cell, "gradient_share": lambda v: f"{v:.0%}"}
 
 
-def model_summary(model: ModelErrors, candidate: str, against: str, noise_share: float,
-                  loss_scale: float) -> dict[str, Any]:
-    """The whole model's figures and the yardstick's verdict."""
-    noise, error = model.noise(), model.gradient.rel_rms
-    ratio = error / noise if noise else None
-    below = ratio is not None and ratio <= noise_share
-    worst = sorted(model.by_layer.items(), key=lambda item: -item[1])[:3]
-    reference_loss = sum(r for r, _ in model.losses) / len(model.losses) if model.losses else None
-    return {"reference_loss": reference_loss, "loss_error": model.loss_error(), "loss_noise": model.loss_noise(),
-            "gradient_error": error,
-            "gradient_cosine": model.gradient.cosine, "gradient_noise": noise, "error_over_noise": ratio,
-            "below_the_noise": below, "noise_share": noise_share, "largest_shares": worst,
-            "candidate": candidate, "against": against, "batches": len(model.losses),
-            "loss_scale": loss_scale, "scale_backoffs": model.backoffs}
+@dataclass
+class ModelSummary:
+    """The whole model's figures and the yardstick's verdict (diff.json's "model")."""
 
+    candidate: str
+    against: str
+    batches: int
+    reference_loss: Optional[float]  # the reference's mean loss over the batches
+    loss_error: float  # the candidate's mean |loss - reference's|
+    loss_noise: Optional[float]  # the reference loss's batch-to-batch spread
+    gradient_error: float  # the whole gradient's relative RMS error
+    gradient_cosine: float
+    gradient_noise: Optional[float]  # the gradient's batch-to-batch noise: the yardstick (None: one batch)
+    error_over_noise: Optional[float]
+    below_the_noise: bool  # error_over_noise <= noise_share
+    noise_share: float
+    largest_shares: list[tuple[str, float]]  # the three layers with the largest shares of the gradient's error
+    loss_scale: float  # the candidate's loss scale the batches ran under
+    scale_backoffs: int  # times it was halved for an overflowing gradient, as GradScaler would
+    converted_layers: list[str] = field(default_factory=list)  # the layers the candidate's mode converts
 
-def verdict_lines(summary: dict[str, Any]) -> list[str]:
-    """What the whole model's figures say, in words."""
-    candidate, against = summary["candidate"], summary["against"]
-    loss_noise = summary["loss_noise"]
-    lines = [f"loss: {against}'s {summary['reference_loss']:.4f}; {candidate}'s differs by "
-             f"{error_cell(summary['loss_error'])} on average"
-             + (f" (its batch-to-batch spread: {loss_noise:.3g})" if loss_noise else "")]
-    if summary.get("scale_backoffs"):
-        lines.append(f"loss scale: its gradient overflowed; compared under {summary['loss_scale']:g}, halved "
-                     f"{summary['scale_backoffs']} times as GradScaler would")
-    ratio, share = summary["error_over_noise"], summary["noise_share"]
-    gradient = f"gradient: relative error {error_cell(summary['gradient_error'])}"
-    if ratio is None:
-        return [*lines, f"{gradient}; the gradient's batch-to-batch noise could not be measured (diff.batches >= 2)"]
-    noise = (f"the gradient's batch-to-batch noise is {summary['gradient_noise']:.3g}: the error is "
-             f"{'all' if math.isinf(ratio) else f'{ratio:.2g}x'} of it")
-    if summary["below_the_noise"]:
-        return [*lines, f"{gradient}; {noise}, below diff.noise_share={share:g}: at these weights {candidate}'s "
-                        "error is far inside what SGD's own noise already does to training"]
-    largest = ", ".join(f"{name} ({part:.0%})" for name, part in summary["largest_shares"])
-    return [*lines, f"{gradient}; {noise}, not below diff.noise_share={share:g}: at these weights {candidate} can "
-                    f"change training. Largest shares of the gradient's error: {largest}"]
+    @classmethod
+    def of(cls, model: ModelErrors, candidate: str, against: str, noise_share: float, loss_scale: float,
+           converted_layers: list[str]) -> "ModelSummary":
+        noise, error = model.noise(), model.gradient.rel_rms
+        ratio = error / noise if noise else None
+        reference_loss = sum(r for r, _ in model.losses) / len(model.losses) if model.losses else None
+        return cls(candidate, against, len(model.losses), reference_loss, model.loss_error(), model.loss_noise(),
+                   error, model.gradient.cosine, noise, ratio, ratio is not None and ratio <= noise_share, noise_share,
+                   sorted(model.by_layer.items(), key=lambda item: -item[1])[:3], loss_scale, model.backoffs,
+                   converted_layers)
+
+    @classmethod
+    def read(cls, record: dict[str, Any]) -> "ModelSummary":
+        """From diff.json's "model" (one written before converted_layers was recorded reads as none)."""
+        known = {f.name for f in fields(cls)}
+        summary = cls(**{k: v for k, v in record.items() if k in known})
+        summary.largest_shares = [(name, share) for name, share in summary.largest_shares]
+        return summary
+
+    def lines(self) -> list[str]:
+        """What the figures say, in words."""
+        candidate, against, loss_noise = self.candidate, self.against, self.loss_noise
+        lines = [f"loss: {against}'s {self.reference_loss:.4f}; {candidate}'s differs by "
+                 f"{error_cell(self.loss_error)} on average"
+                 + (f" (its batch-to-batch spread: {loss_noise:.3g})" if loss_noise else "")]
+        if self.scale_backoffs:
+            lines.append(f"loss scale: its gradient overflowed; compared under {self.loss_scale:g}, halved "
+                         f"{self.scale_backoffs} times as GradScaler would")
+        ratio, share = self.error_over_noise, self.noise_share
+        gradient = f"gradient: relative error {error_cell(self.gradient_error)}"
+        if ratio is None:
+            return [*lines, f"{gradient}; the gradient's batch-to-batch noise could not be measured (diff.batches >= "
+                            "2)"]
+        noise = (f"the gradient's batch-to-batch noise is {self.gradient_noise:.3g}: the error is "
+                 f"{'all' if math.isinf(ratio) else f'{ratio:.2g}x'} of it")
+        if self.below_the_noise:
+            return [*lines, f"{gradient}; {noise}, below diff.noise_share={share:g}: at these weights {candidate}'s "
+                            "error is far inside what SGD's own noise already does to training"]
+        largest = ", ".join(f"{name} ({part:.0%})" for name, part in self.largest_shares)
+        return [*lines, f"{gradient}; {noise}, not below diff.noise_share={share:g}: at these weights {candidate} "
+                        f"can change training. Largest shares of the gradient's error: {largest}"]
 
 
 @dataclass
@@ -256,7 +288,7 @@ class DiffReport:
     `ampctl report` needs to write them again."""
 
     layers: tables.ReportTable
-    summary: dict[str, Any]
+    summary: ModelSummary
     candidate: str
     against: str
     noise_share: float
@@ -264,26 +296,26 @@ class DiffReport:
     overrides: list[str]
     machine: dict
     context: str = ""
-    repair: Optional[dict[str, Any]] = None  # diff_repair.Repair.to_json(), where diff.repair=true
-    proof: Optional[dict[str, Any]] = None  # diff_proof.Proof's fields, where diff.prove=true
+    repair: Optional[Repair] = None  # where diff.repair=true
+    proof: Optional[Proof] = None  # where diff.prove=true
     repairs: bool = False  # diff.repair and diff.prove as the diff ran: what the next step says
     proves: bool = False
 
     def write(self, out_dir: Path, console: Console, files_only: bool = False) -> None:
         """diff.csv, diff.json, report.md and the plot, and (unless files_only) the table and its lines."""
-        lines = verdict_lines(self.summary)
+        lines = self.summary.lines()
         if self.repair is not None:
-            lines += repair_lines(Repair.of(self.repair), self.summary, out_dir)
+            lines += repair_lines(self.repair, self.summary, out_dir)
         if self.proof is not None:
             lines.append(proof_line(self.proof))
-        lines += next_step_lines(self.summary, None if self.repair is None else Repair.of(self.repair), self.repairs,
-                                 self.proves)
+        lines += next_step_lines(self.summary, self.repair, self.repairs, self.proves)
         self.layers.notes = lines
         images = [plots.layer_errors(self.layers.as_dicts(), self._allowed(), out_dir / "layer_errors.png",
                                      f"{self.candidate} against {self.against}: error each layer adds", self.context)]
         extra = {"kind": "diff", "context": self.context, "overrides": self.overrides, "candidate": self.candidate,
-                 "against": self.against, "noise_share": self.noise_share, "top": self.top, "model": self.summary,
-                 "repair": self.repair, "proof": self.proof, "repairs": self.repairs, "proves": self.proves}
+                 "against": self.against, "noise_share": self.noise_share, "top": self.top,
+                 "model": asdict(self.summary), "repair": self.repair.to_json() if self.repair else None,
+                 "proof": asdict(self.proof) if self.proof else None, "repairs": self.repairs, "proves": self.proves}
         files = tables.write_files(self.layers, out_dir, run_files.DIFF, self.machine, images, extra)
         if files_only:
             return
@@ -295,7 +327,7 @@ class DiffReport:
 
     def _allowed(self) -> Optional[float]:
         """The gradient error the yardstick allows (diff.noise_share of the noise), drawn on the plot."""
-        noise = self.summary.get("gradient_noise")
+        noise = self.summary.gradient_noise
         return None if noise is None else self.noise_share * noise
 
     @classmethod
@@ -307,17 +339,19 @@ class DiffReport:
         columns = list(rows[0]) if rows else []
         table = tables.ReportTable(TITLE, columns, [list(r.values()) for r in rows], headers=HEADERS, formats=FORMATS,
                                    screen=SCREEN, screen_note="every column in report.md and diff.csv")
-        return cls(table, data["model"], data["candidate"], data["against"], data["noise_share"], data["top"],
-                   data.get("overrides", []), data["machine"], data.get("context", ""), data.get("repair"),
-                   data.get("proof"), data.get("repairs", data.get("repair") is not None),
+        repair, proof = data.get("repair"), data.get("proof")
+        return cls(table, ModelSummary.read(data["model"]), data["candidate"], data["against"], data["noise_share"],
+                   data["top"], data.get("overrides", []), data["machine"], data.get("context", ""),
+                   Repair.of(repair) if repair else None, Proof(**proof) if proof else None,
+                   data.get("repairs", data.get("repair") is not None),
                    data.get("proves", data.get("proof") is not None))
 
 
-def next_step_lines(summary: dict[str, Any], repair: Optional[Repair], repairs: bool, proves: bool) -> list[str]:
+def next_step_lines(summary: ModelSummary, repair: Optional[Repair], repairs: bool, proves: bool) -> list[str]:
     """What to do next, from what the diff found: one line, the decision first."""
-    if summary["error_over_noise"] is None:
+    if summary.error_over_noise is None:
         return ["next: diff.batches=2 or more measures the gradient's noise, the yardstick the error is judged by"]
-    if summary["below_the_noise"]:
+    if summary.below_the_noise:
         return ["next: nothing at these weights; diff.weights=RUN measures where training has taken them (divergence "
                 "often starts late), train.diff.every=N watches it over a run"]
     if repair is None:
@@ -334,8 +368,8 @@ def next_step_lines(summary: dict[str, Any], repair: Optional[Repair], repairs: 
     return []
 
 
-def proof_line(proof: dict[str, Any]) -> str:
-    return f"proof (proof/, trained from a fresh init over the comparison's seeds): {proof['words']}"
+def proof_line(proof: Proof) -> str:
+    return f"proof (proof/, trained from a fresh init over the comparison's seeds): {proof.words}"
 
 
 def rerender(out_dir: Path, console: Console) -> None:

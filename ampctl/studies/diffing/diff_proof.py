@@ -8,7 +8,6 @@ seeds do not decide, or the budget cut short, is said as such."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -20,19 +19,13 @@ from ampctl.conf.value_checks import budget_seconds
 from ampctl.runner.plan import check_config
 from ampctl.studies.advising.advice import Preparation
 from ampctl.studies.compare import CompareInterrupted, ModePlan, run_compare
+from ampctl.studies.diffing.diff import Proof
 from ampctl.studies.diffing.diff_repair import Repair, own_rules
 
 PROOF_DIR = "proof"  # <diff dir>/proof/: the comparison, one training run per mode and seed
 REPAIRED_SUFFIX = "_repaired"
 _CANDIDATES_OWN = ("precision", "scaler")
 _NOT_FOR_TRAINING = ("diff.", "compare.")
-
-
-@dataclass
-class Proof:
-    verdict: str  # proved | repaired matches | not needed | not proved | not decided | partial
-    words: str
-    parity: dict[str, Optional[str]]  # each trained mode's held-out parity with the reference
 
 
 def _key(override: str) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,6 +25,9 @@ from ampctl.analysis.layer_errors import ModelErrors
 from ampctl.conf.composing import compose_job, loadable_config
 from ampctl.conf.precision_schema import LayerRule, rules_of
 from ampctl.studies.advising.advice import Preparation
+
+if TYPE_CHECKING:  # annotations only: the diff's summary is the diff's
+    from ampctl.studies.diffing.diff import ModelSummary
 
 REPAIRED = "repaired"  # <diff dir>/repaired.yaml
 
@@ -116,9 +119,9 @@ def own_rules(cfg: DictConfig) -> list[LayerRule]:
     return rules_of(OmegaConf.to_container(cfg.precision, resolve=True, enum_to_str=True))
 
 
-def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list[str]:
+def repair_lines(repair: Repair, summary: "ModelSummary", out_dir: Path) -> list[str]:
     """What the repair found, in words."""
-    before = summary["error_over_noise"]
+    before = summary.error_over_noise
     if repair.interrupted:
         return [f"repair: stopped by a signal after {io.count_of(len(repair.tried), 'set')} of layers measured, before "
                 "it chose; the ranking stands (diff.repair=true again searches from the start)"]
@@ -130,11 +133,11 @@ def repair_lines(repair: Repair, summary: dict[str, Any], out_dir: Path) -> list
         return ["repair: nothing to repair: the gradient's error is already under the yardstick"]
     rules = ", ".join(f"{r.match} -> {r.run_in}" for r in repair.chosen.rules)
     n = len(repair.chosen.rules)
-    converted = set(summary.get("converted_layers") or [])
+    converted = set(summary.converted_layers)
     if converted and converted <= {r.match for r in repair.chosen.rules}:
         rules += "; every layer the mode converts: what is left is the mode without its format"
     lines = [f"repair: {io.count_of(n, 'layer')} raised ({rules}) {'brings' if n == 1 else 'bring'} the gradient's "
-             f"error from {summary['gradient_error']:.1e} ({before:.2g}x the noise) to "
+             f"error from {summary.gradient_error:.1e} ({before:.2g}x the noise) to "
              f"{repair.chosen.gradient_error:.1e} ({repair.chosen.error_over_noise:.2g}x); "
              f"{io.count_of(len(repair.tried), 'set')} of layers measured"]
     if repair.config:
