@@ -72,7 +72,8 @@ def put_config_dir_on_path(args: list[str]) -> None:
         make_importable([value])
 
 
-# Hydra's flags that take a value, and those that take none: what is left of a command line is its overrides
+# Hydra's flags that take a value, and those that take none (its parser's: pinned in
+# tests/integration/test_hydra_behaviours.py): what is left of a command line is its overrides
 _FLAGS_WITH_VALUE = {"-cd": "config_dir", "--config-dir": "config_dir", "-cn": "config_name",
                      "--config-name": "config_name", "-c": "cfg", "--cfg": "cfg",
                      "-p": "package", "--package": "package",
@@ -80,7 +81,7 @@ _FLAGS_WITH_VALUE = {"-cd": "config_dir", "--config-dir": "config_dir", "-cn": "
                      "--shell-completion": "shell_completion",
                      "--experimental-rerun": "rerun", "-cp": "config_path", "--config-path": "config_path"}
 _FLAGS = {"-m": "multirun", "--multirun": "multirun", "-r": "run", "--run": "run", "--resolve": "resolve", "-h": "help",
-          "--help": "help", "-hh": "hydra_help", "--hydra-help": "hydra_help", "--version": "version"}
+          "--help": "help", "--hydra-help": "hydra_help", "--version": "version"}
 
 
 def hydra_flags(args: list[str]) -> tuple[dict[str, Optional[str]], list[str]]:

@@ -285,3 +285,35 @@ def test_a_users_config_that_sets_hydra_mode_sweeps_without_m(tmp_path):
     assert len(summaries(tmp_path / "sweep")) == 2
     seeds = [yaml.safe_load(p.read_text())["train"]["seed"] for p in (tmp_path / "sweep").glob("*/.hydra/config.yaml")]
     assert sorted(seeds) == [1, 2]
+
+
+def test_ampctls_reading_of_a_command_line_is_hydras_parser():
+    """shell/hydra_internals.hydra_flags reads a Hydra app's flags before Hydra does (the router, -cd's modules,
+    completion of a half-typed line, a sweep's resume) with a tolerant table rather than Hydra's parser, which
+    exits on a half-typed line: the table is pinned to the parser of the Hydra in use, every flag and whether it
+    takes a value, and a line Hydra parses reads the same through both."""
+    from hydra._internal.utils import get_args_parser
+
+    from ampctl.shell import hydra_internals
+
+    parser = get_args_parser()
+    takes_value = {option: action.dest for action in parser._actions for option in action.option_strings
+                   if action.nargs != 0}
+    takes_none = {option: action.dest for action in parser._actions for option in action.option_strings
+                  if action.nargs == 0}
+    # ampctl's reading of -sc: its value is the completion's request (install=bash, query=...), which Hydra's parser
+    # reads as an override beside a bare flag; and Hydra's experimental_rerun is named rerun
+    ours_with_value = {**hydra_internals._FLAGS_WITH_VALUE}
+    assert ours_with_value.pop("-sc") == ours_with_value.pop("--shell-completion") == "shell_completion"
+    takes_none = {k: v for k, v in takes_none.items() if v != "shell_completion"}
+    takes_value["--experimental-rerun"] = "rerun"
+    assert ours_with_value == takes_value
+    assert hydra_internals._FLAGS == takes_none
+    for line in (["-cd", "conf", "precision=bf16", "-m", "scaler.growth_interval=100,200"],
+                 ["--config-name=mine", "--cfg", "job", "train.steps=3"], ["-p", "train", "-c", "all", "--resolve"],
+                 ["train.steps=3", "--info", "searchpath"], ["-cp=pkg", "-cn", "x", "--multirun", "a=1", "-r"]):
+        flags, overrides = hydra_internals.hydra_flags(line)
+        parsed = vars(parser.parse_intermixed_args(line))
+        assert overrides == parsed.pop("overrides")
+        given = {dest: value for dest, value in parsed.items() if value not in (None, False)}
+        assert {dest: (True if value is None else value) for dest, value in flags.items()} == given
