@@ -6,13 +6,14 @@ nothing written."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from ampctl.conf.export_schema import ExportAppConfig, ExportDtype, ExportFormat, ExportWeights
-from ampctl.errors import UsageError
+from ampctl.errors import OneLineArgumentParser, UsageError
 from ampctl.shell.command import Command, Section
 from ampctl.shell.python_api import PathLike, Result
 
@@ -21,10 +22,8 @@ if TYPE_CHECKING:
 
 SUMMARY = "a checkpoint's weights in the dtype you serve: safetensors, pt or a transformers directory"
 SETTINGS = {"export.dtype": ExportDtype, "export.format": ExportFormat, "export.weights": ExportWeights}
-USAGE = "\n".join([
-    "usage: ampctl export PATH [export.KEY=VALUE ...]",
-    "  PATH                 a run directory or a checkpoint",
-    "                       (under torchrun: a sharded one, each rank its part)",
+KEYS = "\n".join([
+    "export.KEY=VALUE:",
     *(f"  {key + '=':<21}{'|'.join(v.value for v in kind)}" for key, kind in SETTINGS.items()),
     "  export.dir=          a directory that does not exist (default RUN/exports/...)",
     "  export.max_file_mb=  MiB at most per file of a sharded checkpoint (5000)",
@@ -32,10 +31,19 @@ USAGE = "\n".join([
 ])
 
 
-def complete(done: list[str], current: str) -> list[str]:
-    """Shell completion: PATH first (the shell's own file names), then export.KEY= and each key's values."""
-    if not done:
-        return []
+def arguments() -> argparse.ArgumentParser:
+    parser = OneLineArgumentParser(prog="ampctl export", usage="ampctl export [-h] PATH [export.KEY=VALUE ...]",
+                                   description=SUMMARY[0].upper() + SUMMARY[1:] + ".",
+                                   epilog=KEYS, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", nargs="?", metavar="PATH",  # its absence is said in main, as a key given first is
+                        help="a run directory or a checkpoint (under torchrun: a sharded one, each rank its part)")
+    settings = parser.add_argument("overrides", nargs="*", metavar="export.KEY=VALUE", help="the export's settings")
+    settings.completer = _settings
+    return parser
+
+
+def _settings(current: str) -> list[str]:
+    """export.KEY= and, once a key's = is typed, its values."""
     key, typed_equals, _ = current.partition("=")
     if typed_equals and key in SETTINGS:
         return [f"{key}={value.value}" for value in SETTINGS[key]]
@@ -61,18 +69,15 @@ def export_settings(overrides: Sequence[str]) -> "ExportConfig":
 
 
 def main() -> None:
-    args = sys.argv[1:]
-    if "-h" in args or "--help" in args:  # anywhere, as argparse takes it: `ampctl export RUN --help`
-        print(USAGE)
-        return
-    if not args or "=" in args[0]:
+    args = arguments().parse_args(sys.argv[1:])  # --help wherever it stands; a bad argument is one line, exit 2
+    if args.path is None or "=" in args.path:
         raise UsageError("expected PATH first (a run directory or a checkpoint), then export.KEY=VALUE overrides"
-                         + (f"; got {args[0]!r}" if args else ""))
-    settings = export_settings(args[1:])
+                         + (f"; got {args.path!r}" if args.path else ""))
+    settings = export_settings(args.overrides)
     from ampctl import io
     from ampctl.runner.checkpointing.export import export  # torch: imported for an export, not for its usage line
 
-    exported = export(Path(args[0]), settings)  # a full disk, a read-only directory: nothing was written
+    exported = export(Path(args.path), settings)  # a full disk, a read-only directory: nothing was written
     if exported.is_main:
         print(f"exported {exported.parameters:,} parameters ({io.format_bytes(exported.bytes)}) to {exported.path}")
 
@@ -89,4 +94,4 @@ def export_from_python(path: PathLike, overrides: Sequence[str] = ()) -> Result:
 export_from_python.__name__ = export_from_python.__qualname__ = "export"
 
 COMMAND = Command(name="export", summary=SUMMARY, section=Section.FILES, main=main, api=export_from_python,
-                  schema=ExportAppConfig, complete=complete)
+                  schema=ExportAppConfig, arguments=arguments)

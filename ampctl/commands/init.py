@@ -8,6 +8,7 @@ refused before anything is written."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import re
 import sys
@@ -154,25 +155,22 @@ def _leading_comments(recipe: str) -> list[str]:
     return lines
 
 
-def complete(done: list[str], current: str) -> list[str]:
-    """Shell completion: the flags; after --from the built-in recipes; NAME and --dir's directory are the user's."""
-    if done and done[-1] == "--from":
-        return built_in_recipes()
-    if done and done[-1] == "--dir" or not current.startswith("-"):
-        return []
-    return ["--from", "--dir", "--help"]
-
-
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(prog="ampctl init", description="Write an editable experiment config and recipe "
                            "skeleton that `ampctl train -cd DIR -cn NAME` runs as written.",
                            epilog="example: ampctl init my_exp && ampctl train -cd . -cn my_exp")
     parser.add_argument("name", metavar="NAME", help="the experiment's name (a Python identifier: it names a module)")
-    parser.add_argument("--from", dest="source", metavar="RECIPE",
-                        help="copy a built-in recipe (its source and config) instead of the skeleton: "
-                             + ", ".join(built_in_recipes()))
+    source = parser.add_argument("--from", dest="source", metavar="RECIPE",
+                                 help="copy a built-in recipe (its source and config) instead of the skeleton: "
+                                      + ", ".join(built_in_recipes()))
+    source.completer = lambda current: built_in_recipes()  # checked in main, with a did-you-mean
     parser.add_argument("--dir", type=Path, default=Path("."), metavar="DIR",
                         help="where to write the files (default: the current directory)")
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     args = parser.parse_args(sys.argv[1:])
     if not NAME.fullmatch(args.name):
         parser.error(f"NAME={args.name!r} is not allowed: a Python identifier (letters, digits, _; not starting "
@@ -205,4 +203,4 @@ def main() -> None:
 
 
 COMMAND = Command(name="init", summary="write an editable experiment config and recipe of your own",
-                  section=Section.SETUP, main=main, complete=complete)
+                  section=Section.SETUP, main=main, arguments=arguments)

@@ -57,18 +57,27 @@ def first_sentence(yaml_text: str) -> str:
     return escape(text if end < 0 else text[:end + 1])
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+DEVICES = ("device=auto", "device=cpu", "device=cuda")
+
+
+def arguments() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(
         prog="ampctl list", description="Every precision mode, scaler, recipe, optimizer and logger, one line "
         "each, and whether each precision mode runs (fast) on this machine.",
         epilog="example: ampctl list -cd my_conf device=cpu")
-    parser.add_argument("device", nargs="?", default="device=auto", metavar="device=auto|cpu|cuda",
-                        help="the device to check the precision modes against (default: auto)")
+    device = parser.add_argument("device", nargs="?", default="device=auto", metavar="device=auto|cpu|cuda",
+                                 help="the device to check the precision modes against (default: auto)")
+    device.completer = lambda current: list(DEVICES)
     parser.add_argument("--remeasure", action="store_true",
                         help="measure this CPU's fp32 and half-precision matmul speed again (kept in ~/.cache/ampctl; "
                              "every command uses these figures)")
     parser.add_argument("-cd", "--config-dir", type=Path, metavar="DIR",
                         help="also list the options and experiment configs in DIR, as `ampctl train -cd DIR` sees them")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = arguments()
     args = parser.parse_args(argv)
     key, _, value = args.device.partition("=")
     if key != "device" or value not in ("auto", "cpu", "cuda"):
@@ -89,13 +98,6 @@ def option_description(loader, group: str, option: str) -> str:
 
 def first_comment(path: Path) -> str:
     return first_sentence(path.read_text(encoding="utf-8"))
-
-
-def complete(done: list[str], current: str) -> list[str]:
-    """Shell completion: the device, the flags; after -cd a directory (the shell's own names)."""
-    if done and done[-1] in ("-cd", "--config-dir"):
-        return []
-    return ["device=auto", "device=cpu", "device=cuda", "--remeasure", "-cd", "--help"]
 
 
 def main() -> None:
@@ -201,4 +203,4 @@ def _print_the_cpus_figures(console: Console) -> None:
 
 
 COMMAND = Command(name="list", summary="list precision modes, scalers, recipes and optimizers, and what runs here",
-                  section=Section.SETUP, main=main, complete=complete)
+                  section=Section.SETUP, main=main, arguments=arguments)

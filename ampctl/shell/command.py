@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
+    import argparse
+
     from omegaconf import DictConfig
 
 COMMANDS_PACKAGE = "ampctl.commands"
@@ -42,8 +44,10 @@ class Command:
     # a Hydra app's primary config schema, stored for its YAML (conf/schema.app_schema_name)
     schema: Optional[type] = None
     check: Optional[Callable[["DictConfig"], None]] = None  # a job's typed config, checked before any job runs
-    # a command of its own's shell completion: (the words typed after it, the word being typed) -> candidates
-    complete: Optional[Callable[[list[str], str], list[str]]] = None
+    # a command of its own's arguments: its argparse parser (OneLineArgumentParser), from which its --help, its
+    # one-line refusals and its shell completion come (shell/completion.from_its_parser: an argument's choices, or
+    # its `completer` as argcomplete names it; none: the shell's file names)
+    arguments: Optional[Callable[[], "argparse.ArgumentParser"]] = None
     # a run's plan from its typed config and Hydra's node, where it is more than the checked config and its choices
     # (train: a resumed run's own config, its checkpoint, its policy: runner/plan.py)
     plan: Optional[Callable[["DictConfig", "DictConfig"], Any]] = None

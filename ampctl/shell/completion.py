@@ -4,6 +4,7 @@ its record's complete), and before a command word is complete the command words 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -53,10 +54,45 @@ def the_values_it_may_take(command: Command) -> Optional[list[str]]:
 
 
 def answer_its_own_completion(command: Command, rest: list[str]) -> None:
-    """A command of its own (not a Hydra app) answers its completion itself: its main would take the query for its
-    arguments and refuse it."""
+    """A command of its own (not a Hydra app) answers its completion itself, from its parser: its main would take
+    the query for its arguments and refuse it."""
     done, current = completion_words()
-    print(("\n" if "query=fish" in rest else " ").join(command.complete(done, current) if command.complete else []))
+    words = from_its_parser(command.arguments(), done, current) if command.arguments else []
+    print(("\n" if "query=fish" in rest else " ").join(words))
+
+
+def from_its_parser(parser: argparse.ArgumentParser, done: list[str], current: str) -> list[str]:
+    """The words that may come next, read from an argparse parser as argcomplete reads one: after an option that
+    takes a value, that value's; else the next positional argument's values (its choices, or its completer's: none,
+    a path or a name of the user's, leaves the shell's file names), and the options where a `-` is typed or nothing
+    is left to give."""
+    actions = parser._actions  # argparse's list of what it parses: argcomplete and shtab read the same
+    by_option = {option: action for action in actions for option in action.option_strings}
+    if done and done[-1] in by_option and by_option[done[-1]].nargs != 0:
+        return _values(by_option[done[-1]], current)
+    options = [option for action in actions for option in action.option_strings]
+    if current.startswith("-"):
+        return options
+    positionals = [action for action in actions if not action.option_strings]
+    given, after_option = 0, False
+    for word in done:
+        if after_option:
+            after_option = False
+        elif word in by_option:
+            after_option = by_option[word].nargs != 0
+        else:
+            given += 1
+    if given >= len(positionals) and not (positionals and positionals[-1].nargs in ("*", "+")):
+        return options
+    values = _values(positionals[min(given, len(positionals) - 1)], current)
+    return [*values, *options] if values and not current else values
+
+
+def _values(action: argparse.Action, current: str) -> list[str]:
+    completer = getattr(action, "completer", None)
+    if completer is not None:
+        return list(completer(current))
+    return [str(choice) for choice in action.choices or ()]
 
 
 def completion_target(rest: list[str]) -> tuple[Optional[str], list[str]]:
