@@ -40,17 +40,20 @@ class ThreadClock:
     def mark(self) -> Mark:
         # the run delay read first, the wall clock last, here, and the other way round at the end: a preemption
         # between the reads then counts in the run delay and not in the wall time, never as blocked
-        run_delay_ns, switches = self._run_delay_ns(), _voluntary_switches()
+        run_delay_ns = self._run_delay_ns()
+        switches = _voluntary_switches() if run_delay_ns is None else None  # only where there is no run delay
         return Mark(time.perf_counter(), time.thread_time(), run_delay_ns, switches)
 
     def since(self, start: Mark) -> tuple[float, float]:
         """(wall seconds, blocked seconds) since `start`."""
         wall_now, cpu_now = time.perf_counter(), time.thread_time()
-        end = Mark(wall_now, cpu_now, self._run_delay_ns(), _voluntary_switches())
-        wall, cpu = end.wall - start.wall, end.cpu - start.cpu
-        if start.run_delay_ns is not None and end.run_delay_ns is not None:
-            return wall, max(0.0, wall - cpu - (end.run_delay_ns - start.run_delay_ns) / 1e9)
-        if start.voluntary_switches is None or end.voluntary_switches != start.voluntary_switches:
+        wall, cpu = wall_now - start.wall, cpu_now - start.cpu
+        if start.run_delay_ns is not None:
+            run_delay_ns = self._run_delay_ns()
+            if run_delay_ns is not None:
+                return wall, max(0.0, wall - cpu - (run_delay_ns - start.run_delay_ns) / 1e9)
+        switches = _voluntary_switches()
+        if start.voluntary_switches is None or switches != start.voluntary_switches:
             return wall, max(0.0, wall - cpu)
         return wall, 0.0
 
