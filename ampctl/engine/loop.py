@@ -134,6 +134,8 @@ def train_step(
     grad_accum_steps = settings.grad_accum_steps
     losses = []
     model = state.parallel.training_model(state.model)
+    if policy.converter is not None:
+        policy.converter.at_step(state.step + 1)
     for micro in range(grad_accum_steps):
         batch = next(batches, _END)
         if batch is _END:

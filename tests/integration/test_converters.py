@@ -190,4 +190,5 @@ def test_advise_weighs_every_converter_mode_but_the_emulations(halving):
     with composed("advise", [], config_dir=halving):
         candidates = candidate_modes()
     assert candidates[:len(DEFAULT_COMPARE_PRECISIONS)] == DEFAULT_COMPARE_PRECISIONS
-    assert set(candidates[len(DEFAULT_COMPARE_PRECISIONS):]) == {"fp8", "mxfp8", "mxfp4", "nvfp4", "halved"}
+    assert set(candidates[len(DEFAULT_COMPARE_PRECISIONS):]) == {"fp8", "mxfp8", "mxfp4", "nvfp4", "nvfp4_recipe",
+                                                                   "halved"}

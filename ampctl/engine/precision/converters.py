@@ -104,6 +104,10 @@ class Converter:
         """Called before its layers are chosen, where FSDP2 will shard the model (engine/build.py)."""
         self.sharded = True
 
+    def at_step(self, step: int) -> None:
+        """Called before each training step's first forward with its number (1, 2, ...): what a converter that draws
+        random bits keys them with, so that a resumed run draws as the uninterrupted one did."""
+
     def weights_changed(self, model: nn.Module) -> None:
         """Called whenever the weights changed: after every optimizer step, and as an evaluation swaps the weight
         average in and out; on every rank, reading nothing from the device."""

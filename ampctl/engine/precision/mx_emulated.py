@@ -26,6 +26,7 @@ amax unchanged (torchao refuses such shapes; real kernels pad too).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Optional
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampctl.conf.value_checks import require
+from ampctl.engine.precision import nvfp4_recipe
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
 
 
@@ -65,6 +67,12 @@ class MXEmulatedOptions:
     grad_elements: MXElements = MXElements.e4m3  # mxfp8: the elements of gradients (e5m2: more range, less precision)
     scale_mode: MXScaleMode = MXScaleMode.floor  # mxfp8, mxfp4: how each block's E8M0 scale is rounded
     per_tensor_scale: bool = True  # nvfp4: the second-level fp32 scale from each tensor's amax
+    # NVFP4's training recipe (nvfp4_recipe.py; precision=nvfp4_recipe sets all three): one E4M3 scale per 16x16
+    # block of a weight (the forward's W and the input gradient's W^T the same values); random Hadamard transforms
+    # on the weight gradient's two inputs along the tokens; gradients rounded to E2M1 stochastically
+    weights_2d: bool = False
+    rht: bool = False
+    stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
         if self.format != MXFormat.mxfp8:
@@ -74,6 +82,11 @@ class MXEmulatedOptions:
         if self.format == MXFormat.nvfp4:
             require(self.scale_mode == MXScaleMode.floor, "precision.options.scale_mode", self.scale_mode.name,
                     "floor (the default) with format=nvfp4, whose block scales are E4M3, not E8M0")
+        else:
+            for key in ("weights_2d", "rht", "stochastic_rounding"):
+                require(not getattr(self, key), f"precision.options.{key}", True,
+                        f"false with format={self.format.name}: NVFP4's training recipe is nvfp4's (precision=nvfp4 "
+                        "or nvfp4_recipe)")
 
 
 E8M0_BIAS = 127
@@ -110,6 +123,8 @@ class BlockFormat:
     scale: str  # "e8m0" (MX, with scale_mode) | "e4m3" (NVFP4, with an optional per-tensor fp32 scale)
     scale_mode: MXScaleMode = MXScaleMode.floor
     per_tensor_scale: bool = True
+    # NVFP4's 2D weight blocks: 16x16 tiles of the matrix, whichever dimension a GEMM reduces (nvfp4_recipe.tiles)
+    tiles_2d: bool = False
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -214,24 +229,42 @@ def _blocks(matrix: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
     return padded.reshape(rows, -1, block), k
 
 
-def fake_quantize(matrix: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """matrix (rows, K) quantized in blocks along K and dequantized, in fp32."""
-    return _quantize(matrix, fmt)[0]
+def fake_quantize(matrix: torch.Tensor, fmt: BlockFormat, draw: Optional[int] = None) -> torch.Tensor:
+    """matrix (rows, K) quantized in blocks along K and dequantized, in fp32; draw: NVFP4's elements rounded
+    stochastically with the random bits of this key (nvfp4_recipe.uniforms), else to nearest."""
+    return _quantize(matrix, fmt, draw)[0]
 
 
-def _quantize(matrix: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize(matrix: torch.Tensor, fmt: BlockFormat, draw: Optional[int] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(matrix quantized and dequantized, in fp32; its blocks scaled to the element's range before the clamp)."""
+    if fmt.tiles_2d:
+        tiles, shape = nvfp4_recipe.tiles(matrix.detach())
+        out, scaled = _nvfp4_quantized(tiles, matrix.detach(), fmt, draw)
+        return nvfp4_recipe.untiles(out, shape), nvfp4_recipe.untiles(scaled, shape)
     blocks, k = _blocks(matrix.detach(), fmt.block)
     if fmt.scale == "e8m0":
         scaled, codes = _mx_scaled(blocks, fmt.element, fmt.scale_mode)
         elements = _to_element(torch.clamp(scaled, -fmt.element.max, fmt.element.max), fmt.element)
         out = elements * e8m0_value(codes)
     else:
-        tensor_scale = nvfp4_tensor_scale(matrix) if fmt.per_tensor_scale else None
-        scaled, scales = _nvfp4_scaled(blocks, tensor_scale)
-        elements = round_e2m1(torch.clamp(scaled, -6.0, 6.0))
-        out = elements * (scales if tensor_scale is None else tensor_scale * scales).unsqueeze(-1)
+        out, scaled = _nvfp4_quantized(blocks, matrix, fmt, draw)
     return out.reshape(blocks.shape[0], -1)[:, :k], scaled.reshape(blocks.shape[0], -1)[:, :k]
+
+
+def _nvfp4_quantized(blocks: torch.Tensor, matrix: torch.Tensor, fmt: BlockFormat, draw: Optional[int]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(NVFP4 blocks (..., block) quantized and dequantized; scaled before the clamp), the per-tensor scale from
+    the whole matrix's amax."""
+    tensor_scale = nvfp4_tensor_scale(matrix) if fmt.per_tensor_scale else None
+    scaled, scales = _nvfp4_scaled(blocks, tensor_scale)
+    clamped = torch.clamp(scaled, -6.0, 6.0)
+    if draw is None:
+        elements = round_e2m1(clamped)
+    else:
+        elements = nvfp4_recipe.stochastic_round_e2m1(clamped, nvfp4_recipe.uniforms(clamped.shape, draw,
+                                                                                     clamped.device))
+    return elements * (scales if tensor_scale is None else tensor_scale * scales).unsqueeze(-1), scaled
 
 
 def block_outcomes(matrix: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -250,11 +283,15 @@ class _MXLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):  # type: ignore[override]
         x2 = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(x2, weight)
+        fwd = layer.forward_format
+        layer.observe("activation", x2, fwd)
+        layer.observe("weight", weight, layer.weight_format)
+        # 2D blocks: W quantized once, and its values are W^T's in the input gradient's GEMM too
+        w_q = fake_quantize(weight, layer.weight_format)
+        ctx.save_for_backward(x2, w_q if layer.weights_2d else weight)
         ctx.layer, ctx.has_bias, ctx.x_shape = layer, bias is not None, x.shape
-        layer.observe("activation", x2, layer.forward_format)
-        layer.observe("weight", weight, layer.forward_format)
-        out = fake_quantize(x2, layer.forward_format) @ fake_quantize(weight, layer.forward_format).t()
+        ctx.draw = layer.next_draw() if layer.stochastic_rounding else None  # this call's random bits
+        out = fake_quantize(x2, fwd) @ w_q.t()
         if bias is not None:
             out = out + bias.float()
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -266,8 +303,14 @@ class _MXLinear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         g_fmt, fwd = layer.grad_format, layer.forward_format
         layer.observe("gradient", g2, g_fmt)
-        grad_x = fake_quantize(g2, g_fmt) @ fake_quantize(weight.t(), fwd).t()  # reduces over N
-        grad_w = fake_quantize(g2.t(), g_fmt) @ fake_quantize(x2.t(), fwd).t()  # reduces over the tokens M
+        dgrad_draw, wgrad_draw = (None, None) if ctx.draw is None else (nvfp4_recipe.draw_key(ctx.draw, 1),
+                                                                         nvfp4_recipe.draw_key(ctx.draw, 2))
+        w_t = weight if layer.weights_2d else fake_quantize(weight.t(), fwd).t()
+        grad_x = fake_quantize(g2, g_fmt, dgrad_draw) @ w_t  # reduces over N
+        g_t, x_t = g2.t(), x2.t()  # the weight gradient reduces over the tokens M
+        if layer.rht is not None:  # both along M: (dY^T R)(X^T R)^T = dY^T X
+            g_t, x_t = nvfp4_recipe.rht_along_columns(g_t, layer.rht), nvfp4_recipe.rht_along_columns(x_t, layer.rht)
+        grad_w = fake_quantize(g_t, g_fmt, wgrad_draw) @ fake_quantize(x_t, fwd).t()
         # the bias gradient is a sum, not a matmul: from the unquantized gradient, as torchao does
         grad_b = g2.float().sum(0) if ctx.has_bias else None
         return grad_x.reshape(ctx.x_shape), grad_w, grad_b, None
@@ -287,6 +330,20 @@ def block_formats(config: MXEmulatedOptions, fmt: str) -> tuple[BlockFormat, Blo
             BlockFormat(ELEMENTS[grads], 32, "e8m0", config.scale_mode))
 
 
+@dataclass
+class Draws:
+    """What NVFP4's recipe draws from, one for the model: the seed torch was seeded with when the model was built
+    (train.seed), the RHT's sign vector made from it, and the training step the converter was last told of."""
+
+    seed: int
+    signs: torch.Tensor
+    step: int = 0
+
+    @classmethod
+    def of(cls, seed: int) -> "Draws":
+        return cls(seed, nvfp4_recipe.sign_vector(seed))
+
+
 class MXLinear(ConvertedLinear):
     """An nn.Linear whose three matmuls take emulated MX or NVFP4 inputs."""
 
@@ -297,13 +354,32 @@ class MXLinear(ConvertedLinear):
     _outside_compile: Optional[Callable[["MXLinear", torch.Tensor], torch.Tensor]] = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None, *, config: MXEmulatedOptions, fmt: str) -> None:
+                 dtype: Any = None, *, config: MXEmulatedOptions, fmt: str, draws: Optional["Draws"] = None,
+                 name: str = "") -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         self.config, self.fmt = config, fmt
+        recipe = fmt == MXFormat.nvfp4.value  # a rule's mxfp8 or mxfp4 layer in an nvfp4 run takes none of it
+        self.weights_2d = recipe and config.weights_2d
+        self.stochastic_rounding = recipe and config.stochastic_rounding
+        self.uses_rht = recipe and config.rht
         self.forward_format, self.grad_format = block_formats(config, fmt)
+        self.weight_format = dataclasses.replace(self.forward_format, tiles_2d=self.weights_2d)
         self.observers: list[Callable[[str, torch.Tensor, BlockFormat], None]] = []  # ampctl inspect's
+        self.draws, self.draw_id, self._calls = draws, nvfp4_recipe.layer_id(name), (-1, 0)
+        self.rht: Optional[torch.Tensor] = None  # the model's RHT matrix, set up with the weights' device
         if MXLinear._outside_compile is None:
             MXLinear._outside_compile = staticmethod(torch.compiler.disable(_mx_linear))
+
+    def setup(self) -> None:
+        if self.uses_rht:
+            self.rht = nvfp4_recipe.rht_matrix(self.draws.signs).to(self.weight.device)
+
+    def next_draw(self) -> int:
+        """The key of this call's random bits: train.seed, this layer, the step and the call within the step."""
+        step, calls = self._calls
+        calls = calls + 1 if step == self.draws.step else 0
+        self._calls = (self.draws.step, calls)
+        return nvfp4_recipe.draw_key(self.draws.seed, self.draw_id, self.draws.step, calls)
 
     def observe(self, role: str, matrix: torch.Tensor, fmt: BlockFormat) -> None:
         """Show an operand about to be quantized to the observers (none outside an inspection)."""
@@ -311,7 +387,8 @@ class MXLinear(ConvertedLinear):
             observer(role, matrix, fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_autocast_enabled(x.device.type):  # a rule's MX layer inside an autocast mode
+        # a rule's MX layer inside an autocast mode; a layer that draws random bits (their keys are the host's)
+        if torch.is_autocast_enabled(x.device.type) or self.stochastic_rounding:
             return self._outside_compile(self, x)
         return _mx_linear(self, x)
 
@@ -320,7 +397,9 @@ class MXLinear(ConvertedLinear):
         scale = f"e8m0 scale_mode={f.scale_mode.value}" if f.scale == "e8m0" else (
             "e4m3 scales" + (" per_tensor_scale" if f.per_tensor_scale else ""))
         grads = f" grads={g.element.name}" if g.element != f.element else ""
-        return f"{super().extra_repr()}, {self.fmt}={f.element.name}x{f.block}{grads} {scale}"
+        recipe = "".join(f" {key}" for key, on in (("weights_2d", self.weights_2d), ("rht", self.uses_rht),
+                                                   ("stochastic_rounding", self.stochastic_rounding)) if on)
+        return f"{super().extra_repr()}, {self.fmt}={f.element.name}x{f.block}{grads} {scale}{recipe}"
 
 
 def _mx_linear(layer: MXLinear, x: torch.Tensor) -> torch.Tensor:
@@ -338,11 +417,21 @@ class MXEmulatedConverter(Converter):
     formats = ("mxfp8", "mxfp4", "nvfp4")
     emulated = True
 
+    def __init__(self, options: Any, device: torch.device) -> None:
+        super().__init__(options, device)
+        self.draws: Optional[Draws] = None  # made when the first layer is converted
+
     def default_format(self) -> str:
         return self.options.format.value
 
     def convert(self, module: nn.Module, fqn: str, fmt: str) -> nn.Module:
-        return MXLinear.from_linear(module, config=self.options, fmt=fmt)
+        if self.draws is None:  # the model is built: torch was seeded with train.seed
+            self.draws = Draws.of(torch.initial_seed())
+        return MXLinear.from_linear(module, config=self.options, fmt=fmt, draws=self.draws, name=fqn)
+
+    def at_step(self, step: int) -> None:
+        if self.draws is not None:
+            self.draws.step = step
 
     def describe(self) -> str:
         o = self.options
@@ -352,7 +441,10 @@ class MXEmulatedConverter(Converter):
             text += f" grad_elements={grads.element.name}"
         if forward.scale == "e8m0":
             return f"{text} scales=e8m0 scale_mode={o.scale_mode.value}"
-        return f"{text} scales=e4m3 per_tensor_scale={o.per_tensor_scale}"
+        recipe = [key for key in ("weights_2d", "rht", "stochastic_rounding") if getattr(o, key)]
+        if o.rht and self.draws is not None:
+            recipe[recipe.index("rht")] = "rht signs=" + "".join("+" if s > 0 else "-" for s in self.draws.signs)
+        return f"{text} scales=e4m3 per_tensor_scale={o.per_tensor_scale}" + "".join(f" {r}" for r in recipe)
 
     def speed_warnings(self, compiled: bool) -> list[str]:
         return [f"emulates {self.options.format.value} (quantize and dequantize around fp32 matmuls): slower than "
