@@ -19,8 +19,8 @@ from ampctl.conf.value_checks import budget_seconds
 from ampctl.runner.plan import check_config
 from ampctl.studies.advising.advice import Preparation
 from ampctl.studies.compare import CompareInterrupted, ModePlan, run_compare
-from ampctl.studies.diffing.diff import Proof
 from ampctl.studies.diffing.diff_repair import Repair, own_rules
+from ampctl.studies.diffing.findings import Proof
 
 PROOF_DIR = "proof"  # <diff dir>/proof/: the comparison, one training run per mode and seed
 REPAIRED_SUFFIX = "_repaired"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -25,9 +25,7 @@ from ampctl.analysis.layer_errors import ModelErrors
 from ampctl.conf.composing import compose_job, loadable_config
 from ampctl.conf.precision_schema import LayerRule, rules_of
 from ampctl.studies.advising.advice import Preparation
-
-if TYPE_CHECKING:  # annotations only: the diff's summary is the diff's
-    from ampctl.studies.diffing.diff import ModelSummary
+from ampctl.studies.diffing.findings import ModelSummary
 
 REPAIRED = "repaired"  # <diff dir>/repaired.yaml
 
@@ -119,7 +117,7 @@ def own_rules(cfg: DictConfig) -> list[LayerRule]:
     return rules_of(OmegaConf.to_container(cfg.precision, resolve=True, enum_to_str=True))
 
 
-def repair_lines(repair: Repair, summary: "ModelSummary", out_dir: Path) -> list[str]:
+def repair_lines(repair: Repair, summary: ModelSummary, out_dir: Path) -> list[str]:
     """What the repair found, in words."""
     before = summary.error_over_noise
     if repair.interrupted:
