@@ -1,18 +1,23 @@
-"""`ampctl inspect` on block-scaled layers (MXFP8, MXFP4, NVFP4, by mode or by rule): per layer and operand,
-the share of values its block's scale saturates (beyond the element's max after the scale: clipped) or flushes
-(non-zero, quantized to zero), counted on the device as each operand is quantized: the activations and the
-weight as the forward matmul takes them, the output gradient as the input-gradient matmul takes it. And the
-resolved precision of every layer, the table the start lines print."""
+"""Block-scaled layers (MXFP8, MXFP4, NVFP4, by mode or by rule) observed as each operand is quantized: the
+activations and the weight as the forward matmul takes them, the output gradient as the input-gradient matmul takes
+it. `ampctl inspect` counts, per layer and operand, the share of values its block's scale saturates (beyond the
+element's max after the scale: clipped) or flushes (non-zero, quantized to zero), on the device; telemetry.blocks_every
+records those and the block scales' own figures every N steps of `ampctl train` (BlocksLog). And the resolved
+precision of every layer, the table the start lines print."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
+from ampctl.engine.precision.block_quantize import BLOCK_STATS, BlockFormat, block_outcomes, block_stats
 from ampctl.engine.precision.layers import LayerRow, display_name, legend
-from ampctl.engine.precision.mx_emulated import BlockFormat, MXLinear, block_outcomes
+from ampctl.engine.precision.mx_emulated import MXLinear
 from ampctl.reports import tables
 from ampctl.reports.tables import fraction_cell
 
@@ -52,6 +57,63 @@ class BlockScaleRecorder:
             return None
         host = dict(zip(self.counts, torch.stack(list(self.counts.values())).cpu().tolist()))  # one transfer
         return operand_table(BLOCKS_TITLE, [(name, layer.fmt) for name, layer in self.layers], host, BLOCKS_NOTE)
+
+
+class BlocksLog:
+    """telemetry.blocks_every=N during `ampctl train`: on every N-th step, observers on every block-scaled layer for
+    that step alone (its micro-batches summed); afterwards one line to blocks.jsonl, every figure read in one
+    transfer, and the same to `written` (the trackers). Per layer and operand (the activations and the weight as the
+    forward quantizes them, the output gradient as the input gradient's GEMM does): the shares of values saturated
+    and flushed to zero, of blocks whose scale its format clipped or raised, the relative RMS quantization error and
+    the largest scale's headroom (log2). The other steps run without observers."""
+
+    def __init__(self, model: nn.Module, every: int, path: Path, written: Callable[[dict[str, Any]], None]) -> None:
+        self._layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MXLinear)]
+        self._every, self._path, self._written = every, path, written
+
+    @contextlib.contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        if step % self._every or not self._layers:
+            yield
+            return
+        sums: dict[tuple[str, str], torch.Tensor] = {}
+        observers = []
+        for name, layer in self._layers:
+            def observe(role: str, matrix: torch.Tensor, fmt: BlockFormat, name: str = name) -> None:
+                figures = block_stats(matrix, fmt)
+                key = (name, role)
+                if key in sums:  # a sum over micro-batches; the headroom is the least of theirs
+                    figures = torch.cat([sums[key][:-1] + figures[:-1], torch.minimum(sums[key][-1:], figures[-1:])])
+                sums[key] = figures
+
+            layer.observers.append(observe)
+            observers.append((layer, observe))
+        try:
+            yield
+        finally:
+            for layer, observe in observers:
+                layer.observers.remove(observe)
+        if not sums:
+            return
+        host = dict(zip(sums, torch.stack(list(sums.values())).cpu().tolist()))  # one transfer
+        row: dict[str, Any] = {"step": step, "layers": {}}
+        for name, layer in self._layers:
+            operands = {role: shares(dict(zip(BLOCK_STATS, host[(name, role)]))) for role in ROLES
+                        if (name, role) in host}
+            row["layers"][name] = {"format": layer.fmt, **operands}
+        with self._path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        self._written(row)
+
+
+def shares(figures: dict[str, float]) -> dict[str, Any]:
+    """block_stats' sums as a blocks.jsonl operand: counts as shares, the error as a relative RMS."""
+    values, blocks = figures["values"], figures["blocks"]
+    error = (figures["error_sq"] / figures["value_sq"]) ** 0.5 if figures["value_sq"] > 0 else 0.0
+    return {"values": int(values), "saturated": figures["saturated"] / values, "flushed": figures["flushed"] / values,
+            "blocks": int(blocks), "scale_clipped": figures["scale_saturated"] / blocks,
+            "scale_raised": figures["scale_underflow"] / blocks, "error": error,
+            "scale_headroom_log2": figures["scale_headroom_log2"]}
 
 
 BLOCKS_NOTE = ("fractions of each operand's values over the steps inspected: sat., beyond the element's max after its "

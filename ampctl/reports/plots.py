@@ -321,3 +321,26 @@ def layer_error_heatmap(rows: Sequence[dict[str, Any]], path: Path, title: str) 
     fig.colorbar(image, ax=ax, label="largest local relative error (output, dgrad, wgrad)")
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def block_scale_heatmap(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
+    """telemetry.blocks_every's record (blocks.jsonl): the share of each layer's values its format flushed to zero at
+    each measured step, one panel per operand (activations, weights, gradients); a layer whose blocks start losing
+    its small values shows as its row brightening."""
+    roles = ("activation", "weight", "gradient")
+    layers = list(rows[0]["layers"])
+    steps = [row["step"] for row in rows]
+    size = (max(9.0, 0.3 * len(steps) * len(roles) + 5), max(3.0, 0.22 * len(layers) + 1.8))
+    fig, axes = pyplot().subplots(1, len(roles), sharey=True, figsize=size, constrained_layout=True)
+    grids = {role: [[row["layers"].get(name, {}).get(role, {}).get("flushed", float("nan")) for row in rows]
+                    for name in layers] for role in roles}
+    top = max((v for grid in grids.values() for line in grid for v in line if v == v), default=0.0) or 1.0
+    every = max(1, len(steps) // 10)
+    for ax, role in zip(axes, roles):
+        image = ax.imshow(grids[role], aspect="auto", cmap="magma", vmin=0.0, vmax=top)
+        ax.set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]], fontsize=7)
+        ax.set(xlabel="step", title=f"{role}s")
+    axes[0].set_yticks(range(len(layers)), layers, fontsize=7)
+    fig.suptitle(title)
+    fig.colorbar(image, ax=list(axes), label="share of values flushed to zero")
+    return save_figure(fig, path)

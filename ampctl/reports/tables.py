@@ -343,4 +343,10 @@ def run_images(runs: Sequence[tuple[str, RunRecord]], out_dir: Path) -> list[Pat
         if rows:
             images.append(plots.layer_error_heatmap(rows, out_dir / "layer_errors.png",
                                                     "each layer's error against fp32 over training"))
+        blocks = runs[0][1].path / run_files.BLOCKS  # and its block scales, where telemetry.blocks_every recorded them
+        rows = [json.loads(line) for line in blocks.read_text().splitlines() if line.strip()] if blocks.is_file() \
+            else []
+        if rows:
+            images.append(plots.block_scale_heatmap(rows, out_dir / "block_scales.png",
+                                                    "values each layer's blocks flushed to zero, over training"))
     return images

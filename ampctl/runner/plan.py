@@ -126,6 +126,7 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     mode_advice.check(policy)
     refuse_what_cannot_escalate(cfg, policy)
+    refuse_block_scales_without_blocks(cfg, policy)
     if cfg.train.eval.every and cfg.train.eval.fp32 and policy.converts_layers():
         raise UsageError(f"train.eval.fp32=true with precision={policy.precision.name}: its converted layers "
                          "compute in their format whatever autocast says; evaluate an fp32 run beside it "
@@ -145,6 +146,21 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
                            cfg.distributed.kind is ParallelKind.fsdp
                            and cfg.distributed.checkpoint_format is CheckpointFormat.full)
     return policy
+
+
+def refuse_block_scales_without_blocks(cfg: DictConfig, policy: PrecisionPolicy) -> None:
+    """telemetry.blocks_every needs a layer that computes in a block-scaled format, by the mode or by a rule."""
+    from ampctl.engine.precision.mx_emulated import MXFormat
+
+    if cfg.telemetry.blocks_every is None:
+        return
+    computed = {rule.run_in for rule in policy.precision.rules}
+    if policy.converter is not None:
+        computed.add(policy.converter.default_format())
+    if not computed & {f.value for f in MXFormat}:
+        raise UsageError(f"telemetry.blocks_every={cfg.telemetry.blocks_every} with precision={policy.precision.name}: "
+                         "no layer computes in a block-scaled format; it records mxfp8, mxfp4 and nvfp4 layers (a "
+                         "mode, or precision.rules' run_in)")
 
 
 def refuse_what_cannot_escalate(cfg: DictConfig, policy: PrecisionPolicy) -> None:

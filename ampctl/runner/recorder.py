@@ -118,6 +118,18 @@ class Recorder:
         if self.trackers is not None:
             self.trackers.write_layer_errors(row)
 
+    def blocks_log(self, state: TrainState, every: Optional[int]):
+        """telemetry.blocks_every's block scales (blocks.jsonl, and the trackers' blocks/...), or None."""
+        if not every:
+            return None
+        from ampctl.analysis.block_scales import BlocksLog
+
+        def written(row: dict[str, Any]) -> None:
+            if self.trackers is not None:
+                self.trackers.write_block_scales(row)
+
+        return BlocksLog(state.model, every, self.run_dir / run_files.BLOCKS, written)
+
     def ranges_log(self, state: TrainState, device: Any, every: Optional[int]):
         """telemetry.ranges_every's per-layer value ranges (ranges.jsonl), or None."""
         if not every:
@@ -206,6 +218,9 @@ class NoRecorder(Recorder):
         pass
 
     def ranges_log(self, *_args: Any):
+        return None
+
+    def blocks_log(self, *_args: Any):
         return None
 
     def write_summary(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:

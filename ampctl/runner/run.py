@@ -5,9 +5,11 @@ NoRecorder (runner/recorder.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import signal
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from omegaconf import OmegaConf
@@ -211,6 +213,7 @@ class TrainingRun:
             watchdog.bookkeeping_done()
 
         ranges_log = recorder.ranges_log(state, self.policy.device, cfg.telemetry.ranges_every)
+        blocks_log = recorder.blocks_log(state, cfg.telemetry.blocks_every)
         announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
         self.steps_began_at = time.time()  # a sweep's report tells from it which jobs overlapped
         self.load_at_start = machine_load.sample()  # what other processes take of the machine while it steps
@@ -220,8 +223,9 @@ class TrainingRun:
                     as stop, self.profiler, watchdog:
                 hooks = FitHooks(after_step=after_step,
                                  stop_requested=stop_agreement(parallel, stop, state, cfg.train.log_every))
-                if ranges_log:
-                    hooks.around_step = ranges_log.around
+                watches = [log.around for log in (ranges_log, blocks_log) if log]
+                if watches:
+                    hooks.around_step = functools.partial(_all_around, watches)
                 finished = fit(state, self.recipe, self.policy, self.settings, telemetry, cfg.train.steps,
                                cfg.train.seed, hooks)
             checkpointer.writer.finish()  # every rank here together: the last async save agreed
@@ -340,3 +344,12 @@ def stop_agreement(parallel: parallelism.Parallel, stop: StopOnSignal, state: Tr
     if parallel.world_size == 1:
         return lambda: stop.requested
     return lambda: state.step % log_every == 0 and parallel.agree(stop.requested)
+
+
+@contextlib.contextmanager
+def _all_around(watches: list, step: int) -> Iterator[None]:
+    """Each of the step's watches (telemetry.ranges_every's, telemetry.blocks_every's) around it, in order."""
+    with contextlib.ExitStack() as stack:
+        for around in watches:
+            stack.enter_context(around(step))
+        yield

@@ -9,15 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from ampctl.engine.precision.mx_emulated import (
+from ampctl.engine.precision.block_quantize import (
     ELEMENTS,
     BlockFormat,
-    MXElements,
-    MXEmulatedOptions,
-    MXFormat,
-    MXLinear,
     MXScaleMode,
-    block_formats,
     e8m0_value,
     fake_quantize,
     nvfp4_tensor_scale,
@@ -25,6 +20,7 @@ from ampctl.engine.precision.mx_emulated import (
     quantize_nvfp4_blocks,
     round_e2m1,
 )
+from ampctl.engine.precision.mx_emulated import MXElements, MXEmulatedOptions, MXFormat, MXLinear, block_formats
 
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor", reason="torchao is the extra ampctl[fp8]")
 from torchao.prototype.mx_formats.config import ScaleCalculationMode  # noqa: E402
@@ -185,7 +181,7 @@ def test_the_specs_floor_scale_clips_a_block_whose_amax_mantissa_exceeds_the_ele
 def test_block_outcomes_count_what_torchaos_quantization_clips_and_flushes(element):
     """saturated: |x| beyond the element's max times the block's scale; flushed: non-zero, dequantized to zero;
     both read off torchao's own to_mx and to_dtype."""
-    from ampctl.engine.precision.mx_emulated import block_outcomes
+    from ampctl.engine.precision.block_quantize import block_outcomes
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(32, 128, generator=gen) * torch.logspace(-6, 0, 128)  # wide blocks: tiny values flush
@@ -201,7 +197,7 @@ def test_block_outcomes_count_what_torchaos_quantization_clips_and_flushes(eleme
 
 @pytest.mark.parametrize("element", ["e4m3", "e5m2", "e2m1"])
 def test_rceil_never_clips_where_floor_does(element):
-    from ampctl.engine.precision.mx_emulated import block_outcomes
+    from ampctl.engine.precision.block_quantize import block_outcomes
 
     x = torch.randn(64, 256, generator=torch.Generator().manual_seed(2)) * 3
     floor, rceil = (BlockFormat(ELEMENTS[element], 32, "e8m0", mode) for mode in (MXScaleMode.floor, MXScaleMode.rceil))

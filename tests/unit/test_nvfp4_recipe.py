@@ -11,15 +11,8 @@ import torch
 from torch import nn
 
 from ampctl.engine.precision import nvfp4_recipe
-from ampctl.engine.precision.mx_emulated import (
-    BlockFormat,
-    MXEmulatedConverter,
-    MXEmulatedOptions,
-    MXFormat,
-    block_formats,
-    block_outcomes,
-    fake_quantize,
-)
+from ampctl.engine.precision.block_quantize import BlockFormat, block_outcomes, fake_quantize
+from ampctl.engine.precision.mx_emulated import MXEmulatedConverter, MXEmulatedOptions, MXFormat, block_formats
 from ampctl.errors import ConfigError
 
 pytest.importorskip("torchao.prototype.moe_training.nvfp4_training.hadamard_utils")

@@ -21,7 +21,8 @@ Blocks run along the reduction dimension of the matmul each operand enters, as t
 Transformer Engine lay them out: activations and weights along K in the forward; the output gradient and the
 weight along N for the input gradient; the output gradient and the activations along the tokens (M) for the
 weight gradient. A dimension that is not a multiple of the block is padded with zeros, which leave each block's
-amax unchanged (torchao refuses such shapes; real kernels pad too).
+amax unchanged (torchao refuses such shapes; real kernels pad too). The quantization itself is
+block_quantize.py's; NVFP4's training recipe (2D weight blocks, RHT, stochastic rounding) nvfp4_recipe.py's.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from enum import Enum
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ampctl.conf.value_checks import require
 from ampctl.engine.precision import nvfp4_recipe
+from ampctl.engine.precision.block_quantize import ELEMENTS, BlockFormat, MXScaleMode, fake_quantize
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
 
 
@@ -49,13 +50,6 @@ class MXFormat(Enum):
 class MXElements(Enum):
     e4m3 = "e4m3"
     e5m2 = "e5m2"
-
-
-class MXScaleMode(Enum):  # torchao's ScaleCalculationMode: how an E8M0 scale is rounded from a block's amax
-    floor = "floor"  # the OCP MX v1.0 specification's rule
-    rceil = "rceil"  # NVIDIA's (cuBLAS, Transformer Engine)
-    ceil = "ceil"
-    even = "even"
 
 
 @dataclass
@@ -89,194 +83,6 @@ class MXEmulatedOptions:
                         "or nvfp4_recipe)")
 
 
-E8M0_BIAS = 127
-E8M0_NAN = 255
-F32_MIN_NORMAL = 2.0**-126
-E4M3_TINY = 2.0**-6  # torch.finfo(torch.float8_e4m3fn).tiny: NVFP4's smallest block scale
-E4M3_MAX = 448.0
-
-
-@dataclass(frozen=True)
-class Element:
-    """An element format: its largest finite value, the exponent of its largest power of two (emax) and the
-    torch dtype that rounds to it (None for E2M1, which torch cannot cast to: rounded by value here)."""
-
-    name: str
-    max: float
-    emax: int
-    dtype: Optional[torch.dtype]
-
-
-ELEMENTS = {
-    "e4m3": Element("e4m3", 448.0, 8, torch.float8_e4m3fn),
-    "e5m2": Element("e5m2", 57344.0, 15, torch.float8_e5m2),
-    "e2m1": Element("e2m1", 6.0, 2, None),
-}
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """How one tensor role is quantized: its elements, the block length and the kind of block scale."""
-
-    element: Element
-    block: int
-    scale: str  # "e8m0" (MX, with scale_mode) | "e4m3" (NVFP4, with an optional per-tensor fp32 scale)
-    scale_mode: MXScaleMode = MXScaleMode.floor
-    per_tensor_scale: bool = True
-    # NVFP4's 2D weight blocks: 16x16 tiles of the matrix, whichever dimension a GEMM reduces (nvfp4_recipe.tiles)
-    tiles_2d: bool = False
-
-
-def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """x (fp32, already within [-6, 6]) rounded to the nearest E2M1 value {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to the
-    even code: steps of 0.5 below 2, 1 in [2, 4), 2 in [4, 6]; torch.round rounds half to even, and the even
-    multiples of each step are exactly the even codes. NaN stays NaN."""
-    a = x.abs()
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    return torch.copysign(torch.round(a / step) * step, x)
-
-
-def _to_element(x: torch.Tensor, element: Element) -> torch.Tensor:
-    """Round fp32 values (clamped to the element's range) to the element format, returned in fp32."""
-    if element.dtype is None:
-        return round_e2m1(x)
-    return x.to(element.dtype).float()
-
-
-def e8m0_codes(amax: torch.Tensor, element: Element, mode: MXScaleMode) -> torch.Tensor:
-    """The biased E8M0 code (int32, 0..255) of each block's scale, from its amax (fp32): torchao's to_mx."""
-    if mode == MXScaleMode.rceil:
-        descale = amax / element.max
-        normal = torch.clamp(torch.ceil(torch.log2(descale)), -E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
-        return torch.where(torch.isnan(descale), E8M0_NAN,
-                           torch.where(torch.isinf(descale), 254, normal.to(torch.int32))).to(torch.int32)
-    if mode == MXScaleMode.even:  # round amax to the element's mantissa width before taking its exponent
-        bits = amax.view(torch.int32)
-        rounded = ((bits + (1 << (23 - _mantissa_bits(element) - 1))) & (0x1FF << 23)).view(torch.float32)
-        amax = torch.where(torch.isnan(amax), amax, rounded)
-    bits = amax.view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) - E8M0_BIAS
-    if mode == MXScaleMode.ceil:
-        exponent = exponent + ((bits & 0x7FFFFF) > 0).to(torch.int32)
-    code = torch.clamp(exponent - element.emax, -E8M0_BIAS, E8M0_BIAS + 1) + E8M0_BIAS
-    return torch.where(torch.isnan(amax), E8M0_NAN, code).to(torch.int32)
-
-
-def _mantissa_bits(element: Element) -> int:
-    return {"e4m3": 3, "e5m2": 2, "e2m1": 1}[element.name]
-
-
-def e8m0_value(codes: torch.Tensor) -> torch.Tensor:
-    """2^(code - 127) in fp32 (2^-127 is subnormal), NaN for code 255: torchao's get_fp_scale."""
-    scale = torch.pow(torch.full_like(codes, 2.0, dtype=torch.float32), (codes - E8M0_BIAS).float())
-    return torch.where(codes == E8M0_NAN, float("nan"), scale)
-
-
-def _mx_scaled(blocks: torch.Tensor, element: Element, mode: MXScaleMode) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the blocks divided by their scales, not yet clamped; E8M0 codes): torchao's to_mx before its cast."""
-    amax = blocks.abs().amax(-1, keepdim=True)
-    codes = e8m0_codes(amax, element, mode)
-    if mode == MXScaleMode.rceil:
-        reciprocal = torch.where(codes == E8M0_NAN, amax / element.max,
-                                 torch.where(codes == 254, 2.0**-127,
-                                             torch.where(codes == 0, 1.0, torch.exp2((E8M0_BIAS - codes).float()))))
-        return blocks * reciprocal, codes
-    divisor = torch.clamp((codes << 23).view(torch.float32), min=F32_MIN_NORMAL)  # code 255 reads as inf
-    return blocks / divisor, codes
-
-
-def quantize_mx_blocks(blocks: torch.Tensor, element: Element, mode: MXScaleMode
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(elements in fp32, E8M0 codes) of fp32 blocks (..., block): torchao's to_mx, number for number."""
-    scaled, codes = _mx_scaled(blocks, element, mode)
-    return _to_element(torch.clamp(scaled, -element.max, element.max), element), codes
-
-
-def _nvfp4_scaled(blocks: torch.Tensor, tensor_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the blocks times their reciprocal scales, not yet clamped; E4M3 block scales in fp32)."""
-    block_scale = blocks.abs().amax(-1) / ELEMENTS["e2m1"].max
-    if tensor_scale is None:
-        scales = torch.clamp(block_scale, E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
-        reciprocal = 1.0 / scales
-    else:
-        scales = torch.clamp(block_scale / tensor_scale, E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
-        reciprocal = (1.0 / tensor_scale) / scales
-    return blocks * reciprocal.unsqueeze(-1), scales
-
-
-def quantize_nvfp4_blocks(blocks: torch.Tensor, tensor_scale: Optional[torch.Tensor]
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(E2M1 elements in fp32, E4M3 block scales in fp32) of fp32 blocks (..., 16): torchao's nvfp4_quantize."""
-    scaled, scales = _nvfp4_scaled(blocks, tensor_scale)
-    return round_e2m1(torch.clamp(scaled, -6.0, 6.0)), scales
-
-
-def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
-    """torchao's per_tensor_amax_to_scale: amax / (448 * 6); 1.0 for an all-zero tensor (any scale gives zeros
-    there, and torchao's 0 / 0 would make them NaN)."""
-    amax = x.detach().abs().amax().float()
-    return torch.where(amax == 0, 1.0, amax / (E4M3_MAX * ELEMENTS["e2m1"].max))
-
-
-def _blocks(matrix: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
-    """matrix (rows, K) in fp32, zero-padded to a multiple of block along K and viewed as (rows, K/block, block)."""
-    rows, k = matrix.shape
-    pad = (-k) % block
-    # contiguous fp32 before the blocks are viewed: inductor (CPU, torch 2.14) fails to tile a half-precision
-    # transposed gradient cast and reshaped in one kernel
-    matrix = matrix.float().contiguous()
-    padded = F.pad(matrix, (0, pad)) if pad else matrix
-    return padded.reshape(rows, -1, block), k
-
-
-def fake_quantize(matrix: torch.Tensor, fmt: BlockFormat, draw: Optional[int] = None) -> torch.Tensor:
-    """matrix (rows, K) quantized in blocks along K and dequantized, in fp32; draw: NVFP4's elements rounded
-    stochastically with the random bits of this key (nvfp4_recipe.uniforms), else to nearest."""
-    return _quantize(matrix, fmt, draw)[0]
-
-
-def _quantize(matrix: torch.Tensor, fmt: BlockFormat, draw: Optional[int] = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(matrix quantized and dequantized, in fp32; its blocks scaled to the element's range before the clamp)."""
-    if fmt.tiles_2d:
-        tiles, shape = nvfp4_recipe.tiles(matrix.detach())
-        out, scaled = _nvfp4_quantized(tiles, matrix.detach(), fmt, draw)
-        return nvfp4_recipe.untiles(out, shape), nvfp4_recipe.untiles(scaled, shape)
-    blocks, k = _blocks(matrix.detach(), fmt.block)
-    if fmt.scale == "e8m0":
-        scaled, codes = _mx_scaled(blocks, fmt.element, fmt.scale_mode)
-        elements = _to_element(torch.clamp(scaled, -fmt.element.max, fmt.element.max), fmt.element)
-        out = elements * e8m0_value(codes)
-    else:
-        out, scaled = _nvfp4_quantized(blocks, matrix, fmt, draw)
-    return out.reshape(blocks.shape[0], -1)[:, :k], scaled.reshape(blocks.shape[0], -1)[:, :k]
-
-
-def _nvfp4_quantized(blocks: torch.Tensor, matrix: torch.Tensor, fmt: BlockFormat, draw: Optional[int]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(NVFP4 blocks (..., block) quantized and dequantized; scaled before the clamp), the per-tensor scale from
-    the whole matrix's amax."""
-    tensor_scale = nvfp4_tensor_scale(matrix) if fmt.per_tensor_scale else None
-    scaled, scales = _nvfp4_scaled(blocks, tensor_scale)
-    clamped = torch.clamp(scaled, -6.0, 6.0)
-    if draw is None:
-        elements = round_e2m1(clamped)
-    else:
-        elements = nvfp4_recipe.stochastic_round_e2m1(clamped, nvfp4_recipe.uniforms(clamped.shape, draw,
-                                                                                     clamped.device))
-    return elements * (scales if tensor_scale is None else tensor_scale * scales).unsqueeze(-1), scaled
-
-
-def block_outcomes(matrix: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """[values, saturated, flushed] of one quantization, counted on the device (a long tensor): saturated,
-    beyond the element's max after its block's scale (clipped to it); flushed, non-zero and quantized to zero."""
-    quantized, scaled = _quantize(matrix, fmt)
-    original = matrix.detach().float()
-    saturated = (scaled.abs() > fmt.element.max).sum()
-    flushed = ((original != 0) & (quantized == 0)).sum()
-    return torch.stack([torch.tensor(original.numel(), device=matrix.device), saturated, flushed])
-
-
 class _MXLinear(torch.autograd.Function):
     """The three matmuls of a Linear, each operand quantized along the dimension the matmul reduces."""
 
@@ -290,7 +96,7 @@ class _MXLinear(torch.autograd.Function):
         w_q = fake_quantize(weight, layer.weight_format)
         ctx.save_for_backward(x2, w_q if layer.weights_2d else weight)
         ctx.layer, ctx.has_bias, ctx.x_shape = layer, bias is not None, x.shape
-        ctx.draw = layer.next_draw() if layer.stochastic_rounding else None  # this call's random bits
+        ctx.draw = layer.draws.next_key() if layer.stochastic_rounding else None  # this call's random bits
         out = fake_quantize(x2, fwd) @ w_q.t()
         if bias is not None:
             out = out + bias.float()
@@ -343,6 +149,25 @@ class Draws:
     def of(cls, seed: int) -> "Draws":
         return cls(seed, nvfp4_recipe.sign_vector(seed))
 
+    def for_layer(self, name: str) -> "LayerDraws":
+        return LayerDraws(self, nvfp4_recipe.layer_id(name))
+
+
+@dataclass
+class LayerDraws:
+    """One layer's draws: the model's, the layer's id, and how many calls it drew for in the current step."""
+
+    model: Draws
+    layer: int
+    _step: int = -1
+    _calls: int = 0
+
+    def next_key(self) -> int:
+        """The key of this call's random bits: train.seed, this layer, the step and the call within the step."""
+        self._calls = self._calls + 1 if self._step == self.model.step else 0
+        self._step = self.model.step
+        return nvfp4_recipe.draw_key(self.model.seed, self.layer, self.model.step, self._calls)
+
 
 class MXLinear(ConvertedLinear):
     """An nn.Linear whose three matmuls take emulated MX or NVFP4 inputs."""
@@ -354,8 +179,8 @@ class MXLinear(ConvertedLinear):
     _outside_compile: Optional[Callable[["MXLinear", torch.Tensor], torch.Tensor]] = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None,
-                 dtype: Any = None, *, config: MXEmulatedOptions, fmt: str, draws: Optional["Draws"] = None,
-                 name: str = "") -> None:
+                 dtype: Any = None, *, config: MXEmulatedOptions, fmt: str,
+                 draws: Optional[LayerDraws] = None) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         self.config, self.fmt = config, fmt
         recipe = fmt == MXFormat.nvfp4.value  # a rule's mxfp8 or mxfp4 layer in an nvfp4 run takes none of it
@@ -365,21 +190,14 @@ class MXLinear(ConvertedLinear):
         self.forward_format, self.grad_format = block_formats(config, fmt)
         self.weight_format = dataclasses.replace(self.forward_format, tiles_2d=self.weights_2d)
         self.observers: list[Callable[[str, torch.Tensor, BlockFormat], None]] = []  # ampctl inspect's
-        self.draws, self.draw_id, self._calls = draws, nvfp4_recipe.layer_id(name), (-1, 0)
+        self.draws = draws  # NVFP4's recipe: the sign vector, the stochastic rounding's keys
         self.rht: Optional[torch.Tensor] = None  # the model's RHT matrix, set up with the weights' device
         if MXLinear._outside_compile is None:
             MXLinear._outside_compile = staticmethod(torch.compiler.disable(_mx_linear))
 
     def setup(self) -> None:
         if self.uses_rht:
-            self.rht = nvfp4_recipe.rht_matrix(self.draws.signs).to(self.weight.device)
-
-    def next_draw(self) -> int:
-        """The key of this call's random bits: train.seed, this layer, the step and the call within the step."""
-        step, calls = self._calls
-        calls = calls + 1 if step == self.draws.step else 0
-        self._calls = (self.draws.step, calls)
-        return nvfp4_recipe.draw_key(self.draws.seed, self.draw_id, self.draws.step, calls)
+            self.rht = nvfp4_recipe.rht_matrix(self.draws.model.signs).to(self.weight.device)
 
     def observe(self, role: str, matrix: torch.Tensor, fmt: BlockFormat) -> None:
         """Show an operand about to be quantized to the observers (none outside an inspection)."""
@@ -387,8 +205,9 @@ class MXLinear(ConvertedLinear):
             observer(role, matrix, fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # a rule's MX layer inside an autocast mode; a layer that draws random bits (their keys are the host's)
-        if torch.is_autocast_enabled(x.device.type) or self.stochastic_rounding:
+        # a rule's MX layer inside an autocast mode; a layer that draws random bits (their keys are the host's);
+        # a layer observed (telemetry.blocks_every's step, an inspection): its observers are Python's
+        if torch.is_autocast_enabled(x.device.type) or self.stochastic_rounding or self.observers:
             return self._outside_compile(self, x)
         return _mx_linear(self, x)
 
@@ -427,7 +246,7 @@ class MXEmulatedConverter(Converter):
     def convert(self, module: nn.Module, fqn: str, fmt: str) -> nn.Module:
         if self.draws is None:  # the model is built: torch was seeded with train.seed
             self.draws = Draws.of(torch.initial_seed())
-        return MXLinear.from_linear(module, config=self.options, fmt=fmt, draws=self.draws, name=fqn)
+        return MXLinear.from_linear(module, config=self.options, fmt=fmt, draws=self.draws.for_layer(fqn))
 
     def at_step(self, step: int) -> None:
         if self.draws is not None:

@@ -25,7 +25,7 @@ from ampctl.conf.messages import one_line
 from ampctl.conf.options import typed_options
 from ampctl.engine.telemetry import StepRecord
 from ampctl.errors import UsageError
-from ampctl.runner.trackers.base import METRICS, Tracker, layer_error_values
+from ampctl.runner.trackers.base import METRICS, Tracker, block_scale_values, layer_error_values
 
 __all__ = ["METRICS", "Tracker", "Trackers", "check_loggers", "chosen", "tracker_class"]
 
@@ -154,6 +154,13 @@ class Trackers:
     def write_layer_errors(self, row: dict[str, Any]) -> None:
         """train.diff.every's measurement (a diffs.jsonl row), as diff/... scalars; waits as an evaluation does."""
         self._waiting_evals.append(("write_layer_errors", layer_error_values(row)))
+        if self._started:
+            self._write_waiting_evals()
+
+    def write_block_scales(self, row: dict[str, Any]) -> None:
+        """telemetry.blocks_every's measurement (a blocks.jsonl row), as blocks/... scalars; waits as an evaluation
+        does."""
+        self._waiting_evals.append(("write_block_scales", block_scale_values(row)))
         if self._started:
             self._write_waiting_evals()
 

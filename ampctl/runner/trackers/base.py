@@ -83,6 +83,18 @@ def layer_error_values(row: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def block_scale_values(row: dict[str, Any]) -> dict[str, Any]:
+    """telemetry.blocks_every's measurement (a blocks.jsonl row) as a tracker's scalars: step, and per layer and
+    operand blocks/<layer>/<operand>/flushed, .../saturated and .../error (the relative RMS quantization error)."""
+    values: dict[str, Any] = {"step": row["step"]}
+    for layer, operands in row["layers"].items():
+        for operand, figures in operands.items():
+            if isinstance(figures, dict):
+                for figure in ("flushed", "saturated", "error"):
+                    values[f"blocks/{layer}/{operand}/{figure}"] = figures[figure]
+    return values
+
+
 class Tracker:
     """A tracker is this class's subclass in a module of its own and ampctl/conf/logger/<name>.yaml, whose node
     names it (`_target_`) with every option at its default; `logger=<name>` chooses it.
@@ -121,6 +133,10 @@ class Tracker:
         """train.diff.every's measurement (layer_error_values' row: step, diff/...), after the records of its step:
         scalars at the step, as an evaluation's are (a tracker whose evaluations go to a file of their own
         overrides this)."""
+        self.write_eval(row)
+
+    def write_block_scales(self, row: dict[str, Any]) -> None:
+        """telemetry.blocks_every's measurement (block_scale_values' row): scalars at the step, as an evaluation's."""
         self.write_eval(row)
 
     def flush(self) -> None:

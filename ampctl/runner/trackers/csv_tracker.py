@@ -36,7 +36,7 @@ class CsvTracker(Tracker):
 
     def start(self, cfg: DictConfig) -> None:
         self._keep_rows_up_to_resume(self.path, list(self.COLUMNS))
-        for path in (self._eval_path(), self._side_path("diff")):
+        for path in (self._eval_path(), self._side_path("diff"), self._side_path("blocks")):
             if path.is_file():
                 self._keep_rows_up_to_resume(path, None)
         self._file = self.path.open("a", newline="", encoding="utf-8")
@@ -74,6 +74,10 @@ class CsvTracker(Tracker):
     def write_layer_errors(self, row: dict[str, Any]) -> None:
         """Into <file>_diff.csv: diff/gradient_error, diff/error_over_noise, diff/local/<layer> (empty: none)."""
         self._append(self._side_path("diff"), row["step"], {k: v for k, v in row.items() if k != "step"})
+
+    def write_block_scales(self, row: dict[str, Any]) -> None:
+        """Into <file>_blocks.csv: blocks/<layer>/<operand>/flushed, .../saturated, .../error."""
+        self._append(self._side_path("blocks"), row["step"], {k: v for k, v in row.items() if k != "step"})
 
     def _append(self, path: Path, step: int, values: dict[str, Any]) -> None:
         """A row of a side file whose columns are its rows' (a file of other columns begins again)."""
