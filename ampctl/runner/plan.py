@@ -161,6 +161,10 @@ def refuse_block_scales_without_blocks(cfg: DictConfig, policy: PrecisionPolicy)
         raise UsageError(f"telemetry.blocks_every={cfg.telemetry.blocks_every} with precision={policy.precision.name}: "
                          "no layer computes in a block-scaled format; it records mxfp8, mxfp4 and nvfp4 layers (a "
                          "mode, or precision.rules' run_in)")
+    if getattr(policy.converter, "torchao", False):
+        raise UsageError(f"telemetry.blocks_every={cfg.telemetry.blocks_every} with precision.options.kernels="
+                         f"{policy.converter.options.kernels.value}: it observes ampctl's emulated layers, and "
+                         "torchao's compute these; precision.options.kernels=emulated records the same numerics")
 
 
 def refuse_what_cannot_escalate(cfg: DictConfig, policy: PrecisionPolicy) -> None:

@@ -192,3 +192,25 @@ def test_advise_weighs_every_converter_mode_but_the_emulations(halving):
     assert candidates[:len(DEFAULT_COMPARE_PRECISIONS)] == DEFAULT_COMPARE_PRECISIONS
     assert set(candidates[len(DEFAULT_COMPARE_PRECISIONS):]) == {"fp8", "mxfp8", "mxfp4", "nvfp4", "nvfp4_recipe",
                                                                    "halved"}
+
+
+def test_a_gpt_trained_by_torchaos_mxfp8_layers_equals_ampctls_emulation_step_for_step(tmp_path, restore_argv, capsys):
+    """precision.options.kernels=torchao: torchao's MXFP8 training layer (here its emulated reference, where a B200
+    runs its kernels) trains the built-in GPT to the same losses, gradient norms and weights as ampctl's emulation,
+    bit for bit (every Linear in whole blocks of 32; the tokens padded); the start line says whose layers ran."""
+    from ampctl.engine.precision import mx_torchao
+
+    if mx_torchao.missing():
+        pytest.skip(mx_torchao.missing())
+    gpt = ["recipe=gpt", "recipe.n_layers=2", "recipe.d_model=64", "recipe.n_heads=2", "recipe.block_size=24",
+           "recipe.batch_size=3", "recipe.max_corpus_bytes=100000", "train.steps=3", "precision=mxfp8",
+           "precision.options.scale_mode=rceil", "train.log_every=1", *QUIET]
+    runs = {}
+    for kernels in ("emulated", "torchao"):
+        run_dir = tmp_path / kernels
+        main(["train", *gpt, f"precision.options.kernels={kernels}", f"hydra.run.dir={run_dir}"])
+        runs[kernels] = [{k: row[k] for k in ("step", "loss", "grad_norm")}
+                         for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    assert runs["torchao"] == runs["emulated"] and len(runs["torchao"]) == 3
+    log = (tmp_path / "torchao" / "train.log").read_text()
+    assert "mxfp8=torchao's emulated reference" in log and "TorchaoMXFP8Linear" in log

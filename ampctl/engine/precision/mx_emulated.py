@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ampctl.conf.value_checks import require
-from ampctl.engine.precision import nvfp4_recipe
+from ampctl.engine.precision import mx_torchao, nvfp4_recipe
 from ampctl.engine.precision.block_quantize import ELEMENTS, BlockFormat, MXScaleMode, fake_quantize
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
 
@@ -45,6 +45,12 @@ class MXFormat(Enum):
     mxfp8 = "mxfp8"  # OCP MX: 8-bit elements (E4M3 or E5M2), blocks of 32, E8M0 scales
     mxfp4 = "mxfp4"  # OCP MX: E2M1 elements, blocks of 32, E8M0 scales
     nvfp4 = "nvfp4"  # NVIDIA: E2M1 elements, blocks of 16, E4M3 scales and an fp32 per-tensor scale
+
+
+class MXKernels(Enum):
+    emulated = "emulated"  # ampctl's emulation (observable: inspect, telemetry.blocks_every; every format and rule)
+    torchao = "torchao"  # torchao's MXFP8 training layer: its kernels on sm100, its emulated reference elsewhere
+    auto = "auto"  # torchao's kernels where the GPU has them, else ampctl's emulation
 
 
 class MXElements(Enum):
@@ -67,6 +73,8 @@ class MXEmulatedOptions:
     weights_2d: bool = False
     rht: bool = False
     stochastic_rounding: bool = False
+    # mxfp8: whose layers compute it (mx_torchao.py): ampctl's emulation, torchao's MXFP8 training layer, or auto
+    kernels: MXKernels = MXKernels.emulated
 
     def __post_init__(self) -> None:
         if self.format != MXFormat.mxfp8:
@@ -76,7 +84,12 @@ class MXEmulatedOptions:
         if self.format == MXFormat.nvfp4:
             require(self.scale_mode == MXScaleMode.floor, "precision.options.scale_mode", self.scale_mode.name,
                     "floor (the default) with format=nvfp4, whose block scales are E4M3, not E8M0")
-        else:
+        if self.kernels != MXKernels.emulated:
+            require(self.format == MXFormat.mxfp8 and self.elements == self.grad_elements == MXElements.e4m3
+                    and self.scale_mode in (MXScaleMode.floor, MXScaleMode.rceil), "precision.options.kernels",
+                    self.kernels.name, "emulated (the default) unless format=mxfp8 with e4m3 elements and gradients "
+                    "and scale_mode=floor or rceil: torchao's MXFP8 training layer computes only that")
+        if self.format != MXFormat.nvfp4:
             for key in ("weights_2d", "rht", "stochastic_rounding"):
                 require(not getattr(self, key), f"precision.options.{key}", True,
                         f"false with format={self.format.name}: NVFP4's training recipe is nvfp4's (precision=nvfp4 "
@@ -234,16 +247,30 @@ class MXEmulatedConverter(Converter):
     name = "mx_emulated"
     options_type = MXEmulatedOptions
     formats = ("mxfp8", "mxfp4", "nvfp4")
-    emulated = True
 
     def __init__(self, options: Any, device: torch.device) -> None:
         super().__init__(options, device)
         self.draws: Optional[Draws] = None  # made when the first layer is converted
+        kernels = self.options.kernels
+        real = kernels != MXKernels.emulated and mx_torchao.has_kernels(device) and mx_torchao.missing() is None
+        # torchao's layers (its kernels, or where asked for, its emulated reference) or ampctl's
+        self.torchao = kernels == MXKernels.torchao or (kernels == MXKernels.auto and real)
+        self.real_kernels = self.torchao and real
+
+    @property
+    def emulated(self) -> bool:  # type: ignore[override]
+        return not self.real_kernels
+
+    def unsupported_reason(self) -> Optional[str]:
+        return mx_torchao.missing() if self.torchao else None
 
     def default_format(self) -> str:
         return self.options.format.value
 
     def convert(self, module: nn.Module, fqn: str, fmt: str) -> nn.Module:
+        # a rule's other format, or dimensions not in whole blocks: ampctl's emulation (the layer table says which)
+        if self.torchao and fmt == MXFormat.mxfp8.value and mx_torchao.fits(module):
+            return mx_torchao.convert(module, self.real_kernels, self.options.scale_mode.value)
         if self.draws is None:  # the model is built: torch was seeded with train.seed
             self.draws = Draws.of(torch.initial_seed())
         return MXLinear.from_linear(module, config=self.options, fmt=fmt, draws=self.draws.for_layer(fqn))
@@ -255,7 +282,9 @@ class MXEmulatedConverter(Converter):
     def describe(self) -> str:
         o = self.options
         forward, grads = block_formats(o, o.format.value)
-        text = f"{o.format.value}=emulated elements={forward.element.name} block={forward.block}"
+        by = ("torchao's kernels" if self.real_kernels else "torchao's emulated reference" if self.torchao
+              else "emulated")
+        text = f"{o.format.value}={by} elements={forward.element.name} block={forward.block}"
         if o.format == MXFormat.mxfp8:
             text += f" grad_elements={grads.element.name}"
         if forward.scale == "e8m0":
@@ -266,6 +295,8 @@ class MXEmulatedConverter(Converter):
         return f"{text} scales=e4m3 per_tensor_scale={o.per_tensor_scale}" + "".join(f" {r}" for r in recipe)
 
     def speed_warnings(self, compiled: bool) -> list[str]:
+        if self.real_kernels:
+            return []
         return [f"emulates {self.options.format.value} (quantize and dequantize around fp32 matmuls): slower than "
                 "fp32 by design, and its speed is not the format's; it is for studying the format's convergence "
                 "and error"]
