@@ -10,9 +10,9 @@ Transformer Engine's NVFP4BlockScaling; torchao's prototype.moe_training.nvfp4_t
 - Stochastic rounding of gradients to E2M1: a value between two neighbours rounds up with the probability of its
   distance from the lower one (unbiased: its expectation is the value). Round-to-nearest everywhere else.
 
-The random bits are a counter-based hash (lowbias32) of the element's index and a key made from train.seed (the
-seed torch was seeded with when the model was built), the layer's name, the training step and the call within
-it: reruns are bit-identical on any device and under train.deterministic, every rank draws alike, and a resumed
+The random bits come from a generator of their own seeded with a key hashed (lowbias32) from train.seed (the seed
+torch was seeded with when the model was built), the layer's name, the training step and the call within it: reruns
+are bit-identical (on the same kind of device) and under train.deterministic, every rank draws alike, and a resumed
 run draws what the uninterrupted one would have. The sign vector is one for the whole model, from the same seed.
 """
 
@@ -69,15 +69,6 @@ def _hash32(x: int) -> int:
     return x
 
 
-def _hash32_tensor(x: torch.Tensor) -> torch.Tensor:
-    """_hash32 on an int64 tensor of values in [0, 2^32): the products wrap in 64 bits, their low 32 bits exact."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
-
-
 def draw_key(*parts: int) -> int:
     """One 32-bit key from integers (a seed, a layer's id, a step, a call), each hashed into the last."""
     key = 0x9E3779B9
@@ -92,10 +83,11 @@ def layer_id(name: str) -> int:
 
 
 def uniforms(shape: torch.Size, key: int, device: torch.device) -> torch.Tensor:
-    """Uniform fp32 values in [0, 1) on 24 bits, one per element, a function of the key and the element's index."""
-    index = torch.arange(shape.numel(), device=device, dtype=torch.int64)
-    bits = _hash32_tensor((index ^ key) & _MASK32) ^ _hash32_tensor(((index >> 32) + key) & _MASK32)
-    return ((bits >> 8).float() * 2.0**-24).reshape(shape)
+    """Uniform fp32 values in [0, 1), one per element, from the device's generator seeded with the key (a seeded
+    generator of its own: the global random state, dropout's, is left alone; 7x faster on a CPU than a hash of the
+    elements' indices in int64 ops)."""
+    generator = torch.Generator(device=device).manual_seed(key)
+    return torch.rand(shape, generator=generator, device=device)
 
 
 def stochastic_round_e2m1(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
