@@ -261,3 +261,29 @@ def test_one_step_up_is_the_one_escalation_and_the_repair_take(overrides, expect
     search(["2", "0"], policy.one_step_up, 2, 0.1, measure_with, noise=1.0)
     raisable = [layer for layer in ("2", "0") if expected[layer] is not None]
     assert (measured[-1] if measured else []) == [f"{layer}->{expected[layer]}" for layer in raisable]  # all tried
+
+
+def test_a_rule_counts_blocks_from_the_end_whatever_the_depth():
+    """`blocks.-1.*`: the last block, as NVFP4's recipe keeps its last blocks high, resolved against the model's names
+    (numerically: block 10 comes after block 9); an index beyond the blocks matches nothing and is refused."""
+    names = ["", "blocks", *(f"blocks.{i}" for i in range(11)), *(f"blocks.{i}.mlp" for i in range(11)), "head"]
+    assert layers.counted_from_the_end("blocks.-1.*", names) == "blocks.10.*"
+    assert layers.counted_from_the_end("blocks.-2.mlp", names) == "blocks.9.mlp"
+    assert layers.counted_from_the_end("blocks.-12.*", names) == "blocks.-12.*"
+    gpt = ["recipe=gpt", "recipe.n_layers=3", "recipe.d_model=32", "recipe.n_heads=2", "recipe.block_size=16",
+           "recipe.max_corpus_bytes=100000"]
+    cfg, policy, recipe = build("precision=nvfp4_recipe", "precision.rules=[{match: 'blocks.-1.*', run_in: bf16}]",
+                                base=gpt)
+    with policy:
+        build_state(cfg, policy, recipe)
+    plan = policy.layer_plan
+    assert plan.run_in("blocks.2.mlp.0") == plan.run_in("blocks.2.attn.qkv") == "bf16"  # the last block, decided
+    assert plan.run_in("blocks.1.mlp.0") is None and plan.rules[0].match == "blocks.2.*"  # the others: the mode's
+    converted = set(policy.layer_plan.converted)
+    assert not any(name.startswith("blocks.2.") for name in converted)
+    assert {"blocks.0.mlp.0", "blocks.1.mlp.0", "lm_head"} <= converted
+    with pytest.raises(UsageError, match="blocks.-4"):
+        cfg, policy, recipe = build("precision=nvfp4", "precision.rules=[{match: 'blocks.-4.*', run_in: bf16}]",
+                                    base=gpt)
+        with policy:
+            build_state(cfg, policy, recipe)
