@@ -35,4 +35,7 @@ def test_a_resumed_recipe_run_equals_the_uninterrupted_one(tmp_path, restore_arg
     assert rows(nearest)[0]["loss"] == rows(whole)[0]["loss"] and rows(nearest)[1:] != rows(whole)[1:]
     log = (whole / "train.log").read_text()
     assert "weights_2d rht signs=" in log and "stochastic_rounding" in log  # the sign vector is in the run's record
-    assert json.loads((whole / "summary.json").read_text())["precision"] == "nvfp4_recipe"
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["precision"] == "nvfp4_recipe" and "rht signs=" in summary["converter"]["described"]
+    assert summary["converter"]["described"] == json.loads((halves / "summary.json").read_text())["converter"][
+        "described"]  # the same sign vector after the resume

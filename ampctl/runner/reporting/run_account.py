@@ -77,7 +77,9 @@ def summary_of(run: Any) -> dict:
         "emulated": policy.emulated,
         "converter": None if policy.converter is None else {
             "name": policy.converter.name, "layers": len(policy.converted),
-            "checkpoints_carry": policy.converter.checkpoint_state},
+            "checkpoints_carry": policy.converter.checkpoint_state,
+            # its resolved options as the start line says them (whose kernels ran; NVFP4's recipe and its RHT signs)
+            "described": policy.converter.describe()},
         "scaler": state.scaler.kind,
         "recipe": recipe_name,
         "recipe_title": recipe_title(recipe_name, cfg.recipe),  # with its model
