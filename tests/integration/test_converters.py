@@ -173,7 +173,8 @@ def test_an_emulated_formats_speed_is_labelled_as_the_emulations(tmp_path, resto
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["emulated"] is True
     assert summary["converter"] == {"name": "mx_emulated", "layers": 4,
-                                    "checkpoints_carry": "nothing beyond the model's weights"}
+                                    "checkpoints_carry": "nothing beyond the model's weights",
+                                    "described": "mxfp4=emulated elements=e2m1 block=32 scales=e8m0 scale_mode=floor"}
     done = [line for line in (tmp_path / "run" / "train.log").read_text().splitlines() if "done:" in line]
     assert "(an emulation's speed, not the format's)" in done[0]
     main(["train", *QUIET, *MLP, "precision=bf16", f"hydra.run.dir={tmp_path / 'bf16'}"])
