@@ -4,11 +4,14 @@ extend, with their range checks (see conf/schema.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import glob
 import math
+import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from omegaconf import MISSING, DictConfig
 
@@ -24,6 +27,9 @@ class Dtype(Enum):
 
 LAYER_DTYPES = ("fp32", "bf16", "fp16")  # what a rule may keep a layer's math in, besides a converter's formats
 UNCONVERTED = "unconverted"  # a rule's run_in that leaves its layers out of the mode's converter
+
+
+_FROM_THE_END = re.compile(r"-(\d+)")  # a numeric segment of a rule's match, counted from the end
 
 
 @dataclass
@@ -51,6 +57,27 @@ class LayerRule:
     def of(cls, data: Mapping[str, Any]) -> "LayerRule":
         """From a config's or a record's rule (a dict, a DictConfig)."""
         return cls(run_in=str(data["run_in"]), match=data.get("match"), type=data.get("type"))
+
+    def counted_from_the_end(self, names: Iterable[str]) -> "LayerRule":
+        """The rule with its match's numeric segment written from the end (`blocks.-1.*`: the last of the blocks, as
+        Python indexes; `model.layers.-2.mlp.*`) resolved against the model's names, numerically, so that one rule
+        keeps the last blocks high whatever the depth (NVFP4's recipe keeps its last blocks in bf16). Unresolved where
+        no such index exists: the rule then matches nothing and is refused with the closest names."""
+        if not self.match or "-" not in self.match:
+            return self
+        parts = self.match.split(".")
+        for position, part in enumerate(parts):
+            wanted = _FROM_THE_END.fullmatch(part)
+            if wanted is None:
+                continue
+            prefix = ".".join(parts[:position])
+            indices = sorted({int(split[position]) for name in names if len(split := name.split(".")) > position
+                              and split[position].isdigit()
+                              and fnmatch.fnmatchcase(".".join(split[:position]), prefix)})
+            if not 1 <= int(wanted.group(1)) <= len(indices):
+                return self
+            parts[position] = str(indices[-int(wanted.group(1))])
+        return dataclasses.replace(self, match=".".join(parts))
 
     def as_record(self) -> dict[str, str]:
         """As ampctl's records (diff.json, advice.json, escalations.jsonl) hold it: the keys that are set."""

@@ -266,10 +266,15 @@ def test_one_step_up_is_the_one_escalation_and_the_repair_take(overrides, expect
 def test_a_rule_counts_blocks_from_the_end_whatever_the_depth():
     """`blocks.-1.*`: the last block, as NVFP4's recipe keeps its last blocks high, resolved against the model's names
     (numerically: block 10 comes after block 9); an index beyond the blocks matches nothing and is refused."""
+    from ampctl.conf.precision_schema import LayerRule
+
     names = ["", "blocks", *(f"blocks.{i}" for i in range(11)), *(f"blocks.{i}.mlp" for i in range(11)), "head"]
-    assert layers.counted_from_the_end("blocks.-1.*", names) == "blocks.10.*"
-    assert layers.counted_from_the_end("blocks.-2.mlp", names) == "blocks.9.mlp"
-    assert layers.counted_from_the_end("blocks.-12.*", names) == "blocks.-12.*"
+
+    def resolved(match: str) -> str:
+        return LayerRule(run_in="bf16", match=match).counted_from_the_end(names).match
+
+    assert resolved("blocks.-1.*") == "blocks.10.*" and resolved("blocks.-2.mlp") == "blocks.9.mlp"
+    assert resolved("blocks.-12.*") == "blocks.-12.*" and resolved("head") == "head"
     gpt = ["recipe=gpt", "recipe.n_layers=3", "recipe.d_model=32", "recipe.n_heads=2", "recipe.block_size=16",
            "recipe.max_corpus_bytes=100000"]
     cfg, policy, recipe = build("precision=nvfp4_recipe", "precision.rules=[{match: 'blocks.-1.*', run_in: bf16}]",

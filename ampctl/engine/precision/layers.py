@@ -18,7 +18,6 @@ that matches nothing (with the closest names), a rule every layer of which an ea
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import fnmatch
 import re
@@ -47,28 +46,6 @@ def rule_text(rule: LayerRule) -> str:
 
 def describe_rule(index: int, rule: LayerRule) -> str:
     return f"precision.rules[{index}] ({rule_text(rule)})"
-
-
-FROM_THE_END = re.compile(r"-(\d+)")
-
-
-def counted_from_the_end(pattern: str, names: Iterable[str]) -> str:
-    """A name glob whose numeric segment is written from the end (`blocks.-1.*`: the last of the blocks, as Python
-    indexes; `model.layers.-2.mlp.*`) with that segment resolved against the model's names, so that one rule keeps the
-    last blocks high whatever the depth (NVFP4's recipe keeps its last blocks in bf16). Unresolved where no such
-    index exists: the rule then matches nothing and is refused with the closest names."""
-    parts = pattern.split(".")
-    for position, part in enumerate(parts):
-        wanted = FROM_THE_END.fullmatch(part)
-        if wanted is None:
-            continue
-        prefix = ".".join(parts[:position])
-        indices = sorted({int(split[position]) for name in names if len(split := name.split(".")) > position
-                          and split[position].isdigit() and fnmatch.fnmatchcase(".".join(split[:position]), prefix)})
-        if not 1 <= int(wanted.group(1)) <= len(indices):
-            return pattern
-        parts[position] = str(indices[-int(wanted.group(1))])
-    return ".".join(parts)
 
 
 def matches(rule: LayerRule, fqn: str, module: nn.Module) -> bool:
@@ -114,8 +91,7 @@ def plan(model: nn.Module, precision: PrecisionConfig, converter: Optional[conve
          device: torch.device) -> LayerPlan:
     """Match the rules against the model and check them; refuse, in one line, what cannot be honoured."""
     names = [fqn for fqn, _ in model.named_modules()]
-    rules = [dataclasses.replace(rule, match=counted_from_the_end(rule.match, names)) if rule.match and "-" in
-             rule.match else rule for rule in precision.rules]
+    rules = [rule.counted_from_the_end(names) for rule in precision.rules]
     owners = converters.format_owners() if rules else {}  # (loads every converter: only where a rule may name one)
     for index, rule in enumerate(rules):
         _check_run_in(index, rule, owners, precision, converter, device)
