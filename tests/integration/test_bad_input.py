@@ -142,3 +142,19 @@ def test_a_tilde_the_shell_left_in_a_path_says_what_to_write(tmp_path, capsys, r
     err = refused(tmp_path, capsys, "recipe=resnet", "recipe.data_root=~/data/pets")
     assert ("recipe.data_root=~/data/pets: the shell leaves ~ as it is after a config key's =, and Hydra's grammar "
             "refuses it: write $HOME/data/pets (or the path in full)") in err
+
+
+@pytest.mark.parametrize("overrides,said", [
+    (["precision=nvfp4", "precision.options.kernels=torchao"], "precision.options.kernels='torchao' is not allowed"),
+    (["precision=mxfp8", "precision.options.kernels=torchao", "telemetry.blocks_every=2"],
+     "telemetry.blocks_every=2 with precision.options.kernels=torchao: it observes ampctl's emulated layers"),
+    (["precision=mxfp8", "precision.options.rht=true"], "precision.options.rht=True is not allowed"),
+    (["precision=bf16", "telemetry.blocks_every=2"], "no layer computes in a block-scaled format"),
+    (["precision=nvfp4_recipe", "precision.rules=[{match: 'blocks.-9.*', run_in: bf16}]", "recipe=gpt",
+      "recipe.n_layers=2", "recipe.d_model=32", "recipe.n_heads=2", "recipe.max_corpus_bytes=100000"], "blocks.-9.*"),
+])
+def test_what_nvfp4s_recipe_and_torchaos_layers_cannot_do(tmp_path, capsys, restore_argv, overrides, said):
+    """A recipe option on a mode without it, torchao's layers where they cannot compute, block scales without blocks
+    or with torchao's layers, a block counted from the end beyond the blocks: one line, exit 2, nothing written."""
+    err = refused(tmp_path, capsys, "recipe=mlp", "device=cpu", *overrides)
+    assert said in err, err

@@ -77,3 +77,4 @@ def test_the_converter_gives_torchao_the_layers_in_whole_blocks_and_says_so():
 def test_kernels_torchao_where_torchaos_layer_does_not_compute_it_is_refused(options):
     with pytest.raises(ConfigError, match="precision.options.kernels"):
         MXEmulatedOptions(kernels=MXKernels.torchao, **options)
+
