@@ -45,13 +45,17 @@ def by_hand(matrix: torch.Tensor, fmt) -> dict[str, float]:
             "value_sq": float(x.square().sum()), "scale_headroom_log2": headroom}
 
 
-def test_block_stats_are_the_quantizations_figures_counted_by_hand():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_stats_are_the_quantizations_figures_counted_by_hand(dtype):
+    """In every dtype an operand arrives in (a rule's nvfp4 layer under bf16 or fp16 autocast): the figures of the
+    values as that dtype holds them."""
     torch.manual_seed(0)
     fmt = block_formats(MXEmulatedOptions(MXFormat.nvfp4), "nvfp4")[0]
-    x = torch.randn(12, 64) * torch.logspace(-12, 2, 64)  # blocks far below the per-tensor scale: raised
+    scale = torch.logspace(-12 if dtype != torch.float16 else -6, 2, 64)  # far below the per-tensor scale: raised
+    x = (torch.randn(12, 64) * scale).to(dtype)
     x[3, :16] = 0.0  # an all-zero block is not raised
     ours = dict(zip(BLOCK_STATS, block_stats(x, fmt).tolist()))
-    hand = by_hand(x, fmt)
+    hand = by_hand(x.float(), fmt)
     assert ours["scale_underflow"] > 0 and ours["flushed"] > 0
     for name, value in hand.items():
         assert ours[name] == pytest.approx(value, rel=1e-9, abs=1e-300), name
