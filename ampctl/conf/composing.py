@@ -5,6 +5,7 @@ command line's one line."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from hydra import compose
 from hydra.errors import HydraException
@@ -21,6 +22,24 @@ def compose_job(config_name: str, overrides: list[str], with_hydra: bool = False
         return compose(config_name=config_name, overrides=overrides, return_hydra_config=with_hydra)
     except (HydraException, OmegaConfBaseException) as exc:
         raise UsageError(one_line(exc)) from None
+
+
+def precision_node(name: str, key: str = "precision.schedule") -> dict[str, Any]:
+    """A mode of the precision group as Hydra composes it (the app's search path: a -cd directory's modes too), for
+    a config that names one as a value (precision.schedule's changes); in a running Hydra app or the Python API."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ampctl.conf.messages import did_you_mean
+
+    if not GlobalHydra.instance().is_initialized():
+        raise UsageError(f"{key} names precision={name}: its mode is composed by Hydra when the run is planned; plan "
+                         "it with ampctl's commands or the Python API (ampctl.train)")
+    options = GlobalHydra.instance().config_loader().get_group_options("precision")
+    if name not in options:
+        raise UsageError(f"{key}: {name!r} is not a precision mode{did_you_mean(name, options)}; choose from "
+                         f"{', '.join(options)}")
+    node = compose_job("train", [f"precision={name}"]).precision
+    return OmegaConf.to_container(node, resolve=True, enum_to_str=True)  # type: ignore[return-value]
 
 
 def without_hydra_node(config: DictConfig) -> DictConfig:

@@ -89,6 +89,33 @@ class LayerRule:
         return "{" + ",".join(f"{key}:'{value}'" for key, value in self.as_record().items()) + "}"
 
 
+@dataclass
+class ScheduledChange:
+    """A change of precision.schedule (conf/precision_schedule.py): from a point of the run on, it trains in another
+    mode and/or with other rules, as NVFP4's recipe ends in bf16: `precision.schedule=[{at: 0.82, precision: bf16}]`.
+    Each change says the whole of what follows it: its mode (the run's own where it names none), its rules before
+    that mode's own."""
+
+    at: Optional[float] = None  # a fraction of train.steps in (0, 1): the change holds from the step after the
+    # nearest one (at=0.82 of 100 steps: from step 83 on)
+    step: Optional[int] = None  # or a step: the change holds from the step after it
+    precision: Optional[str] = None  # a mode of the precision group (bf16, a -cd directory's own)
+    rules: Optional[list[LayerRule]] = None  # per-layer rules before the mode's own from then on
+    # filled when the run is planned, not by hand: `precision`'s node as Hydra composes it, recorded with the run
+    # so that a resume trains in the mode the run began with, whatever the YAML says by then
+    mode: Optional[dict[str, Any]] = None
+
+    def __post_init__(self) -> None:
+        require((self.at is None) != (self.step is None), "precision.schedule[].at", self.at,
+                "a fraction of train.steps in (0, 1), or give step= instead (one of the two)")
+        if self.at is not None:
+            require(0.0 < self.at < 1.0, "precision.schedule[].at", self.at, "a fraction of train.steps in (0, 1)")
+        if self.step is not None:
+            require(self.step >= 1, "precision.schedule[].step", self.step, "an integer >= 1")
+        require(self.precision is not None or self.rules is not None, "precision.schedule[].precision", None,
+                "a precision mode to change to (precision: bf16), or rules: [...] (a change needs one)")
+
+
 def rules_of(precision: Any) -> list[LayerRule]:
     """A composed precision config's rules (precision.rules, its defaults included)."""
     return [LayerRule.of(rule) for rule in precision.get("rules") or []]
@@ -118,6 +145,9 @@ class PrecisionConfig:
     # buffer, 4 bytes a parameter) rounded once into the half one the optimizer steps from (engine/precision/half.py).
     # A buffer within a step, not the run's state: a resumed run may change it
     grad_accum_dtype: Optional[str] = safe_to_change(None)
+    # changes of mode or rules at points of the run (conf/precision_schedule.py); a resumed run may change the
+    # ones still ahead of it (those it trained through are checked unchanged when it is planned)
+    schedule: list[ScheduledChange] = safe_to_change(default_factory=list)
 
     def __post_init__(self) -> None:
         half = self.dtype in (Dtype.float16, Dtype.bfloat16)

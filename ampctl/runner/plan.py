@@ -13,6 +13,8 @@ from typing import Any, Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl.analysis import mode_advice
+from ampctl.conf import precision_schedule
+from ampctl.conf.composing import precision_node
 from ampctl.conf.precision_schema import scaler_is_active
 from ampctl.conf.schema import CheckpointFormat, ParallelKind, TripAction, validate
 from ampctl.engine import devices, optimizer_states
@@ -54,15 +56,18 @@ def plan_run(cfg: DictConfig, run_dir: Path, choices: Optional[dict[str, str]] =
     mirror, options = cfg.train.checkpoint.mirror, _mirror_options(cfg)
     if mirror and cfg.resume == "auto" and holds_none_of_the_run(run_dir):
         pull_from_mirror(mirror, run_dir, world_size, options)
+    cfg = precision_schedule.resolved(cfg, precision_node)  # before a resume compares it with the run's own
     if overrides is None:
         cfg, resume = Resume.find(cfg, run_dir, world_size)
     else:
         cfg, choices, resume = resuming.plan(cfg, dict(choices or {}), list(overrides), run_dir, world_size)
+    if resume.payload is not None:
+        precision_schedule.refuse_a_changed_past(resume.saved_config(), cfg, resume.payload["step"])
     if cfg.train.checkpoint.mirror:
         from ampctl.runner.checkpointing import mirror_check
 
         mirror_check.check(cfg.train.checkpoint.mirror, resume.run_dir, bool(cfg.resume), _mirror_options(cfg))
-    policy = check_config(cfg)
+    policy = check_config(cfg, resume.step or 0)  # the mode precision.schedule has in force where it starts
     refuse_what_it_cannot_watch(cfg, world_size)  # train.diff.every
     first_profiled(cfg, policy.device, resume.step or 0)  # train.profile's window within the run
     return RunPlan(cfg, dict(choices or {}), policy, resume, check_loggers(cfg.logger))
@@ -116,17 +121,30 @@ def refuse_parallelism_without_torchrun(kind: ParallelKind) -> None:
                          f"torchrun --nproc_per_node=N -m ampctl train distributed={kind.value} ...")
 
 
-def check_config(cfg: DictConfig) -> PrecisionPolicy:
-    """Everything that can be refused before building anything: ranges, then what the device can do. The policy
-    it returns is what engine/build.py's build_state builds with."""
+def check_config(cfg: DictConfig, done: int = 0) -> PrecisionPolicy:
+    """Everything that can be refused before building anything: ranges, then what the device can do, for each
+    segment of precision.schedule as a run of its own. The policy it returns (the one in force for the step after
+    `done` steps) is what engine/build.py's build_state builds with."""
     validate(cfg)
+    cfg = precision_schedule.resolved(cfg, precision_node)
+    precision_schedule.refuse_a_bad_order(cfg)
+    segments = precision_schedule.segments(cfg)
+    if len(segments) > 1:
+        refuse_what_cannot_switch(cfg, segments)
+    policies = [(segment.after, _check_mode(precision_schedule.config_of(cfg, segment) if segment.after else cfg))
+                for segment in segments]
+    refuse_block_scales_without_blocks(cfg, [policy for _, policy in policies])
+    return [policy for after, policy in policies if after <= done][-1]
+
+
+def _check_mode(cfg: DictConfig) -> PrecisionPolicy:
+    """check_config's checks of one mode (a segment's, its precision node in force)."""
     parallelism.check(cfg)
     refuse_parallelism_without_torchrun(cfg.distributed.kind)
     device = parallelism.local_device(devices.resolve_device(cfg.device.value), cfg.distributed.kind)
     policy = PrecisionPolicy(OmegaConf.to_object(cfg.precision), device)
     mode_advice.check(policy)
     refuse_what_cannot_escalate(cfg, policy)
-    refuse_block_scales_without_blocks(cfg, policy)
     if cfg.train.eval.every and cfg.train.eval.fp32 and policy.converts_layers():
         raise UsageError(f"train.eval.fp32=true with precision={policy.precision.name}: its converted layers "
                          "compute in their format whatever autocast says; evaluate an fp32 run beside it "
@@ -148,23 +166,52 @@ def check_config(cfg: DictConfig) -> PrecisionPolicy:
     return policy
 
 
-def refuse_block_scales_without_blocks(cfg: DictConfig, policy: PrecisionPolicy) -> None:
-    """telemetry.blocks_every needs a layer that computes in a block-scaled format, by the mode or by a rule."""
+def refuse_block_scales_without_blocks(cfg: DictConfig, policies: list[PrecisionPolicy]) -> None:
+    """telemetry.blocks_every needs a layer that computes in a block-scaled format, by the mode or by a rule (in one
+    of the run's modes, where its precision.schedule changes it)."""
     from ampctl.engine.precision.mx_emulated import MXFormat
 
     if cfg.telemetry.blocks_every is None:
         return
-    computed = {rule.run_in for rule in policy.precision.rules}
-    if policy.converter is not None:
-        computed.add(policy.converter.default_format())
+    computed = {rule.run_in for policy in policies for rule in policy.precision.rules}
+    computed |= {policy.converter.default_format() for policy in policies if policy.converter is not None}
     if not computed & {f.value for f in MXFormat}:
-        raise UsageError(f"telemetry.blocks_every={cfg.telemetry.blocks_every} with precision={policy.precision.name}: "
+        raise UsageError(f"telemetry.blocks_every={cfg.telemetry.blocks_every} with precision={cfg.precision.name}: "
                          "no layer computes in a block-scaled format; it records mxfp8, mxfp4 and nvfp4 layers (a "
                          "mode, or precision.rules' run_in)")
-    if getattr(policy.converter, "torchao", False):
+    torchao = next((policy for policy in policies if getattr(policy.converter, "torchao", False)), None)
+    if torchao is not None:
         raise UsageError(f"telemetry.blocks_every={cfg.telemetry.blocks_every} with precision.options.kernels="
-                         f"{policy.converter.options.kernels.value}: it observes ampctl's emulated layers, and "
+                         f"{torchao.converter.options.kernels.value}: it observes ampctl's emulated layers, and "
                          "torchao's compute these; precision.options.kernels=emulated records the same numerics")
+
+
+def refuse_what_cannot_switch(cfg: DictConfig, segments: list[precision_schedule.Segment]) -> None:
+    """precision.schedule's changes rebuild the run from a checkpoint (runner/run.py): between modes that hold the
+    weights alike, in one process, with its own decisions (no escalation), and a profile window in its first mode."""
+    first, own = segments[1], segments[0].node
+    for segment in segments[1:]:
+        kept = {key: (own.get(key), segment.node.get(key)) for key in ("cast_model", "master_weights")}
+        changed = [f"{key} {old} -> {new}" for key, (old, new) in kept.items() if old != new]
+        if changed:
+            raise UsageError(f"precision.schedule: {own['name']} -> {segment.mode} at {segment.point} changes how the "
+                             f"weights are held ({', '.join(changed)}): not supported; schedule among modes that keep "
+                             "fp32 weights (fp32, tf32, bf16, fp16, fp8, fp8_emulated, mxfp8, mxfp4, nvfp4, "
+                             "nvfp4_recipe) or among O2/O3/bf16_true's alike")
+    if cfg.distributed.kind is not ParallelKind.none:
+        raise UsageError(f"precision.schedule with distributed={cfg.distributed.kind.value}: not supported yet (the "
+                         "switch rebuilds the run from its checkpoint in one process); run the modes as a run and its "
+                         "resume with precision.schedule changed on resume")
+    if cfg.guard.on_trip is TripAction.escalate:
+        raise UsageError("guard.on_trip=escalate with precision.schedule: not supported (an escalation's rules and "
+                         "the schedule's modes would both decide the layers); use guard.on_trip=stop")
+    if cfg.train.profile is not None:
+        start = first_profiled(cfg, devices.resolve_device(cfg.device.value), 0)
+        end = start + cfg.train.profile - 1
+        if end > first.after:
+            raise UsageError(f"train.profile={cfg.train.profile} with precision.schedule: the profiled steps "
+                             f"{start}-{end} reach past the change after step {first.after} ({first.mode}); it profiles "
+                             "the run's first mode: lower train.profile, or put the change later")
 
 
 def refuse_what_cannot_escalate(cfg: DictConfig, policy: PrecisionPolicy) -> None:

@@ -103,6 +103,11 @@ class Resume:
         if self.payload:
             checkpoint.restore(self.payload, state, self.source)
 
+    def saved_config(self) -> DictConfig:
+        """The checkpoint's config, typed (as recorded then, in today's schema)."""
+        assert self.payload is not None
+        return typed_config(OmegaConf.create(as_recorded_now(self.payload["config"])))
+
     @property
     def step(self) -> Optional[int]:
         return self.payload["step"] if self.payload else None

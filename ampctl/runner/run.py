@@ -6,15 +6,18 @@ NoRecorder (runner/recorder.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import signal
 import time
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
 from omegaconf import OmegaConf
 
 from ampctl import machine_load, run_files
+from ampctl.conf import precision_schedule
 from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import TrainingPeak
 from ampctl.conf.sweeps import stop_requested_of_this_job
@@ -30,6 +33,7 @@ from ampctl.interrupt import Interrupted, StopOnSignal
 from ampctl.recipes.base import Recipe, build_recipe
 from ampctl.recipes.failures import Context, recipe_errors
 from ampctl.runner import eval_records
+from ampctl.runner.checkpointing import checkpoint
 from ampctl.runner.checkpointing.best_checkpoints import BestCheckpoints
 from ampctl.runner.checkpointing.checkpointer import Checkpointer
 from ampctl.runner.checkpointing.mirror import Mirror
@@ -42,8 +46,9 @@ from ampctl.runner.ownership import start_timeline_at
 from ampctl.runner.plan import RunPlan, check_config, first_profiled
 from ampctl.runner.profiling import StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder, log
+from ampctl.runner.resume import Resume
 from ampctl.runner.reporting.console import say
-from ampctl.runner.reporting.run_account import announce, summary_of
+from ampctl.runner.reporting.run_account import announce, layer_table, summary_of
 from ampctl.runner.reporting.speed_warnings import SpeedWarnings
 from ampctl.runner.round_windows import RoundWindows
 from ampctl.runner.watchdog import Watchdog
@@ -91,6 +96,7 @@ class TrainingRun:
     def __init__(self, plan: RunPlan, echo: Callable[[str], None], parallel: parallelism.Parallel) -> None:
         cfg, policy = plan.cfg, plan.policy
         self.parallel = parallel
+        self.policies: list = []  # every mode this process trains in (precision.schedule's, an escalation's)
         self._take_plan(plan)
         self.recorder = Recorder(self.resume.run_dir, echo) if parallel.is_main else NoRecorder(self.resume.run_dir)
         # a setting of the process (engine/host_memory.py), before the model is built: on a CPU, what each step
@@ -148,7 +154,7 @@ class TrainingRun:
                 self.profiler.watch(self.state.model, policy.layer_rows)  # what ran, layer by layer
                 # torch.compile compiles in the first steps
                 with CompileWatch(lambda: self.state.step + 1, enabled=cfg.train.compile.enabled) as self.compiling:
-                    best = self._fit_escalating()
+                    best = self._fit_to_the_end()
             # inside: the summary is written while the run directory is held, and ends the trackers' runs
             summary = recorder.write_summary(lambda: {
                 **summary_of(self),
@@ -181,13 +187,15 @@ class TrainingRun:
         state = getattr(self, "state", None)
         where = "building the model" if state is None else f"at step {state.step + 1}"
         half = None if self.policy.dtype == torch.float32 else self.policy.dtype
-        return Context(where, self.cfg.precision.name, half,
+        return Context(where, self.policy.precision.name, half,
                        self.parallel.rank if self.parallel.world_size > 1 else None)
 
-    def _fit(self) -> Optional[BestCheckpoints]:
+    def _fit(self) -> Checkpointer:
         """fit() with the checkpointer, the evaluations, the guards, the value-range log, the profiler and a stop
-        on SIGINT/SIGTERM. Returns the run's best checkpoints (train.checkpoint.save_top_k), if it keeps them."""
+        on SIGINT/SIGTERM, to the run's end or to precision.schedule's next change (where it writes a checkpoint, as
+        at the end). Returns its checkpointer (the last checkpoint, the run's best ones)."""
         cfg, state, telemetry, recorder, parallel = self.cfg, self.state, self.telemetry, self.recorder, self.parallel
+        until = precision_schedule.next_change(cfg, state.step) or cfg.train.steps
         checks = LogStepChecks(self)
         checkpointer = Checkpointer(cfg, self.choices, state, telemetry, recorder,
                                     on_saved=self.mirror.upload if self.mirror is not None else None)
@@ -226,8 +234,8 @@ class TrainingRun:
                 watches = [log.around for log in (ranges_log, blocks_log) if log]
                 if watches:
                     hooks.around_step = functools.partial(_all_around, watches)
-                finished = fit(state, self.recipe, self.policy, self.settings, telemetry, cfg.train.steps,
-                               cfg.train.seed, hooks)
+                finished = fit(state, self.recipe, self.policy, self.settings, telemetry, until, cfg.train.seed,
+                               hooks)
             checkpointer.writer.finish()  # every rank here together: the last async save agreed
         finally:
             telemetry.close()
@@ -236,18 +244,22 @@ class TrainingRun:
             # a rank that agreed to stop without a signal of its own (distributed) reports SIGTERM's code
             raise Interrupted(stop.signum or signal.SIGTERM, state.step,
                               str(checkpointer.last) if checkpointer.last else None)
-        return checkpointer.best
+        return checkpointer
 
-    def _fit_escalating(self) -> Optional[BestCheckpoints]:
-        """_fit(); a guard's trip stops the run, its step replayed to name the layer, or (guard.on_trip=escalate)
-        raises that layer's precision and trains again from the newest good checkpoint
-        (runner/guarding/escalation.py)."""
+    def _fit_to_the_end(self) -> Optional[BestCheckpoints]:
+        """_fit(), switching at precision.schedule's changes; a guard's trip stops the run, its step replayed to
+        name the layer, or (guard.on_trip=escalate) raises that layer's precision and trains again from the newest
+        good checkpoint (runner/guarding/escalation.py). Returns the run's best checkpoints, if it keeps them."""
         recorder = self.recorder
         escalator = Escalator(self.cfg, recorder.run_dir, recorder.identity, check_config)
         try:
             while True:
                 try:
-                    return self._fit()
+                    checkpointer = self._fit()
+                    if self.state.step >= self.cfg.train.steps:
+                        return checkpointer.best
+                    assert checkpointer.last is not None  # written at the change, as at an end
+                    self._switch(checkpointer.last)
                 except GuardStop as stop:
                     trip = stop.trip
                     if not self.parallel.is_main:
@@ -277,20 +289,41 @@ class TrainingRun:
             self.mirror.start_timeline_at(escalation.step)
         recorder.echo(escalation.line(escalator.most))
         recorder.record_config(decision.plan.cfg)
-        self._take_plan(decision.plan)
+        self._rebuild(decision.plan)
+
+    def _switch(self, checkpoint_path: Path) -> None:
+        """precision.schedule's change after this step: the run built again in the change's mode from the
+        checkpoint just written, as a run resumed from it is (bit for bit: tests/integration/test_precision_schedule)."""
+        done = self.state.step
+        segment = precision_schedule.segment_after(self.cfg, done)
+        resume = Resume(self.recorder.run_dir, checkpoint_path, checkpoint.load(checkpoint_path, mmap=True))
+        before = self.policy.precision.name
+        self._rebuild(dataclasses.replace(self.plan, policy=check_config(self.cfg, done), resume=resume))
+        self.recorder.echo(f"precision: {before} -> {segment.mode} after step {done} (precision.schedule at "
+                           f"{segment.point}): the run built again in {segment.mode} from step {done}'s checkpoint")
+        for line in layer_table(self.policy):
+            self.recorder.echo(line)
+
+    def _rebuild(self, plan: RunPlan) -> None:
+        """The run built again from a new plan (an escalation's, a scheduled change's) and its checkpoint, as a
+        process that resumes there with that plan builds it."""
+        self._take_plan(plan)
         self.recipe = self._rank_recipe()  # as a resumed process's: a user recipe's own state starts again
         self.evaluation = (RunEvaluation(self.cfg, self.recipe, self.policy) if self.cfg.train.eval.every else None)
+        self.step_flops = flops.count(self._rank_recipe(), self.policy.device, self.policy.precision,
+                                      self.cfg.train.seed, self.cfg.train.grad_accum_steps)
         self.state = build_state(self.cfg, self.policy, self.recipe, self.parallel)
         self.resume.restore(self.state)
         self.telemetry = self._telemetry()
         self.telemetry.skipped_total = self.resume.skipped_total
         self.profiler.stop_profiling()  # its window is the first timeline's: profiled once
-        self.rebuilt_at.add(escalation.step + 1)
+        self.rebuilt_at.add(self.state.step + 1)
 
     def _take_plan(self, plan: RunPlan) -> None:
         """The plan the run trains on from here: its start's, or an escalation's (the rest is built from it)."""
         self.plan, self.cfg, self.choices, self.policy, self.resume = plan, plan.cfg, plan.choices, plan.policy, \
             plan.resume
+        self.policies.append(plan.policy)
         self.settings = StepSettings.of(plan.cfg.train)
 
     def _mirror(self) -> Optional[Mirror]:

@@ -158,3 +158,23 @@ def test_what_nvfp4s_recipe_and_torchaos_layers_cannot_do(tmp_path, capsys, rest
     or with torchao's layers, a block counted from the end beyond the blocks: one line, exit 2, nothing written."""
     err = refused(tmp_path, capsys, "recipe=mlp", "device=cpu", *overrides)
     assert said in err, err
+
+
+@pytest.mark.parametrize("schedule,extra,said", [
+    ("[{step: 2, precision: bf16}]", [], "at or past the run's end (train.steps=2)"),
+    ("[{at: 0.5, precision: bf16}, {at: 0.25, precision: fp32}]", ["train.steps=8"],
+     "is not after the one before it"),
+    ("[{at: 0.5, precision: bf17}]", [], "precision.schedule: 'bf17' is not a precision mode (did you mean bf16?)"),
+    ("[{at: 0.5, precision: O2}]", [], "changes how the weights are held (cast_model False -> True"),
+    ("[{at: 0.5, step: 1, precision: bf16}]", [], "precision.schedule[].at=0.5"),
+    ("[{at: 1.5, precision: bf16}]", [], "a fraction of train.steps in (0, 1)"),
+    ("[{at: 0.5}]", [], "a change needs one"),
+    ("[{at: 0.5, precision: bf16}]", ["guard.on_trip=escalate"], "guard.on_trip=escalate with precision.schedule"),
+    ("[{at: 0.5, precision: fp8}]", [], "precision=fp8 needs FP8 tensor cores"),
+])
+def test_a_schedule_that_cannot_run(tmp_path, capsys, restore_argv, schedule, extra, said):
+    """Past the end, out of order, not a mode, a change of how weights are held, a point given twice or outside the
+    run, a change of nothing, with escalation, a mode the device lacks: one line, exit 2, nothing written."""
+    err = refused(tmp_path, capsys, "recipe=mlp", "device=cpu", "precision=nvfp4", f"precision.schedule={schedule}",
+                  *extra)
+    assert said in err, err

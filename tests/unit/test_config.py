@@ -328,7 +328,7 @@ def test_the_keys_a_resume_may_change_are_the_schemas_marked_fields():
         "train.timing_warmup_steps", "train.eval.every",
         "train.eval.batches", "train.eval.fp32", "train.checkpoint.save_top_k", "telemetry.profile_cpu_memory",
         "guard.loss_spike", "guard.loss_spike_window", "guard.on_trip", "guard.max_escalations", "train.diff.",
-        "precision.grad_accum_dtype", "train.checkpoint.mirror_options.",
+        "precision.grad_accum_dtype", "precision.schedule", "train.checkpoint.mirror_options.",
         "distributed.", "logger.", "resume"}
 
 

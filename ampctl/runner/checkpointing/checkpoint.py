@@ -281,7 +281,7 @@ def config_changes(saved: dict[str, Any], cfg: DictConfig) -> list[str]:
     changes = []
     # a mode's or a class's name first: "precision.name was 'fp16'" says more than one of its fields
     for key in sorted(old.keys() | new.keys(), key=lambda k: (not k.endswith((".name", "._target_")), k)):
-        if old.get(key) == new.get(key):
+        if old.get(key) == new.get(key) or (key not in old and new[key] == []):  # a list newer than the record
             continue
         if not key.startswith(SAFE_TO_CHANGE):
             raise UsageError(

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import platform
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from ampctl import machine_load, run_files
 from ampctl.analysis import mode_advice
+from ampctl.conf import precision_schedule
 from ampctl.conf.precision_schema import scaler_is_active
 from ampctl.engine import determinism, devices, optimizer_states
 from ampctl.engine.precision import layers
@@ -26,9 +27,10 @@ def announce(run: Any) -> None:
     cfg, policy, state, resume, parallel = run.cfg, run.policy, run.state, run.resume, run.parallel
     echo, device = run.recorder.echo, policy.device
     echo(policy.describe(state.scaler.describe()))
-    if policy.precision.rules or policy.converter is not None:  # layers differ from one another: show each
-        for line in layers.render(policy.layer_rows):
-            echo(f"  {line}")
+    for line in layer_table(policy):
+        echo(line)
+    if cfg.precision.schedule:  # the mode above is the one in force where it starts
+        echo(precision_schedule.described(cfg))
     n_params = sum(p.numel() for p in state.model.parameters())
     echo(f"recipe={recipe_title(run.choices.get('recipe', type(run.recipe).__name__), cfg.recipe)} "
          f"params={n_params / 1e6:.2f}M device={device.type} ({devices.device_name(device)}) "
@@ -59,6 +61,13 @@ def announce(run: Any) -> None:
         echo(f"warning: {message}")
 
 
+def layer_table(policy: Any) -> list[str]:
+    """What each layer computes in, where layers differ from one another (rules, a converter): the start lines'."""
+    if not (policy.precision.rules or policy.converter is not None):
+        return []
+    return [f"  {line}" for line in layers.render(policy.layer_rows)]
+
+
 def summary_of(run: Any) -> dict:
     """summary.json: what ran, where, and the figures of its metrics.jsonl."""
     cfg, policy, state, compiling = run.cfg, run.policy, run.state, run.compiling
@@ -70,16 +79,17 @@ def summary_of(run: Any) -> dict:
     timing = summarize(read_metrics(run_dir / run_files.METRICS),
                        max(cfg.train.timing_warmup_steps, run.peak.untimed_steps),
                        untimed=set(compiling.compiles_at) | run.profiler.untimed_steps | run.rebuilt_at)
+    modes = run.policies  # precision.schedule's modes, as this process built them (one where it has none)
     return {
         "precision": cfg.precision.name,
         "precision_choice": run.choices.get("precision", cfg.precision.name),
-        # an emulated format's speed is the emulation's, never the format's: said beside every speed shown
-        "emulated": policy.emulated,
-        "converter": None if policy.converter is None else {
-            "name": policy.converter.name, "layers": len(policy.converted),
-            "checkpoints_carry": policy.converter.checkpoint_state,
-            # its resolved options as the start line says them (whose kernels ran; NVFP4's recipe and its RHT signs)
-            "described": policy.converter.describe()},
+        # precision.schedule's changes (the run's mode, then each change's): nvfp4_recipe→bf16@0.82
+        "precision_scheduled": precision_schedule.label(cfg) if cfg.precision.schedule else None,
+        "schedule": precision_schedule.as_record(cfg),
+        # an emulated format's speed is the emulation's, never the format's: said beside every speed shown (of any
+        # of the modes precision.schedule trains in)
+        "emulated": any(p.emulated for p in modes),
+        "converter": _converter_of(modes),
         "scaler": state.scaler.kind,
         "recipe": recipe_name,
         "recipe_title": recipe_title(recipe_name, cfg.recipe),  # with its model
@@ -114,3 +124,14 @@ def summary_of(run: Any) -> dict:
                         for row in escalation_rules.recorded(run_dir)],
         "run_dir": str(run_dir),
     }
+
+
+def _converter_of(modes: list[Any]) -> Optional[dict[str, Any]]:
+    """The converter of the first mode that has one (a scheduled run's format, before it switches to bf16)."""
+    policy = next((p for p in modes if p.converter is not None), None)
+    if policy is None:
+        return None
+    return {"name": policy.converter.name, "layers": len(policy.converted),
+            "checkpoints_carry": policy.converter.checkpoint_state,
+            # its resolved options as the start line says them (whose kernels ran; NVFP4's recipe and its RHT signs)
+            "described": policy.converter.describe()}
