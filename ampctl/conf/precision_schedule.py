@@ -10,16 +10,17 @@ the caller, once, into the run's record: `resolved`)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 
-from ampctl.conf.precision_schema import LayerRule
-from ampctl.conf.typed import typed_config
+from ampctl.conf.precision_schema import LayerRule, PrecisionConfig
 from ampctl.errors import UsageError
 
 ARROW = "→"  # in a scheduled run's label: nvfp4_recipe→bf16@0.82
+ASCII_ARROW = "->"  # the same, as typed (quoted in a Hydra list: compare.precisions=[fp32,'nvfp4->bf16@0.82'])
 
 
 @dataclass(frozen=True)
@@ -91,14 +92,49 @@ def next_change(cfg: DictConfig, done: int) -> Optional[int]:
 
 
 def config_of(cfg: DictConfig, segment: Segment) -> DictConfig:
-    """The run's config with the segment's precision node: what its steps build, check and train on."""
-    return typed_config(OmegaConf.create({**_plain(cfg), "precision": segment.node}))
+    """The run's config (its command's: train's, a study's) with the segment's precision node: what its steps build,
+    check and train on."""
+    config = copy.deepcopy(cfg)
+    with read_write(config):
+        config.precision = OmegaConf.merge(OmegaConf.structured(PrecisionConfig), segment.node)
+    return config
 
 
 def label(cfg: DictConfig) -> str:
     """The run's mode as compare's rows and the start line name it: nvfp4_recipe→bf16@0.82."""
     found = segments(cfg)
     return found[0].mode + "".join(f"{ARROW}{s.mode}@{s.point}" for s in found[1:])
+
+
+def row_label(row: str) -> str:
+    """A compare row as typed, in the label's own spelling: nvfp4->bf16@0.82 -> nvfp4→bf16@0.82."""
+    return row.replace(ASCII_ARROW, ARROW)
+
+
+def modes_in(row: str) -> list[str]:
+    """The precision modes a row names: `bf16`, or a schedule's `nvfp4→bf16@0.82` -> nvfp4, bf16."""
+    first, *changes = row_label(row).split(ARROW)
+    return [first, *(change.partition("@")[0] for change in changes)]
+
+
+def row_overrides(row: str) -> list[str]:
+    """The overrides that run a row of compare.precisions: `bf16` -> precision=bf16; `nvfp4→bf16@0.82` ->
+    precision=nvfp4 and precision.schedule=[{at: 0.82, precision: bf16}] (a point with a dot is a fraction of
+    train.steps, one without a step). UsageError for a change without its point."""
+    first, *changes = row_label(row).split(ARROW)
+    scheduled = []
+    for change in changes:
+        mode, _, point = change.partition("@")
+        if not mode or not point.replace(".", "", 1).isdigit():
+            raise UsageError(f"{row!r}: a scheduled row is MODE{ASCII_ARROW}MODE@POINT (nvfp4_recipe{ASCII_ARROW}"
+                             f"bf16@0.82: bf16 from 82% of train.steps on; @820: after step 820)")
+        scheduled.append(f"{{{'at' if '.' in point else 'step'}: {point}, precision: {mode}}}")
+    return [f"precision={first}", *([f"precision.schedule=[{', '.join(scheduled)}]"] if scheduled else [])]
+
+
+def dir_name(row: str) -> str:
+    """A row's directory name, one a Hydra override can name unquoted (no arrow): nvfp4_then_bf16@0.82."""
+    return row_label(row).replace(ARROW, "_then_")
 
 
 def described(cfg: DictConfig) -> str:
@@ -116,11 +152,12 @@ def resolved(cfg: DictConfig, mode_node: Callable[[str], dict[str, Any]]) -> Dic
     schedule = cfg.precision.get("schedule") or []
     if not any(change.precision is not None and change.mode is None for change in schedule):
         return cfg
-    config = _plain(cfg)
-    for change in config["precision"]["schedule"]:
-        if change.get("precision") is not None and change.get("mode") is None:
-            change["mode"] = {**mode_node(change["precision"]), "schedule": []}
-    return typed_config(OmegaConf.create(config))
+    config = copy.deepcopy(cfg)
+    with read_write(config):
+        for change in config.precision.schedule:
+            if change.precision is not None and change.mode is None:
+                change.mode = {**mode_node(change.precision), "schedule": []}
+    return config
 
 
 def refuse_a_changed_past(saved: DictConfig, cfg: DictConfig, done: int) -> None:

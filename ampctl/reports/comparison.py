@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from ampctl import io
+from ampctl.conf import precision_schedule
 from ampctl.conf.train_schema import EMA_METRIC
 from ampctl.reports import parity as parity_stats
 from ampctl.reports import plots, round_stats
@@ -32,6 +33,7 @@ ModeRuns = tuple[str, Sequence[RunRecord]]  # a mode and its runs, one per seed,
 def run_dir(out_dir: Path, mode: str, seed: Optional[int], per_seed: bool) -> Path:
     """A run's directory: <out>/<mode>, or <out>/<mode>/seed_<seed> when the comparison was planned with several
     seeds (however many of them ran)."""
+    mode = precision_schedule.dir_name(mode)  # a scheduled row's: no arrow in a path a Hydra override names
     return out_dir / mode / f"seed_{seed}" if per_seed else out_dir / mode
 
 
@@ -270,7 +272,12 @@ def _timing_notes(spans: Optional[Sequence[Span]], seeds: int, baseline: Optiona
     notes = [f"timings: {len(spans)} rounds of steps {first}-{last}{each_seed} (each mode's window of about "
              f"{spans[0][1] - spans[0][0] + 1} steps a round, in turns, its first step left out); step ms is the "
              f"median of a mode's {n} rounds (their range in brackets){speedup}."]
-    busy = round_stats.busy_rounds({mode: t.round_ms for mode, t in timings.items()})
+    # a scheduled row's rounds are its modes' in turn (nvfp4's before its change, bf16's after): they differ by
+    # design, not because the machine was busy
+    scheduled = [mode for mode in timings if precision_schedule.ARROW in mode]
+    notes += [f"{mode}: its rounds span its modes' steps ({', '.join(precision_schedule.modes_in(mode))} in turn): "
+              "its speed is their mix over these steps, not any one mode's." for mode in scheduled]
+    busy = round_stats.busy_rounds({mode: t.round_ms for mode, t in timings.items() if mode not in scheduled})
     return notes, ([f"warning: {busy}."] if busy else [])
 
 

@@ -210,8 +210,8 @@ def refuse_what_cannot_switch(cfg: DictConfig, segments: list[precision_schedule
         end = start + cfg.train.profile - 1
         if end > first.after:
             raise UsageError(f"train.profile={cfg.train.profile} with precision.schedule: the profiled steps "
-                             f"{start}-{end} reach past the change after step {first.after} ({first.mode}); it profiles "
-                             "the run's first mode: lower train.profile, or put the change later")
+                             f"{start}-{end} reach past the change after step {first.after} ({first.mode}); it "
+                             "profiles the run's first mode: lower train.profile, or put the change later")
 
 
 def refuse_what_cannot_escalate(cfg: DictConfig, policy: PrecisionPolicy) -> None:

@@ -17,9 +17,9 @@ import torch
 from omegaconf import OmegaConf
 
 from ampctl import machine_load, run_files
-from ampctl.conf import precision_schedule
 from ampctl.analysis import flops
 from ampctl.analysis.memory.measure import TrainingPeak
+from ampctl.conf import precision_schedule
 from ampctl.conf.sweeps import stop_requested_of_this_job
 from ampctl.engine import devices, host_memory
 from ampctl.engine import parallel as parallelism
@@ -46,10 +46,10 @@ from ampctl.runner.ownership import start_timeline_at
 from ampctl.runner.plan import RunPlan, check_config, first_profiled
 from ampctl.runner.profiling import StepProfiler
 from ampctl.runner.recorder import NoRecorder, Recorder, log
-from ampctl.runner.resume import Resume
 from ampctl.runner.reporting.console import say
 from ampctl.runner.reporting.run_account import announce, layer_table, summary_of
 from ampctl.runner.reporting.speed_warnings import SpeedWarnings
+from ampctl.runner.resume import Resume
 from ampctl.runner.round_windows import RoundWindows
 from ampctl.runner.watchdog import Watchdog
 
@@ -293,7 +293,7 @@ class TrainingRun:
 
     def _switch(self, checkpoint_path: Path) -> None:
         """precision.schedule's change after this step: the run built again in the change's mode from the
-        checkpoint just written, as a run resumed from it is (bit for bit: tests/integration/test_precision_schedule)."""
+        checkpoint just written, as a run resumed from it is (bit for bit: test_precision_schedule.py)."""
         done = self.state.step
         segment = precision_schedule.segment_after(self.cfg, done)
         resume = Resume(self.recorder.run_dir, checkpoint_path, checkpoint.load(checkpoint_path, mmap=True))

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from ampctl.conf import precision_schedule
 from ampctl.conf.composing import compose_job
 from ampctl.conf.config_dirs import make_importable, user_config_dirs
 from ampctl.conf.schema import ParallelKind, validate
@@ -47,6 +48,8 @@ def options_of_their_groups(key: str, names: Optional[Sequence[str]], group: str
     if names is None:
         return
     options = GlobalHydra.instance().config_loader().get_group_options(group)
+    if group == "precision":  # a scheduled row names its modes: nvfp4_recipe->bf16@0.82
+        names = [mode for name in names for mode in precision_schedule.modes_in(name)]
     for name in names:
         if name not in options:
             raise UsageError(f"{key}: {name!r} is not {OPTION_OF[group]}{did_you_mean(name, options)}; choose from "

@@ -30,6 +30,7 @@ from rich.progress import (
 
 from ampctl import io, run_files
 from ampctl.analysis import cpu_figures, cpu_speed, mode_advice
+from ampctl.conf import precision_schedule
 from ampctl.conf.composing import compose_job
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
 from ampctl.engine.evaluation import held_out_unavailable
@@ -84,7 +85,7 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
     """The modes to run, each with its overrides, and the modes skipped with the reason: compare.precisions, or the
     candidates that run at speed here."""
     explicit = cfg.compare.precisions is not None
-    names = list(cfg.compare.precisions) if explicit else list(candidates)
+    names = [precision_schedule.row_label(name) for name in (cfg.compare.precisions if explicit else candidates)]
     checkpointing = ([cfg.train.activation_checkpointing] if cfg.compare.activation_checkpointing is None
                      else list(cfg.compare.activation_checkpointing))
     # one setting for every mode (FP8 is not credited with compile's gain), or each mode both ways
@@ -133,7 +134,8 @@ def plan_modes(cfg: DictConfig, run_overrides: list[str], candidates: Sequence[s
 def _checked_row(mode: str, optimizer: Optional[str], run_overrides: list[str],
                  ) -> tuple[list[str], DictConfig, PrecisionPolicy]:
     """A row's overrides, its composed config and its checked policy (UnsupportedError where it cannot run here)."""
-    overrides = [f"precision={mode}", *([f"optimizer={optimizer}"] if optimizer else []), *run_overrides]
+    overrides = [*precision_schedule.row_overrides(mode), *([f"optimizer={optimizer}"] if optimizer else []),
+                 *run_overrides]
     without_scaler_keys = [o for o in overrides if not o.lstrip("+~").startswith("scaler.")]
     mode_cfg = compose_job("train", without_scaler_keys)
     if mode_cfg.scaler.kind == "none":  # scaler.* settings are for the modes that scale; fp32 and bf16 keep none

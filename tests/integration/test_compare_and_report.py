@@ -84,6 +84,9 @@ def test_report_renders_a_compare_directory_again(comparison, capsys):
     [
         (["precision=bf16"], "ampctl compare chooses the precision of each run"),
         (["compare.precisions=[fp32,fp99]"], "'fp99' is not a precision mode"),
+        (["compare.precisions=[fp32,'nvfp4->bf99@0.5']"], "'bf99' is not a precision mode"),
+        (["compare.precisions=[fp32,'nvfp4->bf16']"], "a scheduled row is MODE->MODE@POINT"),
+        (["compare.precisions=[fp32,'nvfp4->bf16@8']"], "at or past the run's end (train.steps=8)"),
         (["compare.warmup_steps=-1"], "compare.warmup_steps=-1 is not allowed"),
         (["compare.rounds=0"], "compare.rounds=0 is not allowed: expected an integer >= 1"),
         (["compare.seeds=0"], "compare.seeds=0 is not allowed: expected an integer >= 1"),
@@ -278,6 +281,17 @@ def test_optimizers_are_compared_as_rows_and_a_combination_that_cannot_run_is_sk
     assert "optimizer=adamw_bf16_sr" in plans[2].overrides and "precision=bf16_true" in plans[2].overrides
     assert row_labels.parse("bf16_true+adamw_bf16_sr+compile").overrides() == ["optimizer=adamw_bf16_sr",
                                                                                "train.compile.enabled=true"]
+
+
+def test_compare_takes_a_scheduled_mode_as_a_row(tmp_path, restore_argv, capsys):
+    out = tmp_path / "cmp"
+    main(["compare", *TINY, "compare.precisions=[fp32,'nvfp4->bf16@0.5']", "compare.rounds=1",
+          "compare.warmup_steps=1", f"hydra.run.dir={out}"])
+    rows = {r["precision"]: r for r in read_csv(out / "comparison.csv")}
+    assert list(rows) == ["fp32", "nvfp4→bf16@0.5"] and all(r["status"] == "ok" for r in rows.values())
+    summary = json.loads((out / "nvfp4_then_bf16@0.5" / "summary.json").read_text())
+    assert summary["precision_scheduled"] == "nvfp4→bf16@0.5" and summary["schedule"][0]["after_step"] == 4
+    assert "nvfp4→bf16@0.5: its rounds span its modes' steps (nvfp4, bf16 in turn)" in (out / "report.md").read_text()
 
 
 def test_compare_runs_each_optimizer_against_the_first_one_in_fp32(tmp_path, restore_argv, capsys):

@@ -18,7 +18,8 @@ from tests.support.runs import rows
 # same lr (a decaying one ends where train.steps says); two micro-batches a step
 RUN = ["device=cpu", "recipe=mlp", "recipe.hidden=48", "recipe.batch_size=16", "precision=nvfp4",
        "train.lr.schedule=constant", "train.lr.warmup_steps=0", "train.steps=8", "train.grad_accum_steps=2",
-       "train.checkpoint.every=2", "train.checkpoint.keep=4", "train.log_every=1", "train.console=quiet", "telemetry.profile_cpu_memory=false"]
+       "train.checkpoint.every=2", "train.checkpoint.keep=4", "train.log_every=1", "train.console=quiet",
+       "telemetry.profile_cpu_memory=false"]
 SWITCH = "precision.schedule=[{step: 4, precision: bf16}]"
 
 

@@ -86,8 +86,23 @@ def test_a_resume_may_change_only_the_changes_ahead_of_it():
 
 
 @pytest.mark.parametrize("fields,key", [({}, "at"), ({"at": 0.5, "step": 3, "precision": "bf16"}, "at"),
-                                        ({"at": 0.0, "precision": "bf16"}, "at"), ({"step": 0, "precision": "x"}, "step"),
+                                        ({"at": 0.0, "precision": "bf16"}, "at"),
+                                        ({"step": 0, "precision": "x"}, "step"),
                                         ({"at": 0.5}, "precision")])
 def test_a_change_gives_one_point_inside_the_run_and_something_to_change(fields, key):
     with pytest.raises(ConfigError, match=f"precision.schedule\\[\\].{key}"):
         ScheduledChange(**fields)
+
+
+def test_a_scheduled_row_of_compare_as_the_overrides_that_run_it():
+    assert precision_schedule.row_overrides("bf16") == ["precision=bf16"]
+    assert precision_schedule.row_overrides("nvfp4_recipe->bf16@0.82") == [
+        "precision=nvfp4_recipe", "precision.schedule=[{at: 0.82, precision: bf16}]"]
+    assert precision_schedule.row_overrides("nvfp4→bf16@600→fp32@0.9") == [
+        "precision=nvfp4", "precision.schedule=[{step: 600, precision: bf16}, {at: 0.9, precision: fp32}]"]
+    assert precision_schedule.modes_in("nvfp4->bf16@0.82") == ["nvfp4", "bf16"]
+    assert precision_schedule.row_label("nvfp4->bf16@0.82") == "nvfp4→bf16@0.82"
+    assert precision_schedule.dir_name("nvfp4->bf16@0.82") == "nvfp4_then_bf16@0.82"
+    for bad in ("nvfp4->bf16", "nvfp4->@0.5", "nvfp4->bf16@x"):
+        with pytest.raises(UsageError, match="a scheduled row is MODE->MODE@POINT"):
+            precision_schedule.row_overrides(bad)

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 from ampctl import io
 from ampctl.analysis.numerics import FP16, largest_safe_scale
+from ampctl.conf import precision_schedule
 from ampctl.conf.precision_schema import GRADSCALER_GROWTH_INTERVAL, GRADSCALER_INIT_SCALE, UNCONVERTED, LayerRule
 from ampctl.io import scale_label
 from ampctl.studies import row_labels
@@ -158,7 +159,8 @@ class Advice:
     def overrides(self) -> list[str]:
         """The command line that runs the advice."""
         variant = row_labels.parse(self.mode)
-        return [f"precision={variant.mode}", *variant.overrides(), *Preparation(self.scaler, self.rules).overrides()]
+        return [*precision_schedule.row_overrides(variant.mode), *variant.overrides(),
+                *Preparation(self.scaler, self.rules).overrides()]
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "rules": [rule.as_record() for rule in self.rules]}

@@ -30,6 +30,7 @@ from rich.console import Console
 
 from ampctl import io, run_files
 from ampctl.analysis import cpu_speed
+from ampctl.conf import precision_schedule
 from ampctl.conf.composing import compose_job
 from ampctl.conf.value_checks import budget_seconds
 from ampctl.engine.precision import converters
@@ -294,8 +295,10 @@ def _inspect(advising: Advising, out_dir: Path, mode: str, relative: float = 1.0
                "it is compared with every layer converted"))
         return 0
     advising.say(f"inspect in {mode}: {what}, {io.count_of(steps, 'step')}")
-    inspect_cfg = compose_job("advise", [*run_overrides, f"precision={mode}", f"inspect.steps={steps}"])
-    return run_inspect(inspect_cfg, out_dir, [*run_overrides, f"precision={mode}"], clock.deadline(INSPECT_SHARE),
+    inspect_cfg = compose_job("advise", [*run_overrides, *precision_schedule.row_overrides(mode),
+                                         f"inspect.steps={steps}"])
+    return run_inspect(inspect_cfg, out_dir, [*run_overrides, *precision_schedule.row_overrides(mode)],
+                       clock.deadline(INSPECT_SHARE),
                        Console(quiet=True))  # what it found is advise's to say: its tables in inspect*/report.md
 
 
@@ -308,10 +311,10 @@ def _prepare(advising: Advising, plans: list[ModePlan], skipped: dict[str, str],
     prepared: dict[str, Preparation] = {}
     for plan in {row_labels.parse(p.mode).mode: p for p in plans}.values():
         mode = row_labels.parse(plan.mode).mode
-        mode_cfg = compose_job("advise", [*run_overrides, f"precision={mode}"])
+        mode_cfg = compose_job("advise", [*run_overrides, *precision_schedule.row_overrides(mode)])
         mode_rules = own_rules(mode_cfg)
         losses, measured_by = None, ""
-        inspect_dir = advising.out_dir / f"inspect_{mode}"
+        inspect_dir = advising.out_dir / f"inspect_{precision_schedule.dir_name(mode)}"
         if mode_cfg.precision.converter is not None and _inspect(advising, inspect_dir, mode, _relative_time(plan)):
             losses, measured_by = layer_losses(inspect_dir, mode)
         prepared[mode] = prepare(mode, gradients, losses, mode_rules, cfg.advise.layer_loss_limit, measured_by)

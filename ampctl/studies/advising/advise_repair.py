@@ -18,6 +18,7 @@ import json
 from typing import TYPE_CHECKING, Any, Optional
 
 from ampctl import run_files
+from ampctl.conf import precision_schedule
 from ampctl.conf.composing import compose_job
 from ampctl.conf.precision_schema import LayerRule
 from ampctl.studies import row_labels
@@ -85,7 +86,8 @@ def _repair(advising: Any, mode: str, preparation: Preparation
     """(the layers the repair raised, as rules; every rule the repaired mode runs with: those first, then the mode's
     own as compared); no layers where none brings it under the yardstick; None where the diff does not fit what
     is left of the budget (a note says so)."""
-    cfg = compose_job("diff", [*advising.run_overrides, f"precision={mode}", *preparation.overrides(),
+    cfg = compose_job("diff", [*advising.run_overrides, *precision_schedule.row_overrides(mode),
+                               *preparation.overrides(),
                                "diff.repair=true"])
     cost_s = advising.step_s * cfg.diff.batches * (DIFF_BATCH_COST + 2 * REPAIR_SET_COST * cfg.diff.repair_layers)
     if cost_s > 0.5 * advising.clock.left():
@@ -94,9 +96,9 @@ def _repair(advising: Any, mode: str, preparation: Preparation
                               f"ampctl diff precision={mode} diff.repair=true diff.prove=true tries it")
         return None
     advising.say(f"diff in {mode}: it differs from fp32; the fewest layers to raise (ampctl diff's repair)")
-    out_dir = advising.out_dir / f"diff_{mode}"
-    advising.run_diff(cfg, out_dir, [*advising.run_overrides, f"precision={mode}", *preparation.overrides(),
-                            "diff.repair=true"])
+    out_dir = advising.out_dir / f"diff_{precision_schedule.dir_name(mode)}"
+    advising.run_diff(cfg, out_dir, [*advising.run_overrides, *precision_schedule.row_overrides(mode),
+                                     *preparation.overrides(), "diff.repair=true"])
     repair = json.loads((out_dir / f"{run_files.DIFF}.json").read_text()).get("repair")
     chosen = Repair.of(repair).chosen if repair else None
     raised = chosen.rules if chosen else []
