@@ -1,11 +1,14 @@
 """NVFP4's training recipe, piece by piece, at small scale (the ablations of NVIDIA's arXiv 2509.25149, Figure 7's
 kind): the built-in GPT trained the same number of steps from the same seeds under bf16, the whole recipe, the recipe
 less each piece (2D weight blocks, random Hadamard transforms, stochastic rounding), the recipe with its last block
-kept in bf16 (the paper keeps its last blocks high), plain nvfp4 and mxfp4; each mode's held-out loss against fp32's
-with its interval over the seeds, from one `ampctl compare` (its rounds and parity, reports/parity.py).
+kept in bf16 (the paper keeps its last blocks high), the recipe and plain nvfp4 switching to bf16 for the last 18%
+of the steps (precision.schedule, as the paper switches at 82% of its tokens), plain nvfp4 and mxfp4; each mode's
+held-out loss against fp32's with its interval over the seeds, from one `ampctl compare` (its rounds and parity,
+reports/parity.py).
 
-    python benchmarks/nvfp4_ablations.py                       # 3 seeds x 300 steps of a 4-block GPT (CPU: ~20 min)
+    python benchmarks/nvfp4_ablations.py                       # 3 seeds x 300 steps of a 4-block GPT (CPU: ~25 min)
     python benchmarks/nvfp4_ablations.py --steps 600 --seeds 5
+    python benchmarks/nvfp4_ablations.py --modes "fp32,nvfp4,'nvfp4->bf16@0.82'"   # some rows (fp32 first)
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ VARIANTS = {
     "recipe_last_bf16": variant("recipe_last_bf16", "the recipe, its last block in bf16", {},
                                 f"rules:\n  - match: blocks.{LAST_BLOCK}.*\n    run_in: bf16"),
 }
-MODES = ["fp32", "bf16", "nvfp4_recipe", *VARIANTS, "nvfp4", "mxfp4"]
+SWITCH = "@0.82"  # the paper's point: bf16 for the last 18% of the steps (a compare row of precision.schedule)
+MODES = ["fp32", "bf16", "nvfp4_recipe", *VARIANTS, f"'nvfp4_recipe->bf16{SWITCH}'", "nvfp4",
+         f"'nvfp4->bf16{SWITCH}'", "mxfp4"]
 
 
 def main() -> None:
@@ -45,6 +50,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="keep the comparison here (default: a temporary one)")
+    parser.add_argument("--modes", default=",".join(MODES), help="compare.precisions' rows, fp32 first")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         config_dir = Path(tmp) / "conf"
@@ -54,7 +60,7 @@ def main() -> None:
         out = args.out or Path(tmp) / "ablations"
         result = ampctl.compare([*SMALL_GPT, f"train.steps={args.steps}", f"compare.seeds={args.seeds}",
                                  "compare.warmup_steps=5", "device=cpu",
-                                 f"compare.precisions=[{','.join(MODES)}]"], out_dir=out, config_dir=config_dir)
+                                 f"compare.precisions=[{args.modes}]"], out_dir=out, config_dir=config_dir)
     print(f"held-out loss after {args.steps} steps, {args.seeds} seeds (Δ against fp32, ± its 95% interval):")
     for row in result.summary["rows"]:
         delta = row.get("eval_loss_delta")

@@ -27,8 +27,8 @@ def run_context(runs: Sequence[tuple[str, RunRecord]]) -> str:
     """What the runs are and where they ran, for a title: `recipe=gpt · fp32, bf16 · 200 steps · NVIDIA H100`."""
     summaries = [run.summary or {} for _, run in runs]
     recipes = list(dict.fromkeys(str(s.get("recipe_title") or s["recipe"]) for s in summaries if s.get("recipe")))
-    modes = list(dict.fromkeys(str(s.get("precision_choice") or s["precision"]) for s in summaries
-                               if s.get("precision")))
+    modes = list(dict.fromkeys(str(s.get("precision_scheduled") or s.get("precision_choice") or s["precision"])
+                               for s in summaries if s.get("precision")))
     steps = max((r["step"] for _, run in runs for r in run.metrics[-1:]), default=0)
     devices = list(dict.fromkeys(f"{s['device_name']} ({s['device']})" if s.get("device") == "cpu" else
                                  str(s["device_name"]) for s in summaries if s.get("device_name")))
@@ -67,6 +67,7 @@ def loss_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: str,
         steps = [r["step"] for r in run.metrics]
         axes[0].plot(steps, [r["loss"] for r in run.metrics], label=label, linewidth=1.2,
                      linestyle=LINESTYLES[i % len(LINESTYLES)], color=f"C{i}")
+        mark_switches(axes, run.summary, f"C{i}")
     axes[0].set(ylabel="loss", title=f"{title}\n{run_context(runs)}")
     if against is not None:
         base = {r["step"]: r["loss"] for r in against.metrics}
@@ -84,6 +85,16 @@ def loss_curves(runs: Sequence[tuple[str, RunRecord]], path: Path, title: str,
     axes[-1].set_xlabel("step")
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def mark_switches(axes: Sequence[Any], summary: Optional[dict], color: str) -> None:
+    """precision.schedule's changes of a run: a dotted line between the last step of a mode and the first of the
+    next, named at the top (→ bf16)."""
+    for change in (summary or {}).get("schedule") or []:
+        for ax in axes:
+            ax.axvline(change["after_step"] + 0.5, color=color, linewidth=0.9, linestyle=":")
+        axes[0].annotate(f"→ {change['precision']}", (change["after_step"] + 0.5, 1.0), color=color, fontsize=8,
+                         xycoords=("data", "axes fraction"), xytext=(3, -10), textcoords="offset points")
 
 
 def seed_band_curves(runs: Sequence[tuple[str, Sequence[RunRecord]]], path: Path, title: str,

@@ -201,7 +201,8 @@ def single_run_table(run: RunRecord) -> ReportTable:
     if run.failed:
         return ReportTable(f"run {run.path}", ["status"], [[f"{run.status}: {run.why_not_ok}"]])
     s = run.summary
-    keys = ["precision", "scaler", "recipe", "device_name", "steps", "final_loss", "tail_loss", "skipped_total",
+    keys = ["precision", "precision_scheduled", "scaler", "recipe", "device_name", "steps", "final_loss", "tail_loss",
+            "skipped_total",
             "final_loss_scale", "median_step_time_ms", "samples_per_s", "tokens_per_s", "achieved_tflops", "mfu",
             "peak_source", "compile_s", "peak_memory_bytes"]
     # each figure as the run's own lines said it (2^18, not 2.62e+05; MiB, not a byte count); the files keep them whole
@@ -209,7 +210,7 @@ def single_run_table(run: RunRecord) -> ReportTable:
              "peak_memory_bytes": io.format_bytes, "samples_per_s": lambda v: f"{v:,.0f}",
              "tokens_per_s": lambda v: f"{v:,.0f}", "mfu": lambda v: f"{v:.1%}", "compile_s": lambda v: f"{v:.1f} s",
              "final_loss": lambda v: f"{v:.4f}", "tail_loss": lambda v: f"{v:.4f}"}
-    rows = [[k, s[k]] for k in keys if k in s]
+    rows = [[k, s[k]] for k in keys if k in s and not (k == "precision_scheduled" and s[k] is None)]
     rows += [[k, v] for k, v in s.get("eval", {}).items() if k.startswith("eval")]  # the last evaluation's metrics
     rows += [[f"eval_best/{k}", v] for k, v in (s.get("eval_best") or {}).items()]
     return ReportTable(f"run {run.path}", ["key", "value"], rows, cells={

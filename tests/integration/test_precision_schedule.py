@@ -104,3 +104,12 @@ def test_a_resume_may_change_the_schedule_ahead_of_it_only(switched, tmp_path, c
     assert "resume: precision.schedule changes the modes of steps the run trained already" in err
     assert "trained as nvfp4→bf16@4, now nvfp4→bf16@2" in err
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+
+
+def test_the_report_names_the_schedule_and_marks_the_switch_on_the_loss_plot(switched, tmp_path, restore_argv):
+    copy = tmp_path / "copy"
+    shutil.copytree(switched, copy)
+    main(["report", str(copy)])
+    report = (copy / "report.md").read_text()
+    assert "| precision_scheduled | nvfp4→bf16@4 |" in report, report
+    assert (copy / "loss.png").stat().st_size > 0
