@@ -14,10 +14,13 @@ reports/parity.py).
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
 import ampctl
+from ampctl.conf import precision_schedule
+from ampctl.reports import comparison, parity
 
 SMALL_GPT = ["recipe=gpt", "recipe.n_layers=4", "recipe.d_model=128", "recipe.n_heads=4", "recipe.block_size=64",
              "recipe.batch_size=8", "recipe.max_corpus_bytes=2000000"]
@@ -61,12 +64,34 @@ def main() -> None:
         result = ampctl.compare([*SMALL_GPT, f"train.steps={args.steps}", f"compare.seeds={args.seeds}",
                                  "compare.warmup_steps=5", "device=cpu",
                                  f"compare.precisions=[{args.modes}]"], out_dir=out, config_dir=config_dir)
+        switches = switch_effects(out, [row["precision"] for row in result.summary["rows"]], args.seeds)
     print(f"held-out loss after {args.steps} steps, {args.seeds} seeds (Δ against fp32, ± its 95% interval):")
     for row in result.summary["rows"]:
         delta = row.get("eval_loss_delta")
         said = "" if delta is None else f"{delta:+.4f} ± {row.get('eval_loss_delta_interval') or 0:.4f}"
         loss = row.get("eval_loss", float("nan"))
         print(f"  {row['precision']:>17}: {loss:.4f}  {said:>18}  {row.get('parity') or ''}")
+    for line in switches:
+        print(line)
+
+
+def switch_effects(out: Path, rows: list[str], seeds: int) -> list[str]:
+    """What each scheduled row's switch does to its first mode's held-out loss, paired over the seeds (the same
+    batches and initial weights): the row's per-seed loss minus its first mode's, with its 95% interval."""
+    def losses(row: str) -> list[float]:
+        return [json.loads((comparison.run_dir(out, row, seed, seeds > 1) / "summary.json").read_text())["eval"][
+            "eval/loss"] for seed in range(seeds)]
+
+    said = []
+    for row in rows:
+        first = precision_schedule.modes_in(row)[0]
+        if precision_schedule.ARROW not in row or first not in rows:
+            continue
+        result = parity.parity(losses(first), losses(row))
+        if result is not None and result.half_width is not None:
+            said.append(f"  the switch, {row} against {first}: held-out loss {result.difference:+.4f} ± "
+                        f"{result.half_width:.4f} (paired over {result.seeds} seeds)")
+    return said
 
 
 if __name__ == "__main__":
