@@ -7,7 +7,7 @@ Each set's layers run `unconverted` (out of the format, as the rest of the model
 one step up. The figure: the whole gradient's error against fp32 over its batch-to-batch noise (diff's
 error_over_noise; the repair's yardstick is diff.noise_share=0.1 of it).
 
-    python benchmarks/nvfp4_layers_kept_high.py                 # 3 seeds x 300 steps (CPU: ~15 min)
+    python benchmarks/nvfp4_layers_kept_high.py                 # 3 seeds x 300 steps (CPU: ~35 min)
     python benchmarks/nvfp4_layers_kept_high.py --steps 600 --seeds 5
 """
 
