@@ -29,6 +29,7 @@ from ampctl.interrupt import raise_swallowed_signal, signal_raised
 from ampctl.recipes.base import building_model
 from ampctl.recipes.gpt import VOCAB_SIZE, GPTRecipe
 from ampctl.recipes.mlp import MLPRecipe
+from ampctl.recipes.moe import MoERecipe
 
 # Dense TFLOP/s by datasheet, matched against torch.cuda.get_device_name() in this order (the first match).
 # fp32 is the CUDA cores' rate (true fp32, TF32 off); fp8 is e4m3/e5m2 on FP8 tensor cores.
@@ -167,10 +168,25 @@ def gpt_flops(recipe: GPTRecipe, batch: Any) -> int:
     return 3 * (batch_size * tokens * per_token + attention)
 
 
+def moe_flops(recipe: MoERecipe, batch: Any) -> int:
+    """The MoE recipe's matmuls as gpt_flops counts the GPT's, its MLPs replaced: per token and block, the router's
+    2dE and the k experts it chose, each 3 matmuls of 2dh (SwiGLU), and the shared expert's 2 x 2d(h x shared). The
+    activated parameters, not all the experts': MFU is the work a step did (6 x active params x tokens, as MoE
+    papers count it). torch.utils.flop_counter has no formula for grouped_mm: the test counts the loop over experts."""
+    batch_size, tokens = batch[0].shape
+    d, h = recipe.d_model, recipe.expert_hidden
+    experts = recipe.top_k * 3 * 2 * d * h + 2 * 2 * d * h * recipe.shared_experts  # those a token goes through
+    block = 2 * 4 * d * d + 2 * d * recipe.experts + experts
+    per_token = recipe.n_layers * block + 2 * d * VOCAB_SIZE
+    attention = recipe.n_layers * 4 * batch_size * tokens * tokens * d
+    return 3 * (batch_size * tokens * per_token + attention)
+
+
 # The built-in recipes' FLOPs by formula, equal to torch.utils.flop_counter's (tests/unit/test_flops.py), by exact
 # class: the counter's first use imports Dynamo (every TorchDispatchMode does), 2-5 s of a run's start here. A
 # subclass or a copy of a built-in recipe may change its model, and is counted.
-FORMULAS: dict[type, Callable[[Any, Any], int]] = {MLPRecipe: mlp_flops, GPTRecipe: gpt_flops}
+FORMULAS: dict[type, Callable[[Any, Any], int]] = {MLPRecipe: mlp_flops, GPTRecipe: gpt_flops,
+                                                   MoERecipe: moe_flops}
 
 
 def count(recipe: Any, device: torch.device, precision: Any, seed: int, grad_accum_steps: int) -> StepFlops:

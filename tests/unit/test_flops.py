@@ -104,3 +104,24 @@ def test_the_matmul_dtype_of_each_mode():
     assert [dtype(m) for m in ("fp32", "tf32", "bf16", "fp16", "O2", "O3", "fp8", "fp8_emulated")] == [
         "float32", "tf32", "bfloat16", "float16", "float16", "float16", "float8", "float32"]
 
+
+
+@pytest.mark.parametrize("options", [{}, {"shared_experts": 1, "top_k": 1, "experts": 3, "score": "sigmoid"}])
+def test_the_moes_formula_is_the_flop_counters_count_of_the_loop_over_experts(options, tmp_path):
+    """torch.utils.flop_counter has no formula for grouped_mm: it counts the same experts run one at a time (real
+    tensors: the routing decides the groups' sizes, which fake tensors cannot)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ampctl.recipes.moe import MoERecipe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 2000)
+    recipe = MoERecipe(corpus=str(corpus), block_size=16, batch_size=2, d_model=32, n_layers=2, n_heads=2,
+                       expert_hidden=48, grouped_mm=False, **options)
+    batch = next(iter(recipe.batches(torch.device("cpu"), 0)))
+    model = recipe.build_model()
+    # attention as its math (two bmm's the counter counts): the CPU's fused kernel has no formula in the counter
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        recipe.loss(model, batch).backward()
+    assert flops.moe_flops(recipe, batch) == counter.get_total_flops()

@@ -67,6 +67,8 @@ def under_autocast(module: nn.Module, device_type: str, dtype: torch.dtype) -> s
     its own: its forward's ops decide). An embedding's lookup is FP32 with fp32 weights (their dtype)."""
     if isinstance(module, WEIGHTS_DTYPE):
         return FP32
+    if getattr(module, "ampctl_under_autocast", None) in (LOWER, FP32, AS_INPUT):
+        return module.ampctl_under_autocast  # a module that casts for autocast itself says what it does
     cls = probed_type(module)
     return PER_OP if cls is None else _asked(cls, device_type, dtype)
 

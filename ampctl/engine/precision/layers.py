@@ -310,7 +310,8 @@ def table(model: nn.Module, layer_plan: LayerPlan, precision: PrecisionConfig, d
         row = LayerRow(re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", fqn), type(module).__name__,
                        _compute(module, layer_plan.run_in(fqn), converted, precision, device), _weights(module),
                        f"{converted[0].name}" if converted else "-",
-                       "mode" if index is None else f"rules[{index}]", names=[fqn])
+                       "mode" if index is None else f"rules[{index}]" if index < len(precision.rules) else "model's",
+                       names=[fqn])
         key = (row.layer, row.type, row.compute, row.weights, row.converter, row.rule)
         if key in rows:
             rows[key].count += 1

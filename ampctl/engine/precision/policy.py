@@ -9,6 +9,7 @@ never branches on precision: it calls these verbs whatever the mode.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -16,7 +17,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from ampctl.conf.options import typed_options
-from ampctl.conf.precision_schema import UNCONVERTED, Dtype, PrecisionConfig
+from ampctl.conf.precision_schema import UNCONVERTED, Dtype, LayerRule, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import converters, fp32_math, layers
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
@@ -94,7 +95,9 @@ class PrecisionPolicy:
         converters' layer swaps (FP8, MX), then the half cast of O2/O3 (half.py) or the rules' dtype scopes (as
         Fabric's Precision.convert_module)."""
         model.to(self.device)
-        self.layer_plan = plan = layers.plan(model, self.precision, self.converter, self.device)
+        # the model's own rules after the mode's (model_rules.py): the layer plan's, not the mode's config
+        self.layer_plan = plan = layers.plan(model, with_model_rules(self.precision, model), self.converter,
+                                             self.device)
         self._linears = sum(isinstance(m, nn.Linear) for m in model.modules())
         layers.convert(model, plan)
         if self.precision.cast_model:
@@ -145,11 +148,14 @@ class PrecisionPolicy:
         """The resolved options, printed once at start (as Apex's "Selected optimization level")."""
         s = self.precision
         short = lambda dt: str(dt).removeprefix("torch.")  # noqa: E731
+        planned = self.layer_plan.rules if self.layer_plan is not None else s.rules  # the model's own after the mode's
+        rules = [layers.rule_text(rule) + (" (the model's)" if i >= len(s.rules) else "")
+                 for i, rule in enumerate(planned)]
         parts = [
             f"autocast={short(self.dtype) if s.autocast else 'off'}",
             f"model_weights={short(self.dtype) if s.cast_model else 'float32'}",
             f"master_weights={'float32' if s.master_weights else 'none'}",
-            "rules=" + (f"[{'; '.join(layers.rule_text(rule) for rule in s.rules)}]" if s.rules else "none"),
+            "rules=" + (f"[{'; '.join(rules)}]" if rules else "none"),
             f"tf32={'on' if s.tf32 else 'off'}",
             f"loss_scale={scaler_description}",
         ]
@@ -180,3 +186,32 @@ def converter_of(precision: PrecisionConfig, device: torch.device) -> Optional[c
         return cls(None, device)
     options = typed_options("precision.options", precision.options or {}, cls.options_type)
     return cls(OmegaConf.to_object(options), device)
+
+
+# A model's own precision rules: its class's `ampctl_rules` (the MoE recipe keeps its routers in fp32, as practice
+# does), applied after the mode's rules to the layers none of the mode's rules decides, so that a user's rule on one
+# of those layers replaces the model's for it (the first rule that matches a layer decides it, and a rule of the
+# model's that only an earlier rule's layers match would be refused as contradicting it).
+
+def with_model_rules(precision: PrecisionConfig, model: nn.Module) -> PrecisionConfig:
+    """The mode with the model's rules after its own; the mode as it is where every layer computes in fp32 anyway
+    (no autocast, no half weights, no converter, no rules)."""
+    own: list[LayerRule] = list(getattr(model, "ampctl_rules", None) or [])
+    if not own or not (precision.autocast or precision.cast_model or precision.converter or precision.rules):
+        return precision
+    modules = dict(model.named_modules())
+    mode_rules = [rule.counted_from_the_end(list(modules)) for rule in precision.rules]
+
+    def decided_by_the_mode(fqn: str) -> bool:
+        ancestors = [fqn] + [fqn.rsplit(".", depth)[0] for depth in range(1, fqn.count(".") + 1)]
+        return any(layers.matches(rule, name, modules[name]) for rule in mode_rules for name in ancestors)
+
+    added: list[LayerRule] = []
+    for rule in own:
+        hits = [fqn for fqn, module in modules.items() if fqn and layers.matches(rule, fqn, module)]
+        free = [fqn for fqn in hits if not decided_by_the_mode(fqn)]
+        if free == hits:
+            added.append(rule)  # as the model says it: the start line shows one rule, not one per layer
+        else:
+            added += [LayerRule.for_layer(fqn, rule.run_in) for fqn in free]
+    return dataclasses.replace(precision, rules=[*precision.rules, *added]) if added else precision

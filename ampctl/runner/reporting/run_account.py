@@ -63,7 +63,8 @@ def announce(run: Any) -> None:
 
 def layer_table(policy: Any) -> list[str]:
     """What each layer computes in, where layers differ from one another (rules, a converter): the start lines'."""
-    if not (policy.precision.rules or policy.converter is not None):
+    planned = policy.layer_plan.rules if policy.layer_plan is not None else policy.precision.rules
+    if not (planned or policy.converter is not None):
         return []
     return [f"  {line}" for line in layers.render(policy.layer_rows)]
 

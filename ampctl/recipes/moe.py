@@ -1,0 +1,212 @@
+"""moe: the built-in GPT (recipes/gpt.py) with each block's MLP a mixture of experts, as torchtitan, DeepSeek-V3 and
+Qwen3-MoE build theirs: a router (a linear gate, softmax or sigmoid scores, each token's top-k experts and their
+weights), the experts as grouped weights that torch's grouped GEMM runs over the tokens sorted by expert (dropless:
+every token reaches its k experts), an optional shared expert every token goes through, and a load-balancing loss.
+The routers are kept in fp32 by a rule of the model's own, after the mode's (a top-k is discontinuous: a small error
+sends a token to another expert), which a rule of the user's on a router replaces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampctl.conf.precision_schema import LayerRule
+from ampctl.errors import ConfigError
+from ampctl.recipes.gpt import GPT, GPTRecipe
+from ampctl.recipes.metrics import classification_sums
+
+SCORES = ("softmax", "sigmoid")
+GROUPED_MM_ALIGNMENT = 16  # torch's grouped GEMM wants each row's stride a multiple of 16 bytes (8 bf16 values)
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x's rows (sorted by expert; expert e's end at offsets[e]) times weight[e]ᵀ, weight (experts, out, in). Under
+    autocast in autocast's dtype, as autocast runs a Linear: torch's autocast leaves grouped_mm in the dtype it is
+    given on a CPU (torch 2.14's op lists), so the cast is done here, where it would otherwise run in fp32."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+    return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+
+
+def looped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """grouped_matmul one expert at a time (recipe.grouped_mm=false: the reference, and the benchmark's other side)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+    parts = torch.split(x, counts)
+    return torch.cat([part @ weight[e].transpose(0, 1) for e, part in enumerate(parts)])
+
+
+class Router(nn.Module):
+    """Token-choice top-k routing. Its gate is an nn.Linear (`<block>.mlp.router.gate`: a rule names it, a converter
+    may convert it); the scores are computed in fp32, as practice computes them (torchtitan, DeepSeek-V3)."""
+
+    def __init__(self, d_model: int, experts: int, top_k: int, score: str, route_norm: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, experts, bias=False)
+        self.top_k, self.score, self.route_norm = top_k, score, route_norm
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, d_model) -> (every expert's score per token, the top-k weights, their experts)."""
+        logits = self.gate(x).float()
+        scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
+        weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+        if self.route_norm:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return scores, weights, chosen
+
+
+class GroupedExperts(nn.Module):
+    """`experts` SwiGLU experts as three grouped weights in torchtitan's layout (experts, out, in): w1 and w3
+    (experts, hidden, d_model), w2 (experts, d_model, hidden)."""
+
+    ampctl_under_autocast = "lower"  # its matmuls run in autocast's dtype (grouped_matmul casts for autocast)
+
+    def __init__(self, experts: int, d_model: int, hidden: int, grouped: bool = True) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, d_model))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, d_model))
+        self.w2 = nn.Parameter(torch.empty(experts, d_model, hidden))
+        self.grouped = grouped
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: the tokens sorted by expert, counts[e] of them expert e's."""
+        if self.grouped:
+            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+            def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return grouped_matmul(a, w, offsets)
+        else:
+            sizes = counts.tolist()  # the loop needs the counts on the host: a sync, the grouped path has none
+
+            def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return looped_matmul(a, w, sizes)
+        return matmul(F.silu(matmul(x, self.w1)) * matmul(x, self.w3), self.w2)
+
+
+class MoE(nn.Module):
+    """A block's mixture of experts in place of its MLP. After each forward: `load`, the tokens each expert got
+    (on the device: read on log steps only), and `balance_loss`, the Switch Transformer's load-balancing loss
+    experts x sum_e f_e P_e (f_e: the share of routed tokens expert e got; P_e: its mean normalized score), 1 when
+    balanced."""
+
+    def __init__(self, d_model: int, experts: int, top_k: int, hidden: int, shared: int, score: str,
+                 route_norm: bool, grouped: bool) -> None:
+        super().__init__()
+        self.experts_count, self.top_k = experts, top_k
+        self.router = Router(d_model, experts, top_k, score, route_norm)
+        self.experts = GroupedExperts(experts, d_model, hidden, grouped)
+        width = hidden * shared
+        self.shared = (nn.Sequential(nn.Linear(d_model, width), nn.GELU(), nn.Linear(width, d_model)) if shared
+                       else None)
+        self.load: Optional[torch.Tensor] = None
+        self.balance_loss: Optional[torch.Tensor] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        scores, weights, chosen = self.router(tokens)
+        flat = chosen.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.experts_count)
+        order = torch.argsort(flat, stable=True)  # the (token, k) pairs sorted by expert, ties in token order
+        routed = self.experts(tokens[order // self.top_k], counts)
+        # back to (token, k) order by the inverse permutation (a gather: deterministic, no atomic adds)
+        unsorted = routed[torch.argsort(order)].view(tokens.shape[0], self.top_k, -1)
+        out = (unsorted * weights.unsqueeze(-1).to(unsorted.dtype)).sum(dim=1)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        self.load = counts.detach()
+        share = counts.to(scores.dtype) / flat.numel()
+        mean_score = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
+        self.balance_loss = self.experts_count * (share * mean_score).sum()
+        return out.view(shape).to(x.dtype)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [module for module in model.modules() if isinstance(module, MoE)]
+
+
+def balance_loss(model: nn.Module) -> torch.Tensor:
+    """The mean of the model's MoE layers' load-balancing losses of their last forward."""
+    losses = [layer.balance_loss for layer in moe_layers(model) if layer.balance_loss is not None]
+    return torch.stack(losses).mean()
+
+
+ROUTERS_IN_FP32 = [LayerRule(run_in="fp32", type="Router")]  # the model's own rule, after the mode's
+
+
+class MoEGPT(GPT):
+    """GPT with each block's MLP a MoE. `ampctl_rules`: rules of the model's own, applied after the mode's rules to
+    the layers no rule of the mode decides (engine/precision/policy.py's with_model_rules)."""
+
+    ampctl_rules = ROUTERS_IN_FP32
+
+    def __init__(self, block_size: int, d_model: int, n_layers: int, n_heads: int, dropout: float, moe: dict) -> None:
+        super().__init__(block_size, d_model, n_layers, n_heads, dropout)
+        for block in self.blocks:
+            block.mlp = MoE(d_model, **moe)
+        std = 0.02 / (2 * n_layers) ** 0.5  # GPT-2's scaled init of what adds to the residual stream
+        for layer in moe_layers(self):
+            nn.init.normal_(layer.router.gate.weight, std=0.02)
+            nn.init.normal_(layer.experts.w1, std=0.02)
+            nn.init.normal_(layer.experts.w3, std=0.02)
+            nn.init.normal_(layer.experts.w2, std=std)
+            if layer.shared is not None:
+                for linear in (layer.shared[0], layer.shared[2]):
+                    nn.init.normal_(linear.weight, std=0.02 if linear is layer.shared[0] else std)
+                    nn.init.zeros_(linear.bias)
+
+
+@dataclass
+class MoERecipe(GPTRecipe):
+    d_model: int = 128
+    experts: int = 8
+    top_k: int = 2
+    expert_hidden: int = 256  # each expert's SwiGLU width
+    shared_experts: int = 0  # a dense expert every token goes through (its width: shared_experts x expert_hidden)
+    score: str = "softmax"  # softmax | sigmoid
+    route_norm: bool = True  # the top-k weights normalized to sum to 1
+    balance_coeff: float = 0.01  # the load-balancing loss's weight in the loss
+    grouped_mm: bool = True  # false: the experts one at a time (a loop, as a reference)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.experts < 2:
+            raise ConfigError("recipe.experts", self.experts, "an integer >= 2")
+        if not 1 <= self.top_k <= self.experts:
+            raise ConfigError("recipe.top_k", self.top_k, f"an integer in [1, recipe.experts={self.experts}]")
+        for key in ("d_model", "expert_hidden"):
+            if getattr(self, key) < 1 or getattr(self, key) % GROUPED_MM_ALIGNMENT:
+                raise ConfigError(f"recipe.{key}", getattr(self, key),
+                                  f"a positive multiple of {GROUPED_MM_ALIGNMENT} (torch's grouped GEMM aligns rows "
+                                  "to 16 bytes)")
+        if self.shared_experts < 0:
+            raise ConfigError("recipe.shared_experts", self.shared_experts, "an integer >= 0")
+        if self.score not in SCORES:
+            raise ConfigError("recipe.score", self.score, " | ".join(SCORES))
+        if not self.balance_coeff >= 0.0:
+            raise ConfigError("recipe.balance_coeff", self.balance_coeff, "a number >= 0")
+
+    def build_model(self) -> nn.Module:
+        moe = {"experts": self.experts, "top_k": self.top_k, "hidden": self.expert_hidden,
+               "shared": self.shared_experts, "score": self.score, "route_norm": self.route_norm,
+               "grouped": self.grouped_mm}
+        return MoEGPT(self.block_size, self.d_model, self.n_layers, self.n_heads, self.dropout, moe)
+
+    def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+        idx, targets = batch
+        return classification_sums(model(idx), targets)
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The next-token cross-entropy, plus balance_coeff x the layers' mean load-balancing loss."""
+        idx, targets = batch
+        logits = model(idx)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return loss + self.balance_coeff * balance_loss(model) if self.balance_coeff else loss

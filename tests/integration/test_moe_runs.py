@@ -1,0 +1,62 @@
+"""The MoE recipe in real runs: step for step equal to a hand-written torch.amp loop in fp32 and bf16 (its routers in
+fp32 by hand, as the model's own rule keeps them), trained in every kind of mode, its routers' precision on the start
+line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ampctl.recipes.moe import MoERecipe, Router
+from tests.support.golden import GOLDEN
+from tests.support.training import QUIET, train_here
+
+SIZES = {"n_layers": 2, "d_model": 32, "n_heads": 2, "expert_hidden": 32, "block_size": 32, "batch_size": 4,
+         "max_corpus_bytes": 200_000, "experts": 4, "top_k": 2}
+TINY = ["recipe=moe", *(f"recipe.{key}={value}" for key, value in SIZES.items()), *QUIET]
+
+
+def hand_loop(dtype: torch.dtype | None, steps: int) -> list[float]:
+    """autocast (dtype; None: fp32) as torch's examples write it, the routers kept in fp32 by hand."""
+    recipe = MoERecipe(**SIZES)
+    torch.manual_seed(3)
+    model = recipe.build_model()
+    for router in (m for m in model.modules() if isinstance(m, Router)):
+        def in_fp32(x: torch.Tensor, forward=router.forward) -> tuple:
+            with torch.autocast("cpu", enabled=False):
+                return forward(x.float())
+        router.forward = in_fp32
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    batches = recipe.batches(torch.device("cpu"), seed=3)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = recipe.loss(model, next(batches))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("precision,dtype", [("fp32", None), ("bf16", torch.bfloat16)])
+def test_a_moe_run_equals_the_hand_written_loop_step_for_step(tmp_path, precision, dtype):
+    _, rows = train_here(tmp_path, f"precision={precision}", "train.log_every=1", *GOLDEN, base=TINY)
+    assert [r["loss"] for r in rows] == hand_loop(dtype, len(rows))
+
+
+@pytest.mark.parametrize("precision", ["O2", "fp16", "fp8_emulated", "mxfp8", "nvfp4"])
+def test_every_kind_of_mode_trains_the_moe_recipe(tmp_path, precision):
+    summary, rows = train_here(tmp_path, f"precision={precision}", "train.steps=4", "train.log_every=1", base=TINY)
+    assert len(rows) == 4 and all(r["loss"] == r["loss"] for r in rows) and rows[-1]["loss"] < 6.0
+    assert summary["precision"] == precision
+
+
+def test_the_start_line_says_the_routers_run_in_fp32_by_the_models_rule(tmp_path, capsys):
+    from ampctl.cli import main
+
+    main(["train", *TINY, "precision=bf16", "train.steps=1", "train.console=plain", f"hydra.run.dir={tmp_path}"])
+    out = capsys.readouterr().out
+    assert "rules=[type=Router run_in=fp32 (the model's)]" in out
+    assert "blocks.*.mlp.router.gate x2  Linear          float32   model's" in out
+    assert "blocks.*.mlp.experts x2      GroupedExperts  bfloat16  mode" in out
