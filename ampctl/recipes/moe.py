@@ -65,30 +65,29 @@ class Router(nn.Module):
 
 class GroupedExperts(nn.Module):
     """`experts` SwiGLU experts as three grouped weights in torchtitan's layout (experts, out, in): w1 and w3
-    (experts, hidden, d_model), w2 (experts, d_model, hidden)."""
+    (experts, hidden, d_model), w2 (experts, d_model, hidden). Each grouped matmul goes through `grouped`, which a
+    converter replaces (engine/precision/grouped_experts.py: FP8 and MX formats on the experts)."""
 
+    ampctl_grouped_experts = True  # its grouped matmuls are `grouped`'s: a converter may compute them in a format
     ampctl_under_autocast = "lower"  # its matmuls run in autocast's dtype (grouped_matmul casts for autocast)
 
-    def __init__(self, experts: int, d_model: int, hidden: int, grouped: bool = True) -> None:
+    def __init__(self, experts: int, d_model: int, hidden: int, grouped_mm: bool = True) -> None:
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(experts, hidden, d_model))
         self.w2 = nn.Parameter(torch.empty(experts, d_model, hidden))
-        self.grouped = grouped
+        self.grouped_mm = grouped_mm
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_e @ weight[e]ᵀ for each expert e's rows of x (counts[e] of them, in expert order)."""
+        if self.grouped_mm:
+            return grouped_matmul(x, weight, torch.cumsum(counts, dim=0, dtype=torch.int32))
+        return looped_matmul(x, weight, counts.tolist())  # the loop needs the counts on the host: a sync
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: the tokens sorted by expert, counts[e] of them expert e's."""
-        if self.grouped:
-            offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-
-            def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                return grouped_matmul(a, w, offsets)
-        else:
-            sizes = counts.tolist()  # the loop needs the counts on the host: a sync, the grouped path has none
-
-            def matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-                return looped_matmul(a, w, sizes)
-        return matmul(F.silu(matmul(x, self.w1)) * matmul(x, self.w3), self.w2)
+        gate = F.silu(self.grouped(x, self.w1, counts)) * self.grouped(x, self.w3, counts)
+        return self.grouped(gate, self.w2, counts)
 
 
 class MoE(nn.Module):

@@ -50,6 +50,8 @@ def test_every_kind_of_mode_trains_the_moe_recipe(tmp_path, precision):
     summary, rows = train_here(tmp_path, f"precision={precision}", "train.steps=4", "train.log_every=1", base=TINY)
     assert len(rows) == 4 and all(r["loss"] == r["loss"] for r in rows) and rows[-1]["loss"] < 6.0
     assert summary["precision"] == precision
+    if summary["converter"] is not None:  # the format modes convert the experts too: 5 Linear layers and 2 experts
+        assert summary["converter"]["layers"] == 7
 
 
 def test_the_start_line_says_the_routers_run_in_fp32_by_the_models_rule(tmp_path, capsys):

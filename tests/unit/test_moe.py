@@ -123,3 +123,92 @@ def test_the_models_rule_keeps_routers_in_fp32_after_the_modes_own_rules():
                                                                         "run_in": "fp32"}]
     fp32 = PrecisionConfig(name="fp32")
     assert with_model_rules(fp32, model) is fp32  # every layer computes in fp32 already: no rule to show
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_a_format_on_the_grouped_gemm_is_each_experts_slice_quantized_by_hand(fmt):
+    """Forward, input gradient and weight gradient of one grouped GEMM under the MX converter, against each expert's
+    slice quantized by hand: blocks along each GEMM's reduction dimension within the expert, the weight gradient's
+    along the expert's own tokens (7 of them: a group padded to whole blocks), an expert no token chose left out."""
+    from ampctl.engine.precision.block_quantize import fake_quantize
+    from ampctl.engine.precision.mx_emulated import MXEmulatedConverter, MXEmulatedOptions, MXFormat, block_formats
+    from ampctl.recipes.moe import GroupedExperts
+
+    options = MXEmulatedOptions(format=MXFormat(fmt))
+    experts = GroupedExperts(3, 64, 32)
+    torch.nn.init.normal_(experts.w1)
+    converted = MXEmulatedConverter(options, torch.device("cpu")).convert(experts, "experts", fmt)
+    assert type(converted).__name__ == "MXGroupedExperts" and converted is experts  # its parameters, its own
+    counts = torch.tensor([3, 0, 7])
+    x = torch.randn(10, 64, requires_grad=True)
+    out = converted.grouped(x, converted.w1, counts)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+
+    fwd, grads = block_formats(options, fmt)
+    w = converted.w1.detach()
+    want_out, want_dx, want_dw = [], [], torch.zeros_like(w)
+    for e, (start, end) in {0: (0, 3), 2: (3, 10)}.items():
+        x_e, g_e = x.detach()[start:end], grad[start:end]
+        want_out.append(fake_quantize(x_e, fwd) @ fake_quantize(w[e], fwd).t())  # reduces over the input dim
+        want_dx.append(fake_quantize(g_e, grads) @ fake_quantize(w[e].t(), fwd).t())  # over the output dim
+        want_dw[e] = fake_quantize(g_e.t(), grads) @ fake_quantize(x_e.t(), fwd).t()  # over the expert's tokens
+    assert torch.equal(out, torch.cat(want_out))
+    assert torch.equal(x.grad, torch.cat(want_dx))
+    assert torch.equal(converted.w1.grad, want_dw) and not converted.w1.grad[1].any()
+
+
+@pytest.mark.parametrize("scaling", ["current", "blockwise"])
+def test_fp8_on_the_grouped_gemm_is_each_experts_slice_quantized_by_hand(scaling):
+    from ampctl.engine.precision.fp8_emulated import (
+        E4M3,
+        TILE,
+        Fp8EmulatedConverter,
+        Fp8EmulatedOptions,
+        Fp8Format,
+        Fp8Scaling,
+        backward_dtype,
+        quantize_tensorwise,
+        quantize_tiles,
+    )
+    from ampctl.recipes.moe import GroupedExperts
+
+    options = Fp8EmulatedOptions(scaling=Fp8Scaling(scaling),
+                                 format=Fp8Format.e4m3 if scaling == "blockwise" else Fp8Format.hybrid)
+    experts = GroupedExperts(3, 64, 32)
+    torch.nn.init.normal_(experts.w2)
+    converted = Fp8EmulatedConverter(options, torch.device("cpu")).convert(experts, "experts", "fp8_emulated")
+    assert type(converted).__name__ == "Fp8GroupedExperts"
+    counts = torch.tensor([5, 4, 0])
+    x = torch.randn(9, 32, requires_grad=True)
+    out = converted.grouped(x, converted.w2, counts)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    g_dtype = backward_dtype(options)
+    w = converted.w2.detach()
+    want_out, want_dx, want_dw = [], [], torch.zeros_like(w)
+    for e, (start, end) in {0: (0, 5), 1: (5, 9)}.items():
+        x_e, g_e = x.detach()[start:end], grad[start:end]
+        if scaling == "current":  # one scale per tensor of the expert's GEMM
+            qx, qw, qx_t = quantize_tensorwise(x_e, E4M3), quantize_tensorwise(w[e], E4M3), None
+            qg = qg_t = quantize_tensorwise(g_e, g_dtype)
+            qx_t = qx
+        else:  # 1x128 tiles along each GEMM's reduction dimension, 128x128 for the weight
+            qx, qw = quantize_tiles(x_e, E4M3, 1, TILE), quantize_tiles(w[e], E4M3, TILE, TILE)
+            qx_t, qg, qg_t = (quantize_tiles(x_e, E4M3, TILE, 1), quantize_tiles(g_e, g_dtype, 1, TILE),
+                              quantize_tiles(g_e, g_dtype, TILE, 1))
+        want_out.append(qx @ qw.t())
+        want_dx.append(qg @ qw)
+        want_dw[e] = qg_t.t() @ qx_t
+    assert torch.equal(out, torch.cat(want_out)) and torch.equal(x.grad, torch.cat(want_dx))
+    assert torch.equal(converted.w2.grad, want_dw)
+
+
+def test_fp8s_delayed_scaling_on_grouped_experts_is_refused_in_one_line():
+    from ampctl.engine.precision.fp8_emulated import Fp8EmulatedConverter, Fp8EmulatedOptions, Fp8Scaling
+    from ampctl.errors import UsageError
+    from ampctl.recipes.moe import GroupedExperts
+
+    converter = Fp8EmulatedConverter(Fp8EmulatedOptions(scaling=Fp8Scaling.delayed), torch.device("cpu"))
+    with pytest.raises(UsageError, match="scaling=delayed with the grouped experts blocks.0.mlp.experts"):
+        converter.convert(GroupedExperts(2, 32, 32), "blocks.0.mlp.experts", "fp8_emulated")

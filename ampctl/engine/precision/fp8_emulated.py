@@ -32,6 +32,8 @@ from torch import nn
 
 from ampctl.conf.value_checks import require
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
+from ampctl.engine.precision.grouped_experts import is_grouped_experts, mix_into, per_expert
+from ampctl.errors import UsageError
 
 
 class Fp8Scaling(Enum):
@@ -224,6 +226,21 @@ class Fp8EmulatedLinear(ConvertedLinear):
         return f"{super().extra_repr()}, fp8={c.format.value} scaling={c.scaling.value}"
 
 
+class Fp8Grouped:
+    """Mixed into grouped experts' class (engine/precision/grouped_experts.py): each expert's slice of each grouped
+    matmul through _Fp8Linear, as an Fp8EmulatedLinear computes its three matmuls (each expert's GEMM its own
+    tensor-wide or tile scales); fp32 matmuls under any mode."""
+
+    class_prefix = "Fp8"
+    ampctl_fp8: Fp8Quantizers
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        quantizers = self.ampctl_fp8
+        with torch.autocast(x.device.type, enabled=False):
+            out = per_expert(x.float(), weight, counts, lambda x_e, w_e: _Fp8Linear.apply(x_e, w_e, None, quantizers))
+        return out.to(x.dtype)
+
+
 @register_converter
 class Fp8EmulatedConverter(Converter):
     """precision=fp8_emulated: every nn.Linear becomes an Fp8EmulatedLinear."""
@@ -234,8 +251,18 @@ class Fp8EmulatedConverter(Converter):
     emulated = True
     checkpoint_state = "delayed scaling's amax histories and scales, as buffers of each converted layer"
 
+    def can_convert(self, module: nn.Module) -> bool:
+        return type(module) is nn.Linear or is_grouped_experts(module)
+
     def convert(self, module: nn.Module, fqn: str, fmt: str) -> nn.Module:
-        return Fp8EmulatedLinear.from_linear(module, config=self.options)
+        if not is_grouped_experts(module):
+            return Fp8EmulatedLinear.from_linear(module, config=self.options)
+        if self.options.scaling is Fp8Scaling.delayed:
+            raise UsageError(f"precision.options.scaling=delayed with the grouped experts {fqn}: delayed scaling keeps "
+                             "one amax history per tensor, and an expert's tensors change with its tokens each step; "
+                             "use precision.options.scaling=current or blockwise")
+        module.ampctl_fp8 = Fp8Quantizers(module, self.options)
+        return mix_into(module, Fp8Grouped)
 
     def describe(self) -> str:
         f = self.options

@@ -31,6 +31,7 @@ from ampctl.conf.messages import did_you_mean
 from ampctl.conf.precision_schema import LAYER_DTYPES, UNCONVERTED, LayerRule, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import autocast_ops, converters
+from ampctl.engine.precision.grouped_experts import is_grouped_experts
 from ampctl.engine.precision.half import cast_floats, is_norm_layer
 from ampctl.errors import UsageError
 
@@ -143,7 +144,8 @@ def _check_effects(layer_plan: LayerPlan, modules: dict[str, nn.Module], owners:
         if rule.run_in in owners and not any(f in layer_plan.converted for f in decides):
             raise UsageError(f"{describe_rule(index, rule)}: {rule.run_in} converts nn.Linear layers, and none of the "
                              f"layers it matches is or holds one ({_names(hits[index])})")
-        if rule.run_in == UNCONVERTED and not any(isinstance(modules[f], nn.Linear) for f in decides):
+        if rule.run_in == UNCONVERTED and not any(isinstance(modules[f], nn.Linear) or is_grouped_experts(modules[f])
+                                                  for f in decides):
             raise UsageError(f"{describe_rule(index, rule)}: none of the layers it matches is or holds an nn.Linear, "
                              f"the layers a converter converts ({_names(hits[index])})")
 

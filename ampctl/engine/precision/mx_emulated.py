@@ -39,6 +39,7 @@ from ampctl.conf.value_checks import require
 from ampctl.engine.precision import mx_torchao, nvfp4_recipe
 from ampctl.engine.precision.block_quantize import ELEMENTS, BlockFormat, MXScaleMode, fake_quantize
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
+from ampctl.engine.precision.grouped_experts import is_grouped_experts, mix_into, per_expert
 
 
 class MXFormat(Enum):
@@ -182,6 +183,47 @@ class LayerDraws:
         return nvfp4_recipe.draw_key(self.model.seed, self.layer, self.model.step, self._calls)
 
 
+def set_numerics(gemms: Any, config: MXEmulatedOptions, fmt: str, draws: Optional[LayerDraws]) -> None:
+    """What _MXLinear reads of a layer (an MXLinear, grouped experts' MXGemms): its formats, NVFP4's recipe."""
+    gemms.config, gemms.fmt = config, fmt
+    recipe = fmt == MXFormat.nvfp4.value  # a rule's mxfp8 or mxfp4 layer in an nvfp4 run takes none of it
+    gemms.weights_2d = recipe and config.weights_2d
+    gemms.stochastic_rounding = recipe and config.stochastic_rounding
+    gemms.uses_rht = recipe and config.rht
+    gemms.forward_format, gemms.grad_format = block_formats(config, fmt)
+    gemms.weight_format = dataclasses.replace(gemms.forward_format, tiles_2d=gemms.weights_2d)
+    gemms.observers = []  # ampctl inspect's, telemetry.blocks_every's: (role, matrix, format)
+    gemms.draws = draws  # NVFP4's recipe: the sign vector, the stochastic rounding's keys
+    gemms.rht = None  # the model's RHT matrix, set up with the weights' device
+
+
+class MXGemms:
+    """Grouped experts' numerics in a format: every expert's GEMMs computed as an MXLinear's (_MXLinear)."""
+
+    def __init__(self, config: MXEmulatedOptions, fmt: str, draws: Optional[LayerDraws], device: torch.device) -> None:
+        set_numerics(self, config, fmt, draws)
+        if self.uses_rht:
+            self.rht = nvfp4_recipe.rht_matrix(draws.model.signs).to(device)
+
+    def observe(self, role: str, matrix: torch.Tensor, fmt: BlockFormat) -> None:
+        for observer in self.observers:
+            observer(role, matrix, fmt)
+
+
+class MXGrouped:
+    """Mixed into grouped experts' class (engine/precision/grouped_experts.py): each expert's slice of each grouped
+    matmul through _MXLinear, as an MXLinear computes its three matmuls; fp32 matmuls under any mode."""
+
+    class_prefix = "MX"
+    ampctl_mx: MXGemms
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gemms = self.ampctl_mx
+        with torch.autocast(x.device.type, enabled=False):
+            out = per_expert(x.float(), weight, counts, lambda x_e, w_e: _MXLinear.apply(x_e, w_e, None, gemms))
+        return out.to(x.dtype)
+
+
 class MXLinear(ConvertedLinear):
     """An nn.Linear whose three matmuls take emulated MX or NVFP4 inputs."""
 
@@ -195,18 +237,12 @@ class MXLinear(ConvertedLinear):
                  dtype: Any = None, *, config: MXEmulatedOptions, fmt: str,
                  draws: Optional[LayerDraws] = None) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
-        self.config, self.fmt = config, fmt
-        recipe = fmt == MXFormat.nvfp4.value  # a rule's mxfp8 or mxfp4 layer in an nvfp4 run takes none of it
-        self.weights_2d = recipe and config.weights_2d
-        self.stochastic_rounding = recipe and config.stochastic_rounding
-        self.uses_rht = recipe and config.rht
-        self.forward_format, self.grad_format = block_formats(config, fmt)
-        self.weight_format = dataclasses.replace(self.forward_format, tiles_2d=self.weights_2d)
-        self.observers: list[Callable[[str, torch.Tensor, BlockFormat], None]] = []  # ampctl inspect's
-        self.draws = draws  # NVFP4's recipe: the sign vector, the stochastic rounding's keys
-        self.rht: Optional[torch.Tensor] = None  # the model's RHT matrix, set up with the weights' device
+        set_numerics(self, config, fmt, draws)
         if MXLinear._outside_compile is None:
             MXLinear._outside_compile = staticmethod(torch.compiler.disable(_mx_linear))
+
+    observers: list[Callable[[str, torch.Tensor, BlockFormat], None]]
+    rht: Optional[torch.Tensor]
 
     def setup(self) -> None:
         if self.uses_rht:
@@ -267,12 +303,19 @@ class MXEmulatedConverter(Converter):
     def default_format(self) -> str:
         return self.options.format.value
 
+    def can_convert(self, module: nn.Module) -> bool:
+        return type(module) is nn.Linear or is_grouped_experts(module)
+
     def convert(self, module: nn.Module, fqn: str, fmt: str) -> nn.Module:
         # a rule's other format, or dimensions not in whole blocks: ampctl's emulation (the layer table says which)
-        if self.torchao and fmt == MXFormat.mxfp8.value and mx_torchao.fits(module):
+        if self.torchao and fmt == MXFormat.mxfp8.value and type(module) is nn.Linear and mx_torchao.fits(module):
             return mx_torchao.convert(module, self.real_kernels, self.options.scale_mode.value)
         if self.draws is None:  # the model is built: torch was seeded with train.seed
             self.draws = Draws.of(torch.initial_seed())
+        if is_grouped_experts(module):
+            device = next(module.parameters()).device
+            module.ampctl_mx = MXGemms(self.options, fmt, self.draws.for_layer(fqn), device)
+            return mix_into(module, MXGrouped)
         return MXLinear.from_linear(module, config=self.options, fmt=fmt, draws=self.draws.for_layer(fqn))
 
     def at_step(self, step: int) -> None:

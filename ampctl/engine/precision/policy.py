@@ -20,6 +20,7 @@ from ampctl.conf.options import typed_options
 from ampctl.conf.precision_schema import UNCONVERTED, Dtype, LayerRule, PrecisionConfig
 from ampctl.engine import devices
 from ampctl.engine.precision import converters, fp32_math, layers
+from ampctl.engine.precision.grouped_experts import is_grouped_experts
 from ampctl.engine.precision.half import FP32MasterWeights, WeightLayout, cast_model_to_half
 from ampctl.errors import ConfigError, ModeUnsupported, UsageError
 
@@ -42,7 +43,7 @@ class PrecisionPolicy:
         self.converter = converter_of(precision, device)  # None in the flag-driven modes
         self.layer_plan: Optional[layers.LayerPlan] = None  # the rules matched against the model (convert_module)
         self.layer_rows: list[layers.LayerRow] = []  # the resolved precision of every layer
-        self._linears = 0
+        self._linears = self._grouped = self._grouped_converted = 0
 
     # --- what the device can do -----------------------------------------------------------------
 
@@ -99,6 +100,8 @@ class PrecisionPolicy:
         self.layer_plan = plan = layers.plan(model, with_model_rules(self.precision, model), self.converter,
                                              self.device)
         self._linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+        self._grouped = sum(is_grouped_experts(m) for m in model.modules())  # a converter converts them too
+        self._grouped_converted = sum(is_grouped_experts(model.get_submodule(f)) for f in plan.converted)
         layers.convert(model, plan)
         if self.precision.cast_model:
             cast_model_to_half(model, self.dtype, [f for f, run_in in plan.scopes().items() if run_in == "fp32"],
@@ -163,7 +166,9 @@ class PrecisionPolicy:
             parts.insert(0, self.converter.describe())
         if self.converted:
             parts.insert(1 if self.converter is not None else 0,
-                         f"converted={len(self.converted)} of {self._linears} Linear layers")
+                         f"converted={len(self.converted) - self._grouped_converted} of {self._linears} Linear layers"
+                         + (f" and {self._grouped_converted} of {self._grouped} grouped experts" if self._grouped
+                            else ""))
         return f"Selected precision={s.name}: " + ", ".join(parts)
 
 

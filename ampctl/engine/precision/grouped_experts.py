@@ -1,0 +1,42 @@
+"""Grouped experts as converters see them (recipes/moe.py's GroupedExperts; a user's own alike): a module whose class
+sets `ampctl_grouped_experts = True` and runs each of its grouped matmuls through its method `grouped(x, weight,
+counts)`: x's rows sorted by expert, counts[e] of them expert e's, weight (experts, out, in); x_e @ weight[e]ᵀ for each
+expert. A converter converts one by mixing a class of its own into the module's class (its parameters, their names and
+the state_dict unchanged: as a dtype rule's scope is mixed in, engine/precision/layers.py), whose `grouped` computes
+each expert's slice as the converter's Linear computes it: each GEMM's operands in blocks along its reduction
+dimension within the expert, so the weight gradient's along the expert's own tokens (its group padded to whole blocks,
+as torchao's pad_token_groups_for_grouped_mm pads it)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+def is_grouped_experts(module: nn.Module) -> bool:
+    return bool(getattr(type(module), "ampctl_grouped_experts", False))
+
+
+def per_expert(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+               linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """linear(x_e, weight[e]) for each expert's rows, in order; an expert no token chose adds no rows (and its weight
+    no gradient). The groups' sizes are read on the host: an emulation studies numerics, its speed is not a kernel's."""
+    sizes = counts.tolist()
+    outs = [linear(part, weight[e]) if sizes[e] else part.new_zeros(0, weight.shape[1])
+            for e, part in enumerate(torch.split(x, sizes))]
+    return torch.cat(outs)
+
+
+def mix_into(module: nn.Module, mixin: type) -> nn.Module:
+    """The module, its class now `mixin` over its own (named after the mixin's prefix: MXGroupedExperts)."""
+    module.__class__ = _mixed(mixin, type(module))
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _mixed(mixin: type, cls: type) -> type:
+    prefix = getattr(mixin, "class_prefix", "")
+    return type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
