@@ -22,6 +22,7 @@ next layer growing past what the layers before it added. Every sum is kept in fl
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from ampctl.analysis.error_sums import ErrorSums
+from ampctl.analysis.routing import RoutingWatch
 
 QUANTITIES = ("out", "dgrad", "wgrad")  # a layer's output, the gradient to its input, its weight gradient
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -188,12 +190,16 @@ def quiet_dropout(model: nn.Module) -> None:
 
 def measure(reference: Side, candidate: Side, loss: Callable[[nn.Module, Any], torch.Tensor],
             batches: Iterable[Any], on_batch: Callable[[int], None] = lambda done: None,
-            per_layer: bool = True, on_layer: Callable[[int, int, int], None] = lambda batch, done, of: None
-            ) -> tuple[dict[str, LayerErrors], ModelErrors]:
+            per_layer: bool = True, on_layer: Callable[[int, int, int], None] = lambda batch, done, of: None,
+            routing: Optional[RoutingWatch] = None) -> tuple[dict[str, LayerErrors], ModelErrors]:
     """Every batch through both sides; the sums of every leaf layer of the reference that the candidate has by the
     same name (per_layer=False: none, only the whole model's: two forwards and backwards a batch), and the whole
     model's. on_layer(batch, layers done, layers): after each layer's comparison; on_batch(batch): after each
-    batch's."""
+    batch's; routing: its routers watched through both passes and compared (analysis/routing.py)."""
+
+    def watched(key: str, side: Side) -> Any:
+        return routing.capturing(key, side.model) if routing is not None else contextlib.nullcontext()
+
     kinds = leaf_layers(reference.model)
     cand_modules = dict(candidate.model.named_modules())
     names = [n for n in kinds if n in cand_modules] if per_layer else []
@@ -205,14 +211,18 @@ def measure(reference: Side, candidate: Side, loss: Callable[[nn.Module, Any], t
     shared = {id(reference.model): _shared_parameters(reference.model),
               id(candidate.model): _shared_parameters(candidate.model)}
     for done, batch in enumerate(batches, start=1):
-        ref_seen, ref_loss, ref_grads = _forward_backward(reference, loss, batch, names)
-        cand_seen, cand_loss, cand_grads = _forward_backward(candidate, loss, batch, names)
+        ref_seen, ref_loss, ref_grads = _forward_backward(reference, loss, batch, names, watched("reference",
+                                                                                                reference))
+        cand_seen, cand_loss, cand_grads = _forward_backward(candidate, loss, batch, names, watched("candidate",
+                                                                                                 candidate))
         while candidate.scale > 1 and not all(bool(torch.isfinite(g).all()) for g in cand_grads.values()):
             # a scaled backward that overflows: its training would skip the step and halve the scale (GradScaler's
             # backoff), until the gradient is finite; the scale it ends at is the one compared under
             candidate.scale /= 2
             model.backoffs += 1
             cand_seen, cand_loss, cand_grads = _forward_backward(candidate, loss, batch, names)
+        if routing is not None:
+            routing.compare(candidate.model, candidate.enter, candidate.forward_context)
         model.losses.append((ref_loss, cand_loss))
         _add_gradients(model, ref_grads, cand_grads, candidate.scale)
         for index, name in enumerate(names, start=1):
@@ -226,10 +236,10 @@ def measure(reference: Side, candidate: Side, loss: Callable[[nn.Module, Any], t
     return layers, model
 
 
-def _forward_backward(side: Side, loss: Callable, batch: Any, names: list[str]) -> tuple[
-        dict[str, _Seen], float, dict[str, torch.Tensor]]:
+def _forward_backward(side: Side, loss: Callable, batch: Any, names: list[str],
+                      around: Any = None) -> tuple[dict[str, _Seen], float, dict[str, torch.Tensor]]:
     side.model.zero_grad(set_to_none=True)
-    with side.enter(), _Capture(side.model, names) as capture:
+    with side.enter(), _Capture(side.model, names) as capture, around or contextlib.nullcontext():
         with side.forward_context():
             value = loss(side.model, batch)
         (value * side.scale).backward()

@@ -48,6 +48,8 @@ class Router(nn.Module):
     """Token-choice top-k routing. Its gate is an nn.Linear (`<block>.mlp.router.gate`: a rule names it, a converter
     may convert it); the scores are computed in fp32, as practice computes them (torchtitan, DeepSeek-V3)."""
 
+    ampctl_router = True  # `ampctl diff` counts the tokens its top-k sends elsewhere (analysis/routing.py)
+
     def __init__(self, d_model: int, experts: int, top_k: int, score: str, route_norm: bool) -> None:
         super().__init__()
         self.gate = nn.Linear(d_model, experts, bias=False)
@@ -133,8 +135,13 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def balance_loss(model: nn.Module) -> torch.Tensor:
-    """The mean of the model's MoE layers' load-balancing losses of their last forward."""
-    losses = [layer.balance_loss for layer in moe_layers(model) if layer.balance_loss is not None]
+    """The mean of the model's MoE layers' load-balancing losses of their last forward, taken from them (a layer
+    holds no graph past its loss: a copy of the model, an evaluation, do not keep it alive)."""
+    losses = []
+    for layer in moe_layers(model):
+        if layer.balance_loss is not None:
+            losses.append(layer.balance_loss)
+            layer.balance_loss = None
     return torch.stack(losses).mean()
 
 

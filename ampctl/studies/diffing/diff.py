@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -17,6 +17,7 @@ from rich.console import Console
 
 from ampctl import io, run_files
 from ampctl.analysis.layer_errors import QUANTITIES, LayerErrors, ModelErrors, Side, leaf_layers, measure
+from ampctl.analysis.routing import RoutingWatch
 from ampctl.conf.composing import compose_job
 from ampctl.engine.build import build_state
 from ampctl.engine.loop import batch_stream
@@ -68,12 +69,14 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
     batches = list(itertools.islice(batch_stream(recipe, device, cfg.train.seed), cfg.diff.batches))
     theirs = dict(cand.model.named_modules())
     compared = sum(name in theirs for name in leaf_layers(reference.model))
+    routing = RoutingWatch(reference.model, cand.model)  # a mixture of experts' routers: the tokens they flip
     with ticking(console, len(batches) * compared, "through both, layer by layer") as tick:
         layers, model = measure(
             reference, cand, recipe.loss, batches,
             on_batch=lambda done: phase(f"batch {done}/{len(batches)} through both, layer by layer"),
             on_layer=lambda batch, done, of: tick((batch - 1) * of + done, f"batch {batch}/{len(batches)}, layer "
-                                                                           f"{done}/{of}:"))
+                                                                           f"{done}/{of}:"),
+            routing=routing if routing.flips else None)
     out_dir.mkdir(parents=True, exist_ok=True)
     # the layers converted: a repair that raises them all leaves no format
     summary = ModelSummary.of(model, candidate, against, cfg.diff.noise_share, cand.scale, sorted(policy.converted))
@@ -81,7 +84,8 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
     report = DiffReport(table, summary, candidate, against, cfg.diff.noise_share, cfg.diff.top, overrides,
                         tables.machine_info([{"device": device.type}]),
                         f"recipe={plots.recipe_label(cfg)} · {candidate} against {against} · "
-                        f"{io.count_of(len(batches), 'batch')}", repairs=cfg.diff.repair, proves=prove is not None)
+                        f"{io.count_of(len(batches), 'batch')}", repairs=cfg.diff.repair, proves=prove is not None,
+                        routing=routing.results())
     if cfg.diff.repair and summary.gradient_noise:
         def measure_candidate(variant: DictConfig) -> ModelErrors:
             return measure(reference, _side(variant, recipe, saved)[0], recipe.loss, batches, per_layer=False)[1]
@@ -223,10 +227,21 @@ class DiffReport:
     proof: Optional[Proof] = None  # where diff.prove=true
     repairs: bool = False  # diff.repair and diff.prove as the diff ran: what the next step says
     proves: bool = False
+    routing: list[dict] = field(default_factory=list)  # each router's flips (analysis/routing.py), where it has any
+
+    def routing_lines(self) -> list[str]:
+        """The routers that send the most tokens elsewhere, each in a line (all of them in diff.json)."""
+        worst = sorted(self.routing, key=lambda r: -r["flipped"])[:3]
+        lines = [f"routing {r['router']}: {r['flipped']:.1%} of {r['tokens']} tokens go to other experts in "
+                 f"{self.candidate} ({r['own_flipped']:.1%} by the router alone, on {self.against}'s input); its "
+                 f"scores' error {error_cell(r['scores_error'])}" for r in worst]
+        if len(self.routing) > len(worst):
+            lines.append(f"routing: {len(self.routing) - len(worst)} more routers in diff.json")
+        return lines
 
     def write(self, out_dir: Path, console: Console, files_only: bool = False) -> None:
         """diff.csv, diff.json, report.md and the plot, and (unless files_only) the table and its lines."""
-        lines = self.summary.lines()
+        lines = self.summary.lines() + self.routing_lines()
         if self.repair is not None:
             lines += repair_lines(self.repair, self.summary, out_dir)
         if self.proof is not None:
@@ -238,7 +253,8 @@ class DiffReport:
         extra = {"kind": "diff", "context": self.context, "overrides": self.overrides, "candidate": self.candidate,
                  "against": self.against, "noise_share": self.noise_share, "top": self.top,
                  "model": asdict(self.summary), "repair": self.repair.to_json() if self.repair else None,
-                 "proof": asdict(self.proof) if self.proof else None, "repairs": self.repairs, "proves": self.proves}
+                 "proof": asdict(self.proof) if self.proof else None, "repairs": self.repairs, "proves": self.proves,
+                 "routing": self.routing}
         files = tables.write_files(self.layers, out_dir, run_files.DIFF, self.machine, images, extra)
         if files_only:
             return
@@ -267,7 +283,7 @@ class DiffReport:
                    data["top"], data.get("overrides", []), data["machine"], data.get("context", ""),
                    Repair.of(repair) if repair else None, Proof(**proof) if proof else None,
                    data.get("repairs", data.get("repair") is not None),
-                   data.get("proves", data.get("proof") is not None))
+                   data.get("proves", data.get("proof") is not None), data.get("routing", []))
 
 
 def next_step_lines(summary: ModelSummary, repair: Optional[Repair], repairs: bool, proves: bool) -> list[str]:
