@@ -8,6 +8,7 @@ constants; docstrings and messages may say the names.
       ranges.jsonl         telemetry.ranges_every's per-layer value ranges (analysis/ranges.py)
       diffs.jsonl          train.diff.every's per-layer error against fp32 (runner/layer_error_log.py)
       blocks.jsonl         telemetry.blocks_every's block scales per layer and operand (analysis/block_scales.py)
+      experts.jsonl        a mixture of experts' load per layer, telemetry.experts_every (analysis/expert_load.py)
       escalations.jsonl    guard.on_trip=escalate's escalations: layers raised, from which step
                            (runner/guarding/escalation.py)
       summary.json         what ran, and its figures, when it ends (runner/run.py)
@@ -32,6 +33,7 @@ EVALS = "evals.jsonl"
 RANGES = "ranges.jsonl"
 LAYER_ERRORS = "diffs.jsonl"
 BLOCKS = "blocks.jsonl"
+EXPERTS = "experts.jsonl"
 ESCALATIONS = "escalations.jsonl"
 SUMMARY = "summary.json"
 DIAGNOSIS = "diagnosis.json"
@@ -43,7 +45,7 @@ LOCK = ".ampctl.lock"
 HYDRA = ".hydra"
 
 # appended to step by step; a resume cuts them back to its checkpoint
-ROWS = (METRICS, EVALS, RANGES, LAYER_ERRORS, BLOCKS, ESCALATIONS)
+ROWS = (METRICS, EVALS, RANGES, LAYER_ERRORS, BLOCKS, EXPERTS, ESCALATIONS)
 RECORDS = (*ROWS, SUMMARY, DIAGNOSIS)  # what a run recorded: another run never replaces them
 # the studies' table stems: comparison.json, memory.json, ranges.json are their records
 COMPARISON, MEMORY, INSPECTION, ADVICE, DIFF = "comparison", "memory", "ranges", "advice", "diff"

@@ -43,12 +43,15 @@ class TelemetryConfig:
     # every N steps, per block-scaled layer (MXFP8, MXFP4, NVFP4) and operand, its block scales' figures into
     # blocks.jsonl and the trackers (analysis/block_scales.BlocksLog)
     blocks_every: Optional[int] = None
+    # every N steps, a mixture of experts' load (each expert's share of the tokens, the busiest's over the mean) into
+    # experts.jsonl, the trackers and the live line (analysis/expert_load.py); null: on every log step
+    experts_every: Optional[int] = None
     # on a CPU, measure peak memory with torch's memory profiler over the build and steps 1-2 (well under 1 s);
     # on CUDA the allocator's peak is always read, for free
     profile_cpu_memory: bool = safe_to_change(True)
 
     def __post_init__(self) -> None:
-        for key in ("ranges_every", "blocks_every"):
+        for key in ("ranges_every", "blocks_every", "experts_every"):
             every = getattr(self, key)
             require(every is None or every >= 1, f"telemetry.{key}", every, "an integer >= 1, or null")
 

@@ -98,10 +98,15 @@ class MoE(nn.Module):
     experts x sum_e f_e P_e (f_e: the share of routed tokens expert e got; P_e: its mean normalized score), 1 when
     balanced."""
 
+    ampctl_experts = True  # its load is read over training (analysis/expert_load.py): tokens_per_expert
+
     def __init__(self, d_model: int, experts: int, top_k: int, hidden: int, shared: int, score: str,
                  route_norm: bool, grouped: bool) -> None:
         super().__init__()
         self.experts_count, self.top_k = experts, top_k
+        # the tokens each expert was sent by the training forwards since it was last read, on the device (a buffer:
+        # it moves with the model; not persistent: a checkpoint does not need it)
+        self.register_buffer("tokens_per_expert", torch.zeros(experts), persistent=False)
         self.router = Router(d_model, experts, top_k, score, route_norm)
         self.experts = GroupedExperts(experts, d_model, hidden, grouped)
         width = hidden * shared
@@ -124,6 +129,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         self.load = counts.detach()
+        if self.training:
+            self.tokens_per_expert += self.load
         share = counts.to(scores.dtype) / flat.numel()
         mean_score = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
         self.balance_loss = self.experts_count * (share * mean_score).sum()

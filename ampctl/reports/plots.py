@@ -355,3 +355,26 @@ def block_scale_heatmap(rows: Sequence[dict[str, Any]], path: Path, title: str) 
     fig.suptitle(title)
     fig.colorbar(image, ax=list(axes), label="share of values flushed to zero")
     return save_figure(fig, path)
+
+
+def expert_load_curves(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
+    """A mixture of experts' load over training (experts.jsonl): each MoE layer's busiest expert over the mean at each
+    read (1: balanced), and each layer's experts' shares of the tokens over the last interval."""
+    layers = list(rows[-1]["layers"])
+    fig, (over, shares) = pyplot().subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    steps = [row["step"] for row in rows]
+    for i, name in enumerate(layers):
+        over.plot(steps, [row["layers"].get(name, {}).get("max_over_mean") for row in rows], label=name,
+                  color=f"C{i % 10}", linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=1.2)
+    over.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    over.set(xlabel="step", ylabel="busiest expert's tokens / mean", title="load balance")
+    over.grid(alpha=0.3)
+    grid = [rows[-1]["layers"][name]["shares"] for name in layers]
+    image = shares.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0)
+    shares.set_yticks(range(len(layers)), layers, fontsize=7)
+    shares.set(xlabel="expert", title=f"shares of the tokens, step {steps[-1]}")
+    fig.colorbar(image, ax=shares, label="share")
+    over.legend(fontsize=7, loc="upper left")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return save_figure(fig, path)

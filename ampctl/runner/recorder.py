@@ -99,6 +99,7 @@ class Recorder:
     def sinks(self, console_mode: Any, total_steps: int, tokens: bool,
               peak_memory: Callable[[], Optional[int]], scaled: bool = True) -> list[Sink]:
         console = make_console_sink(console_mode, total_steps, tokens, peak_memory, scaled)
+        self.console = console  # what a log adds to the next line (the experts' load) goes to it
         # before the console: a log interval's skips and scale changes are said before its step's line
         self.scale_story = ScaleStory(self.echo)
         return [JsonlSink(self.run_dir / run_files.METRICS), *([self.trackers] if self.trackers is not None else []),
@@ -129,6 +130,20 @@ class Recorder:
                 self.trackers.write_block_scales(row)
 
         return BlocksLog(state.model, every, self.run_dir / run_files.BLOCKS, written)
+
+    def experts_log(self, state: TrainState, every: int):
+        """A mixture of experts' load (experts.jsonl, the trackers' experts/..., the live line), or None."""
+        from ampctl.analysis.expert_load import ExpertLoadLog
+
+        def written(row: dict[str, Any]) -> None:
+            if self.trackers is not None:
+                self.trackers.write_expert_load(row)
+
+        def shown(text: str) -> None:
+            if getattr(self, "console", None) is not None:
+                self.console.notes["load"] = text
+
+        return ExpertLoadLog(state.model, every, self.run_dir / run_files.EXPERTS, written, shown) or None
 
     def ranges_log(self, state: TrainState, device: Any, every: Optional[int]):
         """telemetry.ranges_every's per-layer value ranges (ranges.jsonl), or None."""
@@ -221,6 +236,9 @@ class NoRecorder(Recorder):
         return None
 
     def blocks_log(self, *_args: Any):
+        return None
+
+    def experts_log(self, *_args: Any):
         return None
 
     def write_summary(self, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -222,6 +222,8 @@ class TrainingRun:
 
         ranges_log = recorder.ranges_log(state, self.policy.device, cfg.telemetry.ranges_every)
         blocks_log = recorder.blocks_log(state, cfg.telemetry.blocks_every)
+        experts_log = recorder.experts_log(state, cfg.telemetry.experts_every
+                                           or min(cfg.train.log_every, cfg.train.steps))  # null: every log step
         announce_stop = "after this step" if parallel.world_size == 1 else "at the next log step (all ranks together)"
         self.steps_began_at = time.time()  # a sweep's report tells from it which jobs overlapped
         self.load_at_start = machine_load.sample()  # what other processes take of the machine while it steps
@@ -231,7 +233,7 @@ class TrainingRun:
                     as stop, self.profiler, watchdog:
                 hooks = FitHooks(after_step=after_step,
                                  stop_requested=stop_agreement(parallel, stop, state, cfg.train.log_every))
-                watches = [log.around for log in (ranges_log, blocks_log) if log]
+                watches = [log.around for log in (ranges_log, blocks_log, experts_log) if log]
                 if watches:
                     hooks.around_step = functools.partial(_all_around, watches)
                 finished = fit(state, self.recipe, self.policy, self.settings, telemetry, until, cfg.train.seed,

@@ -4,6 +4,8 @@ line."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -57,8 +59,45 @@ def test_every_kind_of_mode_trains_the_moe_recipe(tmp_path, precision):
 def test_the_start_line_says_the_routers_run_in_fp32_by_the_models_rule(tmp_path, capsys):
     from ampctl.cli import main
 
-    main(["train", *TINY, "precision=bf16", "train.steps=1", "train.console=plain", f"hydra.run.dir={tmp_path}"])
+    main(["train", *TINY, "precision=bf16", "train.steps=5", "train.console=plain", f"hydra.run.dir={tmp_path}"])
     out = capsys.readouterr().out
     assert "rules=[type=Router run_in=fp32 (the model's)]" in out
     assert "blocks.*.mlp.router.gate x2  Linear          float32   model's" in out
     assert "blocks.*.mlp.experts x2      GroupedExperts  bfloat16  mode" in out
+    assert "| load " in out  # the busiest expert's tokens over the mean, on the live line
+
+
+def test_the_tokens_each_expert_got_are_the_hand_count(tmp_path):
+    """experts.jsonl's first row (step 1: the initial weights, the first batch) against the experts each token's
+    router chose in a hand-run forward of the same model and batch; the summary's load is its rows' mean."""
+    summary, _ = train_here(tmp_path, "precision=fp32", "train.log_every=1", "telemetry.experts_every=1", *GOLDEN,
+                            base=TINY)
+    rows = [json.loads(line) for line in (tmp_path / "experts.jsonl").read_text().splitlines()]
+    recipe = MoERecipe(**SIZES)
+    torch.manual_seed(3)
+    model = recipe.build_model()
+    chosen = {}
+    for name, router in ((n, m) for n, m in model.named_modules() if isinstance(m, Router)):
+        router.register_forward_hook(lambda m, a, out, name=name: chosen.update({name.rsplit(".", 1)[0]: out[2]}))
+    idx, _ = next(recipe.batches(torch.device("cpu"), seed=3))
+    model(idx)
+    for layer, experts in chosen.items():
+        counts = [sum(int(e) == expert for e in experts.reshape(-1)) for expert in range(SIZES["experts"])]
+        assert rows[0]["layers"][layer]["shares"] == [c / sum(counts) for c in counts]
+        assert rows[0]["layers"][layer]["max_over_mean"] == max(counts) / (sum(counts) / len(counts))
+    assert [row["step"] for row in rows] == list(range(1, 13))
+    assert summary["expert_load"] == pytest.approx(sum(r["max_over_mean"] for r in rows) / len(rows))
+
+
+def test_compare_says_how_the_load_balance_differs_between_modes(tmp_path):
+    import csv
+
+    from ampctl.cli import main
+
+    sizes = [o for o in TINY if o.startswith("recipe")]
+    main(["compare", *sizes, "device=cpu", "train.steps=6", "train.log_every=2", "compare.precisions=[fp32,bf16]",
+          "compare.rounds=1", "compare.warmup_steps=1", f"hydra.run.dir={tmp_path}"])
+    rows = {r["precision"]: r for r in csv.DictReader((tmp_path / "comparison.csv").open())}
+    for mode in ("fp32", "bf16"):
+        summary = json.loads((tmp_path / mode / "summary.json").read_text())
+        assert float(rows[mode]["expert_load"]) == pytest.approx(summary["expert_load"]) and summary["expert_load"] >= 1

@@ -62,7 +62,7 @@ def test_the_live_table_fits_80_columns_by_dropping_whole_columns_never_cutting_
     console = Console(file=stdio.StringIO(), width=80, force_terminal=True, color_system=None)
     cells = {"step": "123456", "loss": "2.3457", "loss scale": "2^16", "skipped": "12 (last 123400)",
              "throughput": "1953.1k samples/s", "step time": "123.4 ms", "grad norm": "1.5", "peak mem": "12.3 GiB",
-             "lr": "0.0003", "MFU": "45.7%"}
+             "lr": "0.0003", "MFU": "45.7%", "load": "1.42x"}
     console.print(fit_columns(cells, 80, console))
     lines = console.file.getvalue().splitlines()
     assert max(len(line) for line in lines) <= 80 and "…" not in "".join(lines)

@@ -136,6 +136,7 @@ class PlainConsole:
         self.latest = _Latest(tokens)
         self.pace = Pace(total_steps)
         self.peak_memory = peak_memory
+        self.notes: dict[str, str] = {}  # what a log adds to the line (the experts' load: `load 1.42x`)
 
     def write(self, records: list[StepRecord]) -> None:
         self.latest.update(records)
@@ -149,7 +150,8 @@ class PlainConsole:
                else "")
             + f"grad_norm {r.grad_norm:.3g} | lr {r.lr:.3g} | "
             f"{self.latest.throughput(why_busy=True)}{'' if r.mfu is None else f' | MFU {self.latest.mfu()}'} | "
-            f"{r.step_time_ms:.1f} ms/step | peak {io.format_bytes(self.peak_memory(), decimals=1)} | "
+            + "".join(f"{note} | " for note in self.notes.values())
+            + f"{r.step_time_ms:.1f} ms/step | peak {io.format_bytes(self.peak_memory(), decimals=1)} | "
             f"eta {format_duration(self.pace.remaining_s(r.step))}"
         )
 
@@ -176,8 +178,8 @@ class EtaColumn(ProgressColumn):
 
 # The live table's columns, most important first: on a narrow terminal the last ones go, whole (a number cut
 # to "1953…" is worse than no number).
-LIVE_COLUMNS = ("step", "loss", "loss scale", "skipped", "throughput", "step time", "grad norm", "peak mem", "lr",
-                "MFU")
+LIVE_COLUMNS = ("step", "loss", "loss scale", "skipped", "throughput", "step time", "load", "grad norm", "peak mem",
+                "lr", "MFU")
 
 
 def fit_columns(cells: dict[str, Any], width: int, console: Console) -> Table:
@@ -205,6 +207,7 @@ class LiveConsole:
         scaled: bool = True
     ) -> None:
         self.console, self.scaled = console, scaled
+        self.notes: dict[str, str] = {}  # what a log adds to the table (the experts' load: `load 1.42x`)
         self.latest = _Latest(tokens)
         self.pace = Pace(total_steps)
         self.peak_memory = peak_memory
@@ -244,6 +247,8 @@ class LiveConsole:
         }
         if r.mfu is not None:
             cells["MFU"] = self.latest.mfu()
+        if "load" in self.notes:
+            cells["load"] = self.notes["load"].removeprefix("load ")
         return {name: cell for name, cell in cells.items() if name not in unscaled}
 
     def _render(self) -> Group:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from ampctl import machine_load, run_files
-from ampctl.analysis import mode_advice
+from ampctl.analysis import expert_load, mode_advice
 from ampctl.conf import precision_schedule
 from ampctl.conf.precision_schema import scaler_is_active
 from ampctl.engine import determinism, devices, optimizer_states
@@ -120,6 +120,8 @@ def summary_of(run: Any) -> dict:
         "training_window": [round(run.steps_began_at, 3), round(time.time(), 3)],
         # the cores other processes kept busy meanwhile: above a quarter of the machine its speed is not its own
         "others_cpu_cores": machine_load.others_cores(run.load_at_start, machine_load.sample()),
+        # a mixture of experts' load: the busiest expert's tokens over the mean, the worst layer's, over the run
+        "expert_load": expert_load.over_the_run(run_dir / run_files.EXPERTS),
         # guard.on_trip=escalate's: the layers raised and from which step (escalations.jsonl holds each whole)
         "escalations": [{key: row[key] for key in ("number", "tripped_at", "step", "raised", "reason", "evidence")}
                         for row in escalation_rules.recorded(run_dir)],

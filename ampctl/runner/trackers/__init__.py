@@ -21,6 +21,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from ampctl import io, run_files
+from ampctl.analysis.expert_load import expert_load_values
 from ampctl.conf.messages import one_line
 from ampctl.conf.options import typed_options
 from ampctl.engine.telemetry import StepRecord
@@ -161,6 +162,12 @@ class Trackers:
         """telemetry.blocks_every's measurement (a blocks.jsonl row), as blocks/... scalars; waits as an evaluation
         does."""
         self._waiting_evals.append(("write_block_scales", block_scale_values(row)))
+        if self._started:
+            self._write_waiting_evals()
+
+    def write_expert_load(self, row: dict[str, Any]) -> None:
+        """A mixture of experts' load (an experts.jsonl row), as experts/... scalars; waits as an evaluation does."""
+        self._waiting_evals.append(("write_expert_load", expert_load_values(row)))
         if self._started:
             self._write_waiting_evals()
 

@@ -139,6 +139,10 @@ class Tracker:
         """telemetry.blocks_every's measurement (block_scale_values' row): scalars at the step, as an evaluation's."""
         self.write_eval(row)
 
+    def write_expert_load(self, row: dict[str, Any]) -> None:
+        """A mixture of experts' load (expert_load_values' row): scalars at the step, as an evaluation's."""
+        self.write_eval(row)
+
     def flush(self) -> None:
         pass
 

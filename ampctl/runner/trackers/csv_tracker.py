@@ -79,6 +79,10 @@ class CsvTracker(Tracker):
         """Into <file>_blocks.csv: blocks/<layer>/<operand>/flushed, .../saturated, .../error."""
         self._append(self._side_path("blocks"), row["step"], {k: v for k, v in row.items() if k != "step"})
 
+    def write_expert_load(self, row: dict[str, Any]) -> None:
+        """Into <file>_experts.csv: experts/max_over_mean, experts/<layer>/max_over_mean."""
+        self._append(self._side_path("experts"), row["step"], {k: v for k, v in row.items() if k != "step"})
+
     def _append(self, path: Path, step: int, values: dict[str, Any]) -> None:
         """A row of a side file whose columns are its rows' (a file of other columns begins again)."""
         columns = ["step", *values]

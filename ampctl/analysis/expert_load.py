@@ -1,0 +1,90 @@
+"""The tokens each expert gets, over training (a mixture of experts' load): every MoE layer (a module whose class sets
+`ampctl_experts = True` and holds `tokens_per_expert`, the tokens its experts were sent since it was last read, added
+up on the device by its training forwards) read every N steps of `ampctl train` (telemetry.experts_every; by default
+on every log step), in one transfer, then set to zero: per layer, each expert's share of the tokens routed in those
+steps and the busiest expert's load over the mean (1 when balanced), to experts.jsonl, the trackers (experts/...) and
+the live line (`load 1.42x`: the worst layer's). Shares and ratios, not counts:
+activation checkpointing runs a forward twice, which doubles every count alike."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import nn
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if getattr(type(m), "ampctl_experts", False)]
+
+
+def load_row(step: int, counts: dict[str, list[float]]) -> dict[str, Any]:
+    """experts.jsonl's row of the counts read at `step` (layer -> tokens per expert)."""
+    layers = {}
+    for name, tokens in counts.items():
+        total = sum(tokens)
+        mean = total / len(tokens)
+        layers[name] = {"shares": [t / total if total else 0.0 for t in tokens],
+                        "max_over_mean": max(tokens) / mean if mean else None}
+    ratios = [layer["max_over_mean"] for layer in layers.values() if layer["max_over_mean"] is not None]
+    return {"step": step, "max_over_mean": max(ratios) if ratios else None, "layers": layers}
+
+
+class ExpertLoadLog:
+    """Reads the MoE layers' load after every N-th step (around it: before the step's records are written, so that
+    the live line that shows them shows its load) and writes its row; the other steps read nothing."""
+
+    def __init__(self, model: nn.Module, every: int, path: Path, written: Callable[[dict[str, Any]], None],
+                 shown: Callable[[str], None]) -> None:
+        self._layers = moe_layers(model)
+        self._every, self._path, self._written, self._shown = every, path, written, shown
+        for _, layer in self._layers:  # what an earlier timeline (a resume, an escalation) left uncounted
+            layer.tokens_per_expert.zero_()
+
+    def __bool__(self) -> bool:
+        return bool(self._layers)
+
+    @contextlib.contextmanager
+    def around(self, step: int) -> Iterator[None]:
+        yield
+        if step % self._every or not self._layers:
+            return
+        stacked = torch.stack([layer.tokens_per_expert for _, layer in self._layers])
+        counts = dict(zip((name for name, _ in self._layers), stacked.tolist()))  # one transfer
+        for _, layer in self._layers:
+            layer.tokens_per_expert.zero_()
+        row = load_row(step, counts)
+        with self._path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        self._written(row)
+        if row["max_over_mean"] is not None:
+            self._shown(f"load {row['max_over_mean']:.2f}x")
+
+
+def expert_load_values(row: dict[str, Any]) -> dict[str, Any]:
+    """An experts.jsonl row as a tracker's scalars: experts/max_over_mean and experts/<layer>/max_over_mean."""
+    values: dict[str, Any] = {"step": row["step"], "experts/max_over_mean": row["max_over_mean"]}
+    for layer, figures in row["layers"].items():
+        values[f"experts/{layer}/max_over_mean"] = figures["max_over_mean"]
+    return values
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """experts.jsonl's rows (a line cut by a kill passed over)."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def over_the_run(path: Path) -> Optional[float]:
+    """summary.json's expert_load: the mean over the run's rows of the worst layer's busiest-over-mean load (None: no
+    mixture of experts, or no row); each row weighs its interval alike."""
+    ratios = [row["max_over_mean"] for row in read_rows(path) if row.get("max_over_mean") is not None]
+    return sum(ratios) / len(ratios) if ratios else None
