@@ -14,9 +14,10 @@ the CPU is measured again, and an MFU above 100% is never reported.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -70,12 +71,25 @@ def model_flops_per_step(recipe: Any, batch: Any, grad_accum_steps: int) -> int:
     raise_swallowed_signal()  # the counter imports triton where it can: a Ctrl-C inside that import is lost there
     with torch.device("meta"), building_model(recipe):
         model = recipe.build_model()
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake, sdpa_kernel(SDPBackend.MATH):
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, sdpa_kernel(SDPBackend.MATH), _fake_tensor_quiet():
         fake_batch = io.map_tensors(batch, lambda t: fake.from_tensor(torch.empty_like(t, device="meta")))
         counter = FlopCounterMode(display=False)
         with counter:
             recipe.loss(model, fake_batch).backward()
     return int(counter.get_total_flops()) * grad_accum_steps
+
+
+@contextlib.contextmanager
+def _fake_tensor_quiet() -> Iterator[None]:
+    """torch logs an op's failure on fake tensors with its traceback (a transformers MoE's grouped_mm in fp32) before
+    it raises; the failure is the count's, said in one line in model_flops_source, not a traceback on the terminal."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def matmul_dtype(precision: Any) -> str:

@@ -4,7 +4,8 @@ a token to another expert, and its whole output changes), end to end and by the 
 on the reference's own input: what its own precision does), and its scores' error.
 
 A router is a module whose class sets `ampctl_router = True` and whose forward(x) returns (scores, weights, chosen):
-every expert's score per token, the top-k weights and the experts chosen (recipes/moe.py's Router; a user's alike)."""
+every expert's score per token, the top-k weights and the experts chosen (recipes/moe.py's Router; a user's alike);
+transformers' `*TopKRouter` classes return theirs in the same places."""
 
 from __future__ import annotations
 
@@ -18,9 +19,15 @@ from torch import nn
 from ampctl.analysis.error_sums import ErrorSums
 
 
+def is_router(module: nn.Module) -> bool:
+    """ampctl's protocol, or transformers' routers (MixtralTopKRouter, Qwen3MoeTopKRouter: their forward returns
+    (logits, top-k weights, top-k experts), the scores compared then being the logits)."""
+    return bool(getattr(type(module), "ampctl_router", False)) or type(module).__name__.endswith("TopKRouter")
+
+
 def routers(model: nn.Module) -> list[str]:
     """The model's routers, by name, in the order they run."""
-    return [name for name, module in model.named_modules() if getattr(type(module), "ampctl_router", False)]
+    return [name for name, module in model.named_modules() if is_router(module)]
 
 
 def differing(chosen: torch.Tensor, other: torch.Tensor) -> int:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampctl.conf.messages import did_you_mean
+from ampctl.conf.precision_schema import LayerRule
 from ampctl.errors import ConfigError, UsageError
 from ampctl.recipes.base import plain_dict, require_positive
 from ampctl.recipes.libraries import import_library, library_calls
@@ -47,6 +48,7 @@ WELL_KNOWN_TYPES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemm
 
 
 RECIPE = "recipe=hf_causal_lm"
+ROUTERS_IN_FP32 = [LayerRule(run_in="fp32", type="*TopKRouter")]  # transformers' MoE routers: as recipe=moe keeps its
 
 
 def import_transformers() -> Any:
@@ -210,10 +212,13 @@ class HFCausalLMRecipe:
         transformers = import_transformers()
         try:
             with library_calls(RECIPE):
-                return transformers.AutoModelForCausalLM.from_config(self.model_config,
-                                                                     attn_implementation=self.attn_implementation)
+                model = transformers.AutoModelForCausalLM.from_config(self.model_config,
+                                                                      attn_implementation=self.attn_implementation)
         except ValueError as exc:  # a size the architecture cannot take
             raise UsageError(f"recipe.model_type={self.model_type}: {_root_cause(exc)}") from None
+        if any(type(m).__name__.endswith("TopKRouter") for m in model.modules()):  # a mixture of experts (Mixtral...)
+            model.ampctl_rules = ROUTERS_IN_FP32  # its routers in fp32, after the mode's rules, as recipe=moe's
+        return model
 
     def activation_checkpoint_blocks(self, model: nn.Module) -> list[nn.Module]:
         """The model's no-split modules (its decoder layers), as transformers names them for device maps."""

@@ -178,3 +178,19 @@ def test_a_schedule_that_cannot_run(tmp_path, capsys, restore_argv, schedule, ex
     err = refused(tmp_path, capsys, "recipe=mlp", "device=cpu", "precision=nvfp4", f"precision.schedule={schedule}",
                   *extra)
     assert said in err, err
+
+
+@pytest.mark.parametrize("overrides,said", [
+    (["recipe.top_k=9"], "recipe.top_k=9 is not allowed: expected an integer in [1, recipe.experts=8]"),
+    (["recipe.d_model=40", "recipe.n_heads=4"], "recipe.d_model=40 is not allowed: expected a positive multiple of 16"),
+    (["recipe.score=relu"], "recipe.score='relu' is not allowed: expected softmax | sigmoid"),
+    (["precision=bf16", "precision.rules=[{type: Router, run_in: fp32}]", "recipe=gpt"],
+     "matches no layer of this model"),
+    (["precision=fp8_emulated", "precision.options.scaling=delayed"], "scaling=delayed with the grouped experts"),
+])
+def test_a_mixture_of_experts_that_cannot_run(tmp_path, capsys, restore_argv, overrides, said):
+    """More experts chosen than there are, a width the grouped GEMM cannot align, a score it does not know, a rule on
+    routers where the model has none, FP8's delayed scaling on grouped experts: one line, exit 2, nothing written."""
+    err = refused(tmp_path, capsys, "recipe=moe", "device=cpu", "recipe.max_corpus_bytes=100000", "recipe.n_layers=1",
+                  *overrides)
+    assert said in err, err

@@ -101,3 +101,19 @@ def test_compare_says_how_the_load_balance_differs_between_modes(tmp_path):
     for mode in ("fp32", "bf16"):
         summary = json.loads((tmp_path / mode / "summary.json").read_text())
         assert float(rows[mode]["expert_load"]) == pytest.approx(summary["expert_load"]) and summary["expert_load"] >= 1
+
+
+def test_a_transformers_mixture_of_experts_keeps_its_routers_in_fp32_and_diff_sees_them(tmp_path, capsys):
+    """recipe=hf_causal_lm recipe.model_type=mixtral: transformers' own MoE (its TopKRouter, its fused experts)."""
+    pytest.importorskip("transformers")
+    from ampctl.cli import main
+
+    small = ["recipe=hf_causal_lm", "recipe.model_type=mixtral", "recipe.batch_size=2", "recipe.block_size=32",
+             "recipe.max_corpus_bytes=100000", "+recipe.config.num_hidden_layers=2", "device=cpu"]
+    main(["train", *small, "precision=bf16", "train.steps=1", "train.console=plain", f"hydra.run.dir={tmp_path / 't'}"])
+    out, err = capsys.readouterr()
+    assert "rules=[type=*TopKRouter run_in=fp32 (the model's)]" in out and "Traceback" not in err
+    main(["diff", *small, "precision=bf16", "diff.batches=2", f"hydra.run.dir={tmp_path / 'd'}"])
+    routing = json.loads((tmp_path / "d" / "diff.json").read_text())["routing"]
+    assert [r["router"] for r in routing] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert all(r["tokens"] == 2 * 2 * 32 and r["own_flipped"] == 0.0 for r in routing)  # fp32 routers: none of their own
