@@ -116,4 +116,5 @@ def test_a_transformers_mixture_of_experts_keeps_its_routers_in_fp32_and_diff_se
     main(["diff", *small, "precision=bf16", "diff.batches=2", f"hydra.run.dir={tmp_path / 'd'}"])
     routing = json.loads((tmp_path / "d" / "diff.json").read_text())["routing"]
     assert [r["router"] for r in routing] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
-    assert all(r["tokens"] == 2 * 2 * 32 and r["own_flipped"] == 0.0 for r in routing)  # fp32 routers: none of their own
+    # routers kept in fp32: none flipped by their own precision
+    assert all(r["tokens"] == 2 * 2 * 32 and r["own_flipped"] == 0.0 for r in routing)
