@@ -212,3 +212,42 @@ def test_fp8s_delayed_scaling_on_grouped_experts_is_refused_in_one_line():
     converter = Fp8EmulatedConverter(Fp8EmulatedOptions(scaling=Fp8Scaling.delayed), torch.device("cpu"))
     with pytest.raises(UsageError, match="scaling=delayed with the grouped experts blocks.0.mlp.experts"):
         converter.convert(GroupedExperts(2, 32, 32), "blocks.0.mlp.experts", "fp8_emulated")
+
+
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+def test_torchaos_mxfp8_grouped_gemm_equals_the_emulation_on_the_experts(scale_mode):
+    """torchao 0.18's MXFP8 grouped path (quantize_ with MXFP8TrainingOpConfig on the experts: their (experts, out,
+    in) weights used transposed, KernelPreference.EMULATED, token groups padded to 32) runs on a CPU in bf16; on
+    bf16 values, its forward, input and weight gradients equal ampctl's emulation rounded to bf16, bit for bit."""
+    pytest.importorskip("torchao")
+    import copy
+
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization import quantize_
+    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+
+    from ampctl.engine.precision.mx_emulated import MXEmulatedConverter, MXEmulatedOptions, MXFormat, MXScaleMode
+    from ampctl.recipes.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(3, 64, 32)
+    with torch.no_grad():
+        for weight in (experts.w1, experts.w2, experts.w3):
+            weight.copy_(torch.randn_like(weight).bfloat16().float())  # values both sides hold exactly
+    theirs = copy.deepcopy(experts).bfloat16()
+    config = MXFP8TrainingOpConfig(kernel_preference=KernelPreference.EMULATED, pad_token_groups_for_grouped_mm=True,
+                                   scale_calculation_mode=ScaleCalculationMode(scale_mode))
+    quantize_(theirs, config, filter_fn=lambda module, fqn: isinstance(module, GroupedExperts))
+    options = MXEmulatedOptions(format=MXFormat.mxfp8, scale_mode=MXScaleMode(scale_mode))
+    ours = MXEmulatedConverter(options, torch.device("cpu")).convert(experts, "experts", "mxfp8")
+    counts = torch.tensor([3, 0, 7])  # groups of 3 and 7 tokens: padded to 32 by both
+    x = torch.randn(10, 64).bfloat16()
+    x_ours, x_theirs = x.float().requires_grad_(), x.clone().requires_grad_()
+    out_ours, out_theirs = ours.grouped(x_ours, ours.w1, counts), theirs.grouped(x_theirs, theirs.w1, counts)
+    grad = torch.randn_like(out_theirs)
+    out_ours.backward(grad.float())
+    out_theirs.backward(grad)
+    assert torch.equal(out_ours.detach().bfloat16(), out_theirs.detach())
+    assert torch.equal(x_ours.grad.bfloat16(), x_theirs.grad)
+    assert torch.equal(ours.w1.grad.bfloat16(), theirs.w1.grad)
