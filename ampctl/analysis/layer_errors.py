@@ -23,6 +23,7 @@ next layer growing past what the layers before it added. Every sum is kept in fl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -32,6 +33,7 @@ from torch import nn
 
 from ampctl.analysis.error_sums import ErrorSums
 from ampctl.analysis.routing import RoutingWatch
+from ampctl.engine.precision.grouped_experts import is_grouped_experts
 
 QUANTITIES = ("out", "dgrad", "wgrad")  # a layer's output, the gradient to its input, its weight gradient
 _DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -47,6 +49,8 @@ class LayerErrors:
     total: dict[str, ErrorSums] = field(default_factory=lambda: {q: ErrorSums() for q in QUANTITIES})
     inherited_input: ErrorSums = field(default_factory=ErrorSums)
     inherited_grad: ErrorSums = field(default_factory=ErrorSums)  # of the gradient reaching its output
+    # grouped experts (a mixture of experts): each expert's local output error, its rows on the reference's routing
+    per_expert: list[ErrorSums] = field(default_factory=list)
 
     def local_error(self) -> float:
         """What ranks it: the largest local relative error of its output, dgrad and wgrad."""
@@ -308,24 +312,44 @@ def _compare_layer(errors: LayerErrors, ref: _Pass, cand: _Pass) -> None:
     ref_module = reference.model.get_submodule(errors.name)
     cand_module = candidate.model.get_submodule(errors.name)
     r, c = ref.seen, cand.seen
-    errors.inherited_input.add(c.args[c.at], r.args[r.at])
-    errors.total["out"].add(c.output, r.output)
+    # grouped experts' rows are in each side's own routing order: compared end to end only where the routing agrees
+    # (a token sent elsewhere misaligns every row after it; analysis/routing.py counts those)
+    aligned = not is_grouped_experts(cand_module) or torch.equal(r.args[1], c.args[1])
+    if aligned:
+        errors.inherited_input.add(c.args[c.at], r.args[r.at])
+        errors.total["out"].add(c.output, r.output)
+    # locally, its other arguments that are not values are the reference's: grouped experts' counts, the groups
+    # the reference's routing made of the rows it is given
+    mine = dataclasses.replace(c, args=tuple(b if isinstance(b, torch.Tensor) and not b.is_floating_point() else a
+                                             for a, b in zip(c.args, r.args)))
     if r.grad is None or c.grad is None:  # no gradient reaches it (a frozen first layer): its output alone
-        local = _layer_vjp(candidate, cand_module, c, r.args[r.at].to(c.args[c.at].dtype), None)
+        local = _layer_vjp(candidate, cand_module, mine, r.args[r.at].to(c.args[c.at].dtype), None)
         errors.local["out"].add(local[0], r.output)
         return
     errors.inherited_grad.add(c.grad.double() / candidate.scale, r.grad.double() / reference.scale)
     exact = _as_computed(errors.name, ref) or _layer_vjp(reference, ref_module, r, r.args[r.at], r.grad)
     total = _as_computed(errors.name, cand) or _layer_vjp(candidate, cand_module, c, c.args[c.at], c.grad)
     upstream = (r.grad.double() * (candidate.scale / reference.scale)).to(c.grad.dtype)
-    local = _layer_vjp(candidate, cand_module, c, r.args[r.at].to(c.args[c.at].dtype), upstream)
+    local = _layer_vjp(candidate, cand_module, mine, r.args[r.at].to(c.args[c.at].dtype), upstream)
+    if is_grouped_experts(cand_module) and exact[0] is not None:
+        _per_expert(errors, local[0], exact[0], r.args[1])
     for index, quantity in enumerate(QUANTITIES):
         if exact[index] is None:
             continue
         if local[index] is not None:
             errors.local[quantity].add(local[index], exact[index])
-        if quantity != "out" and total[index] is not None:
+        if quantity != "out" and total[index] is not None and (aligned or quantity == "wgrad"):
             errors.total[quantity].add(total[index], exact[index])
+
+
+def _per_expert(errors: LayerErrors, local: torch.Tensor, exact: torch.Tensor, counts: torch.Tensor) -> None:
+    """Grouped experts' local output, expert by expert: its rows are sorted by expert, counts[e] of them e's."""
+    sizes = counts.tolist()
+    if not errors.per_expert:
+        errors.per_expert = [ErrorSums() for _ in sizes]
+    for sums, cand, ref in zip(errors.per_expert, torch.split(local, sizes), torch.split(exact, sizes)):
+        if ref.numel():
+            sums.add(cand, ref)
 
 
 def _layer_vjp(side: Side, module: nn.Module, seen: _Seen, x: torch.Tensor, upstream: Optional[torch.Tensor]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
+import pytest
 import torch
 from torch import nn
 
@@ -81,3 +82,27 @@ def test_a_near_tied_router_flips_tokens_by_itself_in_bf16_and_none_in_fp32():
     [bf16], [fp32] = in_bf16.results(), in_fp32.results()
     assert bf16["own_flipped"] > 0.05  # bf16's rounding of near-tied scores alone reorders the top-k
     assert fp32["own_flipped"] == 0.0 and fp32["scores_error"] is not None
+
+
+def test_each_experts_own_error_is_its_rows_run_again_on_the_references_routing():
+    reference = near_tied_moe()
+    candidate = copy.deepcopy(reference)
+    batch = torch.randn(2, 12, D)
+    layers, _ = measure(*sides(candidate, reference), loss, [batch])
+    errors = layers["0.experts"].per_expert
+    seen = {}
+    handle = reference[0].experts.register_forward_hook(lambda m, args, out: seen.update(args=args))
+    with torch.no_grad():
+        reference(batch)
+    handle.remove()
+    x, counts = seen["args"]
+    with torch.no_grad():
+        exact = reference[0].experts(x, counts)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = candidate[0].experts(x, counts)
+    rows = counts.tolist()
+    for e, (c, r) in enumerate(zip(torch.split(low.double(), rows), torch.split(exact.double(), rows))):
+        if rows[e]:
+            assert errors[e].rel_rms == pytest.approx(float((c - r).norm() / r.norm()), rel=1e-9)
+        else:
+            assert not errors[e].values  # an expert no token chose has no rows to measure

@@ -85,7 +85,9 @@ def run_diff(cfg: DictConfig, out_dir: Path, overrides: list[str], prove: Option
                         tables.machine_info([{"device": device.type}]),
                         f"recipe={plots.recipe_label(cfg)} · {candidate} against {against} · "
                         f"{io.count_of(len(batches), 'batch')}", repairs=cfg.diff.repair, proves=prove is not None,
-                        routing=routing.results())
+                        routing=routing.results(),
+                        experts={name: [sums.rel_rms if sums.values else None for sums in layer.per_expert]
+                                 for name, layer in layers.items() if layer.per_expert})
     if cfg.diff.repair and summary.gradient_noise:
         def measure_candidate(variant: DictConfig) -> ModelErrors:
             return measure(reference, _side(variant, recipe, saved)[0], recipe.loss, batches, per_layer=False)[1]
@@ -228,6 +230,7 @@ class DiffReport:
     repairs: bool = False  # diff.repair and diff.prove as the diff ran: what the next step says
     proves: bool = False
     routing: list[dict] = field(default_factory=list)  # each router's flips (analysis/routing.py), where it has any
+    experts: dict[str, list] = field(default_factory=dict)  # grouped experts: each expert's local output error
 
     def routing_lines(self) -> list[str]:
         """The routers that send the most tokens elsewhere, each in a line (all of them in diff.json)."""
@@ -237,6 +240,12 @@ class DiffReport:
                  f"scores' error {error_cell(r['scores_error'])}" for r in worst]
         if len(self.routing) > len(worst):
             lines.append(f"routing: {len(self.routing) - len(worst)} more routers in diff.json")
+        for name, errors in list(self.experts.items())[:3]:
+            measured = [(e, error) for e, error in enumerate(errors) if error is not None]
+            if measured:
+                (best, low), (worst_e, high) = min(measured, key=lambda m: m[1]), max(measured, key=lambda m: m[1])
+                lines.append(f"experts {name}: each expert's own output error {error_cell(low)} (expert {best}) to "
+                             f"{error_cell(high)} (expert {worst_e}), on {self.against}'s routing")
         return lines
 
     def write(self, out_dir: Path, console: Console, files_only: bool = False) -> None:
@@ -254,7 +263,7 @@ class DiffReport:
                  "against": self.against, "noise_share": self.noise_share, "top": self.top,
                  "model": asdict(self.summary), "repair": self.repair.to_json() if self.repair else None,
                  "proof": asdict(self.proof) if self.proof else None, "repairs": self.repairs, "proves": self.proves,
-                 "routing": self.routing}
+                 "routing": self.routing, "experts": self.experts}
         files = tables.write_files(self.layers, out_dir, run_files.DIFF, self.machine, images, extra)
         if files_only:
             return
@@ -283,7 +292,8 @@ class DiffReport:
                    data["top"], data.get("overrides", []), data["machine"], data.get("context", ""),
                    Repair.of(repair) if repair else None, Proof(**proof) if proof else None,
                    data.get("repairs", data.get("repair") is not None),
-                   data.get("proves", data.get("proof") is not None), data.get("routing", []))
+                   data.get("proves", data.get("proof") is not None), data.get("routing", []),
+                   data.get("experts", {}))
 
 
 def next_step_lines(summary: ModelSummary, repair: Optional[Repair], repairs: bool, proves: bool) -> list[str]:
