@@ -118,3 +118,17 @@ def test_a_transformers_mixture_of_experts_keeps_its_routers_in_fp32_and_diff_se
     assert [r["router"] for r in routing] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     # routers kept in fp32: none flipped by their own precision
     assert all(r["tokens"] == 2 * 2 * 32 and r["own_flipped"] == 0.0 for r in routing)
+
+
+def test_the_repair_raises_grouped_experts_out_of_their_format(tmp_path):
+    """On recipe=moe in nvfp4, diff's ranking holds the experts (they add the most error of their own) and its repair
+    raises them one step up, out of the format: `unconverted`, as a converted Linear is raised."""
+    from ampctl.cli import main
+
+    sizes = [o for o in TINY if o.startswith("recipe")]
+    main(["diff", *sizes, "device=cpu", "precision=nvfp4", "diff.batches=2", "diff.repair=true",
+          "diff.repair_layers=2", f"hydra.run.dir={tmp_path}"])
+    record = json.loads((tmp_path / "diff.json").read_text())
+    assert any(row["layer"].endswith("mlp.experts") and row["type"] == "MXGroupedExperts" for row in record["rows"])
+    raised = [rule for tried in record["repair"]["tried"] for rule in tried["rules"]]
+    assert {"match": "blocks.0.mlp.experts", "run_in": "unconverted"} in raised
