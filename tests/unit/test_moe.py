@@ -93,6 +93,15 @@ def test_the_balance_loss_is_the_switch_transformers_formula():
     assert moe.load.sum() == 4 * 8 * TOP_K and moe.load.tolist() == [int(s * chosen.numel()) for s in share]
 
 
+def test_torchs_cpu_autocast_leaves_grouped_mm_in_the_dtype_it_is_given():
+    """Why the experts cast for autocast themselves (recipes/moe.grouped_matmul): pinned to the torch in use, so that a
+    torch whose op lists cast grouped_mm is noticed (the cast would then be autocast's own, and harmless)."""
+    x, w = torch.randn(8, 32), torch.randn(2, 16, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = F.grouped_mm(x, w.transpose(-2, -1), offs=torch.tensor([3, 8], dtype=torch.int32))
+    assert out.dtype == torch.float32
+
+
 def test_under_autocast_the_experts_compute_in_its_dtype():
     moe = layer()
     x = torch.randn(2, 6, D)
