@@ -72,6 +72,17 @@ def dumps(value: Any, **kwargs: Any) -> str:
     return json.dumps(strict_json(value), allow_nan=False, **kwargs)
 
 
+def read_jsonl(path: Path) -> list[Any]:
+    """A .jsonl record's rows (none where the file is not there; a line cut short by a kill passed over)."""
+    rows = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
 def write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, dumps(data, indent=2, default=str) + "\n")
 

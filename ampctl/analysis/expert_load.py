@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from ampctl import io
+
 
 def moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m) for name, m in model.named_modules() if getattr(type(m), "ampctl_experts", False)]
@@ -72,19 +74,8 @@ def expert_load_values(row: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """experts.jsonl's rows (a line cut by a kill passed over)."""
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
-
-
 def over_the_run(path: Path) -> Optional[float]:
     """summary.json's expert_load: the mean over the run's rows of the worst layer's busiest-over-mean load (None: no
     mixture of experts, or no row); each row weighs its interval alike."""
-    ratios = [row["max_over_mean"] for row in read_rows(path) if row.get("max_over_mean") is not None]
+    ratios = [row["max_over_mean"] for row in io.read_jsonl(path) if row.get("max_over_mean") is not None]
     return sum(ratios) / len(ratios) if ratios else None

@@ -350,9 +350,7 @@ def run_images(runs: Sequence[tuple[str, RunRecord]], out_dir: Path) -> list[Pat
         if rows:
             images.append(plots.block_scale_heatmap(rows, out_dir / "block_scales.png",
                                                     "values each layer's blocks flushed to zero, over training"))
-        experts = runs[0][1].path / run_files.EXPERTS  # a mixture of experts' load
-        rows = [json.loads(line) for line in experts.read_text().splitlines() if line.strip()] \
-            if experts.is_file() else []
+        rows = io.read_jsonl(runs[0][1].path / run_files.EXPERTS)  # a mixture of experts' load
         if rows:
             images.append(plots.expert_load_curves(rows, out_dir / "expert_load.png",
                                                    "the tokens each expert got, over training"))

@@ -7,7 +7,6 @@ before it are written and the step timer starts again after it. A compiled model
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -15,7 +14,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig
 
-from ampctl import run_files
+from ampctl import io, run_files
 from ampctl.conf.train_schema import EMA_METRIC
 from ampctl.engine.compilation import CompileWatch
 from ampctl.engine.evaluation import Evaluator
@@ -116,14 +115,7 @@ def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
 
 def read_evals(run_dir: Path) -> list[dict[str, Any]]:
     """evals.jsonl's rows (a line cut short by a kill passed over); non-finite values are null there."""
-    path = run_dir / run_files.EVALS
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.is_file() else []:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
-    return rows
+    return io.read_jsonl(run_dir / run_files.EVALS)
 
 
 def summary_of(run_dir: Path) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from torch import nn
 
 from ampctl.conf.value_checks import require
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
-from ampctl.engine.precision.grouped_experts import is_grouped_experts, mix_into, per_expert
+from ampctl.engine.precision.grouped_experts import PerExpertLinear, is_grouped_experts, mix_into
 from ampctl.errors import UsageError
 
 
@@ -226,19 +226,16 @@ class Fp8EmulatedLinear(ConvertedLinear):
         return f"{super().extra_repr()}, fp8={c.format.value} scaling={c.scaling.value}"
 
 
-class Fp8Grouped:
+class Fp8Grouped(PerExpertLinear):
     """Mixed into grouped experts' class (engine/precision/grouped_experts.py): each expert's slice of each grouped
     matmul through _Fp8Linear, as an Fp8EmulatedLinear computes its three matmuls (each expert's GEMM its own
-    tensor-wide or tile scales); fp32 matmuls under any mode."""
+    tensor-wide or tile scales)."""
 
     class_prefix = "Fp8"
     ampctl_fp8: Fp8Quantizers
 
-    def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        quantizers = self.ampctl_fp8
-        with torch.autocast(x.device.type, enabled=False):
-            out = per_expert(x.float(), weight, counts, lambda x_e, w_e: _Fp8Linear.apply(x_e, w_e, None, quantizers))
-        return out.to(x.dtype)
+    def expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _Fp8Linear.apply(x, weight, None, self.ampctl_fp8)
 
 
 @register_converter

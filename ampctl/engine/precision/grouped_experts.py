@@ -40,3 +40,18 @@ def mix_into(module: nn.Module, mixin: type) -> nn.Module:
 def _mixed(mixin: type, cls: type) -> type:
     prefix = getattr(mixin, "class_prefix", "")
     return type(f"{prefix}{cls.__name__}", (mixin, cls), {"__module__": cls.__module__})
+
+
+class PerExpertLinear:
+    """The base of a converter's mixin: each expert's slice of each grouped matmul through `expert_linear(x_e, w_e)`
+    (its Linear's autograd function, with its state), in fp32 under any mode, the output in the input's dtype."""
+
+    class_prefix = ""
+
+    def expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            out = per_expert(x.float(), weight, counts, self.expert_linear)
+        return out.to(x.dtype)

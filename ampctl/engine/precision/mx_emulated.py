@@ -39,7 +39,7 @@ from ampctl.conf.value_checks import require
 from ampctl.engine.precision import mx_torchao, nvfp4_recipe
 from ampctl.engine.precision.block_quantize import ELEMENTS, BlockFormat, MXScaleMode, fake_quantize
 from ampctl.engine.precision.converters import ConvertedLinear, Converter, register_converter
-from ampctl.engine.precision.grouped_experts import is_grouped_experts, mix_into, per_expert
+from ampctl.engine.precision.grouped_experts import PerExpertLinear, is_grouped_experts, mix_into
 
 
 class MXFormat(Enum):
@@ -210,18 +210,15 @@ class MXGemms:
             observer(role, matrix, fmt)
 
 
-class MXGrouped:
+class MXGrouped(PerExpertLinear):
     """Mixed into grouped experts' class (engine/precision/grouped_experts.py): each expert's slice of each grouped
-    matmul through _MXLinear, as an MXLinear computes its three matmuls; fp32 matmuls under any mode."""
+    matmul through _MXLinear, as an MXLinear computes its three matmuls."""
 
     class_prefix = "MX"
     ampctl_mx: MXGemms
 
-    def grouped(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gemms = self.ampctl_mx
-        with torch.autocast(x.device.type, enabled=False):
-            out = per_expert(x.float(), weight, counts, lambda x_e, w_e: _MXLinear.apply(x_e, w_e, None, gemms))
-        return out.to(x.dtype)
+    def expert_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _MXLinear.apply(x, weight, None, self.ampctl_mx)
 
 
 class MXLinear(ConvertedLinear):
