@@ -1,5 +1,5 @@
 """The MoE recipe in real runs: step for step equal to a hand-written torch.amp loop in fp32 and bf16 (its routers in
-fp32 by hand, as the model's own rule keeps them), trained in every kind of mode, its routers' precision on the start
+fp32 by hand, as the model's own rule keeps them) and to Apex O2 written by hand, trained in every kind of mode, its routers' precision on the start
 line."""
 
 from __future__ import annotations
@@ -45,6 +45,50 @@ def hand_loop(dtype: torch.dtype | None, steps: int) -> list[float]:
 def test_a_moe_run_equals_the_hand_written_loop_step_for_step(tmp_path, precision, dtype):
     _, rows = train_here(tmp_path, f"precision={precision}", "train.log_every=1", *GOLDEN, base=TINY)
     assert [r["loss"] for r in rows] == hand_loop(dtype, len(rows))
+
+
+def apex_o2_loop(steps: int) -> list[float]:
+    """Apex O2 by hand, on the MoE: the model cast to fp16 but its LayerNorms and routers (fp32 weights, fp32 inputs,
+    outputs back to fp16), its logits back to fp32 for the loss; AdamW steps fp32 copies of the half weights, the
+    scaled half gradients copied into them before torch's GradScaler unscales and steps them; the half model is the
+    masters rounded after every step."""
+    recipe = MoERecipe(**SIZES)
+    torch.manual_seed(3)
+    model = recipe.build_model().half()
+    for layer in (m for m in model.modules() if isinstance(m, (torch.nn.LayerNorm, Router))):
+        layer.float()
+        layer.register_forward_pre_hook(lambda _m, args: tuple(a.float() for a in args))
+        layer.register_forward_hook(lambda _m, _a, out: (tuple(o.half() if o.is_floating_point() else o for o in out)
+                                                          if isinstance(out, tuple) else out.half()))
+    model.register_forward_hook(lambda _m, _a, out: out.float())
+    pairs = [(p, torch.nn.Parameter(p.detach().float())) for p in model.parameters() if p.dtype == torch.float16]
+    fp32_own = [p for p in model.parameters() if p.dtype == torch.float32]
+    masters = {id(p): m for p, m in pairs}
+    optimizer = torch.optim.AdamW([masters.get(id(p), p) for p in model.parameters()], lr=1e-3, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=True)
+    assert fp32_own  # the norms and routers are their own masters
+    scaler = torch.amp.GradScaler("cpu")
+    batches = recipe.batches(torch.device("cpu"), seed=3)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model.zero_grad()
+        loss = recipe.loss(model, next(batches))
+        scaler.scale(loss).backward()
+        for half, master in pairs:
+            master.grad = half.grad.float()
+        scaler.step(optimizer)
+        scaler.update()
+        with torch.no_grad():
+            for half, master in pairs:
+                half.copy_(master)
+        losses.append(loss.item())
+    return losses
+
+
+def test_an_o2_moe_run_equals_apex_o2_written_by_hand_step_for_step(tmp_path):
+    _, rows = train_here(tmp_path, "precision=O2", "train.log_every=1", *GOLDEN, base=TINY)
+    assert [r["loss"] for r in rows] == apex_o2_loop(len(rows))
 
 
 @pytest.mark.parametrize("precision", ["O2", "fp16", "fp8_emulated", "mxfp8", "nvfp4"])
