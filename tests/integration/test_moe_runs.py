@@ -1,6 +1,6 @@
 """The MoE recipe in real runs: step for step equal to a hand-written torch.amp loop in fp32 and bf16 (its routers in
-fp32 by hand, as the model's own rule keeps them) and to Apex O2 written by hand, trained in every kind of mode, its routers' precision on the start
-line."""
+fp32 by hand, as the model's own rule keeps them) and to Apex O2 written by hand, trained in every kind of mode, its
+routers' precision on the start line."""
 
 from __future__ import annotations
 
