@@ -17,7 +17,7 @@ from torch import nn
 
 from ampctl.engine.precision.block_quantize import BLOCK_STATS, BlockFormat, block_outcomes, block_stats
 from ampctl.engine.precision.layers import LayerRow, display_name, legend
-from ampctl.engine.precision.mx_emulated import MXLinear
+from ampctl.engine.precision.mx_emulated import block_scaled_layers
 from ampctl.reports import tables
 from ampctl.reports.tables import fraction_cell
 
@@ -28,13 +28,14 @@ PRECISION_COLUMNS = ["layer", "type", "compute", "weights", "converter", "rule"]
 
 
 class BlockScaleRecorder:
-    """Observers on every MXLinear, added on entry and removed on exit: [values, saturated, flushed] per layer
-    and operand, accumulated on the device (read once, by table())."""
+    """Observers on every block-scaled layer (an MXLinear; grouped experts: all their experts' GEMMs as one layer),
+    added on entry and removed on exit: [values, saturated, flushed] per layer and operand, accumulated on the device
+    (read once, by table())."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MXLinear)]
+        self.layers = block_scaled_layers(model)
         self.counts: dict[tuple[str, str], torch.Tensor] = {}
-        self._observers: list[tuple[MXLinear, Any]] = []
+        self._observers: list[tuple[Any, Any]] = []
 
     def __enter__(self) -> "BlockScaleRecorder":
         for name, layer in self.layers:
@@ -68,7 +69,7 @@ class BlocksLog:
     the largest scale's headroom (log2). The other steps run without observers."""
 
     def __init__(self, model: nn.Module, every: int, path: Path, written: Callable[[dict[str, Any]], None]) -> None:
-        self._layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MXLinear)]
+        self._layers = block_scaled_layers(model)
         self._every, self._path, self._written = every, path, written
 
     @contextlib.contextmanager

@@ -2,11 +2,14 @@
 gradients, weight gradients and weights, on the device, by hooks that exist only while a RangeRecorder is
 entered. `ampctl inspect` records its steps with one (studies/inspect_ranges.py); `ampctl train` with
 telemetry.ranges_every=N records every N-th step with a RangesLog. Gradients are recorded as true values
-(divided by the loss scale their step used)."""
+(divided by the loss scale their step used). Grouped experts (engine/precision/grouped_experts.py) are recorded per
+expert, as rows `<layer>[e]`: each expert's slice of the weights and their gradients, and its rows of the output
+and of the output's gradient."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from pathlib import Path
@@ -17,10 +20,22 @@ from torch import nn
 
 from ampctl import io
 from ampctl.analysis.numerics import FORMATS, FP16, RangeStats
+from ampctl.engine.precision.grouped_experts import expert_rows, is_grouped_experts
 from ampctl.errors import UsageError
 
 KINDS = ("activation", "activation_grad", "weight_grad", "weight")
 GRADIENT_KINDS = ("activation_grad", "weight_grad")
+
+
+def expert_row(layer: str, expert: int) -> str:
+    """The row of one expert of a grouped experts layer."""
+    return f"{layer}[{expert}]"
+
+
+def split_row(row: str) -> tuple[str, int]:
+    """(the layer, its expert; -1 for a whole layer's row)."""
+    layer, _, expert = row.partition("[")
+    return layer, int(expert[:-1]) if expert else -1
 
 
 def power_of_two_log2(value: float, key: str) -> int:
@@ -34,7 +49,9 @@ def power_of_two_log2(value: float, key: str) -> int:
 class RangeRecorder:
     """Forward hooks on every leaf module (and a gradient hook on each output, and on each parameter):
     registered on entry, removed on exit. Gradients arrive multiplied by the loss scale of their step
-    (run_scale) and are recorded as their true values, divided out in float64 (see numerics)."""
+    (run_scale) and are recorded as their true values, divided out in float64 (see numerics). Grouped experts are
+    recorded per expert: their output's rows split by the tokens each expert got (read on the host: a sync per
+    experts layer on the recorded steps only), their weights and weight gradients along the experts' dimension."""
 
     def __init__(self, model: nn.Module, device: torch.device, study_scale: float) -> None:
         self.layers = [(name or "model", m) for name, m in model.named_modules() if not list(m.children())]
@@ -49,27 +66,39 @@ class RangeRecorder:
             self.stats[key] = RangeStats(self._device, self._study if kind in GRADIENT_KINDS else 1.0)
         return self.stats[key]
 
-    def _on_output(self, layer: str, output: Any) -> None:
+    def _add(self, layer: str, kind: str, tensor: torch.Tensor, experts: bool, sizes: Any = None) -> None:
+        """tensor's values into the layer's row; a grouped experts layer's into each expert's row, split along the
+        experts' dimension (a weight's) or into the rows of each expert (sizes: an output's)."""
+        divided_by = self.run_scale if kind in GRADIENT_KINDS else 1.0
+        if not experts:
+            self._stats(layer, kind).add(tensor, divided_by=divided_by)
+            return
+        parts = tensor.split(sizes) if sizes is not None else tensor.unbind(0)
+        for expert, part in enumerate(parts):
+            self._stats(expert_row(layer, expert), kind).add(part, divided_by=divided_by)
+
+    def _on_output(self, layer: str, args: tuple, output: Any, experts: bool) -> None:
+        sizes = expert_rows(args, output) if experts else None
         for tensor in io.tensors_in(output):
             if not tensor.is_floating_point():
                 continue
-            self._stats(layer, "activation").add(tensor)
+            self._add(layer, "activation", tensor, sizes is not None, sizes)
             if tensor.requires_grad:
-                tensor.register_hook(lambda grad, layer=layer: self._stats(layer, "activation_grad").add(
-                    grad, divided_by=self.run_scale))
+                tensor.register_hook(lambda grad, layer=layer, sizes=sizes: self._add(
+                    layer, "activation_grad", grad, sizes is not None, sizes))
 
     def __enter__(self) -> "RangeRecorder":
         seen: set[int] = set()
         for layer, module in self.layers:
+            experts = is_grouped_experts(module)
             self._handles.append(module.register_forward_hook(
-                lambda _m, _args, output, layer=layer: self._on_output(layer, output)))
+                lambda _m, args, output, layer=layer, experts=experts: self._on_output(layer, args, output, experts)))
             for name, param in module.named_parameters(recurse=False):
                 if id(param) in seen or not param.requires_grad:
                     continue  # a tied weight is recorded once, under its first layer
                 seen.add(id(param))
                 self._handles.append(param.register_post_accumulate_grad_hook(
-                    lambda p, layer=layer: self._stats(layer, "weight_grad").add(
-                        p.grad, divided_by=self.run_scale)))
+                    lambda p, layer=layer, experts=experts: self._add(layer, "weight_grad", p.grad, experts)))
         return self
 
     def record_weights(self) -> None:
@@ -78,7 +107,21 @@ class RangeRecorder:
             for param in module.parameters(recurse=False):
                 if id(param) not in seen:
                     seen.add(id(param))
-                    self._stats(layer, "weight").add(param)
+                    self._add(layer, "weight", param.detach(), is_grouped_experts(module))
+
+    def types(self) -> dict[str, str]:
+        """Each recorded row's module type (an expert's row: its layer's)."""
+        of_layer = {name: type(module).__name__ for name, module in self.layers}
+        return {row: of_layer[split_row(row)[0]] for row, _ in self.stats}
+
+    def order(self, row: str) -> tuple[int, int]:
+        """Where a row goes: in the model's order of leaf modules, a layer's experts in their order."""
+        layer, expert = split_row(row)
+        return self._position[layer], expert
+
+    @functools.cached_property
+    def _position(self) -> dict[str, int]:
+        return {name: i for i, (name, _) in enumerate(self.layers)}
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:

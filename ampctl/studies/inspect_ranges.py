@@ -120,7 +120,7 @@ def layer_table(inspection: Inspection) -> tables.ReportTable:
     columns = ["layer", "type", "kind", "values", "max_abs", *_format_columns()]
     rows = []
     recorded = inspection.recorder.stats
-    types = {name: type(module).__name__ for name, module in inspection.recorder.layers}
+    types = inspection.recorder.types()
     for (layer, kind), stats in zip(recorded, RangeStats.on_host(list(recorded.values()))):
         values: dict[str, Any] = {"layer": layer, "type": types[layer], "kind": kind, "values": int(stats.total),
                                   "max_abs": float(stats.max_abs)}
@@ -130,8 +130,7 @@ def layer_table(inspection: Inspection) -> tables.ReportTable:
                     values[f"{f.name}_{what}{suffix}"] = fraction
         rows.append([values[c] for c in columns])
     order = {k: i for i, k in enumerate(KINDS)}
-    position = {name: i for i, (name, _) in enumerate(inspection.recorder.layers)}
-    rows.sort(key=lambda r: (order[r[2]], position[r[0]]))
+    rows.sort(key=lambda r: (order[r[2]], inspection.recorder.order(r[0])))
     return tables.ReportTable(LAYERS_TITLE, columns, rows)
 
 

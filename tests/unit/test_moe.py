@@ -4,6 +4,8 @@ that keeps routers in fp32 after the mode's rules."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -260,3 +262,85 @@ def test_torchaos_mxfp8_grouped_gemm_equals_the_emulation_on_the_experts(scale_m
     assert torch.equal(out_ours.detach().bfloat16(), out_theirs.detach())
     assert torch.equal(x_ours.grad.bfloat16(), x_theirs.grad)
     assert torch.equal(ours.w1.grad.bfloat16(), theirs.w1.grad)
+
+
+def test_inspects_ranges_per_expert_are_each_experts_own_outputs_gradients_and_weights():
+    """RangeRecorder's rows `<experts>[e]`: expert e's activations are its own tokens' outputs computed by hand (count
+    and largest magnitude), their gradients under loss = sum(out) the routing weights of its (token, k) pairs, its
+    weights and weight gradients the e-th slices; the experts' rows together are the whole layer's values."""
+    from ampctl.analysis.numerics import FORMATS, RangeStats
+    from ampctl.analysis.ranges import RangeRecorder
+
+    moe = layer()
+    x = torch.randn(3, 5, D)
+    recorder = RangeRecorder(moe, torch.device("cpu"), study_scale=1.0)
+    with recorder:
+        recorder.record_weights()
+        moe(x).sum().backward()
+    stats = recorder.stats
+    tokens = x.reshape(-1, D)
+    scores = torch.softmax(tokens @ moe.router.gate.weight.T, -1).detach()
+    weights, chosen = scores.topk(TOP_K, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    w1, w2, w3 = moe.experts.w1, moe.experts.w2, moe.experts.w3
+    for e in range(EXPERTS):
+        row = f"experts[{e}]"
+        mine = tokens[(chosen == e).any(-1)]
+        out = (F.silu(mine @ w1[e].T) * (mine @ w3[e].T)) @ w2[e].T
+        assert int(stats[(row, "activation")].total) == out.numel() > 0
+        assert float(stats[(row, "activation")].max_abs) == pytest.approx(float(out.detach().abs().max()), rel=1e-5)
+        assert float(stats[(row, "activation_grad")].max_abs) == pytest.approx(float(weights[chosen == e].max()))
+        for kind, slices in (("weight", (w1[e], w3[e], w2[e])), ("weight_grad", (w1.grad[e], w3.grad[e], w2.grad[e]))):
+            expected = RangeStats(torch.device("cpu"))
+            for part in slices:
+                expected.add(part.detach())
+            got = stats[(row, kind)]
+            assert int(got.total) == int(expected.total) and torch.equal(got.histogram, expected.histogram)
+            assert all(torch.equal(got.counts[k], expected.counts[k]) for k in got.counts)
+    assert not any(layer == "experts" for layer, _ in stats)  # the experts' rows, not a whole-layer one
+    whole = RangeStats(torch.device("cpu"))
+    whole.add(moe.experts(tokens[torch.argsort(chosen.reshape(-1), stable=True) // TOP_K],
+                          torch.bincount(chosen.reshape(-1), minlength=EXPERTS)).detach())
+    merged = RangeStats(torch.device("cpu"))
+    for e in range(EXPERTS):
+        merged.merge(stats[(f"experts[{e}]", "activation")])
+    assert int(merged.total) == int(whole.total) and torch.equal(merged.histogram, whole.histogram)
+    assert all(torch.equal(merged.counts[(f.name, False)], whole.counts[(f.name, False)]) for f in FORMATS)
+
+
+def test_the_block_scales_log_observes_every_experts_gemm(tmp_path):
+    """telemetry.blocks_every on converted grouped experts: their row in blocks.jsonl sums block_stats over each
+    expert's operands as its three GEMMs quantize them (an expert no token chose has none), counted by hand."""
+    from ampctl.analysis.block_scales import BlocksLog
+    from ampctl.engine.precision.block_quantize import BLOCK_STATS, block_stats, fake_quantize
+    from ampctl.engine.precision.mx_emulated import MXEmulatedConverter, MXEmulatedOptions, MXFormat
+    from ampctl.recipes.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(3, 32, 48)
+    for weight in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(weight, std=0.1)
+    MXEmulatedConverter(MXEmulatedOptions(format=MXFormat.mxfp8), torch.device("cpu")).convert(experts, "e", "mxfp8")
+    model = torch.nn.ModuleDict({"experts": experts})
+    written: list[dict] = []
+    counts, x = torch.tensor([4, 0, 9]), torch.randn(13, 32)
+    with BlocksLog(model, 1, tmp_path / "blocks.jsonl", written.append).around(1):
+        experts(x, counts).sum().backward()
+    fmt, weight_fmt = experts.ampctl_mx.forward_format, experts.ampctl_mx.weight_format
+    activations, weights = [], []
+    for e, rows in {0: slice(0, 4), 2: slice(4, 13)}.items():
+        x_e = x[rows]
+        w1, w3 = (fake_quantize(w[e].detach(), weight_fmt) for w in (experts.w1, experts.w3))
+        h_e = F.silu(fake_quantize(x_e, fmt) @ w1.T) * (fake_quantize(x_e, fmt) @ w3.T)  # as the first GEMMs made it
+        activations += [x_e, x_e, h_e.detach()]
+        weights += [experts.w1[e].detach(), experts.w3[e].detach(), experts.w2[e].detach()]
+    row = written[0]["layers"]["experts"]
+    assert row["format"] == "mxfp8"
+    assert row["weight"]["values"] == sum(w.numel() for w in weights)
+    expected = sum(block_stats(w, weight_fmt)[:-1] for w in weights)
+    assert row["weight"]["blocks"] == int(expected[BLOCK_STATS.index("blocks")])
+    assert row["weight"]["error"] == pytest.approx(math.sqrt(float(expected[6] / expected[7])), rel=1e-9)
+    assert row["activation"]["values"] == sum(a.numel() for a in activations)
+    want = sum(block_stats(a, fmt)[:-1] for a in activations)
+    assert row["activation"]["error"] == pytest.approx(math.sqrt(float(want[6] / want[7])), rel=1e-9)
+    assert row["activation"]["flushed"] == float(want[2] / want[0])

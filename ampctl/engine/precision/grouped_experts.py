@@ -5,7 +5,8 @@ expert. A converter converts one by mixing a class of its own into the module's 
 the state_dict unchanged: as a dtype rule's scope is mixed in, engine/precision/layers.py), whose `grouped` computes
 each expert's slice as the converter's Linear computes it: each GEMM's operands in blocks along its reduction
 dimension within the expert, so the weight gradient's along the expert's own tokens (its group padded to whole blocks,
-as torchao's pad_token_groups_for_grouped_mm pads it)."""
+as torchao's pad_token_groups_for_grouped_mm pads it). Its forward is called as torchtitan's is, (x, counts), and
+returns one row per row of x, in x's order: what `ampctl inspect` splits by expert (expert_rows)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,18 @@ from torch import nn
 
 def is_grouped_experts(module: nn.Module) -> bool:
     return bool(getattr(type(module), "ampctl_grouped_experts", False))
+
+
+def expert_rows(args: tuple, output: object) -> list[int] | None:
+    """The rows of a grouped experts forward's output each expert computed (a host read of its counts), or None
+    where the call is not (x, counts) with an output of x's rows."""
+    if len(args) < 2 or not isinstance(args[1], torch.Tensor) or not isinstance(output, torch.Tensor):
+        return None
+    x, counts = args[0], args[1]
+    if counts.dim() != 1 or counts.is_floating_point() or not isinstance(x, torch.Tensor):
+        return None
+    sizes = counts.tolist()
+    return sizes if sum(sizes) == x.shape[0] == output.shape[0] else None
 
 
 def per_expert(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,

@@ -221,6 +221,13 @@ class MXGrouped(PerExpertLinear):
         return _MXLinear.apply(x, weight, None, self.ampctl_mx)
 
 
+def block_scaled_layers(model: nn.Module) -> list[tuple[str, Any]]:
+    """(name, numerics) of every layer ampctl's emulation block-scales: an MXLinear is its own numerics, converted
+    grouped experts have theirs (MXGemms: all their experts' GEMMs). Each has `fmt` and `observers`."""
+    return [(name, module if isinstance(module, MXLinear) else module.ampctl_mx) for name, module in
+            model.named_modules() if isinstance(module, (MXLinear, MXGrouped))]
+
+
 class MXLinear(ConvertedLinear):
     """An nn.Linear whose three matmuls take emulated MX or NVFP4 inputs."""
 
