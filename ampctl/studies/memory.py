@@ -26,11 +26,13 @@ from ampctl import io, run_files
 from ampctl.analysis.memory.measure import MeasuredPeak, measure_peak, release_memory
 from ampctl.analysis.memory.model import (
     ActivationLine,
+    ModelPart,
     ModelStateBytes,
     SavedTensorCounter,
     estimate_model_states,
     largest_batch,
     parse_size,
+    states_by_part,
 )
 from ampctl.conf.composing import compose_job
 from ampctl.engine.activation_checkpointing import require_checkpoint_blocks
@@ -65,6 +67,8 @@ class ModeMemory:
     batch_found: Optional[int] = None
     search_log: list[str] = field(default_factory=list)
     emulated: bool = False  # an emulated format: fp32 weights and matmuls, not the format's bytes or speed
+    # a mixture of experts' model states per part (experts, routers, the rest): they add up to `states`
+    parts: list[ModelPart] = field(default_factory=list)
 
     @property
     def estimate(self) -> Optional[int]:
@@ -153,13 +157,15 @@ def measure_mode(label: str, cfg: DictConfig, budget: Optional[int], settings: D
         states = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer,
                                        weight_average=state.ema is not None,
                                        grad_accumulators=accumulation.buffer_bytes if accumulation else 0)
+        parts = states_by_part(state.model, state.weights.optimizer_params, cfg.optimizer, state.ema is not None,
+                               accumulation.buffers if accumulation else None)
         n = settings.timed_steps
         times = _steps(state, recipe, batches, policy, cfg, n, lambda done: phase(f"timed step {done}/{n}"))
         # Counted after the measurement, so that the counting (and its recomputation of a checkpointed
         # block) is never part of the measured peak.
         activations = _count_activations(state, recipe, policy, cfg)
         result = ModeMemory(label, states, activations, peak, statistics.median(times) if times else None, batch_size,
-                            emulated=policy.emulated)
+                            emulated=policy.emulated, parts=parts)
         if budget is not None:
             other = max(1, batch_size // 2) if batch_size > 1 else 2
             other_bytes = _count_activations(state, _recipe_with_batch(cfg, other), policy, cfg)
@@ -272,6 +278,36 @@ def memory_table(rows: list[ModeMemory], budget: Optional[int], budget_text: Opt
                                           "memory.csv")
 
 
+PARTS_TITLE = "model states per part of the mixture of experts"
+
+
+def parts_table(rows: list[ModeMemory]) -> Optional[tables.ReportTable]:
+    """Each mode's model states split between the experts, the routers and the rest (a model without experts: none),
+    counted as the whole's are: the parts add up to the mode's row of the memory table."""
+    if not any(r.parts for r in rows):
+        return None
+    sizes = {"weights": "weights", "gradients": "grads", "master_weights": "masters",
+             "optimizer_states": "optimizer", "weight_average": "EMA", "grad_accumulators": "fp32 accum"}
+    for attr in ("weight_average", "grad_accumulators"):  # a column only where a mode keeps them
+        if not any(getattr(part.states, attr) for r in rows for part in r.parts):
+            del sizes[attr]
+    columns = ["precision", "part", "parameters", *(f"{attr}_bytes" for attr in sizes), "states_bytes", "share"]
+    table_rows = []
+    for r in rows:
+        for part in r.parts:
+            total = part.states.total
+            table_rows.append([r.label, part.name, part.parameters, *(getattr(part.states, a) for a in sizes), total,
+                               None if total is None or not r.states.total else total / r.states.total])
+    headers = {"precision": "mode", **{f"{a}_bytes": h for a, h in sizes.items()}, "states_bytes": "states",
+               "share": "of states"}
+    formats = {**{f"{a}_bytes": lambda v: io.format_bytes(v, 1) for a in sizes},
+               "states_bytes": lambda v: io.format_bytes(v, 1), "parameters": lambda v: f"{v:,}",
+               "share": lambda v: f"{v:.1%}"}
+    return tables.ReportTable(PARTS_TITLE, columns, table_rows, headers=headers, formats=formats, notes=[
+        "every expert's weights, gradients and optimizer states are held, though each token computes with its "
+        "router's top-k of them (FLOPs count those: ampctl train's MFU); routers: their gates."])
+
+
 def memory_notes(rows: list[ModeMemory], budget: Optional[int]) -> list[str]:
     ema = " + EMA (train.ema.decay's fp32 average of the weights)" if any(r.states.weight_average for r in rows) else ""
     if any(r.states.grad_accumulators for r in rows):
@@ -354,8 +390,12 @@ def write_memory_report(out_dir: Path, results: list[ModeMemory], budget_text: O
                               {part: [getattr(r.states, attr) if attr else r.activations for r in results]
                                for part, attr in MEMORY_PARTS},
                               [r.peak.bytes for r in results], out_dir / "memory.png", context)
-    files = tables.write_files(table, out_dir, run_files.MEMORY, machine, [image], {**extra, "context": context})
+    parts = parts_table(results)
+    also = [parts] if parts is not None else []
+    files = tables.write_files(table, out_dir, run_files.MEMORY, machine, [image], {**extra, "context": context}, also)
     tables.print_table(table, console)
+    for extra_table in also:
+        tables.print_table(extra_table, console)
     console.print(tables.wrote([*files, image], out_dir))
 
 
@@ -384,7 +424,7 @@ def _mode_record(r: ModeMemory) -> dict[str, Any]:
         "activations_per_sample": None if r.activation_line is None else r.activation_line.per_sample,
         "activations_fixed": None if r.activation_line is None else r.activation_line.fixed,
         "batch_estimate": r.batch_estimate, "batch_found": r.batch_found, "search": r.search_log,
-        "emulated": r.emulated,
+        "emulated": r.emulated, "parts": [part.as_dict() for part in r.parts],
     }
 
 
@@ -396,4 +436,4 @@ def _from_record(m: dict[str, Any]) -> ModeMemory:
                         m.get("peak_reserved"))
     return ModeMemory(m["precision"], ModelStateBytes(**states), m["activations"], peak, m["step_time_ms"],
                       m["batch_size"], line, m["batch_estimate"], m["batch_found"], m.get("search") or [],
-                      m.get("emulated", False))
+                      m.get("emulated", False), [ModelPart.from_dict(part) for part in m.get("parts", [])])

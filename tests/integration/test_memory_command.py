@@ -210,3 +210,23 @@ def test_memory_measures_every_optimizer_within_a_few_gigabytes_and_its_states_i
     assert mode["measured_source"].startswith("torch memory profiler"), mode["measured_source"]
     assert states["optimizer_states"] > 0
     assert mode["measured_peak"] >= states["weights"] + states["optimizer_states"], (mode["measured_peak"], states)
+
+
+def test_a_mixture_of_experts_model_states_per_part_in_the_files_and_again_from_them(tmp_path, restore_argv, capsys):
+    """recipe=moe: the experts', routers' and the rest's model states in memory.json (adding up to the mode's), the
+    table on screen and in report.md, and `ampctl report` writes the same table again from memory.json."""
+    out = tmp_path / "memory"
+    main(["memory", "device=cpu", "recipe=moe", "recipe.n_layers=1", "recipe.d_model=32", "recipe.n_heads=2",
+          "recipe.experts=4", "recipe.expert_hidden=32", "recipe.block_size=16", "recipe.max_corpus_bytes=100000",
+          "memory.precisions=[O2]", "memory.steps=1", "memory.timed_steps=1", f"hydra.run.dir={out}"])
+    printed = capsys.readouterr().out
+    assert "model states per part of the mixture of experts" in printed
+    mode = json.loads((out / "memory.json").read_text())["modes"][0]
+    parts = {p["part"]: p for p in mode["parts"]}
+    assert list(parts) == ["experts", "routers", "the rest"] and parts["experts"]["parameters"] == 3 * 4 * 32 * 32
+    assert sum(p["total"] for p in parts.values()) == mode["model_states"]["total"]
+    report = (out / "report.md").read_text()
+    assert "model states per part of the mixture of experts" in report
+    (out / "report.md").unlink()
+    main(["report", str(out)])
+    assert (out / "report.md").read_text() == report

@@ -23,7 +23,8 @@ MLP = ["recipe.hidden=256", "recipe.batch_size=128"]
 P_LINEAR = (64 * 256 + 256) + 2 * (256 * 256 + 256) + (256 * 10 + 10)
 P_NORM = 3 * (256 + 256)
 P = P_LINEAR + P_NORM
-STEP = 4 * 14  # AdamW's float32 `step` tensor per parameter tensor
+STEP_PER_TENSOR = 4  # AdamW keeps `step` as a float32 scalar tensor per parameter tensor
+STEP = STEP_PER_TENSOR * 14  # AdamW's float32 `step` tensor per parameter tensor
 
 HAND_COMPUTED = {
     # precision: (weights, gradients, fp32 masters, AdamW states)
@@ -158,3 +159,44 @@ def test_budget_sizes(text, expected):
 def test_bad_budget_is_refused_naming_the_value(text):
     with pytest.raises(UsageError, match=r"memory.budget=.* is not allowed: expected a size such as 80GB"):
         parse_size(text)
+
+
+# recipe=moe at these sizes: per block a router gate (Linear(32, 4), no bias) and grouped experts w1, w3 (4, 48, 32)
+# and w2 (4, 32, 48); the rest is the GPT's embeddings, attention, norms and head.
+MOE = ["recipe=moe", "recipe.n_layers=2", "recipe.d_model=32", "recipe.n_heads=2", "recipe.experts=4",
+       "recipe.expert_hidden=48", "recipe.block_size=16", "recipe.max_corpus_bytes=100000"]
+P_EXPERTS, P_ROUTERS = 2 * 3 * 4 * 48 * 32, 2 * 32 * 4
+
+
+@pytest.mark.parametrize("precision", ["bf16", "O2", "bf16_true"])
+def test_a_mixture_of_experts_states_per_part_are_the_hand_counted_bytes_and_add_up_to_the_whole(precision):
+    """The experts' and routers' parameters counted by hand from the recipe's shapes: under O2 the experts are half
+    with fp32 masters and the routers (kept fp32 by the model's rule, in every mode) their own masters; bf16_true holds
+    the experts and their moments in bf16. Every part's field sums to the whole model's."""
+    from ampctl.analysis.memory.model import states_by_part
+
+    cfg, policy, recipe = build(f"precision={precision}", base=[*MOE, "device=cpu"])
+    with policy:
+        state = build_state(cfg, policy, recipe)
+    whole = estimate_model_states(state.model, state.weights.optimizer_params, cfg.optimizer)
+    parts = {p.name: p for p in states_by_part(state.model, state.weights.optimizer_params, cfg.optimizer)}
+    assert list(parts) == ["experts", "routers", "the rest"]
+    assert parts["experts"].parameters == P_EXPERTS and parts["routers"].parameters == P_ROUTERS
+    assert sum(p.parameters for p in parts.values()) == sum(p.numel() for p in state.model.parameters())
+    half = {"bf16": 4, "O2": 2, "bf16_true": 2}[precision]
+    experts, routers = parts["experts"].states, parts["routers"].states
+    assert experts.weights == half * P_EXPERTS and routers.weights == 4 * P_ROUTERS  # fp32 by the model's rule
+    assert experts.master_weights == (4 * P_EXPERTS if precision == "O2" else 0) and routers.master_weights == 0
+    moments = 2 if precision == "bf16_true" else 4  # Adam's two moments in the stepped weights' dtype
+    assert experts.optimizer_states == 2 * moments * P_EXPERTS + STEP_PER_TENSOR * 3 * 2
+    for field in ("weights", "gradients", "master_weights", "optimizer_states", "total"):
+        assert sum(getattr(p.states, field) for p in parts.values()) == getattr(whole, field), field
+
+
+def test_a_model_without_experts_has_no_parts():
+    from ampctl.analysis.memory.model import states_by_part
+
+    cfg, policy, recipe = build("precision=bf16", *MLP)
+    with policy:
+        state = build_state(cfg, policy, recipe)
+    assert states_by_part(state.model, state.weights.optimizer_params, cfg.optimizer) == []

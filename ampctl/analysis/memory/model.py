@@ -130,19 +130,85 @@ def estimate_model_states(model: nn.Module, optimizer_params: list[nn.Parameter]
     """Model states of a model prepared by its precision mode, with the parameters its optimizer steps on
     (the model's own, or the fp32 masters of O2), an fp32 average of them where train.ema.decay keeps one, and the
     bytes of fp32 gradient buffers where precision.grad_accum_dtype keeps them (O2's are its master gradients)."""
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    return _states(list(model.parameters()), optimizer_params, optimizer_cfg, weight_average, grad_accumulators)
+
+
+def _states(params: list[nn.Parameter], optimizer_params: list[nn.Parameter], optimizer_cfg: DictConfig,
+            weight_average: bool, grad_accumulators: int) -> ModelStateBytes:
+    trainable = [p for p in params if p.requires_grad]
     model_ids = {id(p) for p in trainable}
     masters = [p for p in optimizer_params if id(p) not in model_ids]
     # Backward fills the model's gradients; O2 then frees each half gradient as it makes its master's fp32
     # one (precision.FP32MasterWeights.grads_to_masters): the two sets are never alive together.
     return ModelStateBytes(
-        weights=sum(_nbytes(p) for p in model.parameters()),
+        weights=sum(_nbytes(p) for p in params),
         gradients=max(sum(_nbytes(p) for p in trainable), sum(_nbytes(p) for p in optimizer_params)),
         master_weights=sum(_nbytes(p) for p in masters),
         optimizer_states=optimizer_state_bytes(optimizer_kind(optimizer_cfg), optimizer_cfg, optimizer_params),
         weight_average=4 * sum(p.numel() for p in optimizer_params) if weight_average else 0,
         grad_accumulators=grad_accumulators,
     )
+
+
+# A mixture of experts' parts, in the order the memory table lists them; the rest of the model is OTHER_PART.
+EXPERTS_PART, ROUTERS_PART, OTHER_PART = "experts", "routers", "the rest"
+
+
+def part_of(module: nn.Module) -> Optional[str]:
+    """A module's part of a mixture of experts: grouped experts (ampctl's protocol; transformers' fused `*Experts`,
+    MixtralExperts, Qwen3MoeExperts: (experts, ...) weights) or a router (analysis/routing.is_router)."""
+    from ampctl.analysis.routing import is_router
+    from ampctl.engine.precision.grouped_experts import is_grouped_experts
+
+    if is_grouped_experts(module) or type(module).__name__.endswith("Experts"):
+        return EXPERTS_PART
+    return ROUTERS_PART if is_router(module) else None
+
+
+@dataclass(frozen=True)
+class ModelPart:
+    name: str  # EXPERTS_PART, ROUTERS_PART or OTHER_PART
+    parameters: int  # elements
+    states: ModelStateBytes
+
+    def as_dict(self) -> dict:
+        return {"part": self.name, "parameters": self.parameters, **self.states.as_dict()}
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "ModelPart":
+        states = {k: v for k, v in record.items() if k not in ("part", "parameters", "total")}
+        return cls(record["part"], record["parameters"], ModelStateBytes(**states))
+
+
+def states_by_part(model: nn.Module, optimizer_params: list[nn.Parameter], optimizer_cfg: DictConfig,
+                   weight_average: bool = False,
+                   accumulators: Optional[dict[nn.Parameter, torch.Tensor]] = None) -> list[ModelPart]:
+    """A mixture of experts' model states per part (experts, routers, the rest), each counted as the whole model's
+    are, from its own parameters and their optimizer's (their fp32 masters under O2): the parts add up to the whole.
+    Empty for a model without experts or routers. accumulators: precision.grad_accum_dtype's fp32 buffer of each half
+    parameter (FP32GradAccumulation.buffers)."""
+    parts: dict[int, str] = {}
+    for module in model.modules():
+        part = part_of(module)
+        if part is not None:
+            for p in module.parameters():
+                parts.setdefault(id(p), part)
+    if not parts:
+        return []
+    params = list(model.parameters())  # a tied weight once
+    trainable = [p for p in params if p.requires_grad]
+    if len(trainable) != len(optimizer_params):
+        return []  # an optimizer that does not step one tensor per trainable parameter, in order: no split
+    stepped = {id(p): o for p, o in zip(trainable, optimizer_params)}  # the model's, or O2's master of it
+    buffers = {id(p): b for p, b in (accumulators or {}).items()}
+    result = []
+    for part in (EXPERTS_PART, ROUTERS_PART, OTHER_PART):
+        mine = [p for p in params if parts.get(id(p), OTHER_PART) == part]
+        if mine:
+            states = _states(mine, [stepped[id(p)] for p in mine if id(p) in stepped], optimizer_cfg, weight_average,
+                             sum(_nbytes(buffers[id(p)]) for p in mine if id(p) in buffers))
+            result.append(ModelPart(part, sum(p.numel() for p in mine), states))
+    return result
 
 
 class SavedTensorCounter:
