@@ -105,8 +105,9 @@ class MoE(nn.Module):
         super().__init__()
         self.experts_count, self.top_k = experts, top_k
         # the tokens each expert was sent by the training forwards since it was last read, on the device (a buffer:
-        # it moves with the model; not persistent: a checkpoint does not need it)
-        self.register_buffer("tokens_per_expert", torch.zeros(experts), persistent=False)
+        # it moves with the model; not persistent: a checkpoint does not need it). Integers: a model cast to half
+        # (O2, bf16_true) casts its floating buffers too, and bf16 counts exactly only to 256.
+        self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.long), persistent=False)
         self.router = Router(d_model, experts, top_k, score, route_norm)
         self.experts = GroupedExperts(experts, d_model, hidden, grouped)
         width = hidden * shared

@@ -344,3 +344,11 @@ def test_the_block_scales_log_observes_every_experts_gemm(tmp_path):
     want = sum(block_stats(a, fmt)[:-1] for a in activations)
     assert row["activation"]["error"] == pytest.approx(math.sqrt(float(want[6] / want[7])), rel=1e-9)
     assert row["activation"]["flushed"] == float(want[2] / want[0])
+
+
+def test_the_tokens_counted_stay_exact_in_a_model_cast_to_half():
+    """O2 and bf16_true cast a model's floating buffers: the count is an integer buffer, exact past bf16's 256."""
+    moe = layer().to(torch.bfloat16)
+    for _ in range(3):
+        moe(torch.randn(1, 300, D, dtype=torch.bfloat16))
+    assert moe.tokens_per_expert.dtype == torch.long and int(moe.tokens_per_expert.sum()) == 3 * 300 * TOP_K
