@@ -56,6 +56,12 @@ class TrainState:
     step: int = 0
     parallel: Parallel = field(default_factory=Parallel)  # DDP's hooks; identities in one process
     ema: Optional[WeightAverage] = None  # train.ema.decay's fp32 average of the weights
+    # the modules that update themselves after each optimizer step (`ampctl_after_step()`: a mixture of experts'
+    # expert bias), found once when the state is built
+    after_step: list[nn.Module] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.after_step = [m for m in self.model.modules() if callable(getattr(m, "ampctl_after_step", None))]
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,8 @@ def train_step(
     scaler.update()
     state.schedule.step(found_inf, scaler.can_skip)  # a skipped step does not advance the schedule
     state.weights.masters_to_model()
+    for module in state.after_step:
+        module.ampctl_after_step()
     if policy.converter is not None:
         policy.converter.weights_changed(state.model)
     if state.ema is not None:

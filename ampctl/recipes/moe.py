@@ -1,7 +1,8 @@
 """moe: the built-in GPT (recipes/gpt.py) with each block's MLP a mixture of experts, as torchtitan, DeepSeek-V3 and
 Qwen3-MoE build theirs: a router (a linear gate, softmax or sigmoid scores, each token's top-k experts and their
 weights), the experts as grouped weights that torch's grouped GEMM runs over the tokens sorted by expert (dropless:
-every token reaches its k experts), an optional shared expert every token goes through, and a load-balancing loss.
+every token reaches its k experts), an optional shared expert every token goes through, and a load-balancing loss or
+DeepSeek-V3's auxiliary-loss-free balance (a bias per expert, moved after each step toward the experts given less).
 The routers are kept in fp32 by a rule of the model's own, after the mode's (a top-k is discontinuous: a small error
 sends a token to another expert), which a rule of the user's on a router replaces."""
 
@@ -46,20 +47,29 @@ def looped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> t
 
 class Router(nn.Module):
     """Token-choice top-k routing. Its gate is an nn.Linear (`<block>.mlp.router.gate`: a rule names it, a converter
-    may convert it); the scores are computed in fp32, as practice computes them (torchtitan, DeepSeek-V3)."""
+    may convert it); the scores are computed in fp32, as practice computes them (torchtitan, DeepSeek-V3). With
+    bias_balance, DeepSeek-V3's expert bias: added to the scores to choose each token's experts, not to their
+    weights (a buffer: in the state_dict, so a checkpoint resumes it; MoE.ampctl_after_step moves it)."""
 
     ampctl_router = True  # `ampctl diff` counts the tokens its top-k sends elsewhere (analysis/routing.py)
 
-    def __init__(self, d_model: int, experts: int, top_k: int, score: str, route_norm: bool) -> None:
+    def __init__(self, d_model: int, experts: int, top_k: int, score: str, route_norm: bool,
+                 bias_balance: bool = False) -> None:
         super().__init__()
         self.gate = nn.Linear(d_model, experts, bias=False)
         self.top_k, self.score, self.route_norm = top_k, score, route_norm
+        self.expert_bias: Optional[torch.Tensor]
+        self.register_buffer("expert_bias", torch.zeros(experts) if bias_balance else None)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, d_model) -> (every expert's score per token, the top-k weights, their experts)."""
         logits = self.gate(x).float()
         scores = torch.softmax(logits, dim=-1) if self.score == "softmax" else torch.sigmoid(logits)
-        weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+        if self.expert_bias is None:
+            weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+        else:
+            chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+            weights = scores.gather(-1, chosen)
         if self.route_norm:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return scores, weights, chosen
@@ -101,14 +111,17 @@ class MoE(nn.Module):
     ampctl_experts = True  # its load is read over training (analysis/expert_load.py): tokens_per_expert
 
     def __init__(self, d_model: int, experts: int, top_k: int, hidden: int, shared: int, score: str,
-                 route_norm: bool, grouped: bool) -> None:
+                 route_norm: bool, grouped: bool, bias_update_speed: float = 0.0) -> None:
         super().__init__()
-        self.experts_count, self.top_k = experts, top_k
+        self.experts_count, self.top_k, self.bias_update_speed = experts, top_k, bias_update_speed
         # the tokens each expert was sent by the training forwards since it was last read, on the device (a buffer:
         # it moves with the model; not persistent: a checkpoint does not need it). Integers: a model cast to half
         # (O2, bf16_true) casts its floating buffers too, and bf16 counts exactly only to 256.
         self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.long), persistent=False)
-        self.router = Router(d_model, experts, top_k, score, route_norm)
+        # the tokens of this optimizer step's forwards, for the expert bias's move after it (zero between steps)
+        self.register_buffer("tokens_this_step", torch.zeros(experts, dtype=torch.long) if bias_update_speed else None,
+                             persistent=False)
+        self.router = Router(d_model, experts, top_k, score, route_norm, bias_balance=bias_update_speed > 0)
         self.experts = GroupedExperts(experts, d_model, hidden, grouped)
         width = hidden * shared
         self.shared = (nn.Sequential(nn.Linear(d_model, width), nn.GELU(), nn.Linear(width, d_model)) if shared
@@ -132,10 +145,29 @@ class MoE(nn.Module):
         self.load = counts.detach()
         if self.training:
             self.tokens_per_expert += self.load
+            if self.tokens_this_step is not None:
+                self.tokens_this_step += self.load
         share = counts.to(scores.dtype) / flat.numel()
         mean_score = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
         self.balance_loss = self.experts_count * (share * mean_score).sum()
         return out.view(shape).to(x.dtype)
+
+
+    @torch.no_grad()
+    def ampctl_after_step(self) -> None:
+        """After each optimizer step (the loop calls it; a skipped step too: its tokens were routed), DeepSeek-V3's
+        update: each expert's bias moves by bias_update_speed toward the mean load, up where the step gave it fewer
+        tokens than the mean, down where more; centered, as torchtitan centers it (the same choices, a bias that
+        does not drift). Under DDP/FSDP the load is every rank's, summed, so the ranks' biases stay equal. The
+        sign of a count is unchanged by activation checkpointing's second forward."""
+        if self.tokens_this_step is None:
+            return
+        load = self.tokens_this_step.float()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(load)
+        delta = self.bias_update_speed * torch.sign(load.mean() - load)
+        self.router.expert_bias += delta - delta.mean()
+        self.tokens_this_step.zero_()
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -188,6 +220,9 @@ class MoERecipe(GPTRecipe):
     score: str = "softmax"  # softmax | sigmoid
     route_norm: bool = True  # the top-k weights normalized to sum to 1
     balance_coeff: float = 0.01  # the load-balancing loss's weight in the loss
+    # DeepSeek-V3's auxiliary-loss-free balance: each step, every expert's routing bias moves by this (its gamma,
+    # 0.001 in the paper) toward the mean load; 0: none. Usually with balance_coeff=0 (or a small one)
+    bias_update_speed: float = 0.0
     grouped_mm: bool = True  # false: the experts one at a time (a loop, as a reference)
 
     def __post_init__(self) -> None:
@@ -205,13 +240,14 @@ class MoERecipe(GPTRecipe):
             raise ConfigError("recipe.shared_experts", self.shared_experts, "an integer >= 0")
         if self.score not in SCORES:
             raise ConfigError("recipe.score", self.score, " | ".join(SCORES))
-        if not self.balance_coeff >= 0.0:
-            raise ConfigError("recipe.balance_coeff", self.balance_coeff, "a number >= 0")
+        for key in ("balance_coeff", "bias_update_speed"):
+            if not getattr(self, key) >= 0.0:
+                raise ConfigError(f"recipe.{key}", getattr(self, key), "a number >= 0")
 
     def build_model(self) -> nn.Module:
         moe = {"experts": self.experts, "top_k": self.top_k, "hidden": self.expert_hidden,
                "shared": self.shared_experts, "score": self.score, "route_norm": self.route_norm,
-               "grouped": self.grouped_mm}
+               "grouped": self.grouped_mm, "bias_update_speed": self.bias_update_speed}
         return MoEGPT(self.block_size, self.d_model, self.n_layers, self.n_heads, self.dropout, moe)
 
     def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -199,3 +199,25 @@ def test_a_write_rank_0_cannot_make_ends_every_rank_with_its_line(tmp_path):
     root_cause = done.stderr.split("Root Cause", 1)[1]
     assert re.findall(r"exitcode\s*: (-?\d+)", root_cause) == ["74"], done.stderr[-3000:]
     assert not list((run_dir / "checkpoints").glob("*.tmp")) if (run_dir / "checkpoints").exists() else True
+
+
+@pytest.mark.slow
+def test_deepseeks_expert_bias_is_moved_by_every_ranks_load(tmp_path):
+    """recipe=moe recipe.bias_update_speed under DDP: each step's load is summed over the ranks before the bias moves
+    (else each rank's bias would follow its half of the tokens), so the two ranks of batch b end with the bias of one
+    process of batch 2b."""
+    import torch
+
+    args = ["device=cpu", "recipe=moe", "recipe.n_layers=2", "recipe.d_model=32", "recipe.n_heads=2",
+            "recipe.experts=4", "recipe.expert_hidden=32", "recipe.block_size=32", "recipe.max_corpus_bytes=200000",
+            "recipe.bias_update_speed=0.01", "train.steps=12", "train.log_every=4", "train.lr.warmup_steps=0",
+            "telemetry.profile_cpu_memory=false", "train.checkpoint.every=12"]
+    result = torchrun(tmp_path / "ddp", *args, "train.console=plain", "recipe.batch_size=4", "distributed=ddp")
+    assert result.returncode == 0, result.stderr
+    single(tmp_path / "one", *args, "recipe.batch_size=8")
+    models = [torch.load(run / "checkpoints" / "step_00000012.pt", weights_only=False)["model"]
+              for run in (tmp_path / "ddp", tmp_path / "one")]
+    biases = [{k: v for k, v in model.items() if k.endswith("expert_bias")} for model in models]
+    assert len(biases[0]) == 2 and any(v.any() for v in biases[0].values())
+    for name, bias in biases[0].items():
+        assert torch.equal(bias, biases[1][name]), name

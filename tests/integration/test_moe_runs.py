@@ -18,15 +18,20 @@ SIZES = {"n_layers": 2, "d_model": 32, "n_heads": 2, "expert_hidden": 32, "block
 TINY = ["recipe=moe", *(f"recipe.{key}={value}" for key, value in SIZES.items()), *QUIET]
 
 
-def hand_loop(dtype: torch.dtype | None, steps: int) -> list[float]:
-    """autocast (dtype; None: fp32) as torch's examples write it, the routers kept in fp32 by hand."""
-    recipe = MoERecipe(**SIZES)
+def hand_loop(dtype: torch.dtype | None, steps: int, bias_update_speed: float = 0.0) -> list[float]:
+    """autocast (dtype; None: fp32) as torch's examples write it, the routers kept in fp32 by hand; with
+    bias_update_speed, DeepSeek-V3's expert bias moved by hand after each step from the experts its routers chose."""
+    recipe = MoERecipe(**SIZES, bias_update_speed=bias_update_speed)
     torch.manual_seed(3)
     model = recipe.build_model()
-    for router in (m for m in model.modules() if isinstance(m, Router)):
-        def in_fp32(x: torch.Tensor, forward=router.forward) -> tuple:
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    chosen: dict[Router, list[torch.Tensor]] = {router: [] for router in routers}
+    for router in routers:
+        def in_fp32(x: torch.Tensor, forward=router.forward, router=router) -> tuple:
             with torch.autocast("cpu", enabled=False):
-                return forward(x.float())
+                out = forward(x.float())
+            chosen[router].append(out[2])
+            return out
         router.forward = in_fp32
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     batches = recipe.batches(torch.device("cpu"), seed=3)
@@ -38,6 +43,12 @@ def hand_loop(dtype: torch.dtype | None, steps: int) -> list[float]:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        for router, choices in chosen.items():
+            if bias_update_speed:
+                load = torch.bincount(torch.cat(choices).reshape(-1), minlength=SIZES["experts"]).float()
+                delta = bias_update_speed * torch.sign(load.mean() - load)
+                router.expert_bias += delta - delta.mean()
+            choices.clear()
     return losses
 
 
@@ -45,6 +56,18 @@ def hand_loop(dtype: torch.dtype | None, steps: int) -> list[float]:
 def test_a_moe_run_equals_the_hand_written_loop_step_for_step(tmp_path, precision, dtype):
     _, rows = train_here(tmp_path, f"precision={precision}", "train.log_every=1", *GOLDEN, base=TINY)
     assert [r["loss"] for r in rows] == hand_loop(dtype, len(rows))
+
+
+def test_deepseeks_expert_bias_moves_as_written_by_hand_and_a_resume_continues_it(tmp_path):
+    """recipe.bias_update_speed: the run's losses equal the hand loop's that moves each router's bias itself; a run
+    stopped at step 6 and resumed (the bias in its checkpoint) equals the whole run; the bias changed the run."""
+    speed = ["recipe.bias_update_speed=0.01", "train.log_every=1", "train.checkpoint.every=6"]
+    _, rows = train_here(tmp_path / "whole", "precision=fp32", *speed, *GOLDEN, base=TINY)
+    assert [r["loss"] for r in rows] == hand_loop(None, len(rows), bias_update_speed=0.01)
+    assert [r["loss"] for r in rows] != hand_loop(None, len(rows))
+    train_here(tmp_path / "halves", "precision=fp32", *speed, *GOLDEN, "train.steps=6", base=TINY)
+    _, resumed = train_here(tmp_path / "halves", "precision=fp32", *speed, *GOLDEN, "resume=auto", base=TINY)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in rows]
 
 
 def apex_o2_loop(steps: int) -> list[float]:

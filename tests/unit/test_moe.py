@@ -352,3 +352,30 @@ def test_the_tokens_counted_stay_exact_in_a_model_cast_to_half():
     for _ in range(3):
         moe(torch.randn(1, 300, D, dtype=torch.bfloat16))
     assert moe.tokens_per_expert.dtype == torch.long and int(moe.tokens_per_expert.sum()) == 3 * 300 * TOP_K
+
+
+def test_deepseeks_expert_bias_chooses_the_experts_and_leaves_their_weights_to_the_scores():
+    """With an expert bias, each token's experts are the top-k of scores + bias (by hand), their weights its scores
+    for those experts, normalized; the balance step moves the bias by the speed toward the mean load, centered."""
+    torch.manual_seed(0)
+    moe = MoE(D, EXPERTS, TOP_K, HIDDEN, 0, "sigmoid", True, True, bias_update_speed=0.01)
+    bias = torch.tensor([0.3, -0.2, 0.0, 0.1])
+    moe.router.expert_bias.copy_(bias)
+    assert "router.expert_bias" in moe.state_dict()  # a checkpoint resumes it
+    tokens = torch.randn(40, D)
+    _, weights, chosen = moe.router(tokens)
+    scores = torch.sigmoid(tokens @ moe.router.gate.weight.T)
+    want = (scores + bias).topk(TOP_K, dim=-1).indices
+    assert torch.equal(chosen, want) and not torch.equal(want, scores.topk(TOP_K, dim=-1).indices)
+    picked = scores.gather(-1, want)
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True))
+
+    moe(tokens.view(2, 20, D))
+    moe(tokens.view(2, 20, D)[:1])  # a step of two micro-batches: 60 tokens
+    load = torch.zeros(EXPERTS)
+    for t in torch.cat([want, want[:20]]).reshape(-1):
+        load[t] += 1
+    delta = 0.01 * torch.sign(load.mean() - load)
+    moe.ampctl_after_step()
+    torch.testing.assert_close(moe.router.expert_bias, bias + delta - delta.mean())
+    assert not moe.tokens_this_step.any()  # counted afresh for the next step
