@@ -1,13 +1,15 @@
 """moe: the built-in GPT (recipes/gpt.py) with each block's MLP a mixture of experts, as torchtitan, DeepSeek-V3 and
 Qwen3-MoE build theirs: a router (a linear gate, softmax or sigmoid scores, each token's top-k experts and their
 weights), the experts as grouped weights that torch's grouped GEMM runs over the tokens sorted by expert (dropless:
-every token reaches its k experts), an optional shared expert every token goes through, and a load-balancing loss or
-DeepSeek-V3's auxiliary-loss-free balance (a bias per expert, moved after each step toward the experts given less).
-The routers are kept in fp32 by a rule of the model's own, after the mode's (a top-k is discontinuous: a small error
-sends a token to another expert), which a rule of the user's on a router replaces."""
+every token reaches its k experts; or with a capacity, the pairs past it dropped), an optional shared expert every
+token goes through, and a load-balancing loss or DeepSeek-V3's auxiliary-loss-free balance (a bias per expert, moved
+after each step toward the experts given less). The routers are kept in fp32 by a rule of the model's own, after the
+mode's (a top-k is discontinuous: a small error sends a token to another expert), which a rule of the user's on a
+router replaces."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -106,20 +108,28 @@ class MoE(nn.Module):
     """A block's mixture of experts in place of its MLP. After each forward: `load`, the tokens each expert got
     (on the device: read on log steps only), and `balance_loss`, the Switch Transformer's load-balancing loss
     experts x sum_e f_e P_e (f_e: the share of routed tokens expert e got; P_e: its mean normalized score), 1 when
-    balanced."""
+    balanced. With capacity_factor, each expert takes at most ceil(capacity_factor x tokens x top_k / experts) of a
+    forward's (token, k) pairs, first come first served in token order (GShard, Switch); a dropped pair adds nothing
+    to its token's output (the residual carries the token on), and `dropped_per_expert` counts it."""
 
     ampctl_experts = True  # its load is read over training (analysis/expert_load.py): tokens_per_expert
 
     def __init__(self, d_model: int, experts: int, top_k: int, hidden: int, shared: int, score: str,
-                 route_norm: bool, grouped: bool, bias_update_speed: float = 0.0) -> None:
+                 route_norm: bool, grouped: bool, bias_update_speed: float = 0.0,
+                 capacity_factor: Optional[float] = None) -> None:
         super().__init__()
         self.experts_count, self.top_k, self.bias_update_speed = experts, top_k, bias_update_speed
+        self.capacity_factor = capacity_factor
         # the tokens each expert was sent by the training forwards since it was last read, on the device (a buffer:
         # it moves with the model; not persistent: a checkpoint does not need it). Integers: a model cast to half
         # (O2, bf16_true) casts its floating buffers too, and bf16 counts exactly only to 256.
         self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.long), persistent=False)
         # the tokens of this optimizer step's forwards, for the expert bias's move after it (zero between steps)
         self.register_buffer("tokens_this_step", torch.zeros(experts, dtype=torch.long) if bias_update_speed else None,
+                             persistent=False)
+        # the pairs each expert dropped past its capacity since the load was last read (with tokens_per_expert)
+        self.register_buffer("dropped_per_expert",
+                             torch.zeros(experts, dtype=torch.long) if capacity_factor is not None else None,
                              persistent=False)
         self.router = Router(d_model, experts, top_k, score, route_norm, bias_balance=bias_update_speed > 0)
         self.experts = GroupedExperts(experts, d_model, hidden, grouped)
@@ -136,7 +146,16 @@ class MoE(nn.Module):
         flat = chosen.reshape(-1)
         counts = torch.bincount(flat, minlength=self.experts_count)
         order = torch.argsort(flat, stable=True)  # the (token, k) pairs sorted by expert, ties in token order
-        routed = self.experts(tokens[order // self.top_k], counts)
+        dispatched = tokens[order // self.top_k]
+        kept = None
+        if self.capacity_factor is not None:
+            kept, dropped = self._within_capacity(flat, order, counts)
+            # the dropped rows stay (their number is the counts': no host read) as zeros, which neither move a
+            # format's scales nor give the experts an output or a gradient
+            dispatched = dispatched * kept.unsqueeze(-1).to(dispatched.dtype)
+        routed = self.experts(dispatched, counts)
+        if kept is not None:
+            routed = routed * kept.unsqueeze(-1).to(routed.dtype)
         # back to (token, k) order by the inverse permutation (a gather: deterministic, no atomic adds)
         unsorted = routed[torch.argsort(order)].view(tokens.shape[0], self.top_k, -1)
         out = (unsorted * weights.unsqueeze(-1).to(unsorted.dtype)).sum(dim=1)
@@ -147,10 +166,20 @@ class MoE(nn.Module):
             self.tokens_per_expert += self.load
             if self.tokens_this_step is not None:
                 self.tokens_this_step += self.load
+            if kept is not None:
+                self.dropped_per_expert += dropped
         share = counts.to(scores.dtype) / flat.numel()
         mean_score = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
         self.balance_loss = self.experts_count * (share * mean_score).sum()
         return out.view(shape).to(x.dtype)
+
+    def _within_capacity(self, flat: torch.Tensor, order: torch.Tensor,
+                         counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(which sorted pairs each expert keeps: its first `capacity` in token order; the pairs each dropped)."""
+        capacity = math.ceil(self.capacity_factor * flat.numel() / self.experts_count)  # from shapes: no sync
+        starts = torch.cumsum(counts, dim=0) - counts
+        rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]  # place in its expert's queue
+        return rank < capacity, counts - counts.clamp(max=capacity)
 
 
     @torch.no_grad()
@@ -223,6 +252,9 @@ class MoERecipe(GPTRecipe):
     # DeepSeek-V3's auxiliary-loss-free balance: each step, every expert's routing bias moves by this (its gamma,
     # 0.001 in the paper) toward the mean load; 0: none. Usually with balance_coeff=0 (or a small one)
     bias_update_speed: float = 0.0
+    # each expert's capacity, as a multiple of its share of a forward's (token, k) pairs; the pairs past it are
+    # dropped (their share in experts.jsonl); null: dropless, every token reaches its k experts
+    capacity_factor: Optional[float] = None
     grouped_mm: bool = True  # false: the experts one at a time (a loop, as a reference)
 
     def __post_init__(self) -> None:
@@ -240,6 +272,8 @@ class MoERecipe(GPTRecipe):
             raise ConfigError("recipe.shared_experts", self.shared_experts, "an integer >= 0")
         if self.score not in SCORES:
             raise ConfigError("recipe.score", self.score, " | ".join(SCORES))
+        if self.capacity_factor is not None and not self.capacity_factor > 0.0:
+            raise ConfigError("recipe.capacity_factor", self.capacity_factor, "a number > 0, or null (dropless)")
         for key in ("balance_coeff", "bias_update_speed"):
             if not getattr(self, key) >= 0.0:
                 raise ConfigError(f"recipe.{key}", getattr(self, key), "a number >= 0")
@@ -247,7 +281,8 @@ class MoERecipe(GPTRecipe):
     def build_model(self) -> nn.Module:
         moe = {"experts": self.experts, "top_k": self.top_k, "hidden": self.expert_hidden,
                "shared": self.shared_experts, "score": self.score, "route_norm": self.route_norm,
-               "grouped": self.grouped_mm, "bias_update_speed": self.bias_update_speed}
+               "grouped": self.grouped_mm, "bias_update_speed": self.bias_update_speed,
+               "capacity_factor": self.capacity_factor}
         return MoEGPT(self.block_size, self.d_model, self.n_layers, self.n_heads, self.dropout, moe)
 
     def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -109,7 +109,7 @@ def comparison_table(runs: Sequence[ModeRuns], skipped: dict[str, str],
                *[f"eval_{m}" for m in metrics], *(["eval_loss_sd", "eval_loss_delta", "eval_loss_delta_interval",
                                                    "parity"] if "loss" in metrics else []),
                "tflops", "mfu", "peak_memory_mib", "memory_ratio", "final_loss", "loss_delta", "skipped_steps",
-               "final_loss_scale", "compile_s", "expert_load"]
+               "final_loss_scale", "compile_s", "expert_load", "expert_dropped"]
     rows, notes = [], []
     for mode, records in runs:
         status, bad = _status(records)
@@ -146,12 +146,13 @@ def _presentation(unit: str, metrics: list[str], baseline: Optional[str], n_roun
                "speedup": "speedup (interval)", "peak_memory_mib": "peak MiB (allocator)", "memory_ratio": "memory",
                "final_loss": "final loss", "loss_delta": "Δ loss", "skipped_steps": "skipped",
                "final_loss_scale": "scale", "compile_s": "compile s", "tflops": "TFLOP/s", "mfu": "MFU",
-               "expert_load": "expert load (max/mean)",
+               "expert_load": "expert load (max/mean)", "expert_dropped": "dropped",
                **{f"eval_{m}": _held_out_label(m) for m in metrics}, "eval_loss_delta": "Δ held-out loss"}
     formats = {unit: lambda v: f"{v:,.0f}", "peak_memory_mib": lambda v: f"{v:,.0f}", "memory_ratio": ratio,
                "final_loss": lambda v: f"{v:.4f}", "loss_delta": signed, "final_loss_scale": io.scale_label,
                "compiled": lambda v: "yes" if v else "no", "compile_s": lambda v: f"{v:.1f}",
                "tflops": lambda v: f"{v:.3g}", "mfu": lambda v: f"{v:.1%}", "expert_load": "{:.2f}×".format,
+               "expert_dropped": lambda v: f"{v:.1%}",
                **{f"eval_{m}": _held_out_format(m) for m in metrics}}
     cells = {"step_time_ms": lambda r: _with_range(r, "step_time_ms", io.milliseconds),
              "speedup": lambda r: _with_range(r, "speedup", "{:.2f}×".format),
@@ -217,6 +218,7 @@ def _mode_row(mode: str, records: Sequence[RunRecord], baseline: str, base: Sequ
         "compile_s": _mean([s.get("compile_s") for s in summaries]),
         # a mixture of experts' load balance: the busiest expert's tokens over the mean, over the run (empty: none)
         "expert_load": _mean([s.get("expert_load") for s in summaries]),
+        "expert_dropped": _mean([s.get("expert_dropped") for s in summaries]),  # with a capacity: pairs dropped
     }
     words = []
     if mode != baseline:

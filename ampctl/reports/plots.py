@@ -359,7 +359,8 @@ def block_scale_heatmap(rows: Sequence[dict[str, Any]], path: Path, title: str) 
 
 def expert_load_curves(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
     """A mixture of experts' load over training (experts.jsonl): each MoE layer's busiest expert over the mean at each
-    read (1: balanced), and each layer's experts' shares of the tokens over the last interval."""
+    read (1: balanced; with a capacity, dotted, the share of its pairs dropped), and each layer's experts' shares of
+    the tokens over the last interval."""
     layers = list(rows[-1]["layers"])
     fig, (over, shares) = pyplot().subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     steps = [row["step"] for row in rows]
@@ -368,6 +369,13 @@ def expert_load_curves(rows: Sequence[dict[str, Any]], path: Path, title: str) -
                   color=f"C{i % 10}", linestyle=LINESTYLES[i % len(LINESTYLES)], linewidth=1.2)
     over.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     over.set(xlabel="step", ylabel="busiest expert's tokens / mean", title="load balance")
+    if any("dropped" in row for row in rows):  # a capacity: the share of each layer's pairs dropped past it
+        drops = over.twinx()
+        for i, name in enumerate(layers):
+            drops.plot(steps, [row["layers"].get(name, {}).get("dropped") for row in rows], color=f"C{i % 10}",
+                       linestyle=":", linewidth=1.0, alpha=0.8)
+        drops.set_ylabel("dotted: share of (token, k) pairs dropped past capacity")
+        drops.set_ylim(bottom=0.0)
     over.grid(alpha=0.3)
     grid = [rows[-1]["layers"][name]["shares"] for name in layers]
     image = shares.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0)

@@ -188,11 +188,12 @@ def test_a_schedule_that_cannot_run(tmp_path, capsys, restore_argv, schedule, ex
      "matches no layer of this model"),
     (["precision=fp8_emulated", "precision.options.scaling=delayed"], "scaling=delayed with the grouped experts"),
     (["recipe.bias_update_speed=-0.001"], "recipe.bias_update_speed=-0.001 is not allowed: expected a number >= 0"),
+    (["recipe.capacity_factor=0"], "recipe.capacity_factor=0 is not allowed: expected a number > 0, or null"),
 ])
 def test_a_mixture_of_experts_that_cannot_run(tmp_path, capsys, restore_argv, overrides, said):
     """More experts chosen than there are, a width the grouped GEMM cannot align, a score it does not know, a rule on
-    routers where the model has none, FP8's delayed scaling on grouped experts, a negative bias speed: one line, exit 2,
-    nothing written."""
+    routers where the model has none, FP8's delayed scaling on grouped experts, a negative bias speed, no capacity:
+    one line, exit 2, nothing written."""
     err = refused(tmp_path, capsys, "recipe=moe", "device=cpu", "recipe.max_corpus_bytes=100000", "recipe.n_layers=1",
                   *overrides)
     assert said in err, err

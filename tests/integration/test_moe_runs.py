@@ -5,6 +5,7 @@ routers' precision on the start line."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -154,6 +155,30 @@ def test_the_tokens_each_expert_got_are_the_hand_count(tmp_path):
         assert rows[0]["layers"][layer]["max_over_mean"] == max(counts) / (sum(counts) / len(counts))
     assert [row["step"] for row in rows] == list(range(1, 13))
     assert summary["expert_load"] == pytest.approx(sum(r["max_over_mean"] for r in rows) / len(rows))
+
+
+def test_the_pairs_dropped_past_a_capacity_are_the_hand_count(tmp_path):
+    """recipe.capacity_factor: experts.jsonl's first row says, per layer, the share of the first batch's (token, k)
+    pairs past each expert's capacity, counted by hand from the experts each router chose; the summary's
+    expert_dropped is its rows' mean of the worst layer's."""
+    summary, _ = train_here(tmp_path, "precision=fp32", "recipe.capacity_factor=1.0", "train.log_every=1",
+                            "telemetry.experts_every=1", *GOLDEN, base=TINY)
+    rows = [json.loads(line) for line in (tmp_path / "experts.jsonl").read_text().splitlines()]
+    recipe = MoERecipe(**SIZES, capacity_factor=1.0)
+    torch.manual_seed(3)
+    model = recipe.build_model()
+    chosen = {}
+    for name, router in ((n, m) for n, m in model.named_modules() if isinstance(m, Router)):
+        router.register_forward_hook(lambda m, a, out, name=name: chosen.update({name.rsplit(".", 1)[0]: out[2]}))
+    idx, _ = next(recipe.batches(torch.device("cpu"), seed=3))
+    model(idx)
+    for layer, experts in chosen.items():
+        pairs = experts.numel()
+        capacity = math.ceil(1.0 * pairs / SIZES["experts"])
+        counts = [sum(int(e) == expert for e in experts.reshape(-1)) for expert in range(SIZES["experts"])]
+        assert rows[0]["layers"][layer]["dropped"] == sum(max(0, c - capacity) for c in counts) / pairs
+    assert rows[0]["dropped"] > 0
+    assert summary["expert_dropped"] == pytest.approx(sum(r["dropped"] for r in rows) / len(rows))
 
 
 def test_compare_says_how_the_load_balance_differs_between_modes(tmp_path):

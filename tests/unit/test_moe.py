@@ -379,3 +379,80 @@ def test_deepseeks_expert_bias_chooses_the_experts_and_leaves_their_weights_to_t
     moe.ampctl_after_step()
     torch.testing.assert_close(moe.router.expert_bias, bias + delta - delta.mean())
     assert not moe.tokens_this_step.any()  # counted afresh for the next step
+
+
+def test_a_capacity_drops_each_experts_pairs_past_it_first_come_first_served():
+    """capacity_factor: each expert keeps its first ceil(factor x pairs / experts) (token, k) pairs in token order; a
+    dropped pair adds nothing to its token (a hand loop that skips it), nor to the experts' gradients; the drops per
+    expert are counted, and the formats' scales do not see the dropped rows (they reach the experts as zeros)."""
+    torch.manual_seed(0)
+    moe = MoE(D, EXPERTS, TOP_K, HIDDEN, 0, "softmax", True, True, capacity_factor=0.75)
+    for weight in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
+        torch.nn.init.normal_(weight, std=0.1)
+    with torch.no_grad():
+        moe.router.gate.weight[0] += 0.5  # expert 0 wanted by most tokens: over its capacity
+    x = torch.randn(2, 9, D, requires_grad=True)
+    out = moe(x)
+    tokens = x.reshape(-1, D)
+    scores = torch.softmax(tokens @ moe.router.gate.weight.T, -1)
+    weights, chosen = scores.topk(TOP_K, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    capacity = math.ceil(0.75 * tokens.shape[0] * TOP_K / EXPERTS)
+    taken, dropped = [0] * EXPERTS, [0] * EXPERTS
+    rows = []
+    for t in range(tokens.shape[0]):
+        row = torch.zeros(D)
+        for j in range(TOP_K):
+            e = int(chosen[t, j])
+            if taken[e] == capacity:
+                dropped[e] += 1
+                continue
+            taken[e] += 1
+            h = F.silu(tokens[t] @ moe.experts.w1[e].T) * (tokens[t] @ moe.experts.w3[e].T)
+            row = row + weights[t, j] * (h @ moe.experts.w2[e].T)
+        rows.append(row)
+    expected = torch.stack(rows).view(x.shape)
+    assert dropped[0] > 0 and moe.dropped_per_expert.tolist() == dropped
+    assert moe.load.tolist() == [taken[e] + dropped[e] for e in range(EXPERTS)]  # the load counts what was routed
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, moe.experts.w1, moe.experts.w2], grad)
+    want = torch.autograd.grad(expected, [x, moe.experts.w1, moe.experts.w2], grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_the_load_row_says_the_share_of_pairs_each_layer_dropped():
+    from ampctl.analysis.expert_load import expert_load_values, load_row
+
+    row = load_row(5, {"a": [6, 2], "b": [4, 4]}, {"a": [2, 0]})
+    assert row["layers"]["a"]["dropped"] == 2 / 8 and "dropped" not in row["layers"]["b"] and row["dropped"] == 0.25
+    assert expert_load_values(row)["experts/a/dropped"] == 0.25 and expert_load_values(row)["experts/dropped"] == 0.25
+    assert "dropped" not in load_row(5, {"a": [6, 2]})
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_dropped_pairs_are_zeros_at_the_end_of_their_experts_group_as_a_format_would_pad_it(fmt):
+    """A capacity keeps each expert's first pairs, so its dropped ones are zero rows at the end of its group: in every
+    format the kept rows' outputs and the weight gradients equal the experts run on the kept rows alone (a group's
+    padding to whole blocks is zeros too; no amax sees a zero)."""
+    from ampctl.engine.precision.mx_emulated import MXEmulatedConverter, MXEmulatedOptions, MXFormat
+    from ampctl.recipes.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(2, 32, 32)
+    for weight in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(weight, std=0.1)
+    MXEmulatedConverter(MXEmulatedOptions(format=MXFormat(fmt)), torch.device("cpu")).convert(experts, "e", fmt)
+    kept = torch.randn(6, 32)  # expert 0's first 4 pairs, expert 1's 2
+    padded = torch.cat([kept[:4], torch.zeros(3, 32), kept[4:], torch.zeros(1, 32)])  # 3 and 1 dropped
+    grads = []
+    for x, counts in ((padded, torch.tensor([7, 3])), (kept, torch.tensor([4, 2]))):
+        out = experts(x, counts)
+        rows = out if x is kept else torch.cat([out[:4], out[7:9]])
+        rows.sum().backward()
+        grads.append((rows.detach(), [w.grad.clone() for w in (experts.w1, experts.w2, experts.w3)]))
+        experts.zero_grad()
+    assert torch.equal(grads[0][0], grads[1][0])
+    for with_zeros, alone in zip(grads[0][1], grads[1][1]):
+        assert torch.equal(with_zeros, alone)

@@ -122,6 +122,8 @@ def summary_of(run: Any) -> dict:
         "others_cpu_cores": machine_load.others_cores(run.load_at_start, machine_load.sample()),
         # a mixture of experts' load: the busiest expert's tokens over the mean, the worst layer's, over the run
         "expert_load": expert_load.over_the_run(run_dir / run_files.EXPERTS),
+        # with a capacity: the worst layer's share of (token, k) pairs dropped, over the run
+        "expert_dropped": expert_load.over_the_run(run_dir / run_files.EXPERTS, "dropped"),
         # guard.on_trip=escalate's: the layers raised and from which step (escalations.jsonl holds each whole)
         "escalations": [{key: row[key] for key in ("number", "tripped_at", "step", "raised", "reason", "evidence")}
                         for row in escalation_rules.recorded(run_dir)],
