@@ -83,7 +83,7 @@ class ExpertLoadLog:
             f.write(json.dumps(row) + "\n")
         self._written(row)
         if row["max_over_mean"] is not None:
-            dropped = f", {row['dropped']:.0%} dropped" if "dropped" in row else ""
+            dropped = f", {row['dropped']:.1%} dropped" if "dropped" in row else ""
             self._shown(f"load {row['max_over_mean']:.2f}x{dropped}")
 
 

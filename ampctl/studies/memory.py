@@ -303,7 +303,11 @@ def parts_table(rows: list[ModeMemory]) -> Optional[tables.ReportTable]:
     formats = {**{f"{a}_bytes": lambda v: io.format_bytes(v, 1) for a in sizes},
                "states_bytes": lambda v: io.format_bytes(v, 1), "parameters": lambda v: f"{v:,}",
                "share": lambda v: f"{v:.1%}"}
-    return tables.ReportTable(PARTS_TITLE, columns, table_rows, headers=headers, formats=formats, notes=[
+    return tables.ReportTable(PARTS_TITLE, columns, table_rows, headers=headers, formats=formats,
+                              screen=["precision", "part", "parameters", "states_bytes", "share"],
+                              screen_when_narrow=True,
+                              screen_note=f"states = {' + '.join(sizes.values())}: each in report.md and memory.csv",
+                              notes=[
         "every expert's weights, gradients and optimizer states are held, though each token computes with its "
         "router's top-k of them (FLOPs count those: ampctl train's MFU); routers: their gates."])
 
