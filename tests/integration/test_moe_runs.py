@@ -135,13 +135,9 @@ def test_the_start_line_says_the_routers_run_in_fp32_by_the_models_rule(tmp_path
     assert "| load " in out  # the busiest expert's tokens over the mean, on the live line
 
 
-def test_the_tokens_each_expert_got_are_the_hand_count(tmp_path):
-    """experts.jsonl's first row (step 1: the initial weights, the first batch) against the experts each token's
-    router chose in a hand-run forward of the same model and batch; the summary's load is its rows' mean."""
-    summary, _ = train_here(tmp_path, "precision=fp32", "train.log_every=1", "telemetry.experts_every=1", *GOLDEN,
-                            base=TINY)
-    rows = [json.loads(line) for line in (tmp_path / "experts.jsonl").read_text().splitlines()]
-    recipe = MoERecipe(**SIZES)
+def first_choices(recipe: MoERecipe) -> dict[str, torch.Tensor]:
+    """The experts each MoE layer's router chose for the first batch, in a hand-run forward of the run's model (seed
+    3, as GOLDEN's runs build it)."""
     torch.manual_seed(3)
     model = recipe.build_model()
     chosen = {}
@@ -149,7 +145,16 @@ def test_the_tokens_each_expert_got_are_the_hand_count(tmp_path):
         router.register_forward_hook(lambda m, a, out, name=name: chosen.update({name.rsplit(".", 1)[0]: out[2]}))
     idx, _ = next(recipe.batches(torch.device("cpu"), seed=3))
     model(idx)
-    for layer, experts in chosen.items():
+    return chosen
+
+
+def test_the_tokens_each_expert_got_are_the_hand_count(tmp_path):
+    """experts.jsonl's first row (step 1: the initial weights, the first batch) against the experts each token's
+    router chose in a hand-run forward of the same model and batch; the summary's load is its rows' mean."""
+    summary, _ = train_here(tmp_path, "precision=fp32", "train.log_every=1", "telemetry.experts_every=1", *GOLDEN,
+                            base=TINY)
+    rows = [json.loads(line) for line in (tmp_path / "experts.jsonl").read_text().splitlines()]
+    for layer, experts in first_choices(MoERecipe(**SIZES)).items():
         counts = [sum(int(e) == expert for e in experts.reshape(-1)) for expert in range(SIZES["experts"])]
         assert rows[0]["layers"][layer]["shares"] == [c / sum(counts) for c in counts]
         assert rows[0]["layers"][layer]["max_over_mean"] == max(counts) / (sum(counts) / len(counts))
@@ -164,15 +169,7 @@ def test_the_pairs_dropped_past_a_capacity_are_the_hand_count(tmp_path):
     summary, _ = train_here(tmp_path, "precision=fp32", "recipe.capacity_factor=1.0", "train.log_every=1",
                             "telemetry.experts_every=1", *GOLDEN, base=TINY)
     rows = [json.loads(line) for line in (tmp_path / "experts.jsonl").read_text().splitlines()]
-    recipe = MoERecipe(**SIZES, capacity_factor=1.0)
-    torch.manual_seed(3)
-    model = recipe.build_model()
-    chosen = {}
-    for name, router in ((n, m) for n, m in model.named_modules() if isinstance(m, Router)):
-        router.register_forward_hook(lambda m, a, out, name=name: chosen.update({name.rsplit(".", 1)[0]: out[2]}))
-    idx, _ = next(recipe.batches(torch.device("cpu"), seed=3))
-    model(idx)
-    for layer, experts in chosen.items():
+    for layer, experts in first_choices(MoERecipe(**SIZES, capacity_factor=1.0)).items():
         pairs = experts.numel()
         capacity = math.ceil(1.0 * pairs / SIZES["experts"])
         counts = [sum(int(e) == expert for e in experts.reshape(-1)) for expert in range(SIZES["experts"])]
