@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ampctl.recipes.gpt import GPTRecipe
-from ampctl.recipes.moe import MoE, MoERecipe
+from ampctl.recipes.moe import MoE, MoERecipe, MoESpec
 
 D, EXPERTS, TOP_K, HIDDEN, TOKENS = 256, 8, 2, 512, 2048
 SMALL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "block_size": 64, "batch_size": 8, "max_corpus_bytes": 300_000}
@@ -51,7 +51,7 @@ def said(ratios: list[float]) -> str:
 
 def layer_step(grouped: bool, dtype: torch.dtype) -> Callable[[], None]:
     torch.manual_seed(0)
-    layer = MoE(D, EXPERTS, TOP_K, HIDDEN, 0, "softmax", True, grouped)
+    layer = MoE(D, MoESpec(EXPERTS, TOP_K, HIDDEN, grouped=grouped))
     for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3):
         torch.nn.init.normal_(w, std=0.02)
     x = torch.randn(TOKENS, D, requires_grad=True)

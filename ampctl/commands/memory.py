@@ -64,4 +64,4 @@ def run(study: Study) -> Optional[int]:
 
 COMMAND = Command(name="memory", summary=SUMMARY, section=Section.STUDY, schema=MemoryAppConfig, check=check,
                   main=study_app("memory", run), api=study_api("memory", run, run_files.MEMORY, SUMMARY),
-                  record=run_files.MEMORY, rerender=lazily("ampctl.studies.memory:rerender"))
+                  record=run_files.MEMORY, rerender=lazily("ampctl.studies.memory_report:rerender"))

@@ -104,6 +104,21 @@ class GroupedExperts(nn.Module):
         return self.grouped(gate, self.w2, counts)
 
 
+@dataclass(frozen=True)
+class MoESpec:
+    """What a MoE layer is (MoERecipe's keys of the same names)."""
+
+    experts: int
+    top_k: int
+    hidden: int  # each expert's SwiGLU width
+    shared: int = 0  # shared experts: a dense one of hidden x shared every token goes through
+    score: str = "softmax"  # softmax | sigmoid
+    route_norm: bool = True
+    grouped: bool = True  # false: the experts one at a time
+    bias_update_speed: float = 0.0  # DeepSeek-V3's expert bias (0: none)
+    capacity_factor: Optional[float] = None  # None: dropless
+
+
 class MoE(nn.Module):
     """A block's mixture of experts in place of its MLP. After each forward: `load`, the tokens each expert got
     (on the device: read on log steps only), and `balance_loss`, the Switch Transformer's load-balancing loss
@@ -114,27 +129,28 @@ class MoE(nn.Module):
 
     ampctl_experts = True  # its load is read over training (analysis/expert_load.py): tokens_per_expert
 
-    def __init__(self, d_model: int, experts: int, top_k: int, hidden: int, shared: int, score: str,
-                 route_norm: bool, grouped: bool, bias_update_speed: float = 0.0,
-                 capacity_factor: Optional[float] = None) -> None:
+    def __init__(self, d_model: int, spec: MoESpec) -> None:
         super().__init__()
-        self.experts_count, self.top_k, self.bias_update_speed = experts, top_k, bias_update_speed
-        self.capacity_factor = capacity_factor
+        experts = spec.experts
+        self.experts_count, self.top_k, self.bias_update_speed = experts, spec.top_k, spec.bias_update_speed
+        self.capacity_factor = spec.capacity_factor
         # the tokens each expert was sent by the training forwards since it was last read, on the device (a buffer:
         # it moves with the model; not persistent: a checkpoint does not need it). Integers: a model cast to half
         # (O2, bf16_true) casts its floating buffers too, and bf16 counts exactly only to 256.
         self.register_buffer("tokens_per_expert", torch.zeros(experts, dtype=torch.long), persistent=False)
         # the tokens of this optimizer step's forwards, for the expert bias's move after it (zero between steps)
-        self.register_buffer("tokens_this_step", torch.zeros(experts, dtype=torch.long) if bias_update_speed else None,
+        self.register_buffer("tokens_this_step",
+                             torch.zeros(experts, dtype=torch.long) if spec.bias_update_speed else None,
                              persistent=False)
         # the pairs each expert dropped past its capacity since the load was last read (with tokens_per_expert)
         self.register_buffer("dropped_per_expert",
-                             torch.zeros(experts, dtype=torch.long) if capacity_factor is not None else None,
+                             torch.zeros(experts, dtype=torch.long) if spec.capacity_factor is not None else None,
                              persistent=False)
-        self.router = Router(d_model, experts, top_k, score, route_norm, bias_balance=bias_update_speed > 0)
-        self.experts = GroupedExperts(experts, d_model, hidden, grouped)
-        width = hidden * shared
-        self.shared = (nn.Sequential(nn.Linear(d_model, width), nn.GELU(), nn.Linear(width, d_model)) if shared
+        self.router = Router(d_model, experts, spec.top_k, spec.score, spec.route_norm,
+                             bias_balance=spec.bias_update_speed > 0)
+        self.experts = GroupedExperts(experts, d_model, spec.hidden, spec.grouped)
+        width = spec.hidden * spec.shared
+        self.shared = (nn.Sequential(nn.Linear(d_model, width), nn.GELU(), nn.Linear(width, d_model)) if spec.shared
                        else None)
         self.load: Optional[torch.Tensor] = None
         self.balance_loss: Optional[torch.Tensor] = None
@@ -223,10 +239,11 @@ class MoEGPT(GPT):
 
     ampctl_rules = ROUTERS_IN_FP32
 
-    def __init__(self, block_size: int, d_model: int, n_layers: int, n_heads: int, dropout: float, moe: dict) -> None:
+    def __init__(self, block_size: int, d_model: int, n_layers: int, n_heads: int, dropout: float,
+                 moe: MoESpec) -> None:
         super().__init__(block_size, d_model, n_layers, n_heads, dropout)
         for block in self.blocks:
-            block.mlp = MoE(d_model, **moe)
+            block.mlp = MoE(d_model, moe)
         std = 0.02 / (2 * n_layers) ** 0.5  # GPT-2's scaled init of what adds to the residual stream
         for layer in moe_layers(self):
             nn.init.normal_(layer.router.gate.weight, std=0.02)
@@ -279,10 +296,8 @@ class MoERecipe(GPTRecipe):
                 raise ConfigError(f"recipe.{key}", getattr(self, key), "a number >= 0")
 
     def build_model(self) -> nn.Module:
-        moe = {"experts": self.experts, "top_k": self.top_k, "hidden": self.expert_hidden,
-               "shared": self.shared_experts, "score": self.score, "route_norm": self.route_norm,
-               "grouped": self.grouped_mm, "bias_update_speed": self.bias_update_speed,
-               "capacity_factor": self.capacity_factor}
+        moe = MoESpec(self.experts, self.top_k, self.expert_hidden, self.shared_experts, self.score, self.route_norm,
+                      self.grouped_mm, self.bias_update_speed, self.capacity_factor)
         return MoEGPT(self.block_size, self.d_model, self.n_layers, self.n_heads, self.dropout, moe)
 
     def eval_metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -13,14 +13,14 @@ import torch.nn.functional as F
 from ampctl.conf.precision_schema import Dtype, LayerRule, PrecisionConfig
 from ampctl.engine.precision.policy import with_model_rules
 from ampctl.errors import ConfigError
-from ampctl.recipes.moe import MoE, MoERecipe
+from ampctl.recipes.moe import MoE, MoERecipe, MoESpec
 
 D, HIDDEN, EXPERTS, TOP_K = 32, 48, 4, 2
 
 
 def layer(score: str = "softmax", shared: int = 0, grouped: bool = True, route_norm: bool = True) -> MoE:
     torch.manual_seed(0)
-    moe = MoE(D, EXPERTS, TOP_K, HIDDEN, shared, score, route_norm, grouped)
+    moe = MoE(D, MoESpec(EXPERTS, TOP_K, HIDDEN, shared, score, route_norm, grouped))
     for weight in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
         torch.nn.init.normal_(weight, std=0.1)
     return moe
@@ -358,7 +358,7 @@ def test_deepseeks_expert_bias_chooses_the_experts_and_leaves_their_weights_to_t
     """With an expert bias, each token's experts are the top-k of scores + bias (by hand), their weights its scores
     for those experts, normalized; the balance step moves the bias by the speed toward the mean load, centered."""
     torch.manual_seed(0)
-    moe = MoE(D, EXPERTS, TOP_K, HIDDEN, 0, "sigmoid", True, True, bias_update_speed=0.01)
+    moe = MoE(D, MoESpec(EXPERTS, TOP_K, HIDDEN, score="sigmoid", bias_update_speed=0.01))
     bias = torch.tensor([0.3, -0.2, 0.0, 0.1])
     moe.router.expert_bias.copy_(bias)
     assert "router.expert_bias" in moe.state_dict()  # a checkpoint resumes it
@@ -386,7 +386,7 @@ def test_a_capacity_drops_each_experts_pairs_past_it_first_come_first_served():
     dropped pair adds nothing to its token (a hand loop that skips it), nor to the experts' gradients; the drops per
     expert are counted, and the formats' scales do not see the dropped rows (they reach the experts as zeros)."""
     torch.manual_seed(0)
-    moe = MoE(D, EXPERTS, TOP_K, HIDDEN, 0, "softmax", True, True, capacity_factor=0.75)
+    moe = MoE(D, MoESpec(EXPERTS, TOP_K, HIDDEN, capacity_factor=0.75))
     for weight in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
         torch.nn.init.normal_(weight, std=0.1)
     with torch.no_grad():

@@ -12,7 +12,7 @@ from torch import nn
 
 from ampctl.analysis.layer_errors import Side, measure
 from ampctl.analysis.routing import RoutingWatch
-from ampctl.recipes.moe import MoE, Router
+from ampctl.recipes.moe import MoE, MoESpec, Router
 
 D, EXPERTS, TOP_K = 32, 8, 2
 
@@ -20,7 +20,7 @@ D, EXPERTS, TOP_K = 32, 8, 2
 def near_tied_moe() -> nn.Module:
     """Every expert's gate row the same but for a part in 10^4: scores tied to within bf16's rounding."""
     torch.manual_seed(0)
-    moe = MoE(D, EXPERTS, TOP_K, 32, 0, "softmax", True, True)
+    moe = MoE(D, MoESpec(EXPERTS, TOP_K, 32))
     for weight in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
         nn.init.normal_(weight, std=0.1)
     with torch.no_grad():
