@@ -3,7 +3,9 @@ diffs.jsonl (one row a measurement: the step, the whole gradient's error and its
 per layer its local output, dgrad and wgrad error and the share of its output flushed or saturated). It is `ampctl
 diff`'s measurement (analysis/layer_errors.py) with the training model as the candidate, as it computes now (its
 loss scale included), and an fp32 copy of its current weights as the reference, on the first train.diff.batches
-batches of train.seed, the same batches each time, so that a layer's drift is the weights', not the data's.
+batches of train.seed, the same batches each time, so that a layer's drift is the weights', not the data's. A mixture
+of experts adds, per router, the share of tokens sent to other experts (end to end and by the router alone) and its
+scores' error, and per grouped experts layer each expert's own output error (analysis/routing.py, as `ampctl diff`).
 
 The measurement leaves training as it was: it is taken between steps (no gradient is pending then), every buffer a
 forward updates (BatchNorm's statistics, FP8's amax history) and the modules' train/eval modes are restored, the
@@ -26,6 +28,7 @@ from torch import nn
 
 from ampctl import run_files
 from ampctl.analysis.layer_errors import LayerErrors, ModelErrors, Side, measure
+from ampctl.analysis.routing import RoutingWatch
 from ampctl.engine.loop import TrainState, batch_stream
 from ampctl.engine.precision import fp32_math
 from ampctl.engine.precision.policy import PrecisionPolicy
@@ -54,16 +57,21 @@ class Fp32Reference:
             self.model = recipe.build_model().to(policy.device)  # the weights come with each measurement
         self.trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
 
-    def measure(self, state: TrainState, batches: list[Any]) -> tuple[dict[str, LayerErrors], ModelErrors]:
-        """state's model, as it computes now (its loss scale included), against the reference at its weights."""
+    def measure(self, state: TrainState,
+                batches: list[Any]) -> tuple[dict[str, LayerErrors], ModelErrors, list[dict[str, Any]]]:
+        """state's model, as it computes now (its loss scale included), against the reference at its weights; and
+        its routers' flips (RoutingWatch.results: none without routers)."""
         model = state.model
         self._load_weights(model)
         reference = Side(self.model, _true_fp32, lambda: torch.autocast(self.policy.device.type, enabled=False))
         scale = float(state.scaler.current_scale()) if state.scaler.can_skip else 1.0
         # the run's policy is entered around its steps already: its flags are in effect
         candidate = Side(model, contextlib.nullcontext, self.policy.forward_context, scale)
+        routing = RoutingWatch(self.model, model)
         with _left_as_it_was(model):
-            return measure(reference, candidate, self.recipe.loss, batches)
+            layers, whole = measure(reference, candidate, self.recipe.loss, batches,
+                                    routing=routing if routing.flips else None)
+        return layers, whole, routing.results()
 
     def _load_weights(self, model: nn.Module) -> None:
         """The training model's weights now, in fp32 (O2's half copies as they are: the reference computes on the
@@ -101,7 +109,7 @@ class LayerErrorLog:
 
     def __call__(self, step: int) -> dict[str, Any]:
         """Measure at the current weights; append the row to diffs.jsonl and return it."""
-        layers, whole = self.reference.measure(self.state, self.batches)
+        layers, whole, routing = self.reference.measure(self.state, self.batches)
         noise = whole.noise()
         row = {"step": step, "gradient_error": _finite(whole.gradient.rel_rms),
                "error_over_noise": _finite(whole.gradient.rel_rms / noise) if noise else None,
@@ -113,6 +121,12 @@ class LayerErrorLog:
                                  "flushed": layer.total["out"].share(layer.total["out"].flushed),
                                  "saturated": layer.total["out"].share(layer.total["out"].saturated)}
                           for name, layer in layers.items()}}
+        for name, layer in layers.items():
+            if layer.per_expert:  # grouped experts: each expert's own output error (None: it got no token)
+                row["layers"][name]["per_expert_out"] = [_finite(sums.rel_rms) if sums.values else None
+                                                        for sums in layer.per_expert]
+        if routing:
+            row["routing"] = routing
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         return row
@@ -123,7 +137,11 @@ class LayerErrorLog:
         ratio = row["error_over_noise"]
         noise = f" ({ratio:.2g}x its noise)" if isinstance(ratio, float) else ""
         largest = f"; largest local: {worst[0]} ({worst[1]['type']}) {_said(_rank(worst[1]))}" if worst else ""
-        return f"layer errors at step {row['step']}: gradient {_said(row['gradient_error'])}{noise}{largest}"
+        flips = max(row.get("routing", []), key=lambda router: router["flipped"], default=None)
+        routed = (f"; {flips['flipped']:.1%} of {flips['router']}'s tokens to other experts" if flips is not None
+                  else "")
+        return (f"layer errors at step {row['step']}: gradient {_said(row['gradient_error'])}{noise}{largest}"
+                f"{routed}")
 
 
 def _rank(layer: dict[str, Any]) -> float:

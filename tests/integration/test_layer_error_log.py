@@ -44,6 +44,28 @@ def test_a_row_is_what_ampctl_diff_measures_at_that_steps_checkpoint(tmp_path):
                 assert row[key] == pytest.approx(logged["layers"][row["layer"]][key], rel=1e-9), (row["layer"], key)
 
 
+def test_a_mixture_of_experts_row_has_its_routing_and_experts_as_ampctl_diff_measures_them(tmp_path):
+    """recipe=moe in mxfp8: the row's routers (tokens sent to other experts, by the router alone, the scores' error)
+    and each expert's own output error equal `ampctl diff`'s at that step's checkpoint; the trackers' diff/routing."""
+    moe = ["device=cpu", "recipe=moe", "recipe.n_layers=2", "recipe.d_model=32", "recipe.n_heads=2",
+           "recipe.experts=4", "recipe.expert_hidden=32", "recipe.block_size=32", "recipe.batch_size=8",
+           "recipe.max_corpus_bytes=200000", "train.console=quiet", "precision=mxfp8"]
+    run = ampctl.train([*moe, "train.steps=4", "train.diff.every=4", "logger=csv"], run_dir=tmp_path / "run")
+    logged = rows(run.run_dir / "diffs.jsonl")[0]
+    diff = ampctl.diff([*moe, "diff.batches=2", f"diff.weights={run.run_dir}"], out_dir=tmp_path / "diff")
+    routing = {r["router"]: r for r in diff.summary["routing"]}
+    assert [r["router"] for r in logged["routing"]] == list(routing) == ["blocks.0.mlp.router", "blocks.1.mlp.router"]
+    assert any(r["flipped"] > 0 for r in logged["routing"])
+    for row in logged["routing"]:
+        for key in ("tokens", "flipped", "own_flipped"):
+            assert row[key] == routing[row["router"]][key], (row["router"], key)
+        assert row["scores_error"] == pytest.approx(routing[row["router"]]["scores_error"], rel=1e-9)
+    for layer, errors in diff.summary["experts"].items():
+        assert logged["layers"][layer]["per_expert_out"] == pytest.approx(errors, rel=1e-9)
+    header = (run.run_dir / "metrics_diff.csv").read_text().splitlines()[0]
+    assert "diff/routing/blocks.0.mlp.router" in header
+
+
 def test_the_runs_report_draws_its_layers_over_the_steps(tmp_path):
     run = ampctl.train([*MLP, "precision=bf16", "train.steps=6", "train.diff.every=2"], run_dir=tmp_path / "run")
     shown = run_ampctl("report", str(run.run_dir), cwd=tmp_path)

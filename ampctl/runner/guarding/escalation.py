@@ -208,7 +208,7 @@ def _from_the_error(trip: GuardTrip, replayed: Replayed, policy: PrecisionPolicy
     from ampctl.runner.layer_error_log import Fp32Reference
 
     replayed.state.model.zero_grad(set_to_none=True)  # the replay's backward left its gradients
-    layers, whole = Fp32Reference(recipe, policy).measure(replayed.state, replayed.bad_batches)
+    layers, whole, _ = Fp32Reference(recipe, policy).measure(replayed.state, replayed.bad_batches)
     ref = sum(r for r, _ in whole.losses) / len(whole.losses)
     cand = sum(c for _, c in whole.losses) / len(whole.losses)
     said = f"on the replayed weights and batch fp32's loss is {ref:.4g}, this mode's {cand:.4g}"

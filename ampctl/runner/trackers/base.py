@@ -71,7 +71,8 @@ def eval_values(row: dict[str, Any]) -> dict[str, float]:
 def layer_error_values(row: dict[str, Any]) -> dict[str, Any]:
     """train.diff.every's measurement (a diffs.jsonl row) as a tracker's scalars: step, diff/gradient_error,
     diff/error_over_noise and each layer's local error (the largest of its output's, dgrad's and wgrad's) as
-    diff/local/<layer>; an infinite one as inf (MLflow leaves it out)."""
+    diff/local/<layer>, and each router's share of tokens sent to other experts as diff/routing/<router>; an infinite
+    one as inf (MLflow leaves it out)."""
     def number(value: Any) -> Optional[float]:
         return None if value is None else float(value)  # "inf": JSON's stand-in for infinity
 
@@ -80,6 +81,8 @@ def layer_error_values(row: dict[str, Any]) -> dict[str, Any]:
     for layer, figures in row["layers"].items():
         local = [number(figures[k]) for k in ("out_local", "dgrad_local", "wgrad_local") if figures[k] is not None]
         values[f"diff/local/{layer}"] = max(local) if local else None
+    for router in row.get("routing", []):  # a mixture of experts: the share of tokens sent to other experts
+        values[f"diff/routing/{router['router']}"] = router["flipped"]
     return values
 
 
