@@ -23,7 +23,7 @@ from ampctl.engine.build import build_state
 from ampctl.engine.loop import batch_stream
 from ampctl.engine.precision.policy import PrecisionPolicy
 from ampctl.errors import UsageError
-from ampctl.interrupt import Interrupted, StoppedOnSignal
+from ampctl.interrupt import Interrupted, StoppedOnSignal, interrupts_surfaced
 from ampctl.recipes.base import build_recipe
 from ampctl.reports import plots, tables
 from ampctl.reports.progress import Phases, ticking
@@ -122,8 +122,10 @@ def _repaired(search: Callable[[Callable[[Tried], None]], Repair], report: "Diff
         phase(f"repair: set {len(tried)} ({raised}): the gradient's error {result.gradient_error:.1e}{over}")
 
     try:
-        report.write(out_dir, console, files_only=True)  # the ranking first: a repair stopped leaves it whole
-        return search(said)
+        # a signal a library's clean-up turned into an error of its own (interrupts_surfaced) stops it as Ctrl-C does
+        with interrupts_surfaced():
+            report.write(out_dir, console, files_only=True)  # the ranking first: a repair stopped leaves it whole
+            return search(said)
     except (KeyboardInterrupt, Interrupted):
         report.repair = Repair(tried=tried, interrupted=True)
         report.write(out_dir, console, files_only=True)
