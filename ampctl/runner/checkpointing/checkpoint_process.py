@@ -91,6 +91,10 @@ class SavingProcess:
         self._process.start()
         child_end.close()  # a recv() here fails at once if the saving process dies
         self._buffer: Optional[torch.Tensor] = None  # the shared memory the last save was copied into
+        # the buffer the saving process holds: a buffer crosses the pipe once (its handle's file descriptor is
+        # served by multiprocessing's resource sharer, whose thread prints a traceback where the saving process dies
+        # while it fetches one: only a new buffer's handover can meet a kill there)
+        self._handed: Optional[torch.Tensor] = None
 
     def save(self, state_dict: dict[str, Any], checkpoint_id: str) -> Future:
         """The states copied into shared memory now (training may change them after this returns); written by the
@@ -107,9 +111,10 @@ class SavingProcess:
             raise failure or RunStopped("another rank could not hand its checkpoint over to its saving process "
                                         "(that rank's line says why)")
         try:
-            self._pipe.send((self._buffer, staged, checkpoint_id))
+            self._pipe.send((self._buffer if self._buffer is not self._handed else None, staged, checkpoint_id))
         except OSError:  # BrokenPipeError: it is gone (killed), not stdout's reader
             raise self._gone("before this checkpoint was handed to it") from None
+        self._handed = self._buffer
         written: Future = Future()
         Thread(target=self._answer, args=(written,), name="ampctl-checkpoint-answer", daemon=True).start()
         return written
@@ -155,7 +160,7 @@ ALIGNMENT = 64  # bytes: each tensor's place in the shared buffer starts at a mu
 def _staged(state_dict: dict[str, Any], buffer: Optional[torch.Tensor]) -> tuple[Any, torch.Tensor]:
     """Every tensor of the state dict (a DTensor's local shard) copied into one buffer of shared CPU memory, and the
     state dict with each tensor's place in it instead: the previous save's buffer where it is large enough (made
-    once, it crosses the pipe again as the same handle), a new one otherwise."""
+    once, it crosses the pipe once: the saving process keeps it), a new one otherwise."""
     tensors = list(_local_tensors(state_dict))
     places, end = [], 0
     for tensor in tensors:
@@ -238,6 +243,7 @@ def _serve(pipe: Any, address: Optional[tuple[str, int]], rank: int, world_size:
         failure = None
     except Exception as exc:  # noqa: BLE001 - said as the answer to each request
         mesh, failure = None, ("failed", f"it could not join the other ranks' ({type(exc).__name__}: {exc})")
+    buffer = None  # the shared buffer, sent with the first save and again only where it was made anew
     try:
         while True:
             try:
@@ -246,7 +252,9 @@ def _serve(pipe: Any, address: Optional[tuple[str, int]], rank: int, world_size:
                 return
             if request == _STOP:
                 return
-            pipe.send(failure or _saved(*request, mesh))
+            handed, state_dict, checkpoint_id = request
+            buffer = handed if handed is not None else buffer
+            pipe.send(failure or _saved(buffer, state_dict, checkpoint_id, mesh))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
