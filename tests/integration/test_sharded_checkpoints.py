@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+import torch.distributed.checkpoint as dcp
 
 from ampctl.cli import main
 from tests.support.runs import flip_a_bit, rows, torchrun, torchrun_on_two_nodes
@@ -325,3 +326,35 @@ def test_a_full_disk_under_a_checkpointing_process_is_one_line_exit_74(small_dis
                         for line in said), full.stderr
     assert "exitcode  : 74" in full.stderr and "[rank" not in full.stderr and "unexpected pos" not in full.stderr
     assert not list(run_dir.glob("checkpoints/*.tmp")) and list(run_dir.glob("checkpoints/step_*.dcp"))
+
+
+def test_the_buffer_crosses_to_the_saving_process_once_and_again_only_when_made_anew(tmp_path):
+    """A real saving process: the second save of states of the same size sends no buffer (the process keeps the
+    first: no handle to fetch, where a kill would meet multiprocessing's resource sharer mid-fetch and print its
+    traceback), larger states a new one; each checkpoint holds its own states."""
+    from ampctl.engine.parallel import Parallel
+    from ampctl.runner.checkpointing.checkpoint_process import SavingProcess
+
+    process = SavingProcess(Parallel(), timeout_s=60)
+    pipe, handed = process._pipe, []
+
+    class Watched:  # the pipe, telling whether each save carried a buffer
+        def send(self, message):
+            handed.append(message != "stop" and message[0] is not None)
+            pipe.send(message)
+
+        def __getattr__(self, name):
+            return getattr(pipe, name)
+
+    process._pipe = Watched()
+    states = [{"w": torch.full((64,), 1.0)}, {"w": torch.full((64,), 2.0)}, {"w": torch.full((4096,), 3.0)}]
+    try:
+        for i, state in enumerate(states):
+            process.save({"model": state}, str(tmp_path / f"step_{i}.dcp")).result(timeout=60)
+    finally:
+        process.close()
+    assert handed[:3] == [True, False, True]
+    for i, state in enumerate(states):
+        back = {"model": {"w": torch.empty_like(state["w"])}}
+        dcp.load(back, checkpoint_id=str(tmp_path / f"step_{i}.dcp"), no_dist=True)
+        assert torch.equal(back["model"]["w"], state["w"])

@@ -65,34 +65,3 @@ def test_full_shared_memory_is_a_refused_write_naming_it(monkeypatch):
     assert raised.value.strerror.startswith("No space left on device (the states are handed to the saving process")
     assert "distributed.async_checkpointer=thread" in raised.value.strerror
 
-
-def test_the_buffer_crosses_to_the_saving_process_once_and_again_only_when_made_anew(tmp_path):
-    """A real saving process: the second save of states of the same size sends no buffer (the process keeps the
-    first: no handle to fetch, where a kill would meet multiprocessing's resource sharer mid-fetch and print its
-    traceback), larger states a new one; each checkpoint holds its own states."""
-    from ampctl.engine.parallel import Parallel
-    from ampctl.runner.checkpointing.checkpoint_process import SavingProcess
-
-    process = SavingProcess(Parallel(), timeout_s=60)
-    pipe, handed = process._pipe, []
-
-    class Watched:  # the pipe, telling whether each save carried a buffer
-        def send(self, message):
-            handed.append(message != "stop" and message[0] is not None)
-            pipe.send(message)
-
-        def __getattr__(self, name):
-            return getattr(pipe, name)
-
-    process._pipe = Watched()
-    states = [{"w": torch.full((64,), 1.0)}, {"w": torch.full((64,), 2.0)}, {"w": torch.full((4096,), 3.0)}]
-    try:
-        for i, state in enumerate(states):
-            process.save({"model": state}, str(tmp_path / f"step_{i}.dcp")).result(timeout=60)
-    finally:
-        process.close()
-    assert handed[:3] == [True, False, True]
-    for i, state in enumerate(states):
-        back = {"model": {"w": torch.empty_like(state["w"])}}
-        dcp.load(back, checkpoint_id=str(tmp_path / f"step_{i}.dcp"), no_dist=True)
-        assert torch.equal(back["model"]["w"], state["w"])
