@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ampctl.cli import main
 from tests.support.runs import flip_a_bit, rows, torchrun, torchrun_on_two_nodes

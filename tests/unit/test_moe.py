@@ -456,3 +456,17 @@ def test_dropped_pairs_are_zeros_at_the_end_of_their_experts_group_as_a_format_w
     assert torch.equal(grads[0][0], grads[1][0])
     for with_zeros, alone in zip(grads[0][1], grads[1][1]):
         assert torch.equal(with_zeros, alone)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_pairs_dropped_stay_exact_in_a_model_cast_to_half(dtype):
+    """O2/O3 (fp16) and bf16_true cast the layer: each forward's drops are the routed counts past the capacity,
+    added up exactly past the half types' integer range (fp16's 2048, bf16's 256)."""
+    moe = MoE(D, MoESpec(EXPERTS, TOP_K, HIDDEN, capacity_factor=1.0)).to(dtype)
+    expected = torch.zeros(EXPERTS, dtype=torch.long)
+    for _ in range(4):
+        moe(torch.randn(1, 700, D, dtype=dtype))
+        capacity = math.ceil(700 * TOP_K / EXPERTS)
+        expected += moe.load - moe.load.clamp(max=capacity)
+    assert moe.dropped_per_expert.dtype == torch.long and torch.equal(moe.dropped_per_expert, expected)
+    assert int(moe.tokens_per_expert.sum()) == 4 * 700 * TOP_K
